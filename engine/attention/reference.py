@@ -1,0 +1,123 @@
+"""Torch paged attention: the reference the Triton kernels are tested against, and the CPU path."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import AttentionMetadata, write_kv
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len cached rows of one sequence: [seq_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    rows = cache[block_table[:num_blocks].long()]
+    return rows.reshape(num_blocks * block_size, *cache.shape[2:])[:seq_len]
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, num_heads, head_dim], one query per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    seq_lens: torch.Tensor,  # [B]
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence against its whole paged context, batched with padding."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    max_len = int(seq_lens.max())
+    max_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :max_blocks].long()
+    keys = k_cache[table].reshape(batch, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache[table].reshape(batch, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    positions = torch.arange(max_blocks * block_size, device=q.device)
+    visible = (positions[None, :] < seq_lens[:, None].to(positions.device))[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :].to(keys.dtype), keys, values, attn_mask=visible, scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out[:, :, 0, :].to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [B + 1]
+    seq_lens: torch.Tensor,  # [B]
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached prefix plus themselves."""
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        out[starts[i] : starts[i + 1]] = _causal_over_context(
+            q[starts[i] : starts[i + 1]], k_cache, v_cache, block_tables[i], seq_len, scale
+        )
+    return out
+
+
+def _causal_over_context(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float
+) -> torch.Tensor:
+    query_len, num_heads, _ = q.shape
+    keys = gather_context(k_cache, block_table, seq_len).transpose(0, 1)
+    values = gather_context(v_cache, block_table, seq_len).transpose(0, 1)
+    gqa = num_heads != keys.shape[0]
+    if query_len == seq_len:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).to(keys.dtype), keys, values, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+    else:
+        # The queries are the last query_len positions, so query j sees keys 0..seq_len-query_len+j.
+        offset = seq_len - query_len
+        mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).to(keys.dtype), keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+    return out.transpose(0, 1).to(q.dtype)
+
+
+class TorchPagedAttention:
+    """The torch backend: batched decode rows, a per-sequence loop for prefill rows."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """See `AttentionBackend.forward`."""
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.max_query_len == 1:
+            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return self._mixed(q, k_cache, v_cache, meta, scale)
+
+    def _mixed(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        # Decode rows are batched together; prefill chunks go one sequence at a time.
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc.tolist()
+        decode_rows = [i for i, n in enumerate(meta.query_lens_list) if n == 1]
+        if decode_rows:
+            token_rows = torch.tensor([starts[i] for i in decode_rows], device=q.device)
+            seq_rows = torch.tensor(decode_rows, device=q.device)
+            out[token_rows] = paged_decode_attention(
+                q[token_rows], k_cache, v_cache, meta.block_tables[seq_rows], meta.seq_lens[seq_rows], scale
+            )
+        for i, query_len in enumerate(meta.query_lens_list):
+            if query_len > 1:
+                out[starts[i] : starts[i + 1]] = _causal_over_context(
+                    q[starts[i] : starts[i + 1]], k_cache, v_cache, meta.block_tables[i], meta.seq_lens_list[i], scale
+                )
+        return out

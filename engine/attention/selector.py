@@ -1,0 +1,79 @@
+"""Chooses the attention backend for a device: Triton kernels where they run, torch elsewhere."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from functools import cache
+from typing import Literal
+
+import torch
+
+from engine.attention.metadata import AttentionBackend
+from engine.attention.reference import TorchPagedAttention, paged_decode_attention
+
+logger = logging.getLogger(__name__)
+
+# The spellings Triton itself reads as true for boolean environment switches.
+_TRUE_SPELLINGS = ("1", "true", "on", "yes")
+
+
+def triton_unsupported_reason(device: str, environ: Mapping[str, str]) -> str | None:
+    """Why the Triton backend cannot target `device` under `environ`, or None when it can be tried.
+
+    On CPU the kernels run only in Triton's interpreter, which Triton enables per kernel when the
+    kernel module is imported, so TRITON_INTERPRET must be set before the engine starts.
+    """
+    device_type = torch.device(device).type
+    if device_type == "cpu":
+        if environ.get("TRITON_INTERPRET", "").lower() not in _TRUE_SPELLINGS:
+            return "Triton runs on CPU only in its interpreter; set TRITON_INTERPRET=1 before starting"
+        return None
+    if device_type != "cuda":
+        return f"Triton kernels need a CUDA device, not {device_type!r}"
+    return None
+
+
+@cache
+def _triton_failure(device: str) -> str | None:
+    """Run the decode kernel once on a tiny batch; the error (or wrong answer) it gives, if any."""
+    try:
+        from engine.attention.triton_paged import triton_paged_decode_attention
+
+        generator = torch.Generator().manual_seed(0)
+        k_cache, v_cache = torch.randn(2, 2, 16, 2, 16, generator=generator).to(device).unbind(0)
+        q = torch.randn(2, 4, 16, generator=generator).to(device)
+        block_tables = torch.tensor([[1, 0], [0, 1]], dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([19, 7], dtype=torch.int32, device=device)
+        got = triton_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.25)
+        want = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.25)
+    except Exception as error:  # any failure to import, compile or launch means "does not work"
+        return f"{type(error).__name__}: {error}"
+    if not torch.allclose(got, want, atol=1e-3, rtol=1e-3):
+        return "the decode kernel disagrees with the torch reference"
+    return None
+
+
+def select_attention_backend(name: Literal["auto", "torch", "triton"], device: str) -> AttentionBackend:
+    """The backend called `name` for `device`; "auto" prefers Triton on CUDA when it imports and works.
+
+    Raises ValueError for an unknown name, or for "triton" where its kernels cannot run.
+    """
+    if name == "torch":
+        return TorchPagedAttention()
+    if name not in ("auto", "triton"):
+        raise ValueError(f"unknown attention backend {name!r}")
+    is_cuda = torch.device(device).type == "cuda"
+    if name == "auto" and not is_cuda:
+        # The interpreter is far slower than torch, so CPU only gets Triton when asked by name.
+        return TorchPagedAttention()
+    reason = triton_unsupported_reason(device, os.environ) or _triton_failure(device)
+    if reason is None:
+        from engine.attention.triton_paged import TritonPagedAttention
+
+        return TritonPagedAttention()
+    if name == "triton":
+        raise ValueError(f"attention backend 'triton' is unavailable on {device}: {reason}")
+    logger.warning("falling back to the torch attention backend on %s: %s", device, reason)
+    return TorchPagedAttention()

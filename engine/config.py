@@ -1,0 +1,143 @@
+"""Frozen, validated configuration for the engine.
+
+Every knob lives here; the CLI only translates flags into these dataclasses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["colocated", "prefill", "decode"]
+DType = Literal["float32", "bfloat16", "float16"]
+AttentionBackendName = Literal["auto", "torch", "triton"]
+
+
+def _require(cond: bool, field_name: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{field_name}: {message}")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling as HF configs describe it (`rope_scaling`)."""
+
+    rope_type: Literal["default", "linear", "dynamic", "llama3"] = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        _require(self.factor >= 1.0, "rope_scaling.factor", f"must be >= 1, got {self.factor}")
+        _require(
+            self.high_freq_factor > self.low_freq_factor,
+            "rope_scaling.high_freq_factor",
+            "must exceed low_freq_factor",
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2 with QKV bias)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            "num_kv_heads",
+            f"{self.num_kv_heads} must divide num_heads={self.num_heads}",
+        )
+        _require(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
+        _require(self.rope_theta > 0, "rope_theta", "must be positive")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: fixed-size blocks, sized by an explicit count or a memory budget."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_bytes: int | None = 512 * 1024 * 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size > 0, "block_size", f"must be positive, got {self.block_size}")
+        _require(
+            self.num_blocks is not None or self.memory_bytes is not None,
+            "num_blocks",
+            "set num_blocks or memory_bytes",
+        )
+        if self.num_blocks is not None:
+            _require(self.num_blocks > 0, "num_blocks", f"must be positive, got {self.num_blocks}")
+        if self.memory_bytes is not None:
+            _require(self.memory_bytes > 0, "memory_bytes", "must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Token-budget continuous batching (vLLM v1 style)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs > 0, "max_num_seqs", f"must be positive, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens > 0,
+            "max_num_batched_tokens",
+            f"must be positive, got {self.max_num_batched_tokens}",
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine instance needs: which model, which role, how big a cache."""
+
+    model: str | None = None  # path to a GGUF file or an HF directory; None = the shipped model
+    role: Role = "colocated"
+    dtype: DType | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    device: str = "cpu"
+    attention_backend: AttentionBackendName = "auto"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.role in ("colocated", "prefill", "decode"), "role", f"unknown role {self.role!r}")
+        _require(self.dtype in (None, "float32", "bfloat16", "float16"), "dtype", f"unknown dtype {self.dtype!r}")
+        _require(self.device == "cpu" or self.device.startswith("cuda"), "device", f"unknown device {self.device!r}")
+        _require(
+            self.attention_backend in ("auto", "torch", "triton"),
+            "attention_backend",
+            f"unknown backend {self.attention_backend!r}",
+        )
+        if self.max_model_len is not None:
+            _require(self.max_model_len > 0, "max_model_len", "must be positive")
+
+    @property
+    def torch_dtype_name(self) -> DType:
+        """The dtype actually used: explicit, else float32 on CPU and bfloat16 on CUDA."""
+        if self.dtype is not None:
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"

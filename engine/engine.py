@@ -1,0 +1,233 @@
+"""The engine: add_request / step / abort, in the colocated, prefill or decode role.
+
+Each step is schedule -> execute -> postprocess (token-level stops in the scheduler, then
+incremental detokenization and stop strings here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.selector import select_attention_backend
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
+from engine.kv_cache.manager import KVCacheManager
+from engine.model.loader import ModelFiles, build_model, load_model_files
+from engine.outputs import EngineStats, KVReservation, RequestOutput
+from engine.request import FinishReason, Request, RequestStatus
+from engine.runner import ModelRunner, SampledToken
+from engine.sampler import Sampler, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.stop_strings import StopStringMatcher
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _TextState:
+    detokenizer: IncrementalDetokenizer
+    stop: StopStringMatcher
+
+
+class Engine:
+    """One model, one paged KV cache, one scheduler: the runtime every pool shares."""
+
+    def __init__(self, config: EngineConfig, files: ModelFiles | None = None) -> None:
+        """Load the model (or use already loaded `files`, so tests and benchmarks load it once)."""
+        self.config = config
+        self.device = torch.device(config.device)
+        dtype = _DTYPES[config.torch_dtype_name]
+        if files is None:
+            files = load_model_files(config.model, dtype)
+        self.model_config = files.config
+        self.tokenizer = Tokenizer.from_path(files.source)
+        self.max_model_len = min(config.max_model_len or files.config.max_position_embeddings,
+                                 files.config.max_position_embeddings)
+        attention = select_attention_backend(config.attention_backend, config.device)
+        model = build_model(files, attention, self.device)
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks or max(
+            1, (config.cache.memory_bytes or 0) // bytes_per_block(files.config, block_size, dtype)
+        )
+        self.fingerprint = hashlib.sha256(f"{files.config!r}|{dtype}".encode()).digest()
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint)
+        eos = set(self.tokenizer.eos_token_ids) | set(files.config.eos_token_ids)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, eos_token_ids=eos, keep_finished_kv=config.role == "prefill"
+        )
+        cache = CacheEngine(files.config, num_blocks, block_size, dtype, self.device)
+        self.runner = ModelRunner(model, cache, Sampler(files.config.vocab_size, sorted(eos)), self.device)
+        self._text: dict[str, _TextState] = {}
+        log.info("engine ready: %s, role=%s, %d KV blocks of %d tokens, attention=%s",
+                 files.config.name, config.role, num_blocks, block_size, attention.name)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Queue a request; ValueError naming the field if it cannot be served."""
+        request = self._new_request(request_id, prompt_token_ids, params)
+        self.scheduler.add(request)
+        self._text[request_id] = self._text_state(params)
+
+    def _new_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
+        if not request_id:
+            raise ValueError("request_id: must not be empty")
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt)} tokens leave no room to generate within the model's context "
+                f"of {self.max_model_len} tokens"
+            )
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: {params.max_tokens} plus the prompt's {len(prompt)} tokens exceeds the model's "
+                f"context of {self.max_model_len} tokens (at most {self.max_model_len - len(prompt)})"
+            )
+        needed = -(-(len(prompt) + 1) // self.kv.block_size)
+        if needed > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt: {len(prompt)} tokens need {needed} KV blocks but the cache has {self.kv.num_blocks}"
+            )
+        return Request(request_id, prompt, params, self.max_model_len)
+
+    def _text_state(self, params: SamplingParams) -> _TextState:
+        return _TextState(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                          StopStringMatcher(params.stop))
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request at any point of its life; frees its blocks. False if unknown."""
+        known = request_id in self.scheduler.requests
+        self.scheduler.abort([request_id])
+        self._forget(request_id)
+        return known
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or running."""
+        return self.scheduler.has_work()
+
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self, on_layer_done: Callable[[int], None] | None = None) -> list[RequestOutput]:
+        """Schedule, run the model once, and report every request that gained a token or finished."""
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute(out, on_layer_done)
+        self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
+        if self.config.role == "prefill":
+            for chunk in out.chunks:
+                if chunk.request.request_id in sampled and not chunk.request.is_finished:
+                    self.scheduler.finish(chunk.request.request_id, FinishReason.HANDOFF)
+        outputs = []
+        for chunk in out.chunks:
+            result = sampled.get(chunk.request.request_id)
+            if result is not None:
+                outputs.append(self._postprocess(chunk.request, result))
+        for output in outputs:
+            if output.finished:
+                self._forget(output.request_id)
+        return outputs
+
+    def _postprocess(self, request: Request, result: SampledToken) -> RequestOutput:
+        token, logprobs = result
+        text = self._text[request.request_id]
+        new_text, stopped = text.stop.feed(text.detokenizer.push(token))
+        if stopped and not request.is_finished:
+            self.scheduler.finish(request.request_id, FinishReason.STOP)
+        elif request.is_finished and not stopped:
+            new_text += text.stop.feed(text.detokenizer.flush())[0] + text.stop.flush()
+        return self._output(request, (token,), new_text, (logprobs,) if logprobs is not None else ())
+
+    def _output(
+        self, request: Request, tokens: tuple[int, ...], text: str, logprobs: tuple[TokenLogprobs, ...]
+    ) -> RequestOutput:
+        reason = request.finish_reason
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=tokens,
+            new_text=text,
+            finished=request.is_finished,
+            finish_reason=reason.value if reason is not None else None,
+            logprobs=logprobs,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self._text.pop(request_id, None)
+        self.runner.forget(request_id)
+
+    # ---- prefill role: export ---------------------------------------------------------------------
+    def kv_block_ids(self, request_id: str) -> list[int]:
+        """The block table of a request whose KV is held (prefill role: after handoff)."""
+        if not self.kv.has_request(request_id):
+            raise KeyError(f"request {request_id!r} holds no KV blocks")
+        return self.kv.block_table(request_id)
+
+    def export_kv(self, request_id: str, layer: int, first_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V for a request's blocks from `first_block` on (the receiver may
+        already hold the prefix): two [n, block_size, kv_heads, head_dim] tensors."""
+        return self.runner.cache.gather_blocks(layer, self.kv_block_ids(request_id)[first_block:])
+
+    def release(self, request_id: str) -> None:
+        """Free a request's KV once exported (prefill role); full blocks stay in the prefix cache."""
+        self.scheduler.release(request_id)
+        self._forget(request_id)
+
+    # ---- decode role: import ----------------------------------------------------------------------
+    def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> KVReservation | None:
+        """Reserve blocks for an incoming prompt's KV; None when the cache has no room now."""
+        request = self._new_request(request_id, prompt_token_ids, params)
+        if not self.scheduler.reserve(request):
+            return None
+        self._text[request_id] = self._text_state(params)
+        return KVReservation(request_id, tuple(self.kv.block_table(request_id)), request.num_cached_tokens,
+                             self.kv.block_size)
+
+    def import_kv(
+        self, request_id: str, layer: int, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Write received KV blocks of one layer into a reservation's blocks."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
+            raise KeyError(f"request {request_id!r} has no KV reservation")
+        if not set(block_ids) <= set(self.kv.block_table(request_id)):
+            raise ValueError(f"block_ids: not all of {list(block_ids)} belong to request {request_id!r}")
+        self.runner.cache.scatter_blocks(layer, block_ids, k, v)
+
+    def start_decode(self, request_id: str, first_token: int) -> RequestOutput:
+        """The prompt's KV is complete: join the running batch after the prefill side's first token."""
+        request = self.scheduler.start_reserved(request_id, first_token)
+        self.runner.resume_generator(request_id, request.params.seed, draws=1)
+        output = self._postprocess(request, (first_token, None))
+        if output.finished:
+            self._forget(request_id)
+        return output
+
+    # ---- load ------------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """Current load: queue, batch and KV cache occupancy."""
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_waiting_tokens=self.scheduler.num_waiting_tokens,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_blocks,
+            num_cached_blocks=self.kv.num_cached_blocks,
+            kv_usage=self.kv.usage,
+        )

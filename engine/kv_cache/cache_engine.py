@@ -1,0 +1,64 @@
+"""The paged KV cache tensors, and moving whole blocks in and out of them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.config import ModelConfig
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Memory one block takes across all layers, K and V."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
+
+
+class CacheEngine:
+    """Per-layer K and V tensors of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(model.num_layers)
+        ]
+
+    @property
+    def num_layers(self) -> int:
+        """Number of decoder layers with a cache."""
+        return len(self.kv_caches)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate src blocks into dst blocks in every layer."""
+        if not pairs:
+            return
+        device = self.kv_caches[0][0].device
+        src = torch.tensor([p[0] for p in pairs], device=device)
+        dst = torch.tensor([p[1] for p in pairs], device=device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    def gather_blocks(self, layer: int, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A contiguous copy of some blocks of one layer: two [n, block_size, kv_heads, head_dim]."""
+        k_cache, v_cache = self.kv_caches[layer]
+        index = torch.tensor(list(block_ids), device=k_cache.device, dtype=torch.long)
+        return k_cache[index], v_cache[index]
+
+    def scatter_blocks(self, layer: int, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write received blocks of one layer into the given block ids."""
+        k_cache, v_cache = self.kv_caches[layer]
+        if k.shape[1:] != k_cache.shape[1:] or v.shape != k.shape or k.shape[0] != len(block_ids):
+            raise ValueError(
+                f"kv blocks: expected [{len(block_ids)}, {', '.join(map(str, k_cache.shape[1:]))}], "
+                f"got k {list(k.shape)} and v {list(v.shape)}"
+            )
+        index = torch.tensor(list(block_ids), device=k_cache.device, dtype=torch.long)
+        k_cache[index] = k.to(device=k_cache.device, dtype=k_cache.dtype)
+        v_cache[index] = v.to(device=v_cache.device, dtype=v_cache.dtype)

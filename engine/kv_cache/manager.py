@@ -1,0 +1,222 @@
+"""Per-request block tables over a BlockPool: what the scheduler uses, in tokens rather than blocks.
+
+Prefix caching follows vLLM v1: full blocks whose KV has been computed are hashed as a chain and can be
+shared read-only by later requests with the same prefix; the block holding a prompt's last token is always
+computed fresh, so a shared full block is never written. The only shared block that can be written is a
+partially filled tail shared by ``fork``; it is copied on write.
+"""
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.kv_cache.block_hash import hash_block
+from engine.kv_cache.block_pool import BlockPool
+
+
+@dataclass
+class _RequestBlocks:
+    """A request's block table and how far it is filled and hashed."""
+
+    table: list[int] = field(default_factory=list)
+    # Tokens the table covers: num_total_tokens of the last successful allocate_slots.
+    num_tokens: int = 0
+    # Chain hashes of table[:len(hashes)]; kept so cache_blocks only hashes new blocks.
+    hashes: list[bytes] = field(default_factory=list)
+
+
+class KVCacheManager:
+    """Allocates, shares, caches and frees KV blocks for requests identified by string ids."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 salt: bytes = b"") -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self._pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._block_size = block_size
+        self._enable_prefix_caching = enable_prefix_caching
+        self._salt = salt
+        self._requests: dict[str, _RequestBlocks] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._block_size
+
+    @property
+    def num_blocks(self) -> int:
+        """Total number of blocks."""
+        return self._pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new allocation could take (free plus evictable cached blocks)."""
+        return self._pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by requests (vLLM's kv_cache_usage_perc), 0..1."""
+        return (self._pool.num_blocks - self._pool.num_free) / self._pool.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently findable by prefix hash."""
+        return self._pool.num_cached
+
+    @property
+    def num_requests(self) -> int:
+        """Requests currently holding a block table."""
+        return len(self._requests)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` has a block table."""
+        return request_id in self._requests
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block table (block ids in token order)."""
+        return list(self._requests[request_id].table)
+
+    def num_blocks_held(self, request_id: str) -> int:
+        """Number of blocks in the request's table."""
+        return len(self._requests[request_id].table)
+
+    def cached_block(self, block_hash: bytes) -> int | None:
+        """Block id cached under ``block_hash`` (as computed by ``prompt_block_hashes`` with this salt), or None."""
+        return self._pool.lookup(block_hash)
+
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+        """Longest chain of cached full blocks matching the start of ``token_ids``: (block ids, tokens covered).
+
+        Read-only. At most ``(len(token_ids) - 1) // block_size`` blocks are returned so that at least the
+        last token is computed (its logits are needed) and the block it lands in is private to the request.
+        """
+        if not self._enable_prefix_caching:
+            return [], 0
+        max_blocks = max(0, (len(token_ids) - 1) // self._block_size)
+        block_ids: list[int] = []
+        parent: bytes | None = None
+        for index in range(max_blocks):
+            start = index * self._block_size
+            parent = hash_block(parent, token_ids[start:start + self._block_size], self._salt)
+            block_id = self._pool.lookup(parent)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids, len(block_ids) * self._block_size
+
+    def allocate_slots(self, request_id: str, num_total_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Grow the request's table to cover ``num_total_tokens`` tokens; False (changing nothing) if out of blocks.
+
+        ``cached_blocks`` (from ``find_cached_prefix``, called just before) are accepted only on a request's
+        first call and become the head of its table. A partially filled tail block shared after ``fork`` is
+        replaced by a private copy before new tokens are written into it; the copy is queued for the runner.
+        """
+        request = self._requests.get(request_id)
+        if request is not None and cached_blocks:
+            raise ValueError(f"request {request_id!r} already has blocks; cached_blocks apply to its first call")
+        if request is None:
+            cached_hashes = self._hashes_of_cached(cached_blocks)
+            held, held_tokens = len(cached_blocks), len(cached_blocks) * self._block_size
+        else:
+            held, held_tokens = len(request.table), request.num_tokens
+        if num_total_tokens < held_tokens:
+            raise ValueError(f"request {request_id!r} cannot shrink from {held_tokens} to {num_total_tokens} tokens")
+
+        num_new = max(0, -(-num_total_tokens // self._block_size) - held)
+        copy_tail = request is not None and num_total_tokens > held_tokens and self._tail_is_shared_partial(request)
+        # Evictable cached blocks count as free, but touching them below takes them out of the free count.
+        reused_evictable = sum(1 for block_id in set(cached_blocks) if self._pool.ref_count(block_id) == 0)
+        if num_new + copy_tail > self._pool.num_free - reused_evictable:
+            return False
+
+        if request is None:
+            for block_id in cached_blocks:
+                self._pool.touch(block_id)
+            request = _RequestBlocks(table=list(cached_blocks), hashes=cached_hashes)
+            self._requests[request_id] = request
+        if copy_tail:
+            self._copy_tail_on_write(request)
+        request.table.extend(self._pool.allocate(num_new))
+        request.num_tokens = num_total_tokens
+        return True
+
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Hash and register the request's blocks that are full within ``num_computed_tokens`` computed tokens.
+
+        Call only once those tokens' KV is actually written. Incremental: already-hashed blocks are skipped.
+        """
+        if not self._enable_prefix_caching:
+            return
+        request = self._requests[request_id]
+        if num_computed_tokens > min(request.num_tokens, len(token_ids)):
+            raise ValueError(f"{num_computed_tokens} computed tokens exceed the request's "
+                             f"{request.num_tokens} allocated or {len(token_ids)} known tokens")
+        num_full = num_computed_tokens // self._block_size
+        for index in range(len(request.hashes), num_full):
+            start = index * self._block_size
+            parent = request.hashes[-1] if request.hashes else None
+            block_hash = hash_block(parent, token_ids[start:start + self._block_size], self._salt)
+            self._pool.register(request.table[index], block_hash)
+            request.hashes.append(block_hash)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, tail first so shared heads stay cached longest; unknown ids are ignored."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        self._pool.decref(reversed(request.table))
+        # A copy into a block nobody holds any more would be wasted (or clobber the block's next owner).
+        self._pending_copies = [(src, dst) for src, dst in self._pending_copies if self._pool.ref_count(dst) > 0]
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give ``child_id`` a table sharing all of ``parent_id``'s blocks (parallel sampling, n > 1)."""
+        if child_id in self._requests:
+            raise ValueError(f"request {child_id!r} already exists")
+        parent = self._requests[parent_id]
+        self._pool.incref(parent.table)
+        self._requests[child_id] = _RequestBlocks(list(parent.table), parent.num_tokens, list(parent.hashes))
+
+    def pop_pending_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write block copies (src, dst) the runner must perform, in order, before the next forward."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; False (and nothing changes) while any request holds blocks."""
+        return self._pool.reset_cache()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if pool or request bookkeeping is inconsistent."""
+        self._pool.check_invariants()
+        holders = Counter(block_id for request in self._requests.values() for block_id in request.table)
+        for block_id in range(self._pool.num_blocks):
+            assert self._pool.ref_count(block_id) == holders[block_id], f"block {block_id} ref count != holders"
+        for request_id, request in self._requests.items():
+            assert len(request.table) == -(-request.num_tokens // self._block_size), f"{request_id}: table size"
+            assert len(request.hashes) <= len(request.table), f"{request_id}: more hashes than blocks"
+            for block_id, block_hash in zip(request.table[:len(request.hashes)], request.hashes, strict=True):
+                assert self._pool.block_hash(block_id) in (None, block_hash), f"{request_id}: block hash mismatch"
+        assert all(self._pool.ref_count(dst) > 0 for _, dst in self._pending_copies), "copy into a free block"
+
+    def _hashes_of_cached(self, cached_blocks: Sequence[int]) -> list[bytes]:
+        if len(set(cached_blocks)) != len(cached_blocks):
+            raise ValueError("cached_blocks contains a block twice")
+        hashes = []
+        for block_id in cached_blocks:
+            block_hash = self._pool.block_hash(block_id)
+            if block_hash is None:
+                raise ValueError(f"cached block {block_id} is no longer cached")
+            hashes.append(block_hash)
+        return hashes
+
+    def _tail_is_shared_partial(self, request: _RequestBlocks) -> bool:
+        return (request.num_tokens % self._block_size != 0
+                and self._pool.ref_count(request.table[-1]) > 1)
+
+    def _copy_tail_on_write(self, request: _RequestBlocks) -> None:
+        shared = request.table[-1]
+        (private,) = self._pool.allocate(1)
+        self._pending_copies.append((shared, private))
+        self._pool.decref([shared])
+        request.table[-1] = private

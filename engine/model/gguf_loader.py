@@ -1,0 +1,142 @@
+"""Read a llama-architecture GGUF file into a ModelConfig and dequantized, HF-named weights."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from engine.config import ModelConfig, RopeScaling
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_MISSING = object()
+
+
+def load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config from the llama.* / tokenizer.ggml.* metadata; every tensor dequantized to `dtype` under its HF name."""
+    reader = GGUFReader(path)
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    config = _config_from_metadata(reader, tied=("output.weight" not in tensor_names), path=path)
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        # GGUF lists dimensions fastest-first; numpy (and torch) order is the reverse.
+        array = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        if tensor.name.endswith("attn_q.weight"):
+            array = _undo_rope_permutation(array, config.num_heads)
+        elif tensor.name.endswith("attn_k.weight"):
+            array = _undo_rope_permutation(array, config.num_kv_heads)
+        weights[hf_tensor_name(tensor.name)] = _to_tensor(array, dtype)
+    return config, weights
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The HF parameter name of a llama GGUF tensor; ValueError for tensors this model does not have."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _BLOCK_NAMES:
+        raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
+    layer, kind, suffix = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
+
+
+def _to_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    # Unquantized tensors come back as read-only views of the memory-mapped file; torch needs owned memory.
+    if not (array.flags.writeable and array.flags.c_contiguous):
+        array = array.copy()
+    return torch.from_numpy(array).to(dtype)
+
+
+def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    # llama.cpp's converter interleaves each head's rows for adjacent-pair RoPE; HF rotates halves.
+    out_dim, in_dim = weight.shape
+    head_dim = out_dim // num_heads
+    return weight.reshape(num_heads, head_dim // 2, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
+
+
+class _Metadata:
+    """Typed access to GGUF key/value metadata, with errors that name the file and key."""
+
+    def __init__(self, reader: GGUFReader, path: str) -> None:
+        self._reader = reader
+        self._path = path
+
+    def get(self, key: str, default: object = _MISSING) -> object:
+        entry = self._reader.fields.get(key)
+        if entry is not None:
+            return entry.contents()
+        if default is _MISSING:
+            raise ValueError(f"{self._path}: GGUF metadata lacks {key}")
+        return default
+
+    def as_int(self, key: str, default: object = _MISSING) -> int:
+        return int(str(self.get(key, default)))
+
+    def as_float(self, key: str, default: object = _MISSING) -> float:
+        return float(str(self.get(key, default)))
+
+    def optional_int(self, key: str) -> int | None:
+        value = self.get(key, None)
+        return None if value is None else int(str(value))
+
+
+def _config_from_metadata(reader: GGUFReader, tied: bool, path: str) -> ModelConfig:
+    meta = _Metadata(reader, path)
+    architecture = meta.get("general.architecture")
+    if architecture != "llama":
+        raise ValueError(f"{path}: unsupported GGUF architecture {architecture!r} (only 'llama')")
+    hidden_size = meta.as_int("llama.embedding_length")
+    num_heads = meta.as_int("llama.attention.head_count")
+    head_dim = meta.as_int("llama.attention.key_length", hidden_size // num_heads)
+    rotary_dim = meta.as_int("llama.rope.dimension_count", head_dim)
+    if rotary_dim != head_dim:
+        raise ValueError(f"{path}: partial rotary embedding ({rotary_dim} of {head_dim} dims) is unsupported")
+    eos_ids = (meta.optional_int("tokenizer.ggml.eos_token_id"), meta.optional_int("tokenizer.ggml.eot_token_id"))
+    vocab_fallback = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
+    return ModelConfig(
+        vocab_size=meta.as_int("llama.vocab_size", vocab_fallback),
+        hidden_size=hidden_size,
+        intermediate_size=meta.as_int("llama.feed_forward_length"),
+        num_layers=meta.as_int("llama.block_count"),
+        num_heads=num_heads,
+        num_kv_heads=meta.as_int("llama.attention.head_count_kv", num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=meta.as_float("llama.attention.layer_norm_rms_epsilon"),
+        rope_theta=meta.as_float("llama.rope.freq_base", 10000.0),
+        max_position_embeddings=meta.as_int("llama.context_length"),
+        tie_word_embeddings=tied,
+        rope_scaling=_rope_scaling(
+            str(meta.get("llama.rope.scaling.type", "none")), meta.as_float("llama.rope.scaling.factor", 1.0), path
+        ),
+        bos_token_id=meta.optional_int("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
+        name=str(meta.get("general.name", os.path.splitext(os.path.basename(path))[0])),
+    )
+
+
+def _rope_scaling(kind: str, factor: float, path: str) -> RopeScaling | None:
+    if kind == "none" or (kind == "linear" and factor == 1.0):
+        return None
+    if kind == "linear":
+        return RopeScaling(rope_type="linear", factor=factor)
+    raise ValueError(f"{path}: unsupported GGUF rope scaling {kind!r}")

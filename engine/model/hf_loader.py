@@ -1,0 +1,114 @@
+"""Read an HF model directory (config.json + safetensors, sharded or not) into a ModelConfig and weights."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from engine.config import ModelConfig, RopeScaling
+
+_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+_SHARD_INDEX = "model.safetensors.index.json"
+
+
+def load_hf_dir(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config from config.json; all safetensors weights converted to `dtype`, HF names kept."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as file:
+        config = config_from_hf(json.load(file), name=os.path.basename(os.path.normpath(path)))
+    weights: dict[str, torch.Tensor] = {}
+    for shard in _safetensors_files(path):
+        weights.update((name, tensor.to(dtype)) for name, tensor in load_file(shard).items())
+    # Old Llama checkpoints carry RoPE buffers; tied checkpoints may still store the head (transformers
+    # ignores it and ties), so neither is a weight this model has.
+    for name in [n for n in weights if n.endswith("rotary_emb.inv_freq")]:
+        del weights[name]
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    return config, weights
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index_path = os.path.join(path, _SHARD_INDEX)
+    if os.path.exists(index_path):
+        with open(index_path, encoding="utf-8") as file:
+            shards = sorted(set(json.load(file)["weight_map"].values()))
+    else:
+        shards = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
+    if not shards:
+        raise ValueError(f"{path}: no *.safetensors weights")
+    return [os.path.join(path, shard) for shard in shards]
+
+
+def config_from_hf(raw: dict[str, Any], name: str = "model") -> ModelConfig:
+    """ModelConfig from a config.json dict; ValueError for architectures or features this engine lacks."""
+    architectures = raw.get("architectures") or []
+    if not architectures or architectures[0] not in _ARCHITECTURES:
+        raise ValueError(f"unsupported architectures {architectures!r}; supported: {', '.join(_ARCHITECTURES)}")
+    is_qwen2 = architectures[0] == "Qwen2ForCausalLM"
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act: unsupported {raw['hidden_act']!r} (only 'silu')")
+    if raw.get("mlp_bias", False):
+        raise ValueError("mlp_bias: unsupported")
+    if not is_qwen2 and raw.get("attention_bias", False):
+        raise ValueError("attention_bias: unsupported for Llama/Mistral (it includes an o_proj bias)")
+    max_positions = int(raw["max_position_embeddings"])
+    _reject_sliding_window(raw, max_positions)
+    num_heads = int(raw["num_attention_heads"])
+    rope_params = _rope_parameters(raw)
+    eos = raw.get("eos_token_id")
+    return ModelConfig(
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // num_heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_params.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=is_qwen2,
+        rope_scaling=_rope_scaling(rope_params, max_positions),
+        bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        name=name,
+    )
+
+
+def _reject_sliding_window(raw: dict[str, Any], max_positions: int) -> None:
+    # A window at least as long as the context never hides a token, so full attention is exact.
+    window = raw.get("sliding_window")
+    enabled = raw.get("use_sliding_window", True)
+    if enabled and window is not None and int(window) < max_positions:
+        raise ValueError(f"sliding_window: unsupported ({window} < max_position_embeddings={max_positions})")
+
+
+def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 writes `rope_parameters` (with rope_theta inside); older configs use `rope_scaling`.
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError("partial_rotary_factor: unsupported")
+    return params
+
+
+def _rope_scaling(params: dict[str, Any], max_positions: int) -> RopeScaling | None:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _ROPE_TYPES:
+        raise ValueError(f"rope_type: unsupported {rope_type!r}; supported: {', '.join(_ROPE_TYPES)}")
+    if rope_type == "default":
+        return None
+    defaults = RopeScaling()
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
+        high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
+        # transformers falls back to the config's own context length for llama3.
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", max_positions)),
+    )

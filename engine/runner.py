@@ -1,0 +1,107 @@
+"""The only code that turns scheduled work into tensors and runs the model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache.cache_engine import CacheEngine
+from engine.model.llama import LlamaForCausalLM
+from engine.sampler import Sampler, SamplingRequestState, TokenLogprobs
+from engine.scheduler import SchedulerOutput
+
+SampledToken = tuple[int, TokenLogprobs | None]
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors, the sampler and each seeded request's generator."""
+
+    def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, sampler: Sampler, device: torch.device) -> None:
+        self.model = model
+        self.cache = cache
+        self.sampler = sampler
+        self.device = device
+        self._generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None
+    ) -> dict[str, SampledToken]:
+        """Run one step; return the sampled token of every chunk that reached its request's end."""
+        self.cache.copy_blocks(out.block_copies)
+        if out.is_empty:
+            return {}
+        input_ids, positions, meta, sample_rows = self._prepare(out)
+        hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done)
+        sampling = [c for c in out.chunks if c.samples]
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        states = [
+            SamplingRequestState(
+                params=c.request.params,
+                prompt_token_ids=c.request.prompt_token_ids,
+                output_token_ids=c.request.output_token_ids,
+                generator=self._generator_for(c.request.request_id, c.request.params.seed),
+            )
+            for c in sampling
+        ]
+        results = self.sampler.sample(logits, states)
+        return {c.request.request_id: result for c, result in zip(sampling, results, strict=True)}
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        block_size = self.cache.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        for chunk in out.chunks:
+            end = chunk.start + chunk.num_tokens
+            token_ids.extend(chunk.request.token_ids[chunk.start : end])
+            table = chunk.block_table
+            for pos in range(chunk.start, end):
+                positions.append(pos)
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            query_start.append(query_start[-1] + chunk.num_tokens)
+            seq_lens.append(end)
+            if chunk.samples:
+                sample_rows.append(query_start[-1] - 1)
+        width = max(len(c.block_table) for c in out.chunks)
+        tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in out.chunks]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.long),
+            query_start_loc=self._tensor(query_start, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            block_tables=self._tensor(tables, torch.int32),
+            query_lens_list=tuple(c.num_tokens for c in out.chunks),
+            seq_lens_list=tuple(seq_lens),
+        )
+        return self._tensor(token_ids, torch.long), self._tensor(positions, torch.long), meta, sample_rows
+
+    def _tensor(self, values: Sequence[int] | Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        generator = self._generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            self._generators[request_id] = generator
+        return generator
+
+    def resume_generator(self, request_id: str, seed: int | None, draws: int) -> None:
+        """Re-create a seeded request's generator as if `draws` tokens had been sampled here, so a
+        request that moves between engines keeps its seeded token sequence."""
+        generator = self._generator_for(request_id, seed)
+        if generator is not None:
+            self.sampler.advance(generator, draws)
+
+    def forget(self, request_id: str) -> None:
+        """Drop per-request state once the request is gone."""
+        self._generators.pop(request_id, None)

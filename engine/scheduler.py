@@ -1,0 +1,290 @@
+"""Token-budget continuous batching with chunked prefill, prefix caching and preemption.
+
+Like vLLM v1, the scheduler counts tokens, not phases: every request has `num_computed_tokens`
+and a target (all its tokens), and each step hands out at most `max_num_batched_tokens` of
+work. A decode step is simply a request one token behind its target. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Work for one request in one step: compute tokens [start, start + num_tokens)."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_table: tuple[int, ...]
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the request's known tokens, so its last
+        position's logits give the next token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch, in execution order, plus cache maintenance the runner must do first."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens computed in this step."""
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when there is nothing to run."""
+        return not self.chunks
+
+
+class Scheduler:
+    """Decides which requests run each step and keeps their KV blocks allocated.
+
+    `keep_finished_kv` is for the prefill role: a finished request keeps its blocks until
+    `release` is called, so its KV can be exported first.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        keep_finished_kv: bool = False,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.keep_finished_kv = keep_finished_kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every request that holds state here
+        self.total_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a request for its first schedule."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def reserve(self, request: Request) -> bool:
+        """Decode role: allocate blocks for the whole prompt, reusing locally cached prefix blocks.
+
+        The request then waits (WAITING_FOR_KV) for its pages; False if the blocks cannot be had.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        cached_blocks, num_cached = self._cached_prefix(request)
+        if not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, cached_blocks):
+            return False
+        request.num_cached_tokens = num_cached
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.requests[request.request_id] = request
+        return True
+
+    def start_reserved(self, request_id: str, first_token: int) -> Request:
+        """Decode role: the prompt's KV has arrived; join the running batch after `first_token`."""
+        request = self.requests[request_id]
+        if request.status is not RequestStatus.WAITING_FOR_KV:
+            raise ValueError(f"request_id: {request_id!r} is not waiting for KV")
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_blocks(request_id, request.token_ids, request.num_computed_tokens)
+        request.append_output(first_token)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        reason = self._stop_reason(request, first_token)
+        if reason is not None:
+            self.finish(request_id, reason)
+        return request
+
+    # ---- the step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: running requests first (oldest first), then waiting ones."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            if not self._allocate_or_preempt(request, num_new, out, scheduled_ids):
+                continue  # the request itself was preempted; running shrank under us
+            out.chunks.append(self._chunk(request, num_new))
+            scheduled_ids.add(request.request_id)
+            budget -= num_new
+            index += 1
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+        out.block_copies = self.kv.pop_pending_copies()
+        return out
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        if num_new > budget and not self.config.enable_chunked_prefill:
+            return 0
+        return min(num_new, budget)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, out: SchedulerOutput, scheduled_ids: set[str]
+    ) -> bool:
+        """Allocate this step's slots, preempting the newest running requests if blocks run out."""
+        while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            victim = self.running[-1]
+            if victim.request_id in scheduled_ids:
+                # Everything newer is already in this batch; give up on this request this step.
+                victim = request
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        # Recompute-style preemption: drop the KV, requeue at the front with all tokens so far.
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.total_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        out.preempted.append(request.request_id)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached_blocks, num_cached = self._cached_prefix(request)
+            num_new = request.num_tokens - num_cached
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached_blocks):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _cached_prefix(self, request: Request) -> tuple[list[int], int]:
+        return self.kv.find_cached_prefix(request.token_ids)
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        return ScheduledChunk(
+            request=request,
+            start=request.num_computed_tokens,
+            num_tokens=num_new,
+            block_table=tuple(self.kv.block_table(request.request_id)),
+        )
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts, record sampled tokens and finish requests that stop on a token.
+
+        Returns the requests that finished in this step.
+        """
+        finished: list[Request] = []
+        for chunk in out.chunks:
+            request = chunk.request
+            if request.is_finished:
+                continue
+            request.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.finish(request.request_id, reason)
+                finished.append(request)
+        return finished
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return FinishReason.STOP
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= request.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    # ---- endings ------------------------------------------------------------------------------
+    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
+        """End a request (stop, length or abort) and free its blocks, unless kept for export."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        if self.keep_finished_kv and reason is not FinishReason.ABORT:
+            return request
+        self.release(request_id)
+        return request
+
+    def release(self, request_id: str) -> None:
+        """Free a request's blocks and forget it (prefill role: after its KV was exported)."""
+        self.kv.free(request_id)
+        self.requests.pop(request_id, None)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Abort at any point of a request's life; frees every block it holds."""
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.is_finished:
+                self.release(request_id)  # kept for export and never collected
+                continue
+            self.finish(request_id, FinishReason.ABORT)
+            aborted.append(request)
+        return aborted
+
+    # ---- introspection ---------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for scheduling (including preempted ones)."""
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+        return len(self.running)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting requests still need computed: the prefill pool's load signal."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+
+    def has_work(self) -> bool:
+        """True while anything is waiting or running."""
+        return bool(self.waiting or self.running)

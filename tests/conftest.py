@@ -1,0 +1,53 @@
+"""Session-wide fixtures: the shipped model is loaded once and shared by every test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests run on one thread per process unless a test says otherwise: the machine has 2 cores
+# and the integration tests start several processes.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Without a GPU the Triton kernels run in the interpreter; the variable must be set before any
+# kernel is decorated, i.e. before the first import of engine.attention.triton_paged.
+if not __import__("torch").cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    """Path of the shipped SmolLM2-135M-Instruct GGUF file."""
+    from engine.model.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def model_files(model_path: str):
+    """The shipped model's config and fp32 weights, loaded once per session."""
+    import torch
+
+    from engine.model.loader import load_model_files
+
+    return load_model_files(model_path, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path: str):
+    """The shipped model's tokenizer."""
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_path(model_path)
+
+
+@pytest.fixture(scope="session")
+def make_engine(model_files):
+    """Build engines on the session's weights: `make_engine(role=..., cache=..., scheduler=...)`."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    def build(**overrides) -> Engine:
+        return Engine(EngineConfig(**overrides), files=model_files)
+
+    return build
