@@ -5,9 +5,23 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/pip install --quiet --disable-pip-version-check -c requirements.lock
 
-.PHONY: install run test unit lint bench clean
+PROTOS := $(wildcard protos/tandem/v1/*.proto)
+GENERATED := generated/.stamp
 
-install: $(STAMP)
+.PHONY: install protos run test unit lint bench clean
+
+install: $(STAMP) $(GENERATED)
+
+protos: $(GENERATED)
+
+# Generated code is never committed: it goes to the ignored generated/ folder, which a .pth
+# file puts on the virtualenv's import path (as `tandem.v1.*_pb2`).
+$(GENERATED): $(PROTOS) $(STAMP)
+	rm -rf generated && mkdir -p generated
+	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=generated --pyi_out=generated \
+		--grpc_python_out=generated $(PROTOS)
+	echo "$(CURDIR)/generated" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tandem_generated.pth"
+	touch $@
 
 # torch first and alone, pinned: the local CPU wheel of 2.13.0 satisfies it without a download.
 $(STAMP): pyproject.toml requirements.lock
@@ -34,4 +48,4 @@ bench: install
 	$(BIN)/python bench/engine_throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) generated .pytest_cache .ruff_cache .hypothesis

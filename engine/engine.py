@@ -19,16 +19,18 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.loader import ModelFiles, build_model, load_model_files
-from engine.outputs import EngineStats, KVReservation, RequestOutput
+from engine.outputs import EngineStats, KVReservation, RequestOutput, StepTokens
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner import ModelRunner, SampledToken
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledChunk, Scheduler
 from engine.stop_strings import StopStringMatcher
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+LayerHook = Callable[[int, Sequence[ScheduledChunk]], None]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,6 +70,7 @@ class Engine:
         cache = CacheEngine(files.config, num_blocks, block_size, dtype, self.device)
         self.runner = ModelRunner(model, cache, Sampler(files.config.vocab_size, sorted(eos)), self.device)
         self._text: dict[str, _TextState] = {}
+        self.last_step_tokens = StepTokens()
         log.info("engine ready: %s, role=%s, %d KV blocks of %d tokens, attention=%s",
                  files.config.name, config.role, num_blocks, block_size, attention.name)
 
@@ -123,9 +126,16 @@ class Engine:
         return self.scheduler.has_work()
 
     # ---- the step --------------------------------------------------------------------------------
-    def step(self, on_layer_done: Callable[[int], None] | None = None) -> list[RequestOutput]:
-        """Schedule, run the model once, and report every request that gained a token or finished."""
+    def step(self, layer_hook: LayerHook | None = None) -> list[RequestOutput]:
+        """Schedule, run the model once, and report every request that gained a token or finished.
+
+        `layer_hook(layer, chunks)` runs as soon as a layer has written this step's KV for the
+        scheduled chunks, so the prefill role can push pages while later layers compute.
+        """
         out = self.scheduler.schedule()
+        decode = sum(1 for c in out.chunks if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens)
+        self.last_step_tokens = StepTokens(prefill=out.num_tokens - decode, decode=decode)
+        on_layer_done = None if layer_hook is None else (lambda layer: layer_hook(layer, out.chunks))
         sampled = self.runner.execute(out, on_layer_done)
         self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
         if self.config.role == "prefill":
@@ -179,10 +189,13 @@ class Engine:
             raise KeyError(f"request {request_id!r} holds no KV blocks")
         return self.kv.block_table(request_id)
 
-    def export_kv(self, request_id: str, layer: int, first_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's K and V for a request's blocks from `first_block` on (the receiver may
-        already hold the prefix): two [n, block_size, kv_heads, head_dim] tensors."""
-        return self.runner.cache.gather_blocks(layer, self.kv_block_ids(request_id)[first_block:])
+    def export_kv(
+        self, request_id: str, layer: int, first_block: int = 0, end_block: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of one layer's K and V for the request's blocks [first_block, end_block) (the
+        receiver may already hold a prefix): two [n, block_size, kv_heads, head_dim] tensors.
+        Safe inside a layer hook: the blocks of the running step are allocated already."""
+        return self.runner.cache.gather_blocks(layer, self.kv_block_ids(request_id)[first_block:end_block])
 
     def release(self, request_id: str) -> None:
         """Free a request's KV once exported (prefill role); full blocks stay in the prefix cache."""

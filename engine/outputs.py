@@ -23,6 +23,14 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
+class StepTokens:
+    """What one step computed: prompt (or recomputed) tokens and single decode tokens."""
+
+    prefill: int = 0
+    decode: int = 0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's load, for routing and metrics."""
 

@@ -1,0 +1,1 @@
+"""The `tandem` subcommands: each module has `register(subparsers)` and translates flags only."""

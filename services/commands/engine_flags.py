@@ -1,0 +1,42 @@
+"""Flags shared by every command that runs an engine, and their translation into EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.config import CacheConfig, EngineConfig, Role, SchedulerConfig
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Model, device, cache and batching flags."""
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the shipped SmolLM2-135M)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache budget in MiB")
+    parser.add_argument("--kv-cache-blocks", type=int, default=None, help="explicit KV block count (overrides MiB)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_config(args: argparse.Namespace, role: Role) -> EngineConfig:
+    """The EngineConfig those flags describe."""
+    return EngineConfig(
+        model=args.model,
+        role=role,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.kv_cache_blocks,
+            memory_bytes=None if args.kv_cache_blocks else args.kv_cache_mib * 1024 * 1024,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+    )

@@ -1,0 +1,1 @@
+"""What every Tandem process shares: server bootstrap, the engine thread, conversions, errors."""

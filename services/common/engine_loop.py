@@ -1,0 +1,182 @@
+"""Runs an Engine on its own thread so that asyncio gRPC handlers never block on torch.
+
+Every interaction with the engine (adding, aborting, reserving, reading stats) is queued as a
+command and executed on the engine thread between steps, so the engine needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from typing import TypeVar
+
+from engine.engine import Engine, LayerHook
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_EMA = 0.2  # weight of the newest step in the moving averages below
+
+
+class StepRates:
+    """Moving averages of measured prefill speed and decode step time, for load reports."""
+
+    def __init__(self) -> None:
+        self.prefill_tokens_per_s = 0.0
+        self.decode_step_s = 0.0
+
+    def record(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
+        """Account one step that computed this many prompt and decode tokens."""
+        if seconds <= 0:
+            return
+        if prefill_tokens > decode_tokens:
+            rate = prefill_tokens / seconds
+            self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else (
+                (1 - _EMA) * self.prefill_tokens_per_s + _EMA * rate)
+        elif decode_tokens:
+            self.decode_step_s = seconds if not self.decode_step_s else (
+                (1 - _EMA) * self.decode_step_s + _EMA * seconds)
+
+
+class EngineLoop:
+    """The engine thread plus the asyncio-facing API of one worker."""
+
+    def __init__(self, engine: Engine, layer_hook: LayerHook | None = None) -> None:
+        self.engine = engine
+        self.rates = StepRates()
+        self._layer_hook = layer_hook
+        self._commands: deque[tuple[Callable[[Engine], object], Future]] = deque()
+        self._wake = threading.Condition()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
+        self._stopping = False
+        self._after_step: list[Callable[[list[RequestOutput]], None]] = []
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread after the current step."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def add_step_observer(self, observer: Callable[[list[RequestOutput]], None]) -> None:
+        """Run `observer(outputs)` on the engine thread after every step."""
+        self._after_step.append(observer)
+
+    # ---- commands ---------------------------------------------------------------------------
+    def submit(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Run fn(engine) on the engine thread between steps; a concurrent Future of its result."""
+        future: Future[T] = Future()
+        with self._wake:
+            if self._stopping:
+                raise RuntimeError("the engine is stopping")
+            self._commands.append((fn, future))
+            self._wake.notify()
+        return future
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Await fn(engine) run on the engine thread."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    # ---- streams ----------------------------------------------------------------------------
+    def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | Exception]:
+        """Route this request's outputs to a queue on the calling event loop. Call it before the
+        request is added, from the event loop that will read the queue. An Exception in the
+        queue means the engine failed the request."""
+        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        return queue
+
+    def close_stream(self, request_id: str) -> None:
+        """Stop routing a request's outputs (after it finished or was aborted)."""
+        self._streams.pop(request_id, None)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs until it finishes. Raises ValueError for bad input.
+        If the consumer stops early (cancelled, client gone), the request is aborted."""
+        queue = self.open_stream(request_id)
+        finished = False
+        try:
+            await self.call(lambda e: e.add_request(request_id, prompt_token_ids, params))
+            while True:
+                output = await queue.get()
+                if isinstance(output, Exception):
+                    finished = True
+                    raise output
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            self.close_stream(request_id)
+            if not finished:
+                self.submit(lambda e: e.abort(request_id))
+
+    # ---- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._wake:
+                while not self._stopping and not self._commands and not engine.has_unfinished():
+                    self._wake.wait()
+                if self._stopping:
+                    self._fail_pending()
+                    return
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, future in commands:
+                self._execute(fn, future)
+            if engine.has_unfinished():
+                self._step()
+
+    def _execute(self, fn: Callable[[Engine], object], future: Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(self.engine))
+        except BaseException as exc:  # handed to the awaiting caller, whatever it is
+            future.set_exception(exc)
+
+    def _step(self) -> None:
+        engine = self.engine
+        started = time.perf_counter()
+        try:
+            outputs = engine.step(self._layer_hook)
+        except Exception as exc:
+            # A failed step must not strand its requests: abort them all and tell their readers.
+            log.exception("engine step failed; aborting every request it held")
+            for request_id in list(engine.scheduler.requests):
+                engine.abort(request_id)
+            for request_id in list(self._streams):
+                self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
+            return
+        tokens = engine.last_step_tokens
+        self.rates.record(tokens.prefill, tokens.decode, time.perf_counter() - started)
+        for output in outputs:
+            self._deliver(output.request_id, output)
+        for observer in self._after_step:
+            observer(outputs)
+
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _fail_pending(self) -> None:
+        for _, future in self._commands:
+            future.cancel()
+        self._commands.clear()
