@@ -10,16 +10,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
 from gguf import GGUFReader, TokenType
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
+
+from engine.chat_template import ChatTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +94,7 @@ class Tokenizer:
         self._backend = backend
         self._bos_eos_flags = bos_eos_flags
         self.vocab_size = vocab_size
-        self._special_strings = {
+        special_strings = {
             name: token for name, token in (("bos_token", bos_token), ("eos_token", eos_token)) if token is not None
         }
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token is not None else None
@@ -112,7 +110,7 @@ class Tokenizer:
             candidates = (backend.token_to_id(f"<0x{byte:02X}>") for byte in range(256))
             self.byte_fallback_ids = frozenset(token_id for token_id in candidates if token_id is not None)
 
-        self._chat_template = _compile_chat_template(chat_template) if chat_template else None
+        self._chat_template = ChatTemplate(chat_template, special_strings) if chat_template else None
         eos_ids = [self._eos_token_id, *extra_eos_ids, self._turn_terminator_id()]
         self.eos_token_ids = tuple(dict.fromkeys(i for i in eos_ids if i is not None))
 
@@ -153,13 +151,7 @@ class Tokenizer:
         """
         if self._chat_template is None:
             raise ValueError("this model's tokenizer has no chat template")
-        conversation = _validated_messages(messages)
-        try:
-            return self._chat_template.render(
-                messages=conversation, add_generation_prompt=add_generation_prompt, **self._special_strings
-            )
-        except (jinja2.TemplateError, TypeError) as error:  # TypeError: content the template cannot combine
-            raise ValueError(f"chat template rejected the messages: {error}") from error
+        return self._chat_template.render(messages, add_generation_prompt)
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered conversation; the template already wrote any BOS it wants."""
@@ -219,45 +211,6 @@ def _decoder_step_types(backend: BackendTokenizer) -> set[str]:
         types.add(step["type"])
         pending.extend(step.get("decoders", []))
     return types
-
-
-def _validated_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, Any]]:
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role', 'content'} mappings")
-    conversation = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise ValueError(f"messages[{index}] is not a mapping")
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise ValueError(f"messages[{index}]['{key}'] must be a string")
-        conversation.append(dict(message))
-    return conversation
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _strftime_now(format_string: str) -> str:
-    return datetime.now().strftime(format_string)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON, as HF renders it.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _compile_chat_template(source: str) -> jinja2.Template:
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    environment.filters["tojson"] = _tojson
-    environment.globals["raise_exception"] = _raise_exception
-    environment.globals["strftime_now"] = _strftime_now
-    try:
-        return environment.from_string(source)
-    except jinja2.TemplateSyntaxError as error:
-        raise ValueError(f"chat template does not compile: {error}") from error
 
 
 def _byte_level_pre_tokenizer(pre: str, add_prefix_space: bool) -> pre_tokenizers.PreTokenizer:
