@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.attention.reference import gather_blocks
 from engine.config import ModelConfig
 
 
@@ -49,7 +50,7 @@ class CacheEngine:
         """A contiguous copy of some blocks of one layer: two [n, block_size, kv_heads, head_dim]."""
         k_cache, v_cache = self.kv_caches[layer]
         index = torch.tensor(list(block_ids), device=k_cache.device, dtype=torch.long)
-        return k_cache[index], v_cache[index]
+        return gather_blocks(k_cache, index), gather_blocks(v_cache, index)
 
     def scatter_blocks(self, layer: int, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write received blocks of one layer into the given block ids."""
