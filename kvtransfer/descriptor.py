@@ -1,0 +1,168 @@
+"""What a KV transfer is: the page layout both sides must share, and where the pages go."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+from tandem.v1 import kvtransfer_pb2
+
+Backend = Literal["torch_dist", "grpc"]
+
+# (layer, destination block ids, k, v): writes received pages into the receiver's cache. k and v
+# are [len(block ids), block_size, num_kv_heads, head_dim] in the layout's dtype.
+WriteBlocks = Callable[[int, Sequence[int], torch.Tensor, torch.Tensor], None]
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TransferError(Exception):
+    """A transfer failed: corruption, timeout, peer gone, cancellation or layout mismatch."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a KV page means; two workers exchange pages only when every field is equal."""
+
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _TORCH_DTYPES:
+            raise ValueError(f"dtype: unknown KV dtype {self.dtype!r}")
+
+    @classmethod
+    def of_engine(cls, engine: Any) -> KVLayout:
+        """The layout of an engine's paged KV cache."""
+        config = engine.model_config
+        return cls(
+            model=f"{config.name}:{engine.fingerprint.hex()[:16]}",
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=engine.config.torch_dtype_name,
+            block_size=engine.kv.block_size,
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype of a page's elements."""
+        return _TORCH_DTYPES[self.dtype]
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """Shape of one block of one layer's K (or V): [block_size, num_kv_heads, head_dim]."""
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer's K (or V)."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        """None if both layouts are equal, else every differing field, e.g. "block_size: 16 here, 32 there"."""
+        diffs = [
+            f"{f.name}: {getattr(self, f.name)} here, {getattr(other, f.name)} there"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+        return "; ".join(diffs) or None
+
+    def to_proto(self) -> kvtransfer_pb2.KVLayout:
+        """The wire form."""
+        return kvtransfer_pb2.KVLayout(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    @classmethod
+    def from_proto(cls, msg: kvtransfer_pb2.KVLayout) -> KVLayout:
+        """Read the wire form; ValueError naming the field if it is invalid."""
+        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class TransferTarget:
+    """Where and how a prefill worker must push one request's pages (chosen by the receiver).
+
+    `block_ids` are the destination blocks in prompt order; the sender ships its blocks from index
+    `num_cached_tokens // block_size` on, and its i-th shipped block lands in `block_ids[i]`.
+    torch_dist: `host:port` is the pairing rendezvous and `namespace` names the pair. grpc:
+    `host:port` is the receiver's KVTransfer service.
+    """
+
+    layout: KVLayout
+    transfer_id: int
+    block_ids: tuple[int, ...]
+    num_cached_tokens: int
+    backend: Backend
+    host: str
+    port: int
+    namespace: str = ""
+    dist_backend: str = "gloo"
+
+    @property
+    def address(self) -> str:
+        """`host:port`, with IPv6 hosts in brackets."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def to_proto(self) -> kvtransfer_pb2.KVTarget:
+        """The wire form."""
+        msg = kvtransfer_pb2.KVTarget(
+            layout=self.layout.to_proto(),
+            block_ids=self.block_ids,
+            num_cached_tokens=self.num_cached_tokens,
+            transfer_id=self.transfer_id,
+        )
+        if self.backend == "torch_dist":
+            msg.torch_dist.CopyFrom(kvtransfer_pb2.TorchDistTarget(
+                host=self.host, port=self.port, namespace=self.namespace, backend=self.dist_backend
+            ))
+        else:
+            msg.grpc.CopyFrom(kvtransfer_pb2.GrpcTarget(address=self.address))
+        return msg
+
+    @classmethod
+    def from_proto(cls, msg: kvtransfer_pb2.KVTarget) -> TransferTarget:
+        """Read the wire form; ValueError naming the field if it is incomplete."""
+        common = {
+            "layout": KVLayout.from_proto(msg.layout),
+            "transfer_id": msg.transfer_id,
+            "block_ids": tuple(msg.block_ids),
+            "num_cached_tokens": msg.num_cached_tokens,
+        }
+        kind = msg.WhichOneof("backend")
+        if kind == "torch_dist":
+            dist = msg.torch_dist
+            return cls(**common, backend="torch_dist", host=dist.host, port=dist.port,
+                       namespace=dist.namespace, dist_backend=dist.backend or "gloo")
+        if kind == "grpc":
+            host, port = split_address(msg.grpc.address)
+            return cls(**common, backend="grpc", host=host, port=port)
+        raise ValueError("kv_target.backend: neither torch_dist nor grpc is set")
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """`host:port` (IPv6 hosts in brackets) -> (host, port); ValueError if malformed."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"address: expected host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def check_pages(target: TransferTarget, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """ValueError unless k and v are one layer's pages for target.block_ids[first_block:...]."""
+    layout = target.layout
+    shape = (k.shape[0], *layout.block_shape)
+    if tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != layout.torch_dtype or v.dtype != k.dtype:
+        raise ValueError(f"kv pages: expected two [n, {', '.join(map(str, layout.block_shape))}] {layout.dtype} "
+                         f"tensors, got {list(k.shape)} {k.dtype} and {list(v.shape)} {v.dtype}")
+    if not 0 <= layer < layout.num_layers:
+        raise ValueError(f"layer: {layer} is outside [0, {layout.num_layers})")
+    if k.shape[0] < 1 or first_block < 0 or first_block + k.shape[0] > len(target.block_ids):
+        raise ValueError(f"first_block: blocks [{first_block}, {first_block + k.shape[0]}) are outside the "
+                         f"{len(target.block_ids)} of the target")

@@ -1,0 +1,129 @@
+"""The prefill side of the gRPC backend: one client-streaming Push call per transfer.
+
+The sync gRPC API runs each call's request iterator on a gRPC thread, so `send` only queues and the
+prefill server's event loop never blocks on the network.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+import google_crc32c
+import grpc
+import torch
+from tandem.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
+
+from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget, check_pages
+from kvtransfer.grpc_stream import MAX_PIECE_BYTES
+
+_END = object()  # queue the last chunk
+_STOP = object()  # end the request stream now (aborted, or the call ended)
+_Item = tuple[int, int, torch.Tensor, torch.Tensor] | object
+
+
+class GrpcSender:
+    """One transfer's sending end: a Push call fed from a queue."""
+
+    def __init__(self, stub: kvtransfer_pb2_grpc.KVTransferStub, target: TransferTarget) -> None:
+        self.target = target
+        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self._call = stub.Push.future(self._chunks())
+        # A call that ends early (refused, receiver gone) must not leave its iterator thread waiting.
+        self._call.add_done_callback(lambda _: self._queue.put(_STOP))
+
+    def send(self, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Queue one layer's pages for blocks target.block_ids[first_block:]; never blocks."""
+        check_pages(self.target, layer, first_block, k, v)
+        self._queue.put((layer, first_block, k, v))
+
+    def finish(self) -> None:
+        """Queue the end marker."""
+        self._queue.put(_END)
+
+    def wait(self, timeout: float) -> int:
+        """Bytes the receiver took once the call ended; TransferError on failure, or (aborting) on timeout."""
+        tid = self.target.transfer_id
+        try:
+            return self._call.result(timeout).bytes_received
+        except grpc.FutureTimeoutError:
+            self.abort()
+            raise TransferError(f"transfer {tid} not delivered within {timeout:g} s") from None
+        except grpc.FutureCancelledError:
+            raise TransferError(f"transfer {tid} was aborted") from None
+        except grpc.RpcError as e:
+            raise TransferError(f"push of transfer {tid} failed: {e.code().name}: {e.details()}") from None
+
+    def abort(self) -> None:
+        """Give the transfer up: cancel the call (the receiver fails the transfer)."""
+        self._call.cancel()
+
+    def _chunks(self) -> Iterator[kvtransfer_pb2.KVChunk]:
+        tid = self.target.transfer_id
+        while (item := self._queue.get()) is not _STOP:
+            if item is _END:
+                yield kvtransfer_pb2.KVChunk(transfer_id=tid, last=True, crc32c=google_crc32c.value(b""))
+                return
+            layer, first_block, k, v = item
+            for kv, tensor in enumerate((k, v)):
+                raw = memoryview(tensor.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
+                for offset in range(0, len(raw), MAX_PIECE_BYTES):
+                    data = bytes(raw[offset:offset + MAX_PIECE_BYTES])
+                    yield kvtransfer_pb2.KVChunk(
+                        transfer_id=tid, layer=layer, first_block=first_block, num_blocks=k.shape[0], kv=kv,
+                        offset=offset, total_bytes=len(raw), data=data, crc32c=google_crc32c.value(data),
+                    )
+
+
+class GrpcSenders:
+    """The prefill side's gRPC channels, one per receiver address, each checked by a Handshake."""
+
+    def __init__(self, layout: KVLayout, timeout: float) -> None:
+        self._layout = layout
+        self._timeout = timeout
+        self._channels: dict[str, tuple[grpc.Channel, kvtransfer_pb2_grpc.KVTransferStub]] = {}
+        self._lock = threading.Lock()
+
+    def sender(self, target: TransferTarget) -> GrpcSender:
+        """A sender on the receiver's channel (handshaking first on a new one; blocks up to the timeout)."""
+        return GrpcSender(self._stub(target.address), target)
+
+    def close(self) -> None:
+        """Close every channel (calls in flight fail)."""
+        with self._lock:
+            channels = list(self._channels.values())
+            self._channels.clear()
+        for channel, _ in channels:
+            channel.close()
+
+    def _stub(self, address: str) -> kvtransfer_pb2_grpc.KVTransferStub:
+        with self._lock:
+            known = self._channels.get(address)
+        if known is not None:
+            return known[1]
+        channel = grpc.insecure_channel(address)
+        stub = kvtransfer_pb2_grpc.KVTransferStub(channel)
+        try:
+            self._handshake(address, stub)
+        except TransferError:
+            channel.close()
+            raise
+        with self._lock:
+            kept = self._channels.setdefault(address, (channel, stub))
+        if kept[0] is not channel:  # another thread handshook first
+            channel.close()
+        return kept[1]
+
+    def _handshake(self, address: str, stub: kvtransfer_pb2_grpc.KVTransferStub) -> None:
+        request = kvtransfer_pb2.HandshakeRequest(layout=self._layout.to_proto())
+        try:
+            response = stub.Handshake(request, timeout=self._timeout)
+        except grpc.RpcError as e:
+            raise TransferError(f"KV handshake with {address} failed: {e.code().name}: {e.details()}") from None
+        if not response.accepted:
+            try:
+                reason = self._layout.mismatch(KVLayout.from_proto(response.layout)) or response.reason
+            except ValueError:
+                reason = response.reason
+            raise TransferError(f"KV layout mismatch with {address}: {reason}")

@@ -1,0 +1,181 @@
+"""A small synchronous Python client of the Tandem gateway.
+
+    with TandemClient("127.0.0.1:50051") as client:
+        for chunk in client.chat([{"role": "user", "content": "Hello"}], max_tokens=32):
+            print(chunk.text, end="", flush=True)
+
+Errors are the gRPC ones (`grpc.RpcError`, with `.code()` and `.details()`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+_FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and, if asked for, its best alternatives as (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of a finished request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Where a finished request's time went, in seconds, as the workers measured it."""
+
+    ttft_s: float
+    tpot_s: float
+    prefill_queue_s: float
+    prefill_compute_s: float
+    kv_wait_s: float
+    e2e_s: float
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What a request gained since the previous chunk; the last one has finish_reason, usage and timings."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...]
+    finish_reason: str | None  # "stop", "length" or "abort" on the last chunk
+    usage: Usage | None
+    timings: Timings | None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A served model: the name to pass as `model`, and its context length in tokens."""
+
+    id: str
+    max_model_len: int
+
+
+class TandemClient:
+    """A connection to a gateway; cheap to keep, safe to share between threads."""
+
+    def __init__(self, address: str, options: Sequence[tuple[str, object]] = ()) -> None:
+        """Connect (lazily) to the gateway at host:port over plaintext gRPC."""
+        self._channel = grpc.insecure_channel(address, options=list(options))
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        *,
+        model: str = "",
+        request_id: str = "",
+        timeout: float | None = None,
+        **sampling: object,
+    ) -> ChunkStream:
+        """Stream a completion of exactly one of: text, token ids, or chat messages.
+
+        `sampling` takes the fields of tandem.v1.SamplingParams (max_tokens, temperature, top_p,
+        seed, stop, ignore_eos, ...); None leaves a field unset. The request starts at once.
+        """
+        given = [value is not None for value in (prompt, token_ids, messages)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt, token_ids or messages")
+        request = gateway_pb2.GenerateRequest(
+            request_id=request_id,
+            model=model,
+            sampling=common_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
+        )
+        if prompt is not None:
+            request.text = prompt
+        elif token_ids is not None:
+            request.token_ids.ids.extend(token_ids)
+        else:
+            request.chat.messages.extend(
+                gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()
+            )
+        return ChunkStream(self._stub.Generate(request, timeout=timeout))
+
+    def chat(self, messages: Sequence[Mapping[str, str]], **kwargs: object) -> ChunkStream:
+        """Stream the assistant's reply to a conversation; keyword arguments as for `generate`."""
+        return self.generate(messages=messages, **kwargs)
+
+    def list_models(self, timeout: float | None = None) -> list[ModelInfo]:
+        """The models the deployment serves."""
+        response = self._stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=timeout)
+        return [ModelInfo(id=m.id, max_model_len=m.max_model_len) for m in response.models]
+
+    def close(self) -> None:
+        """Close the connection; streams still open are cancelled."""
+        self._channel.close()
+
+    def __enter__(self) -> TandemClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class ChunkStream(Iterator[Chunk]):
+    """One request's chunks as they arrive.
+
+    `cancel()` stops the request on the server; so does leaving a `with` block over the stream, or
+    dropping the stream, before its end. Reading a cancelled stream raises grpc.RpcError (CANCELLED).
+    """
+
+    def __init__(self, call: grpc.Call) -> None:
+        self._call = call
+
+    def __next__(self) -> Chunk:
+        return _chunk(next(self._call))
+
+    def cancel(self) -> None:
+        """Cancel the request (a no-op once it has ended)."""
+        self._call.cancel()
+
+    def __enter__(self) -> ChunkStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cancel()
+
+
+def _chunk(response: gateway_pb2.GenerateResponse) -> Chunk:
+    chunk = response.chunk
+    last = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+    usage = chunk.usage if chunk.HasField("usage") else None
+    timings = chunk.timings if chunk.HasField("timings") else None
+    return Chunk(
+        request_id=response.request_id,
+        token_ids=tuple(chunk.token_ids),
+        text=chunk.text,
+        logprobs=tuple(
+            TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+            for lp in chunk.logprobs
+        ),
+        finish_reason=_FINISH_REASONS.get(chunk.finish_reason) if last else None,
+        usage=Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if usage else None,
+        timings=Timings(
+            timings.ttft_s, timings.tpot_s, timings.prefill_queue_s, timings.prefill_compute_s,
+            timings.kv_wait_s, timings.e2e_s,
+        ) if timings else None,
+    )

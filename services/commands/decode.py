@@ -1,0 +1,38 @@
+"""`tandem decode`: a decode worker (tandem.v1.Decode and tandem.v1.KVTransfer) serving one engine."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.commands.engine_flags import add_engine_flags, engine_config
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `decode` subcommand."""
+    decode = sub.add_parser("decode", help="serve a decode worker: reserves KV, has it prefilled, streams tokens")
+    decode.add_argument("--host", default="127.0.0.1")
+    decode.add_argument("--port", type=int, default=50071, help="0 = a free port")
+    decode.add_argument("--grace-period", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish on SIGTERM")
+    decode.add_argument("--kv-backend", default="torch_dist", choices=["torch_dist", "grpc"],
+                        help="how prompts' KV pages arrive from prefill workers")
+    decode.add_argument("--kv-host", default=None,
+                        help="address the torch_dist rendezvous stores bind to (default: --host)")
+    decode.add_argument("--kv-timeout", type=float, default=30.0,
+                        help="seconds a reservation waits for its prompt's first token and KV")
+    add_engine_flags(decode)
+    decode.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; the exit code."""
+    import asyncio
+
+    import torch
+
+    from services.decode.handler import serve
+
+    torch.set_num_threads(args.threads)
+    config = engine_config(args, "decode")
+    return asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_backend,
+                             args.kv_host or args.host, args.kv_timeout))

@@ -1,0 +1,193 @@
+"""`tandem mesh`: a whole deployment on one machine, what `make run` starts.
+
+A gateway, one prefill and one decode worker run as separate processes, exactly as they would
+on separate machines; this command starts them, shows one request streamed through them, says
+how to call the gateway, and stops them all on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+_READY_LINE = re.compile(r"^tandem (\w+) ready grpc=(\S+)$")
+_DEMO_PROMPT = "Explain in two sentences why LLM inference splits prefill and decode."
+
+
+class MeshError(Exception):
+    """A child process failed to start, died, or the demo request failed."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `mesh` subcommand."""
+    mesh = sub.add_parser("mesh", help="run a gateway, a prefill and a decode worker on this machine")
+    mesh.add_argument("--host", default="127.0.0.1", help="address every process binds to")
+    mesh.add_argument("--gateway-port", type=int, default=50051, help="0 = a free port")
+    mesh.add_argument("--prefill-port", type=int, default=50061, help="0 = a free port")
+    mesh.add_argument("--decode-port", type=int, default=50071, help="0 = a free port")
+    mesh.add_argument("--kv-backend", default="torch_dist", choices=["torch_dist", "grpc"])
+    mesh.add_argument("--model", default=None, help="GGUF file or HF directory (default: the shipped SmolLM2-135M)")
+    mesh.add_argument("--startup-timeout", type=float, default=300.0, help="seconds allowed for the ready lines")
+    mesh.add_argument("--grace-period", type=float, default=10.0,
+                      help="seconds the children get to drain on shutdown before they are killed")
+    mesh.add_argument("--demo-prompt", default=_DEMO_PROMPT)
+    mesh.add_argument("--demo-max-tokens", type=int, default=96, help="0 = no demo request")
+    mesh.set_defaults(func=run)
+
+
+class Child:
+    """One child process; its stdout is relayed with a prefix, and its ready line noted."""
+
+    def __init__(self, role: str, argv: Sequence[str]) -> None:
+        self.role = role
+        self.address: str | None = None
+        self.ready = threading.Event()
+        # Its own process group: Ctrl-C reaches only the mesh, which then stops the children itself.
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, text=True, bufsize=1, process_group=0,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        threading.Thread(target=self._relay, name=f"{role}-stdout", daemon=True).start()
+
+    def _relay(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            match = _READY_LINE.match(line.strip())
+            if match and match.group(1) == self.role:
+                self.address = match.group(2)
+                self.ready.set()
+            print(f"[{self.role}] {line}", end="", flush=True)
+
+    def stop(self) -> None:
+        """Ask it to drain and exit (SIGTERM)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the mesh, show a request through it, serve until Ctrl-C/SIGTERM, then stop the children."""
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    children: list[Child] = []
+    try:
+        gateway = _start(args, children, stop)
+        print(f"tandem mesh ready gateway={gateway}", flush=True)
+        if args.demo_max_tokens > 0:
+            _demo(gateway, args.demo_prompt, args.demo_max_tokens, stop)
+        _print_usage(gateway)
+        while not stop.wait(0.5):
+            for child in children:
+                if child.proc.poll() is not None:
+                    raise MeshError(f"the {child.role} process exited with code {child.proc.returncode}")
+        return 0
+    except MeshError as error:
+        print(f"tandem mesh: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        _stop_all(children, args.grace_period)
+
+
+def _start(args: argparse.Namespace, children: list[Child], stop: threading.Event) -> str:
+    """Start the three processes together (their loads overlap); the gateway's address once all are ready."""
+    base = [sys.executable, "-m", "services.cli", "--log-level", args.log_level]
+    common = ["--host", args.host, *(["--model", args.model] if args.model else [])]
+    # The gateway must know the workers' ports before they are bound, so port 0 is resolved here.
+    prefill_port, decode_port = (_port_or_free(args.host, port) for port in (args.prefill_port, args.decode_port))
+    children.append(Child("prefill", [*base, "prefill", *common, "--port", str(prefill_port), "--threads", "1"]))
+    children.append(Child("decode", [*base, "decode", *common, "--port", str(decode_port), "--threads", "1",
+                                     "--kv-backend", args.kv_backend]))
+    # The gateway reports ready once it sees a serving worker in each pool.
+    children.append(Child("gateway", [*base, "gateway", *common, "--port", str(args.gateway_port),
+                                      "--prefill", f"{args.host}:{prefill_port}",
+                                      "--decode", f"{args.host}:{decode_port}",
+                                      "--wait-for-workers", str(args.startup_timeout)]))
+    _wait_ready(children, time.monotonic() + args.startup_timeout, stop)
+    return str(children[-1].address)
+
+
+def _port_or_free(host: str, port: int) -> int:
+    """`port`, or when it is 0 a port free on `host` right now."""
+    if port:
+        return port
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _wait_ready(children: Sequence[Child], deadline: float, stop: threading.Event) -> None:
+    while not all(child.ready.is_set() for child in children):
+        for child in children:
+            if child.proc.poll() is not None and not child.ready.is_set():
+                raise MeshError(f"the {child.role} process exited with code {child.proc.returncode} "
+                                "before it was ready (its log is above)")
+        if time.monotonic() > deadline:
+            late = ", ".join(child.role for child in children if not child.ready.is_set())
+            raise MeshError(f"not ready within --startup-timeout: {late}")
+        if stop.wait(0.1):
+            raise MeshError("interrupted while starting")
+
+
+def _demo(gateway: str, prompt: str, max_tokens: int, stop: threading.Event) -> None:
+    """Stream one chat request through the gateway, with TTFT and TPOT as this client saw them."""
+    import grpc
+
+    from services.client import TandemClient
+
+    print(f"\nDemo request through the gateway: {prompt!r}\n", flush=True)
+    tokens = 0
+    started = time.perf_counter()
+    first_at = last_at = started
+    try:
+        with TandemClient(gateway) as client, client.chat(
+            [{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0.0
+        ) as stream:
+            for chunk in stream:
+                if stop.is_set():
+                    break
+                if chunk.token_ids:
+                    last_at = time.perf_counter()
+                    if not tokens:
+                        first_at = last_at
+                    tokens += len(chunk.token_ids)
+                print(chunk.text, end="", flush=True)
+    except grpc.RpcError as error:
+        raise MeshError(f"the demo request failed: {error.code().name}: {error.details()}") from error
+    tpot = (last_at - first_at) / (tokens - 1) if tokens > 1 else 0.0
+    print(f"\n\n[{tokens} tokens; at the client: TTFT {(first_at - started) * 1000:.0f} ms, "
+          f"TPOT {tpot * 1000:.1f} ms]", flush=True)
+
+
+def _print_usage(gateway: str) -> None:
+    tandem = os.path.join(os.path.dirname(sys.executable), "tandem")
+    tandem = os.path.relpath(tandem) if os.path.exists(tandem) else "tandem"
+    body = '{"chat": {"messages": [{"role": "user", "content": "Hello"}]}, "sampling": {"max_tokens": 64}}'
+    print(f"\nThe gateway serves tandem.v1.Gateway at {gateway} (gRPC with server reflection). Try:\n"
+          f"  {tandem} chat --gateway {gateway} \"Hello\"\n"
+          f"  grpcurl -plaintext -d {shlex.quote(body)} {gateway} tandem.v1.Gateway/Generate\n"
+          "Ctrl-C stops the mesh.", flush=True)
+
+
+def _stop_all(children: Sequence[Child], grace_period: float) -> None:
+    """SIGTERM every child, then SIGKILL whichever has not exited after the grace period."""
+    for child in reversed(children):
+        child.stop()
+    deadline = time.monotonic() + grace_period
+    for child in children:
+        try:
+            code = child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"tandem mesh: killing the {child.role} process after {grace_period:g} s", file=sys.stderr)
+            child.proc.kill()
+            code = child.proc.wait()
+        if code != 0:
+            print(f"tandem mesh: the {child.role} process exited with code {code}", file=sys.stderr, flush=True)

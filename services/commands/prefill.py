@@ -1,0 +1,34 @@
+"""`tandem prefill`: a prefill worker (tandem.v1.Prefill) serving one engine."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.commands.engine_flags import add_engine_flags, engine_config
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `prefill` subcommand."""
+    prefill = sub.add_parser("prefill", help="serve a prefill worker: prompts in, first tokens and KV pages out")
+    prefill.add_argument("--host", default="127.0.0.1")
+    prefill.add_argument("--port", type=int, default=50061, help="0 = a free port")
+    prefill.add_argument("--grace-period", type=float, default=30.0,
+                         help="seconds in-flight requests get to finish on SIGTERM")
+    prefill.add_argument("--kv-timeout", type=float, default=30.0,
+                         help="seconds a request's KV pages may take to reach the decode worker before "
+                              "they are dropped")
+    add_engine_flags(prefill)
+    prefill.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; the exit code."""
+    import asyncio
+
+    import torch
+
+    from services.prefill.handler import serve
+
+    torch.set_num_threads(args.threads)
+    config = engine_config(args, "prefill")
+    return asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_timeout))

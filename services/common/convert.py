@@ -1,0 +1,152 @@
+"""Protobuf <-> engine conversions, used only at the edge of each gRPC handler.
+
+Imports no torch (the gateway uses it too): engine outputs and stats are read by attribute, their
+types are named for checkers only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from tandem.v1 import common_pb2
+
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.outputs import EngineStats, RequestOutput
+    from engine.sampler import TokenLogprobs
+
+# What a proto field's zero value means when the engine's default differs from it.
+_DEFAULT_MAX_TOKENS = SamplingParams.max_tokens
+
+_FINISH_TO_PROTO = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PROTO = {value: name for name, value in _FINISH_TO_PROTO.items()}
+
+
+class StepRatesLike(Protocol):
+    """The measured speeds a load report carries (EngineLoop.rates)."""
+
+    prefill_tokens_per_s: float
+    decode_step_s: float
+
+
+def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """The engine's SamplingParams for a request's proto; unset fields take the engine defaults.
+
+    Raises ValueError naming the field when a value is out of range.
+    """
+    return SamplingParams(
+        max_tokens=msg.max_tokens or _DEFAULT_MAX_TOKENS,
+        min_tokens=msg.min_tokens,
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_k=msg.top_k,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
+    )
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """The proto of engine SamplingParams (every field set explicitly, so nothing depends on
+    the receiver's defaults)."""
+    msg = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        skip_special_tokens=params.skip_special_tokens,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def finish_reason_to_proto(reason: str | None) -> common_pb2.FinishReason.ValueType:
+    """"stop"/"length"/"abort" -> the enum; None and "handoff" (not finished for the client) -> UNSPECIFIED."""
+    return _FINISH_TO_PROTO.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def finish_reason_from_proto(value: common_pb2.FinishReason.ValueType) -> str | None:
+    """The engine's finish reason string of the enum; None for UNSPECIFIED."""
+    return _FINISH_FROM_PROTO.get(value)
+
+
+def token_logprob_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprob:
+    """One generated token's logprob and top alternatives."""
+    return common_pb2.TokenLogprob(
+        token_id=logprobs.token_id,
+        logprob=logprobs.logprob,
+        top=[common_pb2.TopLogprob(token_id=token, logprob=lp) for token, lp in logprobs.top],
+    )
+
+
+def token_chunk(output: RequestOutput, timings: common_pb2.Timings | None = None) -> common_pb2.TokenChunk:
+    """What one engine output adds to the client's stream; the final one carries finish reason,
+    usage and (when given) timings."""
+    chunk = common_pb2.TokenChunk(
+        token_ids=output.new_token_ids,
+        text=output.new_text,
+        logprobs=[token_logprob_to_proto(lp) for lp in output.logprobs],
+    )
+    if output.finished:
+        chunk.finish_reason = finish_reason_to_proto(output.finish_reason)
+        chunk.usage.CopyFrom(common_pb2.Usage(
+            prompt_tokens=output.num_prompt_tokens,
+            completion_tokens=output.num_output_tokens,
+            cached_tokens=output.num_cached_tokens,
+        ))
+        if timings is not None:
+            chunk.timings.CopyFrom(timings)
+    return chunk
+
+
+def load_report(
+    stats: EngineStats,
+    rates: StepRatesLike,
+    *,
+    worker_id: str,
+    role: str,
+    block_size: int,
+    reserved_requests: int = 0,
+    finished_requests: int = 0,
+) -> common_pb2.LoadReport:
+    """A worker's LoadReport from its engine's stats and measured rates."""
+    return common_pb2.LoadReport(
+        worker_id=worker_id,
+        role=role,
+        queued_prompt_tokens=stats.num_waiting_tokens,
+        running_requests=stats.num_running,
+        waiting_requests=stats.num_waiting,
+        free_kv_blocks=stats.num_free_blocks,
+        total_kv_blocks=stats.num_total_blocks,
+        block_size=block_size,
+        cached_kv_blocks=stats.num_cached_blocks,
+        prefill_tokens_per_s=rates.prefill_tokens_per_s,
+        tpot_s=rates.decode_step_s,
+        reserved_requests=reserved_requests,
+        # usage is a fraction of the total; round, since e.g. 0.3 * 10 is 2.999...
+        used_kv_blocks=round(stats.kv_usage * stats.num_total_blocks),
+        finished_requests=finished_requests,
+    )

@@ -1,0 +1,44 @@
+"""How failures become gRPC statuses, the same way in every handler.
+
+ValueError (the engine's and the converters' "bad input, naming the field") is INVALID_ARGUMENT,
+TimeoutError is DEADLINE_EXCEEDED, a `StatusError` carries its own code, anything else is INTERNAL
+(and logged with its traceback, since it is a bug or an unexpected failure).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NoReturn
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class StatusError(Exception):
+    """A failure with the gRPC status code to answer it with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a handler answers `exc` with."""
+    if isinstance(exc, StatusError):
+        return exc.code, exc.message
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
+    """End the RPC with the status `exc` maps to."""
+    code, message = status_of(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("internal error", exc_info=exc)
+    await context.abort(code, message)
+    raise AssertionError("context.abort returned")  # it always raises; this tells type checkers

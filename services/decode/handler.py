@@ -1,0 +1,129 @@
+"""The Decode gRPC service (protobuf <-> engine types only) and the decode worker's server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+import grpc
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvtransfer_pb2, kvtransfer_pb2_grpc
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from kvtransfer.grpc_stream import KVTransferServicer
+from kvtransfer.receiver import make_receiver
+from services.common.convert import sampling_params_from_proto, token_chunk
+from services.common.errors import abort_with
+from services.common.server import RoleServer
+from services.common.worker import WorkerRpcs
+from services.decode.prefill_client import PrefillClients
+from services.decode.worker import DecodeTimings, DecodeWorker
+
+
+class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
+    """tandem.v1.Decode: Generate, Abort, GetLoad, WatchLoad."""
+
+    def __init__(self) -> None:
+        self.prefills = PrefillClients()
+
+    async def Generate(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> None:
+        arrived_at = time.perf_counter()
+        worker = await self.ready(context)
+        try:
+            params = sampling_params_from_proto(request.sampling)
+            if not request.prefill_address:
+                raise ValueError("prefill_address: must be set")
+            request_id = request.request_id or uuid.uuid4().hex
+            await worker.inflight.run(
+                request_id, self._stream(worker, request_id, request, params, context, DecodeTimings(arrived_at))
+            )
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def _stream(
+        self,
+        worker: DecodeWorker,
+        request_id: str,
+        request: decode_pb2.DecodeRequest,
+        params: SamplingParams,
+        context: grpc.aio.ServicerContext,
+        timings: DecodeTimings,
+    ) -> None:
+        first_at = None
+        prefill = self.prefills.peer(request.prefill_address)
+        outputs = worker.generate(request_id, request.prompt_token_ids, params, prefill, timings)
+        # aclosing: leaving early (client gone, Abort) runs the request's cleanup before this returns.
+        async with contextlib.aclosing(outputs):
+            async for output in outputs:
+                now = time.perf_counter()
+                first_at = first_at or now
+                final = _timings(timings, first_at, now, output.num_output_tokens) if output.finished else None
+                await context.write(token_chunk(output, final))
+
+
+def _timings(timings: DecodeTimings, first_at: float, now: float, num_output_tokens: int) -> common_pb2.Timings:
+    return common_pb2.Timings(
+        ttft_s=first_at - timings.arrived_at,
+        tpot_s=(now - first_at) / (num_output_tokens - 1) if num_output_tokens > 1 else 0.0,
+        prefill_queue_s=timings.prefill_queue_s,
+        prefill_compute_s=timings.prefill_compute_s,
+        kv_wait_s=timings.kv_wait_s,
+        e2e_s=now - timings.arrived_at,
+    )
+
+
+class LateKVTransfer(kvtransfer_pb2_grpc.KVTransferServicer):
+    """tandem.v1.KVTransfer, registered before the model loads (a started server takes no new
+    services) and served by kvtransfer's servicer once the layout is known."""
+
+    def __init__(self) -> None:
+        self.servicer: KVTransferServicer | None = None
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> KVTransferServicer:
+        if self.servicer is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        assert self.servicer is not None  # context.abort raised otherwise
+        return self.servicer
+
+    async def Handshake(self, request: kvtransfer_pb2.HandshakeRequest, context: grpc.aio.ServicerContext):
+        return await (await self._ready(context)).Handshake(request, context)
+
+    async def Push(self, request_iterator, context: grpc.aio.ServicerContext):
+        return await (await self._ready(context)).Push(request_iterator, context)
+
+
+async def serve(
+    config: EngineConfig,
+    host: str,
+    port: int,
+    grace_period: float,
+    kv_backend: str,
+    kv_host: str,
+    kv_timeout: float,
+) -> int:
+    """Run a decode worker until SIGTERM/SIGINT; returns the exit code."""
+    server = RoleServer("decode", host, port, grace_period)
+    servicer = DecodeServicer()
+    kv_transfer = LateKVTransfer()
+    server.add(decode_pb2_grpc.add_DecodeServicer_to_server, servicer,
+               decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name)
+    server.add(kvtransfer_pb2_grpc.add_KVTransferServicer_to_server, kv_transfer,
+               kvtransfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
+
+    async def load() -> None:
+        engine = await asyncio.to_thread(Engine, config)
+        receiver = make_receiver(kv_backend, kv_host, server.address, timeout=kv_timeout, device=config.device)
+        worker = DecodeWorker(server.address, engine, server.draining, receiver, kv_timeout)
+        kv_transfer.servicer = KVTransferServicer(worker.layout, receiver if kv_backend == "grpc" else None)
+        worker.loop.start()
+        servicer.worker = worker
+
+    async def close() -> None:
+        if servicer.worker is not None:
+            await servicer.worker.close()
+        await servicer.prefills.close()
+
+    return await server.run(load, close)

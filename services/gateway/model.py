@@ -1,0 +1,78 @@
+"""The model a gateway serves: its name, context length and tokenizer, read without torch.
+
+The gateway never loads weights: it only tokenizes, so it reads the model file's metadata and
+tokenizer and leaves the tensors to the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from tandem.v1 import gateway_pb2
+
+from engine.model.paths import default_model_path
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the gateway needs of its model: the id clients name, the context length, the tokenizer."""
+
+    id: str
+    max_model_len: int
+    tokenizer: Tokenizer
+
+    @classmethod
+    def load(cls, path: str | None, max_model_len: int | None = None) -> ServedModel:
+        """Read a .gguf file or an HF directory (None = the shipped model); `max_model_len`
+        overrides the model's own context length."""
+        source = path or default_model_path()
+        if not os.path.exists(source):
+            raise FileNotFoundError(f"model path {source!r} does not exist")
+        tokenizer = Tokenizer.from_path(source)
+        model_id = os.path.basename(os.path.normpath(source)).split(".")[0]
+        return cls(model_id, max_model_len or _context_length(source), tokenizer)
+
+    def prompt_token_ids(self, request: gateway_pb2.GenerateRequest) -> list[int]:
+        """The request's prompt as token ids; ValueError naming the field when it is unusable."""
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise ValueError("prompt: must be set (text, token_ids or chat)")
+        if kind == "text":
+            ids = self.tokenizer.encode(request.text)
+        elif kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            for position, token_id in enumerate(ids):
+                if token_id >= self.tokenizer.vocab_size:
+                    raise ValueError(f"token_ids: id {token_id} at position {position} is outside the "
+                                     f"vocabulary of {self.tokenizer.vocab_size} tokens")
+        else:
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            try:
+                ids = self.tokenizer.encode_chat(messages)
+            except ValueError as error:
+                raise ValueError(f"chat: {error}") from error
+        if not ids:
+            raise ValueError(f"{kind}: the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room for output in the model's "
+                             f"{self.max_model_len}-token context")
+        return ids
+
+
+def _context_length(source: str) -> int:
+    """The context length the model was trained for: GGUF `<arch>.context_length` or HF
+    `max_position_embeddings`."""
+    if os.path.isdir(source):
+        with open(os.path.join(source, "config.json"), encoding="utf-8") as config:
+            return int(json.load(config)["max_position_embeddings"])
+    from gguf import GGUFReader
+
+    reader = GGUFReader(source)
+    architecture = reader.get_field("general.architecture")
+    length = reader.get_field(f"{architecture.contents()}.context_length") if architecture else None
+    if length is None:
+        raise ValueError(f"{source}: GGUF metadata lacks the context length; pass --max-model-len")
+    return int(length.contents())

@@ -1,0 +1,1 @@
+"""The prefill worker: computes prompts and pushes their KV pages to decode workers."""

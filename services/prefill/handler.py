@@ -1,0 +1,70 @@
+"""The Prefill gRPC service (protobuf <-> engine types only) and the prefill worker's server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from tandem.v1 import prefill_pb2, prefill_pb2_grpc
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from kvtransfer.descriptor import KVLayout, TransferTarget
+from services.common.convert import finish_reason_to_proto, sampling_params_from_proto, token_logprob_to_proto
+from services.common.errors import abort_with
+from services.common.server import RoleServer
+from services.common.worker import WorkerRpcs
+from services.prefill.worker import PrefillResult, PrefillWorker
+
+
+class PrefillServicer(WorkerRpcs[PrefillWorker], prefill_pb2_grpc.PrefillServicer):
+    """tandem.v1.Prefill: Prefill, Abort, GetLoad, WatchLoad."""
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        worker = await self.ready(context)
+        try:
+            params = sampling_params_from_proto(request.sampling)
+            if not request.HasField("kv_target"):
+                raise ValueError("kv_target: must be set")
+            target = TransferTarget.from_proto(request.kv_target)
+            result = await worker.inflight.run(
+                request.request_id, worker.prefill(request.request_id, request.prompt_token_ids, params, target)
+            )
+        except Exception as exc:
+            await abort_with(context, exc)
+        return _response(result)
+
+
+def _response(result: PrefillResult) -> prefill_pb2.PrefillResponse:
+    output = result.output
+    response = prefill_pb2.PrefillResponse(
+        first_token_id=output.new_token_ids[0],
+        finish_reason=finish_reason_to_proto(output.finish_reason),
+        cached_tokens=output.num_cached_tokens,
+        queue_s=result.queue_s,
+        compute_s=result.compute_s,
+        kv_bytes=result.kv_bytes,
+    )
+    if output.logprobs:
+        response.first_logprob.CopyFrom(token_logprob_to_proto(output.logprobs[0]))
+    return response
+
+
+async def serve(config: EngineConfig, host: str, port: int, grace_period: float, transfer_timeout: float) -> int:
+    """Run a prefill worker until SIGTERM/SIGINT; returns the exit code."""
+    server = RoleServer("prefill", host, port, grace_period)
+    servicer = PrefillServicer()
+    server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer,
+               prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
+
+    async def load() -> None:
+        engine = await asyncio.to_thread(Engine, config)
+        worker = PrefillWorker(server.address, engine, server.draining, KVLayout.of_engine(engine), transfer_timeout)
+        worker.loop.start()
+        servicer.worker = worker
+
+    async def close() -> None:
+        if servicer.worker is not None:
+            await servicer.worker.close()
+
+    return await server.run(load, close)

@@ -1,0 +1,138 @@
+"""The prefill role: compute a prompt, push its KV pages layer by layer, return the first token."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from engine.engine import Engine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget
+from kvtransfer.sender import KVSender, KVSenderPool
+from services.common.engine_loop import EngineLoop
+from services.common.errors import StatusError
+from services.common.worker import Worker
+from services.prefill.kv_push import KVPush, KVPushHook
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A finished prefill: the first token's output, where the time went, and the bytes pushed."""
+
+    output: RequestOutput
+    queue_s: float
+    compute_s: float
+    kv_bytes: int
+
+
+class PrefillWorker(Worker):
+    """A prefill engine whose layer hook pushes every request's pages to its decode worker."""
+
+    def __init__(
+        self, address: str, engine: Engine, draining: asyncio.Event, layout: KVLayout, transfer_timeout: float
+    ) -> None:
+        self.hook = KVPushHook(engine)
+        super().__init__("prefill", address, EngineLoop(engine, layer_hook=self.hook), draining)
+        self.layout = layout
+        self.senders = KVSenderPool(layout, timeout=transfer_timeout, device=engine.config.device)
+        self.transfer_timeout = transfer_timeout
+
+    async def prefill(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, target: TransferTarget
+    ) -> PrefillResult:
+        """Prefill one prompt into `target`; returns once the pages were delivered.
+
+        Raises ValueError for bad input, StatusError FAILED_PRECONDITION if the target's layout
+        differs from ours, UNAVAILABLE if the pages cannot be delivered. Whatever happens
+        (including cancellation), the request's blocks are freed before this returns.
+        """
+        mismatch = self.layout.mismatch(target.layout)
+        if mismatch is not None:
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout mismatch: {mismatch}")
+        sender = await self._sender(target)
+        queue = self.loop.open_stream(request_id)
+        added_at = time.perf_counter()
+        released = False
+        try:
+            push = await self.loop.call(
+                lambda e: self._add(e, request_id, prompt_token_ids, params, sender, target.num_cached_tokens)
+            )
+            output = await queue.get()
+            if isinstance(output, Exception):
+                raise output
+            done_at = time.perf_counter()
+            kv_bytes = await self._deliver(push)
+            await self.loop.call(lambda e: self._release(e, request_id))
+            released = True
+        finally:
+            self.loop.close_stream(request_id)
+            if not released:
+                self.loop.submit(lambda e: self._abort(e, request_id, sender))
+        started_at = push.started_at if push.started_at is not None else added_at
+        return PrefillResult(output, started_at - added_at, done_at - started_at, kv_bytes)
+
+    async def _sender(self, target: TransferTarget) -> KVSender:
+        """A sender for the target, paired off the event loop; StatusError UNAVAILABLE if unreachable."""
+        pairing = asyncio.ensure_future(asyncio.to_thread(self.senders.sender, target))
+        try:
+            return await asyncio.shield(pairing)
+        except asyncio.CancelledError:
+            # Pairing goes on in its thread; a sender it yields after the request was given up is aborted.
+            pairing.add_done_callback(_abort_sender)
+            raise
+        except TransferError as exc:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"cannot reach the KV receiver: {exc}") from exc
+
+    async def _deliver(self, push: KVPush) -> int:
+        """Send the end marker and wait (off the event loop) until the receiver has every page."""
+        if push.error is not None:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {push.error}")
+        push.sender.finish()
+        try:
+            return await asyncio.to_thread(push.sender.wait, self.transfer_timeout)
+        except TransferError as exc:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}") from exc
+
+    async def close(self) -> None:
+        """Stop the engine thread, then drop the connections to decode workers."""
+        await super().close()
+        await asyncio.to_thread(self.senders.close)
+
+    # ---- on the engine thread ---------------------------------------------------------------
+    def _add(
+        self,
+        engine: Engine,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        sender: KVSender,
+        num_cached_tokens: int,
+    ) -> KVPush:
+        # Registered before the request can be scheduled, so the hook sees its very first layer.
+        push = self.hook.register(request_id, sender, num_cached_tokens)
+        try:
+            engine.add_request(request_id, prompt_token_ids, params)
+        except BaseException:
+            self.hook.unregister(request_id)
+            raise
+        return push
+
+    def _release(self, engine: Engine, request_id: str) -> None:
+        self.hook.unregister(request_id)
+        engine.release(request_id)
+
+    def _abort(self, engine: Engine, request_id: str, sender: KVSender) -> None:
+        # Unregistered first, on this thread: the hook cannot send for the request after this.
+        self.hook.unregister(request_id)
+        engine.abort(request_id)
+        sender.abort()
+
+
+def _abort_sender(pairing: asyncio.Future[KVSender]) -> None:
+    if not pairing.cancelled() and pairing.exception() is None:
+        pairing.result().abort()

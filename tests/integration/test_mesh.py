@@ -1,0 +1,286 @@
+"""The whole mesh as real processes on loopback: a gateway in front of two prefill and two decode
+workers, the real model, against an in-process colocated engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from parity_prompts import CHAT, PLAIN, parity_prompt_ids, travel_diary
+from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from workers_util import REPO, Worker, free_port, start_worker
+
+from engine.offline import generate
+from engine.sampling_params import SamplingParams
+from services.client import TandemClient
+from services.common.server import channel_options
+
+WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256"]
+DEADLINE_S = 60.0  # generous bound for conditions polled below; no test asserts elapsed time
+RPC_TIMEOUT_S = 300.0
+GREEDY = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+
+
+@dataclass
+class Mesh:
+    prefill: list[Worker]
+    decode: list[Worker]
+    gateway: Worker
+
+    @property
+    def workers(self) -> list[Worker]:
+        return [*self.prefill, *self.decode]
+
+
+def _start_all(arg_lists: list[list[str]]) -> list[Worker]:
+    """Start processes together, so their loads overlap, and wait for every ready line."""
+    workers = [start_worker(args, wait=False) for args in arg_lists]
+    for worker in workers:
+        worker.wait_ready()
+    return workers
+
+
+def _worker_args(role: str, *extra: str) -> list[str]:
+    # A port known before the start, so that a gateway can be started at the same time.
+    return [role, "--port", str(free_port()), *WORKER_FLAGS, *extra]
+
+
+def _gateway_args(prefill: list[list[str]], decode: list[list[str]]) -> list[str]:
+    def addresses(arg_lists: list[list[str]]) -> str:
+        return ",".join(f"127.0.0.1:{args[args.index('--port') + 1]}" for args in arg_lists)
+
+    return ["gateway", "--port", "0", "--prefill", addresses(prefill), "--decode", addresses(decode)]
+
+
+def _stop(workers: list[Worker]) -> None:
+    codes = {worker.args[0]: worker.stop() for worker in workers}
+    assert all(code == 0 for code in codes.values()), codes
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    prefill = [_worker_args("prefill") for _ in range(2)]
+    decode = [_worker_args("decode") for _ in range(2)]
+    *workers, gateway = _start_all([*prefill, *decode, _gateway_args(prefill, decode)])
+    yield Mesh(workers[:2], workers[2:], gateway)
+    _stop([gateway, *workers])
+
+
+@pytest.fixture(scope="module")
+def client(mesh):
+    with TandemClient(str(mesh.gateway.address)) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def reference(make_engine):
+    """Greedy token ids of prompts run together on one in-process colocated engine."""
+    engine = make_engine()
+
+    def run(prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+        return [completion.token_ids for completion in generate(engine, prompts, params)]
+
+    return run
+
+
+def _token_ids(stream) -> list[int]:
+    ids: list[int] = []
+    for chunk in stream:
+        ids.extend(chunk.token_ids)
+    return ids
+
+
+def _load(worker: Worker) -> common_pb2.LoadReport:
+    stub_class = decode_pb2_grpc.DecodeStub if worker.args[0] == "decode" else prefill_pb2_grpc.PrefillStub
+    with grpc.insecure_channel(str(worker.address), options=channel_options()) as channel:
+        return stub_class(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=30)
+
+
+def _concurrently(fn, items):
+    with ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+def test_gateway_process_never_loads_torch(mesh):
+    with open(f"/proc/{mesh.gateway.proc.pid}/maps") as maps:
+        mapped = maps.read()
+    assert "libtorch" not in mapped and "/torch/" not in mapped
+
+
+def test_greedy_parity_with_colocated_engine(client, tokenizer, reference):
+    prompts = parity_prompt_ids(tokenizer)  # PLAIN encoded, then CHAT rendered and encoded
+    expected = reference(prompts, [SamplingParams(**GREEDY)] * len(prompts))
+    as_ids = [{"token_ids": p} for p in prompts]
+    as_text_and_chat = [{"prompt": t} for t in PLAIN] + [{"messages": m} for m in CHAT]
+    got = _concurrently(lambda kw: _token_ids(client.generate(**kw, **GREEDY, timeout=RPC_TIMEOUT_S)),
+                        as_ids + as_text_and_chat)
+    assert got[: len(prompts)] == expected, "token id prompts"
+    assert got[len(prompts):] == expected, "text and chat prompts"
+
+
+def test_concurrent_requests_spread_over_workers(mesh, client, tokenizer, reference):
+    diary = tokenizer.encode(travel_diary())
+    # Mixed prompt lengths (7 to ~500 tokens) and output lengths (3 to 20 tokens).
+    prompts = [diary[: 7 + (i * 149) % 500] for i in range(32)]
+    params = [SamplingParams(max_tokens=3 + (i * 7) % 18, temperature=0.0, ignore_eos=True) for i in range(32)]
+    before = [_load(worker).finished_requests for worker in mesh.workers]
+
+    def run(i: int) -> list[int]:
+        stream = client.generate(token_ids=prompts[i], max_tokens=params[i].max_tokens, temperature=0.0,
+                                 ignore_eos=True, timeout=RPC_TIMEOUT_S)
+        return _token_ids(stream)
+
+    got = _concurrently(run, list(range(32)))
+    assert got == reference(prompts, params)
+    after = [_load(worker).finished_requests for worker in mesh.workers]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def _wait_all_free(workers: list[Worker]) -> list[common_pb2.LoadReport]:
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        reports = [_load(worker) for worker in workers]
+        if all(r.used_kv_blocks == 0 and r.running_requests == 0 and r.reserved_requests == 0 for r in reports):
+            return reports
+        if time.monotonic() > deadline:
+            return reports
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("read_chunks", [0, 2], ids=["during-prefill", "mid-stream"])
+def test_client_cancel_frees_every_worker(mesh, client, read_chunks):
+    streams = []
+    for i in range(2):  # one per decode worker, as the gateway spreads them
+        # A new first line defeats the prefix caches; far more tokens than could be generated by the deadline below.
+        stream = client.generate(prompt=f"Run {read_chunks}.{i}\n{travel_diary()}", max_tokens=4000, temperature=0.0,
+                                 ignore_eos=True, timeout=RPC_TIMEOUT_S)
+        streams.append(stream)
+    if not read_chunks:
+        time.sleep(0.5)  # long enough for the requests to reach the workers, not for a ~1,000-token prefill
+    for stream in streams:
+        for _ in range(read_chunks):
+            assert next(stream).finish_reason is None
+        stream.cancel()
+    reports = _wait_all_free(mesh.workers)
+    assert [r.used_kv_blocks for r in reports] == [0, 0, 0, 0]
+    assert [r.running_requests + r.reserved_requests for r in reports] == [0, 0, 0, 0]
+
+
+def test_resource_exhausted_and_retry_on_another_decode_worker(mesh, tokenizer, reference):
+    tiny_args = _worker_args("decode", "--kv-cache-blocks", "4")
+    prefill, decode = [worker.args for worker in mesh.prefill], mesh.decode[0].args
+    long_prompt = travel_diary()  # ~1,000 tokens: far more than 4 blocks of 16
+    started: list[Worker] = []
+    try:
+        started += _start_all([tiny_args, _gateway_args(prefill, [tiny_args])])
+        # Started once the tiny worker serves, so that its first view of the pool includes it.
+        started += _start_all([_gateway_args(prefill, [tiny_args, decode])])
+        _, only_tiny, mixed = started
+        with TandemClient(str(only_tiny.address)) as client, pytest.raises(grpc.RpcError) as refused:
+            _token_ids(client.generate(prompt=long_prompt, **GREEDY, timeout=RPC_TIMEOUT_S))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        # A request running on the normal worker makes the idle tiny one the gateway's first choice.
+        with TandemClient(str(mixed.address)) as client, client.generate(
+            prompt="Once upon a time", max_tokens=400, temperature=0.0, ignore_eos=True, timeout=RPC_TIMEOUT_S
+        ) as busy:
+            next(busy)
+            got = _token_ids(client.generate(prompt=long_prompt, **GREEDY, timeout=RPC_TIMEOUT_S))
+        assert got == reference([tokenizer.encode(long_prompt)], [SamplingParams(**GREEDY)])[0]
+    finally:
+        _stop(started[::-1])
+
+
+def test_list_models_and_invalid_requests(client):
+    [model] = client.list_models()
+    assert model.id == "SmolLM2-135M-Instruct" and model.max_model_len == 8192
+    bad = [
+        ({"prompt": "Hi", "temperature": 500.0}, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        ({"prompt": "Hi", "top_p": 0.0}, grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        ({"token_ids": [1, 2, 10**6]}, grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
+        ({"prompt": ""}, grpc.StatusCode.INVALID_ARGUMENT, "text"),
+        ({"messages": [{"role": "user", "content": "Hi"}], "model": "gpt-4"}, grpc.StatusCode.NOT_FOUND, "gpt-4"),
+    ]
+    for kwargs, code, named in bad:
+        with pytest.raises(grpc.RpcError) as error:
+            list(client.generate(**kwargs, timeout=RPC_TIMEOUT_S))
+        assert error.value.code() == code and named in error.value.details(), (kwargs, error.value.details())
+    # The served model's name is accepted, and a generated request id is echoed on every chunk.
+    chunks = list(client.generate(prompt="Hi", model=model.id, max_tokens=4, timeout=RPC_TIMEOUT_S))
+    assert len({chunk.request_id for chunk in chunks}) == 1 and chunks[0].request_id
+    assert chunks[-1].finish_reason is not None and chunks[-1].usage.completion_tokens == 4
+
+
+def test_request_without_prompt_is_invalid(mesh):
+    from tandem.v1 import gateway_pb2, gateway_pb2_grpc
+
+    with grpc.insecure_channel(str(mesh.gateway.address)) as channel, pytest.raises(grpc.RpcError) as error:
+        list(gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest(request_id="x"), timeout=30))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details().startswith("prompt")
+
+
+def _chat(mesh: Mesh, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", "chat", "--gateway", str(mesh.gateway.address), "--max-tokens", "12",
+         *args],
+        cwd=REPO, input=stdin, capture_output=True, text=True, timeout=RPC_TIMEOUT_S,
+    )
+
+
+def test_chat_command_prints_the_answer(mesh, tokenizer, reference):
+    message = "Say hello to the world."
+    done = _chat(mesh, message)
+    assert done.returncode == 0, done.stderr
+    [ids] = reference([tokenizer.encode_chat([{"role": "user", "content": message}])],
+                      [SamplingParams(max_tokens=12, temperature=0.0)])
+    assert done.stdout.strip() == tokenizer.decode(ids).strip()
+
+    # Without a message, every line of stdin is a turn of one conversation.
+    conversation = _chat(mesh, stdin=f"{message}\nAnd to the moon?\n")
+    assert conversation.returncode == 0, conversation.stderr
+    assert conversation.stdout.startswith(done.stdout)
+    assert conversation.stderr.count(" generated, finish=") == 2, conversation.stderr
+
+
+def test_mesh_command_serves_then_stops_its_children():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "mesh", "--gateway-port", "0", "--prefill-port", "0",
+         "--decode-port", "0", "--demo-max-tokens", "8", "--grace-period", "20"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+
+    try:
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + 300
+        while not any("Ctrl-C stops the mesh" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        [gateway] = [line.split("gateway=")[1].strip() for line in lines if line.startswith("tandem mesh ready")]
+        with TandemClient(gateway) as client:
+            assert client.list_models()[0].id == "SmolLM2-135M-Instruct"
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as children:
+            child_pids = [int(pid) for pid in children.read().split()]
+        assert len(child_pids) == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for pid in child_pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert any("TTFT" in line for line in lines), "".join(lines)

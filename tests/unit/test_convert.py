@@ -1,0 +1,140 @@
+"""Protobuf <-> engine conversions at the edge of the gRPC handlers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from tandem.v1 import common_pb2
+
+from engine.outputs import EngineStats, RequestOutput
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from services.common.convert import (
+    finish_reason_from_proto,
+    finish_reason_to_proto,
+    load_report,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+    token_chunk,
+)
+
+
+def test_an_empty_proto_means_the_engine_defaults():
+    assert sampling_params_from_proto(common_pb2.SamplingParams()) == SamplingParams()
+
+
+def test_unset_optionals_take_defaults_but_explicit_zeros_are_kept():
+    unset = sampling_params_from_proto(common_pb2.SamplingParams())
+    assert (unset.temperature, unset.top_p, unset.seed, unset.logprobs, unset.skip_special_tokens) == (
+        1.0, 1.0, None, None, True)
+    explicit = sampling_params_from_proto(
+        common_pb2.SamplingParams(temperature=0.0, seed=0, logprobs=0, skip_special_tokens=False)
+    )
+    assert explicit.greedy
+    assert (explicit.seed, explicit.logprobs, explicit.skip_special_tokens) == (0, 0, False)
+
+
+def test_max_tokens_zero_means_sixteen():
+    assert sampling_params_from_proto(common_pb2.SamplingParams(max_tokens=0)).max_tokens == 16
+    assert sampling_params_from_proto(common_pb2.SamplingParams(max_tokens=5)).max_tokens == 5
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"top_p": 0.0}, "top_p"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": 2**63}, "seed"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_invalid_values_raise_value_error_naming_the_field(fields, name):
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        sampling_params_from_proto(common_pb2.SamplingParams(**fields))
+
+
+def test_engine_params_survive_a_round_trip():
+    params = SamplingParams(
+        max_tokens=7, min_tokens=2, temperature=0.5, top_k=40, top_p=0.75, min_p=0.125, repetition_penalty=1.25,
+        presence_penalty=0.5, frequency_penalty=-0.5, seed=123, stop=("\n\n", "END"), stop_token_ids=(2, 3),
+        ignore_eos=True, logprobs=3, skip_special_tokens=False,
+    )
+    assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
+    greedy = SamplingParams(temperature=0.0)
+    assert sampling_params_from_proto(sampling_params_to_proto(greedy)) == greedy
+
+
+def _output(**overrides) -> RequestOutput:
+    fields = dict(
+        request_id="r", new_token_ids=(11,), new_text="hi", finished=False, finish_reason=None, logprobs=(),
+        num_prompt_tokens=5, num_cached_tokens=0, num_output_tokens=1,
+    )
+    return RequestOutput(**(fields | overrides))
+
+
+def test_an_unfinished_output_is_a_chunk_without_finish_or_usage():
+    chunk = token_chunk(_output(), common_pb2.Timings(ttft_s=1.0))
+    assert list(chunk.token_ids) == [11] and chunk.text == "hi"
+    assert chunk.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+    assert not chunk.HasField("usage") and not chunk.HasField("timings")
+
+
+def test_the_final_output_carries_finish_reason_usage_timings_and_logprobs():
+    logprobs = TokenLogprobs(token_id=12, logprob=-0.5, top=((12, -0.5), (13, -1.5)))
+    output = _output(new_token_ids=(12,), finished=True, finish_reason="length", logprobs=(logprobs,),
+                     num_cached_tokens=16, num_output_tokens=4)
+    chunk = token_chunk(output, common_pb2.Timings(ttft_s=0.25, e2e_s=1.5))
+    assert chunk.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.cached_tokens) == (5, 4, 16)
+    assert (chunk.timings.ttft_s, chunk.timings.e2e_s) == (0.25, 1.5)
+    [lp] = chunk.logprobs
+    assert (lp.token_id, lp.logprob) == (12, -0.5)
+    assert [(t.token_id, t.logprob) for t in lp.top] == [(12, -0.5), (13, -1.5)]
+
+
+@pytest.mark.parametrize(
+    ("reason", "value"),
+    [
+        ("stop", common_pb2.FINISH_REASON_STOP),
+        ("length", common_pb2.FINISH_REASON_LENGTH),
+        ("abort", common_pb2.FINISH_REASON_ABORT),
+        ("handoff", common_pb2.FINISH_REASON_UNSPECIFIED),
+        (None, common_pb2.FINISH_REASON_UNSPECIFIED),
+    ],
+)
+def test_finish_reasons(reason, value):
+    assert finish_reason_to_proto(reason) == value
+    if reason != "handoff":
+        assert finish_reason_from_proto(value) == reason
+
+
+class _Rates:
+    prefill_tokens_per_s = 1000.0
+    decode_step_s = 0.02
+
+
+def test_load_report_counts_used_blocks_from_usage():
+    stats = EngineStats(num_running=2, num_waiting=1, num_waiting_tokens=300, num_free_blocks=7,
+                        num_total_blocks=10, num_cached_blocks=4, kv_usage=0.3)
+    report = load_report(stats, _Rates(), worker_id="decode@x:1", role="decode", block_size=16,
+                         reserved_requests=1, finished_requests=9)
+    assert report.used_kv_blocks == 3  # 0.3 * 10 is 2.9999...: rounded, not truncated
+    assert (report.free_kv_blocks, report.total_kv_blocks, report.cached_kv_blocks) == (7, 10, 4)
+    assert (report.queued_prompt_tokens, report.running_requests, report.waiting_requests) == (300, 2, 1)
+    assert (report.reserved_requests, report.finished_requests, report.block_size) == (1, 9, 16)
+    assert (report.prefill_tokens_per_s, report.tpot_s) == (1000.0, 0.02)
+    assert (report.worker_id, report.role) == ("decode@x:1", "decode")
+
+
+def test_convert_and_server_import_no_torch():
+    # The gateway uses them and must never import torch.
+    code = "import sys, services.common.convert, services.common.server; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

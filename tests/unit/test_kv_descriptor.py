@@ -1,0 +1,86 @@
+"""KV layouts and transfer targets: field-by-field mismatch reports, wire round trips, page checks."""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tandem.v1 import kvtransfer_pb2
+
+from engine.config import EngineConfig, ModelConfig
+from kvtransfer.descriptor import KVLayout, TransferTarget, check_pages
+
+LAYOUT = KVLayout("SmolLM2:0123456789abcdef", 30, 3, 64, "float32", 16)
+OTHER = KVLayout("Llama:fedcba9876543210", 32, 8, 128, "bfloat16", 32)
+
+
+@pytest.mark.parametrize("name", [f.name for f in fields(KVLayout)])
+def test_mismatch_names_the_one_differing_field(name: str) -> None:
+    changed = replace(LAYOUT, **{name: getattr(OTHER, name)})
+    assert LAYOUT.mismatch(changed) == f"{name}: {getattr(LAYOUT, name)} here, {getattr(OTHER, name)} there"
+
+
+def test_mismatch_names_every_differing_field() -> None:
+    report = LAYOUT.mismatch(OTHER)
+    assert report is not None
+    assert [part.split(":")[0] for part in report.split("; ")] == [f.name for f in fields(KVLayout)]
+
+
+def test_equal_layouts_match() -> None:
+    assert LAYOUT.mismatch(replace(LAYOUT)) is None
+
+
+def test_unknown_dtype_is_refused() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        replace(LAYOUT, dtype="int8")
+
+
+def test_layout_round_trips_through_protobuf() -> None:
+    wire = LAYOUT.to_proto().SerializeToString()
+    assert KVLayout.from_proto(kvtransfer_pb2.KVLayout.FromString(wire)) == LAYOUT
+
+
+def test_layout_of_engine_names_model_and_fingerprint() -> None:
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, name="Tiny")
+    engine = SimpleNamespace(model_config=config, fingerprint=bytes(range(32)),
+                             config=EngineConfig(dtype="bfloat16"), kv=SimpleNamespace(block_size=16))
+    assert KVLayout.of_engine(engine) == KVLayout("Tiny:0001020304050607", 2, 2, 8, "bfloat16", 16)
+
+
+@pytest.mark.parametrize("target", [
+    TransferTarget(LAYOUT, 2**63 - 1, (5, 3, 9), 32, "torch_dist", "10.0.0.7", 40123, "ab" * 16),
+    TransferTarget(OTHER, 1, (0,), 0, "torch_dist", "127.0.0.1", 1, "cd" * 16, dist_backend="nccl"),
+    TransferTarget(LAYOUT, 7, (), 48, "grpc", "decode-1.local", 50071),
+    TransferTarget(LAYOUT, 8, (4, 2), 0, "grpc", "::1", 50072),
+])
+def test_target_round_trips_through_protobuf(target: TransferTarget) -> None:
+    wire = target.to_proto().SerializeToString()
+    assert TransferTarget.from_proto(kvtransfer_pb2.KVTarget.FromString(wire)) == target
+
+
+def test_grpc_target_carries_a_bracketed_ipv6_address() -> None:
+    target = TransferTarget(LAYOUT, 8, (4,), 0, "grpc", "::1", 50072)
+    assert target.to_proto().grpc.address == "[::1]:50072"
+
+
+def test_target_without_backend_is_refused() -> None:
+    msg = kvtransfer_pb2.KVTarget(layout=LAYOUT.to_proto(), transfer_id=1)
+    with pytest.raises(ValueError, match="backend"):
+        TransferTarget.from_proto(msg)
+
+
+def test_pages_must_fit_the_target() -> None:
+    target = TransferTarget(LAYOUT, 1, (4, 5, 6), 0, "grpc", "h", 1)
+    pages = torch.zeros(2, 16, 3, 64)
+    check_pages(target, 29, 1, pages, pages)
+    with pytest.raises(ValueError, match="first_block"):
+        check_pages(target, 0, 2, pages, pages)
+    with pytest.raises(ValueError, match="layer"):
+        check_pages(target, 30, 0, pages, pages)
+    with pytest.raises(ValueError, match="kv pages"):
+        check_pages(target, 0, 0, pages.to(torch.bfloat16), pages.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="kv pages"):
+        check_pages(target, 0, 0, pages, torch.zeros(2, 16, 3, 32))
