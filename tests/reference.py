@@ -38,7 +38,7 @@ def reference_greedy(model, prompt: list[int], max_tokens: int) -> ReferenceRun:
         margins.append(float(top2[0] - top2[1]))
         token = int(logits.argmax())
         tokens.append(token)
-        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        out = model(torch.tensor([[token]]), cache=out.cache, use_cache=True)
     return ReferenceRun(tokens, margins)
 
 
