@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
 
 from services.commands.engine_flags import add_engine_flags, engine_config
 
@@ -21,14 +22,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     prefill.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; the exit code."""
+def run(args: argparse.Namespace) -> NoReturn:
+    """Serve until SIGTERM/SIGINT, then end the process with the drain's exit code."""
     import asyncio
 
     import torch
 
+    from services.common.server import exit_process
     from services.prefill.handler import serve
 
     torch.set_num_threads(args.threads)
     config = engine_config(args, "prefill")
-    return asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_timeout))
+    exit_process(asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_timeout)))

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -211,3 +213,16 @@ class RoleServer:
         self.draining.set()
         # Stops accepting RPCs now (callers get UNAVAILABLE) and cancels what is left after the grace.
         await self.grpc.stop(self.grace_period)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a worker process right after its drain and close, skipping interpreter teardown.
+
+    A gloo pair thread still blocked in C++ when Python finalizes makes the process abort
+    (std::terminate, exit code -6) even though every request was finished and every pair was
+    asked to close; once the worker has drained there is nothing left that teardown must do.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
