@@ -56,7 +56,6 @@ class EngineLoop:
         self._wake = threading.Condition()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
         self._stopping = False
-        self._after_step: list[Callable[[list[RequestOutput]], None]] = []
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -69,10 +68,6 @@ class EngineLoop:
             self._stopping = True
             self._wake.notify()
         self._thread.join(timeout)
-
-    def add_step_observer(self, observer: Callable[[list[RequestOutput]], None]) -> None:
-        """Run `observer(outputs)` on the engine thread after every step."""
-        self._after_step.append(observer)
 
     # ---- commands ---------------------------------------------------------------------------
     def submit(self, fn: Callable[[Engine], T]) -> Future[T]:
@@ -167,8 +162,6 @@ class EngineLoop:
         self.rates.record(tokens.prefill, tokens.decode, time.perf_counter() - started)
         for output in outputs:
             self._deliver(output.request_id, output)
-        for observer in self._after_step:
-            observer(outputs)
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         target = self._streams.get(request_id)
