@@ -8,8 +8,9 @@ lives only until both ranks said hello, then it is closed, which torch allows on
 it: the group keeps a reference to its store, so it gets a wrapper whose link to the real store is
 cut after pairing. Gloo also listens for its pair connection, on the same host.
 
-Messages are raw tensors: a fixed int64 header, then for pages the K and V bytes as uint8 (so every
-dtype, bfloat16 included, travels the same way; gloo's send/recv does handle bfloat16 too).
+Messages are raw tensors: a fixed int64 header, then for pages the K and V bytes of each page run
+it lists, as uint8 (so every dtype, bfloat16 included, travels the same way; gloo's send/recv does
+handle bfloat16 too).
 
 Gloo facts this relies on (measured with torch 2.13):
 - a send leaves only once the peer posted the matching receive, so receivers post ahead;
@@ -48,10 +49,26 @@ class Kind(IntEnum):
     """What a message is."""
 
     HELLO = 1  # the sender's group is up: the rendezvous store can close
-    PAGES = 2  # one layer's K and V for consecutive blocks follow
+    PAGES = 2  # the K and V of each listed page run follow, in list order
     END = 3  # the transfer's last pages were sent
     ABORT = 4  # the sender gave the transfer up
     BYE = 5  # closing the pair; answered with BYE, after which the receiving thread ends
+
+
+# Page runs one PAGES message may carry. Layers queued together (the prefill ran ahead of the wire)
+# go as one message, so the receiver posts all their receives at once: a round trip per message,
+# not per layer, is what a gloo send costs beyond the copy.
+MAX_RUNS = 32
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """One layer's K and V for consecutive blocks of a transfer's target."""
+
+    layer: int
+    first_block: int
+    num_blocks: int
+    nbytes: int  # of each of K and V
 
 
 @dataclass(frozen=True)
@@ -60,25 +77,35 @@ class Header:
 
     kind: Kind
     transfer_id: int = 0
-    layer: int = 0
-    first_block: int = 0
-    num_blocks: int = 0
-    nbytes: int = 0  # of each of K and V
+    runs: tuple[PageRun, ...] = ()
 
-    SIZE = 7
+    SIZE = 4 + 4 * MAX_RUNS
+
+    def __post_init__(self) -> None:
+        if len(self.runs) > MAX_RUNS:
+            raise ValueError(f"a message carries at most {MAX_RUNS} page runs, got {len(self.runs)}")
+
+    @property
+    def nbytes(self) -> int:
+        """The K and V bytes that follow the header."""
+        return 2 * sum(run.nbytes for run in self.runs)
 
     def tensor(self) -> torch.Tensor:
         """The header as sent."""
-        return torch.tensor([MAGIC, self.kind, self.transfer_id, self.layer, self.first_block,
-                             self.num_blocks, self.nbytes], dtype=torch.int64)
+        values = [MAGIC, self.kind, self.transfer_id, len(self.runs)]
+        for run in self.runs:
+            values += [run.layer, run.first_block, run.num_blocks, run.nbytes]
+        return torch.tensor(values + [0] * (self.SIZE - len(values)), dtype=torch.int64)
 
     @classmethod
     def parse(cls, tensor: torch.Tensor) -> Header:
         """Read a received header; ValueError if it is not one."""
-        magic, kind, *rest = tensor.cpu().tolist()
-        if magic != MAGIC or kind not in Kind._value2member_map_:
-            raise ValueError(f"not a KV message header: {tensor.tolist()}")
-        return cls(Kind(kind), *rest)
+        values = tensor.cpu().tolist()
+        magic, kind, transfer_id, count = values[:4]
+        if magic != MAGIC or kind not in Kind._value2member_map_ or not 0 <= count <= MAX_RUNS:
+            raise ValueError(f"not a KV message header: {values[:4]}")
+        runs = tuple(PageRun(*values[4 + 4 * i: 8 + 4 * i]) for i in range(count))
+        return cls(Kind(kind), transfer_id, runs)
 
 
 class _DetachableStore(dist.Store):

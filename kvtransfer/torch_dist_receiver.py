@@ -73,28 +73,29 @@ class _ReceivingPair:
     def _receive_loop(self, group: PairGroup) -> None:
         """Handle messages until the pair closes.
 
-        A PAGES header makes it post the K and V receives together with the next header's, so the
-        sender waits for one round trip per layer, not three. Pages are written into the cache once
-        the next header arrived, while that message's pages travel (a gloo receive cannot be
-        polled, so waiting for the next header is the only way to know more is coming); END, ABORT
-        and BYE write what is held first, so a finished transfer is fully written.
+        A PAGES header makes it post the receives of every page run it lists together with the
+        next header's, so the sender waits for one round trip per message, not one per tensor.
+        Pages are written into the cache once the next header arrived, while that message's pages
+        travel (a gloo receive cannot be polled, so waiting for the next header is the only way to
+        know more is coming); END, ABORT and BYE write what is held first, so a finished transfer
+        is fully written.
         """
         header_buffer = group.header_buffer()
         next_header = group.post_recv(header_buffer)
-        held: tuple[Header, torch.Tensor, torch.Tensor] | None = None
+        held: tuple[Header, list[torch.Tensor]] | None = None
         while True:
             next_header.wait(IDLE_TIMEOUT)
             header = Header.parse(header_buffer)
             if header.kind is Kind.PAGES:
-                k = torch.empty(header.nbytes, dtype=torch.uint8, device=group.device)
-                v = torch.empty(header.nbytes, dtype=torch.uint8, device=group.device)
-                pages = [group.post_recv(k), group.post_recv(v)]
+                buffers = [torch.empty(run.nbytes, dtype=torch.uint8, device=group.device)
+                           for run in header.runs for _ in ("k", "v")]
+                pages = [group.post_recv(buffer) for buffer in buffers]
                 next_header = group.post_recv(header_buffer)
                 if held is not None:
                     self._write(*held)
                 for work in pages:
                     work.wait(self._timeout)
-                held = (header, k, v)
+                held = (header, buffers)
                 continue
             if held is not None:
                 self._write(*held)
@@ -105,8 +106,10 @@ class _ReceivingPair:
             self._handle_end(header)
             next_header = group.post_recv(header_buffer)
 
-    def _write(self, header: Header, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._pending.write(header.transfer_id, header.layer, header.first_block, header.num_blocks, k, v)
+    def _write(self, header: Header, buffers: list[torch.Tensor]) -> None:
+        for i, run in enumerate(header.runs):
+            self._pending.write(header.transfer_id, run.layer, run.first_block, run.num_blocks,
+                                buffers[2 * i], buffers[2 * i + 1])
 
     def _handle_end(self, header: Header) -> None:
         """An END or ABORT message."""

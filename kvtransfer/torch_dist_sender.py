@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from kvtransfer.descriptor import TransferError, TransferTarget, check_pages
 from kvtransfer.futures import settle, settle_error
-from kvtransfer.torch_dist import IDLE_TIMEOUT, Header, Kind, PairGroup, join, raw_bytes
+from kvtransfer.torch_dist import IDLE_TIMEOUT, MAX_RUNS, Header, Kind, PageRun, PairGroup, join, raw_bytes
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +34,8 @@ class TorchDistSender:
     def send(self, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Queue one layer's pages for blocks target.block_ids[first_block:]; never blocks."""
         check_pages(self.target, layer, first_block, k, v)
-        nbytes = k.numel() * k.element_size()
-        header = Header(Kind.PAGES, self.target.transfer_id, layer, first_block, k.shape[0], nbytes)
-        self._pair.submit(_Message(self, header, k, v))
+        run = PageRun(layer, first_block, k.shape[0], k.numel() * k.element_size())
+        self._pair.submit(_Message(self, Header(Kind.PAGES, self.target.transfer_id, (run,)), ((k, v),)))
 
     def finish(self) -> None:
         """Queue the end marker."""
@@ -60,8 +59,17 @@ class TorchDistSender:
 class _Message:
     sender: TorchDistSender | None  # None: the pair's own BYE
     header: Header
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
+    pages: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # K and V of each run in header.runs
+
+    def joins(self, other: _Message) -> bool:
+        """Whether `other` can travel in this message: more pages of the same transfer, with room."""
+        return (self.header.kind is Kind.PAGES and other.header.kind is Kind.PAGES and other.sender is self.sender
+                and len(self.header.runs) + len(other.header.runs) <= MAX_RUNS)
+
+    def join(self, other: _Message) -> _Message:
+        """This message with `other`'s pages appended (see `joins`)."""
+        header = Header(Kind.PAGES, self.header.transfer_id, self.header.runs + other.header.runs)
+        return _Message(self.sender, header, self.pages + other.pages)
 
 
 _BYE = _Message(None, Header(Kind.BYE))
@@ -80,8 +88,8 @@ class _InFlight:
     @classmethod
     def post(cls, group: PairGroup, sender: TorchDistSender, message: _Message) -> _InFlight:
         tensors = [message.header.tensor().to(group.device)]
-        if message.k is not None and message.v is not None:
-            tensors += [raw_bytes(message.k, group.device), raw_bytes(message.v, group.device)]
+        for k, v in message.pages:
+            tensors += [raw_bytes(k, group.device), raw_bytes(v, group.device)]
         return cls(sender, message.header, tensors, [group.post_send(tensor) for tensor in tensors])
 
     def complete(self, timeout: timedelta) -> None:
@@ -89,7 +97,7 @@ class _InFlight:
         for work in self.works:
             work.wait(timeout)
         if self.header.kind is Kind.PAGES:
-            self.sender.bytes_sent += 2 * self.header.nbytes
+            self.sender.bytes_sent += self.header.nbytes
         elif self.header.kind is Kind.END:
             settle(self.sender.done, self.sender.bytes_sent)
 
@@ -106,6 +114,7 @@ class _SendingPair:
         self._device = device if target.dist_backend == "nccl" else torch.device("cpu")
         self._pool = pool
         self._queue: queue.SimpleQueue[_Message] = queue.SimpleQueue()
+        self._taken: _Message | None = None  # taken off the queue while coalescing, not sent yet
         self._lock = threading.Lock()
         self._senders: set[TorchDistSender] = set()
         self._error: TransferError | None = None
@@ -163,15 +172,15 @@ class _SendingPair:
         self._end(error)
 
     def _send_loop(self, group: PairGroup) -> None:
-        """Post each queued message's sends at once, keeping up to _WINDOW messages in flight, so
-        the next header reaches the receiver while earlier pages still travel; returns on BYE."""
+        """Post each message's sends at once, keeping up to _WINDOW messages in flight, so the next
+        header reaches the receiver while earlier pages still travel; returns on BYE."""
         limit = timedelta(seconds=self._timeout)
         in_flight: deque[_InFlight] = deque()
         while True:
-            if in_flight and (len(in_flight) >= _WINDOW or self._queue.empty()):
+            if in_flight and (len(in_flight) >= _WINDOW or (self._taken is None and self._queue.empty())):
                 in_flight.popleft().complete(limit)
                 continue
-            message = self._queue.get()
+            message = self._coalesced()
             if message is _BYE:
                 break
             sender = message.sender
@@ -179,6 +188,21 @@ class _SendingPair:
                 in_flight.append(_InFlight.post(group, sender, message))
         while in_flight:
             in_flight.popleft().complete(limit)
+
+    def _coalesced(self) -> _Message:
+        """The next message, with the pages of the same transfer already queued behind it joined in."""
+        message = self._next()
+        while self._taken is None and not self._queue.empty():
+            following = self._queue.get()
+            if message.joins(following):
+                message = message.join(following)
+            else:
+                self._taken = following
+        return message
+
+    def _next(self) -> _Message:
+        message, self._taken = self._taken, None
+        return message if message is not None else self._queue.get()
 
     def _watch(self, group: PairGroup) -> None:
         try:

@@ -50,6 +50,7 @@ class Timings:
     prefill_compute_s: float
     kv_wait_s: float
     e2e_s: float
+    kv_delivery_wait_s: float  # the prefill worker's wait for delivery after its first token
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,6 @@ def _chunk(response: gateway_pb2.GenerateResponse) -> Chunk:
         usage=Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if usage else None,
         timings=Timings(
             timings.ttft_s, timings.tpot_s, timings.prefill_queue_s, timings.prefill_compute_s,
-            timings.kv_wait_s, timings.e2e_s,
+            timings.kv_wait_s, timings.e2e_s, timings.kv_delivery_wait_s,
         ) if timings else None,
     )

@@ -72,6 +72,7 @@ def _timings(timings: DecodeTimings, first_at: float, now: float, num_output_tok
         prefill_compute_s=timings.prefill_compute_s,
         kv_wait_s=timings.kv_wait_s,
         e2e_s=now - timings.arrived_at,
+        kv_delivery_wait_s=timings.kv_delivery_wait_s,
     )
 
 

@@ -60,6 +60,7 @@ class GrpcPrefillPeer:
             cached_tokens=response.cached_tokens,
             queue_s=response.queue_s,
             compute_s=response.compute_s,
+            delivery_wait_s=response.kv_delivery_wait_s,
         )
 
     def abort(self, request_id: str) -> None:

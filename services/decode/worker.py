@@ -33,6 +33,7 @@ class PrefillReply:
     cached_tokens: int
     queue_s: float
     compute_s: float
+    delivery_wait_s: float  # the prefill worker's wait, after its first token, for the pages to arrive
 
 
 class PrefillPeer(Protocol):
@@ -60,6 +61,7 @@ class DecodeTimings:
     prefill_queue_s: float = 0.0
     prefill_compute_s: float = 0.0
     kv_wait_s: float = 0.0
+    kv_delivery_wait_s: float = 0.0
 
 
 class DecodeWorker(Worker):
@@ -119,6 +121,7 @@ class DecodeWorker(Worker):
             reply = await prefill.prefill(request_id, prompt_token_ids, params, target, _left(deadline))
             stage = "transferring"
             timings.prefill_queue_s, timings.prefill_compute_s = reply.queue_s, reply.compute_s
+            timings.kv_delivery_wait_s = reply.delivery_wait_s
             replied_at = time.perf_counter()
             await self._wait_for_kv(self.receiver.completion(transfer_id), deadline, prefill.address)
             timings.kv_wait_s = time.perf_counter() - replied_at

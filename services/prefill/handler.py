@@ -44,6 +44,7 @@ def _response(result: PrefillResult) -> prefill_pb2.PrefillResponse:
         queue_s=result.queue_s,
         compute_s=result.compute_s,
         kv_bytes=result.kv_bytes,
+        kv_delivery_wait_s=result.delivery_wait_s,
     )
     if output.logprobs:
         response.first_logprob.CopyFrom(token_logprob_to_proto(output.logprobs[0]))

@@ -28,6 +28,7 @@ class PrefillResult:
     queue_s: float
     compute_s: float
     kv_bytes: int
+    delivery_wait_s: float  # after the first token, until the receiver held every page
 
 
 class PrefillWorker(Worker):
@@ -67,6 +68,7 @@ class PrefillWorker(Worker):
                 raise output
             done_at = time.perf_counter()
             kv_bytes = await self._deliver(push)
+            delivered_at = time.perf_counter()
             await self.loop.call(lambda e: self._release(e, request_id))
             released = True
         finally:
@@ -74,7 +76,7 @@ class PrefillWorker(Worker):
             if not released:
                 self.loop.submit(lambda e: self._abort(e, request_id, sender))
         started_at = push.started_at if push.started_at is not None else added_at
-        return PrefillResult(output, started_at - added_at, done_at - started_at, kv_bytes)
+        return PrefillResult(output, started_at - added_at, done_at - started_at, kv_bytes, delivered_at - done_at)
 
     async def _sender(self, target: TransferTarget) -> KVSender:
         """A sender for the target, paired off the event loop; StatusError UNAVAILABLE if unreachable."""

@@ -1,0 +1,58 @@
+"""The torch_dist wire format: headers listing page runs, and the sender's coalescing of queued pages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtransfer.torch_dist import MAX_RUNS, Header, Kind, PageRun
+from kvtransfer.torch_dist_sender import _Message
+
+
+def test_header_round_trips_its_page_runs() -> None:
+    runs = (PageRun(0, 0, 3, 1536), PageRun(1, 0, 3, 1536), PageRun(29, 2, 1, 512))
+    header = Header(Kind.PAGES, 7, runs)
+    sent = header.tensor()
+    assert sent.shape == (Header.SIZE,)
+    parsed = Header.parse(sent)
+    assert parsed == header
+    assert parsed.nbytes == 2 * (1536 + 1536 + 512)
+
+
+def test_header_without_runs_round_trips() -> None:
+    assert Header.parse(Header(Kind.END, 3).tensor()) == Header(Kind.END, 3)
+
+
+def test_header_refuses_garbage_and_too_many_runs() -> None:
+    with pytest.raises(ValueError, match="not a KV message header"):
+        Header.parse(torch.zeros(Header.SIZE, dtype=torch.int64))
+    bad_count = Header(Kind.PAGES, 1).tensor()
+    bad_count[3] = MAX_RUNS + 1
+    with pytest.raises(ValueError, match="not a KV message header"):
+        Header.parse(bad_count)
+    with pytest.raises(ValueError, match="at most"):
+        Header(Kind.PAGES, 1, (PageRun(0, 0, 1, 8),) * (MAX_RUNS + 1))
+
+
+def _pages(sender: object, layer: int) -> _Message:
+    k, v = torch.full((1, 4), float(layer)), torch.full((1, 4), -float(layer))
+    return _Message(sender, Header(Kind.PAGES, 1, (PageRun(layer, 0, 1, 16),)), ((k, v),))  # type: ignore[arg-type]
+
+
+def test_pages_of_one_transfer_coalesce_in_order_up_to_the_limit() -> None:
+    sender = object()
+    message = _pages(sender, 0)
+    for layer in range(1, MAX_RUNS):
+        assert message.joins(_pages(sender, layer))
+        message = message.join(_pages(sender, layer))
+    assert [run.layer for run in message.header.runs] == list(range(MAX_RUNS))
+    assert [int(k[0, 0]) for k, _ in message.pages] == list(range(MAX_RUNS))
+    assert not message.joins(_pages(sender, MAX_RUNS))
+
+
+def test_other_transfers_and_end_markers_do_not_coalesce() -> None:
+    sender = object()
+    assert not _pages(sender, 0).joins(_pages(object(), 1))
+    end = _Message(sender, Header(Kind.END, 1))  # type: ignore[arg-type]
+    assert not _pages(sender, 0).joins(end)
+    assert not end.joins(_pages(sender, 0))
