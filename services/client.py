@@ -15,55 +15,10 @@ from dataclasses import dataclass
 import grpc
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-_FINISH_REASONS = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
+from services.common.chunk import Chunk, Timings, TokenLogprob, Usage
+from services.common.convert import chunk_from_proto
 
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token's log-probability and, if asked for, its best alternatives as (id, logprob)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Token counts of a finished request."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-@dataclass(frozen=True)
-class Timings:
-    """Where a finished request's time went, in seconds, as the workers measured it."""
-
-    ttft_s: float
-    tpot_s: float
-    prefill_queue_s: float
-    prefill_compute_s: float
-    kv_wait_s: float
-    e2e_s: float
-    kv_delivery_wait_s: float  # the prefill worker's wait for delivery after its first token
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """What a request gained since the previous chunk; the last one has finish_reason, usage and timings."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    text: str
-    logprobs: tuple[TokenLogprob, ...]
-    finish_reason: str | None  # "stop", "length" or "abort" on the last chunk
-    usage: Usage | None
-    timings: Timings | None
+__all__ = ["Chunk", "ChunkStream", "ModelInfo", "TandemClient", "Timings", "TokenLogprob", "Usage"]
 
 
 @dataclass(frozen=True)
@@ -161,22 +116,4 @@ class ChunkStream(Iterator[Chunk]):
 
 
 def _chunk(response: gateway_pb2.GenerateResponse) -> Chunk:
-    chunk = response.chunk
-    last = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-    usage = chunk.usage if chunk.HasField("usage") else None
-    timings = chunk.timings if chunk.HasField("timings") else None
-    return Chunk(
-        request_id=response.request_id,
-        token_ids=tuple(chunk.token_ids),
-        text=chunk.text,
-        logprobs=tuple(
-            TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
-            for lp in chunk.logprobs
-        ),
-        finish_reason=_FINISH_REASONS.get(chunk.finish_reason) if last else None,
-        usage=Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if usage else None,
-        timings=Timings(
-            timings.ttft_s, timings.tpot_s, timings.prefill_queue_s, timings.prefill_compute_s,
-            timings.kv_wait_s, timings.e2e_s, timings.kv_delivery_wait_s,
-        ) if timings else None,
-    )
+    return chunk_from_proto(response.chunk, response.request_id)

@@ -57,17 +57,18 @@ async def _serve(args: argparse.Namespace, prefill: list[str], decode: list[str]
     from services.common.server import RoleServer
     from services.gateway.handler import GatewayServicer
     from services.gateway.model import ServedModel
+    from services.gateway.service import GatewayService
     from services.gateway.workers import WorkerRegistry
 
     registry = WorkerRegistry(prefill, decode)
-    servicer = GatewayServicer(registry)
+    service = GatewayService(registry)
     server = RoleServer("gateway", args.host, args.port, args.grace_period)
-    server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer,
+    server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(service),
                gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name)
 
     async def load() -> None:
         registry.start()
-        servicer.model = await asyncio.to_thread(ServedModel.load, args.model, args.max_model_len)
+        service.model = await asyncio.to_thread(ServedModel.load, args.model, args.max_model_len)
         # Ready means routable, so that workers and gateway can start together; requests sent
         # while a pool has no serving worker get UNAVAILABLE.
         if not await registry.wait_routable(args.wait_for_workers):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 from tandem.v1 import common_pb2
 
 from engine.sampling_params import SamplingParams
+from services.common.chunk import Chunk, Timings, TokenLogprob, Usage
 
 if TYPE_CHECKING:
     from engine.outputs import EngineStats, RequestOutput
@@ -93,7 +94,7 @@ def finish_reason_from_proto(value: common_pb2.FinishReason.ValueType) -> str | 
     return _FINISH_FROM_PROTO.get(value)
 
 
-def token_logprob_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprob:
+def token_logprob_to_proto(logprobs: TokenLogprobs | TokenLogprob) -> common_pb2.TokenLogprob:
     """One generated token's logprob and top alternatives."""
     return common_pb2.TokenLogprob(
         token_id=logprobs.token_id,
@@ -120,6 +121,51 @@ def token_chunk(output: RequestOutput, timings: common_pb2.Timings | None = None
         if timings is not None:
             chunk.timings.CopyFrom(timings)
     return chunk
+
+
+def chunk_from_proto(msg: common_pb2.TokenChunk, request_id: str) -> Chunk:
+    """A relayed TokenChunk as plain data; usage and timings only where the message has them."""
+    usage = msg.usage if msg.HasField("usage") else None
+    timings = msg.timings if msg.HasField("timings") else None
+    return Chunk(
+        request_id=request_id,
+        token_ids=tuple(msg.token_ids),
+        text=msg.text,
+        logprobs=tuple(
+            TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+            for lp in msg.logprobs
+        ),
+        finish_reason=finish_reason_from_proto(msg.finish_reason),
+        usage=Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if usage else None,
+        timings=Timings(
+            timings.ttft_s, timings.tpot_s, timings.prefill_queue_s, timings.prefill_compute_s,
+            timings.kv_wait_s, timings.e2e_s, timings.kv_delivery_wait_s,
+        ) if timings else None,
+    )
+
+
+def chunk_to_proto(chunk: Chunk) -> common_pb2.TokenChunk:
+    """The TokenChunk message of a Chunk (the inverse of `chunk_from_proto`)."""
+    msg = common_pb2.TokenChunk(
+        token_ids=chunk.token_ids,
+        text=chunk.text,
+        logprobs=[token_logprob_to_proto(lp) for lp in chunk.logprobs],
+        finish_reason=finish_reason_to_proto(chunk.finish_reason),
+    )
+    if chunk.usage is not None:
+        msg.usage.CopyFrom(common_pb2.Usage(
+            prompt_tokens=chunk.usage.prompt_tokens,
+            completion_tokens=chunk.usage.completion_tokens,
+            cached_tokens=chunk.usage.cached_tokens,
+        ))
+    if chunk.timings is not None:
+        t = chunk.timings
+        msg.timings.CopyFrom(common_pb2.Timings(
+            ttft_s=t.ttft_s, tpot_s=t.tpot_s, prefill_queue_s=t.prefill_queue_s,
+            prefill_compute_s=t.prefill_compute_s, kv_wait_s=t.kv_wait_s, e2e_s=t.e2e_s,
+            kv_delivery_wait_s=t.kv_delivery_wait_s,
+        ))
+    return msg
 
 
 def load_report(

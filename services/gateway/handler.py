@@ -1,36 +1,32 @@
-"""The Gateway gRPC service: validate, tokenize, pick workers, relay the decode worker's stream."""
+"""The Gateway gRPC service: tandem.v1.Gateway messages to and from the gateway's core."""
 
 from __future__ import annotations
 
-import logging
-import uuid
+import time
 from collections.abc import AsyncIterator
 
 import grpc
-from tandem.v1 import decode_pb2, gateway_pb2, gateway_pb2_grpc
+from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
-from services.common.convert import sampling_params_from_proto
-from services.gateway.model import ServedModel
-from services.gateway.router import NoWorkerError
-from services.gateway.workers import WorkerRegistry, dispatched
-
-log = logging.getLogger(__name__)
-
-# Refusals that leave the request untouched, so the next decode worker may take it.
-_RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+from services.common.convert import chunk_to_proto, sampling_params_from_proto
+from services.common.errors import StatusError, abort_with
+from services.gateway.request import ChatMessage, ChatPrompt, GenerateRequest, Prompt, Slo, TextPrompt, TokenPrompt
+from services.gateway.service import GatewayService
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    """tandem.v1.Gateway over a worker registry; `model` is set once loaded (UNAVAILABLE before)."""
+    """tandem.v1.Gateway over a GatewayService."""
 
-    def __init__(self, registry: WorkerRegistry) -> None:
-        self.registry = registry
-        self.model: ServedModel | None = None
+    def __init__(self, service: GatewayService) -> None:
+        self.service = service
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.ListModelsResponse:
-        model = await self._loaded(context)
+        try:
+            model = self.service.served_model()
+        except StatusError as error:
+            await abort_with(context, error)
         return gateway_pb2.ListModelsResponse(
             models=[gateway_pb2.Model(id=model.id, max_model_len=model.max_model_len)]
         )
@@ -38,65 +34,38 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        model = await self._loaded(context)
-        request_id = request.request_id or uuid.uuid4().hex
-        if request.model and request.model != model.id:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"model {request.model!r} is not served here; the model is {model.id!r}")
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            prompt = model.prompt_token_ids(request)
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        try:
-            sampling_params_from_proto(request.sampling)
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{error}")
-        try:
-            decoders = self.registry.decode_order()
-            prefillers = self.registry.prefill_order()
-        except NoWorkerError as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            async for chunk in self.service.generate(generate_request_from_proto(request), deadline):
+                yield gateway_pb2.GenerateResponse(request_id=chunk.request_id, chunk=chunk_to_proto(chunk))
+        except (StatusError, ValueError) as error:
+            await abort_with(context, error)
 
-        refusals: list[tuple[grpc.StatusCode, str]] = []
-        for attempt, decode in enumerate(decoders):
-            prefill = prefillers[attempt % len(prefillers)]
-            # Unique at the workers whatever clients send; a refused attempt may still be winding down there.
-            worker_request = decode_pb2.DecodeRequest(
-                request_id=f"{request_id}-{uuid.uuid4().hex[:12]}",
-                prompt_token_ids=prompt,
-                sampling=request.sampling,
-                prefill_address=prefill.address,
-            )
-            log.debug("request %s (%s): %d prompt tokens -> decode %s, prefill %s",
-                      request_id, worker_request.request_id, len(prompt), decode.address, prefill.address)
-            call = decode.stub.Generate(worker_request, timeout=context.time_remaining())
-            streamed = False
-            with dispatched(decode, prefill, len(prompt)) as dispatch:
-                try:
-                    async for chunk in call:
-                        if not streamed:
-                            streamed = True
-                            dispatch.prefilled()
-                        yield gateway_pb2.GenerateResponse(request_id=request_id, chunk=chunk)
-                    return
-                except grpc.aio.AioRpcError as error:
-                    if streamed or error.code() not in _RETRYABLE:
-                        await context.abort(error.code(), error.details() or "")
-                    log.info("request %s: decode worker %s refused it (%s: %s)",
-                             request_id, decode.address, error.code().name, error.details())
-                    refusals.append((error.code(), f"{decode.address}: {error.details()}"))
-                finally:
-                    # Cancels the worker's request when our client went away; a no-op once it ended.
-                    call.cancel()
-        exhausted = all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in refusals)
-        await context.abort(
-            grpc.StatusCode.RESOURCE_EXHAUSTED if exhausted else grpc.StatusCode.UNAVAILABLE,
-            "every decode worker refused the request: " + "; ".join(detail for _, detail in refusals),
-        )
 
-    async def _loaded(self, context: grpc.aio.ServicerContext) -> ServedModel:
-        model = self.model
-        if model is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway is still loading its model")
-        return model
+def generate_request_from_proto(msg: gateway_pb2.GenerateRequest) -> GenerateRequest:
+    """The core's request for a GenerateRequest; ValueError naming the field when it is unusable."""
+    try:
+        sampling = sampling_params_from_proto(msg.sampling)
+    except ValueError as error:
+        raise ValueError(f"sampling.{error}") from error
+    slo = Slo(ttft_ms=msg.slo.ttft_ms or None, tpot_ms=msg.slo.tpot_ms or None)
+    return GenerateRequest(
+        prompt=_prompt_from_proto(msg),
+        sampling=sampling,
+        model=msg.model,
+        request_id=msg.request_id,
+        slo=slo,
+        priority=msg.priority,
+    )
 
+
+def _prompt_from_proto(msg: gateway_pb2.GenerateRequest) -> Prompt:
+    kind = msg.WhichOneof("prompt")
+    if kind == "text":
+        return TextPrompt(msg.text)
+    if kind == "token_ids":
+        return TokenPrompt(tuple(msg.token_ids.ids))
+    if kind == "chat":
+        return ChatPrompt(tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages))
+    raise ValueError("prompt: must be set (text, token_ids or chat)")

@@ -10,10 +10,9 @@ import json
 import os
 from dataclasses import dataclass
 
-from tandem.v1 import gateway_pb2
-
 from engine.model.paths import default_model_path
 from engine.tokenizer import Tokenizer
+from services.gateway.request import Prompt, TextPrompt, TokenPrompt
 
 
 @dataclass(frozen=True)
@@ -35,23 +34,21 @@ class ServedModel:
         model_id = os.path.basename(os.path.normpath(source)).split(".")[0]
         return cls(model_id, max_model_len or _context_length(source), tokenizer)
 
-    def prompt_token_ids(self, request: gateway_pb2.GenerateRequest) -> list[int]:
-        """The request's prompt as token ids; ValueError naming the field when it is unusable."""
-        kind = request.WhichOneof("prompt")
-        if kind is None:
-            raise ValueError("prompt: must be set (text, token_ids or chat)")
-        if kind == "text":
-            ids = self.tokenizer.encode(request.text)
-        elif kind == "token_ids":
-            ids = list(request.token_ids.ids)
+    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        """The prompt as token ids; ValueError naming the field ("text", "token_ids" or "chat")
+        when it is unusable."""
+        if isinstance(prompt, TextPrompt):
+            kind, ids = "text", self.tokenizer.encode(prompt.text)
+        elif isinstance(prompt, TokenPrompt):
+            kind, ids = "token_ids", list(prompt.ids)
             for position, token_id in enumerate(ids):
-                if token_id >= self.tokenizer.vocab_size:
+                if not 0 <= token_id < self.tokenizer.vocab_size:
                     raise ValueError(f"token_ids: id {token_id} at position {position} is outside the "
                                      f"vocabulary of {self.tokenizer.vocab_size} tokens")
         else:
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
             try:
-                ids = self.tokenizer.encode_chat(messages)
+                kind, ids = "chat", self.tokenizer.encode_chat(messages)
             except ValueError as error:
                 raise ValueError(f"chat: {error}") from error
         if not ids:

@@ -11,13 +11,17 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Literal
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
+from engine.sampling_params import SamplingParams
+from services.common.chunk import Chunk
+from services.common.convert import chunk_from_proto, sampling_params_to_proto
+from services.common.errors import StatusError
 from services.common.server import channel_options
 from services.gateway.router import NoWorkerError, WorkerLoad, decode_load, prefill_load, rank
 
@@ -60,6 +64,36 @@ class Worker:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.channel.close()
+
+    async def generate(
+        self,
+        request_id: str,
+        worker_request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        prefill_address: str,
+        timeout: float | None,
+    ) -> AsyncIterator[Chunk]:
+        """Decode role: run a request here with its prompt computed by `prefill_address`, yielding
+        its chunks (labelled `request_id`). The worker's refusal or failure is a StatusError with
+        its gRPC code; leaving the stream early cancels the request on the worker."""
+        call = self.stub.Generate(
+            decode_pb2.DecodeRequest(
+                request_id=worker_request_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling=sampling_params_to_proto(sampling),
+                prefill_address=prefill_address,
+            ),
+            timeout=timeout,
+        )
+        try:
+            async for message in call:
+                yield chunk_from_proto(message, request_id)
+        except grpc.aio.AioRpcError as error:
+            raise StatusError(error.code(), error.details() or "") from error
+        finally:
+            # Cancels the worker's request when our client went away; a no-op once it ended.
+            call.cancel()
 
     def view(self) -> WorkerLoad:
         """Its load for routing: the latest report, raised to what this gateway knows it sent since."""

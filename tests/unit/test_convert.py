@@ -138,3 +138,25 @@ def test_convert_and_server_import_no_torch():
     # The gateway uses them and must never import torch.
     code = "import sys, services.common.convert, services.common.server; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_relayed_chunk_survives_the_round_trip_through_plain_data():
+    from services.common.convert import chunk_from_proto, chunk_to_proto
+
+    middle = common_pb2.TokenChunk(
+        token_ids=[5, 6], text="hi",
+        logprobs=[common_pb2.TokenLogprob(token_id=5, logprob=-0.5,
+                                          top=[common_pb2.TopLogprob(token_id=5, logprob=-0.5)])],
+    )
+    last = common_pb2.TokenChunk(
+        token_ids=[7], text="!", finish_reason=common_pb2.FINISH_REASON_LENGTH,
+        usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=3, cached_tokens=1),
+        timings=common_pb2.Timings(ttft_s=0.5, tpot_s=0.25, e2e_s=1.0),
+    )
+    for message in (middle, last):
+        chunk = chunk_from_proto(message, "r1")
+        assert chunk.request_id == "r1"
+        assert chunk_to_proto(chunk) == message
+    assert chunk_from_proto(middle, "r1").finish_reason is None
+    assert chunk_from_proto(middle, "r1").usage is None
+    assert chunk_from_proto(last, "r1").usage.cached_tokens == 1

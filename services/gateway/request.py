@@ -1,0 +1,69 @@
+"""A generation request as the gateway's core sees it, whichever API (gRPC or HTTP) it came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    """Plain text, tokenized by the gateway."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class TokenPrompt:
+    """Token ids, checked against the vocabulary."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """A chat turn: role "system", "user" or "assistant", and its text."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Chat turns, rendered with the model's chat template (which adds the generation prompt)."""
+
+    messages: tuple[ChatMessage, ...]
+
+
+Prompt = TextPrompt | TokenPrompt | ChatPrompt
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A request's latency objectives in milliseconds; None takes the deployment's default."""
+
+    ttft_ms: int | None = None
+    tpot_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name}: must be > 0 milliseconds, got {value}")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One completion to generate: the prompt, how to sample it, and its objectives.
+
+    `model` empty means the served model; `request_id` empty means the gateway makes one.
+    `priority`: higher is served first when requests must wait.
+    """
+
+    prompt: Prompt
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    model: str = ""
+    request_id: str = ""
+    slo: Slo = field(default_factory=Slo)
+    priority: int = 0
