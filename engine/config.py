@@ -122,6 +122,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # fp32 on CPU: weights pre-packed for oneDNN once at load (faster products, twice the weight memory).
+    prepack_weights: bool = True
 
     def __post_init__(self) -> None:
         _require(self.role in ("colocated", "prefill", "decode"), "role", f"unknown role {self.role!r}")

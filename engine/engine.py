@@ -57,6 +57,8 @@ class Engine:
                                  files.config.max_position_embeddings)
         attention = select_attention_backend(config.attention_backend, config.device)
         model = build_model(files, attention, self.device)
+        if config.prepack_weights:
+            model.pack_weights()
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or max(
             1, (config.cache.memory_bytes or 0) // bytes_per_block(files.config, block_size, dtype)
@@ -133,8 +135,9 @@ class Engine:
         scheduled chunks, so the prefill role can push pages while later layers compute.
         """
         out = self.scheduler.schedule()
-        decode = sum(1 for c in out.chunks if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens)
-        self.last_step_tokens = StepTokens(prefill=out.num_tokens - decode, decode=decode)
+        decoding = [c for c in out.chunks if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens]
+        self.last_step_tokens = StepTokens(prefill=out.num_tokens - len(decoding), decode=len(decoding),
+                                           decode_context=sum(c.start + 1 for c in decoding))
         on_layer_done = None if layer_hook is None else (lambda layer: layer_hook(layer, out.chunks))
         sampled = self.runner.execute(out, on_layer_done)
         self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
@@ -243,4 +246,5 @@ class Engine:
             num_total_blocks=self.kv.num_blocks,
             num_cached_blocks=self.kv.num_cached_blocks,
             kv_usage=self.kv.usage,
+            num_context_tokens=sum(request.num_tokens for request in self.scheduler.running),
         )

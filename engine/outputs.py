@@ -24,10 +24,12 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class StepTokens:
-    """What one step computed: prompt (or recomputed) tokens and single decode tokens."""
+    """What one step computed: prompt (or recomputed) tokens and single decode tokens, and the
+    context tokens those decode tokens attended to."""
 
     prefill: int = 0
     decode: int = 0
+    decode_context: int = 0
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class EngineStats:
     num_total_blocks: int
     num_cached_blocks: int
     kv_usage: float
+    num_context_tokens: int = 0  # tokens of context the running requests attend to
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ _COMMAND_MODULES = (
     "services.commands.generate",
     "services.commands.prefill",
     "services.commands.decode",
+    "services.commands.worker",
     "services.commands.gateway",
     "services.commands.chat",
     "services.commands.mesh",

@@ -46,12 +46,17 @@ class TandemClient:
         model: str = "",
         request_id: str = "",
         timeout: float | None = None,
+        ttft_ms: int = 0,
+        tpot_ms: int = 0,
+        priority: int = 0,
         **sampling: object,
     ) -> ChunkStream:
         """Stream a completion of exactly one of: text, token ids, or chat messages.
 
         `sampling` takes the fields of tandem.v1.SamplingParams (max_tokens, temperature, top_p,
-        seed, stop, ignore_eos, ...); None leaves a field unset. The request starts at once.
+        seed, stop, ignore_eos, ...); None leaves a field unset. `ttft_ms` and `tpot_ms` are the
+        request's latency objectives (0: the gateway's defaults); a higher `priority` is served
+        first when requests must wait. The request starts at once.
         """
         given = [value is not None for value in (prompt, token_ids, messages)]
         if sum(given) != 1:
@@ -59,6 +64,8 @@ class TandemClient:
         request = gateway_pb2.GenerateRequest(
             request_id=request_id,
             model=model,
+            slo=common_pb2.Slo(ttft_ms=ttft_ms, tpot_ms=tpot_ms),
+            priority=priority,
             sampling=common_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
         )
         if prompt is not None:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.model.linear import Linear
 from engine.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -40,6 +41,12 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.down_proj = _empty_parameter(config.hidden_size, config.intermediate_size)
         self.input_layernorm = _empty_parameter(config.hidden_size)
         self.post_attention_layernorm = _empty_parameter(config.hidden_size)
+        self.linears = {
+            "qkv": Linear(self.qkv_proj, self.qkv_bias),
+            "o": Linear(self.o_proj),
+            "gate_up": Linear(self.gate_up_proj),
+            "down": Linear(self.down_proj),
+        }
 
     def attention_block(
         self,
@@ -51,19 +58,19 @@ class LlamaDecoderLayer(torch.nn.Module):
     ) -> torch.Tensor:
         """hidden + self-attention(norm(hidden)); writes this step's K/V into the layer's cache."""
         num_tokens = hidden.shape[0]
-        qkv = F.linear(rms_norm(hidden, self.input_layernorm, self.eps), self.qkv_proj, self.qkv_bias)
+        qkv = self.linears["qkv"](rms_norm(hidden, self.input_layernorm, self.eps))
         qk_heads = self.num_heads + self.num_kv_heads
         # Q and K rotate by the same angles, so they are rotated together in one pass.
         qk = apply_rotary(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim), cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return hidden + F.linear(out.reshape(num_tokens, -1), self.o_proj)
+        return hidden + self.linears["o"](out.reshape(num_tokens, -1))
 
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden + SwiGLU(norm(hidden))."""
-        gate, up = F.linear(rms_norm(hidden, self.post_attention_layernorm, self.eps), self.gate_up_proj).chunk(2, -1)
-        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = self.linears["gate_up"](rms_norm(hidden, self.post_attention_layernorm, self.eps)).chunk(2, -1)
+        return hidden + self.linears["down"](F.silu(gate) * up)
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -81,6 +88,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.norm = _empty_parameter(config.hidden_size)
         self.lm_head = None if config.tie_word_embeddings else _empty_parameter(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)
+        self.head = Linear(self.embed_tokens if self.lm_head is None else self.lm_head)
 
     def forward(
         self,
@@ -106,8 +114,13 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 for the given final hidden states."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return self.head(hidden).float()
+
+    def pack_weights(self) -> bool:
+        """Pre-pack every matrix product's weight for oneDNN (engine.model.linear), once loaded;
+        whether they were (fp32 on CPU only)."""
+        linears = [self.head, *(linear for layer in self.layers for linear in layer.linears.values())]
+        return all([linear.pack() for linear in linears])
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named tensors into the (fused) parameters, converting dtype and device.

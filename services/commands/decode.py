@@ -11,18 +11,23 @@ from services.commands.engine_flags import add_engine_flags, engine_config
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `decode` subcommand."""
     decode = sub.add_parser("decode", help="serve a decode worker: reserves KV, has it prefilled, streams tokens")
-    decode.add_argument("--host", default="127.0.0.1")
-    decode.add_argument("--port", type=int, default=50071, help="0 = a free port")
-    decode.add_argument("--grace-period", type=float, default=30.0,
+    add_decode_flags(decode, default_port=50071)
+    decode.set_defaults(func=run, role="decode")
+
+
+def add_decode_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
+    """The flags of a worker serving tandem.v1.Decode (decode and colocated roles)."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=default_port, help="0 = a free port")
+    parser.add_argument("--grace-period", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on SIGTERM")
-    decode.add_argument("--kv-backend", default="torch_dist", choices=["torch_dist", "grpc"],
+    parser.add_argument("--kv-backend", default="torch_dist", choices=["torch_dist", "grpc"],
                         help="how prompts' KV pages arrive from prefill workers")
-    decode.add_argument("--kv-host", default=None,
+    parser.add_argument("--kv-host", default=None,
                         help="address the torch_dist rendezvous stores bind to (default: --host)")
-    decode.add_argument("--kv-timeout", type=float, default=30.0,
+    parser.add_argument("--kv-timeout", type=float, default=30.0,
                         help="seconds a reservation waits for its prompt's first token and KV")
-    add_engine_flags(decode)
-    decode.set_defaults(func=run)
+    add_engine_flags(parser)
 
 
 def run(args: argparse.Namespace) -> NoReturn:
@@ -35,6 +40,6 @@ def run(args: argparse.Namespace) -> NoReturn:
     from services.decode.handler import serve
 
     torch.set_num_threads(args.threads)
-    config = engine_config(args, "decode")
+    config = engine_config(args, args.role)
     exit_process(asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_backend,
                                    args.kv_host or args.host, args.kv_timeout)))

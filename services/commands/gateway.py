@@ -1,9 +1,13 @@
-"""`tandem gateway`: the client-facing API in front of fixed prefill and decode pools."""
+"""`tandem gateway`: the client-facing API in front of prefill and decode pools (or colocated workers)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.gateway.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -13,8 +17,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     gateway = sub.add_parser("gateway", help="serve tandem.v1.Gateway in front of prefill and decode workers")
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=50051, help="0 = a free port")
-    gateway.add_argument("--prefill", required=True, help="prefill workers: HOST:PORT[,HOST:PORT...]")
-    gateway.add_argument("--decode", required=True, help="decode workers: HOST:PORT[,HOST:PORT...]")
+    gateway.add_argument("--prefill", default="", help="prefill workers: HOST:PORT[,HOST:PORT...]")
+    gateway.add_argument("--decode", default="", help="decode workers: HOST:PORT[,HOST:PORT...]")
+    gateway.add_argument("--colocated", default="",
+                         help="colocated workers (`tandem worker --role colocated`): HOST:PORT[,HOST:PORT...]")
+    gateway.add_argument("--ttft-slo-ms", type=float, default=2000.0,
+                         help="time-to-first-token objective for requests that set none")
+    gateway.add_argument("--tpot-slo-ms", type=float, default=100.0,
+                         help="time-per-output-token objective for requests that set none")
+    gateway.add_argument("--max-queued-requests", type=int, default=256,
+                         help="requests that may wait for capacity at once; beyond it they get RESOURCE_EXHAUSTED")
     gateway.add_argument("--model", default=None,
                          help="GGUF file or HF directory, for the tokenizer and the model's name "
                               "(default: the shipped SmolLM2-135M)")
@@ -29,10 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def parse_addresses(value: str, flag: str) -> list[str]:
-    """`HOST:PORT[,HOST:PORT...]` as a list without duplicates; ValueError naming the flag."""
+    """`HOST:PORT[,HOST:PORT...]` as a list without duplicates (empty for an empty value);
+    ValueError naming the flag."""
     addresses = list(dict.fromkeys(part.strip() for part in value.split(",") if part.strip()))
-    if not addresses:
-        raise ValueError(f"{flag}: give at least one HOST:PORT")
     for address in addresses:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
@@ -44,12 +55,24 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; the exit code."""
     import asyncio
 
-    prefill = parse_addresses(args.prefill, "--prefill")
-    decode = parse_addresses(args.decode, "--decode")
-    return asyncio.run(_serve(args, prefill, decode))
+    from services.gateway.registry import WorkerRegistry
+    from services.gateway.router import Slo
+
+    pools = {
+        "prefill": parse_addresses(args.prefill, "--prefill"),
+        "decode": parse_addresses(args.decode, "--decode"),
+        "colocated": parse_addresses(args.colocated, "--colocated"),
+    }
+    slo = Slo(args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)
+
+    async def serve() -> int:
+        # Built on the running loop: its gRPC channels belong to it.
+        return await _serve(args, WorkerRegistry(**pools, default_slo=slo))
+
+    return asyncio.run(serve())
 
 
-async def _serve(args: argparse.Namespace, prefill: list[str], decode: list[str]) -> int:
+async def _serve(args: argparse.Namespace, registry: WorkerRegistry) -> int:
     import asyncio
 
     from tandem.v1 import gateway_pb2, gateway_pb2_grpc
@@ -58,10 +81,8 @@ async def _serve(args: argparse.Namespace, prefill: list[str], decode: list[str]
     from services.gateway.handler import GatewayServicer
     from services.gateway.model import ServedModel
     from services.gateway.service import GatewayService
-    from services.gateway.workers import WorkerRegistry
 
-    registry = WorkerRegistry(prefill, decode)
-    service = GatewayService(registry)
+    service = GatewayService(registry, args.max_queued_requests)
     server = RoleServer("gateway", args.host, args.port, args.grace_period)
     server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(service),
                gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name)

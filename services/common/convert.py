@@ -12,6 +12,7 @@ from tandem.v1 import common_pb2
 
 from engine.sampling_params import SamplingParams
 from services.common.chunk import Chunk, Timings, TokenLogprob, Usage
+from services.common.step_model import StepModel
 
 if TYPE_CHECKING:
     from engine.outputs import EngineStats, RequestOutput
@@ -177,6 +178,9 @@ def load_report(
     block_size: int,
     reserved_requests: int = 0,
     finished_requests: int = 0,
+    step_model: StepModel | None = None,
+    max_num_batched_tokens: int = 0,
+    kv_delivery_wait_s: float = 0.0,
 ) -> common_pb2.LoadReport:
     """A worker's LoadReport from its engine's stats and measured rates."""
     return common_pb2.LoadReport(
@@ -195,4 +199,19 @@ def load_report(
         # usage is a fraction of the total; round, since e.g. 0.3 * 10 is 2.999...
         used_kv_blocks=round(stats.kv_usage * stats.num_total_blocks),
         finished_requests=finished_requests,
+        context_tokens=stats.num_context_tokens,
+        step_model=step_model_to_proto(step_model or StepModel()),
+        max_num_batched_tokens=max_num_batched_tokens,
+        kv_delivery_wait_s=kv_delivery_wait_s,
     )
+
+
+def step_model_to_proto(model: StepModel) -> common_pb2.StepModel:
+    """A fitted step model as sent in load reports."""
+    return common_pb2.StepModel(base_s=model.base_s, per_prompt_token_s=model.per_prompt_token_s,
+                                per_sequence_s=model.per_sequence_s, per_context_token_s=model.per_context_token_s)
+
+
+def step_model_from_proto(message: common_pb2.StepModel) -> StepModel:
+    """A reported step model."""
+    return StepModel(message.base_s, message.per_prompt_token_s, message.per_sequence_s, message.per_context_token_s)

@@ -18,6 +18,7 @@ from typing import TypeVar
 from engine.engine import Engine, LayerHook
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from services.common.step_model import StepModelFit
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,11 @@ class StepRates:
 class EngineLoop:
     """The engine thread plus the asyncio-facing API of one worker."""
 
-    def __init__(self, engine: Engine, layer_hook: LayerHook | None = None) -> None:
+    def __init__(self, engine: Engine, layer_hook: LayerHook | None = None, fit: StepModelFit | None = None) -> None:
+        """`fit` is the step model to refine with every step (a new one if None)."""
         self.engine = engine
         self.rates = StepRates()
+        self.step_model = fit or StepModelFit()
         self._layer_hook = layer_hook
         self._commands: deque[tuple[Callable[[Engine], object], Future]] = deque()
         self._wake = threading.Condition()
@@ -159,7 +162,9 @@ class EngineLoop:
                 self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
             return
         tokens = engine.last_step_tokens
-        self.rates.record(tokens.prefill, tokens.decode, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.rates.record(tokens.prefill, tokens.decode, seconds)
+        self.step_model.record(tokens.prefill, tokens.decode, tokens.decode_context, seconds)
         for output in outputs:
             self._deliver(output.request_id, output)
 

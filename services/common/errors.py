@@ -8,6 +8,7 @@ TimeoutError is DEADLINE_EXCEEDED, a `StatusError` carries its own code, anythin
 from __future__ import annotations
 
 import logging
+import math
 from typing import NoReturn
 
 import grpc
@@ -18,10 +19,13 @@ log = logging.getLogger(__name__)
 class StatusError(Exception):
     """A failure with the gRPC status code to answer it with."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
+        """`retry_after_s`: when a refusal (RESOURCE_EXHAUSTED) is worth retrying; sent to gRPC
+        clients as `retry-after` trailing metadata (whole seconds), to HTTP clients as Retry-After."""
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -40,5 +44,7 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
     code, message = status_of(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.error("internal error", exc_info=exc)
-    await context.abort(code, message)
+    retry_after = getattr(exc, "retry_after_s", None)
+    trailers = (("retry-after", str(math.ceil(retry_after))),) if retry_after is not None else ()
+    await context.abort(code, message, trailing_metadata=trailers)
     raise AssertionError("context.abort returned")  # it always raises; this tells type checkers

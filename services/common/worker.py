@@ -32,9 +32,15 @@ class Worker:
         """Requests whose KV is reserved here and still arriving (only the decode role has any)."""
         return 0
 
+    @property
+    def kv_delivery_wait_s(self) -> float:
+        """Recent wait for KV delivery after a first token (only the prefill role has one)."""
+        return 0.0
+
     async def load_report(self) -> common_pb2.LoadReport:
         """This worker's load now (the engine's stats are read on its thread, between steps)."""
-        stats, block_size = await self.loop.call(lambda e: (e.stats(), e.kv.block_size))
+        stats, block_size, budget = await self.loop.call(
+            lambda e: (e.stats(), e.kv.block_size, e.config.scheduler.max_num_batched_tokens))
         return load_report(
             stats,
             self.loop.rates,
@@ -43,6 +49,9 @@ class Worker:
             block_size=block_size,
             reserved_requests=self.reserved_requests,
             finished_requests=self.inflight.finished,
+            step_model=self.loop.step_model.model,
+            max_num_batched_tokens=budget,
+            kv_delivery_wait_s=self.kv_delivery_wait_s,
         )
 
     async def watch_load(self, interval_ms: int, context: grpc.aio.ServicerContext) -> None:

@@ -18,6 +18,7 @@ from kvtransfer.receiver import make_receiver
 from services.common.convert import sampling_params_from_proto, token_chunk
 from services.common.errors import abort_with
 from services.common.server import RoleServer
+from services.common.startup_profile import profile_engine
 from services.common.worker import WorkerRpcs
 from services.decode.prefill_client import PrefillClients
 from services.decode.worker import DecodeTimings, DecodeWorker
@@ -34,8 +35,6 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
         worker = await self.ready(context)
         try:
             params = sampling_params_from_proto(request.sampling)
-            if not request.prefill_address:
-                raise ValueError("prefill_address: must be set")
             request_id = request.request_id or uuid.uuid4().hex
             await worker.inflight.run(
                 request_id, self._stream(worker, request_id, request, params, context, DecodeTimings(arrived_at))
@@ -53,8 +52,11 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
         timings: DecodeTimings,
     ) -> None:
         first_at = None
-        prefill = self.prefills.peer(request.prefill_address)
-        outputs = worker.generate(request_id, request.prompt_token_ids, params, prefill, timings)
+        if request.prefill_address:
+            prefill = self.prefills.peer(request.prefill_address)
+            outputs = worker.generate(request_id, request.prompt_token_ids, params, prefill, timings)
+        else:
+            outputs = worker.generate_local(request_id, request.prompt_token_ids, params, timings)
         # aclosing: leaving early (client gone, Abort) runs the request's cleanup before this returns.
         async with contextlib.aclosing(outputs):
             async for output in outputs:
@@ -105,8 +107,8 @@ async def serve(
     kv_host: str,
     kv_timeout: float,
 ) -> int:
-    """Run a decode worker until SIGTERM/SIGINT; returns the exit code."""
-    server = RoleServer("decode", host, port, grace_period)
+    """Run a decode (or colocated: `config.role`) worker until SIGTERM/SIGINT; returns the exit code."""
+    server = RoleServer(config.role, host, port, grace_period)
     servicer = DecodeServicer()
     kv_transfer = LateKVTransfer()
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, servicer,
@@ -118,6 +120,7 @@ async def serve(
         engine = await asyncio.to_thread(Engine, config)
         receiver = make_receiver(kv_backend, kv_host, server.address, timeout=kv_timeout, device=config.device)
         worker = DecodeWorker(server.address, engine, server.draining, receiver, kv_timeout)
+        await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
         kv_transfer.servicer = KVTransferServicer(worker.layout, receiver if kv_backend == "grpc" else None)
         worker.loop.start()
         servicer.worker = worker

@@ -70,7 +70,7 @@ class DecodeWorker(Worker):
     def __init__(
         self, address: str, engine: Engine, draining: asyncio.Event, receiver: KVReceiver, kv_timeout: float
     ) -> None:
-        super().__init__("decode", address, EngineLoop(engine), draining)
+        super().__init__(engine.config.role, address, EngineLoop(engine), draining)
         self.receiver = receiver
         self.layout = KVLayout.of_engine(engine)
         self.kv_timeout = kv_timeout
@@ -148,6 +148,19 @@ class DecodeWorker(Worker):
                 await asyncio.shield(
                     self._abandon(request_id, transfer_id, expecting, prefill if stage == "prefilling" else None)
                 )
+
+    async def generate_local(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, timings: DecodeTimings
+    ) -> AsyncIterator[RequestOutput]:
+        """Run one request with its prompt computed here, chunked beside the running batch (the
+        gateway's conditional disaggregation, and every request of a colocated worker). Close it
+        to abandon the request. Raises ValueError for bad input."""
+        first = True
+        async for output in self.loop.generate(request_id, prompt_token_ids, params):
+            if first:
+                first = False
+                timings.prefill_compute_s = time.perf_counter() - timings.arrived_at
+            yield output
 
     def _writer(self, request_id: str) -> WriteBlocks:
         engine = self.loop.engine

@@ -1,60 +1,193 @@
-"""Which worker gets the next request: pure rules over snapshots of the workers' load.
+"""Where a request runs: pure SLO routing rules over snapshots of the workers' load.
 
-Decode workers are ranked by the requests they hold (fewest first), then by free KV blocks (most
-first); prefill workers by the prompt tokens waiting in their queue. Workers whose load is equal
-take turns, so an idle pool still spreads requests evenly.
+For every way the request could run, the router predicts its time to first token and its time per
+output token from each worker's reported step model (services.common.step_model):
+
+- disaggregated, prefill worker P then decode worker D: TTFT = P's queue + P computing the tokens it
+  does not already hold (prefix affinity) + P's recent KV delivery wait + the hops; TPOT = one decode
+  step of D's batch with this request added, at the context that batch will hold;
+- local, on D alone (a colocated worker, or conditional disaggregation on a decode worker with
+  slack): TTFT = D's queue + the prompt computed in D's chunks beside its running batch; TPOT =
+  D's decode step, and while the prompt's chunks run, D's running requests see mixed steps, which
+  must stay within the TPOT objective too.
+
+A way is feasible when both predictions meet the request's SLO. A decode-role worker prefills
+only when no prefill worker can meet the SLO (conditional disaggregation: it takes cycles from
+decoding); otherwise the cheapest feasible way wins (cost: each prediction as a fraction of its
+objective); ties go to the least loaded, then in turn. When no way is feasible the router still
+names the best one, marked as missing the SLO: admission decides whether to wait for capacity or
+to run it anyway. Imports neither grpc nor torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.common.step_model import StepModel
+
+Role = Literal["prefill", "decode", "colocated"]
+
+# Gateway -> decode -> prefill and back, and the first token's relay: a few loopback RPCs.
+HOP_S = 0.005
+# Added to the cost of prefilling on a decode-role worker: prefer a prefill worker when both fit.
+LOCAL_ON_DECODE_PENALTY = 0.5
+# Added to the cost of a decode worker without KV room for the prompt now; such an option never
+# meets the SLO.
+NO_ROOM_PENALTY = 100.0
 
 
 class NoWorkerError(Exception):
-    """No worker of a pool is healthy (gRPC health SERVING)."""
+    """No worker that could run the request is serving (gRPC health SERVING)."""
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A request's objectives, in seconds."""
+
+    ttft_s: float
+    tpot_s: float
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.tpot_s <= 0:
+            raise ValueError(f"SLO objectives must be positive, got ttft {self.ttft_s} s, tpot {self.tpot_s} s")
+
+
+# The deployment's objectives unless a request or the gateway's flags say otherwise.
+DEFAULT_SLO = Slo(ttft_s=2.0, tpot_s=0.100)
 
 
 @dataclass(frozen=True)
 class WorkerLoad:
-    """What the gateway knows of one worker when it routes a request.
-
-    The counts are the larger of the worker's latest report and what this gateway itself has sent
-    there since: reports arrive every few hundred milliseconds, a burst of requests does not wait.
-    """
+    """What the gateway knows of one worker when it routes a request (see workers.Worker.view)."""
 
     address: str
-    serving: bool
-    requests: int = 0  # running + waiting + reserved
-    free_kv_blocks: int = 0
+    role: Role
+    serving: bool = True
     queued_prompt_tokens: int = 0
+    sequences: int = 0  # running + waiting + reserved: what its decode batch will hold
+    context_tokens: int = 0
+    free_kv_blocks: int = 0
+    block_size: int = 16
+    step_model: StepModel = field(default_factory=StepModel)
+    chunk_tokens: int = 2048  # the scheduler's token budget per step
+    kv_delivery_wait_s: float = 0.0
 
 
-def decode_load(worker: WorkerLoad) -> tuple[int, int]:
-    """Sort key of a decode worker: fewest requests, then most free KV blocks."""
-    return worker.requests, -worker.free_kv_blocks
+@dataclass(frozen=True)
+class RouteRequest:
+    """What routing needs of a request."""
+
+    prompt_tokens: int
+    max_tokens: int
+    slo: Slo
+    # Prompt tokens each worker (by address) already holds in its prefix cache, as far as the
+    # gateway knows; missing means none.
+    cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    # The prompt itself, for the gateway's prefix bookkeeping (the rules use only the counts).
+    token_ids: tuple[int, ...] = ()
 
 
-def prefill_load(worker: WorkerLoad) -> tuple[int]:
-    """Sort key of a prefill worker: fewest queued prompt tokens."""
-    return (worker.queued_prompt_tokens,)
+@dataclass(frozen=True)
+class Decision:
+    """Where to run a request, what the router predicts there, and why."""
+
+    decode: str
+    prefill: str | None  # None: the decode worker computes the prompt itself
+    ttft_s: float
+    tpot_s: float
+    meets_slo: bool
+    cost: float
+    reasons: tuple[str, ...] = ()  # one line per option weighed, the chosen one first
 
 
-def rank(workers: Sequence[WorkerLoad], load: Callable[[WorkerLoad], tuple[int, ...]], turn: int) -> list[str]:
-    """Addresses of the serving workers, least loaded first.
+def route(request: RouteRequest, workers: Sequence[WorkerLoad], turn: int = 0) -> Decision:
+    """The best way to run `request` on these workers (see the module docstring). Raises
+    NoWorkerError when no serving worker can decode it or, for decode-only pools, prefill it."""
+    decoders = [w for w in workers if w.serving and w.role != "prefill"]
+    prefillers = [w for w in workers if w.serving and w.role == "prefill"]
+    if not decoders:
+        raise NoWorkerError("no decode or colocated worker is serving")
+    # (conditional disaggregation: prefill on a decode-role worker, cost, batch, queue, turn order)
+    options: list[tuple[tuple[bool, float, int, int, int], Decision]] = []
+    for d_index, decode in enumerate(_rotated(decoders, turn)):
+        # A worker without KV room now stays an option, the last resort: it refuses (and the next
+        # is tried) or, once admission waited, has room again.
+        penalty = 0.0 if _fits(request, decode) else NO_ROOM_PENALTY
+        tpot = _tpot(request, decode)
+        for p_index, prefill in enumerate(_rotated(prefillers, turn)):
+            ttft = _disaggregated_ttft(request, prefill)
+            decision = _decision(request, decode, prefill, ttft, tpot, penalty)
+            options.append(((False, decision.cost, decode.sequences, prefill.queued_prompt_tokens,
+                             d_index + p_index), decision))
+        ttft, mixed_step = _local_ttft(request, decode)
+        conditional = decode.role == "decode" and bool(prefillers)
+        local_penalty = penalty + (LOCAL_ON_DECODE_PENALTY if conditional else 0.0)
+        decision = _decision(request, decode, None, ttft, max(tpot, mixed_step), local_penalty)
+        options.append(((conditional, decision.cost, decode.sequences, decode.queued_prompt_tokens, d_index),
+                        decision))
+    options.sort(key=lambda option: (not option[1].meets_slo, option[0]))
+    best = options[0][1]
+    reasons = tuple(_reason(decision) for _, decision in options[:8])
+    return Decision(best.decode, best.prefill, best.ttft_s, best.tpot_s, best.meets_slo, best.cost, reasons)
 
-    Workers with equal load keep their given order rotated by `turn`, so successive calls with an
-    increasing `turn` take them in round-robin. Raises NoWorkerError when none is serving.
-    """
-    groups: dict[tuple[int, ...], list[str]] = {}
-    for worker in workers:
-        if worker.serving:
-            groups.setdefault(load(worker), []).append(worker.address)
-    if not groups:
-        raise NoWorkerError("no worker is serving")
-    ranked: list[str] = []
-    for key in sorted(groups):
-        tied = groups[key]
-        shift = turn % len(tied)
-        ranked.extend(tied[shift:] + tied[:shift])
-    return ranked
+
+def _rotated(workers: list[WorkerLoad], turn: int) -> list[WorkerLoad]:
+    if not workers:
+        return workers
+    shift = turn % len(workers)
+    return workers[shift:] + workers[:shift]
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def _fits(request: RouteRequest, decode: WorkerLoad) -> bool:
+    """The decode worker can reserve the prompt now (it needs the prompt plus one token's blocks)."""
+    return _blocks(request.prompt_tokens + 1, decode.block_size) <= decode.free_kv_blocks
+
+
+def _uncached(request: RouteRequest, worker: WorkerLoad) -> int:
+    cached = min(request.cached_tokens.get(worker.address, 0), request.prompt_tokens - 1)
+    return request.prompt_tokens - max(0, cached)
+
+
+def _tpot(request: RouteRequest, decode: WorkerLoad) -> float:
+    """One decode step of the batch with this request added, halfway through its output."""
+    context = decode.context_tokens + request.prompt_tokens + request.max_tokens // 2
+    return decode.step_model.step_s(0, decode.sequences + 1, context)
+
+
+def _disaggregated_ttft(request: RouteRequest, prefill: WorkerLoad) -> float:
+    model = prefill.step_model
+    queue = model.prefill_s(prefill.queued_prompt_tokens, prefill.chunk_tokens)
+    compute = model.prefill_s(_uncached(request, prefill), prefill.chunk_tokens)
+    return queue + compute + prefill.kv_delivery_wait_s + HOP_S
+
+
+def _local_ttft(request: RouteRequest, decode: WorkerLoad) -> tuple[float, float]:
+    """(TTFT prefilling on the decode worker, the running batch's step time meanwhile)."""
+    model = decode.step_model
+    chunk = decode.chunk_tokens
+    queue = model.prefill_s(decode.queued_prompt_tokens, chunk, decode.sequences, decode.context_tokens)
+    compute = model.prefill_s(_uncached(request, decode), chunk, decode.sequences, decode.context_tokens)
+    mixed = model.step_s(min(chunk, request.prompt_tokens), decode.sequences, decode.context_tokens)
+    return queue + compute + HOP_S, mixed if decode.sequences else 0.0
+
+
+def _decision(request: RouteRequest, decode: WorkerLoad, prefill: WorkerLoad | None, ttft: float, tpot: float,
+              penalty: float) -> Decision:
+    slo = request.slo
+    meets = ttft <= slo.ttft_s and tpot <= slo.tpot_s and penalty < NO_ROOM_PENALTY
+    cost = ttft / slo.ttft_s + tpot / slo.tpot_s + penalty
+    return Decision(decode.address, prefill.address if prefill else None, ttft, tpot, meets, cost)
+
+
+def _reason(decision: Decision) -> str:
+    where = f"prefill {decision.prefill} -> decode {decision.decode}" if decision.prefill else \
+        f"local prefill on {decision.decode}"
+    verdict = "meets SLO" if decision.meets_slo else "misses SLO"
+    return (f"{where}: predicted TTFT {decision.ttft_s * 1e3:.0f} ms, TPOT {decision.tpot_s * 1e3:.0f} ms, "
+            f"{verdict} (cost {decision.cost:.2f})")

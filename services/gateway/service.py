@@ -1,9 +1,9 @@
 """The gateway's core, the same for every client API (gRPC, OpenAI-compatible HTTP).
 
-`GatewayService.generate` validates and tokenizes a request, asks `route` which workers to try,
-and streams the chosen decode worker's chunks, moving on to the next pair while workers refuse
-the request before its first token. Failures are `StatusError`s carrying a gRPC status code; each
-API maps them to its own errors.
+`GatewayService.generate` validates and tokenizes a request, has admission place it (the SLO
+router's choice, at once or after a bounded wait), and streams the chosen decode worker's chunks,
+moving on to the next best worker while workers refuse the request before its first token.
+Failures are `StatusError`s carrying a gRPC status code; each API maps them to its own errors.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 
 from services.common.chunk import Chunk
 from services.common.errors import StatusError
+from services.gateway.admission import Admission, Rejected
 from services.gateway.model import ServedModel
+from services.gateway.registry import Placement, WorkerRegistry
 from services.gateway.request import GenerateRequest
-from services.gateway.router import NoWorkerError
-from services.gateway.workers import Worker, WorkerRegistry, dispatched
+from services.gateway.router import NoWorkerError, Slo
 
 log = logging.getLogger(__name__)
 
@@ -29,19 +29,14 @@ log = logging.getLogger(__name__)
 _RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 
 
-@dataclass(frozen=True)
-class Route:
-    """One placement to try: the decode worker to call and the prefill worker it should use."""
-
-    decode: Worker
-    prefill: Worker
-
-
 class GatewayService:
     """Requests in, chunks out, over a worker registry; `model` is set once loaded."""
 
-    def __init__(self, registry: WorkerRegistry) -> None:
+    def __init__(self, registry: WorkerRegistry, max_queued: int = 256) -> None:
+        """`max_queued`: requests that may wait for capacity at once (beyond it they are refused)."""
         self.registry = registry
+        self.admission: Admission[Placement] = Admission(registry, max_queued)
+        registry.on_change(self.admission.changed)
         self.model: ServedModel | None = None
 
     def served_model(self) -> ServedModel:
@@ -51,28 +46,38 @@ class GatewayService:
         return self.model
 
     def ready(self) -> bool:
-        """Whether requests can be served now: the model is loaded and each pool has a serving worker."""
+        """Whether requests can be served now: the model is loaded and the workers can take requests."""
         return self.model is not None and self.registry.routable()
 
-    def route(self, request: GenerateRequest, prompt_token_ids: list[int]) -> list[Route]:
-        """The placements to try for a request, best first (least-loaded decode workers, each with
-        the next least-loaded prefill worker); StatusError UNAVAILABLE when a pool has none serving."""
+    async def place(self, request: GenerateRequest, prompt: list[int], arrived_at: float,
+                    exclude: frozenset[str] = frozenset()) -> Placement:
+        """Where the request runs, once admission lets it in (see services.gateway.admission).
+        StatusError RESOURCE_EXHAUSTED (with a retry-after hint) when refused, UNAVAILABLE when no
+        worker could take it at all."""
+        default = self.registry.default_slo
+        slo = Slo(request.slo.ttft_ms / 1000 if request.slo.ttft_ms else default.ttft_s,
+                  request.slo.tpot_ms / 1000 if request.slo.tpot_ms else default.tpot_s)
+        route_request = self.registry.route_request(prompt, request.sampling.max_tokens, slo)
         try:
-            decoders = self.registry.decode_order()
-            prefillers = self.registry.prefill_order()
+            if exclude:  # a retry after a refusal: no queueing, the best other worker now
+                return self.registry.claim(route_request, self.registry.decide(route_request, exclude=exclude))
+            return await self.admission.admit(route_request, request.priority, arrived_at)
         except NoWorkerError as error:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, str(error)) from error
-        return [Route(decode, prefillers[attempt % len(prefillers)]) for attempt, decode in enumerate(decoders)]
+        except Rejected as rejected:
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(rejected),
+                              retry_after_s=rejected.retry_after_s) from rejected
 
     async def generate(self, request: GenerateRequest, deadline: float | None = None) -> AsyncIterator[Chunk]:
         """Stream the request's chunks; the last one carries finish reason, usage and timings.
 
         `deadline` is a `time.monotonic()` instant the workers must finish by (None: no limit).
         Raises StatusError: UNAVAILABLE (loading, no serving worker, every worker unavailable),
-        NOT_FOUND (another model), INVALID_ARGUMENT (the prompt), RESOURCE_EXHAUSTED (every
-        decode worker full), or a worker's own code when it fails after the first token. Every
-        validation error comes before the first chunk.
+        NOT_FOUND (another model), INVALID_ARGUMENT (the prompt), RESOURCE_EXHAUSTED (refused by
+        admission, or every decode worker full), or a worker's own code when it fails after the
+        first token. Every validation error comes before the first chunk.
         """
+        arrived_at = time.monotonic()
         model = self.served_model()
         request_id = request.request_id or uuid.uuid4().hex
         if request.model and request.model != model.id:
@@ -84,31 +89,40 @@ class GatewayService:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
 
         refusals: list[tuple[grpc.StatusCode, str]] = []
-        for route in self.route(request, prompt):
+        refused: frozenset[str] = frozenset()
+        while True:
+            try:
+                placement = await self.place(request, prompt, arrived_at, refused)
+            except StatusError:
+                if not refusals:
+                    raise
+                break  # no other worker left to try
+            decision = placement.decision
             # Unique at the workers whatever clients send; a refused attempt may still be winding down there.
             worker_request_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
-            log.debug("request %s (%s): %d prompt tokens -> decode %s, prefill %s", request_id,
-                      worker_request_id, len(prompt), route.decode.address, route.prefill.address)
+            log.debug("request %s (%s): %d prompt tokens: %s", request_id, worker_request_id, len(prompt),
+                      "; ".join(decision.reasons[:1]))
             timeout = None if deadline is None else deadline - time.monotonic()
-            stream = route.decode.generate(request_id, worker_request_id, prompt, request.sampling,
-                                           route.prefill.address, timeout)
+            stream = placement.decode.generate(request_id, worker_request_id, prompt, request.sampling,
+                                               decision.prefill or "", timeout)
             streamed = False
-            with dispatched(route.decode, route.prefill, len(prompt)) as dispatch:
-                try:
-                    async for chunk in stream:
-                        if not streamed:
-                            streamed = True
-                            dispatch.prefilled()
-                        yield chunk
-                    return
-                except StatusError as error:
-                    if streamed or error.code not in _RETRYABLE:
-                        raise
-                    log.info("request %s: decode worker %s refused it (%s: %s)",
-                             request_id, route.decode.address, error.code.name, error.message)
-                    refusals.append((error.code, f"{route.decode.address}: {error.message}"))
-                finally:
-                    await stream.aclose()
+            try:
+                async for chunk in stream:
+                    if not streamed:
+                        streamed = True
+                        placement.prefilled()
+                    yield chunk
+                return
+            except StatusError as error:
+                if streamed or error.code not in _RETRYABLE:
+                    raise
+                log.info("request %s: decode worker %s refused it (%s: %s)",
+                         request_id, placement.decode.address, error.code.name, error.message)
+                refusals.append((error.code, f"{placement.decode.address}: {error.message}"))
+                refused |= {placement.decode.address}
+            finally:
+                await stream.aclose()
+                placement.release()
         exhausted = all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in refusals)
         raise StatusError(
             grpc.StatusCode.RESOURCE_EXHAUSTED if exhausted else grpc.StatusCode.UNAVAILABLE,

@@ -1,4 +1,4 @@
-"""The gateway's static registry of workers, kept current by streams from each of them.
+"""One worker as the gateway sees it, kept current by streams from it.
 
 Per worker the gateway holds one channel and two subscriptions: gRPC health Watch (is it
 SERVING?) and WatchLoad (its latest LoadReport). Either stream breaking (worker down, draining,
@@ -8,11 +8,8 @@ not started yet) marks the worker unusable until a resubscription succeeds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import logging
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Literal
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -20,14 +17,12 @@ from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 from engine.sampling_params import SamplingParams
 from services.common.chunk import Chunk
-from services.common.convert import chunk_from_proto, sampling_params_to_proto
+from services.common.convert import chunk_from_proto, sampling_params_to_proto, step_model_from_proto
 from services.common.errors import StatusError
 from services.common.server import channel_options
-from services.gateway.router import NoWorkerError, WorkerLoad, decode_load, prefill_load, rank
+from services.gateway.router import Role, WorkerLoad
 
 log = logging.getLogger(__name__)
-
-Role = Literal["prefill", "decode"]
 
 _RESUBSCRIBE_S = 0.5
 _LOAD_INTERVAL_MS = 200
@@ -42,16 +37,20 @@ _RECONNECT_OPTIONS = [
 class Worker:
     """One worker as the gateway sees it: health, latest load, and what this gateway sent it since."""
 
-    def __init__(self, address: str, role: Role) -> None:
+    def __init__(self, address: str, role: Role, on_change: Callable[[], None] = lambda: None) -> None:
+        """`on_change` runs whenever its health or load changes (admission re-tries waiting requests)."""
         self.address = address
         self.role = role
         self.channel = grpc.aio.insecure_channel(address, options=channel_options() + _RECONNECT_OPTIONS)
-        stub_class = decode_pb2_grpc.DecodeStub if role == "decode" else prefill_pb2_grpc.PrefillStub
+        stub_class = prefill_pb2_grpc.PrefillStub if role == "prefill" else decode_pb2_grpc.DecodeStub
         self.stub = stub_class(self.channel)
         self.serving = False
         self.report: common_pb2.LoadReport | None = None
-        self.in_flight = 0  # decode: requests this gateway is streaming from it
-        self.pending_prompt_tokens = 0  # prefill: prompt tokens sent its way, first token not yet back
+        # What this gateway sent here and the worker's reports may not show yet.
+        self.in_flight = 0  # requests this gateway is streaming from it (decode, colocated)
+        self.pending_prompt_tokens = 0  # prompt tokens it must still compute for us, first token not yet back
+        self.pending_context_tokens = 0  # context of the requests streaming from it
+        self._on_change = on_change
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -74,7 +73,8 @@ class Worker:
         prefill_address: str,
         timeout: float | None,
     ) -> AsyncIterator[Chunk]:
-        """Decode role: run a request here with its prompt computed by `prefill_address`, yielding
+        """Decode or colocated role: run a request here with its prompt computed by
+        `prefill_address` (empty: by this worker), yielding
         its chunks (labelled `request_id`). The worker's refusal or failure is a StatusError with
         its gRPC code; leaving the stream early cancels the request on the worker."""
         call = self.stub.Generate(
@@ -95,22 +95,35 @@ class Worker:
             # Cancels the worker's request when our client went away; a no-op once it ended.
             call.cancel()
 
-    def view(self) -> WorkerLoad:
-        """Its load for routing: the latest report, raised to what this gateway knows it sent since."""
-        report = self.report
-        requests = report.running_requests + report.waiting_requests + report.reserved_requests if report else 0
+    def view(self, idle: bool = False) -> WorkerLoad:
+        """Its load for routing: the latest report, raised to what this gateway knows it sent since.
+        With `idle`, the same worker with nothing queued or running (what it could do at best)."""
+        report = self.report or common_pb2.LoadReport()
+        if idle:
+            return WorkerLoad(self.address, self.role, self.serving, free_kv_blocks=report.total_kv_blocks,
+                              block_size=report.block_size or 16, step_model=step_model_from_proto(report.step_model),
+                              chunk_tokens=report.max_num_batched_tokens or 2048,
+                              kv_delivery_wait_s=report.kv_delivery_wait_s)
+        sequences = report.running_requests + report.waiting_requests + report.reserved_requests
         return WorkerLoad(
             address=self.address,
-            serving=self.serving,
-            requests=max(requests, self.in_flight),
-            free_kv_blocks=report.free_kv_blocks if report else 0,
-            queued_prompt_tokens=max(report.queued_prompt_tokens if report else 0, self.pending_prompt_tokens),
+            role=self.role,
+            serving=self.serving and self.report is not None,
+            queued_prompt_tokens=max(report.queued_prompt_tokens, self.pending_prompt_tokens),
+            sequences=max(sequences, self.in_flight),
+            context_tokens=max(report.context_tokens, self.pending_context_tokens),
+            free_kv_blocks=report.free_kv_blocks,
+            block_size=report.block_size or 16,
+            step_model=step_model_from_proto(report.step_model),
+            chunk_tokens=report.max_num_batched_tokens or 2048,
+            kv_delivery_wait_s=report.kv_delivery_wait_s,
         )
 
     def _set_serving(self, serving: bool) -> None:
         if serving != self.serving:
             log.info("%s worker %s is %s", self.role, self.address, "SERVING" if serving else "NOT serving")
-        self.serving = serving
+            self.serving = serving
+            self._on_change()
 
     async def _watch_health(self) -> None:
         health = health_pb2_grpc.HealthStub(self.channel)
@@ -130,93 +143,9 @@ class Worker:
             try:
                 async for report in self.stub.WatchLoad(request):
                     self.report = report
+                    self._on_change()
             except grpc.aio.AioRpcError as error:
                 log.debug("%s worker %s: load watch: %s: %s", self.role, self.address, error.code().name,
                           error.details())
             self.report = None
             await asyncio.sleep(_RESUBSCRIBE_S)
-
-
-class WorkerRegistry:
-    """The fixed prefill and decode pools, ranked for each request."""
-
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
-        """Addresses (host:port) of each pool's workers; channels open on `start`."""
-        if not prefill or not decode:
-            raise ValueError("the gateway needs at least one prefill and one decode worker")
-        self._prefill = {address: Worker(address, "prefill") for address in prefill}
-        self._decode = {address: Worker(address, "decode") for address in decode}
-        self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
-
-    @property
-    def workers(self) -> list[Worker]:
-        """Every worker, prefill pool first."""
-        return [*self._prefill.values(), *self._decode.values()]
-
-    def start(self) -> None:
-        """Subscribe to every worker's health and load."""
-        for worker in self.workers:
-            worker.start()
-
-    async def wait_routable(self, timeout: float) -> bool:
-        """Wait (at most `timeout` seconds) until each pool has a SERVING worker that reported its
-        load; whether that happened."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while not self.routable():
-            if asyncio.get_running_loop().time() > deadline:
-                return False
-            await asyncio.sleep(0.1)
-        return True
-
-    def routable(self) -> bool:
-        """Whether each pool has a SERVING worker whose load is known."""
-        return all(
-            any(worker.serving and worker.report is not None for worker in pool.values())
-            for pool in (self._prefill, self._decode)
-        )
-
-    async def close(self) -> None:
-        """End every subscription and channel."""
-        await asyncio.gather(*(worker.close() for worker in self.workers))
-
-    def decode_order(self) -> list[Worker]:
-        """Serving decode workers, the one to try first first; NoWorkerError if none."""
-        return self._order(self._decode, "decode")
-
-    def prefill_order(self) -> list[Worker]:
-        """Serving prefill workers, least loaded first; NoWorkerError if none."""
-        return self._order(self._prefill, "prefill")
-
-    def _order(self, pool: dict[str, Worker], role: Role) -> list[Worker]:
-        load = decode_load if role == "decode" else prefill_load
-        try:
-            ranked = rank([worker.view() for worker in pool.values()], load, next(self._turns[role]))
-        except NoWorkerError:
-            raise NoWorkerError(f"no {role} worker is serving") from None
-        return [pool[address] for address in ranked]
-
-
-@contextlib.contextmanager
-def dispatched(decode: Worker, prefill: Worker, prompt_tokens: int) -> Iterator[Dispatch]:
-    """Count a request against the workers it was sent to, for as long as it runs there."""
-    dispatch = Dispatch(prefill, prompt_tokens)
-    decode.in_flight += 1
-    try:
-        yield dispatch
-    finally:
-        decode.in_flight -= 1
-        dispatch.prefilled()
-
-
-class Dispatch:
-    """A request's share of its prefill worker's queue, removed when the first token comes back."""
-
-    def __init__(self, prefill: Worker, prompt_tokens: int) -> None:
-        self._prefill = prefill
-        self._prompt_tokens = prompt_tokens
-        prefill.pending_prompt_tokens += prompt_tokens
-
-    def prefilled(self) -> None:
-        """The prompt is computed (or the attempt ended): it no longer loads the prefill worker."""
-        self._prefill.pending_prompt_tokens -= self._prompt_tokens
-        self._prompt_tokens = 0

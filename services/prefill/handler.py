@@ -13,6 +13,7 @@ from kvtransfer.descriptor import KVLayout, TransferTarget
 from services.common.convert import finish_reason_to_proto, sampling_params_from_proto, token_logprob_to_proto
 from services.common.errors import abort_with
 from services.common.server import RoleServer
+from services.common.startup_profile import profile_engine
 from services.common.worker import WorkerRpcs
 from services.prefill.worker import PrefillResult, PrefillWorker
 
@@ -61,6 +62,7 @@ async def serve(config: EngineConfig, host: str, port: int, grace_period: float,
     async def load() -> None:
         engine = await asyncio.to_thread(Engine, config)
         worker = PrefillWorker(server.address, engine, server.draining, KVLayout.of_engine(engine), transfer_timeout)
+        await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
         worker.loop.start()
         servicer.worker = worker
 

@@ -42,6 +42,11 @@ class PrefillWorker(Worker):
         self.layout = layout
         self.senders = KVSenderPool(layout, timeout=transfer_timeout, device=engine.config.device)
         self.transfer_timeout = transfer_timeout
+        self._delivery_wait_s = 0.0
+
+    @property
+    def kv_delivery_wait_s(self) -> float:
+        return self._delivery_wait_s
 
     async def prefill(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, target: TransferTarget
@@ -69,6 +74,8 @@ class PrefillWorker(Worker):
             done_at = time.perf_counter()
             kv_bytes = await self._deliver(push)
             delivered_at = time.perf_counter()
+            wait = delivered_at - done_at
+            self._delivery_wait_s = wait if not self._delivery_wait_s else 0.8 * self._delivery_wait_s + 0.2 * wait
             await self.loop.call(lambda e: self._release(e, request_id))
             released = True
         finally:

@@ -57,7 +57,10 @@ def _gateway_args(prefill: list[list[str]], decode: list[list[str]]) -> list[str
     def addresses(arg_lists: list[list[str]]) -> str:
         return ",".join(f"127.0.0.1:{args[args.index('--port') + 1]}" for args in arg_lists)
 
-    return ["gateway", "--port", "0", "--prefill", addresses(prefill), "--decode", addresses(decode)]
+    # Objectives no request here can miss: these tests are about correctness under concurrency, not
+    # admission (tests/integration/test_routing.py covers that), and 2 cores serve few requests in 2 s.
+    return ["gateway", "--port", "0", "--prefill", addresses(prefill), "--decode", addresses(decode),
+            "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"]
 
 
 def _stop(workers: list[Worker]) -> None:

@@ -120,12 +120,23 @@ def test_a_first_token_that_ends_the_request_still_comes_with_usage(prefill, dec
     _wait_until_no_blocks_used(prefill, decode)
 
 
+def test_without_a_prefill_address_the_decode_worker_prefills_itself(prefill, decode, prompts, reference):
+    # Conditional disaggregation: the same greedy tokens, with nothing asked of the prefill worker.
+    stub = _decode_stub(decode)
+    prefilled_before = _load(prefill).finished_requests
+    for prompt, expected in zip(prompts, reference, strict=True):
+        chunks = _generate(stub, _request(prompt, prefill, prefill_address=""))
+        assert [t for c in chunks for t in c.token_ids] == expected
+        assert chunks[-1].timings.kv_delivery_wait_s == 0
+    assert _load(prefill).finished_requests == prefilled_before
+    _wait_until_no_blocks_used(prefill, decode)
+
+
 def test_bad_input_is_invalid_argument_naming_the_field(prefill, decode, prompts):
     stub = _decode_stub(decode)
     for request, field in [
         (_request(prompts[0], prefill, sampling=common_pb2.SamplingParams(top_p=0.0)), "top_p"),
         (_request([1, 2, 10**9], prefill), "prompt_token_ids"),
-        (_request(prompts[0], prefill, prefill_address=""), "prefill_address"),
     ]:
         with pytest.raises(grpc.RpcError) as error:
             _generate(stub, request)
@@ -233,3 +244,12 @@ def test_sigterm_refuses_new_rpcs_lets_the_running_stream_finish_then_exits_zero
         decode.stop()
     assert sum(len(c.token_ids) for c in chunks) == params.max_tokens
     assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_load_reports_carry_the_step_model_fitted_at_start_up(prefill, decode):
+    prefill_model = _load(prefill).step_model
+    assert prefill_model.per_prompt_token_s > 0
+    assert _load(prefill).max_num_batched_tokens == int(CHUNK_TOKENS)
+    decode_model = _load(decode).step_model
+    # A decode step costs something whatever the batch: the weights are read once per step.
+    assert decode_model.base_s + decode_model.per_sequence_s > 0

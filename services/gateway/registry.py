@@ -1,0 +1,151 @@
+"""The gateway's workers by pool, and the placement of requests on them.
+
+The registry turns its workers' live views into router decisions (services.gateway.router), and a
+decision into a Placement that counts the request against the chosen workers at once, so the next
+decision sees it even before the workers' own reports do. It is the Placer that admission uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Sequence
+
+from services.gateway.prefix_index import PrefixIndex, block_hashes
+from services.gateway.router import DEFAULT_SLO, Decision, NoWorkerError, Role, RouteRequest, Slo, route
+from services.gateway.workers import Worker
+
+
+class Placement:
+    """A request placed on a decode worker (and a prefill worker, or none for local prefill):
+    counted against them until `release`; its prompt counts in their queue until `prefilled`."""
+
+    def __init__(self, decision: Decision, decode: Worker, prefill: Worker | None, request: RouteRequest,
+                 on_release: Callable[[], None]) -> None:
+        self.decision = decision
+        self.decode = decode
+        self.prefill = prefill
+        self._prefilling = prefill or decode
+        self._uncached = request.prompt_tokens - request.cached_tokens.get(self._prefilling.address, 0)
+        self._context = request.prompt_tokens + request.max_tokens // 2
+        self._on_release = on_release
+        self._released = False
+        decode.in_flight += 1
+        decode.pending_context_tokens += self._context
+        self._prefilling.pending_prompt_tokens += self._uncached
+
+    def prefilled(self) -> None:
+        """The first token came back: the prompt no longer loads its prefill worker's queue."""
+        self._prefilling.pending_prompt_tokens -= self._uncached
+        self._uncached = 0
+
+    def release(self) -> None:
+        """The request ended (or this attempt did): its load leaves the workers."""
+        if self._released:
+            return
+        self._released = True
+        self.prefilled()
+        self.decode.in_flight -= 1
+        self.decode.pending_context_tokens -= self._context
+        self._on_release()
+
+
+class WorkerRegistry:
+    """Prefill, decode and colocated workers by address; routes requests over their views."""
+
+    def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = (), colocated: Sequence[str] = (),
+                 default_slo: Slo = DEFAULT_SLO) -> None:
+        """Addresses (host:port) of each pool's workers; channels open on `start`. A deployment needs
+        a decode-capable worker (decode or colocated), and prefill workers unless it is colocated only."""
+        if not decode and not colocated:
+            raise ValueError("the gateway needs at least one decode or colocated worker")
+        if decode and not prefill:
+            raise ValueError("decode workers need at least one prefill worker")
+        self.default_slo = default_slo
+        self.prefix_index = PrefixIndex()
+        self._listeners: list[Callable[[], None]] = []
+        self._workers: dict[str, Worker] = {}
+        pools: list[tuple[Role, Sequence[str]]] = [("prefill", prefill), ("decode", decode), ("colocated", colocated)]
+        for role, addresses in pools:
+            for address in addresses:
+                if address in self._workers:
+                    raise ValueError(f"worker {address} is listed twice")
+                self._workers[address] = Worker(address, role, self._changed)
+        self._turns = itertools.count()
+
+    @property
+    def workers(self) -> list[Worker]:
+        """Every worker."""
+        return list(self._workers.values())
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call `listener` whenever a worker's health or load changed or a placement ended."""
+        self._listeners.append(listener)
+
+    def start(self) -> None:
+        """Subscribe to every worker's health and load."""
+        for worker in self._workers.values():
+            worker.start()
+
+    async def close(self) -> None:
+        """End every subscription and channel."""
+        await asyncio.gather(*(worker.close() for worker in self._workers.values()))
+
+    async def wait_routable(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until requests can be placed; whether they can."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not self.routable():
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
+    def routable(self) -> bool:
+        """Whether a serving, reporting decode-capable worker exists, and a prefill worker where
+        the decode-capable ones cannot prefill themselves."""
+        def up(roles: tuple[str, ...]) -> bool:
+            return any(w.serving and w.report is not None for w in self._workers.values() if w.role in roles)
+
+        return up(("colocated",)) or (up(("decode",)) and up(("prefill",)))
+
+    # ---- placing requests ------------------------------------------------------------------------
+    def route_request(self, prompt_token_ids: Sequence[int], max_tokens: int, slo: Slo | None = None) -> RouteRequest:
+        """A request as the router sees it, with the prefix each worker likely holds."""
+        cached: dict[str, int] = {}
+        hashes_by_size: dict[int, list[bytes]] = {}
+        for worker in self._workers.values():
+            block_size = worker.report.block_size if worker.report and worker.report.block_size else 16
+            hashes = hashes_by_size.setdefault(block_size, block_hashes(prompt_token_ids, block_size))
+            tokens = self.prefix_index.cached_tokens(worker.address, hashes, block_size)
+            if tokens:
+                cached[worker.address] = tokens
+        return RouteRequest(len(prompt_token_ids), max_tokens, slo or self.default_slo, cached,
+                            tuple(prompt_token_ids))
+
+    def decide(self, request: RouteRequest, idle: bool = False, exclude: frozenset[str] = frozenset()) -> Decision:
+        """The router's decision over the workers' current views (or idle ones); NoWorkerError if
+        no worker could take it."""
+        views = [w.view(idle) for w in self._workers.values() if w.address not in exclude]
+        return route(request, views, next(self._turns))
+
+    def claim(self, request: RouteRequest, decision: Decision) -> Placement:
+        """Count the request against the decision's workers and remember where its prefix went."""
+        decode = self._workers[decision.decode]
+        prefill = self._workers[decision.prefill] if decision.prefill else None
+        for worker in (prefill or decode, decode):
+            self._remember_prefix(worker, request)
+        return Placement(decision, decode, prefill, request, self._changed)
+
+    def _remember_prefix(self, worker: Worker, request: RouteRequest) -> None:
+        report = worker.report
+        if report is None or not request.token_ids:
+            return
+        block_size = report.block_size or 16
+        self.prefix_index.record(worker.address, block_hashes(request.token_ids, block_size), report.total_kv_blocks)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+
+__all__ = ["NoWorkerError", "Placement", "WorkerRegistry"]

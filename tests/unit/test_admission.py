@@ -1,0 +1,125 @@
+"""Admission rules over a scripted placer (our own interface, standing in for the worker registry)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.gateway.admission import Admission, Rejected
+from services.gateway.router import Decision, RouteRequest, Slo
+
+
+class Claim:
+    def __init__(self, placer: ScriptedPlacer, request: RouteRequest) -> None:
+        self.request = request
+        self._placer = placer
+
+    def release(self) -> None:
+        self._placer.claimed.remove(self.request)
+
+
+class ScriptedPlacer:
+    """Meets the SLO while fewer than `capacity` requests are claimed; idle it always meets unless told."""
+
+    def __init__(self, capacity: int, idle_meets: bool = True) -> None:
+        self.capacity = capacity
+        self.idle_meets = idle_meets
+        self.claimed: list[RouteRequest] = []
+
+    def decide(self, request: RouteRequest, idle: bool = False) -> Decision:
+        meets = self.idle_meets if idle else len(self.claimed) < self.capacity
+        return Decision("d1", "p1", 0.5, 0.05, meets, 1.0, ("prefill p1 -> decode d1: scripted",))
+
+    def claim(self, request: RouteRequest, decision: Decision) -> Claim:
+        self.claimed.append(request)
+        return Claim(self, request)
+
+
+def req(tokens: int = 100, ttft: float = 5.0) -> RouteRequest:
+    return RouteRequest(prompt_tokens=tokens, max_tokens=16, slo=Slo(ttft, 0.1))
+
+
+def test_a_request_that_fits_is_placed_at_once() -> None:
+    async def scenario() -> None:
+        placer = ScriptedPlacer(capacity=1)
+        claim = await Admission(placer, max_queued=4).admit(req())
+        assert placer.claimed == [claim.request]
+
+    asyncio.run(scenario())
+
+
+def test_a_slo_out_of_reach_even_when_idle_runs_on_the_best_option() -> None:
+    async def scenario() -> None:
+        placer = ScriptedPlacer(capacity=0, idle_meets=False)
+        await Admission(placer, max_queued=4).admit(req())
+        assert len(placer.claimed) == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_request_is_placed_when_capacity_frees() -> None:
+    async def scenario() -> None:
+        placer = ScriptedPlacer(capacity=1)
+        admission = Admission(placer, max_queued=4)
+        first = await admission.admit(req())
+        second = asyncio.create_task(admission.admit(req(200)))
+        await asyncio.sleep(0.05)
+        assert admission.queued == 1 and not second.done()
+        first.release()
+        admission.changed()
+        claim = await asyncio.wait_for(second, 5)
+        assert claim.request.prompt_tokens == 200 and admission.queued == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_request_still_waiting_at_its_ttft_deadline_is_rejected_with_a_retry_hint() -> None:
+    async def scenario() -> None:
+        placer = ScriptedPlacer(capacity=0)
+        admission = Admission(placer, max_queued=4)
+        with pytest.raises(Rejected) as rejected:
+            await admission.admit(req(ttft=0.1))
+        assert rejected.value.retry_after_s >= 1.0
+        assert "TTFT 100 ms" in str(rejected.value)
+        assert admission.queued == 0 and placer.claimed == []
+
+    asyncio.run(scenario())
+
+
+def test_a_full_queue_refuses_the_lowest_ranked_request() -> None:
+    async def scenario() -> None:
+        placer = ScriptedPlacer(capacity=0)
+        admission = Admission(placer, max_queued=2)
+        low = [asyncio.create_task(admission.admit(req(), priority=0)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(Rejected, match="queue is full"):
+            await admission.admit(req(), priority=0)  # no better than those waiting
+        high = asyncio.create_task(admission.admit(req(), priority=5))
+        await asyncio.sleep(0.05)
+        # The later-deadline low-priority request gave its place to the high-priority one.
+        assert low[1].done() and isinstance(low[1].exception(), Rejected)
+        assert not low[0].done() and admission.queued == 2
+        placer.capacity = 1
+        admission.changed()
+        claim = await asyncio.wait_for(high, 5)  # placed first: it ranks first
+        assert not low[0].done()
+        claim.release()
+        admission.changed()
+        await asyncio.wait_for(low[0], 5)
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_waiter_leaves_the_queue() -> None:
+    async def scenario() -> None:
+        placer = ScriptedPlacer(capacity=0)
+        admission = Admission(placer, max_queued=4)
+        waiting = asyncio.create_task(admission.admit(req()))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert admission.queued == 0
+
+    asyncio.run(scenario())

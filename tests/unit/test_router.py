@@ -1,0 +1,113 @@
+"""The SLO router's rules, on hand-made load snapshots (no processes, no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.step_model import StepModel
+from services.gateway.router import NoWorkerError, RouteRequest, Slo, WorkerLoad, route
+
+# Roughly this machine's single core: 4 ms per prompt token, 60 ms per decode step plus 5 ms per sequence.
+CPU = StepModel(base_s=0.060, per_prompt_token_s=0.004, per_sequence_s=0.005, per_context_token_s=0.000001)
+SLO = Slo(ttft_s=2.0, tpot_s=0.100)
+
+
+def prefill(address: str, queued: int = 0, wait: float = 0.01) -> WorkerLoad:
+    return WorkerLoad(address, "prefill", queued_prompt_tokens=queued, free_kv_blocks=1000, step_model=CPU,
+                      chunk_tokens=512, kv_delivery_wait_s=wait)
+
+
+def decode(address: str, sequences: int = 0, free: int = 1000, role: str = "decode", chunk: int = 64) -> WorkerLoad:
+    return WorkerLoad(address, role, sequences=sequences, context_tokens=300 * sequences,  # type: ignore[arg-type]
+                      free_kv_blocks=free, step_model=CPU, chunk_tokens=chunk)
+
+
+def request(prompt: int = 256, cached: dict[str, int] | None = None, slo: Slo = SLO) -> RouteRequest:
+    return RouteRequest(prompt_tokens=prompt, max_tokens=64, slo=slo, cached_tokens=cached or {})
+
+
+def test_an_idle_pool_gets_a_disaggregated_pair_that_meets_the_slo() -> None:
+    decision = route(request(), [prefill("p1"), decode("d1")])
+    assert (decision.prefill, decision.decode) == ("p1", "d1")
+    assert decision.meets_slo
+    assert decision.ttft_s == pytest.approx(CPU.prefill_s(256, 512) + 0.01 + 0.005)
+    assert decision.reasons[0].startswith("prefill p1 -> decode d1")
+
+
+def test_the_prefill_worker_holding_the_longest_prefix_wins() -> None:
+    decision = route(request(640, cached={"p2": 512}), [prefill("p1"), prefill("p2"), decode("d1")])
+    assert decision.prefill == "p2"
+
+
+def test_the_prefill_worker_with_the_shorter_queue_wins() -> None:
+    decision = route(request(), [prefill("p1", queued=300), prefill("p2", queued=20), decode("d1")])
+    assert decision.prefill == "p2"
+
+
+def test_the_decode_worker_with_the_smaller_batch_wins() -> None:
+    decision = route(request(), [prefill("p1"), decode("d1", sequences=6), decode("d2", sequences=1)])
+    assert decision.decode == "d2"
+
+
+def test_a_decode_worker_without_kv_room_is_the_last_resort() -> None:
+    decision = route(request(), [prefill("p1"), decode("d1", free=3), decode("d2", sequences=7)])
+    assert decision.decode == "d2"
+    decision = route(request(), [prefill("p1"), decode("d1", free=3)])
+    assert decision.decode == "d1" and not decision.meets_slo
+
+
+def test_no_serving_decode_worker_is_an_error() -> None:
+    with pytest.raises(NoWorkerError):
+        route(request(), [prefill("p1"), WorkerLoad("d1", "decode", serving=False, free_kv_blocks=100)])
+
+
+def test_prefill_runs_on_an_idle_decode_worker_when_every_prefill_queue_breaks_ttft() -> None:
+    # 600 queued tokens = 2.4 s of queue: TTFT cannot be met at the prefill worker.
+    decision = route(request(), [prefill("p1", queued=600), decode("d1")])
+    assert decision.prefill is None and decision.decode == "d1"
+    assert decision.meets_slo
+    assert any(reason.startswith("prefill p1") and "misses SLO" in reason for reason in decision.reasons)
+
+
+def test_no_local_prefill_where_its_chunks_would_break_the_running_batch_tpot() -> None:
+    # Chunks of 64 tokens beside 3 sequences: 60 + 15 + 256 ms steps, far over the 100 ms TPOT.
+    decision = route(request(), [prefill("p1", queued=600), decode("d1", sequences=3)])
+    assert not decision.meets_slo
+    assert decision.prefill == "p1"  # the least bad option: only TTFT missed
+
+
+def test_a_prefill_worker_is_preferred_to_local_prefill_when_both_meet_the_slo() -> None:
+    decision = route(request(), [prefill("p1", queued=100), decode("d1")])
+    assert decision.prefill == "p1"
+
+
+def test_colocated_workers_prefill_locally_and_the_less_loaded_one_wins() -> None:
+    workers = [decode("c1", sequences=2, role="colocated", chunk=16), decode("c2", role="colocated", chunk=16)]
+    decision = route(request(), workers)
+    assert (decision.prefill, decision.decode) == (None, "c2")
+    assert decision.meets_slo
+
+
+def test_a_slo_no_option_meets_names_the_best_option_anyway() -> None:
+    decision = route(request(2000, slo=Slo(ttft_s=0.5, tpot_s=0.05)), [prefill("p1"), decode("d1")])
+    assert not decision.meets_slo
+    assert decision.decode == "d1"
+
+
+def test_equal_workers_take_turns() -> None:
+    workers = [prefill("p1"), prefill("p2"), decode("d1"), decode("d2")]
+    chosen = {(route(request(), workers, turn).prefill, route(request(), workers, turn).decode) for turn in range(4)}
+    assert {p for p, _ in chosen} == {"p1", "p2"}
+    assert {d for _, d in chosen} == {"d1", "d2"}
+
+
+def test_unmeasured_workers_still_get_requests() -> None:
+    workers = [WorkerLoad("p1", "prefill", free_kv_blocks=100), WorkerLoad("d1", "decode", free_kv_blocks=100)]
+    decision = route(request(), workers)
+    assert (decision.prefill, decision.decode) == ("p1", "d1")
+    assert decision.meets_slo
+
+
+def test_slo_objectives_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        Slo(ttft_s=0, tpot_s=0.1)
