@@ -105,7 +105,8 @@ def run_mesh(prompts: list[list[int]], output_tokens: int, backend: str) -> list
         workers.append(start_worker(["prefill", "--port", "0", "--threads", "1"], wait=False))
         workers.append(start_worker(["decode", "--port", "0", "--threads", "1", "--kv-backend", backend], wait=False))
         prefill, decode = (worker.wait_ready() for worker in workers)
-        workers.append(start_worker(["gateway", "--port", "0", "--prefill", prefill, "--decode", decode]))
+        workers.append(start_worker(["gateway", "--port", "0", "--http-port", "0",
+                                     "--prefill", prefill, "--decode", decode]))
         with TandemClient(str(workers[-1].address)) as client:
             timed = [mesh_request(client, prompt, output_tokens) for prompt in prompts]
     finally:

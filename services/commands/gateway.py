@@ -1,4 +1,5 @@
-"""`tandem gateway`: the client-facing API in front of prefill and decode pools (or colocated workers)."""
+"""`tandem gateway`: the client-facing APIs (gRPC and OpenAI-compatible HTTP) in front of prefill and
+decode pools, or colocated workers."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the `gateway` subcommand."""
     gateway = sub.add_parser("gateway", help="serve tandem.v1.Gateway in front of prefill and decode workers")
     gateway.add_argument("--host", default="127.0.0.1")
-    gateway.add_argument("--port", type=int, default=50051, help="0 = a free port")
+    gateway.add_argument("--port", type=int, default=50051, help="gRPC port; 0 = a free port")
+    gateway.add_argument("--http-port", type=int, default=8000,
+                         help="port of the OpenAI-compatible HTTP API; 0 = a free port")
     gateway.add_argument("--prefill", default="", help="prefill workers: HOST:PORT[,HOST:PORT...]")
     gateway.add_argument("--decode", default="", help="decode workers: HOST:PORT[,HOST:PORT...]")
     gateway.add_argument("--colocated", default="",
@@ -77,15 +80,18 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry) -> int:
 
     from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
+    from services.common.http_server import HttpListener
     from services.common.server import RoleServer
     from services.gateway.handler import GatewayServicer
     from services.gateway.model import ServedModel
+    from services.gateway.openai_api.app import create_app
     from services.gateway.service import GatewayService
 
     service = GatewayService(registry, args.max_queued_requests)
     server = RoleServer("gateway", args.host, args.port, args.grace_period)
     server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(service),
                gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name)
+    server.listen(HttpListener(create_app(service), args.host, args.http_port))
 
     async def load() -> None:
         registry.start()

@@ -2,7 +2,8 @@
 
 A gateway, one prefill and one decode worker run as separate processes, exactly as they would
 on separate machines; this command starts them, shows one request streamed through them, says
-how to call the gateway, and stops them all on Ctrl-C or SIGTERM.
+how to call the gateway (gRPC, or the OpenAI-compatible HTTP API), and stops them all on Ctrl-C
+or SIGTERM.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-_READY_LINE = re.compile(r"^tandem (\w+) ready grpc=(\S+)$")
+_READY_LINE = re.compile(r"^tandem (\w+) ready grpc=(\S+)(?: http=(\S+))?$")
 _DEMO_PROMPT = "Explain in two sentences why LLM inference splits prefill and decode."
 
 
@@ -31,7 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the `mesh` subcommand."""
     mesh = sub.add_parser("mesh", help="run a gateway, a prefill and a decode worker on this machine")
     mesh.add_argument("--host", default="127.0.0.1", help="address every process binds to")
-    mesh.add_argument("--gateway-port", type=int, default=50051, help="0 = a free port")
+    mesh.add_argument("--gateway-port", type=int, default=50051, help="the gateway's gRPC port; 0 = a free port")
+    mesh.add_argument("--http-port", type=int, default=8000,
+                      help="the gateway's OpenAI-compatible HTTP port; 0 = a free port")
     mesh.add_argument("--prefill-port", type=int, default=50061, help="0 = a free port")
     mesh.add_argument("--decode-port", type=int, default=50071, help="0 = a free port")
     mesh.add_argument("--kv-backend", default="torch_dist", choices=["torch_dist", "grpc"])
@@ -50,6 +53,7 @@ class Child:
     def __init__(self, role: str, argv: Sequence[str]) -> None:
         self.role = role
         self.address: str | None = None
+        self.http_address: str | None = None
         self.ready = threading.Event()
         # Its own process group: Ctrl-C reaches only the mesh, which then stops the children itself.
         self.proc = subprocess.Popen(
@@ -64,6 +68,7 @@ class Child:
             match = _READY_LINE.match(line.strip())
             if match and match.group(1) == self.role:
                 self.address = match.group(2)
+                self.http_address = match.group(3)
                 self.ready.set()
             print(f"[{self.role}] {line}", end="", flush=True)
 
@@ -80,11 +85,11 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     children: list[Child] = []
     try:
-        gateway = _start(args, children, stop)
-        print(f"tandem mesh ready gateway={gateway}", flush=True)
+        gateway, http = _start(args, children, stop)
+        print(f"tandem mesh ready gateway={gateway} http={http}", flush=True)
         if args.demo_max_tokens > 0:
             _demo(gateway, args.demo_prompt, args.demo_max_tokens, stop)
-        _print_usage(gateway)
+        _print_usage(gateway, http)
         while not stop.wait(0.5):
             for child in children:
                 if child.proc.poll() is not None:
@@ -97,8 +102,9 @@ def run(args: argparse.Namespace) -> int:
         _stop_all(children, args.grace_period)
 
 
-def _start(args: argparse.Namespace, children: list[Child], stop: threading.Event) -> str:
-    """Start the three processes together (their loads overlap); the gateway's address once all are ready."""
+def _start(args: argparse.Namespace, children: list[Child], stop: threading.Event) -> tuple[str, str]:
+    """Start the three processes together (their loads overlap); the gateway's gRPC and HTTP
+    addresses once all are ready."""
     base = [sys.executable, "-m", "services.cli", "--log-level", args.log_level]
     common = ["--host", args.host, *(["--model", args.model] if args.model else [])]
     # The gateway must know the workers' ports before they are bound, so port 0 is resolved here.
@@ -108,11 +114,12 @@ def _start(args: argparse.Namespace, children: list[Child], stop: threading.Even
                                      "--kv-backend", args.kv_backend]))
     # The gateway reports ready once it sees a serving worker in each pool.
     children.append(Child("gateway", [*base, "gateway", *common, "--port", str(args.gateway_port),
+                                      "--http-port", str(args.http_port),
                                       "--prefill", f"{args.host}:{prefill_port}",
                                       "--decode", f"{args.host}:{decode_port}",
                                       "--wait-for-workers", str(args.startup_timeout)]))
     _wait_ready(children, time.monotonic() + args.startup_timeout, stop)
-    return str(children[-1].address)
+    return str(children[-1].address), str(children[-1].http_address)
 
 
 def _port_or_free(host: str, port: int) -> int:
@@ -167,11 +174,14 @@ def _demo(gateway: str, prompt: str, max_tokens: int, stop: threading.Event) -> 
           f"TPOT {tpot * 1000:.1f} ms]", flush=True)
 
 
-def _print_usage(gateway: str) -> None:
+def _print_usage(gateway: str, http: str) -> None:
     tandem = os.path.join(os.path.dirname(sys.executable), "tandem")
     tandem = os.path.relpath(tandem) if os.path.exists(tandem) else "tandem"
     body = '{"chat": {"messages": [{"role": "user", "content": "Hello"}]}, "sampling": {"max_tokens": 64}}'
-    print(f"\nThe gateway serves tandem.v1.Gateway at {gateway} (gRPC with server reflection). Try:\n"
+    chat = '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64}'
+    print(f"\nThe gateway serves the OpenAI-compatible API at http://{http}/v1 and tandem.v1.Gateway at "
+          f"{gateway} (gRPC with server reflection). Try:\n"
+          f"  curl http://{http}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(chat)}\n"
           f"  {tandem} chat --gateway {gateway} \"Hello\"\n"
           f"  grpcurl -plaintext -d {shlex.quote(body)} {gateway} tandem.v1.Gateway/Generate\n"
           "Ctrl-C stops the mesh.", flush=True)

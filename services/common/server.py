@@ -3,12 +3,15 @@
 A `RoleServer` owns one grpc.aio server and its life:
 
 1. `add(...)` the role's servicers (before `run`; a grpc.aio server takes no services once started);
-2. `run(load, close)` binds host:port (port 0 picks a free one, see `address`), starts serving at once
-   with every service NOT_SERVING in grpc.health.v1, awaits `load()` (e.g. the model, in a thread),
-   turns SERVING, and prints the ready line `tandem <role> ready grpc=HOST:PORT` on stdout;
-3. on SIGTERM or SIGINT it drains: health NOT_SERVING, `draining` set (long-lived streams such as
-   WatchLoad and health Watch end), new RPCs refused with UNAVAILABLE, in-flight RPCs given
-   `grace_period` seconds, then `close()`; `run` returns the exit code (0 after a drain).
+2. `listen(...)` other listeners to serve beside gRPC (e.g. the gateway's HTTP API);
+3. `run(load, close)` binds host:port (port 0 picks a free one, see `address`), starts serving at once
+   with every service NOT_SERVING in grpc.health.v1 (and the listeners started), awaits `load()`
+   (e.g. the model, in a thread), turns SERVING, and prints the ready line
+   `tandem <role> ready grpc=HOST:PORT` on stdout, followed by ` NAME=HOST:PORT` per listener;
+4. on SIGTERM or SIGINT it drains: health NOT_SERVING, `draining` set (long-lived streams such as
+   WatchLoad and health Watch end), new RPCs refused with UNAVAILABLE, in-flight RPCs (and the
+   listeners' requests) given `grace_period` seconds, then `close()`; `run` returns the exit code
+   (0 after a drain).
 
 Every client channel should use `channel_options()`: its keep-alive pings match what the server
 accepts, so idle connections survive and dead peers are detected on both ends.
@@ -22,7 +25,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -124,6 +127,20 @@ class HealthService(health_pb2_grpc.HealthServicer):
             await changed.wait()
 
 
+class Listener(Protocol):
+    """Something a RoleServer serves beside gRPC, e.g. services.common.http_server.HttpListener."""
+
+    name: str  # its key in the ready line
+
+    async def start(self) -> str:
+        """Bind and begin serving; the HOST:PORT bound."""
+        ...
+
+    async def stop(self, grace_period: float) -> None:
+        """Stop accepting; give open requests `grace_period` seconds."""
+        ...
+
+
 class RoleServer:
     """One process's grpc.aio server: health, reflection, the ready line and the graceful drain.
 
@@ -138,6 +155,7 @@ class RoleServer:
         self.grpc = grpc.aio.server(options=server_options())
         self.draining = asyncio.Event()
         self._names: list[str] = []
+        self._listeners: list[Listener] = []
 
     @property
     def address(self) -> str:
@@ -149,6 +167,10 @@ class RoleServer:
         service name (e.g. "tandem.v1.Prefill", for health and reflection)."""
         add_to_server(servicer, self.grpc)
         self._names.append(full_name)
+
+    def listen(self, listener: Listener) -> None:
+        """Serve `listener` beside gRPC, for the same life (before `run`)."""
+        self._listeners.append(listener)
 
     async def run(
         self,
@@ -172,11 +194,12 @@ class RoleServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await self.grpc.start()
+        listening = "".join([f" {listener.name}={await listener.start()}" for listener in self._listeners])
         log.info("%s: gRPC listening on %s; loading", self.role, self.address)
         code = 0
         if await self._load(load, stop):
             health.set_serving(True)
-            print(f"tandem {self.role} ready grpc={self.address}", flush=True)
+            print(f"tandem {self.role} ready grpc={self.address}{listening}", flush=True)
             log.info("%s: serving on %s", self.role, self.address)
             await stop.wait()
         elif not stop.is_set():
@@ -212,7 +235,8 @@ class RoleServer:
         health.drain()
         self.draining.set()
         # Stops accepting RPCs now (callers get UNAVAILABLE) and cancels what is left after the grace.
-        await self.grpc.stop(self.grace_period)
+        await asyncio.gather(self.grpc.stop(self.grace_period),
+                             *(listener.stop(self.grace_period) for listener in self._listeners))
 
 
 def exit_process(code: int) -> NoReturn:

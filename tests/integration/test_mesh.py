@@ -3,12 +3,14 @@ workers, the real model, against an in-process colocated engine."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -59,8 +61,8 @@ def _gateway_args(prefill: list[list[str]], decode: list[list[str]]) -> list[str
 
     # Objectives no request here can miss: these tests are about correctness under concurrency, not
     # admission (tests/integration/test_routing.py covers that), and 2 cores serve few requests in 2 s.
-    return ["gateway", "--port", "0", "--prefill", addresses(prefill), "--decode", addresses(decode),
-            "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"]
+    return ["gateway", "--port", "0", "--http-port", "0", "--prefill", addresses(prefill),
+            "--decode", addresses(decode), "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"]
 
 
 def _stop(workers: list[Worker]) -> None:
@@ -255,8 +257,8 @@ def test_chat_command_prints_the_answer(mesh, tokenizer, reference):
 
 def test_mesh_command_serves_then_stops_its_children():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "mesh", "--gateway-port", "0", "--prefill-port", "0",
-         "--decode-port", "0", "--demo-max-tokens", "8", "--grace-period", "20"],
+        [sys.executable, "-m", "services.cli", "mesh", "--gateway-port", "0", "--http-port", "0",
+         "--prefill-port", "0", "--decode-port", "0", "--demo-max-tokens", "8", "--grace-period", "20"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
@@ -272,9 +274,13 @@ def test_mesh_command_serves_then_stops_its_children():
         while not any("Ctrl-C stops the mesh" in line for line in lines):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
             time.sleep(0.2)
-        [gateway] = [line.split("gateway=")[1].strip() for line in lines if line.startswith("tandem mesh ready")]
+        [ready] = [line.split() for line in lines if line.startswith("tandem mesh ready")]
+        gateway, http = (word.split("=")[1] for word in ready[3:])
         with TandemClient(gateway) as client:
             assert client.list_models()[0].id == "SmolLM2-135M-Instruct"
+        with urllib.request.urlopen(f"http://{http}/v1/models", timeout=30) as models:
+            assert json.load(models)["data"][0]["id"] == "SmolLM2-135M-Instruct"
+        assert any(f"curl http://{http}/v1/chat/completions" in line for line in lines), "".join(lines)
         with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as children:
             child_pids = [int(pid) for pid in children.read().split()]
         assert len(child_pids) == 3

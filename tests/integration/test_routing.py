@@ -53,7 +53,8 @@ def _tokens(stream) -> tuple[list[int], object]:
 def colocated():
     ports = [free_port(), free_port()]
     workers = [["worker", "--role", "colocated", "--port", str(port), *FLAGS] for port in ports]
-    gateway = ["gateway", "--port", "0", "--colocated", ",".join(f"127.0.0.1:{port}" for port in ports)]
+    gateway = ["gateway", "--port", "0", "--http-port", "0",
+               "--colocated", ",".join(f"127.0.0.1:{port}" for port in ports)]
     started = _start(*workers, gateway)
     yield started
     _stop(started)
@@ -77,7 +78,7 @@ def test_requests_sharing_a_system_prompt_go_to_the_prefill_worker_holding_it(to
     prefill_args = [["prefill", "--port", str(free_port()), *FLAGS] for _ in range(2)]
     decode_args = ["decode", "--port", str(free_port()), *FLAGS]
     addresses = [f"127.0.0.1:{args[2]}" for args in prefill_args]
-    gateway_args = ["gateway", "--port", "0", "--prefill", ",".join(addresses),
+    gateway_args = ["gateway", "--port", "0", "--http-port", "0", "--prefill", ",".join(addresses),
                     "--decode", f"127.0.0.1:{decode_args[2]}"]
     started = _start(*prefill_args, decode_args, gateway_args)
     try:
@@ -99,7 +100,7 @@ def test_requests_sharing_a_system_prompt_go_to_the_prefill_worker_holding_it(to
 
 def test_a_burst_beyond_capacity_is_bounded_refused_with_retry_after_and_then_served(tokenizer):
     worker_args = ["worker", "--role", "colocated", "--port", str(free_port()), *FLAGS]
-    gateway_args = ["gateway", "--port", "0", "--colocated", f"127.0.0.1:{worker_args[4]}",
+    gateway_args = ["gateway", "--port", "0", "--http-port", "0", "--colocated", f"127.0.0.1:{worker_args[4]}",
                     "--max-queued-requests", "2"]
     started = _start(worker_args, gateway_args)
     try:

@@ -1,5 +1,5 @@
 """Start `tandem` server processes for integration tests and learn their addresses from the ready
-line (`tandem <role> ready grpc=HOST:PORT`) they print on stdout once SERVING.
+line (`tandem <role> ready grpc=HOST:PORT[ http=HOST:PORT]`) they print on stdout once SERVING.
 
     worker = start_worker(["prefill", "--port", "0"])
     ... worker.address ...
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-_READY = re.compile(r"^tandem (\w+) ready grpc=(\S+)$")
+_READY = re.compile(r"^tandem (\w+) ready grpc=(\S+)(?: http=(\S+))?$")
 
 
 class Worker:
@@ -30,6 +30,7 @@ class Worker:
     def __init__(self, args: Sequence[str]) -> None:
         self.args = list(args)
         self.address: str | None = None
+        self.http_address: str | None = None  # the gateway's HTTP API
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         with tempfile.NamedTemporaryFile(prefix=f"tandem-{self.args[0]}-", suffix=".log", delete=False) as log:
             self.log_path = Path(log.name)
@@ -58,6 +59,7 @@ class Worker:
             self.stop(timeout=5.0)
             raise RuntimeError(f"{self.args} did not become ready (stdout: {line!r}); log:\n{self.log_tail()}")
         self.address = match.group(2)
+        self.http_address = match.group(3)
         return self.address
 
     def stop(self, timeout: float = 60.0) -> int:

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API of the gateway (/v1/completions, /v1/chat/completions, ...)."""

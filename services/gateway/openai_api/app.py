@@ -1,0 +1,220 @@
+"""The OpenAI-compatible HTTP API as a Starlette app over the gateway's core.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
+`stream`), GET /v1/models, GET /health (200 once requests can be served, else 503), GET /metrics
+(Prometheus text format).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from services.gateway.model import ServedModel
+from services.gateway.openai_api.errors import ApiError, api_error, bad_request
+from services.gateway.openai_api.fanout import FanOut
+from services.gateway.openai_api.params import (
+    chat_prompt,
+    chat_requests,
+    completion_prompts,
+    completion_requests,
+    unknown_fields,
+)
+from services.gateway.openai_api.responses import ChatFormat, Choice, CompletionFormat, ReplyFormat, usage_body
+from services.gateway.openai_api.schema import ChatBody, CompletionBody, SamplingBody
+from services.gateway.request import GenerateRequest, Prompt
+from services.gateway.service import GatewayService
+
+log = logging.getLogger(__name__)
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+T = TypeVar("T")
+
+
+def create_app(service: GatewayService) -> Starlette:
+    """The HTTP API over `service`."""
+    api = OpenAIApi(service)
+    return Starlette(
+        routes=[
+            Route("/v1/completions", api.completions, methods=["POST"]),
+            Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+            Route("/v1/models", api.models, methods=["GET"]),
+            Route("/health", api.health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: _http_exception},
+    )
+
+
+def _answering_errors(endpoint: Endpoint) -> Endpoint:
+    """Answer any failure of the endpoint with an OpenAI-style error body."""
+
+    @functools.wraps(endpoint)
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except Exception as error:
+            return api_error(error).response()
+
+    return wrapped
+
+
+class OpenAIApi:
+    """The endpoints, over one GatewayService."""
+
+    def __init__(self, service: GatewayService) -> None:
+        self.service = service
+        self.completions = _answering_errors(self._completions)
+        self.chat_completions = _answering_errors(self._chat_completions)
+        self.models = _answering_errors(self._models)
+
+    async def _completions(self, request: Request) -> Response:
+        body = CompletionBody.model_validate_json(await request.body())
+        model = self._model(body, request.url.path)
+        prompts = [_token_ids(model, prompt, "prompt") for prompt in completion_prompts(body)]
+        reply_id = f"cmpl-{uuid.uuid4().hex}"
+        requests = completion_requests(body, prompts, reply_id)
+        reply = CompletionFormat(reply_id, model.id, int(time.time()), model.tokenizer, body.logprobs is not None)
+        return await _reply(self.service, request, body, requests, reply)
+
+    async def _chat_completions(self, request: Request) -> Response:
+        body = ChatBody.model_validate_json(await request.body())
+        model = self._model(body, request.url.path)
+        prompt = _token_ids(model, chat_prompt(body), "messages")
+        reply_id = f"chatcmpl-{uuid.uuid4().hex}"
+        requests = chat_requests(body, prompt, model.max_model_len, reply_id)
+        reply = ChatFormat(reply_id, model.id, int(time.time()), model.tokenizer, body.logprobs)
+        return await _reply(self.service, request, body, requests, reply)
+
+    async def _models(self, request: Request) -> Response:
+        model = self.service.served_model()
+        return JSONResponse({"object": "list", "data": [{
+            "id": model.id, "object": "model", "created": 0, "owned_by": "tandem", "root": model.id,
+            "max_model_len": model.max_model_len,
+        }]})
+
+    async def health(self, request: Request) -> Response:
+        """200 once the model is loaded and each pool has a serving worker; 503 before."""
+        return Response(status_code=200 if self.service.ready() else 503)
+
+    def _model(self, body: SamplingBody, path: str) -> ServedModel:
+        """The served model, once the body is known to ask for it; unknown fields are logged."""
+        unknown = unknown_fields(body)
+        if unknown:
+            log.warning("%s: ignoring unknown fields: %s", path, ", ".join(unknown))
+        model = self.service.served_model()
+        if body.model and body.model != model.id:
+            raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{model.id}`.",
+                           "NotFoundError", "model")
+        return model
+
+
+async def _reply(
+    service: GatewayService, request: Request, body: SamplingBody, requests: Sequence[GenerateRequest],
+    reply: ReplyFormat,
+) -> Response:
+    """Run the requests and answer with JSON, or with events once every request has started.
+    A client that disconnects before that cancels them."""
+    fan = FanOut(service, requests)
+    streaming = False
+    try:
+        if body.stream:
+            await _unless_disconnected(request, fan.started())
+            streaming = True
+            return StreamingResponse(_events(fan, reply, len(requests), body.n, body.include_usage),
+                                     media_type="text/event-stream")
+        return JSONResponse(await _unless_disconnected(request, _complete(fan, reply, len(requests), body.n)))
+    finally:
+        if not streaming:
+            await fan.close()
+
+
+async def _complete(fan: FanOut, reply: ReplyFormat, choices: int, n: int) -> dict[str, Any]:
+    """The non-streaming reply body, once every request has finished."""
+    accumulated = [Choice() for _ in range(choices)]
+    async for index, chunk in fan.chunks():
+        accumulated[index].add(chunk)
+    usages = [choice.usage for choice in accumulated if choice.usage is not None]
+    return reply.complete(accumulated, usage_body(usages, n))
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """The result of `work`; if the client disconnects first, `work` is cancelled and the answer
+    (which nobody will read) is a 499."""
+    working = asyncio.ensure_future(work)
+    watching = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({working, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not working.done():
+            working.cancel()
+            await asyncio.gather(working, return_exceptions=True)
+    if working.cancelled():
+        raise ApiError(499, "the client closed the connection", "ClientClosedRequest")
+    return working.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read: what the server sends next is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _events(fan: FanOut, reply: ReplyFormat, choices: int, n: int, include_usage: bool) -> AsyncIterator[str]:
+    """The server-sent events of a streamed reply, ending `data: [DONE]`; a failure after the
+    first event is sent as an error event."""
+    usages = {}
+    try:
+        for event in reply.opening(choices):
+            yield _event(event)
+        async for index, chunk in fan.chunks():
+            if chunk.usage is not None:
+                usages[index] = chunk.usage
+            # Tokens held back (a partial character or a possible stop string) send nothing yet.
+            if chunk.text or chunk.logprobs or chunk.finish_reason:
+                yield _event(reply.delta(index, chunk))
+        if include_usage:
+            yield _event(reply.usage(usage_body([usages[index] for index in sorted(usages)], n)))
+    except Exception as error:
+        yield _event(api_error(error).body())
+    finally:
+        await fan.close()
+    yield "data: [DONE]\n\n"
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _token_ids(model: ServedModel, prompt: Prompt, field: str) -> list[int]:
+    """The prompt's token ids; a 400 about `field` when it is unusable."""
+    try:
+        return model.prompt_token_ids(prompt)
+    except ValueError as error:
+        raise bad_request(str(error), field) from error
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus metrics of this process, in the text exposition format."""
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Unknown routes and methods get an OpenAI-style error body too."""
+    assert isinstance(exc, HTTPException)
+    type_ = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
+    return ApiError(exc.status_code, exc.detail, type_).response()

@@ -1,0 +1,123 @@
+"""Request bodies to the gateway core's requests: pure functions, no I/O.
+
+A bad value raises ValueError("<field>: <what is wrong>"), which the API answers with a 400 whose
+`param` is that field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+from engine.sampling_params import SamplingParams
+from services.gateway.openai_api.schema import MAX_CHOICES, ChatBody, CompletionBody, SamplingBody
+from services.gateway.request import ChatMessage, ChatPrompt, GenerateRequest, Prompt, Slo, TextPrompt, TokenPrompt
+
+T = TypeVar("T")
+
+# OpenAI's and vLLM's default for /v1/completions; chat defaults to the rest of the context.
+COMPLETION_MAX_TOKENS = 16
+
+
+def unknown_fields(body: SamplingBody) -> list[str]:
+    """Fields of the body (and of its stream_options) that the API does not know, to log and ignore."""
+    unknown = list(body.model_extra or {})
+    if body.stream_options is not None:
+        unknown += [f"stream_options.{name}" for name in body.stream_options.model_extra or {}]
+    return unknown
+
+
+def completion_prompts(body: CompletionBody) -> list[Prompt]:
+    """The prompts of a completion body: one text, one token list, or a batch of either."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [TextPrompt(prompt)]
+    if not prompt:
+        raise ValueError("prompt: must not be empty")
+    if all(isinstance(item, int) for item in prompt):
+        return [TokenPrompt(tuple(prompt))]
+    if len(prompt) * body.n > MAX_CHOICES:
+        raise ValueError(f"prompt: {len(prompt)} prompts times n={body.n} exceeds {MAX_CHOICES} completions")
+    return [TextPrompt(item) if isinstance(item, str) else TokenPrompt(tuple(item)) for item in prompt]
+
+
+def chat_prompt(body: ChatBody) -> ChatPrompt:
+    """The conversation of a chat body; content given as parts must be text parts."""
+    messages = []
+    for position, message in enumerate(body.messages):
+        content = message.content
+        if isinstance(content, list):
+            for part in content:
+                if part.type != "text":
+                    raise ValueError(f"messages.{position}.content: only text parts are served, got {part.type!r}")
+            content = "".join(part.text for part in content)
+        messages.append(ChatMessage(message.role, content or ""))
+    return ChatPrompt(tuple(messages))
+
+
+def completion_requests(
+    body: CompletionBody, prompts: Sequence[Sequence[int]], request_id: str
+) -> list[GenerateRequest]:
+    """One core request per completion choice: `n` for each tokenized prompt, prompt-major."""
+    return _requests(body, prompts, request_id, body.max_tokens, body.logprobs)
+
+
+def chat_requests(body: ChatBody, prompt: Sequence[int], max_model_len: int, request_id: str) -> list[GenerateRequest]:
+    """One core request per chat choice. Without max_tokens (or max_completion_tokens) a reply may
+    fill the rest of the context, as in vLLM."""
+    if body.top_logprobs and not body.logprobs:
+        raise ValueError("top_logprobs: requires logprobs to be true")
+    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, max_model_len - len(prompt))
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return _requests(body, [prompt], request_id, max_tokens, logprobs)
+
+
+def sampling_params(body: SamplingBody, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+    """The engine's SamplingParams of a body; unset fields take the engine's defaults."""
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        temperature=_given(body.temperature, 1.0),
+        top_k=_given(body.top_k, 0),
+        top_p=_given(body.top_p, 1.0),
+        min_p=_given(body.min_p, 0.0),
+        repetition_penalty=_given(body.repetition_penalty, 1.0),
+        presence_penalty=_given(body.presence_penalty, 0.0),
+        frequency_penalty=_given(body.frequency_penalty, 0.0),
+        seed=seed,
+        stop=stop,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+    )
+
+
+def _requests(
+    body: SamplingBody, prompts: Sequence[Sequence[int]], request_id: str, max_tokens: int | None,
+    logprobs: int | None,
+) -> list[GenerateRequest]:
+    # With a seed, choice j samples with seed + j: reproducible, yet the n choices differ.
+    params = [
+        sampling_params(body, max_tokens or COMPLETION_MAX_TOKENS, logprobs,
+                        None if body.seed is None else body.seed + choice)
+        for choice in range(body.n)
+    ]
+    slo = Slo(ttft_ms=body.ttft_ms, tpot_ms=body.tpot_ms)
+    return [
+        GenerateRequest(
+            prompt=TokenPrompt(tuple(prompt)),
+            sampling=params[choice],
+            model=body.model or "",
+            request_id=f"{request_id}-{index * body.n + choice}",
+            slo=slo,
+            priority=body.priority,
+        )
+        for index, prompt in enumerate(prompts)
+        for choice in range(body.n)
+    ]
+
+
+def _given(value: T | None, default: T) -> T:
+    return default if value is None else value

@@ -1,0 +1,91 @@
+"""Request bodies of the OpenAI-compatible API, with vLLM's sampling extensions and Tandem's SLO fields.
+
+Types and simple bounds are checked here (a failure is a 400 naming the field); ranges that the
+engine defines are checked by engine SamplingParams. Fields not declared here are kept in
+`model_extra`, so the API can log and ignore them as vLLM does.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Requests one body may fan out to (n times the prompts of a batch).
+MAX_CHOICES = 64
+MAX_TOP_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    """`stream_options`: whether the stream ends with a usage-only chunk."""
+
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = False
+
+
+class SamplingBody(BaseModel):
+    """The fields both endpoints share: sampling, stopping, streaming and the request's objectives."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Tandem: per-request latency objectives (milliseconds) and priority (higher first).
+    ttft_ms: int | None = Field(None, gt=0)
+    tpot_ms: int | None = Field(None, gt=0)
+    priority: int = 0
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionBody(SamplingBody):
+    """POST /v1/completions: a prompt (text, token ids, or a batch of either)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class TextPart(BaseModel):
+    """One part of a message's content; only text parts are served."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str = ""
+
+
+class MessageBody(BaseModel):
+    """One chat turn."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatBody(SamplingBody):
+    """POST /v1/chat/completions: a conversation."""
+
+    messages: list[MessageBody] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)

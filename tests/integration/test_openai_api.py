@@ -1,0 +1,332 @@
+"""The gateway's OpenAI-compatible HTTP API through the official `openai` SDK, against a real mesh
+(gateway, prefill and decode processes on loopback); greedy output is compared with the gRPC API's."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import grpc
+import openai
+import pytest
+from parity_prompts import travel_diary
+from tandem.v1 import common_pb2, decode_pb2_grpc
+from workers_util import Worker, free_port, start_worker
+
+from services.client import TandemClient
+from services.common.server import channel_options
+
+WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256"]
+TIMEOUT_S = 300.0
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the boiling point of water at sea level?"}]
+GREEDY = {"max_tokens": 24, "temperature": 0.0}
+DEADLINE_S = 60.0  # generous bound for conditions polled below; no test asserts elapsed time
+
+
+@dataclass
+class Mesh:
+    gateway: Worker  # over one prefill and one decode worker
+    overloaded: Worker  # its only decode worker has a 4-block KV cache
+    orphan: Worker  # its workers do not exist
+    decode: Worker
+
+
+def _worker(role: str, *flags: str) -> list[str]:
+    return [role, "--port", str(free_port()), *flags]
+
+
+def _gateway(prefill: list[str], decode: list[str], *flags: str) -> list[str]:
+    # Objectives no request here can miss: these tests are about the API, not admission.
+    return ["gateway", "--port", "0", "--http-port", "0", "--prefill", f"127.0.0.1:{prefill[2]}",
+            "--decode", f"127.0.0.1:{decode[2]}", "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000", *flags]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    prefill, decode = _worker("prefill", *WORKER_FLAGS), _worker("decode", *WORKER_FLAGS)
+    tiny = _worker("decode", "--threads", "1", "--kv-cache-blocks", "4")
+    arg_lists = [prefill, decode, tiny, _gateway(prefill, decode), _gateway(prefill, tiny)]
+    processes = [start_worker(args, wait=False) for args in arg_lists]
+    processes.append(start_worker(_gateway(_worker("prefill"), _worker("decode"), "--wait-for-workers", "0"),
+                                  wait=False))
+    try:
+        for process in processes:
+            process.wait_ready()
+        yield Mesh(gateway=processes[3], overloaded=processes[4], orphan=processes[5], decode=processes[1])
+    finally:
+        codes = [process.stop() for process in reversed(processes)]
+        assert codes == [0] * len(processes)
+
+
+@pytest.fixture(scope="module")
+def gateway(mesh) -> Worker:
+    return mesh.gateway
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    return openai.OpenAI(base_url=f"http://{gateway.http_address}/v1", api_key="unused", max_retries=0,
+                         timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def grpc_client(gateway):
+    with TandemClient(str(gateway.address)) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model_id(client) -> str:
+    [model] = client.models.list().data
+    return model.id
+
+
+def _grpc_text(grpc_client, **request) -> tuple[str, list]:
+    text, logprobs = "", []
+    for chunk in grpc_client.generate(**request, timeout=TIMEOUT_S):
+        text += chunk.text
+        logprobs.extend(chunk.logprobs)
+    return text, logprobs
+
+
+def _post(gateway: Worker, path: str, data: bytes) -> tuple[int, dict, bytes]:
+    request = urllib.request.Request(f"http://{gateway.http_address}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+def test_models_lists_the_served_model(client, grpc_client):
+    [served] = grpc_client.list_models()
+    [model] = client.models.list().data
+    assert (model.id, model.owned_by) == (served.id, "tandem")
+    assert model.model_extra["max_model_len"] == served.max_model_len
+
+
+def test_greedy_completion_matches_grpc(client, grpc_client, model_id):
+    expected, _ = _grpc_text(grpc_client, prompt=PROMPT, **GREEDY)
+    reply = client.completions.create(model=model_id, prompt=PROMPT, **GREEDY)
+    [choice] = reply.choices
+    assert choice.text == expected
+    assert reply.object == "text_completion" and reply.model == model_id
+    assert reply.usage.completion_tokens == len(_grpc_tokens(grpc_client, prompt=PROMPT, **GREEDY))
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens > 0
+
+
+def _grpc_tokens(grpc_client, **request) -> list[int]:
+    return [t for chunk in grpc_client.generate(**request, timeout=TIMEOUT_S) for t in chunk.token_ids]
+
+
+def test_streamed_completion_with_usage(client, grpc_client, model_id):
+    expected, _ = _grpc_text(grpc_client, prompt=PROMPT, **GREEDY)
+    events = list(client.completions.create(model=model_id, prompt=PROMPT, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    *chunks, last = events
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert last.choices == [] and last.usage.completion_tokens == GREEDY["max_tokens"]
+
+
+def test_stream_is_server_sent_events_ending_done(gateway, model_id):
+    body = {"model": model_id, "prompt": PROMPT, "stream": True, **GREEDY}
+    status, headers, raw = _post(gateway, "/v1/completions", json.dumps(body).encode())
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [block for block in raw.decode().split("\n\n") if block]
+    assert all(block.startswith("data: ") for block in events)
+    assert events[-1] == "data: [DONE]"
+    assert all("usage" not in json.loads(block[len("data: "):]) for block in events[:-1])
+
+
+def test_greedy_chat_matches_grpc_streamed_or_not(client, grpc_client, model_id):
+    expected, _ = _grpc_text(grpc_client, messages=CHAT, **GREEDY)
+    reply = client.chat.completions.create(model=model_id, messages=CHAT, **GREEDY)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.completion_tokens > 0
+
+    events = list(client.chat.completions.create(model=model_id, messages=CHAT, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert events[0].choices[0].delta.role == "assistant"
+    assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == expected
+    assert events[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_chat_content_parts_and_max_completion_tokens(client, grpc_client, model_id):
+    expected, _ = _grpc_text(grpc_client, messages=CHAT, max_tokens=8, temperature=0.0)
+    parts = [{"role": "user", "content": [{"type": "text", "text": CHAT[0]["content"]}]}]
+    reply = client.chat.completions.create(model=model_id, messages=parts, max_completion_tokens=8, temperature=0)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.completion_tokens <= 8
+
+
+def test_completion_logprobs_match_grpc(client, grpc_client, model_id):
+    _, expected = _grpc_text(grpc_client, prompt=PROMPT, logprobs=2, **GREEDY)
+    reply = client.completions.create(model=model_id, prompt=PROMPT, logprobs=2, **GREEDY)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(expected) == GREEDY["max_tokens"]
+    assert logprobs.token_logprobs == pytest.approx([lp.logprob for lp in expected], abs=1e-5)
+    # Greedy: the sampled token is the best alternative; at most 2 alternatives (the sampled one included).
+    for token, top in zip(logprobs.tokens, logprobs.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 2 and max(top, key=top.get) == token
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+
+
+def test_chat_logprobs_with_top_alternatives(client, model_id):
+    reply = client.chat.completions.create(model=model_id, messages=CHAT, logprobs=True, top_logprobs=3, **GREEDY)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)
+        assert entry.logprob <= 0 and bytes(entry.bytes).decode(errors="replace") == entry.token
+    # The tokens spell the reply, and an end-of-turn token (a special token, left out of the text) may follow.
+    assert "".join(entry.token for entry in content).startswith(reply.choices[0].message.content)
+
+
+def test_n_choices_with_a_seed_differ_and_repeat(client, model_id):
+    request = {"model": model_id, "prompt": PROMPT, "n": 2, "seed": 7, "temperature": 1.0, "max_tokens": 16}
+    first = client.completions.create(**request)
+    again = client.completions.create(**request)
+    texts = [choice.text for choice in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in first.choices] == [0, 1]
+    assert texts[0] != texts[1]
+    assert texts == [choice.text for choice in sorted(again.choices, key=lambda c: c.index)]
+    assert first.usage.completion_tokens == 32
+
+    streamed = client.completions.create(**request, stream=True)
+    joined = ["", ""]
+    for event in streamed:
+        joined[event.choices[0].index] += event.choices[0].text
+    assert joined == texts
+
+
+def test_stop_string_ends_the_text_before_it(client, grpc_client, model_id):
+    full, _ = _grpc_text(grpc_client, prompt=PROMPT, **GREEDY)
+    words = full.split()
+    stop = words[len(words) // 2]
+    reply = client.completions.create(model=model_id, prompt=PROMPT, stop=[stop], **GREEDY)
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].text == full[: full.index(stop)]
+
+
+def test_vllm_sampling_extensions_are_honoured(client, grpc_client, model_id):
+    greedy, _ = _grpc_text(grpc_client, prompt=PROMPT, **GREEDY)
+    # top_k=1 makes sampling at temperature 1 greedy; ignore_eos runs to max_tokens.
+    reply = client.completions.create(
+        model=model_id, prompt=PROMPT, max_tokens=GREEDY["max_tokens"], temperature=1.0,
+        extra_body={"top_k": 1, "ignore_eos": True, "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 4,
+                    "skip_special_tokens": True, "ttft_ms": 5000, "tpot_ms": 500, "priority": 1},
+    )
+    assert reply.choices[0].text == greedy
+    assert reply.usage.completion_tokens == GREEDY["max_tokens"]
+
+
+def test_unknown_fields_are_ignored(client, model_id):
+    reply = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2,
+                                      extra_body={"no_such_field": {"x": 1}, "best_of_everything": True})
+    assert reply.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize(("request_fields", "param", "words"), [
+    ({"temperature": -1.0}, "temperature", "[0, 100]"),
+    ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"top_p": 1.5}, "top_p", "(0, 1]"),
+    ({"n": 0}, "n", "greater than or equal to 1"),
+    ({"extra_body": {"top_k": "many"}}, "top_k", "integer"),
+    ({"extra_body": {"min_tokens": 50}, "max_tokens": 10}, "min_tokens", "max_tokens=10"),
+    ({"logprobs": 21}, "logprobs", "20"),
+    ({"max_tokens": 10_000}, "max_tokens", "context"),
+])
+def test_a_bad_value_is_a_400_naming_the_field(client, model_id, request_fields, param, words):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model_id, prompt=PROMPT, **{"max_tokens": 4, **request_fields})
+    error = refused.value.body
+    assert refused.value.status_code == 400 and error["param"] == param and error["code"] == 400
+    assert words in error["message"], error["message"]
+
+
+def test_chat_errors(client, model_id):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model_id, messages=[], max_tokens=4)
+    assert refused.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model_id, messages=CHAT, top_logprobs=2, max_tokens=4)
+    assert refused.value.body["param"] == "top_logprobs"
+
+
+def test_unknown_model_is_a_404(client):
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
+    assert refused.value.body["param"] == "model" and "no-such-model" in refused.value.body["message"]
+
+
+def test_malformed_json_is_a_400(gateway):
+    for data in (b'{"prompt": "x", ', b"[1, 2]"):
+        status, _, raw = _post(gateway, "/v1/completions", data)
+        assert status == 400
+        assert json.loads(raw)["error"]["type"] == "BadRequestError"
+
+
+def test_overload_is_a_429_with_retry_after(mesh, model_id):
+    # Its only decode worker holds 4 blocks of KV: the long prompt never fits.
+    body = {"model": model_id, "prompt": travel_diary(), "max_tokens": 4}
+    status, headers, raw = _post(mesh.overloaded, "/v1/completions", json.dumps(body).encode())
+    assert status == 429 and int(headers["retry-after"]) >= 1
+    assert json.loads(raw)["error"]["code"] == 429
+
+
+def test_no_serving_worker_is_a_503(mesh, model_id):
+    orphan = mesh.orphan
+    client = openai.OpenAI(base_url=f"http://{orphan.http_address}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.completions.create(model=model_id, prompt=PROMPT, max_tokens=4)
+    assert refused.value.status_code == 503
+    with urllib.request.urlopen(f"http://{mesh.gateway.http_address}/health", timeout=30) as healthy:
+        assert healthy.status == 200
+    with pytest.raises(urllib.error.HTTPError) as unhealthy:
+        urllib.request.urlopen(f"http://{orphan.http_address}/health", timeout=30)
+    assert unhealthy.value.code == 503
+
+
+def test_metrics_are_prometheus_text(gateway):
+    with urllib.request.urlopen(f"http://{gateway.http_address}/metrics", timeout=30) as response:
+        assert response.headers["content-type"].startswith("text/plain")
+        assert "# TYPE " in response.read().decode()
+
+
+def _decode_load(worker: Worker) -> common_pb2.LoadReport:
+    with grpc.insecure_channel(str(worker.address), options=channel_options()) as channel:
+        return decode_pb2_grpc.DecodeStub(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=30)
+
+
+def _wait_idle(worker: Worker) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while (load := _decode_load(worker)).running_requests + load.waiting_requests + load.reserved_requests:
+        assert time.monotonic() < deadline, load
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_cancels_its_request(mesh, model_id, stream):
+    _wait_idle(mesh.decode)
+    host, port = str(mesh.gateway.http_address).rsplit(":", 1)
+    # Thousands of tokens (minutes here): the worker is idle within the deadline only if it was cancelled.
+    body = {"model": model_id, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": stream}
+    connection = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_S)
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    deadline = time.monotonic() + DEADLINE_S
+    while not _decode_load(mesh.decode).running_requests:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    if stream:
+        assert connection.getresponse().readline().startswith(b"data: ")
+    connection.close()
+    _wait_idle(mesh.decode)
