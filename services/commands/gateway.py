@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from services.commands.telemetry_flags import add_metrics_flag, metrics_port
+
 log = logging.getLogger(__name__)
 
 
@@ -25,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     gateway.add_argument("--wait-for-workers", type=float, default=300.0,
                          help="seconds to wait at startup for a serving worker in each pool before "
                               "reporting ready anyway")
+    add_metrics_flag(gateway)
     gateway.set_defaults(func=run)
 
 
@@ -44,24 +47,38 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; the exit code."""
     import asyncio
 
+    from services.observability.tracing import setup_tracing
+
     prefill = parse_addresses(args.prefill, "--prefill")
     decode = parse_addresses(args.decode, "--decode")
-    return asyncio.run(_serve(args, prefill, decode))
+    port = metrics_port(args)
+    tracing = setup_tracing("gateway")
+    try:
+        return asyncio.run(_serve(args, prefill, decode, port))
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
 
 
-async def _serve(args: argparse.Namespace, prefill: list[str], decode: list[str]) -> int:
+async def _serve(args: argparse.Namespace, prefill: list[str], decode: list[str], metrics_port: int) -> int:
     import asyncio
 
     from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
+    from engine.model.paths import served_model_id
     from services.common.server import RoleServer
     from services.gateway.handler import GatewayServicer
+    from services.gateway.metrics import GatewayMetrics
     from services.gateway.model import ServedModel
     from services.gateway.workers import WorkerRegistry
+    from services.observability.metrics import serve_metrics
 
     registry = WorkerRegistry(prefill, decode)
-    servicer = GatewayServicer(registry)
+    # The model's name labels the metrics; it is known without reading the model file.
+    metrics = GatewayMetrics(served_model_id(args.model))
+    servicer = GatewayServicer(registry, metrics)
     server = RoleServer("gateway", args.host, args.port, args.grace_period)
+    server.metrics_address = serve_metrics(metrics.registry, args.host, metrics_port).address
     server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer,
                gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name)
 

@@ -10,9 +10,12 @@ import grpc
 from tandem.v1 import decode_pb2, gateway_pb2, gateway_pb2_grpc
 
 from services.common.convert import sampling_params_from_proto
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.model import ServedModel
 from services.gateway.router import NoWorkerError
+from services.gateway.telemetry import RequestObservation
 from services.gateway.workers import WorkerRegistry, dispatched
+from services.observability.tracing import capture_content
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +26,11 @@ _RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """tandem.v1.Gateway over a worker registry; `model` is set once loaded (UNAVAILABLE before)."""
 
-    def __init__(self, registry: WorkerRegistry) -> None:
+    def __init__(self, registry: WorkerRegistry, metrics: GatewayMetrics) -> None:
         self.registry = registry
+        self.metrics = metrics
         self.model: ServedModel | None = None
+        self.capture_content = capture_content()
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -40,6 +45,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         model = await self._loaded(context)
         request_id = request.request_id or uuid.uuid4().hex
+        observation = RequestObservation(self.metrics, request_id, request, self.capture_content)
+        try:
+            async for response in self._generate(request, request_id, model, context, observation):
+                observation.streamed(response.chunk)
+                yield response
+        except BaseException as error:
+            # context.abort raised (its code is on the context), or the client went away.
+            code = context.code() if isinstance(error, Exception) else None
+            observation.failed(code.name if code else "CANCELLED", context.details() or type(error).__name__)
+            raise
+        finally:
+            observation.close()
+
+    async def _generate(
+        self,
+        request: gateway_pb2.GenerateRequest,
+        request_id: str,
+        model: ServedModel,
+        context: grpc.aio.ServicerContext,
+        observation: RequestObservation,
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         if request.model and request.model != model.id:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"model {request.model!r} is not served here; the model is {model.id!r}")
@@ -48,12 +74,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         try:
-            sampling_params_from_proto(request.sampling)
+            params = sampling_params_from_proto(request.sampling)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{error}")
+        observation.accepted(len(prompt), params)
         try:
-            decoders = self.registry.decode_order()
-            prefillers = self.registry.prefill_order()
+            with observation.routing() as route:
+                decoders = self.registry.decode_order()
+                prefillers = self.registry.prefill_order()
+                route["tandem.route.decode_order"] = [worker.address for worker in decoders]
+                route["tandem.route.prefill_order"] = [worker.address for worker in prefillers]
         except NoWorkerError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
 
@@ -69,6 +99,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
             log.debug("request %s (%s): %d prompt tokens -> decode %s, prefill %s",
                       request_id, worker_request.request_id, len(prompt), decode.address, prefill.address)
+            observation.dispatched(attempt, decode.address, prefill.address)
             call = decode.stub.Generate(worker_request, timeout=context.time_remaining())
             streamed = False
             with dispatched(decode, prefill, len(prompt)) as dispatch:
@@ -84,6 +115,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         await context.abort(error.code(), error.details() or "")
                     log.info("request %s: decode worker %s refused it (%s: %s)",
                              request_id, decode.address, error.code().name, error.details())
+                    observation.refused(decode.address, error.code().name, error.details() or "")
                     refusals.append((error.code(), f"{decode.address}: {error.details()}"))
                 finally:
                     # Cancels the worker's request when our client went away; a no-op once it ended.

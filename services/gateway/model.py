@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tandem.v1 import gateway_pb2
 
-from engine.model.paths import default_model_path
+from engine.model.paths import default_model_path, served_model_id
 from engine.tokenizer import Tokenizer
 
 
@@ -32,8 +32,7 @@ class ServedModel:
         if not os.path.exists(source):
             raise FileNotFoundError(f"model path {source!r} does not exist")
         tokenizer = Tokenizer.from_path(source)
-        model_id = os.path.basename(os.path.normpath(source)).split(".")[0]
-        return cls(model_id, max_model_len or _context_length(source), tokenizer)
+        return cls(served_model_id(source), max_model_len or _context_length(source), tokenizer)
 
     def prompt_token_ids(self, request: gateway_pb2.GenerateRequest) -> list[int]:
         """The request's prompt as token ids; ValueError naming the field when it is unusable."""

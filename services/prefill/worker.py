@@ -22,12 +22,32 @@ from services.prefill.kv_push import KVPush, KVPushHook
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """A finished prefill: the first token's output, where the time went, and the bytes pushed."""
+    """A finished prefill: the first token's output, the bytes pushed, and when each stage ended
+    (perf_counter seconds)."""
 
     output: RequestOutput
-    queue_s: float
-    compute_s: float
     kv_bytes: int
+    backend: str
+    added_at: float
+    started_at: float  # the request's first layer computed: its queue wait is over
+    done_at: float  # the first token sampled
+    delivered_at: float  # the receiver has every page
+    layers: tuple[tuple[int, float, int], ...]  # (layer, time handed to the sender, bytes)
+
+    @property
+    def queue_s(self) -> float:
+        """Waiting in the engine's queue."""
+        return self.started_at - self.added_at
+
+    @property
+    def compute_s(self) -> float:
+        """The prompt's forward passes, until the first token."""
+        return self.done_at - self.started_at
+
+    @property
+    def transfer_s(self) -> float:
+        """From the first layer's pages leaving until the receiver had every page."""
+        return self.delivered_at - self.started_at
 
 
 class PrefillWorker(Worker):
@@ -67,6 +87,7 @@ class PrefillWorker(Worker):
                 raise output
             done_at = time.perf_counter()
             kv_bytes = await self._deliver(push)
+            delivered_at = time.perf_counter()
             await self.loop.call(lambda e: self._release(e, request_id))
             released = True
         finally:
@@ -74,7 +95,8 @@ class PrefillWorker(Worker):
             if not released:
                 self.loop.submit(lambda e: self._abort(e, request_id, sender))
         started_at = push.started_at if push.started_at is not None else added_at
-        return PrefillResult(output, started_at - added_at, done_at - started_at, kv_bytes)
+        return PrefillResult(output, kv_bytes, target.backend, added_at, started_at, done_at, delivered_at,
+                             tuple(push.layers))
 
     async def _sender(self, target: TransferTarget) -> KVSender:
         """A sender for the target, paired off the event loop; StatusError UNAVAILABLE if unreachable."""
