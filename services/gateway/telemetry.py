@@ -75,10 +75,12 @@ class RequestObservation:
         """The routing decision's span; the router puts why it chose what it chose into the yielded
         dict (`tandem.route.*` attributes), which becomes the span's attributes."""
         attributes: dict[str, AttributeValue] = {}
+        if not self._traced:
+            yield attributes
+            return
         with TRACER.start_as_current_span("route") as span:
             yield attributes
-            if span.is_recording():
-                span.set_attributes(attributes)
+            span.set_attributes(attributes)
 
     def dispatched(self, attempt: int, decode: str, prefill: str) -> None:
         """Attempt `attempt` (0 first) goes to these decode and prefill workers."""
