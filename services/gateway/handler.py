@@ -51,9 +51,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 observation.streamed(response.chunk)
                 yield response
         except BaseException as error:
-            # context.abort raised (its code is on the context), or the client went away.
-            code = context.code() if isinstance(error, Exception) else None
-            observation.failed(code.name if code else "CANCELLED", context.details() or type(error).__name__)
+            # context.abort raised (its code is on the context), the client went away, or a bug.
+            code = context.code()
+            name = code.name if code is not None else "INTERNAL" if isinstance(error, Exception) else "CANCELLED"
+            observation.failed(name, context.details() or type(error).__name__)
             raise
         finally:
             observation.close()

@@ -26,7 +26,7 @@ class EngineStateCollector(Collector):
     """Gauges of the engine's load, read on the engine thread between steps when scraped (so an
     unscraped worker pays nothing for them)."""
 
-    def __init__(self, loop: EngineLoop, model_name: str, reserved_requests: Callable[[], int]) -> None:
+    def __init__(self, loop: EngineLoop, model_name: str, reserved_requests: Callable[[], int] | None) -> None:
         self._loop = loop
         self._model_name = model_name
         self._reserved_requests = reserved_requests
@@ -38,15 +38,17 @@ class EngineStateCollector(Collector):
             log.info("metrics: engine stats unavailable: %s", error)
             return
         labels = [self._model_name]
-        for name, documentation, value in (
+        gauges = [
             ("vllm:num_requests_running", "Requests in the running batch.", stats.num_running),
             ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
             ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", stats.kv_usage),
             ("tandem:prefill_queued_tokens", "Prompt tokens waiting to be computed (the prefill pool's "
              "scaling signal).", stats.num_waiting_tokens),
-            ("tandem:kv_reserved_requests", "Requests whose KV is reserved here and still arriving.",
-             self._reserved_requests()),
-        ):
+        ]
+        if self._reserved_requests is not None:
+            gauges.append(("tandem:kv_reserved_requests", "Requests whose KV is reserved here and still arriving.",
+                           self._reserved_requests()))
+        for name, documentation, value in gauges:
             family = GaugeMetricFamily(name, documentation, labels=per_model())
             family.add_metric(labels, value)
             yield family
@@ -66,8 +68,9 @@ class WorkerMetrics(RequestMetrics):
         if gpus is not None:
             self.registry.register(gpus)
 
-    def watch_engine(self, loop: EngineLoop, reserved_requests: Callable[[], int]) -> None:
-        """Export the engine's load from now on (once the engine is loaded)."""
+    def watch_engine(self, loop: EngineLoop, reserved_requests: Callable[[], int] | None = None) -> None:
+        """Export the engine's load from now on (once the engine is loaded), and on a decode worker
+        the requests whose KV is still arriving."""
         self.registry.register(EngineStateCollector(loop, self.model_name, reserved_requests))
 
     def kv_transfer(self, backend: str, num_bytes: int, seconds: float) -> None:

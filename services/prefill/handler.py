@@ -73,7 +73,7 @@ async def serve(
         engine = await asyncio.to_thread(Engine, config)
         worker = PrefillWorker(server.address, engine, server.draining, KVLayout.of_engine(engine), transfer_timeout)
         worker.loop.start()
-        metrics.watch_engine(worker.loop, lambda: worker.reserved_requests)
+        metrics.watch_engine(worker.loop)
         servicer.worker = worker
 
     async def close() -> None:

@@ -62,10 +62,10 @@ def mesh(receiver):
     assert all(code == 0 for code in codes.values()), codes
 
 
-def _generate(gateway: Worker, request_id: str, metadata=()) -> list[common_pb2.TokenChunk]:
+def _generate(gateway: Worker, request_id: str, metadata=(), slo=None) -> list[common_pb2.TokenChunk]:
     request = gateway_pb2.GenerateRequest(
         request_id=request_id, text=f"Tell me about trace {request_id}.",
-        sampling=common_pb2.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        sampling=common_pb2.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), slo=slo,
     )
     with grpc.insecure_channel(gateway.address, options=channel_options()) as channel:
         stream = gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=RPC_TIMEOUT_S, metadata=metadata)
@@ -159,14 +159,21 @@ def test_client_traceparent_is_honoured(mesh, receiver):
     assert {s.service for s in spans} == set(EXPECTED)
 
 
-def test_errors_mark_the_span(mesh, receiver):
+def _invalid_request(gateway: Worker) -> str:
+    """Send a request the gateway refuses (INVALID_ARGUMENT); its id."""
     request = gateway_pb2.GenerateRequest(request_id=f"bad-{uuid.uuid4().hex[:8]}", text="Hi",
                                           sampling=common_pb2.SamplingParams(temperature=500.0))
-    with grpc.insecure_channel(mesh["gateway"].address) as channel, pytest.raises(grpc.RpcError):
+    with grpc.insecure_channel(gateway.address) as channel, pytest.raises(grpc.RpcError) as error:
         list(gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=RPC_TIMEOUT_S))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return request.request_id
+
+
+def test_errors_mark_the_span(mesh, receiver):
+    request_id = _invalid_request(mesh["gateway"])
     [span] = [s for s in receiver.wait_for(
-        lambda spans: any(s.attributes.get("tandem.request_id") == request.request_id for s in spans), SPANS_TIMEOUT_S,
-    ) if s.attributes.get("tandem.request_id") == request.request_id]
+        lambda spans: any(s.attributes.get("tandem.request_id") == request_id for s in spans), SPANS_TIMEOUT_S,
+    ) if s.attributes.get("tandem.request_id") == request_id]
     assert span.status_code == 2 and span.attributes["error.type"] == "INVALID_ARGUMENT"
 
 
@@ -187,8 +194,11 @@ def _delta(before: dict, after: dict, name: str, **labels: str) -> float:
 
 def test_metrics_count_a_request(mesh):
     before = {role: _scrape(mesh[role]) for role in ("gateway", "prefill", "decode")}
-    chunks = _generate(mesh["gateway"], f"counted-{uuid.uuid4().hex[:8]}")
+    # A TTFT objective of an hour is met; a TPOT of 1 ms is not, on a CPU.
+    chunks = _generate(mesh["gateway"], f"counted-{uuid.uuid4().hex[:8]}",
+                       slo=common_pb2.Slo(ttft_ms=3_600_000, tpot_ms=1))
     usage = chunks[-1].usage
+    _invalid_request(mesh["gateway"])
     after = {role: _scrape(mesh[role]) for role in ("gateway", "prefill", "decode")}
 
     for role in ("gateway", "decode"):
@@ -205,11 +215,17 @@ def test_metrics_count_a_request(mesh):
     assert _delta(before["prefill"], prefill, "tandem:kv_transfer_seconds_count", backend="grpc") == 1
     assert _delta(before["gateway"], gateway, "tandem:routing_decisions_total", pool="decode",
                   worker=mesh["decode"].address) == 1
+    assert _delta(before["gateway"], gateway, "tandem:request_rejections_total", code="INVALID_ARGUMENT") == 1
+    assert _delta(before["gateway"], gateway, "tandem:slo_requests_total", objective="ttft", attained="true") == 1
+    assert _delta(before["gateway"], gateway, "tandem:slo_requests_total", objective="tpot", attained="false") == 1
     # Engine state, read when scraped: nothing runs now.
     for worker in (prefill, decode):
         for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                       "tandem:prefill_queued_tokens"):
             assert worker[(gauge, frozenset({"model_name": MODEL}.items()))] == 0, gauge
-    assert gateway[("vllm:num_requests_running", frozenset({"model_name": MODEL}.items()))] == 0
+    assert decode[("tandem:kv_reserved_requests", frozenset({"model_name": MODEL}.items()))] == 0
+    assert not any(name == "tandem:kv_reserved_requests" for name, _ in prefill)
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        assert gateway[(gauge, frozenset({"model_name": MODEL}.items()))] == 0, gauge
     # No NVML on this machine: no GPU metrics at all.
     assert not any(name.startswith("tandem:gpu_") for name, _ in (*prefill, *decode))
