@@ -11,7 +11,7 @@ import grpc
 import pytest
 from otlp_receiver import OtlpReceiver, ReceivedSpan
 from prometheus_client.parser import text_string_to_metric_families
-from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from workers_util import Worker, free_port, start_worker
 
 from services.common.server import channel_options
@@ -149,6 +149,18 @@ def test_one_trace_across_gateway_prefill_and_decode(mesh, receiver):
     assert all(s.status_code != 2 for s in spans), [s.name for s in spans if s.status_code == 2]
 
 
+def test_kv_handshake_carries_the_trace(mesh, receiver):
+    _generate(mesh["gateway"], f"handshake-{uuid.uuid4().hex[:8]}")
+    # Sent once per channel, by whichever request opened it: that request's trace holds both ends.
+    spans = receiver.wait_for(lambda spans: any(s.name == "/tandem.v1.KVTransfer/Handshake" for s in spans),
+                              SPANS_TIMEOUT_S)
+    sent = _one(spans, "tandem-prefill", "/tandem.v1.KVTransfer/Handshake", server=False)
+    received = _one(spans, "tandem-decode", "/tandem.v1.KVTransfer/Handshake", server=True)
+    assert received.parent_span_id == sent.span_id and received.trace_id == sent.trace_id
+    prefill = [s for s in spans if s.span_id == sent.parent_span_id]
+    assert [(s.service, s.name) for s in prefill] == [("tandem-prefill", "/tandem.v1.Prefill/Prefill")]
+
+
 def test_client_traceparent_is_honoured(mesh, receiver):
     trace_id, parent_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
     request_id = f"continued-{uuid.uuid4().hex[:8]}"
@@ -175,6 +187,17 @@ def test_errors_mark_the_span(mesh, receiver):
         lambda spans: any(s.attributes.get("tandem.request_id") == request_id for s in spans), SPANS_TIMEOUT_S,
     ) if s.attributes.get("tandem.request_id") == request_id]
     assert span.status_code == 2 and span.attributes["error.type"] == "INVALID_ARGUMENT"
+
+    # A worker's RPC too: a decode request without a prefill worker.
+    request = decode_pb2.DecodeRequest(request_id=f"bad-{uuid.uuid4().hex[:8]}", prompt_token_ids=[1, 2, 3])
+    with grpc.insecure_channel(mesh["decode"].address) as channel, pytest.raises(grpc.RpcError):
+        list(decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=RPC_TIMEOUT_S))
+
+    def refused(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
+        return [s for s in spans if s.service == "tandem-decode" and s.is_server and s.status_code == 2]
+
+    [span] = refused(receiver.wait_for(refused, SPANS_TIMEOUT_S))
+    assert span.attributes["error.type"] == "INVALID_ARGUMENT" and span.parent_span_id == ""
 
 
 def _scrape(worker: Worker) -> dict[tuple[str, frozenset], float]:
