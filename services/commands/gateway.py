@@ -78,7 +78,7 @@ async def _serve(args: argparse.Namespace, prefill: list[str], decode: list[str]
     metrics = GatewayMetrics(served_model_id(args.model))
     servicer = GatewayServicer(registry, metrics)
     server = RoleServer("gateway", args.host, args.port, args.grace_period)
-    server.metrics_address = serve_metrics(metrics.registry, args.host, metrics_port).address
+    server.metrics_address = serve_metrics(metrics.registry, args.host, metrics_port)
     server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer,
                gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name)
 

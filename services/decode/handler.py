@@ -127,7 +127,7 @@ async def serve(
     """Run a decode worker until SIGTERM/SIGINT; returns the exit code."""
     server = RoleServer("decode", host, port, grace_period)
     metrics = WorkerMetrics(served_model_id(config.model))
-    server.metrics_address = serve_metrics(metrics.registry, host, metrics_port).address
+    server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
     servicer = DecodeServicer(metrics)
     kv_transfer = LateKVTransfer()
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, servicer,

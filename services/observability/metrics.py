@@ -9,10 +9,7 @@ several, and the gateway's can be mounted on an HTTP app (`prometheus_client.mak
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
@@ -77,31 +74,13 @@ class RequestMetrics:
             self.inter_token.observe(seconds / num_tokens)
 
 
-@dataclass
-class MetricsServer:
-    """The HTTP server of a process's /metrics (any path answers, as prometheus_client's does)."""
-
-    httpd: ThreadingHTTPServer
-    thread: threading.Thread
-    host: str
-
-    @property
-    def address(self) -> str:
-        """host:port actually bound."""
-        return f"{self.host}:{self.httpd.server_port}"
-
-    def close(self) -> None:
-        """Stop serving and free the port."""
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
-    """Serve `registry` over HTTP on host:port (0 = a free port) from a daemon thread."""
-    httpd, thread = start_http_server(port, addr=host, registry=registry)
-    server = MetricsServer(httpd, thread, host)
-    log.info("metrics on http://%s/metrics", server.address)
-    return server
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> str:
+    """Serve `registry` over HTTP on host:port (0 = a free port) from a daemon thread, for the life
+    of the process; the host:port actually bound."""
+    httpd, _ = start_http_server(port, addr=host, registry=registry)
+    address = f"{host}:{httpd.server_port}"
+    log.info("metrics on http://%s/metrics", address)
+    return address
 
 
 def default_metrics_port(grpc_port: int, metrics_port: int | None) -> int:

@@ -9,7 +9,7 @@ current span is then the API's non-recording one).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
@@ -64,7 +64,3 @@ def set_error(error_type: str, message: str, span: Span | None = None) -> None:
     span.set_status(Status(StatusCode.ERROR, message))
     span.set_attribute("error.type", error_type)
 
-
-def string_list(values: Sequence[object]) -> list[str]:
-    """A sequence as a span attribute value (a list of strings)."""
-    return [str(value) for value in values]

@@ -31,7 +31,7 @@ _ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP
 _PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 _PROTOCOLS = ("grpc", "http/protobuf")
 # The GenAI semantic conventions' opt-in for recording prompts and completions on spans.
-CAPTURE_CONTENT_VARIABLE = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
+_CAPTURE_CONTENT_VARIABLE = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
 # RPCs that would only add noise (or, for the exporter's own calls, feed back into themselves).
 _UNTRACED_METHODS = ("WatchLoad", "GetLoad")
 _UNTRACED_SERVICE_PREFIXES = ("grpc.health.", "grpc.reflection.", "opentelemetry.proto.")
@@ -59,14 +59,13 @@ class TracingConfig:
 
 def capture_content(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether prompts and completions may be recorded on spans (an explicit opt-in)."""
-    return environ.get(CAPTURE_CONTENT_VARIABLE, "").strip().lower() == "true"
+    return environ.get(_CAPTURE_CONTENT_VARIABLE, "").strip().lower() == "true"
 
 
 class Tracing:
     """The tracer provider of a process whose tracing is on; `shutdown` exports what is left."""
 
     def __init__(self, config: TracingConfig) -> None:
-        self.config = config
         # Our service name overrides OTEL_SERVICE_NAME: attributes given here win over the environment's.
         resource = Resource.create({SERVICE_NAME: config.service_name})
         self.provider = TracerProvider(resource=resource)

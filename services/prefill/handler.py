@@ -64,7 +64,7 @@ async def serve(
     """Run a prefill worker until SIGTERM/SIGINT; returns the exit code."""
     server = RoleServer("prefill", host, port, grace_period)
     metrics = WorkerMetrics(served_model_id(config.model))
-    server.metrics_address = serve_metrics(metrics.registry, host, metrics_port).address
+    server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
     servicer = PrefillServicer(metrics)
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer,
                prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
