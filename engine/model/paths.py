@@ -15,3 +15,10 @@ def default_model_path() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"the default model package {_SHIPPED_PACKAGE!r} is not installed")
     return os.path.join(next(iter(spec.submodule_search_locations)), _SHIPPED_FILE)
+
+
+def served_model_id(path: str | None) -> str:
+    """The name a model is served under: its file or directory name up to the first dot
+    (None = the shipped model). The gateway's model id and every metric's `model_name`."""
+    source = path or default_model_path()
+    return os.path.basename(os.path.normpath(source)).split(".")[0]

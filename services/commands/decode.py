@@ -6,6 +6,7 @@ import argparse
 from typing import NoReturn
 
 from services.commands.engine_flags import add_engine_flags, engine_config
+from services.commands.telemetry_flags import add_metrics_flag, metrics_port
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +28,7 @@ def add_decode_flags(parser: argparse.ArgumentParser, default_port: int) -> None
                         help="address the torch_dist rendezvous stores bind to (default: --host)")
     parser.add_argument("--kv-timeout", type=float, default=30.0,
                         help="seconds a reservation waits for its prompt's first token and KV")
+    add_metrics_flag(parser)
     add_engine_flags(parser)
 
 
@@ -38,8 +40,14 @@ def run(args: argparse.Namespace) -> NoReturn:
 
     from services.common.server import exit_process
     from services.decode.handler import serve
+    from services.observability.tracing import setup_tracing
 
     torch.set_num_threads(args.threads)
     config = engine_config(args, args.role)
-    exit_process(asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_backend,
-                                   args.kv_host or args.host, args.kv_timeout)))
+    port = metrics_port(args)
+    tracing = setup_tracing("worker" if args.role == "colocated" else "decode")
+    code = asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_backend,
+                             args.kv_host or args.host, args.kv_timeout, port))
+    if tracing is not None:
+        tracing.shutdown()
+    exit_process(code)

@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     from services.gateway.registry import WorkerRegistry
     from services.gateway.router import Slo
+    from services.observability.tracing import setup_tracing
 
     pools = {
         "prefill": parse_addresses(args.prefill, "--prefill"),
@@ -72,7 +73,12 @@ def run(args: argparse.Namespace) -> int:
         # Built on the running loop: its gRPC channels belong to it.
         return await _serve(args, WorkerRegistry(**pools, default_slo=slo))
 
-    return asyncio.run(serve())
+    tracing = setup_tracing("gateway")
+    try:
+        return asyncio.run(serve())
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
 
 
 async def _serve(args: argparse.Namespace, registry: WorkerRegistry) -> int:
@@ -80,14 +86,18 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry) -> int:
 
     from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
+    from engine.model.paths import served_model_id
     from services.common.http_server import HttpListener
     from services.common.server import RoleServer
     from services.gateway.handler import GatewayServicer
+    from services.gateway.metrics import GatewayMetrics
     from services.gateway.model import ServedModel
     from services.gateway.openai_api.app import create_app
     from services.gateway.service import GatewayService
 
-    service = GatewayService(registry, args.max_queued_requests)
+    # The model's name labels the metrics; it is known without reading the model file.
+    metrics = GatewayMetrics(served_model_id(args.model))
+    service = GatewayService(registry, metrics, args.max_queued_requests)
     server = RoleServer("gateway", args.host, args.port, args.grace_period)
     server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(service),
                gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name)

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-_READY_LINE = re.compile(r"^tandem (\w+) ready grpc=(\S+)(?: http=(\S+))?$")
+_READY_LINE = re.compile(r"^tandem (\w+) ready grpc=(\S+)(?: metrics=\S+)?(?: http=(\S+))?$")
 _DEMO_PROMPT = "Explain in two sentences why LLM inference splits prefill and decode."
 
 
@@ -109,9 +109,10 @@ def _start(args: argparse.Namespace, children: list[Child], stop: threading.Even
     common = ["--host", args.host, *(["--model", args.model] if args.model else [])]
     # The gateway must know the workers' ports before they are bound, so port 0 is resolved here.
     prefill_port, decode_port = (_port_or_free(args.host, port) for port in (args.prefill_port, args.decode_port))
-    children.append(Child("prefill", [*base, "prefill", *common, "--port", str(prefill_port), "--threads", "1"]))
+    children.append(Child("prefill", [*base, "prefill", *common, "--port", str(prefill_port), "--threads", "1",
+                                      *_free_metrics_port(args.prefill_port)]))
     children.append(Child("decode", [*base, "decode", *common, "--port", str(decode_port), "--threads", "1",
-                                     "--kv-backend", args.kv_backend]))
+                                     "--kv-backend", args.kv_backend, *_free_metrics_port(args.decode_port)]))
     # The gateway reports ready once it sees a serving worker in each pool.
     children.append(Child("gateway", [*base, "gateway", *common, "--port", str(args.gateway_port),
                                       "--http-port", str(args.http_port),
@@ -120,6 +121,12 @@ def _start(args: argparse.Namespace, children: list[Child], stop: threading.Even
                                       "--wait-for-workers", str(args.startup_timeout)]))
     _wait_ready(children, time.monotonic() + args.startup_timeout, stop)
     return str(children[-1].address), str(children[-1].http_address)
+
+
+def _free_metrics_port(port: int) -> list[str]:
+    """A child given a fixed port serves metrics on that port + 1000 (its default); one given a free
+    port gets a free metrics port too (its ready line names it)."""
+    return [] if port else ["--metrics-port", "0"]
 
 
 def _port_or_free(host: str, port: int) -> int:

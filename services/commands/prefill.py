@@ -6,6 +6,7 @@ import argparse
 from typing import NoReturn
 
 from services.commands.engine_flags import add_engine_flags, engine_config
+from services.commands.telemetry_flags import add_metrics_flag, metrics_port
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,6 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     prefill.add_argument("--kv-timeout", type=float, default=30.0,
                          help="seconds a request's KV pages may take to reach the decode worker before "
                               "they are dropped")
+    add_metrics_flag(prefill)
     add_engine_flags(prefill)
     prefill.set_defaults(func=run)
 
@@ -29,8 +31,14 @@ def run(args: argparse.Namespace) -> NoReturn:
     import torch
 
     from services.common.server import exit_process
+    from services.observability.tracing import setup_tracing
     from services.prefill.handler import serve
 
     torch.set_num_threads(args.threads)
     config = engine_config(args, "prefill")
-    exit_process(asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_timeout)))
+    port = metrics_port(args)
+    tracing = setup_tracing("prefill")
+    code = asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_timeout, port))
+    if tracing is not None:
+        tracing.shutdown()
+    exit_process(code)

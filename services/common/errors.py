@@ -2,7 +2,8 @@
 
 ValueError (the engine's and the converters' "bad input, naming the field") is INVALID_ARGUMENT,
 TimeoutError is DEADLINE_EXCEEDED, a `StatusError` carries its own code, anything else is INTERNAL
-(and logged with its traceback, since it is a bug or an unexpected failure).
+(and logged with its traceback, since it is a bug or an unexpected failure). The RPC's span, when
+traced, is marked failed with the status code's name as its `error.type`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import math
 from typing import NoReturn
 
 import grpc
+
+from services.observability.spans import set_error
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
     """End the RPC with the status `exc` maps to."""
     code, message = status_of(exc)
+    set_error(code.name, message)
     if code is grpc.StatusCode.INTERNAL:
         log.error("internal error", exc_info=exc)
     retry_after = getattr(exc, "retry_after_s", None)

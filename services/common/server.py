@@ -7,7 +7,8 @@ A `RoleServer` owns one grpc.aio server and its life:
 3. `run(load, close)` binds host:port (port 0 picks a free one, see `address`), starts serving at once
    with every service NOT_SERVING in grpc.health.v1 (and the listeners started), awaits `load()`
    (e.g. the model, in a thread), turns SERVING, and prints the ready line
-   `tandem <role> ready grpc=HOST:PORT` on stdout, followed by ` NAME=HOST:PORT` per listener;
+   `tandem <role> ready grpc=HOST:PORT` on stdout, followed by ` metrics=HOST:PORT` when
+   `metrics_address` is set (the process's Prometheus endpoint) and ` NAME=HOST:PORT` per listener;
 4. on SIGTERM or SIGINT it drains: health NOT_SERVING, `draining` set (long-lived streams such as
    WatchLoad and health Watch end), new RPCs refused with UNAVAILABLE, in-flight RPCs (and the
    listeners' requests) given `grace_period` seconds, then `close()`; `run` returns the exit code
@@ -154,6 +155,7 @@ class RoleServer:
         self.grace_period = grace_period
         self.grpc = grpc.aio.server(options=server_options())
         self.draining = asyncio.Event()
+        self.metrics_address: str | None = None
         self._names: list[str] = []
         self._listeners: list[Listener] = []
 
@@ -199,7 +201,8 @@ class RoleServer:
         code = 0
         if await self._load(load, stop):
             health.set_serving(True)
-            print(f"tandem {self.role} ready grpc={self.address}{listening}", flush=True)
+            metrics = f" metrics={self.metrics_address}" if self.metrics_address else ""
+            print(f"tandem {self.role} ready grpc={self.address}{metrics}{listening}", flush=True)
             log.info("%s: serving on %s", self.role, self.address)
             await stop.wait()
         elif not stop.is_set():

@@ -6,12 +6,14 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import grpc
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvtransfer_pb2, kvtransfer_pb2_grpc
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.model.paths import served_model_id
 from engine.sampling_params import SamplingParams
 from kvtransfer.grpc_stream import KVTransferServicer
 from kvtransfer.receiver import make_receiver
@@ -21,16 +23,22 @@ from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
 from services.common.worker import WorkerRpcs
 from services.decode.prefill_client import PrefillClients
+from services.decode.telemetry import DecodeRecorder
 from services.decode.worker import DecodeTimings, DecodeWorker
+from services.observability.metrics import serve_metrics
+from services.observability.worker_metrics import WorkerMetrics
 
 
 class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
     """tandem.v1.Decode: Generate, Abort, GetLoad, WatchLoad."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: WorkerMetrics) -> None:
         self.prefills = PrefillClients()
+        self.metrics = metrics
 
-    async def Generate(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> None:
+    async def Generate(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.TokenChunk]:
         arrived_at = time.perf_counter()
         worker = await self.ready(context)
         try:
@@ -41,6 +49,11 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
             )
         except Exception as exc:
             await abort_with(context, exc)
+        # The chunks go out through context.write (from the request's own task, which Abort can
+        # cancel), yet Generate must be an async generator: that is how the OpenTelemetry server
+        # interceptor serves every response-streaming handler.
+        return
+        yield
 
     async def _stream(
         self,
@@ -51,25 +64,31 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
         context: grpc.aio.ServicerContext,
         timings: DecodeTimings,
     ) -> None:
-        first_at = None
+        recorder = DecodeRecorder(self.metrics, timings)
         if request.prefill_address:
             prefill = self.prefills.peer(request.prefill_address)
             outputs = worker.generate(request_id, request.prompt_token_ids, params, prefill, timings)
         else:
             outputs = worker.generate_local(request_id, request.prompt_token_ids, params, timings)
-        # aclosing: leaving early (client gone, Abort) runs the request's cleanup before this returns.
-        async with contextlib.aclosing(outputs):
-            async for output in outputs:
-                now = time.perf_counter()
-                first_at = first_at or now
-                final = _timings(timings, first_at, now, output.num_output_tokens) if output.finished else None
-                await context.write(token_chunk(output, final))
+        try:
+            # aclosing: leaving early (client gone, Abort) runs the request's cleanup before this returns.
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    now = time.perf_counter()
+                    recorder.output(output, now)
+                    final = _timings(timings, recorder, now, output.num_output_tokens) if output.finished else None
+                    await context.write(token_chunk(output, final))
+        finally:
+            recorder.trace()
 
 
-def _timings(timings: DecodeTimings, first_at: float, now: float, num_output_tokens: int) -> common_pb2.Timings:
+def _timings(
+    timings: DecodeTimings, recorder: DecodeRecorder, now: float, num_output_tokens: int
+) -> common_pb2.Timings:
+    assert recorder.first_at is not None  # the final output came after the first
     return common_pb2.Timings(
-        ttft_s=first_at - timings.arrived_at,
-        tpot_s=(now - first_at) / (num_output_tokens - 1) if num_output_tokens > 1 else 0.0,
+        ttft_s=recorder.first_at - timings.arrived_at,
+        tpot_s=recorder.tpot_s(num_output_tokens),
         prefill_queue_s=timings.prefill_queue_s,
         prefill_compute_s=timings.prefill_compute_s,
         kv_wait_s=timings.kv_wait_s,
@@ -106,10 +125,13 @@ async def serve(
     kv_backend: str,
     kv_host: str,
     kv_timeout: float,
+    metrics_port: int,
 ) -> int:
     """Run a decode (or colocated: `config.role`) worker until SIGTERM/SIGINT; returns the exit code."""
     server = RoleServer(config.role, host, port, grace_period)
-    servicer = DecodeServicer()
+    metrics = WorkerMetrics(served_model_id(config.model))
+    server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
+    servicer = DecodeServicer(metrics)
     kv_transfer = LateKVTransfer()
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, servicer,
                decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name)
@@ -123,6 +145,7 @@ async def serve(
         await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
         kv_transfer.servicer = KVTransferServicer(worker.layout, receiver if kv_backend == "grpc" else None)
         worker.loop.start()
+        metrics.watch_engine(worker.loop, lambda: worker.reserved_requests)
         servicer.worker = worker
 
     async def close() -> None:

@@ -55,13 +55,20 @@ class PrefillPeer(Protocol):
 
 @dataclass
 class DecodeTimings:
-    """Where one request's time went at this worker (perf_counter seconds)."""
+    """Where one request's time went at this worker: durations, and the perf_counter times at which
+    each stage ended (None until it did)."""
 
     arrived_at: float
     prefill_queue_s: float = 0.0
     prefill_compute_s: float = 0.0
     kv_wait_s: float = 0.0
     kv_delivery_wait_s: float = 0.0
+    # Prompt tokens this worker's own prefix cache held (they were not transferred).
+    local_cached_tokens: int = 0
+    reserved_at: float | None = None
+    prefill_replied_at: float | None = None
+    kv_done_at: float | None = None
+    joined_at: float | None = None
 
 
 class DecodeWorker(Worker):
@@ -102,6 +109,8 @@ class DecodeWorker(Worker):
             # The engine thread may have reserved already; this abort runs after it, in order.
             self.loop.submit(lambda e: e.abort(request_id))
             raise
+        timings.reserved_at = time.perf_counter()
+        timings.local_cached_tokens = reservation.num_cached_tokens
         deadline = time.monotonic() + self.kv_timeout
         transfer_id = next(self._transfer_ids)
         self._waiting_for_kv += 1
@@ -122,11 +131,13 @@ class DecodeWorker(Worker):
             stage = "transferring"
             timings.prefill_queue_s, timings.prefill_compute_s = reply.queue_s, reply.compute_s
             timings.kv_delivery_wait_s = reply.delivery_wait_s
-            replied_at = time.perf_counter()
+            timings.prefill_replied_at = time.perf_counter()
             await self._wait_for_kv(self.receiver.completion(transfer_id), deadline, prefill.address)
-            timings.kv_wait_s = time.perf_counter() - replied_at
+            timings.kv_done_at = time.perf_counter()
+            timings.kv_wait_s = timings.kv_done_at - timings.prefill_replied_at
             queue = self.loop.open_stream(request_id)
             output = await self.loop.call(lambda e: e.start_decode(request_id, reply.first_token))
+            timings.joined_at = time.perf_counter()
             self._waiting_for_kv -= 1
             stage = "decoding"
             if reply.first_logprob is not None and params.logprobs is not None:

@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from engine.model.paths import default_model_path
+from engine.model.paths import default_model_path, served_model_id
 from engine.tokenizer import Tokenizer
 from services.gateway.request import Prompt, TextPrompt, TokenPrompt
 
@@ -31,8 +31,7 @@ class ServedModel:
         if not os.path.exists(source):
             raise FileNotFoundError(f"model path {source!r} does not exist")
         tokenizer = Tokenizer.from_path(source)
-        model_id = os.path.basename(os.path.normpath(source)).split(".")[0]
-        return cls(model_id, max_model_len or _context_length(source), tokenizer)
+        return cls(served_model_id(source), max_model_len or _context_length(source), tokenizer)
 
     def prompt_token_ids(self, prompt: Prompt) -> list[int]:
         """The prompt as token ids; ValueError naming the field ("text", "token_ids" or "chat")

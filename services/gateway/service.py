@@ -18,10 +18,13 @@ import grpc
 from services.common.chunk import Chunk
 from services.common.errors import StatusError
 from services.gateway.admission import Admission, Rejected
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.model import ServedModel
 from services.gateway.registry import Placement, WorkerRegistry
 from services.gateway.request import GenerateRequest
 from services.gateway.router import NoWorkerError, Slo
+from services.gateway.telemetry import RequestObservation
+from services.observability.tracing import capture_content
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +35,14 @@ _RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 class GatewayService:
     """Requests in, chunks out, over a worker registry; `model` is set once loaded."""
 
-    def __init__(self, registry: WorkerRegistry, max_queued: int = 256) -> None:
+    def __init__(self, registry: WorkerRegistry, metrics: GatewayMetrics, max_queued: int = 256) -> None:
         """`max_queued`: requests that may wait for capacity at once (beyond it they are refused)."""
         self.registry = registry
+        self.metrics = metrics
         self.admission: Admission[Placement] = Admission(registry, max_queued)
         registry.on_change(self.admission.changed)
         self.model: ServedModel | None = None
+        self._capture_content = capture_content()
 
     def served_model(self) -> ServedModel:
         """The model; StatusError UNAVAILABLE while it is still loading."""
@@ -49,14 +54,17 @@ class GatewayService:
         """Whether requests can be served now: the model is loaded and the workers can take requests."""
         return self.model is not None and self.registry.routable()
 
-    async def place(self, request: GenerateRequest, prompt: list[int], arrived_at: float,
+    def slo(self, request: GenerateRequest) -> Slo:
+        """The request's objectives: its own, else the deployment's."""
+        default = self.registry.default_slo
+        return Slo(request.slo.ttft_ms / 1000 if request.slo.ttft_ms else default.ttft_s,
+                   request.slo.tpot_ms / 1000 if request.slo.tpot_ms else default.tpot_s)
+
+    async def place(self, request: GenerateRequest, prompt: list[int], slo: Slo, arrived_at: float,
                     exclude: frozenset[str] = frozenset()) -> Placement:
         """Where the request runs, once admission lets it in (see services.gateway.admission).
         StatusError RESOURCE_EXHAUSTED (with a retry-after hint) when refused, UNAVAILABLE when no
         worker could take it at all."""
-        default = self.registry.default_slo
-        slo = Slo(request.slo.ttft_ms / 1000 if request.slo.ttft_ms else default.ttft_s,
-                  request.slo.tpot_ms / 1000 if request.slo.tpot_ms else default.tpot_s)
         route_request = self.registry.route_request(prompt, request.sampling.max_tokens, slo)
         try:
             if exclude:  # a retry after a refusal: no queueing, the best other worker now
@@ -75,11 +83,31 @@ class GatewayService:
         Raises StatusError: UNAVAILABLE (loading, no serving worker, every worker unavailable),
         NOT_FOUND (another model), INVALID_ARGUMENT (the prompt), RESOURCE_EXHAUSTED (refused by
         admission, or every decode worker full), or a worker's own code when it fails after the
-        first token. Every validation error comes before the first chunk.
+        first token. Every validation error comes before the first chunk. The request is traced
+        and counted (services.gateway.telemetry) however it ends.
         """
+        request_id = request.request_id or uuid.uuid4().hex
+        observation = RequestObservation(self.metrics, request_id, request, self._capture_content)
+        try:
+            async for chunk in self._generate(request, request_id, deadline, observation):
+                observation.streamed(chunk)
+                yield chunk
+        except StatusError as error:
+            observation.failed(error.code.name, error.message)
+            raise
+        except Exception as error:
+            observation.failed("INTERNAL", f"{type(error).__name__}: {error}")
+            raise
+        except BaseException:
+            observation.failed("CANCELLED", "the client went away")
+            raise
+        finally:
+            observation.close()
+
+    async def _generate(self, request: GenerateRequest, request_id: str, deadline: float | None,
+                        observation: RequestObservation) -> AsyncIterator[Chunk]:
         arrived_at = time.monotonic()
         model = self.served_model()
-        request_id = request.request_id or uuid.uuid4().hex
         if request.model and request.model != model.id:
             raise StatusError(grpc.StatusCode.NOT_FOUND,
                               f"model {request.model!r} is not served here; the model is {model.id!r}")
@@ -87,17 +115,22 @@ class GatewayService:
             prompt = model.prompt_token_ids(request.prompt)
         except ValueError as error:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
+        observation.accepted(len(prompt), request.sampling)
+        slo = self.slo(request)
 
         refusals: list[tuple[grpc.StatusCode, str]] = []
         refused: frozenset[str] = frozenset()
         while True:
             try:
-                placement = await self.place(request, prompt, arrived_at, refused)
+                with observation.routing() as route:
+                    placement = await self.place(request, prompt, slo, arrived_at, refused)
+                    observation.placed(route, placement.decision, slo)
             except StatusError:
                 if not refusals:
                     raise
                 break  # no other worker left to try
             decision = placement.decision
+            observation.dispatched(len(refusals), decision.decode, decision.prefill or "local")
             # Unique at the workers whatever clients send; a refused attempt may still be winding down there.
             worker_request_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
             log.debug("request %s (%s): %d prompt tokens: %s", request_id, worker_request_id, len(prompt),
@@ -118,6 +151,7 @@ class GatewayService:
                     raise
                 log.info("request %s: decode worker %s refused it (%s: %s)",
                          request_id, placement.decode.address, error.code.name, error.message)
+                observation.refused(placement.decode.address, error.code.name, error.message)
                 refusals.append((error.code, f"{placement.decode.address}: {error.message}"))
                 refused |= {placement.decode.address}
             finally:

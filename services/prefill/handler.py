@@ -9,17 +9,24 @@ from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.model.paths import served_model_id
 from kvtransfer.descriptor import KVLayout, TransferTarget
 from services.common.convert import finish_reason_to_proto, sampling_params_from_proto, token_logprob_to_proto
 from services.common.errors import abort_with
 from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
 from services.common.worker import WorkerRpcs
+from services.observability.metrics import serve_metrics
+from services.observability.worker_metrics import WorkerMetrics
+from services.prefill.telemetry import record_prefill
 from services.prefill.worker import PrefillResult, PrefillWorker
 
 
 class PrefillServicer(WorkerRpcs[PrefillWorker], prefill_pb2_grpc.PrefillServicer):
     """tandem.v1.Prefill: Prefill, Abort, GetLoad, WatchLoad."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self.metrics = metrics
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         worker = await self.ready(context)
@@ -33,6 +40,7 @@ class PrefillServicer(WorkerRpcs[PrefillWorker], prefill_pb2_grpc.PrefillService
             )
         except Exception as exc:
             await abort_with(context, exc)
+        record_prefill(result, self.metrics)
         return _response(result)
 
 
@@ -52,10 +60,14 @@ def _response(result: PrefillResult) -> prefill_pb2.PrefillResponse:
     return response
 
 
-async def serve(config: EngineConfig, host: str, port: int, grace_period: float, transfer_timeout: float) -> int:
+async def serve(
+    config: EngineConfig, host: str, port: int, grace_period: float, transfer_timeout: float, metrics_port: int
+) -> int:
     """Run a prefill worker until SIGTERM/SIGINT; returns the exit code."""
     server = RoleServer("prefill", host, port, grace_period)
-    servicer = PrefillServicer()
+    metrics = WorkerMetrics(served_model_id(config.model))
+    server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
+    servicer = PrefillServicer(metrics)
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer,
                prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
 
@@ -64,6 +76,7 @@ async def serve(config: EngineConfig, host: str, port: int, grace_period: float,
         worker = PrefillWorker(server.address, engine, server.draining, KVLayout.of_engine(engine), transfer_timeout)
         await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
         worker.loop.start()
+        metrics.watch_engine(worker.loop)
         servicer.worker = worker
 
     async def close() -> None:

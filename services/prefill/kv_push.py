@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.engine import Engine
 from engine.scheduler import ScheduledChunk
@@ -32,6 +32,8 @@ class KVPush:
     error: Exception | None = None
     # When the first layer of the request's first step was done: ends its queue wait, roughly.
     started_at: float | None = None
+    # (layer, perf_counter time, bytes) of each layer's pages handed to the sender, for tracing.
+    layers: list[tuple[int, float, int]] = field(default_factory=list)
 
 
 class KVPushHook:
@@ -74,6 +76,7 @@ class KVPushHook:
             try:
                 k, v = self._engine.export_kv(request_id, layer, first, end)
                 push.sender.send(layer, first - push.skip, k, v)
+                push.layers.append((layer, time.perf_counter(), k.nbytes + v.nbytes))
             except Exception as exc:  # a broken transfer fails its own request, never the engine step
                 log.warning("KV push of %s failed at layer %d: %s", request_id, layer, exc)
                 push.error = exc

@@ -22,13 +22,37 @@ from services.prefill.kv_push import KVPush, KVPushHook
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """A finished prefill: the first token's output, where the time went, and the bytes pushed."""
+    """A finished prefill: the first token's output, the bytes pushed, and when each stage ended
+    (perf_counter seconds)."""
 
     output: RequestOutput
-    queue_s: float
-    compute_s: float
     kv_bytes: int
-    delivery_wait_s: float  # after the first token, until the receiver held every page
+    backend: str
+    added_at: float
+    started_at: float  # the request's first layer computed: its queue wait is over
+    done_at: float  # the first token sampled
+    delivered_at: float  # the receiver has every page
+    layers: tuple[tuple[int, float, int], ...]  # (layer, time handed to the sender, bytes)
+
+    @property
+    def queue_s(self) -> float:
+        """Waiting in the engine's queue."""
+        return self.started_at - self.added_at
+
+    @property
+    def compute_s(self) -> float:
+        """The prompt's forward passes, until the first token."""
+        return self.done_at - self.started_at
+
+    @property
+    def transfer_s(self) -> float:
+        """From the first layer's pages leaving until the receiver had every page."""
+        return self.delivered_at - self.started_at
+
+    @property
+    def delivery_wait_s(self) -> float:
+        """After the first token, until the receiver held every page: the transfer compute did not hide."""
+        return self.delivered_at - self.done_at
 
 
 class PrefillWorker(Worker):
@@ -83,7 +107,8 @@ class PrefillWorker(Worker):
             if not released:
                 self.loop.submit(lambda e: self._abort(e, request_id, sender))
         started_at = push.started_at if push.started_at is not None else added_at
-        return PrefillResult(output, started_at - added_at, done_at - started_at, kv_bytes, delivered_at - done_at)
+        return PrefillResult(output, kv_bytes, target.backend, added_at, started_at, done_at, delivered_at,
+                             tuple(push.layers))
 
     async def _sender(self, target: TransferTarget) -> KVSender:
         """A sender for the target, paired off the event loop; StatusError UNAVAILABLE if unreachable."""

@@ -1,5 +1,5 @@
 """Start `tandem` server processes for integration tests and learn their addresses from the ready
-line (`tandem <role> ready grpc=HOST:PORT[ http=HOST:PORT]`) they print on stdout once SERVING.
+line (`tandem <role> ready grpc=HOST:PORT[ metrics=HOST:PORT][ http=HOST:PORT]`) they print on stdout once SERVING.
 
     worker = start_worker(["prefill", "--port", "0"])
     ... worker.address ...
@@ -17,21 +17,26 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-_READY = re.compile(r"^tandem (\w+) ready grpc=(\S+)(?: http=(\S+))?$")
+_SERVERS = ("prefill", "decode", "worker")  # the gateway serves /metrics on its HTTP port
+_READY = re.compile(r"^tandem (\w+) ready grpc=(\S+)(?: metrics=(\S+))?(?: http=(\S+))?$")
 
 
 class Worker:
     """One `python -m services.cli ...` process; its logs (stderr) go to `log_path`."""
 
-    def __init__(self, args: Sequence[str]) -> None:
+    def __init__(self, args: Sequence[str], env: Mapping[str, str] | None = None) -> None:
         self.args = list(args)
+        # Tests never rely on a fixed port: the metrics port is a free one unless a test picks it.
+        if self.args[0] in _SERVERS and "--metrics-port" not in self.args:
+            self.args += ["--metrics-port", "0"]
         self.address: str | None = None
+        self.metrics_address: str | None = None
         self.http_address: str | None = None  # the gateway's HTTP API
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **(env or {}), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         with tempfile.NamedTemporaryFile(prefix=f"tandem-{self.args[0]}-", suffix=".log", delete=False) as log:
             self.log_path = Path(log.name)
             self.proc = subprocess.Popen(
@@ -58,8 +63,7 @@ class Worker:
         if match is None:
             self.stop(timeout=5.0)
             raise RuntimeError(f"{self.args} did not become ready (stdout: {line!r}); log:\n{self.log_tail()}")
-        self.address = match.group(2)
-        self.http_address = match.group(3)
+        self.address, self.metrics_address, self.http_address = match.group(2), match.group(3), match.group(4)
         return self.address
 
     def stop(self, timeout: float = 60.0) -> int:
@@ -83,10 +87,13 @@ class Worker:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def start_worker(args: Sequence[str], wait: bool = True, timeout: float = 300.0) -> Worker:
-    """Start `tandem <args>` (e.g. ["decode", "--port", "0", "--kv-backend", "grpc"]); unless
-    `wait` is False, return once it is SERVING, with `address` set."""
-    worker = Worker(args)
+def start_worker(
+    args: Sequence[str], wait: bool = True, timeout: float = 300.0, env: Mapping[str, str] | None = None
+) -> Worker:
+    """Start `tandem <args>` (e.g. ["decode", "--port", "0", "--kv-backend", "grpc"]) with `env` added
+    to this process's environment; unless `wait` is False, return once it is SERVING, with `address`
+    (and `metrics_address`) set."""
+    worker = Worker(args, env)
     if wait:
         worker.wait_ready(timeout)
     return worker

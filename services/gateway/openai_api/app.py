@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -53,7 +53,7 @@ def create_app(service: GatewayService) -> Starlette:
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/health", api.health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
+            Route("/metrics", functools.partial(metrics, service.metrics.registry), methods=["GET"]),
         ],
         exception_handlers={HTTPException: _http_exception},
     )
@@ -208,9 +208,9 @@ def _token_ids(model: ServedModel, prompt: Prompt, field: str) -> list[int]:
         raise bad_request(str(error), field) from error
 
 
-async def metrics(request: Request) -> Response:
-    """Prometheus metrics of this process, in the text exposition format."""
-    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+async def metrics(registry: CollectorRegistry, request: Request) -> Response:
+    """The gateway's Prometheus metrics, in the text exposition format."""
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:

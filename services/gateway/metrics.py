@@ -1,0 +1,42 @@
+"""The gateway's Prometheus metrics: vLLM's families as its clients see their requests, plus routing,
+rejections and SLO attainment.
+
+`GatewayMetrics.registry` is self-contained: the gRPC gateway serves it on `--metrics-port`, and an
+HTTP front end can mount the same registry at `/metrics` (`prometheus_client.make_asgi_app`).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from services.observability.metrics import MODEL, RequestMetrics, per_model
+
+
+class GatewayMetrics(RequestMetrics):
+    """Every metric the gateway exports."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry or CollectorRegistry(), model_name)
+        self.running = Gauge("vllm:num_requests_running", "Requests streaming from a worker through the gateway.",
+                             MODEL, registry=self.registry).labels(model_name)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests at the gateway not yet sent to a worker.",
+                             MODEL, registry=self.registry).labels(model_name)
+        self._routed = Counter("tandem:routing_decisions", "Requests sent to a worker (retries included).",
+                               per_model(["pool", "worker"]), registry=self.registry)
+        self._rejected = Counter("tandem:request_rejections", "Requests that ended with an error status, by code.",
+                                 per_model(["code"]), registry=self.registry)
+        # Attainment = rate(attained="true") / rate(all), per objective.
+        self._slo = Counter("tandem:slo_requests", "Requests that set a latency objective, by whether it was met.",
+                            per_model(["objective", "attained"]), registry=self.registry)
+
+    def routed(self, pool: str, worker: str) -> None:
+        """Count a request sent to `worker` of `pool` ("prefill" or "decode")."""
+        self._routed.labels(self.model_name, pool, worker).inc()
+
+    def rejected(self, code: str) -> None:
+        """Count a request that ended with this gRPC status code (its name)."""
+        self._rejected.labels(self.model_name, code).inc()
+
+    def slo(self, objective: str, attained: bool) -> None:
+        """Count a request's latency objective ("ttft" or "tpot") as met or missed."""
+        self._slo.labels(self.model_name, objective, "true" if attained else "false").inc()

@@ -1,0 +1,209 @@
+"""One gateway request as the trace, the metrics and the log see it.
+
+The request's span is the SERVER span of the call that carries it (gRPC Generate; HTTP requests
+are counted but not traced, as no ASGI instrumentation is installed); this annotates it with the
+GenAI semantic-convention attributes and `tandem.*` timings, adds the routing span, and keeps the
+gateway's metrics. Prompts and completions go on the span only when
+`OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
+
+from engine.sampling_params import SamplingParams
+from services.common.chunk import Chunk
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.request import ChatPrompt, GenerateRequest, TextPrompt
+from services.gateway.router import Decision, Slo
+from services.observability.spans import TRACER, set_error
+
+log = logging.getLogger(__name__)
+
+
+class RequestObservation:
+    """Create it when a request arrives (inside its RPC); call the stage methods as it goes, and
+    `close` once it ended however it ended."""
+
+    def __init__(self, metrics: GatewayMetrics, request_id: str, request: GenerateRequest,
+                 capture_content: bool) -> None:
+        self._metrics = metrics
+        self._request_id = request_id
+        self._request = request
+        self._capture = capture_content
+        self._span = trace.get_current_span()
+        self._traced = self._span.is_recording()
+        self._arrived_at = time.perf_counter()
+        self._first_at: float | None = None
+        self._last_at = 0.0
+        self._output: list[str] = []
+        self._running = False
+        self._waiting = True
+        self._slo: Slo | None = None
+        metrics.waiting.inc()
+        if self._traced:
+            self._span.set_attributes({
+                "gen_ai.operation.name": "chat" if isinstance(request.prompt, ChatPrompt) else "text_completion",
+                "gen_ai.request.model": metrics.model_name,
+                "tandem.request_id": request_id,
+            })
+
+    def accepted(self, prompt_tokens: int, params: SamplingParams) -> None:
+        """The prompt is tokenized and the sampling parameters valid."""
+        if not self._traced:
+            return
+        self._span.set_attributes({
+            "gen_ai.request.max_tokens": params.max_tokens,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+            "gen_ai.usage.input_tokens": prompt_tokens,
+        })
+        if self._capture:
+            self._span.set_attribute("gen_ai.input.messages", json.dumps(_input_messages(self._request)))
+
+    @contextlib.contextmanager
+    def routing(self) -> Iterator[dict[str, AttributeValue]]:
+        """The routing decision's span; the router puts why it chose what it chose into the yielded
+        dict (`tandem.route.*` attributes), which becomes the span's attributes."""
+        attributes: dict[str, AttributeValue] = {}
+        if not self._traced:
+            yield attributes
+            return
+        with TRACER.start_as_current_span("route") as span:
+            yield attributes
+            span.set_attributes(attributes)
+
+    def placed(self, attributes: dict[str, AttributeValue], decision: Decision, slo: Slo) -> None:
+        """Put the router's decision on the routing span's attributes: the choice, its predictions
+        against the objectives, and the options weighed."""
+        self._slo = slo
+        attributes.update({
+            "tandem.route.decode": decision.decode,
+            "tandem.route.prefill": decision.prefill or "local",
+            "tandem.route.predicted_ttft_s": decision.ttft_s,
+            "tandem.route.predicted_tpot_s": decision.tpot_s,
+            "tandem.route.slo_ttft_s": slo.ttft_s,
+            "tandem.route.slo_tpot_s": slo.tpot_s,
+            "tandem.route.meets_slo": decision.meets_slo,
+            "tandem.route.options": list(decision.reasons),
+        })
+
+    def dispatched(self, attempt: int, decode: str, prefill: str) -> None:
+        """Attempt `attempt` (0 first) goes to these decode and prefill workers ("local": none)."""
+        if self._waiting:
+            self._waiting = False
+            self._metrics.waiting.dec()
+            self._running = True
+            self._metrics.running.inc()
+        self._metrics.routed("decode", decode)
+        self._metrics.routed("prefill", prefill)
+        if self._traced:
+            chosen = {"tandem.decode.address": decode, "tandem.prefill.address": prefill,
+                      "tandem.route.attempt": attempt}
+            self._span.add_event("dispatch", chosen)
+            self._span.set_attributes(chosen)
+
+    def refused(self, decode: str, code: str, details: str) -> None:
+        """The decode worker refused the attempt before streaming (the next pair is tried)."""
+        if self._traced:
+            self._span.add_event("refused", {"tandem.decode.address": decode, "error.type": code,
+                                             "tandem.detail": details})
+
+    def streamed(self, chunk: Chunk) -> None:
+        """A chunk went to the client."""
+        now = time.perf_counter()
+        metrics = self._metrics
+        if chunk.token_ids:
+            if self._first_at is None:
+                self._first_at = now
+                metrics.ttft.observe(now - self._arrived_at)
+                if self._traced:
+                    self._span.add_event("first_token")
+            else:
+                metrics.output_gap(now - self._last_at, len(chunk.token_ids))
+            self._last_at = now
+        if self._capture and self._traced:
+            self._output.append(chunk.text)
+        if chunk.finish_reason:
+            self._finished(chunk, now)
+
+    def failed(self, code: str, message: str) -> None:
+        """The request ended with an error status (`code` is the gRPC code's name)."""
+        self._metrics.rejected(code)
+        set_error(code, message, self._span)
+        log.info("request %s failed: %s: %s", self._request_id, code, message)
+
+    def close(self) -> None:
+        """Leave the in-flight gauges (whatever happened)."""
+        if self._waiting:
+            self._metrics.waiting.dec()
+        if self._running:
+            self._metrics.running.dec()
+        self._waiting = self._running = False
+
+    def _finished(self, chunk: Chunk, now: float) -> None:
+        metrics, usage, reason = self._metrics, chunk.usage, chunk.finish_reason or ""
+        if usage is None or chunk.timings is None:
+            return
+        e2e = now - self._arrived_at
+        ttft = (self._first_at or now) - self._arrived_at
+        tpot = (now - self._first_at) / (usage.completion_tokens - 1) if (
+            self._first_at is not None and usage.completion_tokens > 1) else 0.0
+        metrics.e2e.observe(e2e)
+        metrics.prompt_tokens.inc(usage.prompt_tokens)
+        metrics.generation_tokens.inc(usage.completion_tokens)
+        metrics.prefix_cache(usage.prompt_tokens, usage.cached_tokens)
+        metrics.succeeded(reason)
+        if self._slo is not None:
+            metrics.slo("ttft", ttft <= self._slo.ttft_s)
+            metrics.slo("tpot", tpot <= self._slo.tpot_s)
+        timings = chunk.timings
+        record: dict[str, Any] = {
+            "request_id": self._request_id, "trace_id": self._trace_id(), "finish_reason": reason,
+            "prompt_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+            "cached_tokens": usage.cached_tokens, "ttft_s": round(ttft, 6), "tpot_s": round(tpot, 6),
+            "e2e_s": round(e2e, 6), "prefill_queue_s": round(timings.prefill_queue_s, 6),
+            "prefill_compute_s": round(timings.prefill_compute_s, 6), "kv_wait_s": round(timings.kv_wait_s, 6),
+            "decode_s": round(max(0.0, timings.e2e_s - timings.ttft_s), 6),
+        }
+        log.info("request finished %s", json.dumps(record))
+        if not self._traced:
+            return
+        self._span.add_event("finish")
+        self._span.set_attributes({
+            "gen_ai.usage.input_tokens": usage.prompt_tokens,
+            "gen_ai.usage.output_tokens": usage.completion_tokens,
+            "gen_ai.response.finish_reasons": [reason],
+            "tandem.usage.cached_tokens": usage.cached_tokens,
+            "tandem.ttft_s": ttft,
+            "tandem.tpot_s": tpot,
+            "tandem.e2e_s": e2e,
+            "tandem.prefill.queue_s": timings.prefill_queue_s,
+            "tandem.prefill.compute_s": timings.prefill_compute_s,
+            "tandem.kv_wait_s": timings.kv_wait_s,
+        })
+        if self._capture:
+            message = {"role": "assistant", "parts": [{"type": "text", "content": "".join(self._output)}],
+                       "finish_reason": reason}
+            self._span.set_attribute("gen_ai.output.messages", json.dumps([message]))
+
+    def _trace_id(self) -> str:
+        context = self._span.get_span_context()
+        return trace.format_trace_id(context.trace_id) if context.is_valid else ""
+
+
+def _input_messages(request: GenerateRequest) -> list[dict[str, Any]]:
+    """The prompt in the GenAI conventions' message shape (token id prompts as their ids)."""
+    prompt = request.prompt
+    if isinstance(prompt, ChatPrompt):
+        return [{"role": m.role, "parts": [{"type": "text", "content": m.content}]} for m in prompt.messages]
+    content = prompt.text if isinstance(prompt, TextPrompt) else " ".join(map(str, prompt.ids))
+    return [{"role": "user", "parts": [{"type": "text", "content": content}]}]

@@ -1,0 +1,1 @@
+"""Traces (OpenTelemetry, OTLP), metrics (Prometheus) and GPU figures (NVML) of every Tandem process."""

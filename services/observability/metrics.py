@@ -1,0 +1,96 @@
+"""Prometheus metrics every Tandem process shares: vLLM's per-request families, and their HTTP server.
+
+Names follow vLLM where vLLM has the metric (so its dashboards and the Gateway API Inference
+Extension read ours), `tandem:` otherwise; every family carries a `model_name` label. Each process
+keeps its own `CollectorRegistry` rather than the global one, so tests and embedders can hold
+several, and the gateway's can be mounted on an HTTP app (`prometheus_client.make_asgi_app`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+# vLLM's buckets, so that histograms from both aggregate.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+# KV transfers of one prompt: milliseconds on one machine, more across a network.
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+MODEL = ("model_name",)
+
+
+def per_model(labels: Sequence[str] = ()) -> tuple[str, ...]:
+    """Label names of a family: `model_name` first, then `labels`."""
+    return (*MODEL, *labels)
+
+
+class RequestMetrics:
+    """vLLM's per-request families, as one process (gateway or worker) measures its requests."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.registry = registry
+        self.model_name = model_name
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", MODEL,
+                              registry=registry, buckets=TTFT_BUCKETS).labels(model_name)
+        self.inter_token = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", MODEL,
+                                     registry=registry, buckets=ITL_BUCKETS).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", MODEL,
+                             registry=registry, buckets=REQUEST_BUCKETS).labels(model_name)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time a request waited to be scheduled.",
+                                    MODEL, registry=registry, buckets=REQUEST_BUCKETS).labels(model_name)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", MODEL,
+                                     registry=registry).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", MODEL,
+                                         registry=registry).labels(model_name)
+        self._success = Counter("vllm:request_success", "Requests that finished, by why.",
+                                per_model(["finished_reason"]), registry=registry)
+        # Hit rate = rate(hits) / rate(queries), both in prompt tokens, as vLLM counts them.
+        self.prefix_cache_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                            MODEL, registry=registry).labels(model_name)
+        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                                         MODEL, registry=registry).labels(model_name)
+
+    def succeeded(self, finished_reason: str) -> None:
+        """Count a request that finished ("stop", "length" or "abort")."""
+        self._success.labels(self.model_name, finished_reason).inc()
+
+    def prefix_cache(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Account one prompt's lookup in the prefix cache."""
+        self.prefix_cache_queries.inc(prompt_tokens)
+        self.prefix_cache_hits.inc(cached_tokens)
+
+    def output_gap(self, seconds: float, num_tokens: int) -> None:
+        """`num_tokens` new output tokens arrived `seconds` after the previous ones."""
+        for _ in range(num_tokens):
+            self.inter_token.observe(seconds / num_tokens)
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> str:
+    """Serve `registry` over HTTP on host:port (0 = a free port) from a daemon thread, for the life
+    of the process; the host:port actually bound."""
+    httpd, _ = start_http_server(port, addr=host, registry=registry)
+    address = f"{host}:{httpd.server_port}"
+    log.info("metrics on http://%s/metrics", address)
+    return address
+
+
+def default_metrics_port(grpc_port: int, metrics_port: int | None) -> int:
+    """The `--metrics-port` to use: as given, else the gRPC port + 1000 (0 when that is 0)."""
+    if metrics_port is not None:
+        if not 0 <= metrics_port <= 65535:
+            raise ValueError(f"--metrics-port: {metrics_port} is not a TCP port")
+        return metrics_port
+    if not grpc_port:
+        return 0
+    if grpc_port + 1000 > 65535:
+        raise ValueError(f"--metrics-port: the default (gRPC port {grpc_port} + 1000) is not a TCP port; give one")
+    return grpc_port + 1000

@@ -1,0 +1,79 @@
+"""A worker's Prometheus metrics: its requests (vLLM's families), its engine's state read at scrape
+time, its KV transfers (prefill side) and, where NVML is present, its GPUs."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.outputs import EngineStats
+from services.common.engine_loop import EngineLoop
+from services.observability.gpu import gpu_collector
+from services.observability.metrics import TRANSFER_BUCKETS, RequestMetrics, per_model
+
+log = logging.getLogger(__name__)
+
+# A scrape waits at most this long for the engine thread to finish its step and read the stats.
+_STATS_TIMEOUT_S = 5.0
+
+
+class EngineStateCollector(Collector):
+    """Gauges of the engine's load, read on the engine thread between steps when scraped (so an
+    unscraped worker pays nothing for them)."""
+
+    def __init__(self, loop: EngineLoop, model_name: str, reserved_requests: Callable[[], int] | None) -> None:
+        self._loop = loop
+        self._model_name = model_name
+        self._reserved_requests = reserved_requests
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats: EngineStats = self._loop.submit(lambda e: e.stats()).result(_STATS_TIMEOUT_S)
+        except (RuntimeError, FutureTimeout) as error:  # stopping, or a step that does not end
+            log.info("metrics: engine stats unavailable: %s", error)
+            return
+        labels = [self._model_name]
+        gauges = [
+            ("vllm:num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", stats.kv_usage),
+            ("tandem:prefill_queued_tokens", "Prompt tokens waiting to be computed (the prefill pool's "
+             "scaling signal).", stats.num_waiting_tokens),
+        ]
+        if self._reserved_requests is not None:
+            gauges.append(("tandem:kv_reserved_requests", "Requests whose KV is reserved here and still arriving.",
+                           self._reserved_requests()))
+        for name, documentation, value in gauges:
+            family = GaugeMetricFamily(name, documentation, labels=per_model())
+            family.add_metric(labels, value)
+            yield family
+
+
+class WorkerMetrics(RequestMetrics):
+    """Everything a prefill or decode worker exports; `registry` is what its /metrics serves."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry or CollectorRegistry(), model_name)
+        self._kv_bytes = Counter("tandem:kv_transfer_bytes", "KV cache bytes pushed to decode workers.",
+                                 per_model(["backend"]), registry=self.registry)
+        self._kv_seconds = Histogram("tandem:kv_transfer_seconds",
+                                     "From a request's first pushed layer until the receiver had every page.",
+                                     per_model(["backend"]), registry=self.registry, buckets=TRANSFER_BUCKETS)
+        gpus = gpu_collector(model_name)
+        if gpus is not None:
+            self.registry.register(gpus)
+
+    def watch_engine(self, loop: EngineLoop, reserved_requests: Callable[[], int] | None = None) -> None:
+        """Export the engine's load from now on (once the engine is loaded), and on a decode worker
+        the requests whose KV is still arriving."""
+        self.registry.register(EngineStateCollector(loop, self.model_name, reserved_requests))
+
+    def kv_transfer(self, backend: str, num_bytes: int, seconds: float) -> None:
+        """Account one request's delivered KV transfer."""
+        self._kv_bytes.labels(self.model_name, backend).inc(num_bytes)
+        self._kv_seconds.labels(self.model_name, backend).observe(seconds)

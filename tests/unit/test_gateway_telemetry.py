@@ -1,0 +1,83 @@
+"""The gateway's view of one request: its span's GenAI attributes (prompts and completions only on
+opt-in), its in-flight gauges and counters. Spans go to the SDK's in-memory exporter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from engine.sampling_params import SamplingParams
+from services.common.chunk import Chunk, Timings, Usage
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.request import ChatMessage, ChatPrompt, GenerateRequest
+from services.gateway.telemetry import RequestObservation
+
+
+def _chat() -> GenerateRequest:
+    return GenerateRequest(ChatPrompt((ChatMessage("user", "Hello there"),)), request_id="r1")
+
+
+def _chunk(token_ids: list[int], text: str, finish: str | None = None) -> Chunk:
+    usage = Usage(prompt_tokens=5, completion_tokens=3, cached_tokens=0) if finish else None
+    timings = Timings(0.1, 0.05, 0.0, 0.08, 0.001, 0.2) if finish else None
+    return Chunk("r1", tuple(token_ids), text, (), finish, usage, timings)
+
+
+def _value(metrics: GatewayMetrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, {"model_name": "m", **labels}) or 0.0
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["default", "capture-content"])
+def test_one_request_on_its_span_and_in_the_metrics(capture):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    metrics = GatewayMetrics("m")
+    with provider.get_tracer("test").start_as_current_span("request"):
+        observation = RequestObservation(metrics, "r1", _chat(), capture)
+        assert _value(metrics, "vllm:num_requests_waiting") == 1
+        observation.accepted(5, SamplingParams(max_tokens=3, temperature=0.5, top_p=0.9))
+        observation.dispatched(0, "decode:1", "prefill:1")
+        assert (_value(metrics, "vllm:num_requests_waiting"), _value(metrics, "vllm:num_requests_running")) == (0, 1)
+        for chunk in (_chunk([7], "Hi"), _chunk([8, 9], " you", finish="length")):
+            observation.streamed(chunk)
+        observation.close()
+    assert (_value(metrics, "vllm:num_requests_waiting"), _value(metrics, "vllm:num_requests_running")) == (0, 0)
+    assert _value(metrics, "vllm:request_success_total", finished_reason="length") == 1
+    assert _value(metrics, "vllm:generation_tokens_total") == 3
+    assert _value(metrics, "vllm:inter_token_latency_seconds_count") == 2
+    assert _value(metrics, "tandem:routing_decisions_total", pool="prefill", worker="prefill:1") == 1
+
+    [span] = exporter.get_finished_spans()
+    attributes = span.attributes
+    assert attributes["gen_ai.operation.name"] == "chat"
+    assert attributes["gen_ai.request.max_tokens"] == 3 and attributes["gen_ai.request.top_p"] == pytest.approx(0.9)
+    assert attributes["gen_ai.usage.output_tokens"] == 3
+    assert attributes["gen_ai.response.finish_reasons"] == ("length",)
+    assert [event.name for event in span.events] == ["dispatch", "first_token", "finish"]
+    if capture:
+        [message] = json.loads(attributes["gen_ai.input.messages"])
+        assert message["parts"][0]["content"] == "Hello there"
+        [answer] = json.loads(attributes["gen_ai.output.messages"])
+        assert answer["parts"][0]["content"] == "Hi you"
+    else:
+        assert "gen_ai.input.messages" not in attributes and "gen_ai.output.messages" not in attributes
+
+
+def test_a_refused_request_leaves_the_gauges_and_marks_the_span():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    metrics = GatewayMetrics("m")
+    with provider.get_tracer("test").start_as_current_span("request"):
+        observation = RequestObservation(metrics, "r2", _chat(), capture_content=False)
+        observation.failed("UNAVAILABLE", "no decode worker is serving")
+        observation.close()
+    assert _value(metrics, "vllm:num_requests_waiting") == 0
+    assert _value(metrics, "tandem:request_rejections_total", code="UNAVAILABLE") == 1
+    [span] = exporter.get_finished_spans()
+    assert not span.status.is_ok and span.attributes["error.type"] == "UNAVAILABLE"
