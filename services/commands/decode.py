@@ -17,8 +17,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="seconds in-flight requests get to finish on SIGTERM")
     decode.add_argument("--kv-backend", default="torch_dist", choices=["torch_dist", "grpc"],
                         help="how prompts' KV pages arrive from prefill workers")
+    decode.add_argument("--advertise-host", default=None,
+                        help="address prefill workers reach this worker at, for its KV (default: --host; "
+                             "set it when --host is a wildcard such as 0.0.0.0)")
     decode.add_argument("--kv-host", default=None,
-                        help="address the torch_dist rendezvous stores bind to (default: --host)")
+                        help="address the torch_dist rendezvous stores bind to (default: --advertise-host)")
     decode.add_argument("--kv-timeout", type=float, default=30.0,
                         help="seconds a reservation waits for its prompt's first token and KV")
     add_engine_flags(decode)
@@ -36,5 +39,6 @@ def run(args: argparse.Namespace) -> NoReturn:
 
     torch.set_num_threads(args.threads)
     config = engine_config(args, "decode")
+    advertise_host = args.advertise_host or args.host
     exit_process(asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_backend,
-                                   args.kv_host or args.host, args.kv_timeout)))
+                                   args.kv_host or advertise_host, args.kv_timeout, advertise_host)))

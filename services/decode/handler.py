@@ -103,8 +103,10 @@ async def serve(
     kv_backend: str,
     kv_host: str,
     kv_timeout: float,
+    advertise_host: str,
 ) -> int:
-    """Run a decode worker until SIGTERM/SIGINT; returns the exit code."""
+    """Run a decode worker until SIGTERM/SIGINT; returns the exit code. Prefill workers reach its
+    gRPC KV receiver at `advertise_host` (the server may listen on a wildcard address)."""
     server = RoleServer("decode", host, port, grace_period)
     servicer = DecodeServicer()
     kv_transfer = LateKVTransfer()
@@ -115,7 +117,8 @@ async def serve(
 
     async def load() -> None:
         engine = await asyncio.to_thread(Engine, config)
-        receiver = make_receiver(kv_backend, kv_host, server.address, timeout=kv_timeout, device=config.device)
+        advertised = f"{advertise_host}:{server.port}"
+        receiver = make_receiver(kv_backend, kv_host, advertised, timeout=kv_timeout, device=config.device)
         worker = DecodeWorker(server.address, engine, server.draining, receiver, kv_timeout)
         kv_transfer.servicer = KVTransferServicer(worker.layout, receiver if kv_backend == "grpc" else None)
         worker.loop.start()
