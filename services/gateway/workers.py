@@ -1,8 +1,10 @@
-"""The gateway's static registry of workers, kept current by streams from each of them.
+"""The gateway's registry of workers, kept current by streams from each of them.
 
 Per worker the gateway holds one channel and two subscriptions: gRPC health Watch (is it
 SERVING?) and WatchLoad (its latest LoadReport). Either stream breaking (worker down, draining,
-not started yet) marks the worker unusable until a resubscription succeeds.
+not started yet) marks the worker unusable until a resubscription succeeds. Workers come from
+static lists or are added and removed at run time (Kubernetes discovery); a removed worker gets
+no new requests, finishes the streams it has, then its channel closes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]
 
 _RESUBSCRIBE_S = 0.5
+_RETIRE_POLL_S = 0.1
 _LOAD_INTERVAL_MS = 200
 # gRPC's default reconnect backoff grows to two minutes; a restarted worker should be seen in seconds.
 _RECONNECT_OPTIONS = [
@@ -104,15 +107,15 @@ class Worker:
 
 
 class WorkerRegistry:
-    """The fixed prefill and decode pools, ranked for each request."""
+    """The prefill and decode pools, ranked for each request."""
 
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
-        """Addresses (host:port) of each pool's workers; channels open on `start`."""
-        if not prefill or not decode:
-            raise ValueError("the gateway needs at least one prefill and one decode worker")
+    def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = ()) -> None:
+        """Addresses (host:port) of each pool's first workers; channels open on `start`."""
         self._prefill = {address: Worker(address, "prefill") for address in prefill}
         self._decode = {address: Worker(address, "decode") for address in decode}
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._started = False
+        self._retiring: dict[asyncio.Task, Worker] = {}
 
     @property
     def workers(self) -> list[Worker]:
@@ -120,9 +123,41 @@ class WorkerRegistry:
         return [*self._prefill.values(), *self._decode.values()]
 
     def start(self) -> None:
-        """Subscribe to every worker's health and load."""
+        """Subscribe to every worker's health and load (and to those added later, as they come)."""
+        self._started = True
         for worker in self.workers:
             worker.start()
+
+    def addresses(self, role: Role) -> set[str]:
+        """The addresses of a pool's current workers (not those being removed)."""
+        return set(self._pool(role))
+
+    def add(self, role: Role, address: str) -> None:
+        """Route to a new worker (once it is SERVING); a no-op for one already in the pool."""
+        pool = self._pool(role)
+        if address not in pool:
+            pool[address] = worker = Worker(address, role)
+            if self._started:
+                worker.start()
+
+    def remove(self, role: Role, address: str) -> None:
+        """Send a worker no new requests; its in-flight streams finish, then its channel closes."""
+        worker = self._pool(role).pop(address, None)
+        if worker is not None:
+            task = asyncio.create_task(self._retire(worker))
+            self._retiring[task] = worker
+            task.add_done_callback(self._retiring.pop)
+
+    @staticmethod
+    async def _retire(worker: Worker) -> None:
+        # The gateway streams only from decode workers (prefill workers are called by them), so a
+        # prefill worker's count is always 0 and it closes at once.
+        while worker.in_flight:
+            await asyncio.sleep(_RETIRE_POLL_S)
+        await worker.close()
+
+    def _pool(self, role: Role) -> dict[str, Worker]:
+        return self._decode if role == "decode" else self._prefill
 
     async def wait_routable(self, timeout: float) -> bool:
         """Wait (at most `timeout` seconds) until each pool has a SERVING worker that reported its
@@ -142,8 +177,12 @@ class WorkerRegistry:
         )
 
     async def close(self) -> None:
-        """End every subscription and channel."""
-        await asyncio.gather(*(worker.close() for worker in self.workers))
+        """End every subscription and channel, those of workers being removed included."""
+        retiring = list(self._retiring.values())
+        for task in self._retiring:
+            task.cancel()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
+        await asyncio.gather(*(worker.close() for worker in [*self.workers, *retiring]))
 
     def decode_order(self) -> list[Worker]:
         """Serving decode workers, the one to try first first; NoWorkerError if none."""
