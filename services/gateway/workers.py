@@ -51,6 +51,7 @@ class Worker:
         self.report: common_pb2.LoadReport | None = None
         self.in_flight = 0  # decode: requests this gateway is streaming from it
         self.pending_prompt_tokens = 0  # prefill: prompt tokens sent its way, first token not yet back
+        self.prompt_tokens_sent = 0  # prefill: every prompt token sent its way (the planner's arrival rate)
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -220,6 +221,7 @@ class Dispatch:
         self._prefill = prefill
         self._prompt_tokens = prompt_tokens
         prefill.pending_prompt_tokens += prompt_tokens
+        prefill.prompt_tokens_sent += prompt_tokens
 
     def prefilled(self) -> None:
         """The prompt is computed (or the attempt ended): it no longer loads the prefill worker."""
