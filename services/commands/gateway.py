@@ -1,4 +1,4 @@
-"""`tandem gateway`: the client-facing API in front of fixed prefill and decode pools."""
+"""`tandem gateway`: the client-facing API in front of the prefill and decode pools."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ and keeps the structure the gateway and the operators rely on."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,13 +21,13 @@ CUSTOM_KINDS = {("keda.sh/v1alpha1", "ScaledObject")}
 AUTOSCALER_KINDS = {"HorizontalPodAutoscaler", "ScaledObject"}
 
 
-def _render(name: str) -> list[dict]:
-    """The objects of an overlay as `kubectl kustomize` renders them."""
+def _render(name: str | Path) -> list[dict]:
+    """The objects of an overlay (a name under deploy/k8s/overlays, or a folder) as `kubectl
+    kustomize` renders them."""
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl is needed to render the overlays"
-    rendered = subprocess.run(
-        [kubectl, "kustomize", str(ROOT / "deploy/k8s/overlays" / name)], check=True, capture_output=True, text=True
-    ).stdout
+    folder = name if isinstance(name, Path) else ROOT / "deploy/k8s/overlays" / name
+    rendered = subprocess.run([kubectl, "kustomize", str(folder)], check=True, capture_output=True, text=True).stdout
     return [obj for obj in yaml.safe_load_all(rendered) if obj]
 
 
@@ -193,3 +194,19 @@ def test_gpu_overlay_puts_workers_on_gpus_in_bf16():
         assert any(env["name"].startswith("NCCL_") for env in container["env"])
         assert deployment["spec"]["template"]["spec"]["tolerations"]
         assert container["image"].endswith("-cuda")
+
+
+def test_the_planner_apply_component_leaves_the_replicas_to_the_planner(tmp_path):
+    # kustomize takes only relative paths to other kustomizations.
+    base = os.path.relpath(ROOT / "deploy/k8s/base", tmp_path)
+    component = os.path.relpath(ROOT / "deploy/k8s/components/planner-apply", tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{base}]\ncomponents: [{component}]\n"
+    )
+    objects = _render(tmp_path)
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    assert not [obj for obj in objects if obj["kind"] in AUTOSCALER_KINDS]
+    (gateway,) = _find(objects, "Deployment", "gateway")
+    assert [arg for arg in _container(gateway)["args"] if arg.startswith("--planner")] == ["--planner=apply"]
