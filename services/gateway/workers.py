@@ -110,8 +110,12 @@ class Worker:
 class WorkerRegistry:
     """The prefill and decode pools, ranked for each request."""
 
-    def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = ()) -> None:
-        """Addresses (host:port) of each pool's first workers; channels open on `start`."""
+    def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = (), retire_after_s: float = 10.0) -> None:
+        """Addresses (host:port) of each pool's first workers; channels open on `start`. A removed
+        worker's channel stays open at least `retire_after_s`: a request that ranked the pool
+        before the removal may still retry there, and must get the worker's own answer (a
+        retryable UNAVAILABLE once it drains) rather than a closed channel."""
+        self._retire_after_s = retire_after_s
         self._prefill = {address: Worker(address, "prefill") for address in prefill}
         self._decode = {address: Worker(address, "decode") for address in decode}
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
@@ -145,14 +149,15 @@ class WorkerRegistry:
         """Send a worker no new requests; its in-flight streams finish, then its channel closes."""
         worker = self._pool(role).pop(address, None)
         if worker is not None:
-            task = asyncio.create_task(self._retire(worker))
+            task = asyncio.create_task(self._retire(worker, self._retire_after_s))
             self._retiring[task] = worker
             task.add_done_callback(self._retiring.pop)
 
     @staticmethod
-    async def _retire(worker: Worker) -> None:
+    async def _retire(worker: Worker, after_s: float) -> None:
         # The gateway streams only from decode workers (prefill workers are called by them), so a
-        # prefill worker's count is always 0 and it closes at once.
+        # prefill worker's count is always 0.
+        await asyncio.sleep(after_s)
         while worker.in_flight:
             await asyncio.sleep(_RETIRE_POLL_S)
         await worker.close()

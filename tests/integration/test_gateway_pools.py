@@ -41,7 +41,7 @@ def test_a_decode_worker_removed_mid_stream_finishes_it_then_closes(workers):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
     async def scenario() -> list[common_pb2.TokenChunk]:
-        registry = WorkerRegistry()
+        registry = WorkerRegistry(retire_after_s=0)
         registry.start()
         registry.add("prefill", prefill_address)
         registry.add("decode", decode_address)

@@ -17,7 +17,7 @@ import pytest
 from fake_kube_api import FakeKubeApi
 from kubernetes import client
 
-from services.gateway.discovery import Backoff, ServiceEndpoints, ready_addresses, sync_pool
+from services.gateway.discovery import Backoff, KubernetesDiscovery, ServiceEndpoints, ready_addresses, sync_pool
 from services.gateway.workers import WorkerRegistry
 
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/tandem/endpointslices"
@@ -163,9 +163,25 @@ def test_api_errors_back_off_exponentially_then_recover(api):
         watched.stop()
 
 
+def test_a_removed_idle_worker_keeps_its_channel_for_requests_that_ranked_it_before():
+    async def scenario() -> None:
+        registry = WorkerRegistry(decode=["127.0.0.1:1"], retire_after_s=0.5)
+        (worker,) = registry.workers
+        registry.remove("decode", "127.0.0.1:1")
+        await asyncio.sleep(0.2)
+        assert worker.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN
+        deadline = time.monotonic() + 30
+        while worker.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await registry.close()
+
+    asyncio.run(scenario())
+
+
 def test_sync_pool_adds_new_workers_and_drains_removed_ones_after_their_streams():
     async def scenario() -> None:
-        registry = WorkerRegistry()
+        registry = WorkerRegistry(retire_after_s=0.2)
         sync_pool(registry, "decode", {"127.0.0.1:1", "127.0.0.1:2"})
         assert registry.addresses("decode") == {"127.0.0.1:1", "127.0.0.1:2"}
         (busy,) = [worker for worker in registry.workers if worker.address == "127.0.0.1:1"]
@@ -187,11 +203,37 @@ def test_sync_pool_adds_new_workers_and_drains_removed_ones_after_their_streams(
 
 def test_closing_the_registry_closes_workers_still_draining():
     async def scenario() -> None:
-        registry = WorkerRegistry(decode=["127.0.0.1:1"])
+        registry = WorkerRegistry(decode=["127.0.0.1:1"], retire_after_s=0)
         (worker,) = registry.workers
         worker.in_flight = 1
         registry.remove("decode", "127.0.0.1:1")
         await registry.close()
         assert worker.channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN
+
+    asyncio.run(scenario())
+
+
+def test_discovery_keeps_both_registry_pools_equal_to_their_services(api):
+    async def scenario() -> None:
+        registry = WorkerRegistry()
+        discovery = KubernetesDiscovery(registry, client.DiscoveryV1Api(client.ApiClient(api.configuration())),
+                                        "tandem", {"prefill": "tandem-prefill", "decode": "tandem-decode"})
+        api.put_slice("prefill-a", "tandem-prefill", [("10.0.0.1", True)], 50061)
+        discovery.start()
+
+        async def until(role, addresses) -> None:
+            deadline = time.monotonic() + 30
+            while registry.addresses(role) != addresses:
+                assert time.monotonic() < deadline, (role, registry.addresses(role))
+                await asyncio.sleep(0.02)
+
+        await until("prefill", {"10.0.0.1:50061"})
+        api.put_slice("decode-a", "tandem-decode", [("10.0.1.1", True), ("10.0.1.2", True)], 50071)
+        await until("decode", {"10.0.1.1:50071", "10.0.1.2:50071"})
+        api.put_slice("decode-a", "tandem-decode", [("10.0.1.2", True)], 50071)
+        await until("decode", {"10.0.1.2:50071"})
+        assert registry.addresses("prefill") == {"10.0.0.1:50061"}
+        discovery.stop()
+        await registry.close()
 
     asyncio.run(scenario())
