@@ -163,6 +163,14 @@ def test_api_errors_back_off_exponentially_then_recover(api):
         watched.stop()
 
 
+async def closed(worker) -> None:
+    """Wait (with a generous deadline) until the worker's channel is shut down."""
+    deadline = time.monotonic() + 30
+    while worker.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN:
+        assert time.monotonic() < deadline, f"{worker.address}: channel still open"
+        await asyncio.sleep(0.05)
+
+
 def test_a_removed_idle_worker_keeps_its_channel_for_requests_that_ranked_it_before():
     async def scenario() -> None:
         registry = WorkerRegistry(decode=["127.0.0.1:1"], retire_after_s=0.5)
@@ -170,10 +178,7 @@ def test_a_removed_idle_worker_keeps_its_channel_for_requests_that_ranked_it_bef
         registry.remove("decode", "127.0.0.1:1")
         await asyncio.sleep(0.2)
         assert worker.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN
-        deadline = time.monotonic() + 30
-        while worker.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+        await closed(worker)
         await registry.close()
 
     asyncio.run(scenario())
@@ -192,10 +197,7 @@ def test_sync_pool_adds_new_workers_and_drains_removed_ones_after_their_streams(
         await asyncio.sleep(0.5)
         assert busy.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN, "its stream still runs"
         busy.in_flight = 0
-        deadline = time.monotonic() + 30
-        while busy.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+        await closed(busy)
         await registry.close()
 
     asyncio.run(scenario())
