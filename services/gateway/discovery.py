@@ -14,6 +14,7 @@ every change of address set to the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -174,7 +175,9 @@ class KubernetesDiscovery:
     def _publisher(self, role: Role) -> Callable[[set[str]], None]:
         def publish(addresses: set[str]) -> None:
             assert self._loop is not None
-            self._loop.call_soon_threadsafe(sync_pool, self._registry, role, addresses)
+            # The loop closes when the gateway stops; a watch may still be finishing then.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(sync_pool, self._registry, role, addresses)
         return publish
 
 

@@ -1,7 +1,12 @@
-"""The gateway's registry with real workers joining and leaving at run time, as Kubernetes
-discovery drives it: a worker removed mid-stream finishes that stream, gets no new request, and
-its channel closes afterwards. The workers run as they do in a pod: listening on 0.0.0.0, the
-decode worker advertising the address its peers reach it at."""
+"""The gateway with real workers joining and leaving at run time, as Kubernetes discovery drives
+it: a worker removed mid-stream finishes that stream, gets no new request, and its channel closes
+afterwards; a `tandem gateway --discovery kubernetes --planner apply` process finds the workers
+and scales the pools. The workers run as they do in a pod: listening on 0.0.0.0, the decode worker
+advertising the address its peers reach it at.
+
+No Kubernetes API server can run here: the gateway process talks to `fake_kube_api.FakeKubeApi`,
+a local HTTP stand-in for the endpoints it uses, through a kubeconfig that points there.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,12 @@ import time
 
 import grpc
 import pytest
+from fake_kube_api import FakeKubeApi
 from tandem.v1 import common_pb2, decode_pb2
 from workers_util import start_worker
 
 from engine.sampling_params import SamplingParams
+from services.client import TandemClient
 from services.common.convert import sampling_params_to_proto
 from services.gateway.router import NoWorkerError
 from services.gateway.workers import WorkerRegistry, dispatched
@@ -73,3 +80,68 @@ def test_a_decode_worker_removed_mid_stream_finishes_it_then_closes(workers):
     chunks = asyncio.run(scenario())
     assert sum(len(chunk.token_ids) for chunk in chunks) == MAX_TOKENS
     assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def _kubeconfig(api: FakeKubeApi, path) -> str:
+    path.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: fake\n"
+        f"clusters: [{{name: fake, cluster: {{server: '{api.configuration().host}'}}}}]\n"
+        "users: [{name: fake, user: {token: fake}}]\n"
+        "contexts: [{name: fake, context: {cluster: fake, user: fake, namespace: tandem}}]\n"
+    )
+    return str(path)
+
+
+def _port(address: str) -> int:
+    return int(address.rpartition(":")[2])
+
+
+def _text(client: TandemClient) -> list:
+    """The chunks of a short greedy completion through the gateway."""
+    return list(client.generate(prompt="The capital of France is", max_tokens=4, temperature=0.0, timeout=120))
+
+
+def test_gateway_process_discovers_the_pools_and_its_planner_scales_them(workers, tmp_path, monkeypatch):
+    prefill_address, decode_address = workers
+    api = FakeKubeApi()
+    api.replicas.update({"tandem-prefill": 3, "tandem-decode": 3})
+    api.put_slice("prefill-1", "tandem-prefill", [("127.0.0.1", True)], _port(prefill_address))
+    api.put_slice("decode-1", "tandem-decode", [("127.0.0.1", True)], _port(decode_address))
+    monkeypatch.setenv("KUBECONFIG", _kubeconfig(api, tmp_path / "kubeconfig"))
+    gateway = start_worker(["gateway", "--port", "0", "--discovery", "kubernetes", "--k8s-namespace", "tandem",
+                            "--planner", "apply", "--planner-interval", "0.5", "--scale-down-window", "0",
+                            "--scale-cooldown", "0"])
+    try:
+        with TandemClient(gateway.address) as client:
+            assert _text(client)[-1].finish_reason == "length"
+            # Idle pools need the minimum, one replica each; the planner (the Lease's holder) sets it.
+            deadline = time.monotonic() + DEADLINE_S
+            while api.replicas != {"tandem-prefill": 1, "tandem-decode": 1}:
+                assert time.monotonic() < deadline, (api.replicas, gateway.log_tail())
+                time.sleep(0.1)
+            assert api.leases["tandem-planner"]["spec"]["holderIdentity"]
+            # The decode pod turns not ready: no decode worker is left to route to.
+            api.put_slice("decode-1", "tandem-decode", [("127.0.0.1", False)], _port(decode_address))
+            deadline = time.monotonic() + DEADLINE_S
+            while True:
+                try:
+                    _text(client)
+                except grpc.RpcError as error:
+                    assert error.code() == grpc.StatusCode.UNAVAILABLE
+                    break
+                assert time.monotonic() < deadline, "the unready decode worker is still routed to"
+                time.sleep(0.1)
+            # Ready again: routed to again once its health and load streams are back.
+            api.put_slice("decode-1", "tandem-decode", [("127.0.0.1", True)], _port(decode_address))
+            deadline = time.monotonic() + DEADLINE_S
+            while True:
+                try:
+                    assert _text(client)[-1].finish_reason == "length"
+                    break
+                except grpc.RpcError as error:
+                    assert error.code() == grpc.StatusCode.UNAVAILABLE
+                    assert time.monotonic() < deadline, "the decode worker was not routed to again"
+                    time.sleep(0.1)
+    finally:
+        assert gateway.stop() == 0, gateway.log_tail()
+        api.close()
