@@ -8,7 +8,7 @@ PIP := $(BIN)/pip install --quiet --disable-pip-version-check -c requirements.lo
 PROTOS := $(wildcard protos/tandem/v1/*.proto)
 GENERATED := generated/.stamp
 
-.PHONY: install protos run test unit lint bench clean
+.PHONY: install protos run test unit lint bench clean deploy-render
 
 install: $(STAMP) $(GENERATED)
 
@@ -51,6 +51,10 @@ bench: install
 	$(BIN)/python bench/engine_throughput.py
 	$(BIN)/python bench/kv_transfer.py
 	$(BIN)/python bench/mesh_overhead.py
+
+# Every Kubernetes overlay as kubectl would apply it (kubectl has kustomize built in).
+deploy-render:
+	@for overlay in deploy/k8s/overlays/*/; do echo "--- # $$overlay"; kubectl kustomize "$$overlay"; done
 
 clean:
 	rm -rf $(VENV) generated .pytest_cache .ruff_cache .hypothesis

@@ -24,8 +24,11 @@ def add_decode_flags(parser: argparse.ArgumentParser, default_port: int) -> None
                         help="seconds in-flight requests get to finish on SIGTERM")
     parser.add_argument("--kv-backend", default="torch_dist", choices=["torch_dist", "grpc"],
                         help="how prompts' KV pages arrive from prefill workers")
+    parser.add_argument("--advertise-host", default=None,
+                        help="address prefill workers reach this worker at, for its KV (default: --host; "
+                             "set it when --host is a wildcard such as 0.0.0.0)")
     parser.add_argument("--kv-host", default=None,
-                        help="address the torch_dist rendezvous stores bind to (default: --host)")
+                        help="address the torch_dist rendezvous stores bind to (default: --advertise-host)")
     parser.add_argument("--kv-timeout", type=float, default=30.0,
                         help="seconds a reservation waits for its prompt's first token and KV")
     add_metrics_flag(parser)
@@ -45,9 +48,10 @@ def run(args: argparse.Namespace) -> NoReturn:
     torch.set_num_threads(args.threads)
     config = engine_config(args, args.role)
     port = metrics_port(args)
+    advertise_host = args.advertise_host or args.host
     tracing = setup_tracing("worker" if args.role == "colocated" else "decode")
     code = asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_backend,
-                             args.kv_host or args.host, args.kv_timeout, port))
+                             args.kv_host or advertise_host, args.kv_timeout, port, advertise_host))
     if tracing is not None:
         tracing.shutdown()
     exit_process(code)

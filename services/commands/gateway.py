@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from services.gateway.registry import WorkerRegistry
 
+from services.commands.gateway_cluster import add_cluster_flags
+
 log = logging.getLogger(__name__)
 
 
@@ -20,8 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     gateway.add_argument("--port", type=int, default=50051, help="gRPC port; 0 = a free port")
     gateway.add_argument("--http-port", type=int, default=8000,
                          help="port of the OpenAI-compatible HTTP API; 0 = a free port")
-    gateway.add_argument("--prefill", default="", help="prefill workers: HOST:PORT[,HOST:PORT...]")
-    gateway.add_argument("--decode", default="", help="decode workers: HOST:PORT[,HOST:PORT...]")
+    gateway.add_argument("--prefill", default="", help="prefill workers: HOST:PORT[,HOST:PORT...] (static discovery)")
+    gateway.add_argument("--decode", default="", help="decode workers: HOST:PORT[,HOST:PORT...] (static discovery)")
     gateway.add_argument("--colocated", default="",
                          help="colocated workers (`tandem worker --role colocated`): HOST:PORT[,HOST:PORT...]")
     gateway.add_argument("--ttft-slo-ms", type=float, default=2000.0,
@@ -40,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     gateway.add_argument("--wait-for-workers", type=float, default=300.0,
                          help="seconds to wait at startup for a serving worker in each pool before "
                               "reporting ready anyway")
+    add_cluster_flags(gateway)
     gateway.set_defaults(func=run)
 
 
@@ -67,6 +70,14 @@ def run(args: argparse.Namespace) -> int:
         "decode": parse_addresses(args.decode, "--decode"),
         "colocated": parse_addresses(args.colocated, "--colocated"),
     }
+    if args.discovery == "kubernetes":
+        if any(pools.values()):
+            raise ValueError("--prefill/--decode/--colocated: the workers come from Kubernetes with "
+                             "--discovery kubernetes")
+    elif not pools["decode"] and not pools["colocated"]:
+        raise ValueError("--decode/--colocated: give at least one decode or colocated worker")
+    elif pools["decode"] and not pools["prefill"]:
+        raise ValueError("--prefill: decode workers need at least one prefill worker")
     slo = Slo(args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)
 
     async def serve() -> int:
@@ -87,6 +98,7 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry) -> int:
     from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
     from engine.model.paths import served_model_id
+    from services.commands.gateway_cluster import cluster_services
     from services.common.http_server import HttpListener
     from services.common.server import RoleServer
     from services.gateway.handler import GatewayServicer
@@ -98,6 +110,7 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry) -> int:
     # The model's name labels the metrics; it is known without reading the model file.
     metrics = GatewayMetrics(served_model_id(args.model))
     service = GatewayService(registry, metrics, args.max_queued_requests)
+    discovery, planner = cluster_services(args, registry)
     server = RoleServer("gateway", args.host, args.port, args.grace_period)
     server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(service),
                gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name)
@@ -105,10 +118,21 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry) -> int:
 
     async def load() -> None:
         registry.start()
+        if discovery is not None:
+            discovery.start()
+        if planner is not None:
+            planner.start()
         service.model = await asyncio.to_thread(ServedModel.load, args.model, args.max_model_len)
         # Ready means routable, so that workers and gateway can start together; requests sent
         # while a pool has no serving worker get UNAVAILABLE.
         if not await registry.wait_routable(args.wait_for_workers):
             log.warning("no serving worker in some pool after %.0f s; ready anyway", args.wait_for_workers)
 
-    return await server.run(load, registry.close)
+    async def close() -> None:
+        if discovery is not None:
+            discovery.stop()
+        if planner is not None:
+            await planner.stop()
+        await registry.close()
+
+    return await server.run(load, close)

@@ -126,8 +126,11 @@ async def serve(
     kv_host: str,
     kv_timeout: float,
     metrics_port: int,
+    advertise_host: str,
 ) -> int:
-    """Run a decode (or colocated: `config.role`) worker until SIGTERM/SIGINT; returns the exit code."""
+    """Run a decode (or colocated: `config.role`) worker until SIGTERM/SIGINT; returns the exit code.
+    Prefill workers reach its gRPC KV receiver at `advertise_host` (the server may listen on a
+    wildcard address)."""
     server = RoleServer(config.role, host, port, grace_period)
     metrics = WorkerMetrics(served_model_id(config.model))
     server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
@@ -140,7 +143,8 @@ async def serve(
 
     async def load() -> None:
         engine = await asyncio.to_thread(Engine, config)
-        receiver = make_receiver(kv_backend, kv_host, server.address, timeout=kv_timeout, device=config.device)
+        advertised = f"{advertise_host}:{server.port}"
+        receiver = make_receiver(kv_backend, kv_host, advertised, timeout=kv_timeout, device=config.device)
         worker = DecodeWorker(server.address, engine, server.draining, receiver, kv_timeout)
         await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
         kv_transfer.servicer = KVTransferServicer(worker.layout, receiver if kv_backend == "grpc" else None)

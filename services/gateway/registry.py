@@ -15,6 +15,8 @@ from services.gateway.prefix_index import PrefixIndex, block_hashes
 from services.gateway.router import DEFAULT_SLO, Decision, NoWorkerError, Role, RouteRequest, Slo, route
 from services.gateway.workers import Worker
 
+_RETIRE_POLL_S = 0.1
+
 
 class Placement:
     """A request placed on a decode worker (and a prefill worker, or none for local prefill):
@@ -33,6 +35,7 @@ class Placement:
         decode.in_flight += 1
         decode.pending_context_tokens += self._context
         self._prefilling.pending_prompt_tokens += self._uncached
+        self._prefilling.prompt_tokens_sent += self._uncached
 
     def prefilled(self) -> None:
         """The first token came back: the prompt no longer loads its prefill worker's queue."""
@@ -54,14 +57,15 @@ class WorkerRegistry:
     """Prefill, decode and colocated workers by address; routes requests over their views."""
 
     def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = (), colocated: Sequence[str] = (),
-                 default_slo: Slo = DEFAULT_SLO) -> None:
-        """Addresses (host:port) of each pool's workers; channels open on `start`. A deployment needs
-        a decode-capable worker (decode or colocated), and prefill workers unless it is colocated only."""
-        if not decode and not colocated:
-            raise ValueError("the gateway needs at least one decode or colocated worker")
-        if decode and not prefill:
-            raise ValueError("decode workers need at least one prefill worker")
+                 default_slo: Slo = DEFAULT_SLO, retire_after_s: float = 10.0) -> None:
+        """Addresses (host:port) of each pool's first workers; channels open on `start`; pools may
+        start empty when discovery fills them. A removed worker's channel stays open at least
+        `retire_after_s`: a request placed before the removal may still retry there, and must get
+        the worker's own answer (a retryable UNAVAILABLE once it drains), not a closed channel."""
         self.default_slo = default_slo
+        self._retire_after_s = retire_after_s
+        self._started = False
+        self._retiring: dict[asyncio.Task, Worker] = {}
         self.prefix_index = PrefixIndex()
         self._listeners: list[Callable[[], None]] = []
         self._workers: dict[str, Worker] = {}
@@ -83,13 +87,46 @@ class WorkerRegistry:
         self._listeners.append(listener)
 
     def start(self) -> None:
-        """Subscribe to every worker's health and load."""
+        """Subscribe to every worker's health and load (and to those added later, as they come)."""
+        self._started = True
         for worker in self._workers.values():
             worker.start()
 
+    def addresses(self, role: Role) -> set[str]:
+        """The addresses of a pool's current workers (not those being removed)."""
+        return {address for address, worker in self._workers.items() if worker.role == role}
+
+    def add(self, role: Role, address: str) -> None:
+        """Route to a new worker (once it is SERVING); a no-op for one already known."""
+        if address not in self._workers:
+            self._workers[address] = worker = Worker(address, role, self._changed)
+            if self._started:
+                worker.start()
+
+    def remove(self, role: Role, address: str) -> None:
+        """Send a worker of `role` no new requests; its in-flight streams finish, then its channel closes."""
+        worker = self._workers.get(address)
+        if worker is not None and worker.role == role:
+            del self._workers[address]
+            self.prefix_index.forget(address)
+            task = asyncio.create_task(self._retire(worker, self._retire_after_s))
+            self._retiring[task] = worker
+            task.add_done_callback(self._retiring.pop)
+
+    @staticmethod
+    async def _retire(worker: Worker, after_s: float) -> None:
+        await asyncio.sleep(after_s)
+        while worker.in_flight:
+            await asyncio.sleep(_RETIRE_POLL_S)
+        await worker.close()
+
     async def close(self) -> None:
-        """End every subscription and channel."""
-        await asyncio.gather(*(worker.close() for worker in self._workers.values()))
+        """End every subscription and channel, those of workers being removed included."""
+        retiring = list(self._retiring.values())
+        for task in self._retiring:
+            task.cancel()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
+        await asyncio.gather(*(worker.close() for worker in [*self._workers.values(), *retiring]))
 
     async def wait_routable(self, timeout: float) -> bool:
         """Wait (at most `timeout` seconds) until requests can be placed; whether they can."""

@@ -2,7 +2,9 @@
 
 Per worker the gateway holds one channel and two subscriptions: gRPC health Watch (is it
 SERVING?) and WatchLoad (its latest LoadReport). Either stream breaking (worker down, draining,
-not started yet) marks the worker unusable until a resubscription succeeds.
+not started yet) marks the worker unusable until a resubscription succeeds. Workers come from
+static lists or are added and removed at run time (Kubernetes discovery); a removed worker gets
+no new requests, finishes the streams it has, then its channel closes.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Worker:
         self.in_flight = 0  # requests this gateway is streaming from it (decode, colocated)
         self.pending_prompt_tokens = 0  # prompt tokens it must still compute for us, first token not yet back
         self.pending_context_tokens = 0  # context of the requests streaming from it
+        self.prompt_tokens_sent = 0  # every prompt token it computed for us (the planner's arrival rate)
         self._on_change = on_change
         self._tasks: list[asyncio.Task] = []
 

@@ -1,0 +1,141 @@
+"""The planner: each interval, the replicas each pool needs for the demand the gateway sees.
+
+`recommend` mode only keeps the numbers (`recommended`, for metrics and HPA/KEDA users); `apply`
+mode also sets them on the pool Deployments through the `scale` subresource, from one gateway
+replica at a time (the holder of a Lease). The rules are in `planner_rules`; this module turns
+the registry's load reports into their inputs.
+
+The prompt-token arrival rate is what this gateway routed. With several gateway replicas each sees
+its share, so the leader underestimates the rate; the queued-tokens term, which comes from the
+workers and so covers all traffic, makes up for it once queues grow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from statistics import fmean
+from typing import Literal
+
+from services.gateway.kube import DeploymentScale, LeaseElection
+from services.gateway.planner_rules import (
+    DecodeDemand,
+    PlannerConfig,
+    PrefillDemand,
+    ScaleDecision,
+    decode_replicas,
+    prefill_replicas,
+)
+from services.gateway.registry import WorkerRegistry
+from services.gateway.router import Role
+from services.gateway.workers import Worker
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["off", "recommend", "apply"]
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+
+class Planner:
+    """Recommended replicas per pool, from the registry's load reports; set on the cluster when
+    given a `DeploymentScale` and a `LeaseElection` (apply mode)."""
+
+    def __init__(self, registry: WorkerRegistry, config: PlannerConfig,
+                 scale: DeploymentScale | None = None, election: LeaseElection | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if (scale is None) != (election is None):
+            raise ValueError("apply mode needs both the Deployments' scale and a leader election")
+        self.config = config
+        self.recommended: dict[Role, int | None] = dict.fromkeys(ROLES)
+        self.leading = False
+        self._registry = registry
+        self._scale = scale
+        self._election = election
+        self._clock = clock
+        self._decisions = {role: ScaleDecision(config.scale_down_window_s, config.cooldown_s) for role in ROLES}
+        self._sent: dict[Worker, int] = {}
+        self._sampled_at: float | None = None
+        self._task: asyncio.Task | None = None
+
+    def recommend(self) -> dict[Role, int | None]:
+        """Sample the registry now; the replicas each pool needs (None until it can be measured)."""
+        now = self._clock()
+        workers = self._registry.workers
+        arrival = self._arrival_rate(now, [w for w in workers if w.role == "prefill"])
+        prefill = [w.report for w in workers if w.role == "prefill" and w.serving and w.report is not None]
+        decode = [w.report for w in workers if w.role == "decode" and w.serving and w.report is not None]
+        self.recommended = {
+            "prefill": prefill_replicas(prefill_demand(arrival, prefill), self.config) if prefill else None,
+            "decode": decode_replicas(decode_demand(decode), self.config) if decode else None,
+        }
+        return self.recommended
+
+    def apply(self) -> None:
+        """Lead (or not) and set each pool's replicas as decided; blocking Kubernetes calls."""
+        assert self._scale is not None and self._election is not None
+        self.leading = self._election.try_lead()
+        if not self.leading:
+            return
+        now = self._clock()
+        for role, recommended in self.recommended.items():
+            if recommended is None:
+                continue
+            current = self._scale.replicas(role)
+            target = self._decisions[role].decide(now, recommended, current)
+            if target != current:
+                log.info("planner: %s pool %d -> %d replicas (recommended %d)", role, current, target, recommended)
+                self._scale.set_replicas(role, target)
+
+    def start(self) -> None:
+        """Plan every interval on the running event loop until `stop`."""
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        """Stop planning."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            self.recommend()
+            if self._scale is not None:
+                try:
+                    await asyncio.to_thread(self.apply)
+                except Exception as error:  # the API may be briefly unreachable: plan again next interval
+                    log.warning("planner: could not apply %s: %s", self.recommended, error)
+
+    def _arrival_rate(self, now: float, prefill_workers: Sequence[Worker]) -> float:
+        """Prompt tokens per second this gateway sent the prefill pool since the last sample."""
+        sent = {worker: worker.prompt_tokens_sent for worker in prefill_workers}
+        routed = sum(count - self._sent.get(worker, 0) for worker, count in sent.items())
+        elapsed = None if self._sampled_at is None else now - self._sampled_at
+        self._sent, self._sampled_at = sent, now
+        return routed / elapsed if elapsed else 0.0
+
+
+def prefill_demand(arrival_tokens_per_s: float, reports: Sequence) -> PrefillDemand:
+    """The prefill pool's demand from its workers' LoadReports and the routed arrival rate."""
+    speeds = [report.prefill_tokens_per_s for report in reports if report.prefill_tokens_per_s > 0]
+    return PrefillDemand(
+        arrival_tokens_per_s=arrival_tokens_per_s,
+        queued_prompt_tokens=sum(report.queued_prompt_tokens for report in reports),
+        tokens_per_s_per_replica=fmean(speeds) if speeds else 0.0,
+    )
+
+
+def decode_demand(reports: Sequence) -> DecodeDemand:
+    """The decode pool's demand from its workers' LoadReports."""
+    timed = [report for report in reports if report.tpot_s > 0]
+    return DecodeDemand(
+        sequences=sum(r.running_requests + r.waiting_requests + r.reserved_requests for r in reports),
+        used_kv_blocks=sum(report.used_kv_blocks for report in reports),
+        kv_blocks_per_replica=round(fmean(report.total_kv_blocks for report in reports)),
+        batch_per_replica=fmean(report.running_requests for report in timed) if timed else 0.0,
+        tpot_s=fmean(report.tpot_s for report in timed) if timed else 0.0,
+    )

@@ -1,0 +1,144 @@
+"""How many replicas each pool needs: pure rules over what the workers measure (no I/O, no torch).
+
+Prefill: the pool must compute prompt tokens as fast as they arrive and also drain what is
+already queued within one TTFT target, each replica planned at `target_utilisation` of its
+measured prefill speed:
+
+    replicas = ceil((arrival tokens/s + queued tokens / TTFT) / (measured tokens/s x utilisation))
+
+Decode: the pool must hold every running sequence within the TPOT target and keep the KV cache
+below `kv_target_utilisation`. A replica's sequence capacity at the TPOT target is extrapolated
+from its measured TPOT at its current batch, assuming step time grows in proportion to the batch
+(an overestimate of the growth, since each step also has a fixed cost, so the estimate errs
+towards more replicas):
+
+    sequences per replica = batch x TPOT target / measured TPOT
+    replicas = max(ceil(sequences / (sequences per replica x utilisation)),
+                   ceil(used KV blocks / (blocks per replica x KV utilisation)))
+
+Counts are clamped to each pool's bounds. `ScaleDecision` then damps them: a higher count is
+taken at once, a lower one only once it has been the highest recommendation for a whole
+stabilisation window, and no change follows another within the cooldown.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PoolBounds:
+    """The fewest and most replicas a pool may have."""
+
+    min_replicas: int = 1
+    max_replicas: int = 8
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ValueError(f"replicas: need 0 <= min <= max and max >= 1, "
+                             f"got {self.min_replicas}:{self.max_replicas}")
+
+    def clamp(self, replicas: int) -> int:
+        """`replicas` within the bounds."""
+        return min(max(replicas, self.min_replicas), self.max_replicas)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """SLO targets, headroom and damping of the planner."""
+
+    ttft_s: float = 1.0
+    tpot_s: float = 0.1
+    target_utilisation: float = 0.8
+    kv_target_utilisation: float = 0.8
+    prefill: PoolBounds = field(default_factory=PoolBounds)
+    decode: PoolBounds = field(default_factory=PoolBounds)
+    scale_down_window_s: float = 300.0
+    cooldown_s: float = 60.0
+    interval_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s", "interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0")
+        for name in ("target_utilisation", "kv_target_utilisation"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name}: must be in (0, 1]")
+        for name in ("scale_down_window_s", "cooldown_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0")
+
+
+@dataclass(frozen=True)
+class PrefillDemand:
+    """What the prefill pool faces and how fast one of its replicas is."""
+
+    arrival_tokens_per_s: float
+    queued_prompt_tokens: int
+    tokens_per_s_per_replica: float  # measured prefill speed; 0 until measured
+
+
+@dataclass(frozen=True)
+class DecodeDemand:
+    """What the decode pool holds and what one of its replicas can hold."""
+
+    sequences: int  # running, waiting and reserved, over the pool
+    used_kv_blocks: int  # held by requests, over the pool
+    kv_blocks_per_replica: int  # 0 until a replica reported
+    batch_per_replica: float  # running sequences per replica when the TPOT was measured
+    tpot_s: float  # measured time per output token at that batch; 0 until measured
+
+
+def prefill_replicas(demand: PrefillDemand, config: PlannerConfig) -> int | None:
+    """Prefill replicas needed, within bounds; None while no replica has measured its speed."""
+    if demand.tokens_per_s_per_replica <= 0:
+        return None
+    needed = demand.arrival_tokens_per_s + demand.queued_prompt_tokens / config.ttft_s
+    per_replica = demand.tokens_per_s_per_replica * config.target_utilisation
+    return config.prefill.clamp(math.ceil(needed / per_replica))
+
+
+def decode_replicas(demand: DecodeDemand, config: PlannerConfig) -> int | None:
+    """Decode replicas needed, within bounds; None while no replica has reported its KV size."""
+    if demand.kv_blocks_per_replica <= 0:
+        return None
+    kv = math.ceil(demand.used_kv_blocks / (demand.kv_blocks_per_replica * config.kv_target_utilisation))
+    sequences = 0
+    if demand.tpot_s > 0:
+        per_replica = max(demand.batch_per_replica, 1.0) * config.tpot_s / demand.tpot_s
+        sequences = math.ceil(demand.sequences / (per_replica * config.target_utilisation))
+    return config.decode.clamp(max(kv, sequences))
+
+
+class ScaleDecision:
+    """One pool's replica count over time: up at once, down after a stabilisation window, and
+    never twice within the cooldown."""
+
+    def __init__(self, window_s: float, cooldown_s: float) -> None:
+        self._window_s = window_s
+        self._cooldown_s = cooldown_s
+        self._history: deque[tuple[float, int]] = deque()
+        self._since: float | None = None
+        self._changed_at: float | None = None
+
+    def decide(self, now: float, recommended: int, current: int) -> int:
+        """The count to run now (`now` in seconds, monotonic) given this step's recommendation
+        and the count running."""
+        self._since = now if self._since is None else self._since
+        self._history.append((now, recommended))
+        while self._history[0][0] < now - self._window_s:
+            self._history.popleft()
+        if recommended > current:
+            target = recommended
+        elif now - self._since < self._window_s:
+            target = current  # a window not yet observed in full cannot justify a scale-down
+        else:
+            target = min(current, max(count for _, count in self._history))
+        if target == current:
+            return current
+        if self._changed_at is not None and now - self._changed_at < self._cooldown_s:
+            return current
+        self._changed_at = now
+        return target

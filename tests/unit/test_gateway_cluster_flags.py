@@ -1,0 +1,35 @@
+"""The gateway's discovery and planner flags, as the CLI translates them."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cli import build_parser, main
+from services.commands.gateway_cluster import parse_bounds, planner_config
+from services.gateway.planner_rules import PoolBounds
+
+
+def test_replica_bounds_are_min_colon_max():
+    assert parse_bounds("2:10", "--decode-replicas") == PoolBounds(2, 10)
+    for bad in ("3", "a:b", "5:2", ":4"):
+        with pytest.raises(ValueError, match="--decode-replicas"):
+            parse_bounds(bad, "--decode-replicas")
+
+
+def test_planner_flags_become_its_config():
+    args = build_parser().parse_args([
+        "gateway", "--prefill", "h:1", "--decode", "h:2", "--planner-ttft-ms", "500", "--planner-tpot-ms", "40",
+        "--prefill-replicas", "2:6", "--scale-down-window", "120", "--scale-cooldown", "30",
+    ])
+    config = planner_config(args)
+    assert (config.ttft_s, config.tpot_s, config.prefill, config.decode) == (0.5, 0.04, PoolBounds(2, 6),
+                                                                             PoolBounds(1, 8))
+    assert (config.scale_down_window_s, config.cooldown_s) == (120, 30)
+    assert (args.discovery, args.planner) == ("static", "recommend")
+
+
+def test_static_discovery_needs_both_lists_and_kubernetes_discovery_takes_none(capsys):
+    assert main(["gateway", "--decode", "h:2"]) == 2
+    assert "--prefill" in capsys.readouterr().err
+    assert main(["gateway", "--discovery", "kubernetes", "--prefill", "h:1"]) == 2
+    assert "--discovery kubernetes" in capsys.readouterr().err

@@ -1,0 +1,150 @@
+"""The planner over a registry's load reports, and apply mode's Kubernetes calls: the Deployments'
+scale subresource and leader election through a Lease.
+
+No Kubernetes API server can run here: apply mode drives the real `kubernetes` client against
+`fake_kube_api.FakeKubeApi`, a local HTTP server implementing those endpoints. The workers are
+registry entries whose load reports the test sets (what their WatchLoad streams would deliver).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from fake_kube_api import FakeKubeApi
+from kubernetes import client
+from tandem.v1 import common_pb2
+
+from services.gateway.kube import DeploymentScale, LeaseElection
+from services.gateway.planner import Planner
+from services.gateway.planner_rules import PlannerConfig, PoolBounds
+from services.gateway.registry import WorkerRegistry
+
+CONFIG = PlannerConfig(ttft_s=1.0, tpot_s=0.1, target_utilisation=0.8, kv_target_utilisation=0.8,
+                       prefill=PoolBounds(1, 6), decode=PoolBounds(1, 6), scale_down_window_s=0, cooldown_s=0)
+DEPLOYMENTS = {"prefill": "tandem-prefill", "decode": "tandem-decode"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def loaded_registry() -> WorkerRegistry:
+    """One prefill worker measured at 500 tokens/s with 400 queued, one decode worker holding 900 of
+    its 1000 KV blocks."""
+    registry = WorkerRegistry(prefill=["10.0.0.1:50061"], decode=["10.0.1.1:50071"])
+    prefill, decode = registry.workers
+    prefill.serving = decode.serving = True
+    prefill.report = common_pb2.LoadReport(role="prefill", queued_prompt_tokens=400, prefill_tokens_per_s=500.0,
+                                           total_kv_blocks=1000, free_kv_blocks=1000)
+    decode.report = common_pb2.LoadReport(role="decode", running_requests=8, total_kv_blocks=1000,
+                                          used_kv_blocks=900, free_kv_blocks=100, tpot_s=0.02)
+    return registry
+
+
+def test_recommendations_follow_the_routed_prompt_tokens_and_the_reports():
+    async def scenario() -> None:
+        clock = Clock()
+        registry = loaded_registry()
+        planner = Planner(registry, CONFIG, clock=clock)
+        _, decode = registry.workers
+        # First sample: no rate yet; the queue alone needs 400 / (500 x 0.8) -> 1 replica.
+        # Decode: 900 blocks / (1000 x 0.8) -> 2.
+        assert planner.recommend() == {"prefill": 1, "decode": 2}
+        # 10 s during which the gateway routes 20,000 prompt tokens: 2000 tokens/s + the queue's 400.
+        for i in range(20):
+            request = registry.route_request(list(range(1000 * i, 1000 * (i + 1))), max_tokens=16)
+            registry.claim(request, registry.decide(request)).release()
+        clock.now += 10
+        assert planner.recommend() == {"prefill": 6, "decode": 2}  # 2400 / 400 = 6
+        clock.now += 10
+        assert planner.recommend()["prefill"] == 1, "nothing routed since"
+        # A worker that stops serving is not counted; a pool without any has no recommendation.
+        decode.serving = False
+        assert planner.recommend()["decode"] is None
+        await registry.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture
+def api():
+    fake = FakeKubeApi()
+    fake.replicas.update({"tandem-prefill": 1, "tandem-decode": 1})
+    yield fake
+    fake.close()
+
+
+def planner_of(api: FakeKubeApi, registry: WorkerRegistry, identity: str, lease_s: int = 30) -> Planner:
+    api_client = client.ApiClient(api.configuration())
+    scale = DeploymentScale(client.AppsV1Api(api_client), "tandem", DEPLOYMENTS)
+    election = LeaseElection(client.CoordinationV1Api(api_client), "tandem", "tandem-planner", identity, lease_s)
+    return Planner(registry, CONFIG, scale, election, clock=Clock())
+
+
+def test_apply_sets_the_scale_of_each_pool_from_the_leader_only(api):
+    async def scenario() -> None:
+        registry = loaded_registry()
+        first, second = planner_of(api, registry, "gateway-a"), planner_of(api, registry, "gateway-b")
+        registry.workers[0].report.queued_prompt_tokens = 1600  # 1600 / 400 -> 4 prefill replicas
+        for planner in (first, second):
+            planner.recommend()
+            await asyncio.to_thread(planner.apply)
+        assert (first.leading, second.leading) == (True, False)
+        assert api.leases["tandem-planner"]["spec"]["holderIdentity"] == "gateway-a"
+        assert api.patches == [("tandem-prefill", 4), ("tandem-decode", 2)]
+        # Already at the recommended counts: nothing more is patched.
+        await asyncio.to_thread(first.apply)
+        assert len(api.patches) == 2 and first.leading
+        await registry.close()
+
+    asyncio.run(scenario())
+
+
+def test_another_replica_takes_over_an_expired_lease(api):
+    async def scenario() -> None:
+        registry = loaded_registry()
+        first, second = planner_of(api, registry, "gateway-a", 1), planner_of(api, registry, "gateway-b", 1)
+        await asyncio.to_thread(first.apply)
+        await asyncio.to_thread(second.apply)
+        assert (first.leading, second.leading) == (True, False)
+        time.sleep(1.2)  # gateway-a stops renewing (gone, or partitioned from the API)
+        await asyncio.to_thread(second.apply)
+        assert second.leading
+        lease = api.leases["tandem-planner"]["spec"]
+        assert lease["holderIdentity"] == "gateway-b" and lease["leaseTransitions"] == 1
+        await asyncio.to_thread(first.apply)
+        assert not first.leading
+        await registry.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_lost_race_for_the_lease_is_not_leading(api):
+    class RacedApi(client.CoordinationV1Api):
+        """Another replica writes the Lease right after each of our reads."""
+
+        def read_namespaced_lease(self, name, namespace, **kwargs):
+            lease = super().read_namespaced_lease(name, namespace, **kwargs)
+            api.leases[name]["metadata"]["resourceVersion"] = "999999"
+            return lease
+
+    api_client = client.ApiClient(api.configuration())
+    assert LeaseElection(client.CoordinationV1Api(api_client), "tandem", "tandem-planner", "gateway-a", 30).try_lead()
+    raced = LeaseElection(RacedApi(api_client), "tandem", "tandem-planner", "gateway-a", 30)
+    assert not raced.try_lead(), "the write with a stale resourceVersion is refused 409"
+
+
+def test_apply_mode_needs_both_scale_and_election():
+    async def scenario() -> None:
+        registry = WorkerRegistry()
+        scale = DeploymentScale(client.AppsV1Api(), "tandem", DEPLOYMENTS)
+        with pytest.raises(ValueError, match="apply mode"):
+            Planner(registry, CONFIG, scale=scale)
+
+    asyncio.run(scenario())

@@ -1,0 +1,116 @@
+"""The planner's rules: replicas per pool from demand and measured capacity, bounds, and damping."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.planner_rules import (
+    DecodeDemand,
+    PlannerConfig,
+    PoolBounds,
+    PrefillDemand,
+    ScaleDecision,
+    decode_replicas,
+    prefill_replicas,
+)
+
+CONFIG = PlannerConfig(ttft_s=1.0, tpot_s=0.1, target_utilisation=0.8, kv_target_utilisation=0.8,
+                       prefill=PoolBounds(1, 8), decode=PoolBounds(1, 8))
+
+
+def prefill(arrival: float = 0.0, queued: int = 0, speed: float = 500.0) -> PrefillDemand:
+    return PrefillDemand(arrival_tokens_per_s=arrival, queued_prompt_tokens=queued, tokens_per_s_per_replica=speed)
+
+
+def decode(sequences: int = 0, used: int = 0, blocks: int = 500, batch: float = 0.0, tpot: float = 0.0) -> DecodeDemand:
+    return DecodeDemand(sequences=sequences, used_kv_blocks=used, kv_blocks_per_replica=blocks,
+                        batch_per_replica=batch, tpot_s=tpot)
+
+
+def test_prefill_covers_the_arrival_rate_at_the_target_utilisation():
+    # 1000 tokens/s over replicas planned at 0.8 x 500 = 400 tokens/s each: 2.5 -> 3.
+    assert prefill_replicas(prefill(arrival=1000), CONFIG) == 3
+    assert prefill_replicas(prefill(arrival=800), CONFIG) == 2
+
+
+def test_prefill_also_drains_the_queue_within_the_ttft_target():
+    # 2000 queued tokens to compute within 1 s add 2000 tokens/s: (1000 + 2000) / 400 = 7.5 -> 8.
+    assert prefill_replicas(prefill(arrival=1000, queued=2000), CONFIG) == 8
+    relaxed = PlannerConfig(ttft_s=4.0, prefill=PoolBounds(1, 8))
+    assert prefill_replicas(prefill(arrival=1000, queued=2000), relaxed) == 4  # (1000 + 500) / 400 = 3.75
+
+
+def test_prefill_stays_within_bounds_and_waits_for_a_measurement():
+    assert prefill_replicas(prefill(arrival=0), CONFIG) == 1
+    assert prefill_replicas(prefill(arrival=100_000), CONFIG) == 8
+    assert prefill_replicas(prefill(arrival=1000, speed=0.0), CONFIG) is None
+
+
+def test_decode_keeps_kv_usage_under_its_target():
+    # 900 used blocks over replicas of 500 blocks at 0.8: 2.25 -> 3.
+    assert decode_replicas(decode(used=900), CONFIG) == 3
+    assert decode_replicas(decode(used=400), CONFIG) == 1
+
+
+def test_decode_holds_the_sequences_within_the_tpot_target():
+    # 10 sequences per replica measured at 50 ms; at a 100 ms target one replica holds 20, planned
+    # at 0.8 -> 16: 40 sequences need 2.5 -> 3 replicas.
+    assert decode_replicas(decode(sequences=40, used=10, batch=10, tpot=0.05), CONFIG) == 3
+    # Slower than the target already: a replica holds fewer than it runs now.
+    assert decode_replicas(decode(sequences=20, used=10, batch=10, tpot=0.2), CONFIG) == 5
+
+
+def test_decode_takes_the_larger_of_the_kv_and_sequence_needs():
+    assert decode_replicas(decode(sequences=40, used=1900, batch=10, tpot=0.05), CONFIG) == 5
+    # Without a TPOT measurement only the KV rule applies.
+    assert decode_replicas(decode(sequences=400, used=10), CONFIG) == 1
+
+
+def test_decode_stays_within_bounds_and_waits_for_a_report():
+    assert decode_replicas(decode(used=100_000), CONFIG) == 8
+    assert decode_replicas(decode(used=10, blocks=0), CONFIG) is None
+
+
+def test_scale_up_is_immediate():
+    decision = ScaleDecision(window_s=300, cooldown_s=0)
+    assert decision.decide(0, recommended=5, current=2) == 5
+
+
+def test_scale_down_waits_for_a_full_window_and_takes_its_highest_recommendation():
+    decision = ScaleDecision(window_s=300, cooldown_s=0)
+    assert decision.decide(0, recommended=6, current=6) == 6
+    assert decision.decide(100, recommended=2, current=6) == 6, "window not yet observed"
+    assert decision.decide(200, recommended=4, current=6) == 6
+    # At 300 s the window holds 6, 2, 4 and 3: the highest, 6, is what runs.
+    assert decision.decide(300, recommended=3, current=6) == 6
+    # At 301 s the 6 has left the window: down to its highest remaining recommendation, 4.
+    assert decision.decide(301, recommended=3, current=6) == 4
+
+
+def test_an_old_high_recommendation_never_scales_up():
+    decision = ScaleDecision(window_s=60, cooldown_s=0)
+    decision.decide(0, recommended=9, current=3)
+    assert decision.decide(60, recommended=2, current=3) == 3  # 9 is in the window but above what runs
+
+
+def test_no_change_within_the_cooldown_of_the_last_one():
+    decision = ScaleDecision(window_s=0, cooldown_s=60)
+    assert decision.decide(0, recommended=4, current=2) == 4
+    assert decision.decide(30, recommended=6, current=4) == 4
+    assert decision.decide(30, recommended=1, current=4) == 4
+    assert decision.decide(61, recommended=6, current=4) == 6
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"ttft_s": 0}, {"tpot_s": -1}, {"interval_s": 0}, {"target_utilisation": 0}, {"kv_target_utilisation": 1.5},
+    {"cooldown_s": -1}, {"scale_down_window_s": -5},
+])
+def test_config_refuses_out_of_range_values(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        PlannerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("bounds", [(3, 2), (-1, 2), (0, 0)])
+def test_bounds_refuse_inverted_or_empty_ranges(bounds):
+    with pytest.raises(ValueError, match="replicas"):
+        PoolBounds(*bounds)
