@@ -176,7 +176,7 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractCon
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure every configuration, print the summary, write the JSON results and the plot."""
     args = parse_args(argv)
-    if not args.smoke and ("vllm" in args.config_list or args.client == "vllm"):
+    if args.client == "vllm" or (not args.smoke and not args.endpoint and "vllm" in args.config_list):
         subprocess.run([sys.executable, os.path.join(BENCH_DIR, "hf_export.py"), "--out", HF_EXPORT_DIR], check=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     workload = load_workload(args.requests_per_rate, args.seed, args.synthetic, args.model)
