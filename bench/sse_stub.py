@@ -89,6 +89,9 @@ class StubServer(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         return f"http://{host}:{port}"
 
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A client that hangs up mid-stream (a timed-out request, vLLM's client closing) is normal here."""
+
     def start(self) -> StubServer:
         """Serve in the background."""
         threading.Thread(target=self.serve_forever, name="sse-stub", daemon=True).start()
