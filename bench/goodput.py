@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -46,7 +47,7 @@ from collections.abc import Iterator, Sequence
 from goodput_client import request_body, run_open_loop, served_model
 from goodput_metrics import ATTAINMENT_TARGET, RequestResult, Slo, goodput, poisson_arrivals, summarize_rate
 from goodput_report import format_summary, label, plot_attainment
-from goodput_servers import BENCH_DIR, CONFIGS, REPO_DIR, DeployOptions, Unavailable, deployment
+from goodput_servers import BENCH_DIR, CONFIGS, REPO_DIR, DeployOptions, Served, Unavailable, deployment
 from goodput_vllm_client import run_vllm_client
 from goodput_workload import Workload, build_workload
 from sse_stub import StubServer
@@ -134,7 +135,7 @@ def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload
         started = time.monotonic()
         results = measure_rate(args, base_url, model, workload, rate, os.path.join(CACHE_DIR, f"goodput-{name}"))
         row = summarize_rate(rate, results, args.slos)
-        rows.append(row)
+        rows.append({**row, "samples": [dataclasses.asdict(r) for r in results]})  # to recompute other SLOs
         print(f"[goodput] {label(name)} @ {rate:g} req/s: "
               + ", ".join(f"{s.name} {row['attainment'][s.name]:.0%}" for s in args.slos)
               + f"; TTFT p90 {row['ttft_ms']['p90'] or 0:.0f} ms, TPOT p90 {row['tpot_ms']['p90'] or 0:.1f} ms, "
@@ -148,11 +149,11 @@ def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload
 
 
 @contextlib.contextmanager
-def _stub() -> Iterator[str]:
+def _stub() -> Iterator[Served]:
     # One prefill lane of 150 ms saturates near 6.7 req/s, so the smoke sweep shows attainment falling.
     server = StubServer(prefill_s=0.15, tpot_s=0.004).start()
     try:
-        yield server.url
+        yield Served(server.url, ("bench/sse_stub.py in this process",))
     finally:
         server.stop()
 
@@ -162,14 +163,14 @@ def _loadavg() -> str:
         return " ".join(file.read().split()[:3])
 
 
-def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractContextManager[str]]]:
+def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractContextManager[Served]]]:
     if args.smoke:
         return [("stub", _stub())]
     if args.endpoint:
-        return [(args.label, contextlib.nullcontext(args.endpoint.rstrip("/")))]
+        return [(args.label, contextlib.nullcontext(Served(args.endpoint.rstrip("/"))))]
     options = DeployOptions(log_dir=os.path.join(CACHE_DIR, "goodput-logs"), model=args.model,
                             hf_model_dir=HF_EXPORT_DIR, startup_timeout_s=args.startup_timeout,
-                            pin_cores=not args.no_pin)
+                            pin_cores=not args.no_pin and (os.cpu_count() or 1) >= 2)
     return [(config, deployment(config, options)) for config in args.config_list]
 
 
@@ -186,8 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, target in _targets(args):
         print(f"[goodput] starting {label(name)}", file=sys.stderr, flush=True)
         try:
-            with target as base_url:
-                configs[name] = sweep(args, name, base_url, workload)
+            with target as served:
+                configs[name] = {"commands": list(served.commands), **sweep(args, name, served.url, workload)}
         except Unavailable as reason:
             print(f"[goodput] {label(name)} skipped: {reason}", file=sys.stderr, flush=True)
             configs[name] = {"skipped": str(reason)}

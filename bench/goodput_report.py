@@ -34,7 +34,7 @@ def format_summary(configs: dict[str, dict], slos: Sequence[Slo]) -> str:
         lines.append(f"| {label(config)} | " + " | ".join(cells) + " |")
     lines += ["", "| configuration | rate | done | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | "
               + " | ".join(f"attained {_slo_text(s)}" for s in slos) + " | req/s | errors |",
-              "|" + "---|" * (6 + len(slos))]
+              "|" + "---|" * (7 + len(slos))]
     for config, data in configs.items():
         for row in data.get("rates", []):
             ttft, tpot = row["ttft_ms"], row["tpot_ms"]

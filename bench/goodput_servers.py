@@ -16,6 +16,7 @@ import contextlib
 import os
 import queue
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -54,6 +55,14 @@ class DeployOptions:
             raise ValueError(f"startup_timeout_s must be positive, got {self.startup_timeout_s}")
 
 
+@dataclass(frozen=True)
+class Served:
+    """A configuration while it serves: its OpenAI API's base URL and the commands that started it."""
+
+    url: str
+    commands: tuple[str, ...] = ()
+
+
 class ServerProcess:
     """One server process; its stdout is copied to its log (stderr goes there directly) and
     watched for a ready line."""
@@ -61,6 +70,7 @@ class ServerProcess:
     def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], log_path: str,
                  cpu: int | None = None) -> None:
         self.name = name
+        self.command = shlex.join(argv) + (f"  (pinned to CPU {cpu})" if cpu is not None else "")
         self.log_path = log_path
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed by stop()
@@ -131,8 +141,8 @@ def _tandem_help(*command: str) -> str:
 
 
 @contextlib.contextmanager
-def deployment(config: str, options: DeployOptions) -> Iterator[str]:
-    """Start `config` (one of CONFIGS), yield the base URL of its OpenAI API once healthy, then stop it.
+def deployment(config: str, options: DeployOptions) -> Iterator[Served]:
+    """Start `config` (one of CONFIGS), yield it once its OpenAI API is healthy, then stop it.
     Unavailable when it cannot run here."""
     os.makedirs(options.log_dir, exist_ok=True)
     processes: list[ServerProcess] = []
@@ -145,7 +155,7 @@ def deployment(config: str, options: DeployOptions) -> Iterator[str]:
         else:
             raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(CONFIGS)}")
         wait_healthy(base_url, processes, deadline)
-        yield base_url
+        yield Served(base_url, tuple(process.command for process in processes))
     finally:
         for process in reversed(processes):
             process.stop()
