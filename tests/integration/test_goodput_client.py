@@ -33,7 +33,8 @@ def test_streamed_requests_are_timed_by_their_chunks(stub: StubServer):
     # Both arrive together and share one prefill lane: one waits for the other's 0.2 s.
     assert min(r.ttft_s for r in results) >= 0.2
     assert max(r.ttft_s for r in results) >= 0.4
-    assert all(r.tpot_s >= 0.02 for r in results)
+    # Not >= 0.02: a first chunk read late (a busy machine) shortens the measured span.
+    assert all(r.tpot_s > 0 for r in results)
     assert all(r.finished_s > r.started_s for r in results)
 
 
