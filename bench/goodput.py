@@ -5,7 +5,9 @@ Open-loop Poisson arrivals at a sweep of rates against an OpenAI-compatible `/v1
 endpoint, streaming, greedy, `ignore_eos` with `max_tokens` per request so every system generates
 the same lengths. The script starts each configuration itself, one after another on this machine
 (bench/goodput_servers.py), or measures a server already running (`--endpoint`). Every
-configuration gets the same requests in the same order at the same arrival times (seeded). The
+configuration gets the same requests in the same order at the same arrival times (seeded); no
+prompt is sent twice, so prefix caches do not flatter later rates (a server measured with
+`--endpoint` that already saw these prompts would profit: restart it or change `--seed`). The
 workload (bench/goodput_workload.py) is ShareGPT conversations with prompts of 128–384 and outputs
 of 32–96 tokens, or a synthetic stand-in when the dataset package is missing; the output says which.
 Per rate: TTFT and TPOT p50/p90/p99, attainment of each SLO pair, throughput. Results go to
@@ -49,13 +51,14 @@ from goodput_metrics import ATTAINMENT_TARGET, RequestResult, Slo, goodput, pois
 from goodput_report import format_summary, label, plot_attainment
 from goodput_servers import BENCH_DIR, CONFIGS, REPO_DIR, DeployOptions, Served, Unavailable, deployment
 from goodput_vllm_client import run_vllm_client
-from goodput_workload import Workload, build_workload
+from goodput_workload import BenchRequest, Workload, build_workload
 from sse_stub import StubServer
 
 CACHE_DIR = os.path.join(BENCH_DIR, ".cache")
 HF_EXPORT_DIR = os.path.join(CACHE_DIR, "smollm2-hf")
 RESULTS = os.path.join(BENCH_DIR, "results", "goodput")
 SMOKE_RESULTS = os.path.join(CACHE_DIR, "goodput_smoke")  # a smoke run never replaces the results
+WARMUP_REQUESTS = 2
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -95,7 +98,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def load_workload(count: int, seed: int, synthetic: bool, model: str | None) -> Workload:
     """The requests, cached in bench/.cache (tokenizing the dataset takes a while)."""
-    path = os.path.join(CACHE_DIR, f"goodput-workload-n{count}-seed{seed}{'-synthetic' if synthetic else ''}.json")
+    tokenizer_name = os.path.basename(model) if model else "default"
+    path = os.path.join(CACHE_DIR, f"goodput-workload-{tokenizer_name}-n{count}-seed{seed}"
+                                   f"{'-synthetic' if synthetic else ''}.json")
     if os.path.exists(path):
         with open(path, encoding="utf-8") as file:
             return Workload.from_json(json.load(file))
@@ -112,28 +117,32 @@ def load_workload(count: int, seed: int, synthetic: bool, model: str | None) -> 
     return workload
 
 
-def measure_rate(args: argparse.Namespace, base_url: str, model: str, workload: Workload, rate: float,
+def measure_rate(args: argparse.Namespace, base_url: str, model: str, requests: Sequence[BenchRequest], rate: float,
                  work_dir: str) -> list[RequestResult]:
-    """Every request of the workload at `rate`, through the chosen client."""
+    """`requests` at `rate`, through the chosen client."""
     slo = args.slos[0]
     slo_ms = (slo.ttft_s * 1e3, slo.tpot_s * 1e3)
     if args.client == "vllm":
-        return run_vllm_client(base_url, model, HF_EXPORT_DIR, workload.requests, rate, args.seed, work_dir,
-                               slo_ms, timeout_s=args.request_timeout + len(workload.requests) / rate + 600)
-    bodies = [request_body(model, r, slo_ms) for r in workload.requests]
+        return run_vllm_client(base_url, model, HF_EXPORT_DIR, requests, rate, args.seed, work_dir,
+                               slo_ms, timeout_s=args.request_timeout + len(requests) / rate + 600)
+    bodies = [request_body(model, r, slo_ms) for r in requests]
     arrivals = poisson_arrivals(rate, len(bodies), args.seed)
     return asyncio.run(run_open_loop(base_url, bodies, arrivals, args.request_timeout))
 
 
 def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload) -> dict:
-    """Warm the server up, then measure each rate in turn; the configuration's results."""
+    """Warm the server up, then measure each rate in turn; the configuration's results. Each rate
+    gets its own slice of the workload and the warm-up the last requests, so that no prompt is
+    sent twice and no rate profits from prefixes an earlier one left in a cache."""
     model = asyncio.run(served_model(base_url))
-    warmup = [request_body(model, r, None) for r in workload.requests[:2]]
-    asyncio.run(run_open_loop(base_url, warmup, [0.0, 0.0], args.request_timeout))
+    warmup = [request_body(model, r, None) for r in workload.requests[-WARMUP_REQUESTS:]]
+    asyncio.run(run_open_loop(base_url, warmup, [0.0] * len(warmup), args.request_timeout))
     rows = []
-    for rate in args.rate_list:
+    count = args.requests_per_rate
+    for index, rate in enumerate(args.rate_list):
         started = time.monotonic()
-        results = measure_rate(args, base_url, model, workload, rate, os.path.join(CACHE_DIR, f"goodput-{name}"))
+        requests = workload.requests[index * count:(index + 1) * count]
+        results = measure_rate(args, base_url, model, requests, rate, os.path.join(CACHE_DIR, f"goodput-{name}"))
         row = summarize_rate(rate, results, args.slos)
         rows.append({**row, "samples": [dataclasses.asdict(r) for r in results]})  # to recompute other SLOs
         print(f"[goodput] {label(name)} @ {rate:g} req/s: "
@@ -180,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.client == "vllm" or (not args.smoke and not args.endpoint and "vllm" in args.config_list):
         subprocess.run([sys.executable, os.path.join(BENCH_DIR, "hf_export.py"), "--out", HF_EXPORT_DIR], check=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    workload = load_workload(args.requests_per_rate, args.seed, args.synthetic, args.model)
+    count = args.requests_per_rate * len(args.rate_list) + WARMUP_REQUESTS
+    workload = load_workload(count, args.seed, args.synthetic, args.model)
     print(f"[goodput] workload: {workload.source}", file=sys.stderr, flush=True)
     load = {"start": _loadavg()}
     configs: dict[str, dict] = {}
@@ -205,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }, file, indent=2)
         file.write("\n")
     plot_attainment(configs, args.slos, args.out + ".png",
-                    f"SLO attainment vs rate ({workload.describe()['requests']} requests per rate, "
+                    f"SLO attainment vs rate ({args.requests_per_rate} requests per rate, "
                     f"{'vLLM bench serve' if args.client == 'vllm' else 'bench/goodput.py'} client)")
     print(f"[goodput] wrote {args.out}.json and {args.out}.png", file=sys.stderr)
     return 0 if any("rates" in c for c in configs.values()) else 1
