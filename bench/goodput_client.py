@@ -23,8 +23,8 @@ def request_body(model: str, request: BenchRequest, slo_ms: tuple[float, float] 
     with the first SLO as Tandem's per-request fields (other servers ignore unknown fields)."""
     body = {"model": model, "prompt": request.prompt, "max_tokens": request.output_tokens, "ignore_eos": True,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-    if slo_ms is not None:
-        body["ttft_ms"], body["tpot_ms"] = slo_ms
+    if slo_ms is not None:  # whole milliseconds: Tandem's API takes integers
+        body["ttft_ms"], body["tpot_ms"] = round(slo_ms[0]), round(slo_ms[1])
     return body
 
 

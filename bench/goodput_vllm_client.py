@@ -31,7 +31,7 @@ def bench_serve_command(base_url: str, model: str, tokenizer_dir: str, dataset_p
         "--dataset-name", "custom", "--dataset-path", dataset_path, "--custom-output-len", "-1",
         "--skip-chat-template", "--disable-shuffle", "--num-prompts", str(count),
         "--request-rate", f"{rate:g}", "--seed", str(seed), "--ignore-eos", "--temperature", "0",
-        "--extra-body", json.dumps({"ttft_ms": slo_ms[0], "tpot_ms": slo_ms[1]}),
+        "--extra-body", json.dumps({"ttft_ms": round(slo_ms[0]), "tpot_ms": round(slo_ms[1])}),
         "--goodput", f"ttft:{slo_ms[0]:g}", f"tpot:{slo_ms[1]:g}",
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,90,99",
         "--save-result", "--save-detailed", "--result-dir", result_dir, "--result-filename", result_name,
