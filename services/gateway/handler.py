@@ -37,7 +37,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            async for chunk in self.service.generate(generate_request_from_proto(request), deadline):
+            core_request = generate_request_from_proto(request)
+        except ValueError as error:
+            self.service.refused(request.request_id, "INVALID_ARGUMENT", str(error))
+            await abort_with(context, error)
+        try:
+            async for chunk in self.service.generate(core_request, deadline):
                 yield gateway_pb2.GenerateResponse(request_id=chunk.request_id, chunk=chunk_to_proto(chunk))
         except (StatusError, ValueError) as error:
             await abort_with(context, error)

@@ -8,6 +8,7 @@ Failures are `StatusError`s carrying a gRPC status code; each API maps them to i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -23,7 +24,7 @@ from services.gateway.model import ServedModel
 from services.gateway.registry import Placement, WorkerRegistry
 from services.gateway.request import GenerateRequest
 from services.gateway.router import NoWorkerError, Slo
-from services.gateway.telemetry import RequestObservation
+from services.gateway.telemetry import RequestObservation, record_refusal
 from services.observability.tracing import capture_content
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,11 @@ class GatewayService:
     def ready(self) -> bool:
         """Whether requests can be served now: the model is loaded and the workers can take requests."""
         return self.model is not None and self.registry.routable()
+
+    def refused(self, request_id: str, code: str, message: str) -> None:
+        """An API edge refused a request before it reached `generate` (its body did not convert):
+        traced and counted like the requests that did."""
+        record_refusal(self.metrics, request_id, code, message)
 
     def slo(self, request: GenerateRequest) -> Slo:
         """The request's objectives: its own, else the deployment's."""
@@ -89,9 +95,12 @@ class GatewayService:
         request_id = request.request_id or uuid.uuid4().hex
         observation = RequestObservation(self.metrics, request_id, request, self._capture_content)
         try:
-            async for chunk in self._generate(request, request_id, deadline, observation):
-                observation.streamed(chunk)
-                yield chunk
+            # aclosing: a consumer that stops early (client gone) must close the inner stream at once,
+            # which cancels the request on its workers; left to the garbage collector it would not.
+            async with contextlib.aclosing(self._generate(request, request_id, deadline, observation)) as chunks:
+                async for chunk in chunks:
+                    observation.streamed(chunk)
+                    yield chunk
         except StatusError as error:
             observation.failed(error.code.name, error.message)
             raise

@@ -200,6 +200,17 @@ class RequestObservation:
         return trace.format_trace_id(context.trace_id) if context.is_valid else ""
 
 
+def record_refusal(metrics: GatewayMetrics, request_id: str, code: str, message: str) -> None:
+    """A request refused before it became one (its message did not convert): counted, and marked
+    on the current span."""
+    span = trace.get_current_span()
+    if span.is_recording() and request_id:
+        span.set_attribute("tandem.request_id", request_id)
+    metrics.rejected(code)
+    set_error(code, message, span)
+    log.info("request %s refused: %s: %s", request_id or "(no id)", code, message)
+
+
 def _input_messages(request: GenerateRequest) -> list[dict[str, Any]]:
     """The prompt in the GenAI conventions' message shape (token id prompts as their ids)."""
     prompt = request.prompt

@@ -51,7 +51,7 @@ def mesh(receiver):
         ["prefill", "--port", str(prefill_port), *WORKER_FLAGS],
         ["decode", "--port", str(decode_port), "--kv-backend", "grpc", *WORKER_FLAGS],
         ["gateway", "--port", "0", "--http-port", "0", "--prefill", f"127.0.0.1:{prefill_port}",
-         "--decode", f"127.0.0.1:{decode_port}"],
+         "--decode", f"127.0.0.1:{decode_port}", "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"],
     ]
     processes = [start_worker(a, wait=False, env=env) for a in args]
     try:
@@ -137,7 +137,12 @@ def test_one_trace_across_gateway_prefill_and_decode(mesh, receiver):
     assert not any(key.startswith("gen_ai.input") or key.startswith("gen_ai.output") for key in attributes)
     assert [name for name, _ in gateway.events] == ["dispatch", "first_token", "finish"]
     route = _one(spans, "tandem-gateway", "route").attributes
-    assert route["tandem.route.decode_order"] == [mesh["decode"].address]
+    # The router's decision and why: its choice, its predictions against the objectives, the options.
+    assert (route["tandem.route.decode"], route["tandem.route.prefill"]) == (mesh["decode"].address,
+                                                                           mesh["prefill"].address)
+    assert route["tandem.route.meets_slo"] is True
+    assert route["tandem.route.predicted_ttft_s"] > 0 and route["tandem.route.slo_ttft_s"] > 0
+    assert route["tandem.route.options"][0].startswith(f"prefill {mesh['prefill'].address} -> decode")
 
     assert decode.attributes["gen_ai.usage.output_tokens"] == 6
     assert [name for name, _ in decode.events] == ["first_token", "finish"]
@@ -189,8 +194,8 @@ def test_errors_mark_the_span(mesh, receiver):
     ) if s.attributes.get("tandem.request_id") == request_id]
     assert span.status_code == 2 and span.attributes["error.type"] == "INVALID_ARGUMENT"
 
-    # A worker's RPC too: a decode request without a prefill worker.
-    request = decode_pb2.DecodeRequest(request_id=f"bad-{uuid.uuid4().hex[:8]}", prompt_token_ids=[1, 2, 3])
+    # A worker's RPC too: a decode request with a token id outside the vocabulary.
+    request = decode_pb2.DecodeRequest(request_id=f"bad-{uuid.uuid4().hex[:8]}", prompt_token_ids=[1, 2, 10**9])
     with grpc.insecure_channel(mesh["decode"].address) as channel, pytest.raises(grpc.RpcError):
         list(decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=RPC_TIMEOUT_S))
 
