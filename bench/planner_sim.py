@@ -152,7 +152,8 @@ def simulate(demand: Demand, capacity: Capacity, targets: Targets, config: Plann
             "decode": decode_replicas(DecodeDemand(
                 sequences=round(sequences), used_kv_blocks=round(sequences * blocks_per_sequence),
                 kv_blocks_per_replica=capacity.kv_blocks_per_replica, batch_per_replica=batch,
-                tpot_s=capacity.decode_step_s(batch)), config),
+                tpot_s=capacity.decode_step_s(batch), step_base_s=capacity.decode_base_s,
+                step_per_sequence_s=capacity.decode_per_sequence_s), config),
         }
         for role, pool in pools.items():
             target = decisions[role].decide(end, recommended[role], pool.requested)

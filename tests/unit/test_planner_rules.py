@@ -60,6 +60,20 @@ def test_decode_holds_the_sequences_within_the_tpot_target():
     assert decode_replicas(decode(sequences=20, used=10, batch=10, tpot=0.2), CONFIG) == 5
 
 
+def test_decode_sizes_from_the_step_model_once_fitted():
+    # Steps of 60 ms + 15 ms a sequence reach 100 ms at 8/3 sequences; planned at 0.8 -> 2.13 a
+    # replica: 12 sequences need 5.6 -> 6 replicas. The measured TPOT alone (90 ms at batch 2, read
+    # as proportional to the batch) would have said 2.22 x 0.8 = 1.78 a replica: 6.75 -> 7.
+    fitted = DecodeDemand(sequences=12, used_kv_blocks=10, kv_blocks_per_replica=500, batch_per_replica=2,
+                          tpot_s=0.09, step_base_s=0.06, step_per_sequence_s=0.015)
+    assert decode_replicas(fitted, CONFIG) == 6
+    assert decode_replicas(decode(sequences=12, used=10, batch=2, tpot=0.09), CONFIG) == 7
+    # A fixed cost over the target: each sequence needs a replica of its own.
+    slow = DecodeDemand(sequences=3, used_kv_blocks=10, kv_blocks_per_replica=500, batch_per_replica=1,
+                        tpot_s=0.2, step_base_s=0.15, step_per_sequence_s=0.05)
+    assert decode_replicas(slow, CONFIG) == 4  # 3 / (1 x 0.8) = 3.75
+
+
 def test_decode_takes_the_larger_of_the_kv_and_sequence_needs():
     assert decode_replicas(decode(sequences=40, used=1900, batch=10, tpot=0.05), CONFIG) == 5
     # Without a TPOT measurement only the KV rule applies.
