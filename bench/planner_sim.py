@@ -147,7 +147,7 @@ def simulate(demand: Demand, capacity: Capacity, targets: Targets, config: Plann
         recommended = {
             "prefill": prefill_replicas(PrefillDemand(
                 arrival_tokens_per_s=sum(r.prompt_tokens for r in requests) / MINUTE_S,
-                queued_prompt_tokens=prefill.queued_prompt_tokens,
+                queued_prompt_tokens=prefill.queued_prompt_tokens, queued_requests=len(prefill.waiting),
                 tokens_per_s_per_replica=capacity.prefill_tokens_per_s), config),
             "decode": decode_replicas(DecodeDemand(
                 sequences=round(sequences), used_kv_blocks=round(sequences * blocks_per_sequence),

@@ -125,6 +125,7 @@ def prefill_demand(arrival_tokens_per_s: float, reports: Sequence) -> PrefillDem
     return PrefillDemand(
         arrival_tokens_per_s=arrival_tokens_per_s,
         queued_prompt_tokens=sum(report.queued_prompt_tokens for report in reports),
+        queued_requests=sum(report.waiting_requests for report in reports),
         tokens_per_s_per_replica=fmean(speeds) if speeds else 0.0,
     )
 

@@ -2,9 +2,13 @@
 
 Prefill: the pool must compute prompt tokens as fast as they arrive and also drain what is
 already queued within one TTFT target, each replica planned at `target_utilisation` of its
-measured prefill speed:
+measured prefill speed. A queued prompt is computed by one replica, so the queue never asks for
+more replicas than it holds prompts (without that cap, a few long prompts queued for a moment
+asked for dozens of replicas that were ready only after the queue had gone):
 
-    replicas = ceil((arrival tokens/s + queued tokens / TTFT) / (measured tokens/s x utilisation))
+    per replica = measured tokens/s x utilisation
+    replicas = ceil(arrival tokens/s / per replica
+                    + min(queued tokens / TTFT / per replica, queued prompts))
 
 Decode: the pool must hold every running sequence within the TPOT target and keep the KV cache
 below `kv_target_utilisation`. A replica's sequence capacity at the TPOT target is the batch at
@@ -80,6 +84,7 @@ class PrefillDemand:
     arrival_tokens_per_s: float
     queued_prompt_tokens: int
     tokens_per_s_per_replica: float  # measured prefill speed; 0 until measured
+    queued_requests: int = 0  # prompts waiting, over the pool; 0 when unknown (no cap)
 
 
 @dataclass(frozen=True)
@@ -107,9 +112,11 @@ def prefill_replicas(demand: PrefillDemand, config: PlannerConfig) -> int | None
     """Prefill replicas needed, within bounds; None while no replica has measured its speed."""
     if demand.tokens_per_s_per_replica <= 0:
         return None
-    needed = demand.arrival_tokens_per_s + demand.queued_prompt_tokens / config.ttft_s
     per_replica = demand.tokens_per_s_per_replica * config.target_utilisation
-    return config.prefill.clamp(math.ceil(needed / per_replica))
+    queue = demand.queued_prompt_tokens / config.ttft_s / per_replica
+    if demand.queued_requests:
+        queue = min(queue, demand.queued_requests)
+    return config.prefill.clamp(math.ceil(demand.arrival_tokens_per_s / per_replica + queue))
 
 
 def decode_replicas(demand: DecodeDemand, config: PlannerConfig) -> int | None:

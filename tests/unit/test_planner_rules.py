@@ -40,6 +40,15 @@ def test_prefill_also_drains_the_queue_within_the_ttft_target():
     assert prefill_replicas(prefill(arrival=1000, queued=2000), relaxed) == 4  # (1000 + 500) / 400 = 3.75
 
 
+def test_the_queue_asks_for_no_more_replicas_than_it_holds_prompts():
+    # 2 queued prompts of 2000 tokens would ask for 4000 / 400 = 10 replicas within 1 s; each is
+    # computed by one replica, so 2 at most, on top of the arrival rate's 2.5: 4.5 -> 5.
+    queued = PrefillDemand(arrival_tokens_per_s=1000, queued_prompt_tokens=4000, tokens_per_s_per_replica=500,
+                           queued_requests=2)
+    assert prefill_replicas(queued, CONFIG) == 5
+    assert prefill_replicas(prefill(arrival=1000, queued=4000), CONFIG) == 8, "prompt count unknown: no cap"
+
+
 def test_prefill_stays_within_bounds_and_waits_for_a_measurement():
     assert prefill_replicas(prefill(arrival=0), CONFIG) == 1
     assert prefill_replicas(prefill(arrival=100_000), CONFIG) == 8
