@@ -26,7 +26,7 @@ The world, each minute m (from t to t + 60 s):
   have TTFT <= 2 s and TPOT <= 100 ms (a request still queued when the day ends meets neither).
 
 The planner, at the end of each minute, sees what the real planner would (services/gateway/planner.py):
-the prompt-token arrival rate over the last minute, the prompt tokens still queued, the measured
+the prompt-token arrival rate over the last minute, the prompt tokens and prompts still queued, the measured
 prefill speed; the decode pool's sequences, their KV blocks (prompt + half the output each), the
 mean batch per ready replica and the step time at it. prefill_replicas/decode_replicas recommend,
 a ScaleDecision per pool (stabilisation window, cooldown) decides. Its configuration is the gateway's
@@ -176,11 +176,15 @@ def summarize(trace: Trace, demand: Demand, capacity: Capacity, targets: Targets
     attainable = sum(p / capacity.prefill_tokens_per_s <= targets.ttft_s
                      for p in (demand.prompt_tokens(m) for m in range(demand.minutes)))
     attainment = sum(trace.attained) / len(trace.attained)
+    switch = int(demand.switch_hour * 60)
+    phases = {f"{demand.prompt_tokens_before}-token prompts": trace.attained[:switch],
+              f"{demand.prompt_tokens_after}-token prompts": trace.attained[switch:]}
     ratio = hours["planner"]["total"] / hours["oracle"]["total"]
     return {
         "replica_hours": hours,
         "replica_hours_ratio": ratio,
         "attainment": attainment,
+        "attainment_by_phase": {name: sum(minutes) / len(minutes) for name, minutes in phases.items() if minutes},
         "minutes_where_a_prompt_fits_the_ttft": attainable,
         "peak_replicas": {who: {role: max(series[role]) for role in POOLS}
                           for who, series in (("planner", trace.requested), ("oracle", trace.oracle))},
@@ -235,7 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"(prefill {hours['oracle']['prefill']:.1f}, decode {hours['oracle']['decode']:.1f}): "
           f"{summary['replica_hours_ratio']:.2f}x")
     print(f"SLO attainment: {summary['attainment']:.1%} of minutes (minutes where one prompt alone fits the "
-          f"TTFT target: {summary['minutes_where_a_prompt_fits_the_ttft']} of {demand.minutes}); "
+          f"TTFT target: {summary['minutes_where_a_prompt_fits_the_ttft']} of {demand.minutes}; "
+          + ", ".join(f"{share:.1%} with {name}" for name, share in summary["attainment_by_phase"].items())
+          + "); "
           f"target (>= 90% at <= 1.2x) {'met' if summary['target_met'] else 'NOT met'}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w", encoding="utf-8") as file:
