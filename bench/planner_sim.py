@@ -26,11 +26,12 @@ The world, each minute m (from t to t + 60 s):
   have TTFT <= 2 s and TPOT <= 100 ms (a request still queued when the day ends meets neither).
 
 The planner, at the end of each minute, sees what the real planner would (services/gateway/planner.py):
-the prompt-token arrival rate over the last minute, the prompt tokens and prompts still queued, the measured
-prefill speed; the decode pool's sequences, their KV blocks (prompt + half the output each), the
-mean batch per ready replica and the step time at it. prefill_replicas/decode_replicas recommend,
-a ScaleDecision per pool (stabilisation window, cooldown) decides. Its configuration is the gateway's
-defaults (`--planner-ttft-ms 1000`, ...) except the replica bounds (1:64) and the interval (one minute).
+the prompt-token arrival rate over the last minute, the prompt tokens and prompts still queued, the
+measured prefill speed; the decode pool's sequences, their KV blocks (prompt + half the output
+each), the mean batch per ready replica, the step time at it and the step model.
+prefill_replicas/decode_replicas recommend, a ScaleDecision per pool (stabilisation window,
+cooldown) decides. Its configuration is the gateway's defaults (`--planner-ttft-ms 1000`, ...)
+except the replica bounds (1:64) and the interval (one minute).
 
 The oracle, each minute, runs the fewest replicas per pool that meet that minute's own demand at the
 SLOs with no lag: prefill, the fewest idle replicas (no earlier queue) that give 90% of the minute's
