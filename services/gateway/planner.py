@@ -125,17 +125,25 @@ def prefill_demand(arrival_tokens_per_s: float, reports: Sequence) -> PrefillDem
     return PrefillDemand(
         arrival_tokens_per_s=arrival_tokens_per_s,
         queued_prompt_tokens=sum(report.queued_prompt_tokens for report in reports),
+        queued_requests=sum(report.waiting_requests for report in reports),
         tokens_per_s_per_replica=fmean(speeds) if speeds else 0.0,
     )
 
 
 def decode_demand(reports: Sequence) -> DecodeDemand:
-    """The decode pool's demand from its workers' LoadReports."""
+    """The decode pool's demand from its workers' LoadReports. A sequence's step cost counts its
+    attention over the pool's mean context per running sequence."""
     timed = [report for report in reports if report.tpot_s > 0]
+    fitted = [report.step_model for report in reports if report.step_model.per_sequence_s > 0]
+    running = sum(report.running_requests for report in reports)
+    context = sum(report.context_tokens for report in reports) / running if running else 0.0
     return DecodeDemand(
         sequences=sum(r.running_requests + r.waiting_requests + r.reserved_requests for r in reports),
         used_kv_blocks=sum(report.used_kv_blocks for report in reports),
         kv_blocks_per_replica=round(fmean(report.total_kv_blocks for report in reports)),
         batch_per_replica=fmean(report.running_requests for report in timed) if timed else 0.0,
         tpot_s=fmean(report.tpot_s for report in timed) if timed else 0.0,
+        step_base_s=fmean(model.base_s for model in fitted) if fitted else 0.0,
+        step_per_sequence_s=fmean(model.per_sequence_s + model.per_context_token_s * context
+                                  for model in fitted) if fitted else 0.0,
     )

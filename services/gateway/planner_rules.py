@@ -2,17 +2,23 @@
 
 Prefill: the pool must compute prompt tokens as fast as they arrive and also drain what is
 already queued within one TTFT target, each replica planned at `target_utilisation` of its
-measured prefill speed:
+measured prefill speed. A queued prompt is computed by one replica, so the queue never asks for
+more replicas than it holds prompts (without that cap, a few long prompts queued for a moment
+asked for dozens of replicas that were ready only after the queue had gone):
 
-    replicas = ceil((arrival tokens/s + queued tokens / TTFT) / (measured tokens/s x utilisation))
+    per replica = measured tokens/s x utilisation
+    replicas = ceil(arrival tokens/s / per replica
+                    + min(queued tokens / TTFT / per replica, queued prompts))
 
 Decode: the pool must hold every running sequence within the TPOT target and keep the KV cache
-below `kv_target_utilisation`. A replica's sequence capacity at the TPOT target is extrapolated
-from its measured TPOT at its current batch, assuming step time grows in proportion to the batch
-(an overestimate of the growth, since each step also has a fixed cost, so the estimate errs
-towards more replicas):
+below `kv_target_utilisation`. A replica's sequence capacity at the TPOT target is the batch at
+which its step model (a fixed cost per step plus a cost per sequence, fitted by the workers) reaches
+the target. Before the workers have fitted one, it is extrapolated from the measured TPOT at the
+current batch assuming step time grows in proportion to the batch (an overestimate of the growth,
+since each step also has a fixed cost, so that estimate errs towards more replicas):
 
-    sequences per replica = batch x TPOT target / measured TPOT
+    sequences per replica = (TPOT target - step fixed cost) / step cost per sequence
+                         or batch x TPOT target / measured TPOT
     replicas = max(ceil(sequences / (sequences per replica x utilisation)),
                    ceil(used KV blocks / (blocks per replica x KV utilisation)))
 
@@ -78,6 +84,7 @@ class PrefillDemand:
     arrival_tokens_per_s: float
     queued_prompt_tokens: int
     tokens_per_s_per_replica: float  # measured prefill speed; 0 until measured
+    queued_requests: int = 0  # prompts waiting, over the pool; 0 when unknown (no cap)
 
 
 @dataclass(frozen=True)
@@ -89,15 +96,27 @@ class DecodeDemand:
     kv_blocks_per_replica: int  # 0 until a replica reported
     batch_per_replica: float  # running sequences per replica when the TPOT was measured
     tpot_s: float  # measured time per output token at that batch; 0 until measured
+    step_base_s: float = 0.0  # the step model's fixed cost of a decode step; 0 until fitted
+    step_per_sequence_s: float = 0.0  # its cost per sequence, attention to the sequence's context included
+
+    def sequences_per_replica(self, tpot_target_s: float) -> float | None:
+        """Sequences one replica holds within `tpot_target_s` (at least 1); None until measured."""
+        if self.step_per_sequence_s > 0:
+            return max((tpot_target_s - self.step_base_s) / self.step_per_sequence_s, 1.0)
+        if self.tpot_s > 0:
+            return max(self.batch_per_replica, 1.0) * tpot_target_s / self.tpot_s
+        return None
 
 
 def prefill_replicas(demand: PrefillDemand, config: PlannerConfig) -> int | None:
     """Prefill replicas needed, within bounds; None while no replica has measured its speed."""
     if demand.tokens_per_s_per_replica <= 0:
         return None
-    needed = demand.arrival_tokens_per_s + demand.queued_prompt_tokens / config.ttft_s
     per_replica = demand.tokens_per_s_per_replica * config.target_utilisation
-    return config.prefill.clamp(math.ceil(needed / per_replica))
+    queue = demand.queued_prompt_tokens / config.ttft_s / per_replica
+    if demand.queued_requests:
+        queue = min(queue, demand.queued_requests)
+    return config.prefill.clamp(math.ceil(demand.arrival_tokens_per_s / per_replica + queue))
 
 
 def decode_replicas(demand: DecodeDemand, config: PlannerConfig) -> int | None:
@@ -106,8 +125,7 @@ def decode_replicas(demand: DecodeDemand, config: PlannerConfig) -> int | None:
         return None
     kv = math.ceil(demand.used_kv_blocks / (demand.kv_blocks_per_replica * config.kv_target_utilisation))
     sequences = 0
-    if demand.tpot_s > 0:
-        per_replica = max(demand.batch_per_replica, 1.0) * config.tpot_s / demand.tpot_s
+    if per_replica := demand.sequences_per_replica(config.tpot_s):
         sequences = math.ceil(demand.sequences / (per_replica * config.target_utilisation))
     return config.decode.clamp(max(kv, sequences))
 

@@ -17,7 +17,7 @@ from kubernetes import client
 from tandem.v1 import common_pb2
 
 from services.gateway.kube import DeploymentScale, LeaseElection
-from services.gateway.planner import Planner
+from services.gateway.planner import Planner, decode_demand, prefill_demand
 from services.gateway.planner_rules import PlannerConfig, PoolBounds
 from services.gateway.registry import WorkerRegistry
 
@@ -70,6 +70,29 @@ def test_recommendations_follow_the_routed_prompt_tokens_and_the_reports():
         await registry.close()
 
     asyncio.run(scenario())
+
+
+def test_prefill_demand_counts_the_pools_queued_prompts():
+    reports = [common_pb2.LoadReport(role="prefill", queued_prompt_tokens=300, waiting_requests=2,
+                                     prefill_tokens_per_s=400.0),
+               common_pb2.LoadReport(role="prefill", queued_prompt_tokens=100, waiting_requests=1,
+                                     prefill_tokens_per_s=600.0)]
+    demand = prefill_demand(250.0, reports)
+    assert (demand.queued_prompt_tokens, demand.queued_requests, demand.tokens_per_s_per_replica) == (400, 3, 500.0)
+
+
+def test_decode_demand_takes_the_fitted_step_models_with_the_pools_context_per_sequence():
+    def report(running: int, context: int, base: float, per_sequence: float) -> common_pb2.LoadReport:
+        return common_pb2.LoadReport(role="decode", running_requests=running, context_tokens=context,
+                                     total_kv_blocks=1000, tpot_s=0.08, step_model=common_pb2.StepModel(
+                                         base_s=base, per_sequence_s=per_sequence, per_context_token_s=1e-5))
+
+    # 1800 context tokens over 6 running sequences: 300 each, 3 ms of attention per sequence. The
+    # third worker has not fitted its model yet and does not count towards it.
+    demand = decode_demand([report(2, 600, 0.05, 0.010), report(4, 1200, 0.07, 0.012), report(0, 0, 0.0, 0.0)])
+    assert demand.step_base_s == pytest.approx(0.06)
+    assert demand.step_per_sequence_s == pytest.approx(0.014)
+    assert demand.sequences == 6 and demand.batch_per_replica == 2
 
 
 @pytest.fixture

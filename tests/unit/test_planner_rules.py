@@ -40,6 +40,15 @@ def test_prefill_also_drains_the_queue_within_the_ttft_target():
     assert prefill_replicas(prefill(arrival=1000, queued=2000), relaxed) == 4  # (1000 + 500) / 400 = 3.75
 
 
+def test_the_queue_asks_for_no_more_replicas_than_it_holds_prompts():
+    # 2 queued prompts of 2000 tokens would ask for 4000 / 400 = 10 replicas within 1 s; each is
+    # computed by one replica, so 2 at most, on top of the arrival rate's 2.5: 4.5 -> 5.
+    queued = PrefillDemand(arrival_tokens_per_s=1000, queued_prompt_tokens=4000, tokens_per_s_per_replica=500,
+                           queued_requests=2)
+    assert prefill_replicas(queued, CONFIG) == 5
+    assert prefill_replicas(prefill(arrival=1000, queued=4000), CONFIG) == 8, "prompt count unknown: no cap"
+
+
 def test_prefill_stays_within_bounds_and_waits_for_a_measurement():
     assert prefill_replicas(prefill(arrival=0), CONFIG) == 1
     assert prefill_replicas(prefill(arrival=100_000), CONFIG) == 8
@@ -58,6 +67,20 @@ def test_decode_holds_the_sequences_within_the_tpot_target():
     assert decode_replicas(decode(sequences=40, used=10, batch=10, tpot=0.05), CONFIG) == 3
     # Slower than the target already: a replica holds fewer than it runs now.
     assert decode_replicas(decode(sequences=20, used=10, batch=10, tpot=0.2), CONFIG) == 5
+
+
+def test_decode_sizes_from_the_step_model_once_fitted():
+    # Steps of 60 ms + 15 ms a sequence reach 100 ms at 8/3 sequences; planned at 0.8 -> 2.13 a
+    # replica: 12 sequences need 5.6 -> 6 replicas. The measured TPOT alone (90 ms at batch 2, read
+    # as proportional to the batch) would have said 2.22 x 0.8 = 1.78 a replica: 6.75 -> 7.
+    fitted = DecodeDemand(sequences=12, used_kv_blocks=10, kv_blocks_per_replica=500, batch_per_replica=2,
+                          tpot_s=0.09, step_base_s=0.06, step_per_sequence_s=0.015)
+    assert decode_replicas(fitted, CONFIG) == 6
+    assert decode_replicas(decode(sequences=12, used=10, batch=2, tpot=0.09), CONFIG) == 7
+    # A fixed cost over the target: each sequence needs a replica of its own.
+    slow = DecodeDemand(sequences=3, used_kv_blocks=10, kv_blocks_per_replica=500, batch_per_replica=1,
+                        tpot_s=0.2, step_base_s=0.15, step_per_sequence_s=0.05)
+    assert decode_replicas(slow, CONFIG) == 4  # 3 / (1 x 0.8) = 3.75
 
 
 def test_decode_takes_the_larger_of_the_kv_and_sequence_needs():
