@@ -7,7 +7,6 @@ import random
 import time
 
 from engine.engine import Engine
-from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from services.common.step_model import StepModelFit
 
@@ -47,5 +46,6 @@ def profile_engine(engine: Engine, fit: StepModelFit, seed: int = 0) -> None:
                 fit.record(tokens_done.prefill, tokens_done.decode, tokens_done.decode_context,
                            time.perf_counter() - started)
             for output in outputs:
-                if output.finish_reason is FinishReason.HANDOFF:
+                # The prefill role keeps a finished prompt's blocks for export until released.
+                if not decodes and output.finished:
                     engine.release(output.request_id)
