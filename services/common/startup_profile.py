@@ -33,8 +33,14 @@ def profile_engine(engine: Engine, fit: StepModelFit, seed: int = 0) -> None:
     runs: list[list[list[int]]] = [[prompt(8)], *([prompt(n)] for n in _PROMPT_TOKENS)]
     if decodes:
         runs += [[prompt(16) for _ in range(batch)] for batch in _DECODE_BATCHES]
+    max_tokens = 1 + _DECODE_STEPS if decodes else 1
+    capacity = engine.kv.num_blocks * engine.kv.block_size
     for number, prompts in enumerate(runs):
-        params = SamplingParams(max_tokens=1 + _DECODE_STEPS if decodes else 1, temperature=0.0, ignore_eos=True)
+        # A cache (or context) too small for a run skips it: the fit then has fewer points.
+        if (sum(len(p) + max_tokens for p in prompts) > capacity - len(prompts) * engine.kv.block_size
+                or max(map(len, prompts)) + max_tokens > engine.max_model_len):
+            continue
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         ids = [f"startup-profile-{number}-{i}" for i in range(len(prompts))]
         for request_id, tokens in zip(ids, prompts, strict=True):
             engine.add_request(request_id, tokens, params)

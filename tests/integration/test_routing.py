@@ -53,7 +53,8 @@ def _tokens(stream) -> tuple[list[int], object]:
 def colocated():
     ports = [free_port(), free_port()]
     workers = [["worker", "--role", "colocated", "--port", str(port), *FLAGS] for port in ports]
-    gateway = ["gateway", "--port", "0", "--http-port", "0",
+    # Objectives every request meets: this fixture is about colocated correctness, not admission.
+    gateway = ["gateway", "--port", "0", "--http-port", "0", "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000",
                "--colocated", ",".join(f"127.0.0.1:{port}" for port in ports)]
     started = _start(*workers, gateway)
     yield started
