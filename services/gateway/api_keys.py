@@ -8,10 +8,11 @@ Keys come from a file (one a line) and/or `TANDEM_API_KEYS` (comma-separated); n
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -29,7 +30,7 @@ _BEARER = "bearer "
 class ApiKeys:
     """The keys a caller may present (never logged)."""
 
-    keys: tuple[bytes, ...]
+    keys: tuple[bytes, ...] = field(repr=False)
 
     def __post_init__(self) -> None:
         if not self.keys:
@@ -39,13 +40,14 @@ class ApiKeys:
 
     def accepts(self, authorization: str | None) -> bool:
         """Whether an `Authorization` value carries one of the keys. Every key is compared, in
-        constant time, so the time taken tells nothing about which key or how much of it matched."""
+        constant time and as digests of equal length, so the time taken tells nothing about which
+        key matched, how much of it, or how long the keys are."""
         if authorization is None or authorization[:len(_BEARER)].lower() != _BEARER:
             return False
-        given = authorization[len(_BEARER):].strip().encode()
+        given = hashlib.sha256(authorization[len(_BEARER):].strip().encode()).digest()
         matched = False
         for key in self.keys:
-            matched |= hmac.compare_digest(given, key)
+            matched |= hmac.compare_digest(given, hashlib.sha256(key).digest())
         return matched
 
 

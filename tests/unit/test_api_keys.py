@@ -1,5 +1,6 @@
-"""API keys at the gateway: parsing, the constant-time check, and the gRPC interceptor on a real
-grpc.aio server on loopback (health exempt, everything else UNAUTHENTICATED without a key)."""
+"""API keys at the gateway: parsing, the constant-time check, the gRPC interceptor on a real
+grpc.aio server on loopback (health exempt, everything else UNAUTHENTICATED without a key), and the
+HTTP middleware (health exempt, /metrics as configured)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
 
-from services.gateway.api_keys import ApiKeyInterceptor, ApiKeys, load_api_keys
+from services.gateway.api_keys import ApiKeyInterceptor, ApiKeyMiddleware, ApiKeys, load_api_keys
 
 
 def test_keys_come_from_the_file_and_the_environment(tmp_path: Path) -> None:
@@ -43,6 +49,7 @@ def test_only_a_bearer_of_a_known_key_is_accepted() -> None:
     assert not keys.accepts("Basic alpha-key")
     assert not keys.accepts("alpha-key")
     assert not keys.accepts(None)
+    assert "alpha" not in repr(keys)
 
 
 async def _calls(metadata: tuple[tuple[str, str], ...]) -> tuple[grpc.StatusCode, grpc.StatusCode]:
@@ -80,3 +87,21 @@ def test_the_interceptor_refuses_calls_without_a_key_but_not_health() -> None:
     assert asyncio.run(_calls(wrong)) == (grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED)
     right = (("authorization", "Bearer alpha-key"),)
     assert asyncio.run(_calls(right)) == (grpc.StatusCode.OK, grpc.StatusCode.OK)
+
+
+def _http_statuses(metrics_auth: bool, headers: dict[str, str]) -> dict[str, int]:
+    """Status per path of a Starlette app behind the middleware (served in-process by TestClient)."""
+    async def ok(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[Route(path, ok) for path in ("/health", "/metrics", "/v1/models")])
+    guarded = ApiKeyMiddleware(app, ApiKeys((b"alpha-key",)), metrics_auth=metrics_auth)
+    with TestClient(guarded) as client:
+        return {path: client.get(path, headers=headers).status_code for path in ("/health", "/metrics", "/v1/models")}
+
+
+def test_the_middleware_exempts_health_and_metrics_as_configured() -> None:
+    assert _http_statuses(False, {}) == {"/health": 200, "/metrics": 200, "/v1/models": 401}
+    assert _http_statuses(True, {}) == {"/health": 200, "/metrics": 401, "/v1/models": 401}
+    assert _http_statuses(True, {"Authorization": "Bearer alpha-key"}) == {"/health": 200, "/metrics": 200,
+                                                                          "/v1/models": 200}
