@@ -92,6 +92,11 @@ def open_sync_channel(address: str, tls: TlsConfig | None) -> grpc.Channel:
     return grpc.secure_channel(address, tls.channel_credentials(), options=tls.channel_options())
 
 
+def warn_if_worker_exposed(role: str, host: str, tls: TlsConfig | None) -> bool:
+    """`warn_if_exposed` for a worker, whose callers authenticate with certificates from --tls-ca."""
+    return warn_if_exposed(role, host, tls, tls is not None and tls.mutual, "client certificates (--tls-ca)")
+
+
 def is_loopback(host: str) -> bool:
     """Whether `host` (an address or name) is reachable only from this machine."""
     if host == "localhost":
@@ -102,10 +107,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def warn_if_exposed(role: str, host: str, tls: TlsConfig | None, authenticated: bool = True) -> bool:
+def warn_if_exposed(role: str, host: str, tls: TlsConfig | None, authenticated: bool = True,
+                    credential: str = "API keys") -> bool:
     """Log one loud warning when `host` is reachable from other machines while the traffic is in
-    plaintext (or, `authenticated` False, anyone may call); True if it warned."""
-    missing = [what for what, ok in (("TLS", tls is not None), ("API keys", authenticated)) if not ok]
+    plaintext (or, `authenticated` False, anyone may call: callers show no `credential`); True if
+    it warned."""
+    missing = [what for what, ok in (("TLS", tls is not None), (credential, authenticated)) if not ok]
     if is_loopback(host) or not missing:
         return False
     log.warning("SECURITY: %s listens on %s without %s: anyone who can reach it can read its traffic "

@@ -21,7 +21,7 @@ from services.common.convert import sampling_params_from_proto, token_chunk
 from services.common.errors import abort_with
 from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
-from services.common.tls import TlsConfig, warn_if_exposed
+from services.common.tls import TlsConfig, warn_if_worker_exposed
 from services.common.worker import WorkerRpcs
 from services.decode.prefill_client import PrefillClients
 from services.decode.telemetry import DecodeRecorder
@@ -133,7 +133,7 @@ async def serve(
     """Run a decode (or colocated: `config.role`) worker until SIGTERM/SIGINT; returns the exit code.
     Prefill workers reach its gRPC KV receiver at `advertise_host` (the server may listen on a
     wildcard address). With `tls`, its server and its channels to prefill workers use (mutual) TLS."""
-    warn_if_exposed(config.role, host, tls, authenticated=tls is not None and tls.mutual)
+    warn_if_worker_exposed(config.role, host, tls)
     server = RoleServer(config.role, host, port, grace_period, tls.server_credentials() if tls else None)
     metrics = WorkerMetrics(served_model_id(config.model))
     server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)

@@ -15,7 +15,7 @@ from services.common.convert import finish_reason_to_proto, sampling_params_from
 from services.common.errors import abort_with
 from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
-from services.common.tls import TlsConfig, open_sync_channel, warn_if_exposed
+from services.common.tls import TlsConfig, open_sync_channel, warn_if_worker_exposed
 from services.common.worker import WorkerRpcs
 from services.observability.metrics import serve_metrics
 from services.observability.worker_metrics import WorkerMetrics
@@ -72,7 +72,7 @@ async def serve(
 ) -> int:
     """Run a prefill worker until SIGTERM/SIGINT; returns the exit code. With `tls`, its server and
     its gRPC KV channels to decode workers use (mutual) TLS."""
-    warn_if_exposed("prefill", host, tls, authenticated=tls is not None and tls.mutual)
+    warn_if_worker_exposed("prefill", host, tls)
     server = RoleServer("prefill", host, port, grace_period, tls.server_credentials() if tls else None)
     metrics = WorkerMetrics(served_model_id(config.model))
     server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)

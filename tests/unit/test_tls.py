@@ -12,7 +12,7 @@ import pytest
 from certs import TestCa
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.tls import TlsConfig, open_channel, warn_if_exposed
+from services.common.tls import TlsConfig, open_channel, warn_if_exposed, warn_if_worker_exposed
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,11 @@ def test_only_an_exposed_plaintext_listener_warns(pki: dict[str, Path], caplog: 
         assert not warn_if_exposed("prefill", "localhost", None, authenticated=False)
         assert not warn_if_exposed("prefill", "0.0.0.0", tls)
         assert warn_if_exposed("gateway", "0.0.0.0", tls, authenticated=False)
-        assert warn_if_exposed("decode", "10.0.0.7", None)
-    assert [record.getMessage().split(":")[0] for record in caplog.records] == ["SECURITY", "SECURITY"]
-    assert "without API keys" in caplog.records[0].getMessage()
-    assert "without TLS" in caplog.records[1].getMessage()
+        assert warn_if_exposed("gateway", "10.0.0.7", None)
+        assert not warn_if_worker_exposed("decode", "0.0.0.0", tls)
+        assert warn_if_worker_exposed("decode", "0.0.0.0", TlsConfig(pki["server_cert"], pki["server_key"]))
+    messages = [record.getMessage() for record in caplog.records]
+    assert [message.split(":")[0] for message in messages] == ["SECURITY"] * 3
+    assert "without API keys" in messages[0]
+    assert "without TLS" in messages[1]
+    assert "without client certificates" in messages[2]
