@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import google_crc32c
 import grpc
@@ -79,7 +79,11 @@ class GrpcSender:
 class GrpcSenders:
     """The prefill side's gRPC channels, one per receiver address, each checked by a Handshake."""
 
-    def __init__(self, layout: KVLayout, timeout: float) -> None:
+    def __init__(
+        self, layout: KVLayout, timeout: float, connect: Callable[[str], grpc.Channel] = grpc.insecure_channel
+    ) -> None:
+        """`connect` opens a channel to a receiver's host:port (plaintext by default)."""
+        self._connect = connect
         self._layout = layout
         self._timeout = timeout
         self._channels: dict[str, tuple[grpc.Channel, kvtransfer_pb2_grpc.KVTransferStub]] = {}
@@ -102,7 +106,7 @@ class GrpcSenders:
             known = self._channels.get(address)
         if known is not None:
             return known[1]
-        channel = grpc.insecure_channel(address)
+        channel = self._connect(address)
         stub = kvtransfer_pb2_grpc.KVTransferStub(channel)
         try:
             self._handshake(address, stub)

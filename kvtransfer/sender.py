@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
+import grpc
 import torch
 
 from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget
@@ -37,12 +39,19 @@ class KVSender(Protocol):
 class KVSenderPool:
     """The prefill worker's senders: one pairwise connection per receiver, reused across requests."""
 
-    def __init__(self, layout: KVLayout, timeout: float = 30.0, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        timeout: float = 30.0,
+        device: str = "cpu",
+        connect: Callable[[str], grpc.Channel] = grpc.insecure_channel,
+    ) -> None:
         """`layout` is this worker's; `timeout` bounds pairing, handshakes and each message;
-        `device` is where the exported KV lives (NCCL targets need it on CUDA)."""
+        `device` is where the exported KV lives (NCCL targets need it on CUDA); `connect` opens the
+        gRPC backend's channel to a receiver's host:port (e.g. with mutual TLS)."""
         self.layout = layout
         self._torch_dist = TorchDistSenders(timeout, torch.device(device))
-        self._grpc = GrpcSenders(layout, timeout)
+        self._grpc = GrpcSenders(layout, timeout, connect)
 
     def sender(self, target: TransferTarget) -> KVSender:
         """A sender for one transfer; TransferError if the layouts differ (naming the fields) or the

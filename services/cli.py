@@ -16,6 +16,7 @@ _COMMAND_MODULES = (
     "services.commands.gateway",
     "services.commands.chat",
     "services.commands.mesh",
+    "services.commands.probe",
 )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -32,10 +33,26 @@ class ModelInfo:
 class TandemClient:
     """A connection to a gateway; cheap to keep, safe to share between threads."""
 
-    def __init__(self, address: str, options: Sequence[tuple[str, object]] = ()) -> None:
-        """Connect (lazily) to the gateway at host:port over plaintext gRPC."""
-        self._channel = grpc.insecure_channel(address, options=list(options))
+    def __init__(
+        self,
+        address: str,
+        options: Sequence[tuple[str, object]] = (),
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        ca_file: str | Path | None = None,
+    ) -> None:
+        """Connect (lazily) to the gateway at host:port: over TLS with `tls` or a `ca_file` (the PEM
+        CA the gateway's certificate must chain to; default the system's roots), else plaintext.
+        `api_key` goes with every call as `authorization: Bearer <key>`."""
+        if tls or ca_file is not None:
+            roots = Path(ca_file).read_bytes() if ca_file is not None else None
+            credentials = grpc.ssl_channel_credentials(root_certificates=roots)
+            self._channel = grpc.secure_channel(address, credentials, options=list(options))
+        else:
+            self._channel = grpc.insecure_channel(address, options=list(options))
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     def generate(
         self,
@@ -76,7 +93,7 @@ class TandemClient:
             request.chat.messages.extend(
                 gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()
             )
-        return ChunkStream(self._stub.Generate(request, timeout=timeout))
+        return ChunkStream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata))
 
     def chat(self, messages: Sequence[Mapping[str, str]], **kwargs: object) -> ChunkStream:
         """Stream the assistant's reply to a conversation; keyword arguments as for `generate`."""
@@ -84,7 +101,7 @@ class TandemClient:
 
     def list_models(self, timeout: float | None = None) -> list[ModelInfo]:
         """The models the deployment serves."""
-        response = self._stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=timeout)
+        response = self._stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=timeout, metadata=self._metadata)
         return [ModelInfo(id=m.id, max_model_len=m.max_model_len) for m in response.models]
 
     def close(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -21,6 +22,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     chat.add_argument("--timeout", type=float, default=None, help="seconds allowed for each answer")
+    chat.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                      help="the gateway's API key (default: $TANDEM_API_KEY)")
+    chat.add_argument("--tls", action="store_true", help="reach the gateway over TLS (system roots)")
+    chat.add_argument("--tls-ca", default=None, help="reach the gateway over TLS, trusting this PEM CA")
     chat.set_defaults(func=run)
 
 
@@ -34,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if args.system:
         conversation.append({"role": "system", "content": args.system})
     turns = [args.message] if args.message is not None else _stdin_turns()
-    with TandemClient(args.gateway) as client:
+    with TandemClient(args.gateway, api_key=args.api_key, tls=args.tls, ca_file=args.tls_ca) as client:
         for turn in turns:
             conversation.append({"role": "user", "content": turn})
             try:

@@ -8,9 +8,12 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from services.common.tls import TlsConfig
+    from services.gateway.api_keys import ApiKeys
     from services.gateway.registry import WorkerRegistry
 
 from services.commands.gateway_cluster import add_cluster_flags
+from services.commands.security_flags import add_api_key_flags, add_tls_flags, tls_config
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     gateway.add_argument("--wait-for-workers", type=float, default=300.0,
                          help="seconds to wait at startup for a serving worker in each pool before "
                               "reporting ready anyway")
+    add_api_key_flags(gateway)
+    add_tls_flags(gateway)
     add_cluster_flags(gateway)
     gateway.set_defaults(func=run)
 
@@ -61,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; the exit code."""
     import asyncio
 
+    from services.common.tls import warn_if_exposed
+    from services.gateway.api_keys import load_api_keys
     from services.gateway.registry import WorkerRegistry
     from services.gateway.router import Slo
     from services.observability.tracing import setup_tracing
@@ -79,10 +86,13 @@ def run(args: argparse.Namespace) -> int:
     elif pools["decode"] and not pools["prefill"]:
         raise ValueError("--prefill: decode workers need at least one prefill worker")
     slo = Slo(args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)
+    tls = tls_config(args)
+    keys = load_api_keys(args.api_key_file)
+    warn_if_exposed("gateway", args.host, tls, authenticated=keys is not None)
 
     async def serve() -> int:
         # Built on the running loop: its gRPC channels belong to it.
-        return await _serve(args, WorkerRegistry(**pools, default_slo=slo))
+        return await _serve(args, WorkerRegistry(**pools, default_slo=slo, tls=tls), tls, keys)
 
     tracing = setup_tracing("gateway")
     try:
@@ -92,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
             tracing.shutdown()
 
 
-async def _serve(args: argparse.Namespace, registry: WorkerRegistry) -> int:
+async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsConfig | None,
+                 keys: ApiKeys | None) -> int:
     import asyncio
 
     from tandem.v1 import gateway_pb2, gateway_pb2_grpc
@@ -101,6 +112,7 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry) -> int:
     from services.commands.gateway_cluster import cluster_services
     from services.common.http_server import HttpListener
     from services.common.server import RoleServer
+    from services.gateway.api_keys import ApiKeyInterceptor, ApiKeyMiddleware
     from services.gateway.handler import GatewayServicer
     from services.gateway.metrics import GatewayMetrics
     from services.gateway.model import ServedModel
@@ -111,10 +123,16 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry) -> int:
     metrics = GatewayMetrics(served_model_id(args.model))
     service = GatewayService(registry, metrics, args.max_queued_requests)
     discovery, planner = cluster_services(args, registry)
-    server = RoleServer("gateway", args.host, args.port, args.grace_period)
+    # Clients authenticate with API keys, not certificates: the client API asks for none.
+    credentials = tls.server_credentials(client_auth=False) if tls is not None else None
+    interceptors = [ApiKeyInterceptor(keys)] if keys is not None else []
+    server = RoleServer("gateway", args.host, args.port, args.grace_period, credentials, interceptors)
     server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(service),
                gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name)
-    server.listen(HttpListener(create_app(service), args.host, args.http_port))
+    app = create_app(service)
+    if keys is not None:
+        app = ApiKeyMiddleware(app, keys, metrics_auth=args.metrics_auth == "on")
+    server.listen(HttpListener(app, args.host, args.http_port, tls.uvicorn_kwargs() if tls is not None else {}))
 
     async def load() -> None:
         registry.start()

@@ -10,7 +10,8 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -31,10 +32,12 @@ class HttpListener:
 
     name = "http"
 
-    def __init__(self, app: ASGIApp, host: str, port: int) -> None:
+    def __init__(self, app: ASGIApp, host: str, port: int, ssl: Mapping[str, Any] | None = None) -> None:
+        """`ssl`: uvicorn.Config's ssl_* arguments to serve HTTPS (see services.common.tls)."""
         self.host = host
         self.port = port
-        self._server = _Server(uvicorn.Config(app, lifespan="off", log_config=None, access_log=False))
+        config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, **(ssl or {}))
+        self._server = _Server(config)
         self._task: asyncio.Task | None = None
 
     @property

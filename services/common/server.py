@@ -25,7 +25,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
@@ -75,11 +75,6 @@ def server_options() -> list[tuple[str, Any]]:
         # gRPC sets SO_REUSEPORT by default: a second server on a taken port would bind silently.
         ("grpc.so_reuseport", 0),
     ]
-
-
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    """An asyncio channel to a Tandem server (host:port) with `channel_options()`."""
-    return grpc.aio.insecure_channel(address, options=channel_options())
 
 
 class HealthService(health_pb2_grpc.HealthServicer):
@@ -148,12 +143,23 @@ class RoleServer:
     Create it inside the running event loop (grpc.aio binds the server to it).
     """
 
-    def __init__(self, role: str, host: str = "127.0.0.1", port: int = 0, grace_period: float = 30.0) -> None:
+    def __init__(
+        self,
+        role: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        grace_period: float = 30.0,
+        credentials: grpc.ServerCredentials | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
+        """`credentials`: serve TLS (see services.common.tls), else plaintext; `interceptors` see
+        every RPC first (e.g. the gateway's API-key check)."""
         self.role = role
         self.host = host
         self.port = port
         self.grace_period = grace_period
-        self.grpc = grpc.aio.server(options=server_options())
+        self.grpc = grpc.aio.server(options=server_options(), interceptors=list(interceptors))
+        self._credentials = credentials
         self.draining = asyncio.Event()
         self.metrics_address: str | None = None
         self._names: list[str] = []
@@ -190,7 +196,11 @@ class RoleServer:
             [*self._names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.grpc,
         )
-        self.port = self.grpc.add_insecure_port(f"{self.host}:{self.port}")
+        bind = f"{self.host}:{self.port}"
+        if self._credentials is None:
+            self.port = self.grpc.add_insecure_port(bind)
+        else:
+            self.port = self.grpc.add_secure_port(bind, self._credentials)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -21,6 +21,7 @@ from services.common.convert import sampling_params_from_proto, token_chunk
 from services.common.errors import abort_with
 from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
+from services.common.tls import TlsConfig, warn_if_worker_exposed
 from services.common.worker import WorkerRpcs
 from services.decode.prefill_client import PrefillClients
 from services.decode.telemetry import DecodeRecorder
@@ -32,8 +33,8 @@ from services.observability.worker_metrics import WorkerMetrics
 class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
     """tandem.v1.Decode: Generate, Abort, GetLoad, WatchLoad."""
 
-    def __init__(self, metrics: WorkerMetrics) -> None:
-        self.prefills = PrefillClients()
+    def __init__(self, metrics: WorkerMetrics, tls: TlsConfig | None = None) -> None:
+        self.prefills = PrefillClients(tls)
         self.metrics = metrics
 
     async def Generate(
@@ -127,14 +128,16 @@ async def serve(
     kv_timeout: float,
     metrics_port: int,
     advertise_host: str,
+    tls: TlsConfig | None = None,
 ) -> int:
     """Run a decode (or colocated: `config.role`) worker until SIGTERM/SIGINT; returns the exit code.
     Prefill workers reach its gRPC KV receiver at `advertise_host` (the server may listen on a
-    wildcard address)."""
-    server = RoleServer(config.role, host, port, grace_period)
+    wildcard address). With `tls`, its server and its channels to prefill workers use (mutual) TLS."""
+    warn_if_worker_exposed(config.role, host, tls)
+    server = RoleServer(config.role, host, port, grace_period, tls.server_credentials() if tls else None)
     metrics = WorkerMetrics(served_model_id(config.model))
     server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
-    servicer = DecodeServicer(metrics)
+    servicer = DecodeServicer(metrics, tls)
     kv_transfer = LateKVTransfer()
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, servicer,
                decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name)

@@ -15,6 +15,7 @@ from services.common.convert import finish_reason_to_proto, sampling_params_from
 from services.common.errors import abort_with
 from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
+from services.common.tls import TlsConfig, open_sync_channel, warn_if_worker_exposed
 from services.common.worker import WorkerRpcs
 from services.observability.metrics import serve_metrics
 from services.observability.worker_metrics import WorkerMetrics
@@ -61,10 +62,18 @@ def _response(result: PrefillResult) -> prefill_pb2.PrefillResponse:
 
 
 async def serve(
-    config: EngineConfig, host: str, port: int, grace_period: float, transfer_timeout: float, metrics_port: int
+    config: EngineConfig,
+    host: str,
+    port: int,
+    grace_period: float,
+    transfer_timeout: float,
+    metrics_port: int,
+    tls: TlsConfig | None = None,
 ) -> int:
-    """Run a prefill worker until SIGTERM/SIGINT; returns the exit code."""
-    server = RoleServer("prefill", host, port, grace_period)
+    """Run a prefill worker until SIGTERM/SIGINT; returns the exit code. With `tls`, its server and
+    its gRPC KV channels to decode workers use (mutual) TLS."""
+    warn_if_worker_exposed("prefill", host, tls)
+    server = RoleServer("prefill", host, port, grace_period, tls.server_credentials() if tls else None)
     metrics = WorkerMetrics(served_model_id(config.model))
     server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
     servicer = PrefillServicer(metrics)
@@ -73,7 +82,8 @@ async def serve(
 
     async def load() -> None:
         engine = await asyncio.to_thread(Engine, config)
-        worker = PrefillWorker(server.address, engine, server.draining, KVLayout.of_engine(engine), transfer_timeout)
+        worker = PrefillWorker(server.address, engine, server.draining, KVLayout.of_engine(engine), transfer_timeout,
+                               lambda address: open_sync_channel(address, tls))
         await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
         worker.loop.start()
         metrics.watch_engine(worker.loop)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -59,12 +59,19 @@ class PrefillWorker(Worker):
     """A prefill engine whose layer hook pushes every request's pages to its decode worker."""
 
     def __init__(
-        self, address: str, engine: Engine, draining: asyncio.Event, layout: KVLayout, transfer_timeout: float
+        self,
+        address: str,
+        engine: Engine,
+        draining: asyncio.Event,
+        layout: KVLayout,
+        transfer_timeout: float,
+        connect: Callable[[str], grpc.Channel] = grpc.insecure_channel,
     ) -> None:
+        """`connect` opens the channel to a decode worker's gRPC KV receiver (TLS or not)."""
         self.hook = KVPushHook(engine)
         super().__init__("prefill", address, EngineLoop(engine, layer_hook=self.hook), draining)
         self.layout = layout
-        self.senders = KVSenderPool(layout, timeout=transfer_timeout, device=engine.config.device)
+        self.senders = KVSenderPool(layout, timeout=transfer_timeout, device=engine.config.device, connect=connect)
         self.transfer_timeout = transfer_timeout
         self._delivery_wait_s = 0.0
 

@@ -196,17 +196,24 @@ def test_gpu_overlay_puts_workers_on_gpus_in_bf16():
         assert container["image"].endswith("-cuda")
 
 
-def test_the_planner_apply_component_leaves_the_replicas_to_the_planner(tmp_path):
+def render_with_components(tmp_path: Path, *components: str) -> list[dict]:
+    """base with the named components (under deploy/k8s/components), rendered in `tmp_path` and
+    validated strictly."""
     # kustomize takes only relative paths to other kustomizations.
     base = os.path.relpath(ROOT / "deploy/k8s/base", tmp_path)
-    component = os.path.relpath(ROOT / "deploy/k8s/components/planner-apply", tmp_path)
+    paths = ", ".join(os.path.relpath(ROOT / "deploy/k8s/components" / name, tmp_path) for name in components)
     (tmp_path / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        f"resources: [{base}]\ncomponents: [{component}]\n"
+        f"resources: [{base}]\ncomponents: [{paths}]\n"
     )
     objects = _render(tmp_path)
     for obj in objects:
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    return objects
+
+
+def test_the_planner_apply_component_leaves_the_replicas_to_the_planner(tmp_path):
+    objects = render_with_components(tmp_path, "planner-apply")
     assert not [obj for obj in objects if obj["kind"] in AUTOSCALER_KINDS]
     (gateway,) = _find(objects, "Deployment", "gateway")
     assert [arg for arg in _container(gateway)["args"] if arg.startswith("--planner")] == ["--planner=apply"]

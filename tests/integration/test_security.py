@@ -1,0 +1,147 @@
+"""Security end to end with real processes: a prefill and a decode worker (gRPC KV backend) and a
+gateway, every internal link mutual TLS with certificates from a test CA, the client API over TLS
+and behind API keys. Workers refuse peers without a certificate from the CA; the gateway refuses
+calls without a key (UNAUTHENTICATED / 401) and serves those with one; health needs no key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from certs import TestCa
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from workers_util import REPO, Worker, free_port, start_worker
+
+from services.client import TandemClient
+from services.common.tls import TlsConfig, open_channel
+
+API_KEY = "test-key-7f3a"
+TIMEOUT_S = 300.0
+WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "64"]
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("pki")
+    ca, other = TestCa(folder / "ca", "Tandem test CA"), TestCa(folder / "other", "Another CA")
+    paths = {"ca": ca.cert_file}
+    for name, authority in (("prefill", ca), ("decode", ca), ("gateway", ca), ("stranger", other)):
+        issued = authority.issue(name)
+        paths[f"{name}_cert"], paths[f"{name}_key"] = issued.cert_file, issued.key_file
+    return paths
+
+
+def _tls_flags(pki: dict[str, Path], name: str) -> list[str]:
+    return ["--tls-cert", str(pki[f"{name}_cert"]), "--tls-key", str(pki[f"{name}_key"]), "--tls-ca", str(pki["ca"])]
+
+
+@pytest.fixture(scope="module")
+def mesh(pki: dict[str, Path]):
+    prefill_port, decode_port = free_port(), free_port()
+    arg_lists = [
+        ["prefill", "--port", str(prefill_port), *WORKER_FLAGS, *_tls_flags(pki, "prefill")],
+        ["decode", "--port", str(decode_port), "--kv-backend", "grpc", *WORKER_FLAGS, *_tls_flags(pki, "decode")],
+        ["gateway", "--port", "0", "--http-port", "0", "--prefill", f"127.0.0.1:{prefill_port}",
+         "--decode", f"127.0.0.1:{decode_port}", "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000",
+         "--metrics-auth", "on", *_tls_flags(pki, "gateway")],
+    ]
+    processes = [start_worker(args, wait=False, env={"TANDEM_API_KEYS": f"other-key,{API_KEY}"})
+                 for args in arg_lists]
+    try:
+        for process in processes:
+            process.wait_ready()
+        yield {"prefill": processes[0], "decode": processes[1], "gateway": processes[2]}
+    finally:
+        codes = [process.stop() for process in reversed(processes)]
+        assert codes == [0] * len(processes)
+
+
+def _health(address: str, tls: TlsConfig | None) -> grpc.StatusCode:
+    async def check() -> grpc.StatusCode:
+        async with open_channel(address, tls) as channel:
+            try:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+            except grpc.aio.AioRpcError as error:
+                return error.code()
+        return grpc.StatusCode.OK
+
+    return asyncio.run(check())
+
+
+def test_a_request_crosses_the_mtls_mesh_with_a_key(mesh: dict[str, Worker], pki: dict[str, Path]) -> None:
+    with TandemClient(str(mesh["gateway"].address), api_key=API_KEY, ca_file=pki["ca"]) as client:
+        chunks = list(client.generate("The capital of France is", max_tokens=8, temperature=0.0, timeout=TIMEOUT_S))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    assert "".join(chunk.text for chunk in chunks).strip()
+
+
+def test_the_gateway_refuses_grpc_calls_without_a_valid_key(mesh: dict[str, Worker], pki: dict[str, Path]) -> None:
+    for key in (None, "wrong-key"):
+        with TandemClient(str(mesh["gateway"].address), api_key=key, ca_file=pki["ca"]) as client, \
+                pytest.raises(grpc.RpcError) as error:
+            client.list_models(timeout=TIMEOUT_S)
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with TandemClient(str(mesh["gateway"].address), api_key=API_KEY, ca_file=pki["ca"]) as client:
+        assert client.list_models(timeout=TIMEOUT_S)
+
+
+def _http(mesh: dict[str, Worker], pki: dict[str, Path], path: str, key: str | None) -> tuple[int, bytes]:
+    context = ssl.create_default_context(cafile=str(pki["ca"]))
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    request = urllib.request.Request(f"https://{mesh['gateway'].http_address}{path}", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S, context=context) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def test_the_http_api_asks_for_a_key_but_not_for_health(mesh: dict[str, Worker], pki: dict[str, Path]) -> None:
+    status, body = _http(mesh, pki, "/v1/models", None)
+    assert status == 401
+    assert json.loads(body)["error"]["type"] == "AuthenticationError"
+    assert _http(mesh, pki, "/v1/models", "wrong-key")[0] == 401
+    status, body = _http(mesh, pki, "/v1/models", API_KEY)
+    assert status == 200 and json.loads(body)["data"]
+    assert _http(mesh, pki, "/health", None)[0] == 200
+    # --metrics-auth on: the metrics need a key too.
+    assert _http(mesh, pki, "/metrics", None)[0] == 401
+    assert _http(mesh, pki, "/metrics", API_KEY)[0] == 200
+
+
+def test_grpc_health_needs_no_key(mesh: dict[str, Worker], pki: dict[str, Path]) -> None:
+    gateway = str(mesh["gateway"].address)
+    async def check() -> int:
+        credentials = grpc.ssl_channel_credentials(root_certificates=pki["ca"].read_bytes())
+        async with grpc.aio.secure_channel(gateway, credentials) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        return reply.status
+
+    assert asyncio.run(check()) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_workers_refuse_peers_without_a_certificate_from_the_ca(mesh: dict[str, Worker], pki: dict[str, Path]) -> None:
+    member = TlsConfig(pki["gateway_cert"], pki["gateway_key"], pki["ca"])
+    stranger = TlsConfig(pki["stranger_cert"], pki["stranger_key"], pki["ca"])
+    for role in ("prefill", "decode"):
+        address = str(mesh[role].address)
+        assert _health(address, member) == grpc.StatusCode.OK
+        assert _health(address, None) == grpc.StatusCode.UNAVAILABLE
+        assert _health(address, stranger) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_probe_checks_a_worker_with_the_pods_certificate(mesh: dict[str, Worker], pki: dict[str, Path]) -> None:
+    def probe(*flags: str) -> int:
+        command = [sys.executable, "-m", "services.cli", "probe", str(mesh["decode"].address), "--timeout", "30"]
+        return subprocess.run([*command, *flags], cwd=REPO, capture_output=True, timeout=TIMEOUT_S).returncode
+
+    assert probe(*_tls_flags(pki, "decode")) == 0
+    assert probe() == 1
