@@ -118,6 +118,7 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
     from services.gateway.model import ServedModel
     from services.gateway.openai_api.app import create_app
     from services.gateway.service import GatewayService
+    from services.observability.tracing import traced_http
 
     # The model's name labels the metrics; it is known without reading the model file.
     metrics = GatewayMetrics(served_model_id(args.model))
@@ -129,7 +130,7 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
     server = RoleServer("gateway", args.host, args.port, args.grace_period, credentials, interceptors)
     server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(service),
                gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name)
-    app = create_app(service)
+    app = traced_http(create_app(service))
     if keys is not None:
         app = ApiKeyMiddleware(app, keys, metrics_auth=args.metrics_auth == "on")
     server.listen(HttpListener(app, args.host, args.http_port, tls.uvicorn_kwargs() if tls is not None else {}))

@@ -1,7 +1,7 @@
 """One gateway request as the trace, the metrics and the log see it.
 
-The request's span is the SERVER span of the call that carries it (gRPC Generate; HTTP requests
-are counted but not traced, as no ASGI instrumentation is installed); this annotates it with the
+The request's span is the SERVER span of the call that carries it (gRPC Generate, or the HTTP
+request through the OpenTelemetry ASGI middleware); this annotates it with the
 GenAI semantic-convention attributes and `tandem.*` timings, adds the routing span, and keeps the
 gateway's metrics. Prompts and completions go on the span only when
 `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true`.

@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -26,6 +27,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 log = logging.getLogger(__name__)
+
+# Set by setup_tracing: whether this process traces (HTTP apps are wrapped only then).
+_tracing_on = False
 
 _ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 _PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
@@ -88,8 +92,21 @@ def setup_tracing(role: str, environ: Mapping[str, str] = os.environ) -> Tracing
     tracing = Tracing(config)
     trace.set_tracer_provider(tracing.provider)
     _instrument_grpc()
+    global _tracing_on
+    _tracing_on = True
     log.info("tracing on: service %s, OTLP over %s", config.service_name, config.protocol)
     return tracing
+
+
+def traced_http(app: Any) -> Any:
+    """The ASGI app with a SERVER span per HTTP request (a client's W3C `traceparent` header
+    continues its trace) when `setup_tracing` turned tracing on; the app itself otherwise.
+    Health checks and scrapes are not traced."""
+    if not _tracing_on:
+        return app
+    from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+
+    return OpenTelemetryMiddleware(app, excluded_urls="health,metrics")
 
 
 def _exporter(protocol: str):

@@ -4,6 +4,7 @@ receiver inside the test and scraped over HTTP."""
 
 from __future__ import annotations
 
+import json
 import urllib.request
 import uuid
 
@@ -175,6 +176,24 @@ def test_client_traceparent_is_honoured(mesh, receiver):
     gateway = _one(spans, "tandem-gateway", "/tandem.v1.Gateway/Generate", server=True)
     assert gateway.trace_id == trace_id and gateway.parent_span_id == parent_id
     assert {s.service for s in spans} == set(EXPECTED)
+
+
+def test_an_http_request_continues_the_clients_trace(mesh, receiver):
+    trace_id, parent_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}).encode()
+    http = urllib.request.Request(f"http://{mesh['gateway'].http_address}/v1/completions", data=body, headers={
+        "Content-Type": "application/json", "traceparent": f"00-{trace_id}-{parent_id}-01"})
+    with urllib.request.urlopen(http, timeout=RPC_TIMEOUT_S) as response:
+        usage = json.load(response)["usage"]
+
+    def traced(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
+        return [s for s in spans if s.trace_id == trace_id]
+
+    spans = receiver.wait_for(lambda all_spans: {s.service for s in traced(all_spans)} == set(EXPECTED),
+                              SPANS_TIMEOUT_S)
+    [server] = [s for s in traced(spans) if s.service == "tandem-gateway" and s.parent_span_id == parent_id]
+    assert server.is_server
+    assert server.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 4
 
 
 def _invalid_request(gateway: Worker) -> str:
