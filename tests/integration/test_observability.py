@@ -189,9 +189,13 @@ def test_an_http_request_continues_the_clients_trace(mesh, receiver):
     def traced(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
         return [s for s in spans if s.trace_id == trace_id]
 
-    spans = receiver.wait_for(lambda all_spans: {s.service for s in traced(all_spans)} == set(EXPECTED),
-                              SPANS_TIMEOUT_S)
-    [server] = [s for s in traced(spans) if s.service == "tandem-gateway" and s.parent_span_id == parent_id]
+    def servers(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
+        # The gateway's HTTP server span, exported once the response has ended (after its children).
+        return [s for s in traced(spans) if s.service == "tandem-gateway" and s.parent_span_id == parent_id]
+
+    spans = receiver.wait_for(lambda all_spans: {s.service for s in traced(all_spans)} == set(EXPECTED)
+                              and servers(all_spans), SPANS_TIMEOUT_S)
+    [server] = servers(spans)
     assert server.is_server
     assert server.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 4
 
