@@ -1,12 +1,11 @@
 """Admission: run a request now, make it wait for capacity in a bounded queue, or refuse it.
 
-A request runs at once when some way of running it meets its SLO now (its TTFT within a slack for
-the predictions' error), or when none could even on idle workers (its SLO is out of reach whatever
-the load: waiting would not help, so it runs on the best option). Otherwise it waits, ordered by
-priority (higher first) then TTFT deadline (sooner first), and is placed as soon as a way meets its
-SLO with the time it has waited taken off its TTFT budget. At its TTFT deadline, or when a
-better-ranked request needs its place in a full queue, it is refused with a retry-after hint.
-Nothing here waits without a deadline.
+A request runs at once when some way of running it meets its SLO now, or when none could even on
+idle workers (its SLO is out of reach whatever the load: waiting would not help, so it runs on the
+best option). Otherwise it waits, ordered by priority (higher first) then TTFT deadline (sooner
+first), and is placed as soon as a way meets its SLO with the time it has waited taken off its TTFT
+budget. At its TTFT deadline, or when a better-ranked request needs its place in a full queue, it
+is refused with a retry-after hint. Nothing here waits without a deadline.
 """
 
 from __future__ import annotations
@@ -67,17 +66,9 @@ class _Waiter:
 class Admission(Generic[C]):
     """The gateway's admission queue over a placer (see the module docstring)."""
 
-    def __init__(self, placer: Placer[C], max_queued: int, ttft_slack: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """`ttft_slack`: a request whose predicted TTFT exceeds its objective by at most this
-        fraction (and meets its TPOT) runs at once instead of waiting. The predictions err by about
-        that much, and waiting cannot shorten a prefill worker's first-come-first-served queue; a
-        request refused is a certain miss, one run is only a possible one."""
+    def __init__(self, placer: Placer[C], max_queued: int, clock: Callable[[], float] = time.monotonic) -> None:
         if max_queued < 0:
             raise ValueError(f"max_queued: must be >= 0, got {max_queued}")
-        if ttft_slack < 0:
-            raise ValueError(f"ttft_slack: must be >= 0, got {ttft_slack}")
-        self._ttft_slack = ttft_slack
         self._placer = placer
         self._max_queued = max_queued
         self._clock = clock
@@ -96,7 +87,7 @@ class Admission(Generic[C]):
         now = self._clock()
         deadline = (arrived_at if arrived_at is not None else now) + request.slo.ttft_s
         decision = self._placer.decide(request)
-        if decision.meets_slo or self._within_slack(decision, request.slo):
+        if decision.meets_slo:
             return self._placer.claim(request, decision)
         if not self._placer.decide(request, idle=True).meets_slo:
             log.info("no worker could meet the SLO even idle; running on the best option: %s", decision.reasons[0])
@@ -121,10 +112,6 @@ class Admission(Generic[C]):
             if not waiter.placed.done():
                 self._remove(waiter)
                 waiter.placed.cancel()
-
-    def _within_slack(self, decision: Decision, slo: Slo) -> bool:
-        return (decision.has_room and decision.tpot_s <= slo.tpot_s
-                and decision.ttft_s <= slo.ttft_s * (1 + self._ttft_slack))
 
     def changed(self) -> None:
         """Load changed (a report arrived, a request ended): try the waiting requests again, soon."""

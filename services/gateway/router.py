@@ -99,7 +99,6 @@ class Decision:
     tpot_s: float
     meets_slo: bool
     cost: float
-    has_room: bool  # the decode worker can reserve the prompt's KV now
     reasons: tuple[str, ...] = ()  # one line per option weighed, the chosen one first
 
 
@@ -131,8 +130,7 @@ def route(request: RouteRequest, workers: Sequence[WorkerLoad], turn: int = 0) -
     options.sort(key=lambda option: (not option[1].meets_slo, option[0]))
     best = options[0][1]
     reasons = tuple(_reason(decision) for _, decision in options[:8])
-    return Decision(best.decode, best.prefill, best.ttft_s, best.tpot_s, best.meets_slo, best.cost, best.has_room,
-                    reasons)
+    return Decision(best.decode, best.prefill, best.ttft_s, best.tpot_s, best.meets_slo, best.cost, reasons)
 
 
 def _rotated(workers: list[WorkerLoad], turn: int) -> list[WorkerLoad]:
@@ -184,8 +182,7 @@ def _decision(request: RouteRequest, decode: WorkerLoad, prefill: WorkerLoad | N
     slo = request.slo
     meets = ttft <= slo.ttft_s and tpot <= slo.tpot_s and penalty < NO_ROOM_PENALTY
     cost = ttft / slo.ttft_s + tpot / slo.tpot_s + penalty
-    return Decision(decode.address, prefill.address if prefill else None, ttft, tpot, meets, cost,
-                    penalty < NO_ROOM_PENALTY)
+    return Decision(decode.address, prefill.address if prefill else None, ttft, tpot, meets, cost)
 
 
 def _reason(decision: Decision) -> str:
