@@ -9,17 +9,19 @@ worker's record is an LRU bounded by its KV cache size, since that is the most i
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """The chained hash of every full block of the prompt."""
+    data = array("I", token_ids).tobytes()  # 4 bytes a token, encoded once for the whole prompt
+    width = 4 * block_size
     hashes: list[bytes] = []
     parent = b""
-    for end in range(block_size, len(token_ids) + 1, block_size):
-        block = b"".join(token.to_bytes(4, "little") for token in token_ids[end - block_size:end])
-        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
+    for end in range(width, len(data) + 1, width):
+        parent = hashlib.blake2b(parent + data[end - width:end], digest_size=16).digest()
         hashes.append(parent)
     return hashes
 

@@ -171,16 +171,17 @@ class WorkerRegistry:
         """Count the request against the decision's workers and remember where its prefix went."""
         decode = self._workers[decision.decode]
         prefill = self._workers[decision.prefill] if decision.prefill else None
-        for worker in (prefill or decode, decode):
-            self._remember_prefix(worker, request)
+        hashes_by_size: dict[int, list[bytes]] = {}
+        # The prompt's KV ends up in the prefill worker's cache and the decode worker's (one worker
+        # when it prefilled locally).
+        for worker in {prefill or decode, decode}:
+            report = worker.report
+            if report is None or not request.token_ids:
+                continue
+            block_size = report.block_size or 16
+            hashes = hashes_by_size.setdefault(block_size, block_hashes(request.token_ids, block_size))
+            self.prefix_index.record(worker.address, hashes, report.total_kv_blocks)
         return Placement(decision, decode, prefill, request, self._changed)
-
-    def _remember_prefix(self, worker: Worker, request: RouteRequest) -> None:
-        report = worker.report
-        if report is None or not request.token_ids:
-            return
-        block_size = report.block_size or 16
-        self.prefix_index.record(worker.address, block_hashes(request.token_ids, block_size), report.total_kv_blocks)
 
     def _changed(self) -> None:
         for listener in self._listeners:

@@ -31,8 +31,6 @@ Role = Literal["prefill", "decode", "colocated"]
 
 # Gateway -> decode -> prefill and back, and the first token's relay: a few loopback RPCs.
 HOP_S = 0.005
-# Added to the cost of prefilling on a decode-role worker: prefer a prefill worker when both fit.
-LOCAL_ON_DECODE_PENALTY = 0.5
 # Added to the cost of a decode worker without KV room for the prompt now; such an option never
 # meets the SLO.
 NO_ROOM_PENALTY = 100.0
@@ -122,9 +120,9 @@ def route(request: RouteRequest, workers: Sequence[WorkerLoad], turn: int = 0) -
             options.append(((False, decision.cost, decode.sequences, prefill.queued_prompt_tokens,
                              d_index + p_index), decision))
         ttft, mixed_step = _local_ttft(request, decode)
+        # Ranked after every disaggregated option (the key's first field), whatever its cost.
         conditional = decode.role == "decode" and bool(prefillers)
-        local_penalty = penalty + (LOCAL_ON_DECODE_PENALTY if conditional else 0.0)
-        decision = _decision(request, decode, None, ttft, max(tpot, mixed_step), local_penalty)
+        decision = _decision(request, decode, None, ttft, max(tpot, mixed_step), penalty)
         options.append(((conditional, decision.cost, decode.sequences, decode.queued_prompt_tokens, d_index),
                         decision))
     options.sort(key=lambda option: (not option[1].meets_slo, option[0]))
