@@ -16,14 +16,13 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+from leak_check import assert_no_leaks, load_report
 from parity_prompts import CHAT, PLAIN, parity_prompt_ids, travel_diary
-from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from workers_util import REPO, Worker, free_port, start_worker
 
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
 from services.client import TandemClient
-from services.common.server import channel_options
 
 WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256"]
 DEADLINE_S = 60.0  # generous bound for conditions polled below; no test asserts elapsed time
@@ -103,12 +102,6 @@ def _token_ids(stream) -> list[int]:
     return ids
 
 
-def _load(worker: Worker) -> common_pb2.LoadReport:
-    stub_class = decode_pb2_grpc.DecodeStub if worker.args[0] == "decode" else prefill_pb2_grpc.PrefillStub
-    with grpc.insecure_channel(str(worker.address), options=channel_options()) as channel:
-        return stub_class(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=30)
-
-
 def _concurrently(fn, items):
     with ThreadPoolExecutor(len(items)) as pool:
         return list(pool.map(fn, items))
@@ -136,7 +129,7 @@ def test_concurrent_requests_spread_over_workers(mesh, client, tokenizer, refere
     # Mixed prompt lengths (7 to ~500 tokens) and output lengths (3 to 20 tokens).
     prompts = [diary[: 7 + (i * 149) % 500] for i in range(32)]
     params = [SamplingParams(max_tokens=3 + (i * 7) % 18, temperature=0.0, ignore_eos=True) for i in range(32)]
-    before = [_load(worker).finished_requests for worker in mesh.workers]
+    before = [load_report(worker).finished_requests for worker in mesh.workers]
 
     def run(i: int) -> list[int]:
         stream = client.generate(token_ids=prompts[i], max_tokens=params[i].max_tokens, temperature=0.0,
@@ -145,19 +138,8 @@ def test_concurrent_requests_spread_over_workers(mesh, client, tokenizer, refere
 
     got = _concurrently(run, list(range(32)))
     assert got == reference(prompts, params)
-    after = [_load(worker).finished_requests for worker in mesh.workers]
+    after = [load_report(worker).finished_requests for worker in mesh.workers]
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
-
-
-def _wait_all_free(workers: list[Worker]) -> list[common_pb2.LoadReport]:
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        reports = [_load(worker) for worker in workers]
-        if all(r.used_kv_blocks == 0 and r.running_requests == 0 and r.reserved_requests == 0 for r in reports):
-            return reports
-        if time.monotonic() > deadline:
-            return reports
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("read_chunks", [0, 2], ids=["during-prefill", "mid-stream"])
@@ -174,9 +156,7 @@ def test_client_cancel_frees_every_worker(mesh, client, read_chunks):
         for _ in range(read_chunks):
             assert next(stream).finish_reason is None
         stream.cancel()
-    reports = _wait_all_free(mesh.workers)
-    assert [r.used_kv_blocks for r in reports] == [0, 0, 0, 0]
-    assert [r.running_requests + r.reserved_requests for r in reports] == [0, 0, 0, 0]
+    assert_no_leaks(mesh.workers)
 
 
 def test_resource_exhausted_and_retry_on_another_decode_worker(mesh, tokenizer, reference):

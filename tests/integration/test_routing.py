@@ -3,30 +3,22 @@ affinity across two prefill workers, and a burst the admission queue must bound.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from leak_check import assert_no_leaks, load_report
 from parity_prompts import travel_diary
-from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from workers_util import Worker, free_port, start_worker
 
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
 from services.client import TandemClient
 from services.common.convert import step_model_from_proto
-from services.common.server import channel_options
 
 FLAGS = ["--threads", "1", "--kv-cache-mib", "128"]
 RPC_TIMEOUT_S = 300.0
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-
-
-def _load(worker: Worker) -> common_pb2.LoadReport:
-    stub_class = prefill_pb2_grpc.PrefillStub if worker.args[0] == "prefill" else decode_pb2_grpc.DecodeStub
-    with grpc.insecure_channel(str(worker.address), options=channel_options()) as channel:
-        return stub_class(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=30)
 
 
 def _start(*arg_lists: list[str]) -> list[Worker]:
@@ -66,12 +58,12 @@ def test_colocated_workers_behind_the_gateway_match_the_engine(colocated, make_e
     diary = tokenizer.encode(travel_diary())
     prompts = [diary[: 20 + 37 * i] for i in range(6)]
     expected = [c.token_ids for c in generate(make_engine(), prompts, [SamplingParams(**GREEDY)] * len(prompts))]
-    before = [_load(worker).finished_requests for worker in workers]
+    before = [load_report(worker).finished_requests for worker in workers]
     with TandemClient(str(gateway.address)) as client, ThreadPoolExecutor(len(prompts)) as pool:
         got = list(pool.map(lambda p: _tokens(client.generate(token_ids=p, **GREEDY, timeout=RPC_TIMEOUT_S))[0],
                             prompts))
     assert got == expected
-    after = [_load(worker).finished_requests for worker in workers]
+    after = [load_report(worker).finished_requests for worker in workers]
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
 
 
@@ -85,14 +77,14 @@ def test_requests_sharing_a_system_prompt_go_to_the_prefill_worker_holding_it(to
     try:
         *prefills, _, gateway = started
         system = tokenizer.encode(travel_diary())[:320]  # 20 full blocks
-        before = [_load(worker).finished_requests for worker in prefills]
+        before = [load_report(worker).finished_requests for worker in prefills]
         cached = []
         with TandemClient(str(gateway.address)) as client:
             for question in range(5):
                 prompt = system + tokenizer.encode(f" Question {question}: where did they go next?")
                 _, last = _tokens(client.generate(token_ids=prompt, **GREEDY, timeout=RPC_TIMEOUT_S))
                 cached.append(last.usage.cached_tokens)
-        served = [_load(worker).finished_requests - b for worker, b in zip(prefills, before, strict=True)]
+        served = [load_report(worker).finished_requests - b for worker, b in zip(prefills, before, strict=True)]
         assert sorted(served) == [0, 5], served  # every request went where the prefix was
         assert cached[0] < 320 <= min(cached[1:]), cached
     finally:
@@ -110,7 +102,7 @@ def test_a_burst_beyond_capacity_is_bounded_refused_with_retry_after_and_then_se
         prompts = [diary[i:i + 400] for i in range(0, 12 * 7, 7)]  # 12 distinct 400-token prompts
         # Objectives this worker meets for one such request alone but not for several queued behind
         # each other: its measured prefill time for the prompt, with 60% to spare.
-        prefill_s = step_model_from_proto(_load(worker).step_model).prefill_s(400, 2048)
+        prefill_s = step_model_from_proto(load_report(worker).step_model).prefill_s(400, 2048)
         slo = {"ttft_ms": max(1, int(1600 * prefill_s)), "tpot_ms": 60_000}
 
         def run(prompt: list[int]) -> tuple[str, object]:
@@ -132,9 +124,6 @@ def test_a_burst_beyond_capacity_is_bounded_refused_with_retry_after_and_then_se
         assert all(int(detail) >= 1 for code, detail in results if code == "RESOURCE_EXHAUSTED"), results
         # The burst is over: the next request is served, and nothing stays held.
         assert run(prompts[0]) == ("OK", GREEDY["max_tokens"])
-        deadline = time.monotonic() + 60
-        while (report := _load(worker)).used_kv_blocks and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert report.used_kv_blocks == 0 and report.running_requests == 0
+        assert_no_leaks([worker])
     finally:
         _stop(started)
