@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from engine.resume import Resumed
 from services.common.chunk import Chunk, Timings, Usage
 from services.common.errors import StatusError
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import MigrationPolicy, StreamProgress
+from services.gateway.request import GenerateRequest, TextPrompt
+from services.gateway.telemetry import RequestObservation
 
 _DEAD = StatusError(grpc.StatusCode.UNAVAILABLE, "Socket closed")
 
@@ -56,3 +64,22 @@ def test_after_a_migration_the_final_timings_cover_the_whole_stream():
     assert timings.e2e_s >= timings.ttft_s >= 0
     assert timings.tpot_s == pytest.approx((timings.e2e_s - timings.ttft_s) / 2)
     assert (timings.prefill_queue_s, timings.prefill_compute_s) == (0.1, 0.2)  # the re-prefill's
+
+
+def test_a_migration_is_on_the_span_in_the_metrics_and_in_the_log(caplog):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    metrics = GatewayMetrics("m")
+    with caplog.at_level(logging.WARNING), provider.get_tracer("test").start_as_current_span("request"):
+        observation = RequestObservation(metrics, "r1", GenerateRequest(TextPrompt("Hi"), request_id="r1"), False)
+        observation.migrated("decode:1", "UNAVAILABLE", "Socket closed", 12, 1)
+        observation.close()
+    assert metrics.registry.get_sample_value("tandem:request_migrations_total", {"model_name": "m"}) == 1
+    [span] = exporter.get_finished_spans()
+    [event] = span.events
+    assert event.name == "migrated" and dict(event.attributes) == {
+        "tandem.decode.address": "decode:1", "error.type": "UNAVAILABLE", "tandem.detail": "Socket closed",
+        "tandem.delivered_tokens": 12}
+    assert span.attributes["tandem.migrations"] == 1
+    assert "request r1: decode worker decode:1 failed after 12 output tokens" in caplog.text
