@@ -44,6 +44,7 @@ class StreamProgress:
         self.token_ids: list[int] = []
         self.text_length = 0
         self.migrations = 0
+        self._finished = False
         self._started_at = time.perf_counter()
         self._first_at: float | None = None
 
@@ -64,14 +65,17 @@ class StreamProgress:
             self._first_at = now
         self.token_ids.extend(chunk.token_ids)
         self.text_length += len(chunk.text)
+        self._finished = self._finished or chunk.finish_reason is not None
         if chunk.timings is None or not self.migrations:
             return chunk
         return dataclasses.replace(chunk, timings=self._whole_stream(chunk.timings, now))
 
     def migrate(self, error: StatusError) -> bool:
         """An attempt failed after streaming tokens: whether the request moves on (the worker is
-        unavailable and the limit is not reached). A migration is counted when it does."""
-        if error.code != grpc.StatusCode.UNAVAILABLE or self.migrations >= self._policy.max_migrations:
+        unavailable, the client has not had the last chunk, and the limit is not reached). A
+        migration is counted when it does."""
+        if (error.code != grpc.StatusCode.UNAVAILABLE or self._finished
+                or self.migrations >= self._policy.max_migrations):
             return False
         self.migrations += 1
         return True

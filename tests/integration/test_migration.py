@@ -2,9 +2,10 @@
 worker from what the client already has, and the client's stream goes on as if nothing happened,
 through the gRPC API and the OpenAI HTTP API; with `--max-migrations 0` the client gets UNAVAILABLE.
 
-Real processes on loopback: one prefill worker, two decode workers, and two gateways in front of
-them (the default limit, and none). Each test kills the decode worker running its request, and a
-fresh one takes its place (same port) before the next test.
+Real processes on loopback: one prefill worker, two decode workers, and three gateways in front of
+them: the default limit, none, and one that knows the decode workers as colocated, so they compute
+the prompt and the delivered tokens themselves (the router's local prefill). Each test kills the
+decode worker running its request, and a fresh one takes its place (same port) before the next test.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class Mesh:
     decode: list[Worker]
     gateway: Worker  # resumes a request at most twice (the default)
     strict: Worker  # --max-migrations 0
+    local: Worker  # --colocated: every attempt is prefilled on its decode worker
+
+    @property
+    def gateways(self) -> list[Worker]:
+        return [self.gateway, self.strict, self.local]
 
     @property
     def workers(self) -> list[Worker]:
@@ -55,16 +61,16 @@ def _address(args: list[str]) -> str:
 def mesh() -> Iterator[Mesh]:
     # Ports known before the start, so that the gateways can start with the workers.
     prefill, *decode = [[role, "--port", str(free_port()), *WORKER_FLAGS] for role in ("prefill", "decode", "decode")]
-    gateway = ["gateway", "--port", "0", "--http-port", "0", "--prefill", _address(prefill),
-               "--decode", ",".join(_address(args) for args in decode),
-               "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"]
-    processes = [start_worker(args, wait=False) for args in (prefill, *decode, gateway,
-                                                              [*gateway, "--max-migrations", "0"])]
+    gateway = ["gateway", "--port", "0", "--http-port", "0", "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"]
+    pools = ["--prefill", _address(prefill), "--decode", ",".join(_address(args) for args in decode)]
+    local = [*gateway, "--colocated", ",".join(_address(args) for args in decode)]
+    processes = [start_worker(args, wait=False) for args in (
+        prefill, *decode, [*gateway, *pools], [*gateway, *pools, "--max-migrations", "0"], local)]
     for process in processes:
         process.wait_ready()
-    mesh = Mesh(processes[0], processes[1:3], processes[3], processes[4])
+    mesh = Mesh(processes[0], processes[1:3], *processes[3:])
     yield mesh
-    codes = [process.stop() for process in (mesh.gateway, mesh.strict, *mesh.workers)]
+    codes = [process.stop() for process in (*mesh.gateways, *mesh.workers)]
     assert codes == [0] * len(codes)
 
 
@@ -78,7 +84,7 @@ def expected(make_engine, tokenizer) -> Completion:
 @pytest.fixture
 def kill(mesh: Mesh) -> Iterator[Callable[[], Worker]]:
     """`kill()` SIGKILLs the decode worker running a request now and returns it; after the test a
-    fresh decode worker takes its port, and both gateways route to it again."""
+    fresh decode worker takes its port, and every gateway routes to it again."""
     killed: list[Worker] = []
 
     def kill_the_running_one() -> Worker:
@@ -100,7 +106,7 @@ def kill(mesh: Mesh) -> Iterator[Callable[[], Worker]]:
 
 def _replace(mesh: Mesh, killed: Worker) -> None:
     address = _address(killed.args)
-    seen = {gateway: _serving_lines(gateway, address) for gateway in (mesh.gateway, mesh.strict)}
+    seen = {gateway: _serving_lines(gateway, address) for gateway in mesh.gateways}
     mesh.decode[mesh.decode.index(killed)] = start_worker(killed.args)
     killed.log_path.unlink(missing_ok=True)
     deadline = time.monotonic() + DEADLINE_S
@@ -111,7 +117,7 @@ def _replace(mesh: Mesh, killed: Worker) -> None:
 
 def _serving_lines(gateway: Worker, address: str) -> int:
     """How often the gateway logged the worker at `address` as SERVING."""
-    return gateway.log_path.read_text(errors="replace").count(f"decode worker {address} is SERVING")
+    return gateway.log_path.read_text(errors="replace").count(f" worker {address} is SERVING")
 
 
 def _survivors(mesh: Mesh, killed: Worker) -> list[Worker]:
@@ -127,11 +133,13 @@ def _migrations(gateway: Worker) -> float:
     return float(match.group(1))
 
 
-def test_grpc_stream_goes_on_when_its_decode_worker_is_killed(mesh, kill, expected, tokenizer):
+@pytest.mark.parametrize("through", ["prefill-worker", "local-prefill"])
+def test_grpc_stream_goes_on_when_its_decode_worker_is_killed(mesh, kill, expected, tokenizer, through):
+    gateway = mesh.gateway if through == "prefill-worker" else mesh.local
     prompt = tokenizer.encode(PROMPT)
-    migrations = _migrations(mesh.gateway)
+    migrations = _migrations(gateway)
     chunks, killed = [], None
-    with TandemClient(str(mesh.gateway.address)) as client:
+    with TandemClient(str(gateway.address)) as client:
         for chunk in client.generate(token_ids=prompt, **GREEDY, timeout=RPC_TIMEOUT_S):
             chunks.append(chunk)
             if killed is None and sum(len(c.token_ids) for c in chunks) >= KILL_AFTER_TOKENS:
@@ -144,7 +152,7 @@ def test_grpc_stream_goes_on_when_its_decode_worker_is_killed(mesh, kill, expect
     assert last.usage is not None and (last.usage.prompt_tokens, last.usage.completion_tokens) == (
         len(prompt), MAX_TOKENS)
     assert last.timings is not None and 0 < last.timings.ttft_s <= last.timings.e2e_s
-    assert _migrations(mesh.gateway) == migrations + 1
+    assert _migrations(gateway) == migrations + 1
     assert_no_leaks(_survivors(mesh, killed))
 
 

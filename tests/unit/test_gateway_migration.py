@@ -45,6 +45,9 @@ def test_moves_on_only_when_the_worker_is_unavailable_and_within_the_limit():
     assert not progress.migrate(_DEAD)
     assert progress.migrations == 2
     assert not StreamProgress(MigrationPolicy(max_migrations=0)).migrate(_DEAD)
+    finished = StreamProgress(MigrationPolicy())
+    finished.delivered(_chunk((1,), "a", final=True))
+    assert not finished.migrate(_DEAD)  # the stream broke after its end: nothing to resume
     with pytest.raises(ValueError, match="max_migrations: must be >= 0"):
         MigrationPolicy(max_migrations=-1)
 
