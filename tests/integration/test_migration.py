@@ -34,6 +34,8 @@ PROMPT = "Café, naïve, Grüße, Ærø, 日本語, 🙂.\nRepeat the list: Caf�
 MAX_TOKENS = 150
 KILL_AFTER_TOKENS = 5
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+# The resumed request's generator must be advanced past the draws of the tokens already streamed.
+SEEDED = {"max_tokens": MAX_TOKENS, "temperature": 0.8, "seed": 7, "ignore_eos": True}
 
 
 @dataclass
@@ -75,10 +77,15 @@ def mesh() -> Iterator[Mesh]:
 
 
 @pytest.fixture(scope="module")
-def expected(make_engine, tokenizer) -> Completion:
-    """The no-fault run: the same request on one in-process colocated engine."""
-    [completion] = generate(make_engine(), [tokenizer.encode(PROMPT)], SamplingParams(**GREEDY))
-    return completion
+def reference(make_engine, tokenizer) -> Callable[[dict], Completion]:
+    """The no-fault run of PROMPT with these sampling fields, on one in-process colocated engine."""
+    engine = make_engine()
+
+    def run(sampling: dict) -> Completion:
+        [completion] = generate(engine, [tokenizer.encode(PROMPT)], SamplingParams(**sampling))
+        return completion
+
+    return run
 
 
 @pytest.fixture
@@ -133,14 +140,17 @@ def _migrations(gateway: Worker) -> float:
     return float(match.group(1))
 
 
-@pytest.mark.parametrize("through", ["prefill-worker", "local-prefill"])
-def test_grpc_stream_goes_on_when_its_decode_worker_is_killed(mesh, kill, expected, tokenizer, through):
+@pytest.mark.parametrize(("through", "sampling"), [
+    ("prefill-worker", GREEDY), ("local-prefill", GREEDY), ("prefill-worker", SEEDED),
+], ids=["greedy-prefill-worker", "greedy-local-prefill", "seeded-prefill-worker"])
+def test_grpc_stream_goes_on_when_its_decode_worker_is_killed(mesh, kill, reference, tokenizer, through, sampling):
     gateway = mesh.gateway if through == "prefill-worker" else mesh.local
+    expected = reference(sampling)
     prompt = tokenizer.encode(PROMPT)
     migrations = _migrations(gateway)
     chunks, killed = [], None
     with TandemClient(str(gateway.address)) as client:
-        for chunk in client.generate(token_ids=prompt, **GREEDY, timeout=RPC_TIMEOUT_S):
+        for chunk in client.generate(token_ids=prompt, **sampling, timeout=RPC_TIMEOUT_S):
             chunks.append(chunk)
             if killed is None and sum(len(c.token_ids) for c in chunks) >= KILL_AFTER_TOKENS:
                 killed = kill()
@@ -156,7 +166,8 @@ def test_grpc_stream_goes_on_when_its_decode_worker_is_killed(mesh, kill, expect
     assert_no_leaks(_survivors(mesh, killed))
 
 
-def test_openai_stream_goes_on_when_its_decode_worker_is_killed(mesh, kill, expected, tokenizer):
+def test_openai_stream_goes_on_when_its_decode_worker_is_killed(mesh, kill, reference, tokenizer):
+    expected = reference(GREEDY)
     client = openai.OpenAI(base_url=f"http://{mesh.gateway.http_address}/v1", api_key="unused", max_retries=0,
                            timeout=RPC_TIMEOUT_S)
     [model] = client.models.list().data
