@@ -11,6 +11,7 @@ from engine.offline import generate
 from engine.outputs import RequestOutput
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
+from engine.stop_strings import StopStringMatcher
 
 # Greedy continuations of these hold text back often: accented letters, CJK characters split over
 # byte tokens, an emoji.
@@ -68,6 +69,13 @@ def test_resumed_stream_joins_the_delivered_text(engine, tokenizer, prompt, stop
     # The splits include ones where the first engine held text back (so the test can fail).
     assert any(len(delivered[k]) < len(tokenizer.decode(tokens[:k])) for k in splits)
     assert not engine.scheduler.requests and engine.kv.usage == 0
+
+
+@pytest.mark.parametrize("stop", [(), ("xyz",)], ids=["no-stop-strings", "stop-strings"])
+def test_held_text_comes_first_in_the_next_feed(stop):
+    matcher = StopStringMatcher(stop)
+    matcher.hold("ab")
+    assert matcher.feed("c") == ("abc", False)
 
 
 def _disaggregated_resume(prefill: Engine, decode: Engine, prompt: list[int], params: SamplingParams,
