@@ -21,6 +21,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.model.loader import ModelFiles, build_model, load_model_files
 from engine.outputs import EngineStats, KVReservation, RequestOutput, StepTokens
 from engine.request import FinishReason, Request, RequestStatus
+from engine.resume import Resumed, check_resumable, replay_text
 from engine.runner import ModelRunner, SampledToken
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -77,13 +78,19 @@ class Engine:
                  files.config.name, config.role, num_blocks, block_size, attention.name)
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Queue a request; ValueError naming the field if it cannot be served."""
-        request = self._new_request(request_id, prompt_token_ids, params)
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    resumed: Resumed | None = None) -> None:
+        """Queue a request; ValueError naming the field if it cannot be served. With `resumed`, the
+        request continues after output another engine already delivered (see engine.resume)."""
+        request = self._new_request(request_id, prompt_token_ids, params, resumed)
+        text = self._text_state(params, resumed)
         self.scheduler.add(request)
-        self._text[request_id] = self._text_state(params)
+        self._text[request_id] = text
+        if resumed is not None:
+            self.runner.resume_generator(request_id, params.seed, draws=len(resumed.output_token_ids))
 
-    def _new_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
+    def _new_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                     resumed: Resumed | None) -> Request:
         if not request_id:
             raise ValueError("request_id: must not be empty")
         if request_id in self.scheduler.requests:
@@ -105,16 +112,20 @@ class Engine:
                 f"max_tokens: {params.max_tokens} plus the prompt's {len(prompt)} tokens exceeds the model's "
                 f"context of {self.max_model_len} tokens (at most {self.max_model_len - len(prompt)})"
             )
-        needed = -(-(len(prompt) + 1) // self.kv.block_size)
+        output = list(check_resumable(resumed, params.max_tokens, vocab)) if resumed is not None else []
+        needed = -(-(len(prompt) + len(output) + 1) // self.kv.block_size)
         if needed > self.kv.num_blocks:
             raise ValueError(
                 f"prompt: {len(prompt)} tokens need {needed} KV blocks but the cache has {self.kv.num_blocks}"
             )
-        return Request(request_id, prompt, params, self.max_model_len)
+        return Request(request_id, prompt, params, self.max_model_len, token_ids=prompt + output)
 
-    def _text_state(self, params: SamplingParams) -> _TextState:
-        return _TextState(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+    def _text_state(self, params: SamplingParams, resumed: Resumed | None) -> _TextState:
+        text = _TextState(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
                           StopStringMatcher(params.stop))
+        if resumed is not None:
+            replay_text(text.detokenizer, text.stop, resumed)
+        return text
 
     def abort(self, request_id: str) -> bool:
         """Abort a request at any point of its life; frees its blocks. False if unknown."""
@@ -177,7 +188,8 @@ class Engine:
             finish_reason=reason.value if reason is not None else None,
             logprobs=logprobs,
             num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
+            # A resumed request's prefix hit may reach into its output; usage counts prompt tokens.
+            num_cached_tokens=min(request.num_cached_tokens, request.num_prompt_tokens),
             num_output_tokens=request.num_output_tokens,
         )
 
@@ -206,12 +218,15 @@ class Engine:
         self._forget(request_id)
 
     # ---- decode role: import ----------------------------------------------------------------------
-    def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> KVReservation | None:
-        """Reserve blocks for an incoming prompt's KV; None when the cache has no room now."""
-        request = self._new_request(request_id, prompt_token_ids, params)
+    def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                resumed: Resumed | None = None) -> KVReservation | None:
+        """Reserve blocks for an incoming prompt's KV (with `resumed`, for the prompt and the output
+        already delivered: the prefill side computes both); None when the cache has no room now."""
+        request = self._new_request(request_id, prompt_token_ids, params, resumed)
+        text = self._text_state(params, resumed)
         if not self.scheduler.reserve(request):
             return None
-        self._text[request_id] = self._text_state(params)
+        self._text[request_id] = text
         return KVReservation(request_id, tuple(self.kv.block_table(request_id)), request.num_cached_tokens,
                              self.kv.block_size)
 
@@ -227,9 +242,11 @@ class Engine:
         self.runner.cache.scatter_blocks(layer, block_ids, k, v)
 
     def start_decode(self, request_id: str, first_token: int) -> RequestOutput:
-        """The prompt's KV is complete: join the running batch after the prefill side's first token."""
+        """The prompt's KV is complete: join the running batch after the prefill side's first token
+        (for a resumed request, the first token after the output already delivered)."""
         request = self.scheduler.start_reserved(request_id, first_token)
-        self.runner.resume_generator(request_id, request.params.seed, draws=1)
+        # Every token sampled so far (the prefill side's included) drew once from a seeded generator.
+        self.runner.resume_generator(request_id, request.params.seed, draws=request.num_output_tokens)
         output = self._postprocess(request, (first_token, None))
         if output.finished:
             self._forget(request_id)

@@ -84,14 +84,15 @@ class Scheduler:
         self.waiting.append(request)
 
     def reserve(self, request: Request) -> bool:
-        """Decode role: allocate blocks for the whole prompt, reusing locally cached prefix blocks.
+        """Decode role: allocate blocks for every known token (the prompt, and a resumed request's
+        output), reusing locally cached prefix blocks.
 
         The request then waits (WAITING_FOR_KV) for its pages; False if the blocks cannot be had.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         cached_blocks, num_cached = self._cached_prefix(request)
-        if not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, cached_blocks):
+        if not self.kv.allocate_slots(request.request_id, request.num_tokens, cached_blocks):
             return False
         request.num_cached_tokens = num_cached
         request.status = RequestStatus.WAITING_FOR_KV
@@ -99,11 +100,11 @@ class Scheduler:
         return True
 
     def start_reserved(self, request_id: str, first_token: int) -> Request:
-        """Decode role: the prompt's KV has arrived; join the running batch after `first_token`."""
+        """Decode role: the KV of every known token has arrived; join the running batch after `first_token`."""
         request = self.requests[request_id]
         if request.status is not RequestStatus.WAITING_FOR_KV:
             raise ValueError(f"request_id: {request_id!r} is not waiting for KV")
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = request.num_tokens
         self.kv.cache_blocks(request_id, request.token_ids, request.num_computed_tokens)
         request.append_output(first_token)
         request.status = RequestStatus.RUNNING

@@ -29,9 +29,10 @@ class StopStringMatcher:
         After a match, further feeds return ("", True)."""
         if self._matched is not None:
             return "", True
-        if not self._stops:
-            return text, False
         pending = self._held + text
+        if not self._stops:
+            self._held = ""
+            return pending, False
         match = self._first_completed(pending)
         if match is not None:
             start, self._matched = match
@@ -40,6 +41,11 @@ class StopStringMatcher:
         keep_from = len(pending) - self._held_suffix_length(pending)
         self._held = pending[keep_from:]
         return pending[:keep_from], False
+
+    def hold(self, text: str) -> None:
+        """Continue a stream whose text was emitted elsewhere up to `text`, which is still to come:
+        it is held and decided with the next feed (a resumed request)."""
+        self._held = text
 
     def flush(self) -> str:
         """At the end of generation (no stop hit), return any held-back text."""

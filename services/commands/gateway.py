@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                          help="time-per-output-token objective for requests that set none")
     gateway.add_argument("--max-queued-requests", type=int, default=256,
                          help="requests that may wait for capacity at once; beyond it they get RESOURCE_EXHAUSTED")
+    gateway.add_argument("--max-migrations", type=int, default=2,
+                         help="times a request may resume on another decode worker when its own fails "
+                              "mid-stream; 0: the client gets the failure")
     gateway.add_argument("--model", default=None,
                          help="GGUF file or HF directory, for the tokenizer and the model's name "
                               "(default: the shipped SmolLM2-135M)")
@@ -115,6 +118,7 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
     from services.gateway.api_keys import ApiKeyInterceptor, ApiKeyMiddleware
     from services.gateway.handler import GatewayServicer
     from services.gateway.metrics import GatewayMetrics
+    from services.gateway.migration import MigrationPolicy
     from services.gateway.model import ServedModel
     from services.gateway.openai_api.app import create_app
     from services.gateway.service import GatewayService
@@ -122,7 +126,7 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
 
     # The model's name labels the metrics; it is known without reading the model file.
     metrics = GatewayMetrics(served_model_id(args.model))
-    service = GatewayService(registry, metrics, args.max_queued_requests)
+    service = GatewayService(registry, metrics, args.max_queued_requests, MigrationPolicy(args.max_migrations))
     discovery, planner = cluster_services(args, registry)
     # Clients authenticate with API keys, not certificates: the client API asks for none.
     credentials = tls.server_credentials(client_auth=False) if tls is not None else None

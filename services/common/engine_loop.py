@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from engine.engine import Engine, LayerHook
 from engine.outputs import RequestOutput
+from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
 from services.common.step_model import StepModelFit
 
@@ -101,14 +102,16 @@ class EngineLoop:
         self._streams.pop(request_id, None)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+        resumed: Resumed | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs until it finishes. Raises ValueError for bad input.
-        If the consumer stops early (cancelled, client gone), the request is aborted."""
+        """Add a request (`resumed`: after output delivered elsewhere) and yield its outputs until it
+        finishes. Raises ValueError for bad input. If the consumer stops early (cancelled, client
+        gone), the request is aborted."""
         queue = self.open_stream(request_id)
         finished = False
         try:
-            await self.call(lambda e: e.add_request(request_id, prompt_token_ids, params))
+            await self.call(lambda e: e.add_request(request_id, prompt_token_ids, params, resumed))
             while True:
                 output = await queue.get()
                 if isinstance(output, Exception):

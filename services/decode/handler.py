@@ -14,6 +14,7 @@ from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvtransfer_pb2, k
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model.paths import served_model_id
+from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
 from kvtransfer.grpc_stream import KVTransferServicer
 from kvtransfer.receiver import make_receiver
@@ -44,9 +45,11 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
         worker = await self.ready(context)
         try:
             params = sampling_params_from_proto(request.sampling)
+            resumed = _resumed(request)
             request_id = request.request_id or uuid.uuid4().hex
             await worker.inflight.run(
-                request_id, self._stream(worker, request_id, request, params, context, DecodeTimings(arrived_at))
+                request_id, self._stream(worker, request_id, request, params, resumed, context,
+                                         DecodeTimings(arrived_at, resumed_tokens=len(request.output_token_ids)))
             )
         except Exception as exc:
             await abort_with(context, exc)
@@ -62,25 +65,34 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
         request_id: str,
         request: decode_pb2.DecodeRequest,
         params: SamplingParams,
+        resumed: Resumed | None,
         context: grpc.aio.ServicerContext,
         timings: DecodeTimings,
     ) -> None:
         recorder = DecodeRecorder(self.metrics, timings)
         if request.prefill_address:
             prefill = self.prefills.peer(request.prefill_address)
-            outputs = worker.generate(request_id, request.prompt_token_ids, params, prefill, timings)
+            outputs = worker.generate(request_id, request.prompt_token_ids, params, prefill, timings, resumed)
         else:
-            outputs = worker.generate_local(request_id, request.prompt_token_ids, params, timings)
+            outputs = worker.generate_local(request_id, request.prompt_token_ids, params, timings, resumed)
         try:
             # aclosing: leaving early (client gone, Abort) runs the request's cleanup before this returns.
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     now = time.perf_counter()
                     recorder.output(output, now)
-                    final = _timings(timings, recorder, now, output.num_output_tokens) if output.finished else None
+                    generated_here = output.num_output_tokens - timings.resumed_tokens
+                    final = _timings(timings, recorder, now, generated_here) if output.finished else None
                     await context.write(token_chunk(output, final))
         finally:
             recorder.trace()
+
+
+def _resumed(request: decode_pb2.DecodeRequest) -> Resumed | None:
+    """A resumed request's delivered output (None for a new request)."""
+    if not request.output_token_ids:
+        return None
+    return Resumed(tuple(request.output_token_ids), request.output_text_length)
 
 
 def _timings(

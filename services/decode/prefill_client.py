@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import grpc
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
+from engine.resume import Resumed
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kvtransfer.descriptor import TransferTarget
@@ -40,7 +41,7 @@ class GrpcPrefillPeer:
 
     async def prefill(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, target: TransferTarget,
-        timeout: float,
+        timeout: float, resumed: Resumed | None = None,
     ) -> PrefillReply:
         """Prefill.Prefill with a deadline; StatusError on failure."""
         request = prefill_pb2.PrefillRequest(
@@ -48,6 +49,7 @@ class GrpcPrefillPeer:
             prompt_token_ids=prompt_token_ids,
             sampling=sampling_params_to_proto(params),
             kv_target=target.to_proto(),
+            output_token_ids=resumed.output_token_ids if resumed is not None else (),
         )
         try:
             response = await self._stub.Prefill(request, timeout=timeout)

@@ -39,7 +39,7 @@ class DecodeRecorder:
         self._finished = output
         metrics.e2e.observe(now - timings.arrived_at)
         metrics.prompt_tokens.inc(output.num_prompt_tokens)
-        metrics.generation_tokens.inc(output.num_output_tokens)
+        metrics.generation_tokens.inc(output.num_output_tokens - timings.resumed_tokens)
         metrics.prefix_cache(output.num_prompt_tokens, timings.local_cached_tokens)
         metrics.succeeded(output.finish_reason or "abort")
         if timings.kv_done_at is not None and timings.joined_at is not None:
@@ -74,6 +74,6 @@ class DecodeRecorder:
             set_attributes({
                 "gen_ai.usage.input_tokens": output.num_prompt_tokens,
                 "gen_ai.usage.output_tokens": output.num_output_tokens,
-                "tandem.tpot_s": self.tpot_s(output.num_output_tokens),
+                "tandem.tpot_s": self.tpot_s(output.num_output_tokens - timings.resumed_tokens),
                 "tandem.e2e_s": self._last_at - timings.arrived_at,
             })

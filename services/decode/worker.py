@@ -15,6 +15,7 @@ import grpc
 
 from engine.engine import Engine
 from engine.outputs import KVReservation, RequestOutput
+from engine.resume import Resumed
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget, WriteBlocks
@@ -43,9 +44,10 @@ class PrefillPeer(Protocol):
 
     async def prefill(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, target: TransferTarget,
-        timeout: float,
+        timeout: float, resumed: Resumed | None = None,
     ) -> PrefillReply:
-        """Prefill into `target`; StatusError (passing on the prefill worker's status) on failure."""
+        """Prefill into `target` (with `resumed`: the prompt and the output already delivered);
+        StatusError (passing on the prefill worker's status) on failure."""
         ...
 
     def abort(self, request_id: str) -> None:
@@ -65,6 +67,8 @@ class DecodeTimings:
     kv_delivery_wait_s: float = 0.0
     # Prompt tokens this worker's own prefix cache held (they were not transferred).
     local_cached_tokens: int = 0
+    # A resumed request's output delivered before it came here (not generated here).
+    resumed_tokens: int = 0
     reserved_at: float | None = None
     prefill_replied_at: float | None = None
     kv_done_at: float | None = None
@@ -95,8 +99,10 @@ class DecodeWorker(Worker):
         params: SamplingParams,
         prefill: PrefillPeer,
         timings: DecodeTimings,
+        resumed: Resumed | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Run one request: its outputs, the first token's at once. Close it (e.g. `aclosing`) to
+        """Run one request (`resumed`: after output delivered elsewhere, whose KV the prefill worker
+        computes with the prompt's): its outputs, the first token's at once. Close it (e.g. `aclosing`) to
         abandon the request: the prefill is aborted, the transfer cancelled and the blocks freed.
 
         Raises ValueError for bad input, StatusError RESOURCE_EXHAUSTED when the cache has no room,
@@ -104,13 +110,13 @@ class DecodeWorker(Worker):
         prefill worker or the transfer failed (or the prefill worker's own status).
         """
         try:
-            reservation = await self.loop.call(lambda e: _reserve(e, request_id, prompt_token_ids, params))
+            reservation = await self.loop.call(lambda e: _reserve(e, request_id, prompt_token_ids, params, resumed))
         except asyncio.CancelledError:
             # The engine thread may have reserved already; this abort runs after it, in order.
             self.loop.submit(lambda e: e.abort(request_id))
             raise
         timings.reserved_at = time.perf_counter()
-        timings.local_cached_tokens = reservation.num_cached_tokens
+        timings.local_cached_tokens = min(reservation.num_cached_tokens, len(prompt_token_ids))
         deadline = time.monotonic() + self.kv_timeout
         transfer_id = next(self._transfer_ids)
         self._waiting_for_kv += 1
@@ -127,7 +133,7 @@ class DecodeWorker(Worker):
             except TransferError as exc:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the KV receiver cannot take it: {exc}") from exc
             stage = "prefilling"
-            reply = await prefill.prefill(request_id, prompt_token_ids, params, target, _left(deadline))
+            reply = await prefill.prefill(request_id, prompt_token_ids, params, target, _left(deadline), resumed)
             stage = "transferring"
             timings.prefill_queue_s, timings.prefill_compute_s = reply.queue_s, reply.compute_s
             timings.kv_delivery_wait_s = reply.delivery_wait_s
@@ -161,13 +167,14 @@ class DecodeWorker(Worker):
                 )
 
     async def generate_local(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, timings: DecodeTimings
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, timings: DecodeTimings,
+        resumed: Resumed | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Run one request with its prompt computed here, chunked beside the running batch (the
-        gateway's conditional disaggregation, and every request of a colocated worker). Close it
-        to abandon the request. Raises ValueError for bad input."""
+        """Run one request with its prompt (and a resumed request's delivered output) computed here,
+        chunked beside the running batch (the gateway's conditional disaggregation, and every
+        request of a colocated worker). Close it to abandon the request. Raises ValueError for bad input."""
         first = True
-        async for output in self.loop.generate(request_id, prompt_token_ids, params):
+        async for output in self.loop.generate(request_id, prompt_token_ids, params, resumed):
             if first:
                 first = False
                 timings.prefill_compute_s = time.perf_counter() - timings.arrived_at
@@ -217,13 +224,14 @@ class DecodeWorker(Worker):
 
 
 def _reserve(
-    engine: Engine, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    engine: Engine, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, resumed: Resumed | None
 ) -> KVReservation:
     """On the engine thread: the reservation, or StatusError RESOURCE_EXHAUSTED when this worker
     cannot hold the prompt (now, or ever: another decode worker may have a bigger cache)."""
-    needed = -(-(len(prompt_token_ids) + 1) // engine.kv.block_size)
+    resumed_tokens = len(resumed.output_token_ids) if resumed is not None else 0
+    needed = -(-(len(prompt_token_ids) + resumed_tokens + 1) // engine.kv.block_size)
     try:
-        reservation = engine.reserve(request_id, prompt_token_ids, params)
+        reservation = engine.reserve(request_id, prompt_token_ids, params, resumed)
     except ValueError as exc:
         if needed > engine.kv.num_blocks:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no KV room: {exc}") from exc

@@ -25,6 +25,9 @@ class GatewayMetrics(RequestMetrics):
                                per_model(["pool", "worker"]), registry=self.registry)
         self._rejected = Counter("tandem:request_rejections", "Requests that ended with an error status, by code.",
                                  per_model(["code"]), registry=self.registry)
+        self._migrated = Counter("tandem:request_migrations",
+                                 "Requests resumed on another decode worker after theirs failed mid-stream.",
+                                 MODEL, registry=self.registry).labels(model_name)
         # Attainment = rate(attained="true") / rate(all), per objective.
         self._slo = Counter("tandem:slo_requests", "Requests that set a latency objective, by whether it was met.",
                             per_model(["objective", "attained"]), registry=self.registry)
@@ -32,6 +35,10 @@ class GatewayMetrics(RequestMetrics):
     def routed(self, pool: str, worker: str) -> None:
         """Count a request sent to `worker` of `pool` ("prefill" or "decode")."""
         self._routed.labels(self.model_name, pool, worker).inc()
+
+    def migrated(self) -> None:
+        """Count a request moved to another decode worker mid-stream."""
+        self._migrated.inc()
 
     def rejected(self, code: str) -> None:
         """Count a request that ended with this gRPC status code (its name)."""

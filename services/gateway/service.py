@@ -2,7 +2,8 @@
 
 `GatewayService.generate` validates and tokenizes a request, has admission place it (the SLO
 router's choice, at once or after a bounded wait), and streams the chosen decode worker's chunks,
-moving on to the next best worker while workers refuse the request before its first token.
+moving on to the next best worker while workers refuse the request before its first token, and
+resuming it on another one when its worker fails mid-stream (services.gateway.migration).
 Failures are `StatusError`s carrying a gRPC status code; each API maps them to its own errors.
 """
 
@@ -20,6 +21,7 @@ from services.common.chunk import Chunk
 from services.common.errors import StatusError
 from services.gateway.admission import Admission, Rejected
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.migration import MigrationPolicy, StreamProgress
 from services.gateway.model import ServedModel
 from services.gateway.registry import Placement, WorkerRegistry
 from services.gateway.request import GenerateRequest
@@ -36,10 +38,14 @@ _RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 class GatewayService:
     """Requests in, chunks out, over a worker registry; `model` is set once loaded."""
 
-    def __init__(self, registry: WorkerRegistry, metrics: GatewayMetrics, max_queued: int = 256) -> None:
-        """`max_queued`: requests that may wait for capacity at once (beyond it they are refused)."""
+    def __init__(self, registry: WorkerRegistry, metrics: GatewayMetrics, max_queued: int = 256,
+                 migration: MigrationPolicy | None = None) -> None:
+        """`max_queued`: requests that may wait for capacity at once (beyond it they are refused);
+        `migration`: how often a request may move on when its decode worker fails mid-stream
+        (None: the default policy)."""
         self.registry = registry
         self.metrics = metrics
+        self.migration = migration or MigrationPolicy()
         self.admission: Admission[Placement] = Admission(registry, max_queued)
         registry.on_change(self.admission.changed)
         self.model: ServedModel | None = None
@@ -89,8 +95,9 @@ class GatewayService:
         Raises StatusError: UNAVAILABLE (loading, no serving worker, every worker unavailable),
         NOT_FOUND (another model), INVALID_ARGUMENT (the prompt), RESOURCE_EXHAUSTED (refused by
         admission, or every decode worker full), or a worker's own code when it fails after the
-        first token. Every validation error comes before the first chunk. The request is traced
-        and counted (services.gateway.telemetry) however it ends.
+        first token and the request cannot move on (services.gateway.migration). Every validation
+        error comes before the first chunk. The request is traced and counted
+        (services.gateway.telemetry) however it ends.
         """
         request_id = request.request_id or uuid.uuid4().hex
         observation = RequestObservation(self.metrics, request_id, request, self._capture_content)
@@ -127,12 +134,13 @@ class GatewayService:
         observation.accepted(len(prompt), request.sampling)
         slo = self.slo(request)
 
+        progress = StreamProgress(self.migration)
         refusals: list[tuple[grpc.StatusCode, str]] = []
         refused: frozenset[str] = frozenset()
         while True:
             try:
                 with observation.routing() as route:
-                    placement = await self.place(request, prompt, slo, arrived_at, refused)
+                    placement = await self.place(request, progress.context(prompt), slo, arrived_at, refused)
                     observation.placed(route, placement.decision, slo)
             except StatusError:
                 if not refusals:
@@ -146,16 +154,21 @@ class GatewayService:
                       "; ".join(decision.reasons[:1]))
             timeout = None if deadline is None else deadline - time.monotonic()
             stream = placement.decode.generate(request_id, worker_request_id, prompt, request.sampling,
-                                               decision.prefill or "", timeout)
+                                               decision.prefill or "", timeout, progress.resumed())
             streamed = False
             try:
                 async for chunk in stream:
                     if not streamed:
                         streamed = True
                         placement.prefilled()
-                    yield chunk
+                    yield progress.delivered(chunk)
                 return
             except StatusError as error:
+                if streamed and progress.migrate(error):
+                    observation.migrated(placement.decode.address, error.code.name, error.message,
+                                         len(progress.token_ids), progress.migrations)
+                    refused |= {placement.decode.address}
+                    continue
                 if streamed or error.code not in _RETRYABLE:
                     raise
                 log.info("request %s: decode worker %s refused it (%s: %s)",

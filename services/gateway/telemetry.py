@@ -117,6 +117,18 @@ class RequestObservation:
             self._span.add_event("refused", {"tandem.decode.address": decode, "error.type": code,
                                              "tandem.detail": details})
 
+    def migrated(self, decode: str, code: str, details: str, delivered_tokens: int, migrations: int) -> None:
+        """The decode worker failed after streaming; the request resumes elsewhere after
+        `delivered_tokens` output tokens (its `migrations`-th move)."""
+        self._metrics.migrated()
+        log.warning("request %s: decode worker %s failed after %d output tokens (%s: %s); resuming it on "
+                    "another worker (migration %d)", self._request_id, decode, delivered_tokens, code, details,
+                    migrations)
+        if self._traced:
+            self._span.add_event("migrated", {"tandem.decode.address": decode, "error.type": code,
+                                              "tandem.detail": details, "tandem.delivered_tokens": delivered_tokens})
+            self._span.set_attribute("tandem.migrations", migrations)
+
     def streamed(self, chunk: Chunk) -> None:
         """A chunk went to the client."""
         now = time.perf_counter()

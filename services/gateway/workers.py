@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
+from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
 from services.common.chunk import Chunk
 from services.common.convert import chunk_from_proto, sampling_params_to_proto, step_model_from_proto
@@ -79,9 +80,10 @@ class Worker:
         sampling: SamplingParams,
         prefill_address: str,
         timeout: float | None,
+        resumed: Resumed | None = None,
     ) -> AsyncIterator[Chunk]:
-        """Decode or colocated role: run a request here with its prompt computed by
-        `prefill_address` (empty: by this worker), yielding
+        """Decode or colocated role: run a request here with its prompt (and, `resumed`, the output
+        its client already has) computed by `prefill_address` (empty: by this worker), yielding
         its chunks (labelled `request_id`). The worker's refusal or failure is a StatusError with
         its gRPC code; leaving the stream early cancels the request on the worker."""
         call = self.stub.Generate(
@@ -90,6 +92,8 @@ class Worker:
                 prompt_token_ids=prompt_token_ids,
                 sampling=sampling_params_to_proto(sampling),
                 prefill_address=prefill_address,
+                output_token_ids=resumed.output_token_ids if resumed is not None else (),
+                output_text_length=(resumed.text_length or 0) if resumed is not None else 0,
             ),
             timeout=timeout,
         )

@@ -10,6 +10,7 @@ from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model.paths import served_model_id
+from engine.resume import Resumed
 from kvtransfer.descriptor import KVLayout, TransferTarget
 from services.common.convert import finish_reason_to_proto, sampling_params_from_proto, token_logprob_to_proto
 from services.common.errors import abort_with
@@ -36,8 +37,10 @@ class PrefillServicer(WorkerRpcs[PrefillWorker], prefill_pb2_grpc.PrefillService
             if not request.HasField("kv_target"):
                 raise ValueError("kv_target: must be set")
             target = TransferTarget.from_proto(request.kv_target)
+            resumed = Resumed(tuple(request.output_token_ids)) if request.output_token_ids else None
             result = await worker.inflight.run(
-                request.request_id, worker.prefill(request.request_id, request.prompt_token_ids, params, target)
+                request.request_id,
+                worker.prefill(request.request_id, request.prompt_token_ids, params, target, resumed),
             )
         except Exception as exc:
             await abort_with(context, exc)

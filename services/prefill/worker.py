@@ -11,6 +11,7 @@ import grpc
 
 from engine.engine import Engine
 from engine.outputs import RequestOutput
+from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
 from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget
 from kvtransfer.sender import KVSender, KVSenderPool
@@ -80,9 +81,11 @@ class PrefillWorker(Worker):
         return self._delivery_wait_s
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, target: TransferTarget
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, target: TransferTarget,
+        resumed: Resumed | None = None,
     ) -> PrefillResult:
-        """Prefill one prompt into `target`; returns once the pages were delivered.
+        """Prefill one prompt into `target` (with `resumed`: the prompt and the output already
+        delivered, then the next token); returns once the pages were delivered.
 
         Raises ValueError for bad input, StatusError FAILED_PRECONDITION if the target's layout
         differs from ours, UNAVAILABLE if the pages cannot be delivered. Whatever happens
@@ -97,7 +100,7 @@ class PrefillWorker(Worker):
         released = False
         try:
             push = await self.loop.call(
-                lambda e: self._add(e, request_id, prompt_token_ids, params, sender, target.num_cached_tokens)
+                lambda e: self._add(e, request_id, prompt_token_ids, params, resumed, sender, target.num_cached_tokens)
             )
             output = await queue.get()
             if isinstance(output, Exception):
@@ -151,13 +154,14 @@ class PrefillWorker(Worker):
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
+        resumed: Resumed | None,
         sender: KVSender,
         num_cached_tokens: int,
     ) -> KVPush:
         # Registered before the request can be scheduled, so the hook sees its very first layer.
         push = self.hook.register(request_id, sender, num_cached_tokens)
         try:
-            engine.add_request(request_id, prompt_token_ids, params)
+            engine.add_request(request_id, prompt_token_ids, params, resumed)
         except BaseException:
             self.hook.unregister(request_id)
             raise
