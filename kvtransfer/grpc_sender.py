@@ -16,18 +16,21 @@ import torch
 from tandem.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget, check_pages
+from kvtransfer.faults import Fault, TransferFault, flip_bit
 from kvtransfer.grpc_stream import MAX_PIECE_BYTES
 
 _END = object()  # queue the last chunk
 _STOP = object()  # end the request stream now (aborted, or the call ended)
-_Item = tuple[int, int, torch.Tensor, torch.Tensor] | object
+# (layer, first block, k, v, corrupt: the test hook flips a bit of its first piece after the CRC)
+_Item = tuple[int, int, torch.Tensor, torch.Tensor, bool] | object
 
 
 class GrpcSender:
     """One transfer's sending end: a Push call fed from a queue."""
 
-    def __init__(self, stub: kvtransfer_pb2_grpc.KVTransferStub, target: TransferTarget) -> None:
+    def __init__(self, stub: kvtransfer_pb2_grpc.KVTransferStub, target: TransferTarget, fault: TransferFault) -> None:
         self.target = target
+        self._fault = fault
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._call = stub.Push.future(self._chunks())
         # A call that ends early (refused, receiver gone) must not leave its iterator thread waiting.
@@ -36,11 +39,14 @@ class GrpcSender:
     def send(self, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Queue one layer's pages for blocks target.block_ids[first_block:]; never blocks."""
         check_pages(self.target, layer, first_block, k, v)
-        self._queue.put((layer, first_block, k, v))
+        fault = self._fault.page_fault()
+        if fault not in (Fault.DROP, Fault.STALL):
+            self._queue.put((layer, first_block, k, v, fault is Fault.CORRUPT))
 
     def finish(self) -> None:
         """Queue the end marker."""
-        self._queue.put(_END)
+        if self._fault.end_allowed:
+            self._queue.put(_END)
 
     def wait(self, timeout: float) -> int:
         """Bytes the receiver took once the call ended; TransferError on failure, or (aborting) on timeout."""
@@ -65,14 +71,17 @@ class GrpcSender:
             if item is _END:
                 yield kvtransfer_pb2.KVChunk(transfer_id=tid, last=True, crc32c=google_crc32c.value(b""))
                 return
-            layer, first_block, k, v = item
+            layer, first_block, k, v, corrupt = item
             for kv, tensor in enumerate((k, v)):
                 raw = memoryview(tensor.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
                 for offset in range(0, len(raw), MAX_PIECE_BYTES):
                     data = bytes(raw[offset:offset + MAX_PIECE_BYTES])
+                    crc = google_crc32c.value(data)
+                    if corrupt:
+                        corrupt, data = False, _flipped(data)
                     yield kvtransfer_pb2.KVChunk(
                         transfer_id=tid, layer=layer, first_block=first_block, num_blocks=k.shape[0], kv=kv,
-                        offset=offset, total_bytes=len(raw), data=data, crc32c=google_crc32c.value(data),
+                        offset=offset, total_bytes=len(raw), data=data, crc32c=crc,
                     )
 
 
@@ -89,9 +98,10 @@ class GrpcSenders:
         self._channels: dict[str, tuple[grpc.Channel, kvtransfer_pb2_grpc.KVTransferStub]] = {}
         self._lock = threading.Lock()
 
-    def sender(self, target: TransferTarget) -> GrpcSender:
-        """A sender on the receiver's channel (handshaking first on a new one; blocks up to the timeout)."""
-        return GrpcSender(self._stub(target.address), target)
+    def sender(self, target: TransferTarget, fault: TransferFault) -> GrpcSender:
+        """A sender on the receiver's channel (handshaking first on a new one; blocks up to the
+        timeout); `fault` is the test hook's plan for it."""
+        return GrpcSender(self._stub(target.address), target, fault)
 
     def close(self) -> None:
         """Close every channel (calls in flight fail)."""
@@ -131,3 +141,9 @@ class GrpcSenders:
             except ValueError:
                 reason = response.reason
             raise TransferError(f"KV layout mismatch with {address}: {reason}")
+
+
+def _flipped(data: bytes) -> bytes:
+    corrupted = bytearray(data)
+    flip_bit(corrupted)
+    return bytes(corrupted)

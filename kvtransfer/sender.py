@@ -9,6 +9,7 @@ import grpc
 import torch
 
 from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget
+from kvtransfer.faults import TransferFault, fault_file, read_fault
 from kvtransfer.grpc_sender import GrpcSenders
 from kvtransfer.torch_dist_sender import TorchDistSenders
 
@@ -52,6 +53,7 @@ class KVSenderPool:
         self.layout = layout
         self._torch_dist = TorchDistSenders(timeout, torch.device(device))
         self._grpc = GrpcSenders(layout, timeout, connect)
+        self._fault_file = fault_file()  # the test hook (kvtransfer.faults); None in production
 
     def sender(self, target: TransferTarget) -> KVSender:
         """A sender for one transfer; TransferError if the layouts differ (naming the fields) or the
@@ -59,9 +61,10 @@ class KVSenderPool:
         reason = self.layout.mismatch(target.layout)
         if reason is not None:
             raise TransferError(f"KV layout mismatch: {reason}")
+        fault = TransferFault(read_fault(self._fault_file), target.transfer_id)
         if target.backend == "torch_dist":
-            return self._torch_dist.sender(target)
-        return self._grpc.sender(target)
+            return self._torch_dist.sender(target, fault)
+        return self._grpc.sender(target, fault)
 
     def close(self) -> None:
         """Close every connection after what is queued (waiting up to the timeout); transfers still

@@ -10,7 +10,9 @@ cut after pairing. Gloo also listens for its pair connection, on the same host.
 
 Messages are raw tensors: a fixed int64 header, then for pages the K and V bytes of each page run
 it lists, as uint8 (so every dtype, bfloat16 included, travels the same way; gloo's send/recv does
-handle bfloat16 too).
+handle bfloat16 too). A PAGES header carries the CRC32C of all the bytes that follow it, which the
+receiver checks before writing any of them; on NCCL (pages on the GPU) it carries none, since
+computing one would copy every page to the host.
 
 Gloo facts this relies on (measured with torch 2.13):
 - a send leaves only once the peer posted the matching receive, so receivers post ahead;
@@ -34,10 +36,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from enum import IntEnum
 
+import google_crc32c
 import torch
 import torch.distributed as dist
 
-MAGIC = 0x4B56_5041_4745_5331  # "KVPAGES1"
+MAGIC = 0x4B56_5041_4745_5332  # "KVPAGES2"
 # Between transfers a pair may sit idle for any time; its header recv must not expire.
 IDLE_TIMEOUT = timedelta(days=365)
 RECEIVER_RANK, SENDER_RANK = 0, 1
@@ -78,8 +81,9 @@ class Header:
     kind: Kind
     transfer_id: int = 0
     runs: tuple[PageRun, ...] = ()
+    checksum: int | None = None  # CRC32C of the bytes that follow (see payload_checksum); None: unchecked
 
-    SIZE = 4 + 4 * MAX_RUNS
+    SIZE = 5 + 4 * MAX_RUNS
 
     def __post_init__(self) -> None:
         if len(self.runs) > MAX_RUNS:
@@ -92,7 +96,8 @@ class Header:
 
     def tensor(self) -> torch.Tensor:
         """The header as sent."""
-        values = [MAGIC, self.kind, self.transfer_id, len(self.runs)]
+        checksum = _NO_CHECKSUM if self.checksum is None else self.checksum
+        values = [MAGIC, self.kind, self.transfer_id, len(self.runs), checksum]
         for run in self.runs:
             values += [run.layer, run.first_block, run.num_blocks, run.nbytes]
         return torch.tensor(values + [0] * (self.SIZE - len(values)), dtype=torch.int64)
@@ -101,11 +106,22 @@ class Header:
     def parse(cls, tensor: torch.Tensor) -> Header:
         """Read a received header; ValueError if it is not one."""
         values = tensor.cpu().tolist()
-        magic, kind, transfer_id, count = values[:4]
+        magic, kind, transfer_id, count, checksum = values[:5]
         if magic != MAGIC or kind not in Kind._value2member_map_ or not 0 <= count <= MAX_RUNS:
             raise ValueError(f"not a KV message header: {values[:4]}")
-        runs = tuple(PageRun(*values[4 + 4 * i: 8 + 4 * i]) for i in range(count))
-        return cls(Kind(kind), transfer_id, runs)
+        runs = tuple(PageRun(*values[5 + 4 * i: 9 + 4 * i]) for i in range(count))
+        return cls(Kind(kind), transfer_id, runs, None if checksum == _NO_CHECKSUM else checksum)
+
+
+_NO_CHECKSUM = -1  # a CRC32C is never negative
+
+
+def payload_checksum(tensors: list[torch.Tensor]) -> int:
+    """CRC32C of the bytes of flat uint8 CPU tensors, one after the other."""
+    checksum = 0
+    for tensor in tensors:
+        checksum = google_crc32c.extend(checksum, tensor.numpy())
+    return checksum
 
 
 class _DetachableStore(dist.Store):

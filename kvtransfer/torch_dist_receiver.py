@@ -14,7 +14,7 @@ import torch
 
 from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget, WriteBlocks
 from kvtransfer.pending import PendingTransfers
-from kvtransfer.torch_dist import IDLE_TIMEOUT, Header, Kind, PairGroup, Rendezvous
+from kvtransfer.torch_dist import IDLE_TIMEOUT, Header, Kind, PairGroup, Rendezvous, payload_checksum
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,11 @@ class _ReceivingPair:
             next_header = group.post_recv(header_buffer)
 
     def _write(self, header: Header, buffers: list[torch.Tensor]) -> None:
+        if header.checksum is not None and payload_checksum(buffers) != header.checksum:
+            layers = sorted({run.layer for run in header.runs})
+            self._pending.fail(header.transfer_id, TransferError(
+                f"transfer {header.transfer_id}: CRC32C mismatch in the pages of layers {layers} from {self.peer}"))
+            return
         for i, run in enumerate(header.runs):
             self._pending.write(header.transfer_id, run.layer, run.first_block, run.num_blocks,
                                 buffers[2 * i], buffers[2 * i + 1])

@@ -9,15 +9,26 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from kvtransfer.descriptor import TransferError, TransferTarget, check_pages
+from kvtransfer.faults import Fault, TransferFault, flip_bit
 from kvtransfer.futures import settle, settle_error
-from kvtransfer.torch_dist import IDLE_TIMEOUT, MAX_RUNS, Header, Kind, PageRun, PairGroup, join, raw_bytes
+from kvtransfer.torch_dist import (
+    IDLE_TIMEOUT,
+    MAX_RUNS,
+    Header,
+    Kind,
+    PageRun,
+    PairGroup,
+    join,
+    payload_checksum,
+    raw_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -25,21 +36,27 @@ log = logging.getLogger(__name__)
 class TorchDistSender:
     """One transfer's sending end: messages go, in order, through its pair's send thread."""
 
-    def __init__(self, pair: _SendingPair, target: TransferTarget) -> None:
+    def __init__(self, pair: _SendingPair, target: TransferTarget, fault: TransferFault) -> None:
         self.target = target
         self.done: Future[int] = Future()
         self.bytes_sent = 0
         self._pair = pair
+        self._fault = fault
 
     def send(self, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Queue one layer's pages for blocks target.block_ids[first_block:]; never blocks."""
         check_pages(self.target, layer, first_block, k, v)
+        fault = self._fault.page_fault()
+        if fault in (Fault.DROP, Fault.STALL):
+            return
         run = PageRun(layer, first_block, k.shape[0], k.numel() * k.element_size())
-        self._pair.submit(_Message(self, Header(Kind.PAGES, self.target.transfer_id, (run,)), ((k, v),)))
+        header = Header(Kind.PAGES, self.target.transfer_id, (run,))
+        self._pair.submit(_Message(self, header, ((k, v),), corrupt=fault is Fault.CORRUPT))
 
     def finish(self) -> None:
         """Queue the end marker."""
-        self._pair.submit(_Message(self, Header(Kind.END, self.target.transfer_id)))
+        if self._fault.end_allowed:
+            self._pair.submit(_Message(self, Header(Kind.END, self.target.transfer_id)))
 
     def wait(self, timeout: float) -> int:
         """Bytes sent once everything queued left; TransferError on failure, or (aborting) on timeout."""
@@ -60,6 +77,7 @@ class _Message:
     sender: TorchDistSender | None  # None: the pair's own BYE
     header: Header
     pages: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # K and V of each run in header.runs
+    corrupt: bool = False  # the test hook flips a bit of it after the checksum (kvtransfer.faults)
 
     def joins(self, other: _Message) -> bool:
         """Whether `other` can travel in this message: more pages of the same transfer, with room."""
@@ -69,7 +87,7 @@ class _Message:
     def join(self, other: _Message) -> _Message:
         """This message with `other`'s pages appended (see `joins`)."""
         header = Header(Kind.PAGES, self.header.transfer_id, self.header.runs + other.header.runs)
-        return _Message(self.sender, header, self.pages + other.pages)
+        return _Message(self.sender, header, self.pages + other.pages, self.corrupt or other.corrupt)
 
 
 _BYE = _Message(None, Header(Kind.BYE))
@@ -87,10 +105,14 @@ class _InFlight:
 
     @classmethod
     def post(cls, group: PairGroup, sender: TorchDistSender, message: _Message) -> _InFlight:
-        tensors = [message.header.tensor().to(group.device)]
-        for k, v in message.pages:
-            tensors += [raw_bytes(k, group.device), raw_bytes(v, group.device)]
-        return cls(sender, message.header, tensors, [group.post_send(tensor) for tensor in tensors])
+        payload = [raw_bytes(tensor, group.device) for pages in message.pages for tensor in pages]
+        header = message.header
+        if header.kind is Kind.PAGES and group.device.type == "cpu":
+            header = replace(header, checksum=payload_checksum(payload))
+        if message.corrupt:
+            flip_bit(payload[0])
+        tensors = [header.tensor().to(group.device), *payload]
+        return cls(sender, header, tensors, [group.post_send(tensor) for tensor in tensors])
 
     def complete(self, timeout: timedelta) -> None:
         """Wait until the message left; account for it; settle its transfer after END."""
@@ -121,9 +143,9 @@ class _SendingPair:
         self._threads = [threading.Thread(target=self._run, name=f"kv-send-{target.address}", daemon=True)]
         self._threads[0].start()
 
-    def open_sender(self, target: TransferTarget) -> TorchDistSender:
+    def open_sender(self, target: TransferTarget, fault: TransferFault) -> TorchDistSender:
         """A sender for one transfer on this pair; TransferError if the pair failed or closed."""
-        sender = TorchDistSender(self, target)
+        sender = TorchDistSender(self, target, fault)
         with self._lock:
             if self._error is not None:
                 raise self._error
@@ -232,8 +254,9 @@ class TorchDistSenders:
         self._pairs: dict[str, _SendingPair] = {}
         self._lock = threading.Lock()
 
-    def sender(self, target: TransferTarget) -> TorchDistSender:
-        """A sender on the target's pair, pairing first if needed (blocks up to the timeout)."""
+    def sender(self, target: TransferTarget, fault: TransferFault) -> TorchDistSender:
+        """A sender on the target's pair, pairing first if needed (blocks up to the timeout); `fault`
+        is the test hook's plan for it."""
         with self._lock:
             pair = self._pairs.get(target.namespace)
             if pair is None:
@@ -241,7 +264,7 @@ class TorchDistSenders:
         # Pairing gives up by itself after the timeout; the margin covers thread start-up.
         if not pair.ready.wait(2 * self._timeout):
             raise TransferError(f"pairing with the KV receiver at {target.address} did not finish")
-        return pair.open_sender(target)
+        return pair.open_sender(target, fault)
 
     def forget(self, pair: _SendingPair) -> None:
         """Drop an ended pair: a later target for the same receiver comes with a new namespace."""

@@ -3,7 +3,9 @@
 ValueError (the engine's and the converters' "bad input, naming the field") is INVALID_ARGUMENT,
 TimeoutError is DEADLINE_EXCEEDED, a `StatusError` carries its own code, anything else is INTERNAL
 (and logged with its traceback, since it is a bug or an unexpected failure). The RPC's span, when
-traced, is marked failed with the status code's name as its `error.type`.
+traced, is marked failed with the status code's name as its `error.type`. A StatusError's extra
+fields travel as trailing metadata (`retry-after`, `tandem-failed-prefill`), and
+`status_error_from_rpc` reads them back on the calling side.
 """
 
 from __future__ import annotations
@@ -19,16 +21,23 @@ from services.observability.spans import set_error
 log = logging.getLogger(__name__)
 
 
+FAILED_PREFILL_KEY = "tandem-failed-prefill"
+
+
 class StatusError(Exception):
     """A failure with the gRPC status code to answer it with."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None,
+                 failed_prefill: str | None = None) -> None:
         """`retry_after_s`: when a refusal (RESOURCE_EXHAUSTED) is worth retrying; sent to gRPC
-        clients as `retry-after` trailing metadata (whole seconds), to HTTP clients as Retry-After."""
+        clients as `retry-after` trailing metadata (whole seconds), to HTTP clients as Retry-After.
+        `failed_prefill`: the prefill worker (host:port) whose failure, or whose KV transfer's,
+        this is: the decode worker answering is fine, and the request may run again elsewhere."""
         super().__init__(message)
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+        self.failed_prefill = failed_prefill
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -48,7 +57,17 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
     set_error(code.name, message)
     if code is grpc.StatusCode.INTERNAL:
         log.error("internal error", exc_info=exc)
-    retry_after = getattr(exc, "retry_after_s", None)
-    trailers = (("retry-after", str(math.ceil(retry_after))),) if retry_after is not None else ()
-    await context.abort(code, message, trailing_metadata=trailers)
+    trailers: list[tuple[str, str]] = []
+    if isinstance(exc, StatusError):
+        if exc.retry_after_s is not None:
+            trailers.append(("retry-after", str(math.ceil(exc.retry_after_s))))
+        if exc.failed_prefill is not None:
+            trailers.append((FAILED_PREFILL_KEY, exc.failed_prefill))
+    await context.abort(code, message, trailing_metadata=tuple(trailers))
     raise AssertionError("context.abort returned")  # it always raises; this tells type checkers
+
+
+def status_error_from_rpc(error: grpc.aio.AioRpcError) -> StatusError:
+    """A failed call as a StatusError: its code, details and the prefill worker it blames."""
+    trailers = dict(error.trailing_metadata() or ())
+    return StatusError(error.code(), error.details() or "", failed_prefill=trailers.get(FAILED_PREFILL_KEY))

@@ -107,7 +107,8 @@ class DecodeWorker(Worker):
 
         Raises ValueError for bad input, StatusError RESOURCE_EXHAUSTED when the cache has no room,
         DEADLINE_EXCEEDED when the KV is not complete within `kv_timeout`, UNAVAILABLE when the
-        prefill worker or the transfer failed (or the prefill worker's own status).
+        prefill worker or the transfer failed (or the prefill worker's own status). A failure of
+        the prefill worker or of its transfer names it in the StatusError's `failed_prefill`.
         """
         try:
             reservation = await self.loop.call(lambda e: _reserve(e, request_id, prompt_token_ids, params, resumed))
@@ -133,12 +134,15 @@ class DecodeWorker(Worker):
             except TransferError as exc:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the KV receiver cannot take it: {exc}") from exc
             stage = "prefilling"
-            reply = await prefill.prefill(request_id, prompt_token_ids, params, target, _left(deadline), resumed)
-            stage = "transferring"
-            timings.prefill_queue_s, timings.prefill_compute_s = reply.queue_s, reply.compute_s
-            timings.kv_delivery_wait_s = reply.delivery_wait_s
-            timings.prefill_replied_at = time.perf_counter()
-            await self._wait_for_kv(self.receiver.completion(transfer_id), deadline, prefill.address)
+            try:
+                reply = await prefill.prefill(request_id, prompt_token_ids, params, target, _left(deadline), resumed)
+                stage = "transferring"
+                timings.prefill_queue_s, timings.prefill_compute_s = reply.queue_s, reply.compute_s
+                timings.kv_delivery_wait_s = reply.delivery_wait_s
+                timings.prefill_replied_at = time.perf_counter()
+                await self._wait_for_kv(self.receiver.completion(transfer_id), deadline, prefill.address)
+            except StatusError as error:
+                raise _blamed(error, prefill.address) from error
             timings.kv_done_at = time.perf_counter()
             timings.kv_wait_s = timings.kv_done_at - timings.prefill_replied_at
             queue = self.loop.open_stream(request_id)
@@ -242,6 +246,15 @@ def _reserve(
             f"no KV room: the prompt needs {needed} blocks, {engine.kv.num_free_blocks} are free",
         )
     return reservation
+
+
+def _blamed(error: StatusError, prefill: str) -> StatusError:
+    """`error` from the prefill worker or its transfer, naming that worker as the one that failed,
+    unless it is about the request itself. A deadline here is the transfer's (`kv_timeout`), not the
+    client's, so it blames the worker too."""
+    if error.code is grpc.StatusCode.INVALID_ARGUMENT:
+        return error
+    return StatusError(error.code, error.message, failed_prefill=prefill)
 
 
 def _left(deadline: float) -> float:

@@ -2,8 +2,11 @@
 
 `GatewayService.generate` validates and tokenizes a request, has admission place it (the SLO
 router's choice, at once or after a bounded wait), and streams the chosen decode worker's chunks,
-moving on to the next best worker while workers refuse the request before its first token, and
-resuming it on another one when its worker fails mid-stream (services.gateway.migration).
+moving on to the next best placement while workers refuse or fail the request before its first
+token: without the decode worker that refused it, or without the prefill worker that the decode
+worker blames (then the same decode worker may serve it, prefilling itself when no prefill worker
+is left). A request whose decode worker fails mid-stream resumes on another one
+(services.gateway.migration).
 Failures are `StatusError`s carrying a gRPC status code; each API maps them to its own errors.
 """
 
@@ -169,18 +172,26 @@ class GatewayService:
                                          len(progress.token_ids), progress.migrations)
                     refused |= {placement.decode.address}
                     continue
-                if streamed or error.code not in _RETRYABLE:
+                if streamed or not _retryable(error):
                     raise
-                log.info("request %s: decode worker %s refused it (%s: %s)",
-                         request_id, placement.decode.address, error.code.name, error.message)
-                observation.refused(placement.decode.address, error.code.name, error.message)
-                refusals.append((error.code, f"{placement.decode.address}: {error.message}"))
-                refused |= {placement.decode.address}
+                failed = error.failed_prefill or placement.decode.address
+                log.info("request %s: worker %s refused or failed it (%s: %s)",
+                         request_id, failed, error.code.name, error.message)
+                observation.refused(failed, error.code.name, error.message)
+                refusals.append((error.code, f"{failed}: {error.message}"))
+                refused |= {failed}
             finally:
                 await stream.aclose()
                 placement.release()
         exhausted = all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in refusals)
         raise StatusError(
             grpc.StatusCode.RESOURCE_EXHAUSTED if exhausted else grpc.StatusCode.UNAVAILABLE,
-            "every decode worker refused the request: " + "; ".join(detail for _, detail in refusals),
+            "every worker tried refused or failed the request: " + "; ".join(detail for _, detail in refusals),
         )
+
+
+def _retryable(error: StatusError) -> bool:
+    """Whether a failure before the first token may be retried elsewhere: a refusal that left the
+    request untouched, or a failure the decode worker blames on its prefill worker (a transfer
+    deadline included: that worker's fault, not the client's deadline)."""
+    return error.code in _RETRYABLE or error.failed_prefill is not None

@@ -111,10 +111,11 @@ class RequestObservation:
             self._span.add_event("dispatch", chosen)
             self._span.set_attributes(chosen)
 
-    def refused(self, decode: str, code: str, details: str) -> None:
-        """The decode worker refused the attempt before streaming (the next pair is tried)."""
+    def refused(self, worker: str, code: str, details: str) -> None:
+        """The attempt was refused or failed before streaming, by `worker` (the decode worker, or
+        the prefill worker it blamed); the next placement without it is tried."""
         if self._traced:
-            self._span.add_event("refused", {"tandem.decode.address": decode, "error.type": code,
+            self._span.add_event("refused", {"tandem.worker.address": worker, "error.type": code,
                                              "tandem.detail": details})
 
     def migrated(self, decode: str, code: str, details: str, delivered_tokens: int, migrations: int) -> None:

@@ -22,7 +22,7 @@ from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
 from services.common.chunk import Chunk
 from services.common.convert import chunk_from_proto, sampling_params_to_proto, step_model_from_proto
-from services.common.errors import StatusError
+from services.common.errors import status_error_from_rpc
 from services.common.tls import TlsConfig, open_channel
 from services.gateway.router import Role, WorkerLoad
 
@@ -85,7 +85,8 @@ class Worker:
         """Decode or colocated role: run a request here with its prompt (and, `resumed`, the output
         its client already has) computed by `prefill_address` (empty: by this worker), yielding
         its chunks (labelled `request_id`). The worker's refusal or failure is a StatusError with
-        its gRPC code; leaving the stream early cancels the request on the worker."""
+        its gRPC code (and the prefill worker it blames, if any); leaving the stream early cancels
+        the request on the worker."""
         call = self.stub.Generate(
             decode_pb2.DecodeRequest(
                 request_id=worker_request_id,
@@ -101,7 +102,7 @@ class Worker:
             async for message in call:
                 yield chunk_from_proto(message, request_id)
         except grpc.aio.AioRpcError as error:
-            raise StatusError(error.code(), error.details() or "") from error
+            raise status_error_from_rpc(error) from error
         finally:
             # Cancels the worker's request when our client went away; a no-op once it ended.
             call.cancel()

@@ -1,11 +1,13 @@
-"""The torch_dist wire format: headers listing page runs, and the sender's coalescing of queued pages."""
+"""The torch_dist wire format: headers listing page runs and their checksum, and the sender's coalescing of
+queued pages."""
 
 from __future__ import annotations
 
+import google_crc32c
 import pytest
 import torch
 
-from kvtransfer.torch_dist import MAX_RUNS, Header, Kind, PageRun
+from kvtransfer.torch_dist import MAX_RUNS, Header, Kind, PageRun, payload_checksum
 from kvtransfer.torch_dist_sender import _Message
 
 
@@ -56,3 +58,28 @@ def test_other_transfers_and_end_markers_do_not_coalesce() -> None:
     end = _Message(sender, Header(Kind.END, 1))  # type: ignore[arg-type]
     assert not _pages(sender, 0).joins(end)
     assert not end.joins(_pages(sender, 0))
+
+
+def test_header_carries_the_payload_checksum_and_its_absence() -> None:
+    payload = [torch.arange(16, dtype=torch.uint8), torch.full((8,), 3, dtype=torch.uint8)]
+    checksum = payload_checksum(payload)
+    assert checksum == google_crc32c.value(bytes(range(16)) + bytes([3] * 8))
+    checked = Header(Kind.PAGES, 5, (PageRun(0, 0, 1, 16),), checksum)
+    assert Header.parse(checked.tensor()) == checked
+    unchecked = Header(Kind.PAGES, 5, (PageRun(0, 0, 1, 16),))  # NCCL: pages on the GPU go unchecked
+    assert Header.parse(unchecked.tensor()).checksum is None
+
+
+def test_payload_checksum_changes_with_any_flipped_bit() -> None:
+    payload = [torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)]
+    clean = payload_checksum(payload)
+    payload[1][63] ^= 0x80
+    assert payload_checksum(payload) != clean
+
+
+def test_corrupt_flag_survives_coalescing() -> None:
+    sender = object()
+    corrupt = _Message(sender, _pages(sender, 0).header, _pages(sender, 0).pages, corrupt=True)  # type: ignore[arg-type]
+    assert corrupt.join(_pages(sender, 1)).corrupt
+    assert _pages(sender, 1).join(corrupt).corrupt
+    assert not _pages(sender, 0).join(_pages(sender, 1)).corrupt

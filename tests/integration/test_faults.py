@@ -1,0 +1,217 @@
+"""Faults with real processes: KV transfer faults injected by the test hook (kvtransfer.faults),
+prefill workers killed with SIGKILL mid-prefill and mid-transfer, and a gateway killed with SIGKILL
+while requests stream and prefill. Every request that is not cancelled still gets exactly the
+greedy output of an in-process colocated engine, and every test ends with the leak check.
+
+One mesh for the module: prefill workers A and B (whose hook files the tests write), a decode
+worker per KV backend, and two prefill workers that the kill test kills. The decode workers' KV
+deadline is short, so that a stalled transfer fails within seconds.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from leak_check import assert_no_leaks, load_report
+from parity_prompts import travel_diary
+from prometheus_client.parser import text_string_to_metric_families
+from workers_util import Worker, start_worker
+
+from engine.offline import generate
+from engine.sampling_params import SamplingParams
+from kvtransfer.faults import ENV_VAR
+from services.client import TandemClient
+
+WORKER_FLAGS = ["--port", "0", "--threads", "1", "--kv-cache-mib", "64"]
+# Load reports are read between engine steps, so a prompt is seen mid-prefill only when it takes
+# several steps: small chunks make a few hundred tokens take several.
+PREFILL_FLAGS = [*WORKER_FLAGS, "--max-num-batched-tokens", "128"]
+KV_TIMEOUT_S = "10"  # the decode workers' deadline for a prompt's KV: a stall costs this much
+GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+RPC_TIMEOUT_S = 300.0
+DEADLINE_S = 60.0  # generous bound for conditions polled below; no test asserts elapsed time
+BACKENDS = ["torch_dist", "grpc"]
+
+
+@dataclass
+class Mesh:
+    prefill: list[Worker]  # A and B
+    fault_files: list[Path]  # their test hook files, in the same order
+    decode: dict[str, Worker]  # by KV backend
+    victims: list[Worker]  # prefill workers the kill test kills; their hook files follow fault_files
+    gateways: dict[str, Worker]  # A and B in front of each decode worker; "victims" in front of torch_dist's
+
+    @property
+    def workers(self) -> list[Worker]:
+        return [*self.prefill, *self.decode.values()]
+
+
+def _gateway(prefill: list[Worker], decode: list[Worker]) -> Worker:
+    return start_worker(["gateway", "--port", "0", "--http-port", "0",
+                         "--prefill", ",".join(str(w.address) for w in prefill),
+                         "--decode", ",".join(str(w.address) for w in decode),
+                         "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"])
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    folder = tmp_path_factory.mktemp("faults")
+    files = [folder / f"prefill-{i}.fault" for i in range(4)]
+    prefill = [start_worker(["prefill", *PREFILL_FLAGS], wait=False, env={ENV_VAR: str(path)}) for path in files]
+    decode = {backend: start_worker(["decode", *WORKER_FLAGS, "--kv-backend", backend, "--kv-timeout", KV_TIMEOUT_S],
+                                    wait=False) for backend in BACKENDS}
+    started = [*prefill, *decode.values()]
+    gateways: dict[str, Worker] = {}
+    try:
+        for worker in started:
+            worker.wait_ready()
+        for backend in BACKENDS:
+            gateways[backend] = _gateway(prefill[:2], [decode[backend]])
+        gateways["victims"] = _gateway(prefill[2:], [decode["torch_dist"]])
+        yield Mesh(prefill[:2], files, decode, prefill[2:], gateways)
+    finally:
+        for worker in [*gateways.values(), *started]:
+            worker.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(make_engine) -> Callable[[list[int]], list[int]]:
+    """Greedy token ids of a prompt on an in-process colocated engine."""
+    engine = make_engine()
+    return lambda prompt: generate(engine, [prompt], [SamplingParams(**GREEDY)])[0].token_ids
+
+
+def _token_ids(gateway: Worker, prompt: list[int]) -> list[int]:
+    with TandemClient(str(gateway.address)) as client:
+        return [i for chunk in client.generate(token_ids=prompt, **GREEDY, timeout=RPC_TIMEOUT_S)
+                for i in chunk.token_ids]
+
+
+def _routed(gateway: Worker) -> dict[str, float]:
+    """The gateway's attempts so far (retries included) per prefill worker ("local": none)."""
+    with urllib.request.urlopen(f"http://{gateway.http_address}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return {sample.labels["worker"]: sample.value
+            for family in text_string_to_metric_families(text) if family.name == "tandem:routing_decisions"
+            for sample in family.samples
+            if sample.name.endswith("_total") and sample.labels["pool"] == "prefill"}
+
+
+def _more(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {worker: count - before.get(worker, 0) for worker, count in after.items() if count > before.get(worker, 0)}
+
+
+def _poll(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "drop", "stall"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_transfer_fault_is_retried_on_the_other_prefill_worker(mesh, tokenizer, reference, backend, fault):
+    gateway = mesh.gateways[backend]
+    prompt = tokenizer.encode(f"Fault {fault} over {backend}.\n" + travel_diary()[:600])
+    expected = reference(prompt)
+    before = _routed(gateway)
+    assert _token_ids(gateway, prompt) == expected
+    [first] = _more(before, _routed(gateway))  # the prefill worker that served it now holds its prefix
+    index = [str(w.address) for w in mesh.prefill].index(first)
+    other = str(mesh.prefill[1 - index].address)
+    mesh.fault_files[index].write_text(fault)
+    try:
+        before = _routed(gateway)
+        # Its prefix sends the request to the faulty worker again; the fault makes the gateway retry.
+        assert _token_ids(gateway, prompt) == expected
+    finally:
+        mesh.fault_files[index].write_text("")
+    assert _more(before, _routed(gateway)) == {first: 1, other: 1}
+    assert f"{ENV_VAR}: {fault}" in mesh.prefill[index].log_tail(200)
+    assert_no_leaks(mesh.workers)
+
+
+def _busy(worker: Worker) -> bool:
+    report = load_report(worker)
+    return bool(report.running_requests or report.waiting_requests)
+
+
+def _first_busy(workers: list[Worker]) -> Worker:
+    """The first of `workers` seen running or queueing a request (polled)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        for worker in workers:
+            if _busy(worker):
+                return worker
+        assert time.monotonic() < deadline, "no worker started the request"
+        time.sleep(0.05)
+
+
+def _delivering(worker: Worker) -> bool:
+    """Its prompt is computed (nothing runs or waits) but its pages are still held for the transfer."""
+    report = load_report(worker)
+    return not (report.running_requests or report.waiting_requests) and report.used_kv_blocks > 0
+
+
+def test_prefill_workers_killed_mid_prefill_then_mid_transfer(mesh, tokenizer, reference):
+    gateway = mesh.gateways["victims"]
+    # Mid-prefill: the request goes to one victim; killed while computing, the other one serves it.
+    prompt = tokenizer.encode("Killed mid-prefill.\n" + travel_diary()[:1500])
+    expected = reference(prompt)
+    before = _routed(gateway)
+    with TandemClient(str(gateway.address)) as client:
+        stream = client.generate(token_ids=prompt, **GREEDY, timeout=RPC_TIMEOUT_S)
+        killed = _first_busy(mesh.victims)
+        killed.proc.kill()
+        assert [i for chunk in stream for i in chunk.token_ids] == expected
+    [survivor] = [v for v in mesh.victims if v is not killed]
+    assert _more(before, _routed(gateway)) == {str(killed.address): 1, str(survivor.address): 1}
+    assert_no_leaks([survivor, *mesh.workers])
+
+    # Mid-transfer: the survivor's pages stall (the test hook) and it is killed while holding them;
+    # no prefill worker is left, so the decode worker prefills the prompt itself.
+    prompt = tokenizer.encode("Killed mid-transfer.\n" + travel_diary()[:300])
+    expected = reference(prompt)
+    mesh.fault_files[2 + mesh.victims.index(survivor)].write_text("stall")
+    before = _routed(gateway)
+    with TandemClient(str(gateway.address)) as client:
+        stream = client.generate(token_ids=prompt, **GREEDY, timeout=RPC_TIMEOUT_S)
+        _poll(lambda: _delivering(survivor), "the survivor never held computed pages")
+        survivor.proc.kill()
+        assert [i for chunk in stream for i in chunk.token_ids] == expected
+    assert _more(before, _routed(gateway)) == {str(survivor.address): 1, "local": 1}
+    assert_no_leaks(mesh.workers)
+
+
+def test_workers_free_a_killed_gateways_requests_and_serve_a_new_one(mesh, tokenizer, reference):
+    decode = list(mesh.decode.values())
+    gateway = _gateway(mesh.prefill, decode)
+    try:
+        with TandemClient(str(gateway.address)) as client:
+            streaming = [client.generate(prompt=f"Stream {i}: once upon a time", max_tokens=4000, temperature=0.0,
+                                         ignore_eos=True, timeout=RPC_TIMEOUT_S) for i in range(2)]
+            for stream in streaming:
+                for _ in range(2):
+                    assert next(stream).finish_reason is None
+            prefilling = [client.generate(prompt=f"Prefill {i}\n{travel_diary()}", **GREEDY,
+                                          timeout=RPC_TIMEOUT_S) for i in range(2)]
+            _first_busy(mesh.prefill)
+            gateway.proc.kill()
+            gateway.proc.wait()
+            for stream in [*streaming, *prefilling]:
+                stream.cancel()
+        assert_no_leaks(mesh.workers)
+    finally:
+        gateway.stop()
+    gateway = _gateway(mesh.prefill, decode)
+    try:
+        prompt = tokenizer.encode("After the restart, the capital of France is")
+        assert _token_ids(gateway, prompt) == reference(prompt)
+        assert_no_leaks(mesh.workers)
+    finally:
+        assert gateway.stop() == 0, gateway.log_tail()
