@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import socket
 import threading
 import time
@@ -24,6 +25,12 @@ from services.client import TandemClient
 GRPC, HTTP = "grpc", "http"
 OK, CANCELLED, REFUSED, ERROR = "ok", "cancelled", "refused", "error"
 CALL_TIMEOUT_S = 300.0  # every call ends by itself: no load here can hang a run
+TOKEN_RANGE = (1000, 30000)  # ordinary text tokens of the shipped model's vocabulary
+
+
+def random_tokens(rng: random.Random, count: int) -> list[int]:
+    """`count` random ordinary token ids (prompts that share nothing unless built to)."""
+    return [rng.randrange(*TOKEN_RANGE) for _ in range(count)]
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from leak_check import is_idle, load_report, wait_until_idle
-from load_clients import CANCELLED, GRPC, HTTP, OK, LoadRequest, LoadRunner, Outcome
+from load_clients import CANCELLED, GRPC, HTTP, OK, LoadRequest, LoadRunner, Outcome, random_tokens
 from mesh_launcher import Mesh
 from prometheus_client.parser import text_string_to_metric_families
 from tandem.v1 import common_pb2
 
 POINTS = ("before_prefill", "during_transfer", "mid_decode")
-TOKEN_RANGE = (1000, 30000)  # ordinary text tokens of the shipped model's vocabulary
 BLOCK_TOKENS = 16
 
 
@@ -74,10 +73,10 @@ def plan_storm(config: StormConfig, calm_ttft_s: float) -> list[StormRequest]:
     """The storm's requests in sending order, from `config.seed`; `calm_ttft_s` scales the
     during-transfer delays."""
     rng = random.Random(config.seed)
-    prefixes = [_tokens(rng, config.prefix_blocks * BLOCK_TOKENS) for _ in range(config.prefixes)]
+    prefixes = [random_tokens(rng, config.prefix_blocks * BLOCK_TOKENS) for _ in range(config.prefixes)]
     planned = []
     for _ in range(config.requests):
-        prompt = rng.choice(prefixes) + _tokens(rng, rng.randint(*config.suffix_tokens))
+        prompt = rng.choice(prefixes) + random_tokens(rng, rng.randint(*config.suffix_tokens))
         max_tokens = rng.randint(*config.max_tokens)
         api = HTTP if rng.random() < config.http_fraction else GRPC
         point = rng.choice(POINTS) if rng.random() < config.cancel_fraction else None
@@ -89,10 +88,6 @@ def plan_storm(config: StormConfig, calm_ttft_s: float) -> list[StormRequest]:
         }[point]
         planned.append(StormRequest(point, LoadRequest(tuple(prompt), max_tokens, api, **cancel)))
     return planned
-
-
-def _tokens(rng: random.Random, count: int) -> list[int]:
-    return [rng.randrange(*TOKEN_RANGE) for _ in range(count)]
 
 
 @dataclass
@@ -151,7 +146,7 @@ def calm_ttft(runner: LoadRunner, config: StormConfig, samples: int = 3) -> floa
     rng = random.Random(config.seed + 1)
     ttfts = []
     for _ in range(samples + 1):
-        prompt = _tokens(rng, config.prefix_blocks * BLOCK_TOKENS + config.suffix_tokens[1])
+        prompt = random_tokens(rng, config.prefix_blocks * BLOCK_TOKENS + config.suffix_tokens[1])
         outcome = runner.run(LoadRequest(tuple(prompt), 2))
         if outcome.status != OK or outcome.ttft_s is None:
             raise RuntimeError(f"a calm request failed: {outcome}")
@@ -164,7 +159,7 @@ def run_storm(mesh: Mesh, config: StormConfig) -> StormReport:
     that the mesh serves; the report (see `StormReport.problems`)."""
     with LoadRunner(str(mesh.gateway.address), str(mesh.gateway.http_address)) as runner:
         ttft_s = calm_ttft(runner, config)
-        probe = LoadRequest(tuple(_tokens(random.Random(config.seed + 2), 48)), 8)
+        probe = LoadRequest(tuple(random_tokens(random.Random(config.seed + 2), 48)), 8)
         served_before = _greedy(runner, probe)
         hits_before = _counter(mesh, "vllm:prefix_cache_hits_total")
         prefill_before = _prefill_ends(mesh)
