@@ -8,6 +8,7 @@ connection is closed. Each call ends as an `Outcome` saying what the client saw.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import random
@@ -133,8 +134,10 @@ def run_http(address: str, request: LoadRequest) -> Outcome:
 
     def give_up() -> None:
         gave_up.set()
-        # Wakes the reading thread at once: the server sees the connection close.
-        sock.shutdown(socket.SHUT_RDWR)
+        # Wakes the reading thread at once: the server sees the connection close. (The call may
+        # have ended and closed the socket just before.)
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
     clock = _Clock()
     timer = _timer(request.cancel_after_s, give_up)
@@ -215,10 +218,11 @@ class LoadRunner:
         with ThreadPoolExecutor(max(1, min(concurrency, len(requests)))) as pool:
             return list(pool.map(self.run, requests))
 
-    def run_at(self, schedule: Iterable[tuple[float, LoadRequest]]) -> list[Outcome]:
-        """Open loop: each request sent at its offset (seconds from now), whatever the others do."""
+    def run_at(self, schedule: Iterable[tuple[float, LoadRequest]], max_in_flight: int = 256) -> list[Outcome]:
+        """Open loop: each request sent at its offset (seconds from now, ascending) whatever the others
+        do, unless `max_in_flight` calls are still running (then it waits for one to end)."""
         start = time.monotonic()
-        with ThreadPoolExecutor(64) as pool:
+        with ThreadPoolExecutor(max_in_flight) as pool:
             futures = []
             for offset, request in schedule:
                 time.sleep(max(0.0, start + offset - time.monotonic()))
