@@ -12,16 +12,14 @@ Writes bench/results/cancel_storm.json (not in --smoke mode) and exits 1 when th
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "integration")]
 from mesh_launcher import start_mesh  # noqa: E402
+from reliability_verdict import finish  # noqa: E402
 from storm import StormConfig, run_storm  # noqa: E402
-
-RESULTS = REPO / "bench" / "results" / "cancel_storm.json"
 
 
 def main() -> int:
@@ -44,19 +42,11 @@ def main() -> int:
         codes = mesh.stop()
     problems = report.problems() + [f"{name} exited with {code}" for name, code in codes.items() if code]
     print(report.summary())
-    print("\n".join(["PROBLEMS:", *problems]) if problems else "PASS: no leaks, no errors, the mesh serves as before")
-    if args.smoke:
-        print("smoke mode: results not written")
-    else:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps({
-            "command": " ".join(["python", *sys.argv]), "settings": vars(args), "seconds": report.seconds,
-            "counts": [{"cancel": p, "api": a, "outcome": o, "requests": n} for (p, a, o), n in report.counts.items()],
-            "prefix_hit_tokens": report.prefix_hit_tokens, "prefills_undelivered": report.prefills_undelivered,
-            "problems": problems,
-        }, indent=2) + "\n")
-        print(f"wrote {RESULTS.relative_to(REPO)}")
-    return 1 if problems else 0
+    return finish("cancel_storm", {
+        "settings": vars(args), "seconds": report.seconds,
+        "counts": [{"cancel": p, "api": a, "outcome": o, "requests": n} for (p, a, o), n in report.counts.items()],
+        "prefix_hit_tokens": report.prefix_hit_tokens, "prefills_undelivered": report.prefills_undelivered,
+    }, problems, "no leaks, no errors, the mesh serves as before", args.smoke)
 
 
 if __name__ == "__main__":

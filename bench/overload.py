@@ -26,7 +26,6 @@ request after the burst.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -38,8 +37,8 @@ from leak_check import is_idle, wait_until_idle  # noqa: E402
 from load_clients import ERROR, OK, REFUSED, LoadRunner, Outcome  # noqa: E402
 from mesh_launcher import start_mesh  # noqa: E402
 from process_memory import RssSampler  # noqa: E402
+from reliability_verdict import finish  # noqa: E402
 
-RESULTS = REPO / "bench" / "results" / "overload.json"
 PROMPT_TOKENS = 256
 MAX_TOKENS = 16
 TTFT_FACTOR = 3.0
@@ -131,22 +130,11 @@ def main() -> int:
               f"{row['ttft_met']:>10.1%}{row['tpot_met']:>10.1%}{row['both_met']:>10.1%}")
     print(f"gateway RSS: {rss.samples[0][1]['gateway'] >> 20} MiB at the start, peak {calm_rss >> 20} MiB without "
           f"the burst, {burst_rss >> 20} MiB with it")
-    print("\n".join(["PROBLEMS:", *problems]) if problems else
-          "PASS: no errors, nothing leaked, the mesh serves after the burst")
-    if args.smoke:
-        print("smoke mode: results not written")
-    else:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps({
-            "command": " ".join(["python", *sys.argv]), "settings": vars(args),
-            "objectives_ms": {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms}, "capacity_rps": capacity,
-            "burst": {"requests": burst_count, "seconds": window}, "phases": rows,
-            "gateway_rss_bytes": {"start": rss.samples[0][1]["gateway"], "peak_calm": calm_rss,
-                                  "peak_burst": burst_rss},
-            "problems": problems,
-        }, indent=2) + "\n")
-        print(f"wrote {RESULTS.relative_to(REPO)}")
-    return 1 if problems else 0
+    return finish("overload", {
+        "settings": vars(args), "objectives_ms": {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms},
+        "capacity_rps": capacity, "burst": {"requests": burst_count, "seconds": window}, "phases": rows,
+        "gateway_rss_bytes": {"start": rss.samples[0][1]["gateway"], "peak_calm": calm_rss, "peak_burst": burst_rss},
+    }, problems, "no errors, nothing leaked, the mesh serves after the burst", args.smoke)
 
 
 if __name__ == "__main__":

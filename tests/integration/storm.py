@@ -110,13 +110,7 @@ class StormReport:
 
     def problems(self) -> list[str]:
         """Everything that went wrong; empty when the storm passed."""
-        found = []
-        for index, outcome in enumerate(self.outcomes):
-            if outcome.status not in (OK, CANCELLED):
-                found.append(f"request {index} ({outcome.request.api}): {outcome.status} {outcome.detail}")
-            elif outcome.status == OK and outcome.tokens != outcome.request.max_tokens:
-                found.append(f"request {index} ({outcome.request.api}) completed with {outcome.tokens} tokens, "
-                             f"not {outcome.request.max_tokens}")
+        found = outcome_problems(self.outcomes)
         held = [f"{r.worker_id}: used_kv_blocks={r.used_kv_blocks} running={r.running_requests} "
                 f"waiting={r.waiting_requests} reserved={r.reserved_requests}"
                 for r in self.idle_reports if not is_idle(r)]
@@ -138,6 +132,19 @@ class StormReport:
         for (point, api, status), count in sorted(self.counts.items()):
             lines.append(f"  cancel={point:<16} api={api:<5} outcome={status:<10} {count}")
         return "\n".join(lines)
+
+
+def outcome_problems(outcomes: list[Outcome]) -> list[str]:
+    """Requests that failed (anything but completing or being cancelled by their client), and completed
+    ones without exactly their `max_tokens` tokens."""
+    found = []
+    for index, outcome in enumerate(outcomes):
+        if outcome.status not in (OK, CANCELLED):
+            found.append(f"request {index} ({outcome.request.api}): {outcome.status} {outcome.detail}")
+        elif outcome.status == OK and outcome.tokens != outcome.request.max_tokens:
+            found.append(f"request {index} ({outcome.request.api}) completed with {outcome.tokens} tokens, "
+                         f"not {outcome.request.max_tokens}")
+    return found
 
 
 def calm_ttft(runner: LoadRunner, config: StormConfig, samples: int = 3) -> float:
