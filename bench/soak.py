@@ -15,7 +15,7 @@ Verdict, all three needed:
   its prefix cache) within a minute;
 - zero errors: every request completed with all its tokens or was cancelled by its own client.
 
-    python bench/soak.py [--minutes 30] [--concurrency 6] [--sample-s 15] [--smoke]
+    python bench/soak.py [--minutes 30] [--concurrency 6] [--sample-s 15] [--cancel-fraction 0.5] [--smoke]
 
 Writes bench/results/soak.json (not in --smoke mode: 1 minute, one worker per pool, a sample every
 2 s); exits 1 unless the verdict passes. `make soak` runs it (it is not part of `make bench`).
@@ -113,13 +113,15 @@ def main() -> int:
     parser.add_argument("--sample-s", type=float, default=15.0, help="seconds between samples")
     parser.add_argument("--prefill", type=int, default=2, help="prefill workers")
     parser.add_argument("--decode", type=int, default=2, help="decode workers")
+    parser.add_argument("--cancel-fraction", type=float, default=0.5,
+                        help="share of requests their clients cancel (0 tells a leak on cancellation from others)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="1 minute, a sample every 2 s, one worker per pool; "
                         "nothing written")
     args = parser.parse_args()
     if args.smoke:
         args.minutes, args.sample_s, args.prefill, args.decode = 1.0, 2.0, 1, 1
-    config = StormConfig(concurrency=args.concurrency, seed=args.seed)
+    config = StormConfig(concurrency=args.concurrency, cancel_fraction=args.cancel_fraction, seed=args.seed)
 
     mesh = start_mesh(args.prefill, args.decode, gateway_flags=["--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"])
     pids = names(mesh)

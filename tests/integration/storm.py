@@ -28,6 +28,7 @@ from load_clients import CANCELLED, GRPC, HTTP, OK, LoadRequest, LoadRunner, Out
 from mesh_launcher import Mesh
 from prometheus_client.parser import text_string_to_metric_families
 from tandem.v1 import common_pb2
+from workers_util import Worker
 
 POINTS = ("before_prefill", "during_transfer", "mid_decode")
 BLOCK_TOKENS = 16
@@ -168,7 +169,7 @@ def run_storm(mesh: Mesh, config: StormConfig) -> StormReport:
         ttft_s = calm_ttft(runner, config)
         probe = LoadRequest(tuple(random_tokens(random.Random(config.seed + 2), 48)), 8)
         served_before = _greedy(runner, probe)
-        hits_before = _counter(mesh, "vllm:prefix_cache_hits_total")
+        hits_before = _counter(mesh.workers, "vllm:prefix_cache_hits_total")
         prefill_before = _prefill_ends(mesh)
         planned = plan_storm(config, ttft_s)
         started = time.monotonic()
@@ -178,13 +179,13 @@ def run_storm(mesh: Mesh, config: StormConfig) -> StormReport:
         prefill_after = _prefill_ends(mesh)
         return StormReport(
             planned, outcomes, seconds, idle_reports, served_before, _greedy(runner, probe),
-            _counter(mesh, "vllm:prefix_cache_hits_total") - hits_before,
+            _counter(mesh.workers, "vllm:prefix_cache_hits_total") - hits_before,
             (prefill_after[0] - prefill_before[0]) - int(prefill_after[1] - prefill_before[1]),
         )
 
 
 def _greedy(runner: LoadRunner, request: LoadRequest) -> list[int]:
-    """The request's greedy token ids through the gRPC API (empty if it failed)."""
+    """The request's greedy token ids through the gRPC API (grpc.RpcError if it fails)."""
     ids: list[int] = []
     for chunk in runner.client.generate(token_ids=list(request.token_ids), max_tokens=request.max_tokens,
                                         temperature=0.0, ignore_eos=True, timeout=300):
@@ -195,13 +196,13 @@ def _greedy(runner: LoadRunner, request: LoadRequest) -> list[int]:
 def _prefill_ends(mesh: Mesh) -> tuple[int, float]:
     """(prefill requests ended for any reason, prefills delivered) summed over the prefill workers."""
     ended = sum(load_report(worker).finished_requests for worker in mesh.prefill)
-    return ended, _counter(mesh, "vllm:time_to_first_token_seconds_count", pool=mesh.prefill)
+    return ended, _counter(mesh.prefill, "vllm:time_to_first_token_seconds_count")
 
 
-def _counter(mesh: Mesh, sample: str, pool: list | None = None) -> float:
-    """A Prometheus sample summed over the workers' /metrics (all workers unless `pool`)."""
+def _counter(workers: list[Worker], sample: str) -> float:
+    """A Prometheus sample summed over the workers' /metrics."""
     total = 0.0
-    for worker in mesh.workers if pool is None else pool:
+    for worker in workers:
         with urllib.request.urlopen(f"http://{worker.metrics_address}/metrics", timeout=30) as response:
             text = response.read().decode()
         total += sum(s.value for family in text_string_to_metric_families(text)
