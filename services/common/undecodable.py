@@ -9,6 +9,7 @@ RPCs (the KV Push stream, checksummed chunks between workers) are left alone.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -70,8 +71,11 @@ def _checked_stream(behavior: Callable[[Any, grpc.aio.ServicerContext], Any]):
         if inspect.isawaitable(responses):  # a handler that writes with context.write
             await responses
             return
-        async for response in responses:
-            yield response
+        # aclosing: when this stream is closed early (the client went away), the handler's own
+        # clean-up runs now rather than whenever the garbage collector finalizes it.
+        async with contextlib.aclosing(responses):
+            async for response in responses:
+                yield response
 
     return stream
 
