@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
@@ -16,6 +18,8 @@ Backend = Literal["torch_dist", "grpc"]
 WriteBlocks = Callable[[int, Sequence[int], torch.Tensor, torch.Tensor], None]
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DIST_BACKENDS = ("gloo", "nccl")
+_HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
 
 
 class TransferError(Exception):
@@ -104,6 +108,17 @@ class TransferTarget:
     namespace: str = ""
     dist_backend: str = "gloo"
 
+    def __post_init__(self) -> None:
+        # A target comes from another process: a malformed one is refused before anything dials it.
+        if not valid_host(self.host):
+            raise ValueError(f"host: expected a DNS name or an IP address, got {self.host[:64]!r}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port: must be in [1, 65535], got {self.port}")
+        if self.backend == "torch_dist" and not self.namespace:
+            raise ValueError("namespace: must not be empty")
+        if self.dist_backend not in _DIST_BACKENDS:
+            raise ValueError(f"dist_backend: must be gloo or nccl, got {self.dist_backend[:64]!r}")
+
     @property
     def address(self) -> str:
         """`host:port`, with IPv6 hosts in brackets."""
@@ -128,7 +143,7 @@ class TransferTarget:
 
     @classmethod
     def from_proto(cls, msg: kvtransfer_pb2.KVTarget) -> TransferTarget:
-        """Read the wire form; ValueError naming the field if it is incomplete."""
+        """Read the wire form; ValueError naming the field if it is incomplete or malformed."""
         common = {
             "layout": KVLayout.from_proto(msg.layout),
             "transfer_id": msg.transfer_id,
@@ -141,17 +156,29 @@ class TransferTarget:
             return cls(**common, backend="torch_dist", host=dist.host, port=dist.port,
                        namespace=dist.namespace, dist_backend=dist.backend or "gloo")
         if kind == "grpc":
-            host, port = split_address(msg.grpc.address)
+            host, port = split_address(msg.grpc.address, "grpc.address")
             return cls(**common, backend="grpc", host=host, port=port)
-        raise ValueError("kv_target.backend: neither torch_dist nor grpc is set")
+        raise ValueError("backend: neither torch_dist nor grpc is set")
 
 
-def split_address(address: str) -> tuple[str, int]:
-    """`host:port` (IPv6 hosts in brackets) -> (host, port); ValueError if malformed."""
+def split_address(address: str, field: str = "address") -> tuple[str, int]:
+    """`host:port` (IPv6 hosts in brackets) -> (host, port); ValueError naming `field` if malformed."""
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"address: expected host:port, got {address!r}")
-    return host.strip("[]"), int(port)
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not valid_host(host) \
+            or (":" in host) != bracketed:
+        raise ValueError(f"{field}: expected host:port, got {address[:64]!r}")
+    return host, int(port)
+
+
+def valid_host(host: str) -> bool:
+    """Whether `host` is an IP address or a well-formed DNS name."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return bool(_HOSTNAME.match(host))
+    return True
 
 
 def check_pages(target: TransferTarget, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -18,6 +18,10 @@ from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from services.common.chunk import Chunk, Timings, TokenLogprob, Usage
 from services.common.convert import chunk_from_proto
+from services.common.grpc_limits import DEFAULT_GRPC_LIMITS
+
+# Message sizes as the gateway's defaults (services.common.grpc_limits); `options` may add others.
+_LIMITS = DEFAULT_GRPC_LIMITS.channel_options()
 
 __all__ = ["Chunk", "ChunkStream", "ModelInfo", "TandemClient", "Timings", "TokenLogprob", "Usage"]
 
@@ -48,9 +52,9 @@ class TandemClient:
         if tls or ca_file is not None:
             roots = Path(ca_file).read_bytes() if ca_file is not None else None
             credentials = grpc.ssl_channel_credentials(root_certificates=roots)
-            self._channel = grpc.secure_channel(address, credentials, options=list(options))
+            self._channel = grpc.secure_channel(address, credentials, options=[*_LIMITS, *options])
         else:
-            self._channel = grpc.insecure_channel(address, options=list(options))
+            self._channel = grpc.insecure_channel(address, options=[*_LIMITS, *options])
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 

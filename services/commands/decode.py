@@ -6,6 +6,7 @@ import argparse
 from typing import NoReturn
 
 from services.commands.engine_flags import add_engine_flags, engine_config
+from services.commands.limit_flags import add_grpc_limit_flags, grpc_limits
 from services.commands.security_flags import add_tls_flags, tls_config
 from services.commands.telemetry_flags import add_metrics_flag, metrics_port
 
@@ -33,6 +34,7 @@ def add_decode_flags(parser: argparse.ArgumentParser, default_port: int) -> None
     parser.add_argument("--kv-timeout", type=float, default=30.0,
                         help="seconds a reservation waits for its prompt's first token and KV")
     add_metrics_flag(parser)
+    add_grpc_limit_flags(parser)
     add_tls_flags(parser)
     add_engine_flags(parser)
 
@@ -51,10 +53,11 @@ def run(args: argparse.Namespace) -> NoReturn:
     config = engine_config(args, args.role)
     port = metrics_port(args)
     tls = tls_config(args)
+    limits = grpc_limits(args)
     advertise_host = args.advertise_host or args.host
     tracing = setup_tracing("worker" if args.role == "colocated" else "decode")
     code = asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_backend,
-                             args.kv_host or advertise_host, args.kv_timeout, port, advertise_host, tls))
+                             args.kv_host or advertise_host, args.kv_timeout, port, advertise_host, tls, limits))
     if tracing is not None:
         tracing.shutdown()
     exit_process(code)

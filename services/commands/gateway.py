@@ -8,11 +8,14 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from services.common.grpc_limits import GrpcLimits
     from services.common.tls import TlsConfig
     from services.gateway.api_keys import ApiKeys
+    from services.gateway.limits import RequestLimits
     from services.gateway.registry import WorkerRegistry
 
 from services.commands.gateway_cluster import add_cluster_flags
+from services.commands.limit_flags import add_grpc_limit_flags, add_request_limit_flags, grpc_limits, request_limits
 from services.commands.security_flags import add_api_key_flags, add_tls_flags, tls_config
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     gateway.add_argument("--wait-for-workers", type=float, default=300.0,
                          help="seconds to wait at startup for a serving worker in each pool before "
                               "reporting ready anyway")
+    add_grpc_limit_flags(gateway)
+    add_request_limit_flags(gateway)
     add_api_key_flags(gateway)
     add_tls_flags(gateway)
     add_cluster_flags(gateway)
@@ -90,12 +95,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--prefill: decode workers need at least one prefill worker")
     slo = Slo(args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)
     tls = tls_config(args)
+    limits = grpc_limits(args)
+    requests = request_limits(args)
     keys = load_api_keys(args.api_key_file)
     warn_if_exposed("gateway", args.host, tls, authenticated=keys is not None)
 
     async def serve() -> int:
         # Built on the running loop: its gRPC channels belong to it.
-        return await _serve(args, WorkerRegistry(**pools, default_slo=slo, tls=tls), tls, keys)
+        registry = WorkerRegistry(**pools, default_slo=slo, tls=tls, limits=limits)
+        return await _serve(args, registry, tls, keys, limits, requests)
 
     tracing = setup_tracing("gateway")
     try:
@@ -106,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsConfig | None,
-                 keys: ApiKeys | None) -> int:
+                 keys: ApiKeys | None, limits: GrpcLimits, requests: RequestLimits) -> int:
     import asyncio
 
     from tandem.v1 import gateway_pb2, gateway_pb2_grpc
@@ -126,15 +134,16 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
 
     # The model's name labels the metrics; it is known without reading the model file.
     metrics = GatewayMetrics(served_model_id(args.model))
-    service = GatewayService(registry, metrics, args.max_queued_requests, MigrationPolicy(args.max_migrations))
+    service = GatewayService(registry, metrics, args.max_queued_requests, limits=requests,
+                             migration=MigrationPolicy(args.max_migrations))
     discovery, planner = cluster_services(args, registry)
     # Clients authenticate with API keys, not certificates: the client API asks for none.
     credentials = tls.server_credentials(client_auth=False) if tls is not None else None
     interceptors = [ApiKeyInterceptor(keys)] if keys is not None else []
-    server = RoleServer("gateway", args.host, args.port, args.grace_period, credentials, interceptors)
+    server = RoleServer("gateway", args.host, args.port, args.grace_period, credentials, interceptors, limits)
     server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(service),
                gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name)
-    app = traced_http(create_app(service))
+    app = traced_http(create_app(service, requests))
     if keys is not None:
         app = ApiKeyMiddleware(app, keys, metrics_auth=args.metrics_auth == "on")
     server.listen(HttpListener(app, args.host, args.http_port, tls.uvicorn_kwargs() if tls is not None else {}))

@@ -6,6 +6,7 @@ import argparse
 from typing import NoReturn
 
 from services.commands.engine_flags import add_engine_flags, engine_config
+from services.commands.limit_flags import add_grpc_limit_flags, grpc_limits
 from services.commands.security_flags import add_tls_flags, tls_config
 from services.commands.telemetry_flags import add_metrics_flag, metrics_port
 
@@ -21,6 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                          help="seconds a request's KV pages may take to reach the decode worker before "
                               "they are dropped")
     add_metrics_flag(prefill)
+    add_grpc_limit_flags(prefill)
     add_tls_flags(prefill)
     add_engine_flags(prefill)
     prefill.set_defaults(func=run)
@@ -40,8 +42,9 @@ def run(args: argparse.Namespace) -> NoReturn:
     config = engine_config(args, "prefill")
     port = metrics_port(args)
     tls = tls_config(args)
+    limits = grpc_limits(args)
     tracing = setup_tracing("prefill")
-    code = asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_timeout, port, tls))
+    code = asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_timeout, port, tls, limits))
     if tracing is not None:
         tracing.shutdown()
     exit_process(code)

@@ -15,7 +15,8 @@ A `RoleServer` owns one grpc.aio server and its life:
    (0 after a drain).
 
 Every client channel should use `channel_options()`: its keep-alive pings match what the server
-accepts, so idle connections survive and dead peers are detected on both ends.
+accepts, so idle connections survive and dead peers are detected on both ends, and its message sizes
+are the process's `GrpcLimits` (services.common.grpc_limits), as its server's are.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
+from services.common.undecodable import DecodeErrorInterceptor
+
 log = logging.getLogger(__name__)
 
 S = TypeVar("S")
@@ -41,28 +45,27 @@ S = TypeVar("S")
 # clients are our own, and such a GOAWAY would end long token streams (BDP probes count as pings).
 _KEEPALIVE_TIME_MS = 20_000
 _KEEPALIVE_TIMEOUT_MS = 10_000
-# KV chunks are a few MiB; leave room above gRPC's 4 MiB default.
-_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 
-def channel_options() -> list[tuple[str, Any]]:
-    """Options for every client channel to a Tandem server: keep-alive matched to `server_options`."""
+def channel_options(limits: GrpcLimits = DEFAULT_GRPC_LIMITS) -> list[tuple[str, Any]]:
+    """Options for every client channel to a Tandem server: keep-alive matched to `server_options`,
+    message sizes from `limits`."""
     return [
         ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+        *limits.channel_options(),
     ]
 
 
-def server_options() -> list[tuple[str, Any]]:
-    """Options of every Tandem server: keep-alive matched to `channel_options`, no port sharing."""
+def server_options(limits: GrpcLimits = DEFAULT_GRPC_LIMITS) -> list[tuple[str, Any]]:
+    """Options of every Tandem server: keep-alive matched to `channel_options`, message sizes and
+    streams per connection from `limits`, no port sharing."""
     return [
         ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
@@ -70,8 +73,7 @@ def server_options() -> list[tuple[str, Any]]:
         ("grpc.http2.min_recv_ping_interval_without_data_ms", _KEEPALIVE_TIME_MS // 2),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+        *limits.server_options(),
         # gRPC sets SO_REUSEPORT by default: a second server on a taken port would bind silently.
         ("grpc.so_reuseport", 0),
     ]
@@ -151,14 +153,18 @@ class RoleServer:
         grace_period: float = 30.0,
         credentials: grpc.ServerCredentials | None = None,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        limits: GrpcLimits = DEFAULT_GRPC_LIMITS,
     ) -> None:
         """`credentials`: serve TLS (see services.common.tls), else plaintext; `interceptors` see
-        every RPC first (e.g. the gateway's API-key check)."""
+        every RPC first (e.g. the gateway's API-key check); `limits`: message sizes and streams per
+        connection. A request that does not parse gets INVALID_ARGUMENT (services.common.undecodable)."""
         self.role = role
         self.host = host
         self.port = port
         self.grace_period = grace_period
-        self.grpc = grpc.aio.server(options=server_options(), interceptors=list(interceptors))
+        # Last, so that it wraps the servicers' own handlers: a request that does not parse is bad input.
+        self.grpc = grpc.aio.server(options=server_options(limits),
+                                    interceptors=[*interceptors, DecodeErrorInterceptor()])
         self._credentials = credentials
         self.draining = asyncio.Event()
         self.metrics_address: str | None = None

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.server import channel_options
 
 log = logging.getLogger(__name__)
@@ -74,22 +75,24 @@ class TlsConfig:
 
 
 def open_channel(
-    address: str, tls: TlsConfig | None, extra_options: Sequence[tuple[str, Any]] = ()
+    address: str, tls: TlsConfig | None, extra_options: Sequence[tuple[str, Any]] = (),
+    limits: GrpcLimits = DEFAULT_GRPC_LIMITS,
 ) -> grpc.aio.Channel:
-    """An asyncio channel to another Tandem process (host:port) with `channel_options()`: mutual TLS
-    with `tls`, plaintext without."""
-    options = channel_options() + list(extra_options)
+    """An asyncio channel to another Tandem process (host:port) with `channel_options(limits)`:
+    mutual TLS with `tls`, plaintext without."""
+    options = channel_options(limits) + list(extra_options)
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options())
 
 
-def open_sync_channel(address: str, tls: TlsConfig | None) -> grpc.Channel:
-    """A synchronous channel to another Tandem process (the gRPC KV backend's): mutual TLS with
-    `tls`, plaintext without."""
+def open_sync_channel(address: str, tls: TlsConfig | None, limits: GrpcLimits = DEFAULT_GRPC_LIMITS) -> grpc.Channel:
+    """A synchronous channel to another Tandem process (the gRPC KV backend's) with
+    `channel_options(limits)`: mutual TLS with `tls`, plaintext without."""
+    options = channel_options(limits)
     if tls is None:
-        return grpc.insecure_channel(address)
-    return grpc.secure_channel(address, tls.channel_credentials(), options=tls.channel_options())
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options())
 
 
 def warn_if_worker_exposed(role: str, host: str, tls: TlsConfig | None) -> bool:

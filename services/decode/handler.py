@@ -16,10 +16,12 @@ from engine.engine import Engine
 from engine.model.paths import served_model_id
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
+from kvtransfer.descriptor import split_address
 from kvtransfer.grpc_stream import KVTransferServicer
 from kvtransfer.receiver import make_receiver
 from services.common.convert import sampling_params_from_proto, token_chunk
 from services.common.errors import abort_with
+from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
 from services.common.tls import TlsConfig, warn_if_worker_exposed
@@ -34,8 +36,9 @@ from services.observability.worker_metrics import WorkerMetrics
 class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
     """tandem.v1.Decode: Generate, Abort, GetLoad, WatchLoad."""
 
-    def __init__(self, metrics: WorkerMetrics, tls: TlsConfig | None = None) -> None:
-        self.prefills = PrefillClients(tls)
+    def __init__(self, metrics: WorkerMetrics, tls: TlsConfig | None = None,
+                 limits: GrpcLimits = DEFAULT_GRPC_LIMITS) -> None:
+        self.prefills = PrefillClients(tls, limits)
         self.metrics = metrics
 
     async def Generate(
@@ -45,6 +48,9 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
         worker = await self.ready(context)
         try:
             params = sampling_params_from_proto(request.sampling)
+            if request.prefill_address:
+                # Malformed, it is bad input here rather than a failed name lookup later.
+                split_address(request.prefill_address, "prefill_address")
             resumed = _resumed(request)
             request_id = request.request_id or uuid.uuid4().hex
             await worker.inflight.run(
@@ -141,15 +147,18 @@ async def serve(
     metrics_port: int,
     advertise_host: str,
     tls: TlsConfig | None = None,
+    limits: GrpcLimits = DEFAULT_GRPC_LIMITS,
 ) -> int:
     """Run a decode (or colocated: `config.role`) worker until SIGTERM/SIGINT; returns the exit code.
     Prefill workers reach its gRPC KV receiver at `advertise_host` (the server may listen on a
-    wildcard address). With `tls`, its server and its channels to prefill workers use (mutual) TLS."""
+    wildcard address). With `tls`, its server and its channels to prefill workers use (mutual) TLS;
+    `limits` bound the messages and streams of both."""
     warn_if_worker_exposed(config.role, host, tls)
-    server = RoleServer(config.role, host, port, grace_period, tls.server_credentials() if tls else None)
+    server = RoleServer(config.role, host, port, grace_period, tls.server_credentials() if tls else None,
+                        limits=limits)
     metrics = WorkerMetrics(served_model_id(config.model))
     server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
-    servicer = DecodeServicer(metrics, tls)
+    servicer = DecodeServicer(metrics, tls, limits)
     kv_transfer = LateKVTransfer()
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, servicer,
                decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name)

@@ -35,7 +35,7 @@ class ServedModel:
 
     def prompt_token_ids(self, prompt: Prompt) -> list[int]:
         """The prompt as token ids; ValueError naming the field ("text", "token_ids" or "chat")
-        when it is unusable."""
+        when it is unusable. Its length is for services.gateway.limits to judge."""
         if isinstance(prompt, TextPrompt):
             kind, ids = "text", self.tokenizer.encode(prompt.text)
         elif isinstance(prompt, TokenPrompt):
@@ -52,9 +52,6 @@ class ServedModel:
                 raise ValueError(f"chat: {error}") from error
         if not ids:
             raise ValueError(f"{kind}: the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room for output in the model's "
-                             f"{self.max_model_len}-token context")
         return ids
 
 

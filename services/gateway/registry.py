@@ -11,6 +11,7 @@ import asyncio
 import itertools
 from collections.abc import Callable, Sequence
 
+from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.tls import TlsConfig
 from services.gateway.prefix_index import PrefixIndex, block_hashes
 from services.gateway.router import DEFAULT_SLO, Decision, NoWorkerError, Role, RouteRequest, Slo, route
@@ -63,13 +64,16 @@ class WorkerRegistry:
     """Prefill, decode and colocated workers by address; routes requests over their views."""
 
     def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = (), colocated: Sequence[str] = (),
-                 default_slo: Slo = DEFAULT_SLO, retire_after_s: float = 10.0, tls: TlsConfig | None = None) -> None:
-        """Addresses (host:port) of each pool's first workers; channels (mutual TLS with `tls`) open
+                 default_slo: Slo = DEFAULT_SLO, retire_after_s: float = 10.0, tls: TlsConfig | None = None,
+                 limits: GrpcLimits = DEFAULT_GRPC_LIMITS) -> None:
+        """Addresses (host:port) of each pool's first workers; channels (mutual TLS with `tls`, message
+        sizes from `limits`) open
         on `start`; pools may start empty when discovery fills them. A removed worker's channel stays open at least
         `retire_after_s`: a request placed before the removal may still retry there, and must get
         the worker's own answer (a retryable UNAVAILABLE once it drains), not a closed channel."""
         self.default_slo = default_slo
         self._tls = tls
+        self._limits = limits
         self._retire_after_s = retire_after_s
         self._started = False
         self._retiring: dict[asyncio.Task, Worker] = {}
@@ -81,7 +85,7 @@ class WorkerRegistry:
             for address in addresses:
                 if address in self._workers:
                     raise ValueError(f"worker {address} is listed twice")
-                self._workers[address] = Worker(address, role, self._changed, self._tls)
+                self._workers[address] = Worker(address, role, self._changed, self._tls, self._limits)
         self._turns = itertools.count()
 
     @property
@@ -106,7 +110,7 @@ class WorkerRegistry:
     def add(self, role: Role, address: str) -> None:
         """Route to a new worker (once it is SERVING); a no-op for one already known."""
         if address not in self._workers:
-            self._workers[address] = worker = Worker(address, role, self._changed, self._tls)
+            self._workers[address] = worker = Worker(address, role, self._changed, self._tls, self._limits)
             if self._started:
                 worker.start()
 

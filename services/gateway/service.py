@@ -23,6 +23,7 @@ import grpc
 from services.common.chunk import Chunk
 from services.common.errors import StatusError
 from services.gateway.admission import Admission, Rejected
+from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import MigrationPolicy, StreamProgress
 from services.gateway.model import ServedModel
@@ -42,12 +43,13 @@ class GatewayService:
     """Requests in, chunks out, over a worker registry; `model` is set once loaded."""
 
     def __init__(self, registry: WorkerRegistry, metrics: GatewayMetrics, max_queued: int = 256,
-                 migration: MigrationPolicy | None = None) -> None:
+                 limits: RequestLimits = DEFAULT_REQUEST_LIMITS, migration: MigrationPolicy | None = None) -> None:
         """`max_queued`: requests that may wait for capacity at once (beyond it they are refused);
-        `migration`: how often a request may move on when its decode worker fails mid-stream
-        (None: the default policy)."""
+        `limits`: the longest prompt and prompt plus output a request may have; `migration`: how
+        often a request may move on when its decode worker fails mid-stream (None: the default policy)."""
         self.registry = registry
         self.metrics = metrics
+        self.limits = limits
         self.migration = migration or MigrationPolicy()
         self.admission: Admission[Placement] = Admission(registry, max_queued)
         registry.on_change(self.admission.changed)
@@ -96,7 +98,7 @@ class GatewayService:
 
         `deadline` is a `time.monotonic()` instant the workers must finish by (None: no limit).
         Raises StatusError: UNAVAILABLE (loading, no serving worker, every worker unavailable),
-        NOT_FOUND (another model), INVALID_ARGUMENT (the prompt), RESOURCE_EXHAUSTED (refused by
+        NOT_FOUND (another model), INVALID_ARGUMENT (the prompt, or a limit), RESOURCE_EXHAUSTED (refused by
         admission, or every decode worker full), or a worker's own code when it fails after the
         first token and the request cannot move on (services.gateway.migration). Every validation
         error comes before the first chunk. The request is traced and counted
@@ -132,6 +134,7 @@ class GatewayService:
                               f"model {request.model!r} is not served here; the model is {model.id!r}")
         try:
             prompt = model.prompt_token_ids(request.prompt)
+            self.limits.check(len(prompt), request.sampling.max_tokens, model.max_model_len)
         except ValueError as error:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
         observation.accepted(len(prompt), request.sampling)

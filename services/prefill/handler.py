@@ -14,6 +14,7 @@ from engine.resume import Resumed
 from kvtransfer.descriptor import KVLayout, TransferTarget
 from services.common.convert import finish_reason_to_proto, sampling_params_from_proto, token_logprob_to_proto
 from services.common.errors import abort_with
+from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
 from services.common.tls import TlsConfig, open_sync_channel, warn_if_worker_exposed
@@ -36,7 +37,10 @@ class PrefillServicer(WorkerRpcs[PrefillWorker], prefill_pb2_grpc.PrefillService
             params = sampling_params_from_proto(request.sampling)
             if not request.HasField("kv_target"):
                 raise ValueError("kv_target: must be set")
-            target = TransferTarget.from_proto(request.kv_target)
+            try:
+                target = TransferTarget.from_proto(request.kv_target)
+            except ValueError as error:
+                raise ValueError(f"kv_target.{error}") from None
             resumed = Resumed(tuple(request.output_token_ids)) if request.output_token_ids else None
             result = await worker.inflight.run(
                 request.request_id,
@@ -72,11 +76,14 @@ async def serve(
     transfer_timeout: float,
     metrics_port: int,
     tls: TlsConfig | None = None,
+    limits: GrpcLimits = DEFAULT_GRPC_LIMITS,
 ) -> int:
     """Run a prefill worker until SIGTERM/SIGINT; returns the exit code. With `tls`, its server and
-    its gRPC KV channels to decode workers use (mutual) TLS."""
+    its gRPC KV channels to decode workers use (mutual) TLS; `limits` bound the messages and streams
+    of both."""
     warn_if_worker_exposed("prefill", host, tls)
-    server = RoleServer("prefill", host, port, grace_period, tls.server_credentials() if tls else None)
+    server = RoleServer("prefill", host, port, grace_period, tls.server_credentials() if tls else None,
+                        limits=limits)
     metrics = WorkerMetrics(served_model_id(config.model))
     server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
     servicer = PrefillServicer(metrics)
@@ -86,7 +93,7 @@ async def serve(
     async def load() -> None:
         engine = await asyncio.to_thread(Engine, config)
         worker = PrefillWorker(server.address, engine, server.draining, KVLayout.of_engine(engine), transfer_timeout,
-                               lambda address: open_sync_channel(address, tls))
+                               lambda address: open_sync_channel(address, tls, limits))
         await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
         worker.loop.start()
         metrics.watch_engine(worker.loop)

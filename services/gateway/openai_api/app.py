@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
 `stream`), GET /v1/models, GET /health (200 once requests can be served, else 503), GET /metrics
-(Prometheus text format).
+(Prometheus text format). Limits (services.gateway.limits): bodies beyond `max_body_bytes` get
+413, requests beyond `max_concurrent_requests` in flight get 429 (see http_limits.py).
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from typing import Any, TypeVar
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from services.gateway.model import ServedModel
 from services.gateway.openai_api.errors import ApiError, api_error, bad_request
 from services.gateway.openai_api.fanout import FanOut
+from services.gateway.openai_api.http_limits import ConcurrencyLimit, read_json_body
 from services.gateway.openai_api.params import (
     chat_prompt,
     chat_requests,
@@ -44,9 +48,13 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 T = TypeVar("T")
 
 
-def create_app(service: GatewayService) -> Starlette:
-    """The HTTP API over `service`."""
-    api = OpenAIApi(service)
+def create_app(service: GatewayService, limits: RequestLimits = DEFAULT_REQUEST_LIMITS) -> Starlette:
+    """The HTTP API over `service`, within `limits`' body size and requests in flight."""
+    api = OpenAIApi(service, limits.max_body_bytes)
+
+    def refused(message: str) -> None:
+        service.refused(uuid.uuid4().hex, "RESOURCE_EXHAUSTED", message)
+
     return Starlette(
         routes=[
             Route("/v1/completions", api.completions, methods=["POST"]),
@@ -56,6 +64,7 @@ def create_app(service: GatewayService) -> Starlette:
             Route("/metrics", functools.partial(metrics, service.metrics.registry), methods=["GET"]),
         ],
         exception_handlers={HTTPException: _http_exception},
+        middleware=[Middleware(ConcurrencyLimit, limit=limits.max_concurrent_requests, on_refused=refused)],
     )
 
 
@@ -75,14 +84,15 @@ def _answering_errors(endpoint: Endpoint) -> Endpoint:
 class OpenAIApi:
     """The endpoints, over one GatewayService."""
 
-    def __init__(self, service: GatewayService) -> None:
+    def __init__(self, service: GatewayService, max_body_bytes: int) -> None:
         self.service = service
+        self.max_body_bytes = max_body_bytes
         self.completions = _answering_errors(self._completions)
         self.chat_completions = _answering_errors(self._chat_completions)
         self.models = _answering_errors(self._models)
 
     async def _completions(self, request: Request) -> Response:
-        body = CompletionBody.model_validate_json(await request.body())
+        body = CompletionBody.model_validate_json(await read_json_body(request, self.max_body_bytes))
         model = self._model(body, request.url.path)
         prompts = [_token_ids(model, prompt, "prompt") for prompt in completion_prompts(body)]
         reply_id = f"cmpl-{uuid.uuid4().hex}"
@@ -91,11 +101,11 @@ class OpenAIApi:
         return await _reply(self.service, request, body, requests, reply)
 
     async def _chat_completions(self, request: Request) -> Response:
-        body = ChatBody.model_validate_json(await request.body())
+        body = ChatBody.model_validate_json(await read_json_body(request, self.max_body_bytes))
         model = self._model(body, request.url.path)
         prompt = _token_ids(model, chat_prompt(body), "messages")
         reply_id = f"chatcmpl-{uuid.uuid4().hex}"
-        requests = chat_requests(body, prompt, model.max_model_len, reply_id)
+        requests = chat_requests(body, prompt, self.service.limits.total_tokens(model.max_model_len), reply_id)
         reply = ChatFormat(reply_id, model.id, int(time.time()), model.tokenizer, body.logprobs)
         return await _reply(self.service, request, body, requests, reply)
 

@@ -62,12 +62,14 @@ def completion_requests(
     return _requests(body, prompts, request_id, body.max_tokens, body.logprobs)
 
 
-def chat_requests(body: ChatBody, prompt: Sequence[int], max_model_len: int, request_id: str) -> list[GenerateRequest]:
+def chat_requests(
+    body: ChatBody, prompt: Sequence[int], max_total_tokens: int, request_id: str
+) -> list[GenerateRequest]:
     """One core request per chat choice. Without max_tokens (or max_completion_tokens) a reply may
-    fill the rest of the context, as in vLLM."""
+    fill the rest of the context (`max_total_tokens`: the model's, or a lower limit), as in vLLM."""
     if body.top_logprobs and not body.logprobs:
         raise ValueError("top_logprobs: requires logprobs to be true")
-    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, max_model_len - len(prompt))
+    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, max_total_tokens - len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return _requests(body, [prompt], request_id, max_tokens, logprobs)
 

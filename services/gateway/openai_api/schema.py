@@ -7,11 +7,17 @@ engine defines are checked by engine SamplingParams. Fields not declared here ar
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
 # Requests one body may fan out to (n times the prompts of a batch).
 MAX_CHOICES = 64
 MAX_TOP_LOGPROBS = 20
+# What tandem.v1.SamplingParams carries to the workers (int32 top_k, uint32 token ids): a larger
+# value is refused here, naming its field, rather than failing its conversion later.
+_INT32_MAX = 2**31 - 1
+_UINT32_MAX = 2**32 - 1
 
 
 class StreamOptions(BaseModel):
@@ -32,14 +38,14 @@ class SamplingBody(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(None, le=_INT32_MAX)
     min_p: float | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=_UINT32_MAX)]] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
