@@ -16,8 +16,8 @@ output token from each worker's reported step model (services.common.step_model)
 
 A way is feasible when both predictions meet the request's SLO. A decode-role worker prefills
 only when no prefill worker can meet the SLO (conditional disaggregation: it takes cycles from
-decoding); otherwise the cheapest feasible way wins (cost: each prediction as a fraction of its
-objective); ties go to the least loaded, then in turn. When no way is feasible the router still
+decoding); otherwise a feasible way on the least loaded decode worker wins, the cheapest of them
+(cost: each prediction as a fraction of its objective), then in turn. When no way is feasible the router still
 names the best one, marked as missing the SLO: admission decides whether to wait for capacity or
 to run it anyway. Imports neither grpc nor torch.
 """
@@ -131,10 +131,22 @@ def route(request: RouteRequest, workers: Sequence[WorkerLoad], turn: int = 0) -
         decision = _decision(request, decode, None, ttft, max(tpot, running_tpot), penalty)
         options.append(((conditional, decision.cost, decode.sequences, decode.queued_prompt_tokens, d_index),
                         decision))
-    options.sort(key=lambda option: (not option[1].meets_slo, option[0]))
+    options.sort(key=_rank)
     best = options[0][1]
     reasons = tuple(_reason(decision) for _, decision in options[:8])
     return Decision(best.decode, best.prefill, best.ttft_s, best.tpot_s, best.meets_slo, best.cost, reasons)
+
+
+def _rank(option: tuple[tuple[bool, float, int, int, int], Decision]) -> tuple:
+    """Options meeting the SLO first, and among them the least loaded decode worker first, then the
+    cheapest; options missing it, the least bad first. Load before cost because a worker whose step
+    model is too pessimistic (a start-up profile measured while its neighbours were loading) would
+    otherwise get no request while its predictions lost to another's, so no step of its own would
+    ever correct them; the SLO, not a few milliseconds of predicted difference, is what must be met."""
+    (conditional, cost, sequences, queue, index), decision = option
+    if decision.meets_slo:
+        return (False, conditional, sequences, cost, queue, index)
+    return (True, conditional, 0, cost, sequences, queue, index)
 
 
 def _rotated(workers: list[WorkerLoad], turn: int) -> list[WorkerLoad]:
