@@ -32,12 +32,10 @@ class Placement:
         self._prefilling = prefill or decode
         self._uncached = request.prompt_tokens - request.cached_tokens.get(self._prefilling.address, 0)
         self._context = request.prompt_tokens + request.max_tokens // 2
-        self._output_tokens = request.max_tokens
         self._on_release = on_release
         self._released = False
         decode.in_flight += 1
         decode.pending_context_tokens += self._context
-        decode.output_tokens_streaming[self._output_tokens] += 1
         self._prefilling.pending_prompt_tokens += self._uncached
         self._prefilling.prompt_tokens_sent += self._uncached
 
@@ -54,9 +52,6 @@ class Placement:
         self.prefilled()
         self.decode.in_flight -= 1
         self.decode.pending_context_tokens -= self._context
-        self.decode.output_tokens_streaming[self._output_tokens] -= 1
-        if not self.decode.output_tokens_streaming[self._output_tokens]:
-            del self.decode.output_tokens_streaming[self._output_tokens]
         self._on_release()
 
 

@@ -8,11 +8,8 @@ output token from each worker's reported step model (services.common.step_model)
   step of D's batch with this request added, at the context that batch will hold;
 - local, on D alone (a colocated worker, or conditional disaggregation on a decode worker with
   slack): TTFT = D's queue + the prompt computed in D's chunks beside its running batch; TPOT =
-  D's decode step, and the TPOT of D's running requests must stay within the objective too: the
-  prompt's chunks stretch their steps by the prompt's compute time, which a request's TPOT (a mean
-  over its output, as DistServe and vLLM measure it) absorbs over its output tokens. The request
-  with the shortest output the gateway placed on D is hit hardest, so the stall is spread over its
-  output; when the gateway knows none of D's running requests, every mixed step must fit the TPOT.
+  D's decode step, and while the prompt's chunks run, D's running requests see mixed steps, which
+  must stay within the TPOT objective too.
 
 A way is feasible when both predictions meet the request's SLO. A decode-role worker prefills
 only when no prefill worker can meet the SLO (conditional disaggregation: it takes cycles from
@@ -74,9 +71,6 @@ class WorkerLoad:
     step_model: StepModel = field(default_factory=StepModel)
     chunk_tokens: int = 2048  # the scheduler's token budget per step
     kv_delivery_wait_s: float = 0.0
-    # The fewest output tokens (max_tokens) among the requests this gateway is streaming from the
-    # worker; 0 when it streams none.
-    shortest_output_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,10 +119,10 @@ def route(request: RouteRequest, workers: Sequence[WorkerLoad], turn: int = 0) -
             decision = _decision(request, decode, prefill, ttft, tpot, penalty)
             options.append(((False, decision.cost, decode.sequences, prefill.queued_prompt_tokens,
                              d_index + p_index), decision))
-        ttft, running_tpot = _local_ttft(request, decode)
+        ttft, mixed_step = _local_ttft(request, decode)
         # Ranked after every disaggregated option (the key's first field), whatever its cost.
         conditional = decode.role == "decode" and bool(prefillers)
-        decision = _decision(request, decode, None, ttft, max(tpot, running_tpot), penalty)
+        decision = _decision(request, decode, None, ttft, max(tpot, mixed_step), penalty)
         options.append(((conditional, decision.cost, decode.sequences, decode.queued_prompt_tokens, d_index),
                         decision))
     options.sort(key=_rank)
@@ -184,19 +178,13 @@ def _disaggregated_ttft(request: RouteRequest, prefill: WorkerLoad) -> float:
 
 
 def _local_ttft(request: RouteRequest, decode: WorkerLoad) -> tuple[float, float]:
-    """(TTFT prefilling on the decode worker, the TPOT its running requests then get)."""
+    """(TTFT prefilling on the decode worker, the running batch's step time meanwhile)."""
     model = decode.step_model
     chunk = decode.chunk_tokens
-    uncached = _uncached(request, decode)
     queue = model.prefill_s(decode.queued_prompt_tokens, chunk, decode.sequences, decode.context_tokens)
-    compute = model.prefill_s(uncached, chunk, decode.sequences, decode.context_tokens)
-    ttft = queue + compute + HOP_S
-    if not decode.sequences:
-        return ttft, 0.0
-    step = model.step_s(0, decode.sequences, decode.context_tokens)
-    if decode.shortest_output_tokens > 1:
-        return ttft, step + model.per_prompt_token_s * uncached / (decode.shortest_output_tokens - 1)
-    return ttft, step + model.per_prompt_token_s * min(chunk, uncached)
+    compute = model.prefill_s(_uncached(request, decode), chunk, decode.sequences, decode.context_tokens)
+    mixed = model.step_s(min(chunk, request.prompt_tokens), decode.sequences, decode.context_tokens)
+    return queue + compute + HOP_S, mixed if decode.sequences else 0.0
 
 
 def _decision(request: RouteRequest, decode: WorkerLoad, prefill: WorkerLoad | None, ttft: float, tpot: float,

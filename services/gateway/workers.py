@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
@@ -57,7 +56,6 @@ class Worker:
         self.in_flight = 0  # requests this gateway is streaming from it (decode, colocated)
         self.pending_prompt_tokens = 0  # prompt tokens it must still compute for us, first token not yet back
         self.pending_context_tokens = 0  # context of the requests streaming from it
-        self.output_tokens_streaming: Counter[int] = Counter()  # max_tokens of the requests streaming from it
         self.prompt_tokens_sent = 0  # every prompt token it computed for us (the planner's arrival rate)
         self._on_change = on_change
         self._tasks: list[asyncio.Task] = []
@@ -130,7 +128,6 @@ class Worker:
             step_model=step_model_from_proto(report.step_model),
             chunk_tokens=report.max_num_batched_tokens or 2048,
             kv_delivery_wait_s=report.kv_delivery_wait_s,
-            shortest_output_tokens=min(self.output_tokens_streaming, default=0),
         )
 
     def _set_serving(self, serving: bool) -> None:

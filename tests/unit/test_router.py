@@ -17,10 +17,9 @@ def prefill(address: str, queued: int = 0, wait: float = 0.01) -> WorkerLoad:
                       chunk_tokens=512, kv_delivery_wait_s=wait)
 
 
-def decode(address: str, sequences: int = 0, free: int = 1000, role: str = "decode", chunk: int = 64,
-           shortest_output: int = 0) -> WorkerLoad:
+def decode(address: str, sequences: int = 0, free: int = 1000, role: str = "decode", chunk: int = 64) -> WorkerLoad:
     return WorkerLoad(address, role, sequences=sequences, context_tokens=300 * sequences,  # type: ignore[arg-type]
-                      free_kv_blocks=free, step_model=CPU, chunk_tokens=chunk, shortest_output_tokens=shortest_output)
+                      free_kv_blocks=free, step_model=CPU, chunk_tokens=chunk)
 
 
 def request(prompt: int = 256, cached: dict[str, int] | None = None, slo: Slo = SLO) -> RouteRequest:
@@ -85,20 +84,6 @@ def test_no_local_prefill_where_its_chunks_would_break_the_running_batch_tpot() 
     decision = route(request(), [prefill("p1", queued=600), decode("d1", sequences=3)])
     assert not decision.meets_slo
     assert decision.prefill == "p1"  # the least bad option: only TTFT missed
-
-
-def test_local_prefill_where_the_running_requests_outputs_absorb_its_stall() -> None:
-    # The 256-token prompt stretches the batch's steps by 1.02 s in all; spread over the shortest
-    # running request's 99 output tokens after its first, its TPOT is 76 + 10 ms.
-    decision = route(request(), [prefill("p1", queued=600), decode("d1", sequences=3, shortest_output=100)])
-    assert decision.prefill is None and decision.meets_slo
-    assert decision.tpot_s == pytest.approx(0.0759 + 0.004 * 256 / 99)
-
-
-def test_no_local_prefill_where_a_running_request_is_too_short_to_absorb_its_stall() -> None:
-    # 1.02 s over 7 tokens: 146 ms more per token for the request with 8 output tokens.
-    decision = route(request(), [prefill("p1", queued=600), decode("d1", sequences=3, shortest_output=8)])
-    assert not decision.meets_slo and decision.prefill == "p1"
 
 
 def test_a_prefill_worker_is_preferred_to_local_prefill_when_both_meet_the_slo() -> None:
