@@ -43,6 +43,10 @@ def run(args: argparse.Namespace) -> NoReturn:
     """Serve until SIGTERM/SIGINT, then end the process with the drain's exit code."""
     import asyncio
 
+    from services.common.malloc_arenas import limit_malloc_arenas
+
+    limit_malloc_arenas()  # before the engine thread starts: see the module
+
     import torch
 
     from services.common.server import exit_process
