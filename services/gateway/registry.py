@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Callable, Sequence
 
 from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.tls import TlsConfig
 from services.gateway.prefix_index import PrefixIndex, block_hashes
 from services.gateway.router import DEFAULT_SLO, Decision, NoWorkerError, Role, RouteRequest, Slo, route
+from services.gateway.tpot_slack import DecodeProgress
 from services.gateway.workers import Worker
 
 _RETIRE_POLL_S = 0.1
@@ -34,6 +36,8 @@ class Placement:
         self._context = request.prompt_tokens + request.max_tokens // 2
         self._on_release = on_release
         self._released = False
+        self.progress = DecodeProgress(request.max_tokens, request.slo.tpot_s)
+        decode.decoding.add(self.progress)
         decode.in_flight += 1
         decode.pending_context_tokens += self._context
         self._prefilling.pending_prompt_tokens += self._uncached
@@ -44,12 +48,17 @@ class Placement:
         self._prefilling.pending_prompt_tokens -= self._uncached
         self._uncached = 0
 
+    def delivered(self, tokens: int) -> None:
+        """`tokens` more of its tokens reached the client (its TPOT clock starts at the first)."""
+        self.progress.delivered(tokens, time.monotonic())
+
     def release(self) -> None:
         """The request ended (or this attempt did): its load leaves the workers."""
         if self._released:
             return
         self._released = True
         self.prefilled()
+        self.decode.decoding.discard(self.progress)
         self.decode.in_flight -= 1
         self.decode.pending_context_tokens -= self._context
         self._on_release()

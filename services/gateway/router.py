@@ -8,8 +8,9 @@ output token from each worker's reported step model (services.common.step_model)
   step of D's batch with this request added, at the context that batch will hold;
 - local, on D alone (a colocated worker, or conditional disaggregation on a decode worker with
   slack): TTFT = D's queue + the prompt computed in D's chunks beside its running batch; TPOT =
-  D's decode step, and while the prompt's chunks run, D's running requests see mixed steps, which
-  must stay within the TPOT objective too.
+  D's decode step, and while the prompt's chunks run, D's running requests see mixed steps: either
+  each stays within the TPOT objective, or the stall they add (the prompts' compute) fits within
+  the room the running requests have left under their mean-TPOT objectives (tpot_slack.py).
 
 A way is feasible when both predictions meet the request's SLO. A decode-role worker prefills
 only when no prefill worker can meet the SLO (conditional disaggregation: it takes cycles from
@@ -34,6 +35,8 @@ HOP_S = 0.005
 # Added to the cost of a decode worker without KV room for the prompt now; such an option never
 # meets the SLO.
 NO_ROOM_PENALTY = 100.0
+# The share of its running requests' least TPOT slack a decode worker may spend on local prefills.
+SLACK_SHARE = 0.5
 
 
 class NoWorkerError(Exception):
@@ -71,6 +74,9 @@ class WorkerLoad:
     step_model: StepModel = field(default_factory=StepModel)
     chunk_tokens: int = 2048  # the scheduler's token budget per step
     kv_delivery_wait_s: float = 0.0
+    # The least stall, in seconds, that any request decoding here can absorb and still meet its
+    # TPOT objective (services.gateway.tpot_slack); 0 when unknown.
+    tpot_slack_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,8 @@ def route(request: RouteRequest, workers: Sequence[WorkerLoad], turn: int = 0) -
         ttft, mixed_step = _local_ttft(request, decode)
         # Ranked after every disaggregated option (the key's first field), whatever its cost.
         conditional = decode.role == "decode" and bool(prefillers)
-        decision = _decision(request, decode, None, ttft, max(tpot, mixed_step), penalty)
+        disturbed = tpot if _absorbed(request, decode) else max(tpot, mixed_step)
+        decision = _decision(request, decode, None, ttft, disturbed, penalty)
         options.append(((conditional, decision.cost, decode.sequences, decode.queued_prompt_tokens, d_index),
                         decision))
     options.sort(key=_rank)
@@ -185,6 +192,15 @@ def _local_ttft(request: RouteRequest, decode: WorkerLoad) -> tuple[float, float
     compute = model.prefill_s(_uncached(request, decode), chunk, decode.sequences, decode.context_tokens)
     mixed = model.step_s(min(chunk, request.prompt_tokens), decode.sequences, decode.context_tokens)
     return queue + compute + HOP_S, mixed if decode.sequences else 0.0
+
+
+def _absorbed(request: RouteRequest, decode: WorkerLoad) -> bool:
+    """Whether the requests decoding on `decode` can take the stall of its queued local prompts
+    and this one (their prompt compute, once each) and still meet their mean-TPOT objectives. Only
+    a share of the least slack is spent: later arrivals slow the batch's remaining steps, and the
+    step model's predictions err."""
+    stall = decode.step_model.per_prompt_token_s * (decode.queued_prompt_tokens + _uncached(request, decode))
+    return stall <= SLACK_SHARE * decode.tpot_slack_s
 
 
 def _decision(request: RouteRequest, decode: WorkerLoad, prefill: WorkerLoad | None, ttft: float, tpot: float,

@@ -167,6 +167,7 @@ class GatewayService:
                     if not streamed:
                         streamed = True
                         placement.prefilled()
+                    placement.delivered(len(chunk.token_ids))
                     yield progress.delivered(chunk)
                 return
             except StatusError as error:

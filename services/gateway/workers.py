@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
@@ -25,6 +27,7 @@ from services.common.errors import status_error_from_rpc
 from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.tls import TlsConfig, open_channel
 from services.gateway.router import Role, WorkerLoad
+from services.gateway.tpot_slack import DecodeProgress
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class Worker:
         self.pending_prompt_tokens = 0  # prompt tokens it must still compute for us, first token not yet back
         self.pending_context_tokens = 0  # context of the requests streaming from it
         self.prompt_tokens_sent = 0  # every prompt token it computed for us (the planner's arrival rate)
+        self.decoding: set[DecodeProgress] = set()  # the requests counted in in_flight, by progress
         self._on_change = on_change
         self._tasks: list[asyncio.Task] = []
 
@@ -115,20 +119,33 @@ class Worker:
                               block_size=report.block_size or 16, step_model=step_model_from_proto(report.step_model),
                               chunk_tokens=report.max_num_batched_tokens or 2048,
                               kv_delivery_wait_s=report.kv_delivery_wait_s)
-        sequences = report.running_requests + report.waiting_requests + report.reserved_requests
+        reported = report.running_requests + report.waiting_requests + report.reserved_requests
+        sequences = max(reported, self.in_flight)
+        context_tokens = max(report.context_tokens, self.pending_context_tokens)
+        step_model = step_model_from_proto(report.step_model)
         return WorkerLoad(
             address=self.address,
             role=self.role,
             serving=self.serving and self.report is not None,
             queued_prompt_tokens=max(report.queued_prompt_tokens, self.pending_prompt_tokens),
-            sequences=max(sequences, self.in_flight),
-            context_tokens=max(report.context_tokens, self.pending_context_tokens),
+            sequences=sequences,
+            context_tokens=context_tokens,
             free_kv_blocks=report.free_kv_blocks,
             block_size=report.block_size or 16,
-            step_model=step_model_from_proto(report.step_model),
+            step_model=step_model,
             chunk_tokens=report.max_num_batched_tokens or 2048,
             kv_delivery_wait_s=report.kv_delivery_wait_s,
+            tpot_slack_s=self._tpot_slack_s(reported, step_model.step_s(0, sequences, context_tokens)),
         )
+
+    def _tpot_slack_s(self, reported_sequences: int, step_s: float) -> float:
+        """The least stall any request decoding here can absorb (router.WorkerLoad.tpot_slack_s);
+        0 when the worker runs requests this gateway does not stream (another gateway's), whose
+        objectives and progress it cannot know."""
+        if reported_sequences > self.in_flight:
+            return 0.0
+        now = time.monotonic()
+        return min((progress.slack_s(step_s, now) for progress in self.decoding), default=math.inf)
 
     def _set_serving(self, serving: bool) -> None:
         if serving != self.serving:

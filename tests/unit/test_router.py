@@ -17,9 +17,11 @@ def prefill(address: str, queued: int = 0, wait: float = 0.01) -> WorkerLoad:
                       chunk_tokens=512, kv_delivery_wait_s=wait)
 
 
-def decode(address: str, sequences: int = 0, free: int = 1000, role: str = "decode", chunk: int = 64) -> WorkerLoad:
+def decode(address: str, sequences: int = 0, free: int = 1000, role: str = "decode", chunk: int = 64,
+           slack: float = 0.0, queued: int = 0) -> WorkerLoad:
     return WorkerLoad(address, role, sequences=sequences, context_tokens=300 * sequences,  # type: ignore[arg-type]
-                      free_kv_blocks=free, step_model=CPU, chunk_tokens=chunk)
+                      free_kv_blocks=free, step_model=CPU, chunk_tokens=chunk, tpot_slack_s=slack,
+                      queued_prompt_tokens=queued)
 
 
 def request(prompt: int = 256, cached: dict[str, int] | None = None, slo: Slo = SLO) -> RouteRequest:
@@ -84,6 +86,20 @@ def test_no_local_prefill_where_its_chunks_would_break_the_running_batch_tpot() 
     decision = route(request(), [prefill("p1", queued=600), decode("d1", sequences=3)])
     assert not decision.meets_slo
     assert decision.prefill == "p1"  # the least bad option: only TTFT missed
+
+
+def test_local_prefill_beside_a_running_batch_whose_tpot_slack_absorbs_the_stall() -> None:
+    # The prompt stalls the batch for 256 x 4 ms = 1.02 s; half of 2.5 s of slack covers it.
+    decision = route(request(), [prefill("p1", queued=600), decode("d1", sequences=3, slack=2.5)])
+    assert decision.prefill is None and decision.meets_slo
+
+
+@pytest.mark.parametrize(("slack", "queued"), [(1.5, 0), (2.5, 200)])
+def test_no_local_prefill_where_the_stall_exceeds_half_the_least_tpot_slack(slack: float, queued: int) -> None:
+    # 1.02 s of stall against 0.75 s of spendable slack; or 1.82 s with 200 local tokens queued before it.
+    workers = [prefill("p1", queued=600), decode("d1", sequences=3, slack=slack, queued=queued)]
+    decision = route(request(), workers)
+    assert decision.prefill == "p1" and not decision.meets_slo
 
 
 def test_a_prefill_worker_is_preferred_to_local_prefill_when_both_meet_the_slo() -> None:
