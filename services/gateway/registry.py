@@ -38,7 +38,6 @@ class Placement:
         self._released = False
         self.progress = DecodeProgress(request.max_tokens, request.slo.tpot_s)
         decode.decoding.add(self.progress)
-        decode.in_flight += 1
         decode.pending_context_tokens += self._context
         self._prefilling.pending_prompt_tokens += self._uncached
         self._prefilling.prompt_tokens_sent += self._uncached
@@ -59,7 +58,6 @@ class Placement:
         self._released = True
         self.prefilled()
         self.decode.decoding.discard(self.progress)
-        self.decode.in_flight -= 1
         self.decode.pending_context_tokens -= self._context
         self._on_release()
 

@@ -56,13 +56,17 @@ class Worker:
         self.serving = False
         self.report: common_pb2.LoadReport | None = None
         # What this gateway sent here and the worker's reports may not show yet.
-        self.in_flight = 0  # requests this gateway is streaming from it (decode, colocated)
         self.pending_prompt_tokens = 0  # prompt tokens it must still compute for us, first token not yet back
         self.pending_context_tokens = 0  # context of the requests streaming from it
         self.prompt_tokens_sent = 0  # every prompt token it computed for us (the planner's arrival rate)
-        self.decoding: set[DecodeProgress] = set()  # the requests counted in in_flight, by progress
+        self.decoding: set[DecodeProgress] = set()  # the requests this gateway streams from it (decode, colocated)
         self._on_change = on_change
         self._tasks: list[asyncio.Task] = []
+
+    @property
+    def in_flight(self) -> int:
+        """Requests this gateway is streaming from it."""
+        return len(self.decoding)
 
     def start(self) -> None:
         """Subscribe to its health and load (on the running event loop)."""

@@ -19,6 +19,7 @@ from kubernetes import client
 
 from services.gateway.discovery import Backoff, KubernetesDiscovery, ServiceEndpoints, ready_addresses, sync_pool
 from services.gateway.registry import WorkerRegistry
+from services.gateway.tpot_slack import DecodeProgress
 
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/tandem/endpointslices"
 
@@ -190,13 +191,14 @@ def test_sync_pool_adds_new_workers_and_drains_removed_ones_after_their_streams(
         sync_pool(registry, "decode", {"127.0.0.1:1", "127.0.0.1:2"})
         assert registry.addresses("decode") == {"127.0.0.1:1", "127.0.0.1:2"}
         (busy,) = [worker for worker in registry.workers if worker.address == "127.0.0.1:1"]
-        busy.in_flight = 1  # a stream the gateway is relaying from it
+        stream = DecodeProgress(max_tokens=16, tpot_objective_s=0.1)
+        busy.decoding.add(stream)  # a stream the gateway is relaying from it
         sync_pool(registry, "decode", {"127.0.0.1:2", "127.0.0.1:3"})
         assert registry.addresses("decode") == {"127.0.0.1:2", "127.0.0.1:3"}
         assert busy not in registry.workers, "a removed worker gets no new requests"
         await asyncio.sleep(0.5)
         assert busy.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN, "its stream still runs"
-        busy.in_flight = 0
+        busy.decoding.discard(stream)
         await closed(busy)
         await registry.close()
 
@@ -207,7 +209,7 @@ def test_closing_the_registry_closes_workers_still_draining():
     async def scenario() -> None:
         registry = WorkerRegistry(decode=["127.0.0.1:1"], retire_after_s=0)
         (worker,) = registry.workers
-        worker.in_flight = 1
+        worker.decoding.add(DecodeProgress(max_tokens=16, tpot_objective_s=0.1))
         registry.remove("decode", "127.0.0.1:1")
         await registry.close()
         assert worker.channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN
