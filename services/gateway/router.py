@@ -10,7 +10,7 @@ output token from each worker's reported step model (services.common.step_model)
   slack): TTFT = D's queue + the prompt computed in D's chunks beside its running batch; TPOT =
   D's decode step, and while the prompt's chunks run, D's running requests see mixed steps: either
   each stays within the TPOT objective, or the stall they add (the prompts' compute) fits within
-  the room the running requests have left under their mean-TPOT objectives (tpot_slack.py).
+  half the room the running requests have left under their mean-TPOT objectives (tpot_slack.py).
 
 A way is feasible when both predictions meet the request's SLO. A decode-role worker prefills
 only when no prefill worker can meet the SLO (conditional disaggregation: it takes cycles from
