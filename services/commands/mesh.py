@@ -13,7 +13,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -103,21 +102,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _start(args: argparse.Namespace, children: list[Child], stop: threading.Event) -> tuple[str, str]:
-    """Start the three processes together (their loads overlap); the gateway's gRPC and HTTP
-    addresses once all are ready."""
+    """Start the two workers together (their model loads overlap), then the gateway on the
+    addresses they report; the gateway's gRPC and HTTP addresses once all are ready."""
     base = [sys.executable, "-m", "services.cli", "--log-level", args.log_level]
     common = ["--host", args.host, *(["--model", args.model] if args.model else [])]
-    # The gateway must know the workers' ports before they are bound, so port 0 is resolved here.
-    prefill_port, decode_port = (_port_or_free(args.host, port) for port in (args.prefill_port, args.decode_port))
-    children.append(Child("prefill", [*base, "prefill", *common, "--port", str(prefill_port), "--threads", "1",
+    # A worker asked for port 0 binds a free port itself and names it in its ready line: a port
+    # picked here and bound later by the child could be taken by another process in between.
+    children.append(Child("prefill", [*base, "prefill", *common, "--port", str(args.prefill_port), "--threads", "1",
                                       *_free_metrics_port(args.prefill_port)]))
-    children.append(Child("decode", [*base, "decode", *common, "--port", str(decode_port), "--threads", "1",
+    children.append(Child("decode", [*base, "decode", *common, "--port", str(args.decode_port), "--threads", "1",
                                      "--kv-backend", args.kv_backend, *_free_metrics_port(args.decode_port)]))
+    _wait_ready(children, time.monotonic() + args.startup_timeout, stop)
+    prefill, decode = (str(child.address) for child in children)
     # The gateway reports ready once it sees a serving worker in each pool.
     children.append(Child("gateway", [*base, "gateway", *common, "--port", str(args.gateway_port),
-                                      "--http-port", str(args.http_port),
-                                      "--prefill", f"{args.host}:{prefill_port}",
-                                      "--decode", f"{args.host}:{decode_port}",
+                                      "--http-port", str(args.http_port), "--prefill", prefill, "--decode", decode,
                                       "--wait-for-workers", str(args.startup_timeout)]))
     _wait_ready(children, time.monotonic() + args.startup_timeout, stop)
     return str(children[-1].address), str(children[-1].http_address)
@@ -127,15 +126,6 @@ def _free_metrics_port(port: int) -> list[str]:
     """A child given a fixed port serves metrics on that port + 1000 (its default); one given a free
     port gets a free metrics port too (its ready line names it)."""
     return [] if port else ["--metrics-port", "0"]
-
-
-def _port_or_free(host: str, port: int) -> int:
-    """`port`, or when it is 0 a port free on `host` right now."""
-    if port:
-        return port
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _wait_ready(children: Sequence[Child], deadline: float, stop: threading.Event) -> None:

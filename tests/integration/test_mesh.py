@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -253,6 +254,12 @@ def test_mesh_command_serves_then_stops_its_children():
         with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as children:
             child_pids = [int(pid) for pid in children.read().split()]
         assert len(child_pids) == 3
+        # Regression: the mesh once picked free ports itself and passed them on, and another
+        # process could take one before the worker bound it; asked for 0, a worker binds 0 itself.
+        for pid in child_pids:
+            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            if {"prefill", "decode"} & set(argv):
+                assert argv[argv.index("--port") + 1] == "0", argv
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
     finally:
