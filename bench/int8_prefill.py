@@ -1,0 +1,119 @@
+"""Would int8 linears make prefill fast enough to matter, and keep the model's answers?
+
+A probe for issue 4's "faster prefill" lever, not a serving path: the engine stays fp32. It loads
+the shipped model once (one torch thread, fp32 weights pre-packed for oneDNN, as served; no prefix cache), then
+swaps every decoder layer's linears for fbgemm's dynamically quantized int8 product (weights int8
+per output channel; activations quantized per call), in two variants:
+
+- `per-tensor`: one activation scale per call, what `quantize_dynamic` does;
+- `per-token`: each row of the activations scaled to unit max first and the output rows scaled
+  back, so that the single scale fbgemm uses amounts to one scale per token.
+
+The LM head stays fp32 in both. For each variant and for fp32 it reports the mean prefill time of
+256-token prompts (fp32 measured in the same run, so the ratio is what counts) and how long greedy
+decoding agrees with fp32: the index of the first differing token over 48 tokens, per prompt.
+Prompts are 256-token windows of this repository's README and architecture document.
+
+    python bench/int8_prefill.py [--prompts 6] [--timed 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from engine.config import CacheConfig, EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.offline import generate  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+PROMPT_TOKENS = 256
+OUTPUT_TOKENS = 48
+
+
+class Int8Linear:
+    """y = x·Wᵀ through fbgemm's dynamic int8 product (no bias: the shipped model has none)."""
+
+    def __init__(self, weight: torch.Tensor, per_token: bool) -> None:
+        weight = weight.detach().float()
+        scales = weight.abs().amax(1).clamp_min(1e-8) / 127
+        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+        quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+        self._packed = torch.ops.quantized.linear_prepack(quantized, None)
+        self._per_token = per_token
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._per_token:
+            return torch.ops.quantized.linear_dynamic(x, self._packed, True)
+        rows = x.abs().amax(1, keepdim=True).clamp_min(1e-6)
+        return torch.ops.quantized.linear_dynamic(x / rows, self._packed, True) * rows
+
+
+def _prompts(engine: Engine, count: int) -> list[list[int]]:
+    text = (REPO / "README.md").read_text() + (REPO / "docs" / "architecture.md").read_text()
+    ids = engine.tokenizer.encode(text)
+    stride = (len(ids) - PROMPT_TOKENS) // max(count - 1, 1)
+    return [ids[i * stride:i * stride + PROMPT_TOKENS] for i in range(count)]
+
+
+def _measure(engine: Engine, prompts: list[list[int]], timed: int) -> tuple[float, list[list[int]]]:
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    generate(engine, [prompts[0]], greedy)  # warm-up
+    started = time.perf_counter()
+    for prompt in prompts[:timed]:
+        generate(engine, [prompt], greedy)
+    prefill_s = (time.perf_counter() - started) / timed
+    long = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    return prefill_s, [completion.token_ids for completion in generate(engine, prompts, long)]
+
+
+def _first_difference(reference: list[int], other: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(reference, other, strict=True)) if a != b), len(reference))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--timed", type=int, default=4, help="prompts timed for the prefill figure")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "int8_prefill.json"))
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")  # torch's quantized-tensor API warns that it is deprecated
+    torch.set_num_threads(1)
+    torch.backends.quantized.engine = "fbgemm"
+    # No prefix cache: every variant must compute every prompt itself.
+    engine = Engine(EngineConfig(cache=CacheConfig(enable_prefix_caching=False)))
+    layers = engine.runner.model.layers
+    fp32 = {id(layer): dict(layer.linears) for layer in layers}
+    prompts = _prompts(engine, args.prompts)
+    results: dict[str, dict] = {}
+    reference: list[list[int]] = []
+    for variant in ("fp32", "per-tensor", "per-token"):
+        for layer in layers:
+            originals = fp32[id(layer)].items()
+            if variant == "fp32":
+                layer.linears.update(originals)
+            else:
+                layer.linears.update({name: Int8Linear(linear.weight, variant == "per-token")
+                                      for name, linear in originals})
+        prefill_s, outputs = _measure(engine, prompts, args.timed)
+        reference = reference or outputs
+        agreement = [_first_difference(ref, out) for ref, out in zip(reference, outputs, strict=True)]
+        baseline_s = results["fp32"]["prefill_s"] if results else prefill_s
+        results[variant] = {"prefill_s": prefill_s, "speedup": baseline_s / prefill_s, "first_difference": agreement}
+        print(f"{variant:>10}: prefill {prefill_s * 1000:6.0f} ms per {PROMPT_TOKENS}-token prompt "
+              f"({results[variant]['speedup']:.2f}x fp32); greedy agrees with fp32 for {agreement} "
+              f"of {OUTPUT_TOKENS} tokens", flush=True)
+    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
