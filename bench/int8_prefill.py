@@ -3,16 +3,20 @@
 A probe for issue 4's "faster prefill" lever, not a serving path: the engine stays fp32. It loads
 the shipped model once (one torch thread, fp32 weights pre-packed for oneDNN, as served; no prefix cache), then
 swaps every decoder layer's linears for fbgemm's dynamically quantized int8 product (weights int8
-per output channel; activations quantized per call), in two variants:
+per output channel; activations quantized per call), in three variants:
 
 - `per-tensor`: one activation scale per call, what `quantize_dynamic` does;
 - `per-token`: each row of the activations scaled to unit max first and the output rows scaled
-  back, so that the single scale fbgemm uses amounts to one scale per token.
+  back, so that the single scale fbgemm uses amounts to one scale per token;
+- `smoothed`: per token, after SmoothQuant's channel scaling, calibrated on docs/benchmarks.md
+  (a document the perplexity windows do not come from).
 
 The LM head stays fp32 in both. For each variant and for fp32 it reports the mean prefill time of
 256-token prompts (fp32 measured in the same run, so the ratio is what counts) and how long greedy
-decoding agrees with fp32: the index of the first differing token over 48 tokens, per prompt.
-Prompts are 256-token windows of this repository's README and architecture document.
+decoding agrees with fp32 (the index of the first differing token over 48 tokens, per prompt) and
+the perplexity of 512-token windows of text (teacher-forced, so independent of where greedy
+decoding happens to fork). Prompts and windows come from this repository's README and
+architecture document.
 
     python bench/int8_prefill.py [--prompts 6] [--timed 4]
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import warnings
@@ -30,6 +35,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.config import CacheConfig, EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.offline import generate  # noqa: E402
@@ -37,13 +43,20 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT_TOKENS = 256
 OUTPUT_TOKENS = 48
+WINDOW_TOKENS = 512
 
 
 class Int8Linear:
     """y = x·Wᵀ through fbgemm's dynamic int8 product (no bias: the shipped model has none)."""
 
-    def __init__(self, weight: torch.Tensor, per_token: bool) -> None:
+    def __init__(self, weight: torch.Tensor, per_token: bool, smoothing: torch.Tensor | None = None) -> None:
         weight = weight.detach().float()
+        # SmoothQuant: divide activation channels by s and multiply the weight's columns by s, with
+        # s = sqrt(max |x_c| / max |w_c|), which moves outlier channels' range into the weight.
+        self._smoothing = None
+        if smoothing is not None:
+            self._smoothing = (smoothing / weight.abs().amax(0).clamp_min(1e-5)).sqrt().clamp_min(1e-5)
+            weight = weight * self._smoothing
         scales = weight.abs().amax(1).clamp_min(1e-8) / 127
         zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
         quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
@@ -51,17 +64,34 @@ class Int8Linear:
         self._per_token = per_token
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._smoothing is not None:
+            x = x / self._smoothing
         if not self._per_token:
             return torch.ops.quantized.linear_dynamic(x, self._packed, True)
         rows = x.abs().amax(1, keepdim=True).clamp_min(1e-6)
         return torch.ops.quantized.linear_dynamic(x / rows, self._packed, True) * rows
 
 
-def _prompts(engine: Engine, count: int) -> list[list[int]]:
-    text = (REPO / "README.md").read_text() + (REPO / "docs" / "architecture.md").read_text()
+class ChannelRange:
+    """Passes products through to an fp32 linear and keeps each input channel's largest |x|."""
+
+    def __init__(self, linear: object) -> None:
+        self.linear = linear
+        self.weight = linear.weight  # type: ignore[attr-defined]
+        self.max_abs: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        seen = x.abs().amax(0)
+        self.max_abs = seen if self.max_abs is None else torch.maximum(self.max_abs, seen)
+        return self.linear(x)  # type: ignore[operator]
+
+
+def _prompts(engine: Engine, count: int, tokens: int = PROMPT_TOKENS, documents: tuple[str, ...] = (
+        "README.md", "docs/architecture.md")) -> list[list[int]]:
+    text = "".join((REPO / document).read_text() for document in documents)
     ids = engine.tokenizer.encode(text)
-    stride = (len(ids) - PROMPT_TOKENS) // max(count - 1, 1)
-    return [ids[i * stride:i * stride + PROMPT_TOKENS] for i in range(count)]
+    stride = (len(ids) - tokens) // max(count - 1, 1)
+    return [ids[i * stride:i * stride + tokens] for i in range(count)]
 
 
 def _measure(engine: Engine, prompts: list[list[int]], timed: int) -> tuple[float, list[list[int]]]:
@@ -75,6 +105,26 @@ def _measure(engine: Engine, prompts: list[list[int]], timed: int) -> tuple[floa
     return prefill_s, [completion.token_ids for completion in generate(engine, prompts, long)]
 
 
+def _perplexity(engine: Engine, windows: list[list[int]]) -> float:
+    """exp(mean next-token NLL) over the windows, each one forward pass over fresh cache blocks."""
+    model, cache = engine.runner.model, engine.runner.cache
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for ids in windows:
+            tokens = len(ids)
+            blocks = -(-tokens // cache.block_size)
+            meta = AttentionMetadata(
+                slot_mapping=torch.arange(tokens), query_start_loc=torch.tensor([0, tokens], dtype=torch.int32),
+                seq_lens=torch.tensor([tokens], dtype=torch.int32),
+                block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+                query_lens_list=(tokens,), seq_lens_list=(tokens,))
+            hidden = model.forward(torch.tensor(ids), torch.arange(tokens), cache.kv_caches, meta)
+            logits = model.compute_logits(hidden[:-1])
+            total += torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum").item()
+            count += tokens - 1
+    return math.exp(total / count)
+
+
 def _first_difference(reference: list[int], other: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(reference, other, strict=True)) if a != b), len(reference))
 
@@ -83,6 +133,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--timed", type=int, default=4, help="prompts timed for the prefill figure")
+    parser.add_argument("--perplexity-windows", type=int, default=8, help=f"{WINDOW_TOKENS}-token windows scored")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "int8_prefill.json"))
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # torch's quantized-tensor API warns that it is deprecated
@@ -93,24 +144,33 @@ def main() -> int:
     layers = engine.runner.model.layers
     fp32 = {id(layer): dict(layer.linears) for layer in layers}
     prompts = _prompts(engine, args.prompts)
+    windows = _prompts(engine, args.perplexity_windows, WINDOW_TOKENS)
+    # Channel ranges for smoothing come from another document than the one scored.
+    ranges = {id(layer): {name: ChannelRange(linear) for name, linear in fp32[id(layer)].items()} for layer in layers}
+    for layer in layers:
+        layer.linears.update(ranges[id(layer)])
+    _perplexity(engine, _prompts(engine, args.perplexity_windows, WINDOW_TOKENS, ("docs/benchmarks.md",)))
     results: dict[str, dict] = {}
     reference: list[list[int]] = []
-    for variant in ("fp32", "per-tensor", "per-token"):
+    for variant in ("fp32", "per-tensor", "per-token", "smoothed"):
         for layer in layers:
             originals = fp32[id(layer)].items()
             if variant == "fp32":
                 layer.linears.update(originals)
             else:
-                layer.linears.update({name: Int8Linear(linear.weight, variant == "per-token")
-                                      for name, linear in originals})
+                layer.linears.update({name: Int8Linear(
+                    linear.weight, variant != "per-tensor",
+                    ranges[id(layer)][name].max_abs if variant == "smoothed" else None) for name, linear in originals})
         prefill_s, outputs = _measure(engine, prompts, args.timed)
+        perplexity = _perplexity(engine, windows)
         reference = reference or outputs
         agreement = [_first_difference(ref, out) for ref, out in zip(reference, outputs, strict=True)]
         baseline_s = results["fp32"]["prefill_s"] if results else prefill_s
-        results[variant] = {"prefill_s": prefill_s, "speedup": baseline_s / prefill_s, "first_difference": agreement}
+        results[variant] = {"prefill_s": prefill_s, "speedup": baseline_s / prefill_s, "first_difference": agreement,
+                            "perplexity": perplexity}
         print(f"{variant:>10}: prefill {prefill_s * 1000:6.0f} ms per {PROMPT_TOKENS}-token prompt "
-              f"({results[variant]['speedup']:.2f}x fp32); greedy agrees with fp32 for {agreement} "
-              f"of {OUTPUT_TOKENS} tokens", flush=True)
+              f"({results[variant]['speedup']:.2f}x fp32); perplexity {perplexity:.3f}; greedy agrees with "
+              f"fp32 for {agreement} of {OUTPUT_TOKENS} tokens", flush=True)
     Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=2) + "\n")
     return 0
 
