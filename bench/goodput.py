@@ -17,6 +17,7 @@ bench/results/goodput.json and bench/results/goodput.png (attainment vs rate per
         [--requests-per-rate 60] [--slo 2000:100 --slo 1000:75] [--client own|vllm] [--seed 0]
     .venv/bin/python bench/goodput.py --endpoint http://127.0.0.1:8000 --label mine
     .venv/bin/python bench/goodput.py --smoke     # against a stub server, in seconds, no model
+    .venv/bin/python bench/goodput.py --rescore bench/results/goodput.json --slo 2000:75  # other SLOs, no run
 
 `--client vllm` sends the requests with vLLM's own client instead (bench/goodput_vllm_client.py), so
 both systems are measured by the same tool; for one rate against Tandem's HTTP API it runs:
@@ -84,6 +85,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-pin", action="store_true", help="do not pin Tandem's workers to one core each")
     parser.add_argument("--out", default=None, help="results path without extension (default: bench/results/goodput)")
     parser.add_argument("--smoke", action="store_true", help="a stub server and a few requests, to check the tool")
+    parser.add_argument("--rescore", default=None, metavar="RESULTS_JSON",
+                        help="print goodput at the --slo pairs from an earlier run's per-request samples (no "
+                             "run; only meaningful for servers that ignore the SLO a request carries)")
     args = parser.parse_args(argv)
     args.slos = [Slo.parse(s) for s in (args.slo or ["2000:100", "1000:75"])]
     if args.smoke:
@@ -183,9 +187,30 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractCon
     return [(config, deployment(config, options)) for config in args.config_list]
 
 
+def rescore(path: str, slos: Sequence[Slo]) -> dict[str, dict]:
+    """An earlier run's configurations with attainment and goodput recomputed at `slos`. Tandem's
+    router places requests by the SLO they were sent with, so for Tandem this tells what the run
+    would have attained at other objectives, not what a run sent with them would have."""
+    with open(path, encoding="utf-8") as file:
+        configs = json.load(file)["configs"]
+    rescored: dict[str, dict] = {}
+    for name, data in configs.items():
+        if "rates" not in data:
+            rescored[name] = data
+            continue
+        rows = [summarize_rate(r["rate"], [RequestResult(**sample) for sample in r["samples"]], slos)
+                for r in data["rates"]]
+        curves = {s.name: [(r["rate"], r["attainment"][s.name]) for r in rows] for s in slos}
+        rescored[name] = {"rates": rows, "goodput": {n: goodput(curve) for n, curve in curves.items()}}
+    return rescored
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure every configuration, print the summary, write the JSON results and the plot."""
     args = parse_args(argv)
+    if args.rescore:
+        print(format_summary(rescore(args.rescore, args.slos), args.slos))
+        return 0
     if args.client == "vllm" or (not args.smoke and not args.endpoint and "vllm" in args.config_list):
         subprocess.run([sys.executable, os.path.join(BENCH_DIR, "hf_export.py"), "--out", HF_EXPORT_DIR], check=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")

@@ -125,3 +125,22 @@ def test_vllm_bench_results_become_per_request_results():
     ok, failed = results_from_vllm(result)
     assert ok == RequestResult(True, 0.3, pytest.approx(0.06), 3, 0.0, 0.5)
     assert not failed.ok and failed.error == "HTTP 429" and failed.started_s == 1.0
+
+
+def test_rescore_recomputes_attainment_and_goodput_at_other_slos(tmp_path):
+    from goodput import rescore
+
+    def sample(tpot_s: float) -> dict:
+        return {"ok": True, "ttft_s": 0.5, "tpot_s": tpot_s, "output_tokens": 10, "started_s": 0.0,
+                "finished_s": 1.0, "error": ""}
+
+    rates = [{"rate": 0.5, "samples": [sample(0.04)] * 9 + [sample(0.09)]},
+             {"rate": 1.0, "samples": [sample(0.07)] * 10}]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"configs": {"a": {"rates": rates}, "b": {"skipped": "not installed"}}}))
+    loose, tight = Slo.parse("2000:100"), Slo.parse("2000:60")
+    rescored = rescore(str(path), [loose, tight])
+    assert [row["attainment"][tight.name] for row in rescored["a"]["rates"]] == [0.9, 0.0]
+    assert rescored["a"]["goodput"][loose.name]["highest_passing"] == 1.0
+    assert rescored["a"]["goodput"][tight.name]["highest_passing"] == 0.5
+    assert rescored["b"] == {"skipped": "not installed"}
