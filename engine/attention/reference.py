@@ -73,21 +73,20 @@ def _causal_over_context(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float
 ) -> torch.Tensor:
     query_len, num_heads, _ = q.shape
-    keys = gather_context(k_cache, block_table, seq_len).transpose(0, 1)
-    values = gather_context(v_cache, block_table, seq_len).transpose(0, 1)
-    gqa = num_heads != keys.shape[0]
+    # [1, heads, len, head_dim]: given 3-d tensors, CPU SDPA takes its unfused path, which measured
+    # 4x slower than its flash kernel for a 1,024-token prompt (109 vs 26 ms a layer, one thread).
+    keys = gather_context(k_cache, block_table, seq_len).transpose(0, 1)[None]
+    values = gather_context(v_cache, block_table, seq_len).transpose(0, 1)[None]
+    queries = q.transpose(0, 1)[None].to(keys.dtype)
+    gqa = num_heads != keys.shape[1]
     if query_len == seq_len:
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).to(keys.dtype), keys, values, is_causal=True, scale=scale, enable_gqa=gqa
-        )
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         # The queries are the last query_len positions, so query j sees keys 0..seq_len-query_len+j.
         offset = seq_len - query_len
         mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril(diagonal=offset)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).to(keys.dtype), keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
-        )
-    return out.transpose(0, 1).to(q.dtype)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1).to(q.dtype)
 
 
 class TorchPagedAttention:
