@@ -7,10 +7,11 @@ uniform within it; seeded). Prompts are 256 tokens and outputs 64 until hour 12,
 The default peak, 3 requests/s, is 3,072 prompt tokens/s in the 1,024-token phase: about 12 prefill
 replicas at the default capacity, and about 8 decode replicas.
 
-Capacity per replica (flags; defaults measured on this machine for fp32 SmolLM2-135M on one core,
-as bench/results/goodput.json holds attainment per rate rather than per-replica capacity): a prefill
-replica computes 260 prompt tokens/s, one prompt at a time; a decode step with batch b takes
-60 ms + 15 ms x b, so a replica holds at most 2 sequences within TPOT 100 ms.
+Capacity per replica (flags; defaults measured on this machine for fp32 SmolLM2-135M on one core by
+bench/engine_throughput.py --threads 1, as bench/results/goodput.json holds attainment per rate
+rather than per-replica capacity): a prefill replica computes 300 prompt tokens/s (its speed on
+1,024-token prompts; 256-token ones go at 340), one prompt at a time; a decode step with batch b
+takes 45 ms + 6.8 ms x b, so a replica holds at most 8 sequences within TPOT 100 ms.
 
 The world, each minute m (from t to t + 60 s):
 - Prefill: one FIFO queue in front of the ready prefill replicas; a request starts on the replica
@@ -43,8 +44,8 @@ Output: replica-hours of planner and oracle (their ratio), the share of minutes 
 bench/results/planner_sim.json and docs/planner_sim.png. Target: >= 90% of minutes at <= 1.2x the
 oracle's replica-hours.
 
-    .venv/bin/python bench/planner_sim.py [--peak-rate 3] [--ttft-ms 2000] [--prefill-tokens-per-s 260]
-        [--decode-step-ms 60] [--decode-step-per-seq-ms 15] [--seed 0] [--out bench/results/planner_sim]
+    .venv/bin/python bench/planner_sim.py [--peak-rate 3] [--ttft-ms 2000] [--prefill-tokens-per-s 300]
+        [--decode-step-ms 45] [--decode-step-per-seq-ms 6.8] [--seed 0] [--out bench/results/planner_sim]
 """
 
 from __future__ import annotations
