@@ -157,8 +157,12 @@ def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload
         if all(v < args.stop_below for v in row["attainment"].values()):
             break
         time.sleep(args.cooldown)
-    curves = {s.name: [(r["rate"], r["attainment"][s.name]) for r in rows] for s in args.slos}
-    return {"model": model, "rates": rows, "goodput": {name: goodput(curve) for name, curve in curves.items()}}
+    return {"model": model, "rates": rows, "goodput": _goodput_per_slo(rows, args.slos)}
+
+
+def _goodput_per_slo(rows: Sequence[dict], slos: Sequence[Slo]) -> dict[str, dict]:
+    """Each SLO's goodput from the attainment of summarized rates."""
+    return {s.name: goodput([(r["rate"], r["attainment"][s.name]) for r in rows]) for s in slos}
 
 
 @contextlib.contextmanager
@@ -200,8 +204,7 @@ def rescore(path: str, slos: Sequence[Slo]) -> dict[str, dict]:
             continue
         rows = [summarize_rate(r["rate"], [RequestResult(**sample) for sample in r["samples"]], slos)
                 for r in data["rates"]]
-        curves = {s.name: [(r["rate"], r["attainment"][s.name]) for r in rows] for s in slos}
-        rescored[name] = {"rates": rows, "goodput": {n: goodput(curve) for n, curve in curves.items()}}
+        rescored[name] = {"rates": rows, "goodput": _goodput_per_slo(rows, slos)}
     return rescored
 
 

@@ -38,12 +38,15 @@ sys.path.insert(0, str(REPO))
 from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.config import CacheConfig, EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.model.linear import Linear  # noqa: E402
 from engine.offline import generate  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT_TOKENS = 256
 OUTPUT_TOKENS = 48
 WINDOW_TOKENS = 512
+SCORED_DOCUMENTS = ("README.md", "docs/architecture.md")
+CALIBRATION_DOCUMENTS = ("docs/benchmarks.md",)  # smoothing is calibrated on text it is not scored on
 
 
 class Int8Linear:
@@ -75,19 +78,19 @@ class Int8Linear:
 class ChannelRange:
     """Passes products through to an fp32 linear and keeps each input channel's largest |x|."""
 
-    def __init__(self, linear: object) -> None:
+    def __init__(self, linear: Linear) -> None:
         self.linear = linear
-        self.weight = linear.weight  # type: ignore[attr-defined]
+        self.weight = linear.weight
         self.max_abs: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         seen = x.abs().amax(0)
         self.max_abs = seen if self.max_abs is None else torch.maximum(self.max_abs, seen)
-        return self.linear(x)  # type: ignore[operator]
+        return self.linear(x)
 
 
-def _prompts(engine: Engine, count: int, tokens: int = PROMPT_TOKENS, documents: tuple[str, ...] = (
-        "README.md", "docs/architecture.md")) -> list[list[int]]:
+def _prompts(engine: Engine, count: int, tokens: int = PROMPT_TOKENS,
+             documents: tuple[str, ...] = SCORED_DOCUMENTS) -> list[list[int]]:
     text = "".join((REPO / document).read_text() for document in documents)
     ids = engine.tokenizer.encode(text)
     stride = (len(ids) - tokens) // max(count - 1, 1)
@@ -142,25 +145,24 @@ def main() -> int:
     # No prefix cache: every variant must compute every prompt itself.
     engine = Engine(EngineConfig(cache=CacheConfig(enable_prefix_caching=False)))
     layers = engine.runner.model.layers
-    fp32 = {id(layer): dict(layer.linears) for layer in layers}
+    fp32 = [dict(layer.linears) for layer in layers]
     prompts = _prompts(engine, args.prompts)
     windows = _prompts(engine, args.perplexity_windows, WINDOW_TOKENS)
-    # Channel ranges for smoothing come from another document than the one scored.
-    ranges = {id(layer): {name: ChannelRange(linear) for name, linear in fp32[id(layer)].items()} for layer in layers}
-    for layer in layers:
-        layer.linears.update(ranges[id(layer)])
-    _perplexity(engine, _prompts(engine, args.perplexity_windows, WINDOW_TOKENS, ("docs/benchmarks.md",)))
+    ranges = [{name: ChannelRange(linear) for name, linear in linears.items()} for linears in fp32]
+    for layer, layer_ranges in zip(layers, ranges, strict=True):
+        layer.linears.update(layer_ranges)
+    _perplexity(engine, _prompts(engine, args.perplexity_windows, WINDOW_TOKENS, CALIBRATION_DOCUMENTS))
     results: dict[str, dict] = {}
     reference: list[list[int]] = []
     for variant in ("fp32", "per-tensor", "per-token", "smoothed"):
-        for layer in layers:
-            originals = fp32[id(layer)].items()
+        for layer, linears, layer_ranges in zip(layers, fp32, ranges, strict=True):
             if variant == "fp32":
-                layer.linears.update(originals)
-            else:
-                layer.linears.update({name: Int8Linear(
-                    linear.weight, variant != "per-tensor",
-                    ranges[id(layer)][name].max_abs if variant == "smoothed" else None) for name, linear in originals})
+                layer.linears.update(linears)
+                continue
+            layer.linears.update({name: Int8Linear(linear.weight, per_token=variant != "per-tensor",
+                                                   smoothing=layer_ranges[name].max_abs if variant == "smoothed"
+                                                   else None)
+                                  for name, linear in linears.items()})
         prefill_s, outputs = _measure(engine, prompts, args.timed)
         perplexity = _perplexity(engine, windows)
         reference = reference or outputs
