@@ -4,14 +4,15 @@
 Demand (issue 6): 24 hours at one-minute steps. The request rate follows a sinusoid between 10% and
 100% of the peak, the peak at hour 14, with Poisson noise (each minute's count is Poisson, arrivals
 uniform within it; seeded). Prompts are 256 tokens and outputs 64 until hour 12, then 1,024 and 64.
-The default peak, 3 requests/s, is 3,072 prompt tokens/s in the 1,024-token phase: about 12 prefill
-replicas at the default capacity, and about 8 decode replicas.
+The default peak, 3 requests/s, is 3,072 prompt tokens/s in the 1,024-token phase: about 11 prefill
+replicas at the default capacity, and 2 decode replicas.
 
-Capacity per replica (flags; defaults measured on this machine for fp32 SmolLM2-135M on one core by
+Capacity per replica (flags; defaults measured on this machine for SmolLM2-135M on one core by
 bench/engine_throughput.py --threads 1, as bench/results/goodput.json holds attainment per rate
-rather than per-replica capacity): a prefill replica computes 300 prompt tokens/s (its speed on
+rather than per-replica capacity): a prefill replica computes 280 prompt tokens/s (its speed on
 1,024-token prompts; 256-token ones go at 340), one prompt at a time; a decode step with batch b
-takes 45 ms + 6.8 ms x b, so a replica holds at most 8 sequences within TPOT 100 ms.
+takes 24 ms + 5.6 ms x b (weights held at fp16), so a replica holds at most 13 sequences within
+TPOT 100 ms.
 
 The world, each minute m (from t to t + 60 s):
 - Prefill: one FIFO queue in front of the ready prefill replicas; a request starts on the replica
@@ -31,7 +32,7 @@ the prompt-token arrival rate over the last minute, the prompt tokens and prompt
 measured prefill speed; the decode pool's sequences, their KV blocks (prompt + half the output
 each), the mean batch per ready replica, the step time at it and the step model.
 prefill_replicas/decode_replicas recommend, a ScaleDecision per pool (stabilisation window,
-cooldown) decides. Its configuration is the gateway's defaults (`--planner-ttft-ms 1000`, ...)
+cooldown) decides. Its configuration is the gateway's defaults (`--planner-queue-drain-s 120`, ...)
 except the replica bounds (1:64) and the interval (one minute).
 
 The oracle, each minute, runs the fewest replicas per pool that meet that minute's own demand at the
@@ -44,8 +45,8 @@ Output: replica-hours of planner and oracle (their ratio), the share of minutes 
 bench/results/planner_sim.json and docs/planner_sim.png. Target: >= 90% of minutes at <= 1.2x the
 oracle's replica-hours.
 
-    .venv/bin/python bench/planner_sim.py [--peak-rate 3] [--ttft-ms 2000] [--prefill-tokens-per-s 300]
-        [--decode-step-ms 45] [--decode-step-per-seq-ms 6.8] [--seed 0] [--out bench/results/planner_sim]
+    .venv/bin/python bench/planner_sim.py [--peak-rate 3] [--ttft-ms 2000] [--prefill-tokens-per-s 280]
+        [--decode-step-ms 24] [--decode-step-per-seq-ms 5.6] [--seed 0] [--out bench/results/planner_sim]
 """
 
 from __future__ import annotations
@@ -208,8 +209,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-step-per-seq-ms", type=float, default=Capacity.decode_per_sequence_s * 1e3,
                         help="cost of one more sequence in a decode step")
     parser.add_argument("--kv-blocks-per-replica", type=int, default=Capacity.kv_blocks_per_replica)
-    parser.add_argument("--planner-ttft-ms", type=float, default=1000.0, help="TTFT the planner sizes for "
-                        "(the gateway's --planner-ttft-ms default)")
+    parser.add_argument("--planner-queue-drain-s", type=float, default=PlannerConfig.queue_drain_s,
+                        help="seconds the planner drains queues within (the gateway's --planner-queue-drain-s)")
     parser.add_argument("--target-utilisation", type=float, default=PlannerConfig.target_utilisation)
     parser.add_argument("--scale-down-window", type=float, default=PlannerConfig.scale_down_window_s)
     parser.add_argument("--scale-cooldown", type=float, default=PlannerConfig.cooldown_s)
@@ -229,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         kv_blocks_per_replica=args.kv_blocks_per_replica)
     targets = Targets(ttft_s=args.ttft_ms / 1e3, tpot_s=args.tpot_ms / 1e3)
     bounds = PoolBounds(1, args.max_replicas)
-    config = PlannerConfig(ttft_s=args.planner_ttft_ms / 1e3, tpot_s=targets.tpot_s,
+    config = PlannerConfig(queue_drain_s=args.planner_queue_drain_s, tpot_s=targets.tpot_s,
                            target_utilisation=args.target_utilisation, prefill=bounds, decode=bounds,
                            scale_down_window_s=args.scale_down_window, cooldown_s=args.scale_cooldown,
                            interval_s=MINUTE_S)
@@ -250,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dump({
             "command": shlex.join(["python", "bench/planner_sim.py", *(sys.argv[1:] if argv is None else argv)]),
             "demand": asdict(demand), "capacity": asdict(capacity), "slo": asdict(targets),
-            "planner": {"ttft_s": config.ttft_s, "tpot_s": config.tpot_s,
+            "planner": {"queue_drain_s": config.queue_drain_s, "tpot_s": config.tpot_s,
                         "target_utilisation": config.target_utilisation,
                         "kv_target_utilisation": config.kv_target_utilisation,
                         "scale_down_window_s": config.scale_down_window_s, "cooldown_s": config.cooldown_s,

@@ -19,12 +19,12 @@ ATTAINMENT_FRACTION = 0.9  # a minute attains its SLO when this share of its req
 
 @dataclass(frozen=True)
 class Capacity:
-    """What one replica of each pool can do (defaults: fp32 SmolLM2-135M on one core of this machine,
-    bench/results/engine_throughput_prefill_fixes.json)."""
+    """What one replica of each pool can do (defaults: SmolLM2-135M on one core of this machine,
+    weights held at fp16 for decode, bench/results/engine_throughput_fp16_weights.json)."""
 
-    prefill_tokens_per_s: float = 300.0  # measured on 1,024-token prompts (340 on 256-token ones)
-    decode_base_s: float = 0.045  # decode step time = base + per_sequence x batch, fitted to
-    decode_per_sequence_s: float = 0.0068  # 51.9 / 74.4 / 99.7 ms at batch 1 / 4 / 8
+    prefill_tokens_per_s: float = 280.0  # measured on 1,024-token prompts (340 on 256-token ones)
+    decode_base_s: float = 0.024  # decode step time = base + per_sequence x batch, fitted to
+    decode_per_sequence_s: float = 0.0056  # 31.1 / 43.4 / 70.1 ms at batch 1 / 4 / 8
     kv_blocks_per_replica: int = 728  # 512 MiB of fp32 KV, 16-token blocks of 45 KiB per token
     block_size: int = 16
 

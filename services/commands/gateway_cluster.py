@@ -34,7 +34,9 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--planner", default="recommend", choices=["off", "recommend", "apply"],
                         help="recommend: compute each pool's replicas; apply: also set them on the "
                              "Deployments (one gateway replica at a time, through a Lease)")
-    parser.add_argument("--planner-ttft-ms", type=float, default=1000.0, help="TTFT target the planner sizes for")
+    parser.add_argument("--planner-queue-drain-s", type=float, default=120.0,
+                        help="seconds within which the planner sizes the prefill pool to drain its queue "
+                             "(about how long a new replica takes to be ready)")
     parser.add_argument("--planner-tpot-ms", type=float, default=100.0, help="TPOT target the planner sizes for")
     parser.add_argument("--planner-interval", type=float, default=15.0, help="seconds between plans")
     parser.add_argument("--prefill-replicas", default="1:8", help="MIN:MAX replicas of the prefill pool")
@@ -59,7 +61,7 @@ def parse_bounds(value: str, flag: str) -> PoolBounds:
 def planner_config(args: argparse.Namespace) -> PlannerConfig:
     """The PlannerConfig the flags describe."""
     return PlannerConfig(
-        ttft_s=args.planner_ttft_ms / 1000,
+        queue_drain_s=args.planner_queue_drain_s,
         tpot_s=args.planner_tpot_ms / 1000,
         prefill=parse_bounds(args.prefill_replicas, "--prefill-replicas"),
         decode=parse_bounds(args.decode_replicas, "--decode-replicas"),

@@ -1,25 +1,31 @@
 """How many replicas each pool needs: pure rules over what the workers measure (no I/O, no torch).
 
 Prefill: the pool must compute prompt tokens as fast as they arrive and also drain what is
-already queued within one TTFT target, each replica planned at `target_utilisation` of its
-measured prefill speed. A queued prompt is computed by one replica, so the queue never asks for
-more replicas than it holds prompts (without that cap, a few long prompts queued for a moment
-asked for dozens of replicas that were ready only after the queue had gone):
+already queued within `queue_drain_s`, each replica planned at `target_utilisation` of its
+measured prefill speed. The drain time is about how long a new replica takes to be ready (a pod
+scheduled, its model loaded: minutes): replicas asked for to drain a queue faster than that arrive
+after it has gone, and are then held through the scale-down window (draining within a TTFT of
+1 s asked for up to 64 replicas whenever prompts grew longer, bench/planner_sim.py). For the same
+reason a queued prompt, computed by one replica, never asks for more than one replica:
 
     per replica = measured tokens/s x utilisation
     replicas = ceil(arrival tokens/s / per replica
-                    + min(queued tokens / TTFT / per replica, queued prompts))
+                    + min(queued tokens / queue drain time / per replica, queued prompts))
 
-Decode: the pool must hold every running sequence within the TPOT target and keep the KV cache
-below `kv_target_utilisation`. A replica's sequence capacity at the TPOT target is the batch at
-which its step model (a fixed cost per step plus a cost per sequence, fitted by the workers) reaches
-the target. Before the workers have fitted one, it is extrapolated from the measured TPOT at the
-current batch assuming step time grows in proportion to the batch (an overestimate of the growth,
-since each step also has a fixed cost, so that estimate errs towards more replicas):
+Decode: the pool must decode its sequences within the TPOT target and keep the KV cache below
+`kv_target_utilisation`. With the workers' fitted step model (a fixed cost per step plus a cost
+per sequence), a replica at the target runs the batch at which the model reaches it, and the pool
+must produce its current token rate: every sequence gets a token per step, so sequences / measured
+step time. (Sizing by the sequences themselves undercounts an over-provisioned pool: its steps are
+fast, so by Little's law it holds few sequences, and it would shrink to one replica and overflow.)
+Before a model is fitted, a replica's capacity is extrapolated from the measured TPOT at the
+current batch, assuming step time grows in proportion to the batch (which errs towards more
+replicas, since each step also has a fixed cost):
 
-    sequences per replica = (TPOT target - step fixed cost) / step cost per sequence
-                         or batch x TPOT target / measured TPOT
-    replicas = max(ceil(sequences / (sequences per replica x utilisation)),
+    batch at target = max((TPOT target - fixed cost) / cost per sequence, 1)
+    replicas for TPOT = (sequences / measured TPOT) / (batch at target / its step time)
+                     or sequences / (batch x TPOT target / measured TPOT)
+    replicas = max(ceil(replicas for TPOT / utilisation),
                    ceil(used KV blocks / (blocks per replica x KV utilisation)))
 
 Counts are clamped to each pool's bounds. `ScaleDecision` then damps them: a higher count is
@@ -55,7 +61,7 @@ class PoolBounds:
 class PlannerConfig:
     """SLO targets, headroom and damping of the planner."""
 
-    ttft_s: float = 1.0
+    queue_drain_s: float = 120.0
     tpot_s: float = 0.1
     target_utilisation: float = 0.8
     kv_target_utilisation: float = 0.8
@@ -66,7 +72,7 @@ class PlannerConfig:
     interval_s: float = 15.0
 
     def __post_init__(self) -> None:
-        for name in ("ttft_s", "tpot_s", "interval_s"):
+        for name in ("queue_drain_s", "tpot_s", "interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
         for name in ("target_utilisation", "kv_target_utilisation"):
@@ -99,12 +105,19 @@ class DecodeDemand:
     step_base_s: float = 0.0  # the step model's fixed cost of a decode step; 0 until fitted
     step_per_sequence_s: float = 0.0  # its cost per sequence, attention to the sequence's context included
 
-    def sequences_per_replica(self, tpot_target_s: float) -> float | None:
-        """Sequences one replica holds within `tpot_target_s` (at least 1); None until measured."""
-        if self.step_per_sequence_s > 0:
-            return max((tpot_target_s - self.step_base_s) / self.step_per_sequence_s, 1.0)
+    def replicas_for_tpot(self, tpot_target_s: float) -> float | None:
+        """Replicas (fractional, at full use) that keep the pool's decode within `tpot_target_s`;
+        None until measured.
+
+        With a fitted step model the pool is sized by its token rate, sequences / step time: how
+        many sequences are in flight depends on how fast the pool steps (Little's law), so an
+        over-provisioned pool holds few and would look like it needed one replica."""
+        if self.step_per_sequence_s > 0 and self.tpot_s > 0:
+            batch = max((tpot_target_s - self.step_base_s) / self.step_per_sequence_s, 1.0)
+            step_s = self.step_base_s + self.step_per_sequence_s * batch
+            return (self.sequences / self.tpot_s) / (batch / step_s)
         if self.tpot_s > 0:
-            return max(self.batch_per_replica, 1.0) * tpot_target_s / self.tpot_s
+            return self.sequences / (max(self.batch_per_replica, 1.0) * tpot_target_s / self.tpot_s)
         return None
 
 
@@ -113,7 +126,7 @@ def prefill_replicas(demand: PrefillDemand, config: PlannerConfig) -> int | None
     if demand.tokens_per_s_per_replica <= 0:
         return None
     per_replica = demand.tokens_per_s_per_replica * config.target_utilisation
-    queue = demand.queued_prompt_tokens / config.ttft_s / per_replica
+    queue = demand.queued_prompt_tokens / config.queue_drain_s / per_replica
     if demand.queued_requests:
         queue = min(queue, demand.queued_requests)
     return config.prefill.clamp(math.ceil(demand.arrival_tokens_per_s / per_replica + queue))
@@ -125,8 +138,8 @@ def decode_replicas(demand: DecodeDemand, config: PlannerConfig) -> int | None:
         return None
     kv = math.ceil(demand.used_kv_blocks / (demand.kv_blocks_per_replica * config.kv_target_utilisation))
     sequences = 0
-    if per_replica := demand.sequences_per_replica(config.tpot_s):
-        sequences = math.ceil(demand.sequences / (per_replica * config.target_utilisation))
+    if replicas := demand.replicas_for_tpot(config.tpot_s):
+        sequences = math.ceil(replicas / config.target_utilisation)
     return config.decode.clamp(max(kv, sequences))
 
 

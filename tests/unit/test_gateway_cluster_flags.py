@@ -18,11 +18,11 @@ def test_replica_bounds_are_min_colon_max():
 
 def test_planner_flags_become_its_config():
     args = build_parser().parse_args([
-        "gateway", "--prefill", "h:1", "--decode", "h:2", "--planner-ttft-ms", "500", "--planner-tpot-ms", "40",
+        "gateway", "--prefill", "h:1", "--decode", "h:2", "--planner-queue-drain-s", "90", "--planner-tpot-ms", "40",
         "--prefill-replicas", "2:6", "--scale-down-window", "120", "--scale-cooldown", "30",
     ])
     config = planner_config(args)
-    assert (config.ttft_s, config.tpot_s, config.prefill, config.decode) == (0.5, 0.04, PoolBounds(2, 6),
+    assert (config.queue_drain_s, config.tpot_s, config.prefill, config.decode) == (90, 0.04, PoolBounds(2, 6),
                                                                              PoolBounds(1, 8))
     assert (config.scale_down_window_s, config.cooldown_s) == (120, 30)
     assert (args.discovery, args.planner) == ("static", "recommend")

@@ -21,7 +21,7 @@ from services.gateway.planner import Planner, decode_demand, prefill_demand
 from services.gateway.planner_rules import PlannerConfig, PoolBounds
 from services.gateway.registry import WorkerRegistry
 
-CONFIG = PlannerConfig(ttft_s=1.0, tpot_s=0.1, target_utilisation=0.8, kv_target_utilisation=0.8,
+CONFIG = PlannerConfig(queue_drain_s=1.0, tpot_s=0.1, target_utilisation=0.8, kv_target_utilisation=0.8,
                        prefill=PoolBounds(1, 6), decode=PoolBounds(1, 6), scale_down_window_s=0, cooldown_s=0)
 DEPLOYMENTS = {"prefill": "tandem-prefill", "decode": "tandem-decode"}
 

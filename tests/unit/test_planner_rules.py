@@ -14,7 +14,7 @@ from services.gateway.planner_rules import (
     prefill_replicas,
 )
 
-CONFIG = PlannerConfig(ttft_s=1.0, tpot_s=0.1, target_utilisation=0.8, kv_target_utilisation=0.8,
+CONFIG = PlannerConfig(queue_drain_s=1.0, tpot_s=0.1, target_utilisation=0.8, kv_target_utilisation=0.8,
                        prefill=PoolBounds(1, 8), decode=PoolBounds(1, 8))
 
 
@@ -33,10 +33,10 @@ def test_prefill_covers_the_arrival_rate_at_the_target_utilisation():
     assert prefill_replicas(prefill(arrival=800), CONFIG) == 2
 
 
-def test_prefill_also_drains_the_queue_within_the_ttft_target():
+def test_prefill_also_drains_the_queue_within_the_drain_time():
     # 2000 queued tokens to compute within 1 s add 2000 tokens/s: (1000 + 2000) / 400 = 7.5 -> 8.
     assert prefill_replicas(prefill(arrival=1000, queued=2000), CONFIG) == 8
-    relaxed = PlannerConfig(ttft_s=4.0, prefill=PoolBounds(1, 8))
+    relaxed = PlannerConfig(queue_drain_s=4.0, prefill=PoolBounds(1, 8))
     assert prefill_replicas(prefill(arrival=1000, queued=2000), relaxed) == 4  # (1000 + 500) / 400 = 3.75
 
 
@@ -47,6 +47,17 @@ def test_the_queue_asks_for_no_more_replicas_than_it_holds_prompts():
                            queued_requests=2)
     assert prefill_replicas(queued, CONFIG) == 5
     assert prefill_replicas(prefill(arrival=1000, queued=4000), CONFIG) == 8, "prompt count unknown: no cap"
+
+
+def test_the_default_drain_time_asks_only_for_replicas_that_arrive_before_the_queue_is_gone():
+    # Regression: draining within 1 s, 40 queued prompts of 1200 tokens asked for 40 more replicas
+    # (here the bound, 8); new replicas take minutes to be ready, so the default drains within
+    # 120 s: 48000 / 120 / 400 = 1 more on top of the arrival rate's 2.5 -> 4.
+    queued = PrefillDemand(arrival_tokens_per_s=1000, queued_prompt_tokens=48_000, tokens_per_s_per_replica=500,
+                           queued_requests=40)
+    assert PlannerConfig().queue_drain_s == 120.0
+    assert prefill_replicas(queued, PlannerConfig(prefill=PoolBounds(1, 8))) == 4
+    assert prefill_replicas(queued, CONFIG) == 8
 
 
 def test_prefill_stays_within_bounds_and_waits_for_a_measurement():
@@ -70,17 +81,26 @@ def test_decode_holds_the_sequences_within_the_tpot_target():
 
 
 def test_decode_sizes_from_the_step_model_once_fitted():
-    # Steps of 60 ms + 15 ms a sequence reach 100 ms at 8/3 sequences; planned at 0.8 -> 2.13 a
-    # replica: 12 sequences need 5.6 -> 6 replicas. The measured TPOT alone (90 ms at batch 2, read
-    # as proportional to the batch) would have said 2.22 x 0.8 = 1.78 a replica: 6.75 -> 7.
+    # Steps of 60 ms + 15 ms a sequence reach 100 ms at 8/3 sequences: 26.7 tokens/s a replica.
+    # 12 sequences stepping at 90 ms are 133 tokens/s: 5 replicas at full use, 6.25 -> 7 at 0.8.
     fitted = DecodeDemand(sequences=12, used_kv_blocks=10, kv_blocks_per_replica=500, batch_per_replica=2,
                           tpot_s=0.09, step_base_s=0.06, step_per_sequence_s=0.015)
-    assert decode_replicas(fitted, CONFIG) == 6
-    assert decode_replicas(decode(sequences=12, used=10, batch=2, tpot=0.09), CONFIG) == 7
-    # A fixed cost over the target: each sequence needs a replica of its own.
+    assert decode_replicas(fitted, CONFIG) == 7
+    # A fixed cost over the target: one sequence a replica, at 5 tokens/s; 3 / 0.2 s = 15 tokens/s
+    # need 3 replicas, 3.75 -> 4 at 0.8.
     slow = DecodeDemand(sequences=3, used_kv_blocks=10, kv_blocks_per_replica=500, batch_per_replica=1,
                         tpot_s=0.2, step_base_s=0.15, step_per_sequence_s=0.05)
-    assert decode_replicas(slow, CONFIG) == 4  # 3 / (1 x 0.8) = 3.75
+    assert decode_replicas(slow, CONFIG) == 4
+
+
+def test_an_over_provisioned_decode_pool_is_sized_by_its_token_rate_not_its_few_sequences():
+    # Regression: 17 replicas stepping at 26 ms (24 ms + 5.6 ms a sequence, batch 0.3) hold only 4
+    # sequences; sized by sequences (13.6 a replica at 100 ms) the pool fell to 1 replica, which
+    # could not keep up, then jumped back up, every few minutes (bench/planner_sim.py). Their
+    # 154 tokens/s need 1.13 replicas at 136 tokens/s each: 1.41 -> 2 at 0.8.
+    idle = DecodeDemand(sequences=4, used_kv_blocks=10, kv_blocks_per_replica=500, batch_per_replica=0.3,
+                        tpot_s=0.026, step_base_s=0.024, step_per_sequence_s=0.0056)
+    assert decode_replicas(idle, CONFIG) == 2
 
 
 def test_decode_takes_the_larger_of_the_kv_and_sequence_needs():
@@ -125,7 +145,7 @@ def test_no_change_within_the_cooldown_of_the_last_one():
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"ttft_s": 0}, {"tpot_s": -1}, {"interval_s": 0}, {"target_utilisation": 0}, {"kv_target_utilisation": 1.5},
+    {"queue_drain_s": 0}, {"tpot_s": -1}, {"interval_s": 0}, {"target_utilisation": 0}, {"kv_target_utilisation": 1.5},
     {"cooldown_s": -1}, {"scale_down_window_s": -5},
 ])
 def test_config_refuses_out_of_range_values(kwargs):
