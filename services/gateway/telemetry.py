@@ -48,6 +48,7 @@ class RequestObservation:
         self._running = False
         self._waiting = True
         self._slo: Slo | None = None
+        self._workers = ("", "")  # (decode, prefill) of the latest attempt, for the finish log line
         metrics.waiting.inc()
         if self._traced:
             self._span.set_attributes({
@@ -105,6 +106,7 @@ class RequestObservation:
             self._metrics.running.inc()
         self._metrics.routed("decode", decode)
         self._metrics.routed("prefill", prefill)
+        self._workers = (decode, prefill)
         if self._traced:
             chosen = {"tandem.decode.address": decode, "tandem.prefill.address": prefill,
                       "tandem.route.attempt": attempt}
@@ -186,6 +188,7 @@ class RequestObservation:
             "e2e_s": round(e2e, 6), "prefill_queue_s": round(timings.prefill_queue_s, 6),
             "prefill_compute_s": round(timings.prefill_compute_s, 6), "kv_wait_s": round(timings.kv_wait_s, 6),
             "decode_s": round(max(0.0, timings.e2e_s - timings.ttft_s), 6),
+            "decode_worker": self._workers[0], "prefill_worker": self._workers[1],
         }
         log.info("request finished %s", json.dumps(record))
         if not self._traced:

@@ -4,6 +4,7 @@ opt-in), its in-flight gauges and counters. Spans go to the SDK's in-memory expo
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -32,11 +33,12 @@ def _value(metrics: GatewayMetrics, name: str, **labels: str) -> float:
 
 
 @pytest.mark.parametrize("capture", [False, True], ids=["default", "capture-content"])
-def test_one_request_on_its_span_and_in_the_metrics(capture):
+def test_one_request_on_its_span_and_in_the_metrics(capture, caplog):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     metrics = GatewayMetrics("m")
+    caplog.set_level(logging.INFO, logger="services.gateway.telemetry")
     with provider.get_tracer("test").start_as_current_span("request"):
         observation = RequestObservation(metrics, "r1", _chat(), capture)
         assert _value(metrics, "vllm:num_requests_waiting") == 1
@@ -51,6 +53,11 @@ def test_one_request_on_its_span_and_in_the_metrics(capture):
     assert _value(metrics, "vllm:generation_tokens_total") == 3
     assert _value(metrics, "vllm:inter_token_latency_seconds_count") == 2
     assert _value(metrics, "tandem:routing_decisions_total", pool="prefill", worker="prefill:1") == 1
+    # The finish log line names where the request ran, so a benchmark's logs show how many prompts
+    # a decode worker prefilled itself ("local").
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request finished ")]
+    record = json.loads(line.removeprefix("request finished "))
+    assert (record["decode_worker"], record["prefill_worker"], record["output_tokens"]) == ("decode:1", "prefill:1", 3)
 
     [span] = exporter.get_finished_spans()
     attributes = span.attributes
