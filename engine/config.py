@@ -6,7 +6,7 @@ Every knob lives here; the CLI only translates flags into these dataclasses.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 Role = Literal["colocated", "prefill", "decode"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -137,7 +137,7 @@ class EngineConfig:
             "attention_backend",
             f"unknown backend {self.attention_backend!r}",
         )
-        _require(self.cpu_weights in ("fp16", "fp32", "plain"), "cpu_weights", f"unknown format {self.cpu_weights!r}")
+        _require(self.cpu_weights in get_args(CpuWeights), "cpu_weights", f"unknown format {self.cpu_weights!r}")
         if self.max_model_len is not None:
             _require(self.max_model_len > 0, "max_model_len", "must be positive")
 

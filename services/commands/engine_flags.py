@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from typing import get_args
 
-from engine.config import CacheConfig, EngineConfig, Role, SchedulerConfig
+from engine.config import CacheConfig, CpuWeights, EngineConfig, Role, SchedulerConfig
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -14,7 +15,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--cpu-weights", default="fp16", choices=["fp16", "fp32", "plain"],
+    parser.add_argument("--cpu-weights", default="fp16", choices=get_args(CpuWeights),
                         help="fp32 on CPU: weights rounded to fp16 for a faster decode (default), exact "
                              "(fp32, oneDNN-packed), or one plain copy")
     parser.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache budget in MiB")
