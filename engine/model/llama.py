@@ -116,11 +116,11 @@ class LlamaForCausalLM(torch.nn.Module):
         """Logits [N, vocab] in float32 for the given final hidden states."""
         return self.head(hidden).float()
 
-    def prepare_weights(self, weights: CpuWeights) -> bool:
-        """Prepare every matrix product's weight in the given CPU format (engine.model.linear),
-        once loaded; whether that applied (fp32 on CPU only)."""
-        linears = [self.head, *(linear for layer in self.layers for linear in layer.linears.values())]
-        return all([linear.prepare(weights) for linear in linears])
+    def prepare_weights(self, weights: CpuWeights) -> None:
+        """Prepare every matrix product's weight in the given CPU format (engine.model.linear), once
+        loaded; products where it does not apply (not fp32 on CPU) keep the plain one."""
+        for linear in [self.head, *(linear for layer in self.layers for linear in layer.linears.values())]:
+            linear.prepare(weights)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named tensors into the (fused) parameters, converting dtype and device.
