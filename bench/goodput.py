@@ -48,8 +48,9 @@ import time
 from collections.abc import Iterator, Sequence
 
 from goodput_client import request_body, run_open_loop, served_model
+from goodput_gateway_log import read_routing
 from goodput_metrics import ATTAINMENT_TARGET, RequestResult, Slo, goodput, poisson_arrivals, summarize_rate
-from goodput_report import format_summary, label, plot_attainment
+from goodput_report import format_repeats, format_summary, label, plot_attainment
 from goodput_servers import BENCH_DIR, CONFIGS, REPO_DIR, DeployOptions, Served, Unavailable, deployment
 from goodput_vllm_client import run_vllm_client
 from goodput_workload import BenchRequest, Workload, build_workload
@@ -76,6 +77,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--stop-below", type=float, default=0.3,
                         help="skip a configuration's higher rates once every SLO's attainment falls below this")
     parser.add_argument("--client", choices=["own", "vllm"], default="own", help="who sends the requests")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measure every configuration this many times, in turn (A B C A B C), each on a "
+                             "fresh start: one run's goodput can differ from the next by more than a change does")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--synthetic", action="store_true", help="synthetic lengths even if ShareGPT is installed")
     parser.add_argument("--model", default=None, help="Tandem's GGUF file (default: the shipped SmolLM2-135M)")
@@ -94,6 +98,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.rates, args.requests_per_rate, args.cooldown = "2,6,20", 16, 0.0
     args.rate_list = sorted(float(r) for r in args.rates.split(","))
     args.config_list = [c for c in args.configs.split(",") if c]
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     if unknown := set(args.config_list) - set(CONFIGS):
         parser.error(f"unknown --configs {', '.join(sorted(unknown))}")
     args.out = args.out or (SMOKE_RESULTS if args.smoke else RESULTS)
@@ -134,30 +140,41 @@ def measure_rate(args: argparse.Namespace, base_url: str, model: str, requests: 
     return asyncio.run(run_open_loop(base_url, bodies, arrivals, args.request_timeout))
 
 
-def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload) -> dict:
+def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload, gateway_log: str | None) -> dict:
     """Warm the server up, then measure each rate in turn; the configuration's results. Each rate
     gets its own slice of the workload and the warm-up the last requests, so that no prompt is
-    sent twice and no rate profits from prefixes an earlier one left in a cache."""
+    sent twice and no rate profits from prefixes an earlier one left in a cache. With a Tandem
+    gateway's log, each rate also gets the routing figures the log holds for its window."""
     model = asyncio.run(served_model(base_url))
     warmup = [request_body(model, r, None) for r in workload.requests[-WARMUP_REQUESTS:]]
     asyncio.run(run_open_loop(base_url, warmup, [0.0] * len(warmup), args.request_timeout))
     rows = []
     count = args.requests_per_rate
     for index, rate in enumerate(args.rate_list):
-        started = time.monotonic()
+        started, started_wall = time.monotonic(), time.time()
         requests = workload.requests[index * count:(index + 1) * count]
         results = measure_rate(args, base_url, model, requests, rate, os.path.join(CACHE_DIR, f"goodput-{name}"))
         row = summarize_rate(rate, results, args.slos)
+        # A request's finish line is logged as its last chunk leaves, a moment before the client has it.
+        routing = read_routing(gateway_log, started_wall, time.time() + 1.0) if gateway_log else None
+        if routing is not None:
+            row["routing"] = routing
         rows.append({**row, "samples": [dataclasses.asdict(r) for r in results]})  # to recompute other SLOs
         print(f"[goodput] {label(name)} @ {rate:g} req/s: "
               + ", ".join(f"{s.name} {row['attainment'][s.name]:.0%}" for s in args.slos)
               + f"; TTFT p90 {row['ttft_ms']['p90'] or 0:.0f} ms, TPOT p90 {row['tpot_ms']['p90'] or 0:.1f} ms, "
-              f"{row['completed']}/{row['requests']} done ({time.monotonic() - started:.0f} s, load {_loadavg()})",
-              file=sys.stderr, flush=True)
+              f"{row['completed']}/{row['requests']} done ({time.monotonic() - started:.0f} s, load {_loadavg()})"
+              + (f"; {_routing_text(routing)}" if routing else ""), file=sys.stderr, flush=True)
         if all(v < args.stop_below for v in row["attainment"].values()):
             break
         time.sleep(args.cooldown)
     return {"model": model, "rates": rows, "goodput": _goodput_per_slo(rows, args.slos)}
+
+
+def _routing_text(routing: dict) -> str:
+    computed, ratio = routing["prompts_computed"], routing["ttft_actual_over_predicted"]["prefill_worker"]
+    text = f"prompts on the decode worker {computed['local']}, refused {routing['refused']}"
+    return text + (f", TTFT actual/predicted p50 {ratio['p50']:.2f}" if ratio else "")
 
 
 def _goodput_per_slo(rows: Sequence[dict], slos: Sequence[Slo]) -> dict[str, dict]:
@@ -180,15 +197,23 @@ def _loadavg() -> str:
         return " ".join(file.read().split()[:3])
 
 
-def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractContextManager[Served]]]:
+def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractContextManager[Served], str | None]]:
+    """(name, server, its gateway's log if it is Tandem) per measurement: every configuration once
+    per repeat, a repeat's name suffixed #2, #3... and its logs in goodput-logs/run2, run3..."""
     if args.smoke:
-        return [("stub", _stub())]
+        return [("stub", _stub(), None)]
     if args.endpoint:
-        return [(args.label, contextlib.nullcontext(Served(args.endpoint.rstrip("/"))))]
-    options = DeployOptions(log_dir=os.path.join(CACHE_DIR, "goodput-logs"), model=args.model,
-                            hf_model_dir=HF_EXPORT_DIR, startup_timeout_s=args.startup_timeout,
-                            pin_cores=not args.no_pin and (os.cpu_count() or 1) >= 2)
-    return [(config, deployment(config, options)) for config in args.config_list]
+        return [(args.label, contextlib.nullcontext(Served(args.endpoint.rstrip("/"))), None)]
+    targets = []
+    for repeat in range(1, args.repeats + 1):
+        log_dir = os.path.join(CACHE_DIR, "goodput-logs", *([f"run{repeat}"] if repeat > 1 else []))
+        options = DeployOptions(log_dir=log_dir, model=args.model, hf_model_dir=HF_EXPORT_DIR,
+                                startup_timeout_s=args.startup_timeout,
+                                pin_cores=not args.no_pin and (os.cpu_count() or 1) >= 2)
+        for config in args.config_list:
+            name = config if repeat == 1 else f"{config}#{repeat}"
+            targets.append((name, deployment(config, options), os.path.join(log_dir, f"{config}-gateway.log")))
+    return targets
 
 
 def rescore(path: str, slos: Sequence[Slo]) -> dict[str, dict]:
@@ -222,16 +247,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"[goodput] workload: {workload.source}", file=sys.stderr, flush=True)
     load = {"start": _loadavg()}
     configs: dict[str, dict] = {}
-    for name, target in _targets(args):
+    for name, target, gateway_log in _targets(args):
         print(f"[goodput] starting {label(name)}", file=sys.stderr, flush=True)
         try:
             with target as served:
-                configs[name] = {"commands": list(served.commands), **sweep(args, name, served.url, workload)}
+                configs[name] = {"commands": list(served.commands),
+                                 **sweep(args, name, served.url, workload, gateway_log)}
         except Unavailable as reason:
             print(f"[goodput] {label(name)} skipped: {reason}", file=sys.stderr, flush=True)
             configs[name] = {"skipped": str(reason)}
         load[f"after {name}"] = _loadavg()
     print(format_summary(configs, args.slos))
+    if args.repeats > 1:
+        print(format_repeats(configs, args.slos))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w", encoding="utf-8") as file:
         json.dump({

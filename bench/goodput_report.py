@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
 from goodput_metrics import ATTAINMENT_TARGET, Slo
@@ -10,8 +11,24 @@ LABELS = {"disagg": "Tandem disaggregated", "colocated": "Tandem colocated", "vl
 
 
 def label(config: str) -> str:
-    """A configuration's display name."""
-    return LABELS.get(config, config)
+    """A configuration's display name; `disagg#2` (a repeat) is "Tandem disaggregated, run 2"."""
+    base, _, repeat = config.partition("#")
+    return LABELS.get(base, base) + (f", run {repeat}" if repeat else "")
+
+
+def format_repeats(configs: dict[str, dict], slos: Sequence[Slo]) -> str:
+    """Each configuration's goodput (interpolated) in every run of it, and their median."""
+    runs: dict[str, list[dict]] = {}
+    for config, data in configs.items():
+        if "goodput" in data:
+            runs.setdefault(config.partition("#")[0], []).append(data["goodput"])
+    lines = ["| configuration | SLO | goodput per run (req/s) | median |", "|---|---|---|---:|"]
+    for base, measured in runs.items():
+        for slo in slos:
+            values = [found[slo.name]["interpolated"] for found in measured]
+            lines.append(f"| {label(base)} | {_slo_text(slo)} | {', '.join(f'{v:.2f}' for v in values)} | "
+                         f"{statistics.median(values):.2f} |")
+    return "\n".join(lines)
 
 
 def _ms(value: float | None) -> str:
@@ -60,12 +77,17 @@ def plot_attainment(configs: dict[str, dict], slos: Sequence[Slo], path: str, ti
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, len(slos), figsize=(5.5 * len(slos), 4.2), squeeze=False)
+    # One colour per configuration; its repeats (disagg#2, ...) dashed in the same colour.
+    colours: dict[str, str] = {}
     for axis, slo in zip(axes[0], slos, strict=True):
         for config, data in configs.items():
             rows = data.get("rates", [])
+            base = config.partition("#")[0]
+            colour = colours.setdefault(base, f"C{len(colours)}")
             if rows:
                 axis.plot([r["rate"] for r in rows], [100 * r["attainment"][slo.name] for r in rows],
-                          marker="o", label=label(config))
+                          marker="o", label=label(config), color=colour,
+                          linestyle="--" if "#" in config else "-")
         axis.axhline(100 * ATTAINMENT_TARGET, color="grey", linestyle="--", linewidth=1)
         axis.set_title(_slo_text(slo))
         axis.set_xlabel("request rate (req/s, Poisson)")

@@ -49,6 +49,9 @@ class RequestObservation:
         self._waiting = True
         self._slo: Slo | None = None
         self._workers = ("", "")  # (decode, prefill) of the latest attempt, for the finish log line
+        # The router's predictions for the latest placement, logged beside what happened, so a
+        # deployment's logs show how well its step models predict (a bias misroutes and refuses).
+        self._predicted: tuple[float, float] | None = None
         metrics.waiting.inc()
         if self._traced:
             self._span.set_attributes({
@@ -86,6 +89,7 @@ class RequestObservation:
         """Put the router's decision on the routing span's attributes: the choice, its predictions
         against the objectives, and the options weighed."""
         self._slo = slo
+        self._predicted = (decision.ttft_s, decision.tpot_s)
         attributes.update({
             "tandem.route.decode": decision.decode,
             "tandem.route.prefill": decision.prefill or "local",
@@ -190,6 +194,9 @@ class RequestObservation:
             "decode_s": round(max(0.0, timings.e2e_s - timings.ttft_s), 6),
             "decode_worker": self._workers[0], "prefill_worker": self._workers[1],
         }
+        if self._predicted is not None:
+            record["predicted_ttft_s"] = round(self._predicted[0], 6)
+            record["predicted_tpot_s"] = round(self._predicted[1], 6)
         log.info("request finished %s", json.dumps(record))
         if not self._traced:
             return

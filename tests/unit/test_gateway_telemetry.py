@@ -15,6 +15,7 @@ from engine.sampling_params import SamplingParams
 from services.common.chunk import Chunk, Timings, Usage
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.request import ChatMessage, ChatPrompt, GenerateRequest
+from services.gateway.router import Decision, Slo
 from services.gateway.telemetry import RequestObservation
 
 
@@ -43,6 +44,7 @@ def test_one_request_on_its_span_and_in_the_metrics(capture, caplog):
         observation = RequestObservation(metrics, "r1", _chat(), capture)
         assert _value(metrics, "vllm:num_requests_waiting") == 1
         observation.accepted(5, SamplingParams(max_tokens=3, temperature=0.5, top_p=0.9))
+        observation.placed({}, Decision("decode:1", "prefill:1", 0.25, 0.04, True, 0.5), Slo(2.0, 0.1))
         observation.dispatched(0, "decode:1", "prefill:1")
         assert (_value(metrics, "vllm:num_requests_waiting"), _value(metrics, "vllm:num_requests_running")) == (0, 1)
         for chunk in (_chunk([7], "Hi"), _chunk([8, 9], " you", finish="length")):
@@ -54,10 +56,11 @@ def test_one_request_on_its_span_and_in_the_metrics(capture, caplog):
     assert _value(metrics, "vllm:inter_token_latency_seconds_count") == 2
     assert _value(metrics, "tandem:routing_decisions_total", pool="prefill", worker="prefill:1") == 1
     # The finish log line names where the request ran, so a benchmark's logs show how many prompts
-    # a decode worker prefilled itself ("local").
+    # a decode worker prefilled itself ("local"), and the router's predictions beside what happened.
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request finished ")]
     record = json.loads(line.removeprefix("request finished "))
     assert (record["decode_worker"], record["prefill_worker"], record["output_tokens"]) == ("decode:1", "prefill:1", 3)
+    assert (record["predicted_ttft_s"], record["predicted_tpot_s"]) == (0.25, 0.04)
 
     [span] = exporter.get_finished_spans()
     attributes = span.attributes

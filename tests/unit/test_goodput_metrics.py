@@ -144,3 +144,30 @@ def test_rescore_recomputes_attainment_and_goodput_at_other_slos(tmp_path):
     assert rescored["a"]["goodput"][loose.name]["highest_passing"] == 1.0
     assert rescored["a"]["goodput"][tight.name]["highest_passing"] == 0.5
     assert rescored["b"] == {"skipped": "not installed"}
+
+
+def test_repeats_interleave_the_configurations_with_their_own_names_and_logs():
+    from goodput import _targets, parse_args
+
+    args = parse_args(["--configs", "disagg,vllm", "--repeats", "2"])
+    targets = _targets(args)  # deployment() starts nothing until entered
+    assert [name for name, _, _ in targets] == ["disagg", "vllm", "disagg#2", "vllm#2"]
+    logs = [log for _, _, log in targets]
+    assert logs[0].endswith("goodput-logs/disagg-gateway.log")
+    assert logs[2].endswith("goodput-logs/run2/disagg-gateway.log")
+    with pytest.raises(SystemExit):
+        parse_args(["--repeats", "0"])
+
+
+def test_repeats_table_gives_every_run_and_the_median():
+    from goodput_report import format_repeats, label
+
+    def found(value: float) -> dict:
+        return {"loose": {"interpolated": value, "highest_passing": value, "bounded": True}}
+
+    configs = {"disagg": {"goodput": found(0.6)}, "disagg#2": {"goodput": found(1.0)},
+               "disagg#3": {"goodput": found(0.8)}, "vllm": {"skipped": "not installed"}}
+    table = format_repeats(configs, [SLO])
+    assert "| Tandem disaggregated | TTFT ≤ 2 s & TPOT ≤ 100 ms | 0.60, 1.00, 0.80 | 0.80 |" in table
+    assert "vLLM" not in table
+    assert label("disagg#2") == "Tandem disaggregated, run 2"
