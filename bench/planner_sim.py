@@ -32,7 +32,8 @@ the prompt-token arrival rate over the last minute, the prompt tokens and prompt
 measured prefill speed; the decode pool's sequences, their KV blocks (prompt + half the output
 each), the mean batch per ready replica, the step time at it and the step model.
 prefill_replicas/decode_replicas recommend, a ScaleDecision per pool (stabilisation window,
-cooldown) decides. Its configuration is the gateway's defaults (`--planner-queue-drain-s 120`, ...)
+cooldown) decides. Its configuration is the gateway's defaults (`--planner-queue-drain-s 120`,
+`--planner-prefill-headroom-beta 0.6`, ...)
 except the replica bounds (1:64) and the interval (one minute).
 
 The oracle, each minute, runs the fewest replicas per pool that meet that minute's own demand at the
@@ -211,7 +212,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-blocks-per-replica", type=int, default=Capacity.kv_blocks_per_replica)
     parser.add_argument("--planner-queue-drain-s", type=float, default=PlannerConfig.queue_drain_s,
                         help="seconds the planner drains queues within (the gateway's --planner-queue-drain-s)")
-    parser.add_argument("--target-utilisation", type=float, default=PlannerConfig.target_utilisation)
+    parser.add_argument("--prefill-headroom-beta", type=float, default=PlannerConfig.prefill_headroom_beta,
+                        help="prefill runs load + BETA x sqrt(load) replicas (the gateway's "
+                             "--planner-prefill-headroom-beta)")
+    parser.add_argument("--target-utilisation", type=float, default=PlannerConfig.target_utilisation,
+                        help="the decode pool's share of its replicas' TPOT capacity")
     parser.add_argument("--scale-down-window", type=float, default=PlannerConfig.scale_down_window_s)
     parser.add_argument("--scale-cooldown", type=float, default=PlannerConfig.cooldown_s)
     parser.add_argument("--max-replicas", type=int, default=64, help="each pool's upper bound")
@@ -231,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     targets = Targets(ttft_s=args.ttft_ms / 1e3, tpot_s=args.tpot_ms / 1e3)
     bounds = PoolBounds(1, args.max_replicas)
     config = PlannerConfig(queue_drain_s=args.planner_queue_drain_s, tpot_s=targets.tpot_s,
+                           prefill_headroom_beta=args.prefill_headroom_beta,
                            target_utilisation=args.target_utilisation, prefill=bounds, decode=bounds,
                            scale_down_window_s=args.scale_down_window, cooldown_s=args.scale_cooldown,
                            interval_s=MINUTE_S)
@@ -252,6 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "command": shlex.join(["python", "bench/planner_sim.py", *(sys.argv[1:] if argv is None else argv)]),
             "demand": asdict(demand), "capacity": asdict(capacity), "slo": asdict(targets),
             "planner": {"queue_drain_s": config.queue_drain_s, "tpot_s": config.tpot_s,
+                        "prefill_headroom_beta": config.prefill_headroom_beta,
                         "target_utilisation": config.target_utilisation,
                         "kv_target_utilisation": config.kv_target_utilisation,
                         "scale_down_window_s": config.scale_down_window_s, "cooldown_s": config.cooldown_s,

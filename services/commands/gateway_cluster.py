@@ -37,6 +37,9 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--planner-queue-drain-s", type=float, default=120.0,
                         help="seconds within which the planner sizes the prefill pool to drain its queue "
                              "(about how long a new replica takes to be ready)")
+    parser.add_argument("--planner-prefill-headroom-beta", type=float, default=0.6,
+                        help="square-root staffing headroom of the prefill pool: it runs load + BETA x "
+                             "sqrt(load) replicas, load = prompt tokens/s over one replica's tokens/s")
     parser.add_argument("--planner-tpot-ms", type=float, default=100.0, help="TPOT target the planner sizes for")
     parser.add_argument("--planner-interval", type=float, default=15.0, help="seconds between plans")
     parser.add_argument("--prefill-replicas", default="1:8", help="MIN:MAX replicas of the prefill pool")
@@ -62,6 +65,7 @@ def planner_config(args: argparse.Namespace) -> PlannerConfig:
     """The PlannerConfig the flags describe."""
     return PlannerConfig(
         queue_drain_s=args.planner_queue_drain_s,
+        prefill_headroom_beta=args.planner_prefill_headroom_beta,
         tpot_s=args.planner_tpot_ms / 1000,
         prefill=parse_bounds(args.prefill_replicas, "--prefill-replicas"),
         decode=parse_bounds(args.decode_replicas, "--decode-replicas"),

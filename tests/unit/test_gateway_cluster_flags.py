@@ -6,7 +6,7 @@ import pytest
 
 from services.cli import build_parser, main
 from services.commands.gateway_cluster import parse_bounds, planner_config
-from services.gateway.planner_rules import PoolBounds
+from services.gateway.planner_rules import PlannerConfig, PoolBounds
 
 
 def test_replica_bounds_are_min_colon_max():
@@ -19,13 +19,16 @@ def test_replica_bounds_are_min_colon_max():
 def test_planner_flags_become_its_config():
     args = build_parser().parse_args([
         "gateway", "--prefill", "h:1", "--decode", "h:2", "--planner-queue-drain-s", "90", "--planner-tpot-ms", "40",
-        "--prefill-replicas", "2:6", "--scale-down-window", "120", "--scale-cooldown", "30",
+        "--planner-prefill-headroom-beta", "1.5", "--prefill-replicas", "2:6", "--scale-down-window", "120",
+        "--scale-cooldown", "30",
     ])
     config = planner_config(args)
     assert (config.queue_drain_s, config.tpot_s, config.prefill, config.decode) == (90, 0.04, PoolBounds(2, 6),
                                                                              PoolBounds(1, 8))
-    assert (config.scale_down_window_s, config.cooldown_s) == (120, 30)
+    assert (config.scale_down_window_s, config.cooldown_s, config.prefill_headroom_beta) == (120, 30, 1.5)
     assert (args.discovery, args.planner) == ("static", "recommend")
+    defaults = planner_config(build_parser().parse_args(["gateway", "--prefill", "h:1", "--decode", "h:2"]))
+    assert defaults.prefill_headroom_beta == PlannerConfig().prefill_headroom_beta == 0.6
 
 
 def test_static_discovery_needs_both_lists_and_kubernetes_discovery_takes_none(capsys):

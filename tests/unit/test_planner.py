@@ -53,7 +53,7 @@ def test_recommendations_follow_the_routed_prompt_tokens_and_the_reports():
         registry = loaded_registry()
         planner = Planner(registry, CONFIG, clock=clock)
         _, decode = registry.workers
-        # First sample: no rate yet; the queue alone needs 400 / (500 x 0.8) -> 1 replica.
+        # First sample: no rate yet; the queue alone needs 400 / 500 -> 1 replica.
         # Decode: 900 blocks / (1000 x 0.8) -> 2.
         assert planner.recommend() == {"prefill": 1, "decode": 2}
         # 10 s during which the gateway routes 20,000 prompt tokens: 2000 tokens/s + the queue's 400.
@@ -61,7 +61,7 @@ def test_recommendations_follow_the_routed_prompt_tokens_and_the_reports():
             request = registry.route_request(list(range(1000 * i, 1000 * (i + 1))), max_tokens=16)
             registry.claim(request, registry.decide(request)).release()
         clock.now += 10
-        assert planner.recommend() == {"prefill": 6, "decode": 2}  # 2400 / 400 = 6
+        assert planner.recommend() == {"prefill": 6, "decode": 2}  # 4 + 0.6 x sqrt(4) + 400 / 500 = 6
         clock.now += 10
         assert planner.recommend()["prefill"] == 1, "nothing routed since"
         # A worker that stops serving is not counted; a pool without any has no recommendation.

@@ -27,22 +27,38 @@ def decode(sequences: int = 0, used: int = 0, blocks: int = 500, batch: float = 
                         batch_per_replica=batch, tpot_s=tpot)
 
 
-def test_prefill_covers_the_arrival_rate_at_the_target_utilisation():
-    # 1000 tokens/s over replicas planned at 0.8 x 500 = 400 tokens/s each: 2.5 -> 3.
+def test_prefill_covers_the_arrival_rate_with_square_root_headroom():
+    # 1000 tokens/s at 500 tokens/s a replica is a load of 2: 2 + 0.6 x sqrt(2) = 2.85 -> 3.
     assert prefill_replicas(prefill(arrival=1000), CONFIG) == 3
-    assert prefill_replicas(prefill(arrival=800), CONFIG) == 2
+    # A load of 9: 9 + 0.6 x 3 = 10.8 -> 11.
+    assert prefill_replicas(prefill(arrival=4500), PlannerConfig(prefill=PoolBounds(1, 64))) == 11
+    exact = PlannerConfig(prefill_headroom_beta=0.0, prefill=PoolBounds(1, 8))
+    assert prefill_replicas(prefill(arrival=1000), exact) == 2, "beta 0: the load alone"
+
+
+def test_prefill_headroom_shrinks_as_the_pool_grows():
+    # A fixed 80% utilisation gives every pool 25% over its load; square-root staffing gives a
+    # small pool more (its bursts are large against it) and a large one less.
+    config = PlannerConfig(prefill=PoolBounds(1, 64))
+    loads = (1, 4, 16, 36)
+    replicas = [prefill_replicas(prefill(arrival=load * 500.0), config) for load in loads]
+    assert replicas == [2, 6, 19, 40]
+    headroom = [count / load - 1 for count, load in zip(replicas, loads, strict=True)]
+    assert headroom == sorted(headroom, reverse=True) and headroom[0] > headroom[-1]
+    assert replicas[1] > 4 / 0.8, "a small pool: more than 80% utilisation would run"
+    assert replicas[-1] < 36 / 0.8, "a large pool: fewer than 80% utilisation would run"
 
 
 def test_prefill_also_drains_the_queue_within_the_drain_time():
-    # 2000 queued tokens to compute within 1 s add 2000 tokens/s: (1000 + 2000) / 400 = 7.5 -> 8.
-    assert prefill_replicas(prefill(arrival=1000, queued=2000), CONFIG) == 8
+    # 2000 queued tokens to compute within 1 s add 2000 / 500 = 4 replicas: 2.85 + 4 = 6.85 -> 7.
+    assert prefill_replicas(prefill(arrival=1000, queued=2000), CONFIG) == 7
     relaxed = PlannerConfig(queue_drain_s=4.0, prefill=PoolBounds(1, 8))
-    assert prefill_replicas(prefill(arrival=1000, queued=2000), relaxed) == 4  # (1000 + 500) / 400 = 3.75
+    assert prefill_replicas(prefill(arrival=1000, queued=2000), relaxed) == 4  # 2.85 + 1 = 3.85
 
 
 def test_the_queue_asks_for_no_more_replicas_than_it_holds_prompts():
-    # 2 queued prompts of 2000 tokens would ask for 4000 / 400 = 10 replicas within 1 s; each is
-    # computed by one replica, so 2 at most, on top of the arrival rate's 2.5: 4.5 -> 5.
+    # 2 queued prompts of 2000 tokens would ask for 4000 / 500 = 8 replicas within 1 s; each is
+    # computed by one replica, so 2 at most, on top of the arrival rate's 2.85: 4.85 -> 5.
     queued = PrefillDemand(arrival_tokens_per_s=1000, queued_prompt_tokens=4000, tokens_per_s_per_replica=500,
                            queued_requests=2)
     assert prefill_replicas(queued, CONFIG) == 5
@@ -52,7 +68,7 @@ def test_the_queue_asks_for_no_more_replicas_than_it_holds_prompts():
 def test_the_default_drain_time_asks_only_for_replicas_that_arrive_before_the_queue_is_gone():
     # Regression: draining within 1 s, 40 queued prompts of 1200 tokens asked for 40 more replicas
     # (here the bound, 8); new replicas take minutes to be ready, so the default drains within
-    # 120 s: 48000 / 120 / 400 = 1 more on top of the arrival rate's 2.5 -> 4.
+    # 120 s: 48000 / 120 / 500 = 0.8 more on top of the arrival rate's 2.85 -> 4.
     queued = PrefillDemand(arrival_tokens_per_s=1000, queued_prompt_tokens=48_000, tokens_per_s_per_replica=500,
                            queued_requests=40)
     assert PlannerConfig().queue_drain_s == 120.0
@@ -146,7 +162,7 @@ def test_no_change_within_the_cooldown_of_the_last_one():
 
 @pytest.mark.parametrize("kwargs", [
     {"queue_drain_s": 0}, {"tpot_s": -1}, {"interval_s": 0}, {"target_utilisation": 0}, {"kv_target_utilisation": 1.5},
-    {"cooldown_s": -1}, {"scale_down_window_s": -5},
+    {"cooldown_s": -1}, {"scale_down_window_s": -5}, {"prefill_headroom_beta": -0.1},
 ])
 def test_config_refuses_out_of_range_values(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
