@@ -87,6 +87,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--cooldown", type=float, default=5.0, help="seconds of rest between rates")
     parser.add_argument("--no-pin", action="store_true", help="do not pin Tandem's workers to one core each")
+    parser.add_argument("--gateway-args", default="",
+                        help="more flags for Tandem's gateway, one shell-quoted string (e.g. '--remote-ttft-share 1')")
     parser.add_argument("--out", default=None, help="results path without extension (default: bench/results/goodput)")
     parser.add_argument("--smoke", action="store_true", help="a stub server and a few requests, to check the tool")
     parser.add_argument("--rescore", default=None, metavar="RESULTS_JSON",
@@ -209,6 +211,7 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractCon
         log_dir = os.path.join(CACHE_DIR, "goodput-logs", *([f"run{repeat}"] if repeat > 1 else []))
         options = DeployOptions(log_dir=log_dir, model=args.model, hf_model_dir=HF_EXPORT_DIR,
                                 startup_timeout_s=args.startup_timeout,
+                                gateway_args=tuple(shlex.split(args.gateway_args)),
                                 pin_cores=not args.no_pin and (os.cpu_count() or 1) >= 2)
         for config in args.config_list:
             name = config if repeat == 1 else f"{config}#{repeat}"

@@ -49,6 +49,7 @@ class DeployOptions:
     host: str = "127.0.0.1"
     startup_timeout_s: float = 600.0
     pin_cores: bool = True
+    gateway_args: tuple[str, ...] = ()  # more flags for Tandem's gateway (e.g. a routing setting to compare)
 
     def __post_init__(self) -> None:
         if self.startup_timeout_s <= 0:
@@ -191,7 +192,8 @@ def _start_tandem(config: str, options: DeployOptions, processes: list[ServerPro
         pools = ["--colocated", ",".join(workers)]
     http_port = free_port(host)
     start("gateway", ["gateway", "--host", host, "--port", str(free_port(host)), "--http-port", str(http_port),
-                      *pools, *model, "--wait-for-workers", str(options.startup_timeout_s)], None)
+                      *pools, *model, "--wait-for-workers", str(options.startup_timeout_s), *options.gateway_args],
+          None)
     for process in processes:
         process.wait_for_line(_TANDEM_READY, deadline)
     return f"http://{host}:{http_port}"

@@ -13,11 +13,12 @@ output token from each worker's reported step model (services.common.step_model)
   half the room the running requests have left under their mean-TPOT objectives (tpot_slack.py).
 
 A way is feasible when both predictions meet the request's SLO. A decode-role worker prefills
-only when no prefill worker can meet the SLO (conditional disaggregation: it takes cycles from
-decoding); otherwise a feasible way on the least loaded decode worker wins, the cheapest of them
-(cost: each prediction as a fraction of its objective), then in turn. When no way is feasible the router still
-names the best one, marked as missing the SLO: admission decides whether to wait for capacity or
-to run it anyway. Imports neither grpc nor torch.
+only when no prefill worker can meet the SLO with room to spare, within `REMOTE_TTFT_SHARE` of the
+TTFT objective (conditional disaggregation: it takes cycles from decoding, and only those its
+running requests' TPOT slack allows); otherwise a feasible way on the least loaded decode worker
+wins, the cheapest of them (cost: each prediction as a fraction of its objective), then in turn.
+When no way is feasible the router still names the best one, marked as missing the SLO: admission
+decides whether to wait for capacity or to run it anyway. Imports neither grpc nor torch.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ HOP_S = 0.005
 NO_ROOM_PENALTY = 100.0
 # The share of its running requests' least TPOT slack a decode worker may spend on local prefills.
 SLACK_SHARE = 0.5
+# A prefill worker predicted to reach the first token within this share of the TTFT objective keeps
+# the prompt from a decode worker; above it a decode worker with slack may take the prompt, if that
+# is cheaper. Predictions err (actual/predicted TTFT 0.67-1.17, p10-p90, in a goodput run), so a
+# prompt predicted just under its objective on a queued prefill worker misses it too often.
+REMOTE_TTFT_SHARE = 0.6
 
 
 class NoWorkerError(Exception):
@@ -106,8 +112,10 @@ class Decision:
     reasons: tuple[str, ...] = ()  # one line per option weighed, the chosen one first
 
 
-def route(request: RouteRequest, workers: Sequence[WorkerLoad], turn: int = 0) -> Decision:
-    """The best way to run `request` on these workers (see the module docstring). Raises
+def route(request: RouteRequest, workers: Sequence[WorkerLoad], turn: int = 0,
+          remote_ttft_share: float = REMOTE_TTFT_SHARE) -> Decision:
+    """The best way to run `request` on these workers (see the module docstring; `remote_ttft_share`:
+    1 lets a decode worker prefill only when no prefill worker meets the TTFT objective). Raises
     NoWorkerError when no serving worker can decode it or, for decode-only pools, prefill it."""
     decoders = [w for w in workers if w.serving and w.role != "prefill"]
     prefillers = [w for w in workers if w.serving and w.role == "prefill"]
@@ -115,6 +123,7 @@ def route(request: RouteRequest, workers: Sequence[WorkerLoad], turn: int = 0) -
         raise NoWorkerError("no decode or colocated worker is serving")
     # (conditional disaggregation: prefill on a decode-role worker, cost, batch, queue, turn order)
     options: list[tuple[tuple[bool, float, int, int, int], Decision]] = []
+    comfortable = request.slo.ttft_s * remote_ttft_share
     for d_index, decode in enumerate(_rotated(decoders, turn)):
         # A worker without KV room now stays an option, the last resort: it refuses (and the next
         # is tried) or, once admission waited, has room again.
@@ -126,13 +135,16 @@ def route(request: RouteRequest, workers: Sequence[WorkerLoad], turn: int = 0) -
             options.append(((False, decision.cost, decode.sequences, prefill.queued_prompt_tokens,
                              d_index + p_index), decision))
         ttft, mixed_step = _local_ttft(request, decode)
-        # Ranked after every disaggregated option (the key's first field), whatever its cost.
-        conditional = decode.role == "decode" and bool(prefillers)
         disturbed = tpot if _absorbed(request, decode) else max(tpot, mixed_step)
         decision = _decision(request, decode, None, ttft, disturbed, penalty)
-        options.append(((conditional, decision.cost, decode.sequences, decode.queued_prompt_tokens, d_index),
-                        decision))
-    options.sort(key=_rank)
+        options.append(((decode.role == "decode" and bool(prefillers), decision.cost, decode.sequences,
+                         decode.queued_prompt_tokens, d_index), decision))
+    if any(d.meets_slo and d.prefill is not None and d.ttft_s <= comfortable for _, d in options):
+        options.sort(key=_rank)
+    else:
+        # No prefill worker is comfortably within the objective: a decode worker's own prefill
+        # competes on cost instead of ranking after every disaggregated option.
+        options.sort(key=lambda option: _rank(((False, *option[0][1:]), option[1])))
     best = options[0][1]
     reasons = tuple(_reason(decision) for _, decision in options[:8])
     return Decision(best.decode, best.prefill, best.ttft_s, best.tpot_s, best.meets_slo, best.cost, reasons)

@@ -102,9 +102,20 @@ def test_no_local_prefill_where_the_stall_exceeds_half_the_least_tpot_slack(slac
     assert decision.prefill == "p1" and not decision.meets_slo
 
 
-def test_a_prefill_worker_is_preferred_to_local_prefill_when_both_meet_the_slo() -> None:
-    decision = route(request(), [prefill("p1", queued=100), decode("d1")])
+def test_a_prefill_worker_comfortably_within_ttft_is_preferred_to_local_prefill() -> None:
+    # 1.1 s predicted at the idle prefill worker: within 60% of the 2 s objective.
+    decision = route(request(), [prefill("p1"), decode("d1")])
     assert decision.prefill == "p1"
+
+
+def test_a_decode_worker_with_slack_takes_a_prompt_the_prefill_worker_meets_only_narrowly() -> None:
+    # 100 queued tokens make it 1.56 s at the prefill worker (meets, but above 1.2 s); the idle
+    # decode worker computes it in 1.27 s.
+    decision = route(request(), [prefill("p1", queued=100), decode("d1")])
+    assert decision.prefill is None and decision.decode == "d1" and decision.meets_slo
+    # Beside a running batch whose slack cannot absorb the stall, the prefill worker keeps it.
+    decision = route(request(), [prefill("p1", queued=100), decode("d1", sequences=3, slack=1.0)])
+    assert decision.prefill == "p1" and decision.meets_slo
 
 
 def test_colocated_workers_prefill_locally_and_the_less_loaded_one_wins() -> None:
@@ -137,3 +148,8 @@ def test_unmeasured_workers_still_get_requests() -> None:
 def test_slo_objectives_must_be_positive() -> None:
     with pytest.raises(ValueError, match="positive"):
         Slo(ttft_s=0, tpot_s=0.1)
+
+
+def test_a_remote_ttft_share_of_one_keeps_prompts_off_decode_workers_while_a_prefill_worker_meets_ttft() -> None:
+    decision = route(request(), [prefill("p1", queued=100), decode("d1")], remote_ttft_share=1.0)
+    assert decision.prefill == "p1" and decision.meets_slo
