@@ -175,7 +175,7 @@ def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload
 
 def _routing_text(routing: dict) -> str:
     computed, ratio = routing["prompts_computed"], routing["ttft_actual_over_predicted"]["prefill_worker"]
-    text = f"prompts on the decode worker {computed['local']}, refused {routing['refused']}"
+    text = f"prompts prefilled where they decode {computed['local']}, refused {routing['refused']}"
     return text + (f", TTFT actual/predicted p50 {ratio['p50']:.2f}" if ratio else "")
 
 

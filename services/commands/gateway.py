@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 from services.commands.gateway_cluster import add_cluster_flags
 from services.commands.limit_flags import add_grpc_limit_flags, add_request_limit_flags, grpc_limits, request_limits
 from services.commands.security_flags import add_api_key_flags, add_tls_flags, tls_config
-from services.gateway.router import REMOTE_TTFT_SHARE
+from services.gateway.router import RoutingPolicy
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +37,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                          help="time-to-first-token objective for requests that set none")
     gateway.add_argument("--tpot-slo-ms", type=float, default=100.0,
                          help="time-per-output-token objective for requests that set none")
-    gateway.add_argument("--remote-ttft-share", type=float, default=REMOTE_TTFT_SHARE,
+    policy = RoutingPolicy()
+    gateway.add_argument("--remote-ttft-share", type=float, default=policy.remote_ttft_share,
                          help="a decode worker whose running requests' TPOT slack allows it computes a prompt "
                               "itself once every prefill worker's predicted TTFT exceeds this share of the "
                               "objective, if that is sooner (1: only when no prefill worker meets it)")
+    gateway.add_argument("--tpot-slack-share", type=float, default=policy.tpot_slack_share,
+                         help="share of its running requests' least TPOT slack (the room left under their "
+                              "objectives) a worker may spend stalling them with a prompt")
     gateway.add_argument("--max-queued-requests", type=int, default=256,
                          help="requests that may wait for capacity at once; beyond it they get RESOURCE_EXHAUSTED")
     gateway.add_argument("--max-migrations", type=int, default=2,
@@ -75,6 +79,15 @@ def parse_addresses(value: str, flag: str) -> list[str]:
     return addresses
 
 
+def routing_policy(args: argparse.Namespace) -> RoutingPolicy:
+    """The RoutingPolicy the flags describe; ValueError naming the flag."""
+    try:
+        return RoutingPolicy(args.remote_ttft_share, args.tpot_slack_share)
+    except ValueError as error:
+        flag = "--" + str(error).split(":")[0].replace("_", "-")
+        raise ValueError(f"{flag}: {str(error).partition(': ')[2]}") from error
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; the exit code."""
     import asyncio
@@ -99,8 +112,7 @@ def run(args: argparse.Namespace) -> int:
     elif pools["decode"] and not pools["prefill"]:
         raise ValueError("--prefill: decode workers need at least one prefill worker")
     slo = Slo(args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)
-    if not 0 < args.remote_ttft_share <= 1:
-        raise ValueError(f"--remote-ttft-share: must be in (0, 1], got {args.remote_ttft_share}")
+    policy = routing_policy(args)
     tls = tls_config(args)
     limits = grpc_limits(args)
     requests = request_limits(args)
@@ -109,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def serve() -> int:
         # Built on the running loop: its gRPC channels belong to it.
-        registry = WorkerRegistry(**pools, default_slo=slo, tls=tls, limits=limits,
-                                  remote_ttft_share=args.remote_ttft_share)
+        registry = WorkerRegistry(**pools, default_slo=slo, tls=tls, limits=limits, policy=policy)
         return await _serve(args, registry, tls, keys, limits, requests)
 
     tracing = setup_tracing("gateway")

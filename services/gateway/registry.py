@@ -16,12 +16,13 @@ from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.tls import TlsConfig
 from services.gateway.prefix_index import PrefixIndex, block_hashes
 from services.gateway.router import (
+    DEFAULT_POLICY,
     DEFAULT_SLO,
-    REMOTE_TTFT_SHARE,
     Decision,
     NoWorkerError,
     Role,
     RouteRequest,
+    RoutingPolicy,
     Slo,
     route,
 )
@@ -76,17 +77,15 @@ class WorkerRegistry:
 
     def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = (), colocated: Sequence[str] = (),
                  default_slo: Slo = DEFAULT_SLO, retire_after_s: float = 10.0, tls: TlsConfig | None = None,
-                 limits: GrpcLimits = DEFAULT_GRPC_LIMITS, remote_ttft_share: float = REMOTE_TTFT_SHARE) -> None:
+                 limits: GrpcLimits = DEFAULT_GRPC_LIMITS, policy: RoutingPolicy = DEFAULT_POLICY) -> None:
         """Addresses (host:port) of each pool's first workers; channels (mutual TLS with `tls`, message
         sizes from `limits`) open
         on `start`; pools may start empty when discovery fills them. A removed worker's channel stays open at least
         `retire_after_s`: a request placed before the removal may still retry there, and must get
         the worker's own answer (a retryable UNAVAILABLE once it drains), not a closed channel.
-        `remote_ttft_share` is the router's (services.gateway.router.route)."""
-        if not 0 < remote_ttft_share <= 1:
-            raise ValueError(f"remote_ttft_share: must be in (0, 1], got {remote_ttft_share}")
+        `policy` is the router's (services.gateway.router.route)."""
         self.default_slo = default_slo
-        self._remote_ttft_share = remote_ttft_share
+        self._policy = policy
         self._tls = tls
         self._limits = limits
         self._retire_after_s = retire_after_s
@@ -189,7 +188,7 @@ class WorkerRegistry:
         """The router's decision over the workers' current views (or idle ones); NoWorkerError if
         no worker could take it."""
         views = [w.view(idle) for w in self._workers.values() if w.address not in exclude]
-        return route(request, views, next(self._turns), self._remote_ttft_share)
+        return route(request, views, next(self._turns), self._policy)
 
     def claim(self, request: RouteRequest, decision: Decision) -> Placement:
         """Count the request against the decision's workers and remember where its prefix went."""

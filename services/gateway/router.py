@@ -13,7 +13,7 @@ output token from each worker's reported step model (services.common.step_model)
   half the room the running requests have left under their mean-TPOT objectives (tpot_slack.py).
 
 A way is feasible when both predictions meet the request's SLO. A decode-role worker prefills
-only when no prefill worker can meet the SLO with room to spare, within `REMOTE_TTFT_SHARE` of the
+only when no prefill worker can meet the SLO with room to spare, within the policy's share of the
 TTFT objective (conditional disaggregation: it takes cycles from decoding, and only those its
 running requests' TPOT slack allows); otherwise a feasible way on the least loaded decode worker
 wins, the cheapest of them (cost: each prediction as a fraction of its objective), then in turn.
@@ -36,13 +36,26 @@ HOP_S = 0.005
 # Added to the cost of a decode worker without KV room for the prompt now; such an option never
 # meets the SLO.
 NO_ROOM_PENALTY = 100.0
-# The share of its running requests' least TPOT slack a decode worker may spend on local prefills.
-SLACK_SHARE = 0.5
-# A prefill worker predicted to reach the first token within this share of the TTFT objective keeps
-# the prompt from a decode worker; above it a decode worker with slack may take the prompt, if that
-# is cheaper. Predictions err (actual/predicted TTFT 0.67-1.17, p10-p90, in a goodput run), so a
-# prompt predicted just under its objective on a queued prefill worker misses it too often.
-REMOTE_TTFT_SHARE = 0.6
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    """How much of the objectives' room the router spends on a decode worker's own prefills."""
+
+    # A prefill worker predicted to reach the first token within this share of the TTFT objective
+    # keeps the prompt from a decode worker; above it a decode worker with slack may take the prompt,
+    # if that is cheaper. Predictions err (actual/predicted TTFT 0.67-1.17, p10-p90, in a goodput
+    # run), so a prompt predicted just under its objective on a queued prefill worker misses it too
+    # often. 1: a decode worker prefills only when no prefill worker meets the objective.
+    remote_ttft_share: float = 0.6
+    # The share of its running requests' least TPOT slack a worker may spend on stalling them with
+    # prompts: later arrivals slow the batch's remaining steps, and the step model's predictions err.
+    tpot_slack_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("remote_ttft_share", "tpot_slack_share"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name}: must be in (0, 1], got {getattr(self, name)}")
 
 
 class NoWorkerError(Exception):
@@ -112,10 +125,12 @@ class Decision:
     reasons: tuple[str, ...] = ()  # one line per option weighed, the chosen one first
 
 
+DEFAULT_POLICY = RoutingPolicy()
+
+
 def route(request: RouteRequest, workers: Sequence[WorkerLoad], turn: int = 0,
-          remote_ttft_share: float = REMOTE_TTFT_SHARE) -> Decision:
-    """The best way to run `request` on these workers (see the module docstring; `remote_ttft_share`:
-    1 lets a decode worker prefill only when no prefill worker meets the TTFT objective). Raises
+          policy: RoutingPolicy = DEFAULT_POLICY) -> Decision:
+    """The best way to run `request` on these workers (see the module docstring). Raises
     NoWorkerError when no serving worker can decode it or, for decode-only pools, prefill it."""
     decoders = [w for w in workers if w.serving and w.role != "prefill"]
     prefillers = [w for w in workers if w.serving and w.role == "prefill"]
@@ -123,7 +138,7 @@ def route(request: RouteRequest, workers: Sequence[WorkerLoad], turn: int = 0,
         raise NoWorkerError("no decode or colocated worker is serving")
     # (conditional disaggregation: prefill on a decode-role worker, cost, batch, queue, turn order)
     options: list[tuple[tuple[bool, float, int, int, int], Decision]] = []
-    comfortable = request.slo.ttft_s * remote_ttft_share
+    comfortable = request.slo.ttft_s * policy.remote_ttft_share
     for d_index, decode in enumerate(_rotated(decoders, turn)):
         # A worker without KV room now stays an option, the last resort: it refuses (and the next
         # is tried) or, once admission waited, has room again.
@@ -135,7 +150,7 @@ def route(request: RouteRequest, workers: Sequence[WorkerLoad], turn: int = 0,
             options.append(((False, decision.cost, decode.sequences, prefill.queued_prompt_tokens,
                              d_index + p_index), decision))
         ttft, mixed_step = _local_ttft(request, decode)
-        disturbed = tpot if _absorbed(request, decode) else max(tpot, mixed_step)
+        disturbed = tpot if _absorbed(request, decode, policy.tpot_slack_share) else max(tpot, mixed_step)
         decision = _decision(request, decode, None, ttft, disturbed, penalty)
         options.append(((decode.role == "decode" and bool(prefillers), decision.cost, decode.sequences,
                          decode.queued_prompt_tokens, d_index), decision))
@@ -206,13 +221,13 @@ def _local_ttft(request: RouteRequest, decode: WorkerLoad) -> tuple[float, float
     return queue + compute + HOP_S, mixed if decode.sequences else 0.0
 
 
-def _absorbed(request: RouteRequest, decode: WorkerLoad) -> bool:
+def _absorbed(request: RouteRequest, decode: WorkerLoad, slack_share: float) -> bool:
     """Whether the requests decoding on `decode` can take the stall of its queued local prompts
     and this one (their prompt compute, once each) and still meet their mean-TPOT objectives. Only
     a share of the least slack is spent: later arrivals slow the batch's remaining steps, and the
     step model's predictions err."""
     stall = decode.step_model.per_prompt_token_s * (decode.queued_prompt_tokens + _uncached(request, decode))
-    return stall <= SLACK_SHARE * decode.tpot_slack_s
+    return stall <= slack_share * decode.tpot_slack_s
 
 
 def _decision(request: RouteRequest, decode: WorkerLoad, prefill: WorkerLoad | None, ttft: float, tpot: float,

@@ -1,16 +1,26 @@
-"""The gateway's routing flag, as the CLI translates and checks it."""
+"""The gateway's routing flags, as the CLI translates and checks them."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.cli import main
-from services.gateway.registry import WorkerRegistry
+from services.cli import build_parser, main
+from services.commands.gateway import routing_policy
+from services.gateway.router import RoutingPolicy
 
 
-@pytest.mark.parametrize("share", ["0", "1.5", "-0.2"])
-def test_a_remote_ttft_share_outside_zero_to_one_is_refused_naming_the_flag(share, capsys):
-    assert main(["gateway", "--prefill", "h:1", "--decode", "h:2", "--remote-ttft-share", share]) == 2
-    assert "--remote-ttft-share" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="remote_ttft_share"):
-        WorkerRegistry(prefill=["h:1"], decode=["h:2"], remote_ttft_share=float(share))
+def test_routing_flags_become_the_policy_and_default_to_it():
+    args = build_parser().parse_args(["gateway", "--decode", "h:2", "--prefill", "h:1",
+                                      "--remote-ttft-share", "1", "--tpot-slack-share", "0.75"])
+    assert routing_policy(args) == RoutingPolicy(remote_ttft_share=1.0, tpot_slack_share=0.75)
+    defaults = build_parser().parse_args(["gateway", "--decode", "h:2", "--prefill", "h:1"])
+    assert routing_policy(defaults) == RoutingPolicy()
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--remote-ttft-share", "0"), ("--remote-ttft-share", "1.5"),
+                                             ("--tpot-slack-share", "-0.2")])
+def test_a_share_outside_zero_to_one_is_refused_naming_the_flag(flag, value, capsys):
+    assert main(["gateway", "--prefill", "h:1", "--decode", "h:2", flag, value]) == 2
+    assert flag in capsys.readouterr().err
+    with pytest.raises(ValueError, match=flag.removeprefix("--").replace("-", "_")):
+        RoutingPolicy(**{flag.removeprefix("--").replace("-", "_"): float(value)})

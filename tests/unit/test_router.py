@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.step_model import StepModel
-from services.gateway.router import NoWorkerError, RouteRequest, Slo, WorkerLoad, route
+from services.gateway.router import NoWorkerError, RouteRequest, RoutingPolicy, Slo, WorkerLoad, route
 
 # Roughly this machine's single core: 4 ms per prompt token, 60 ms per decode step plus 5 ms per sequence.
 CPU = StepModel(base_s=0.060, per_prompt_token_s=0.004, per_sequence_s=0.005, per_context_token_s=0.000001)
@@ -102,6 +102,13 @@ def test_no_local_prefill_where_the_stall_exceeds_half_the_least_tpot_slack(slac
     assert decision.prefill == "p1" and not decision.meets_slo
 
 
+def test_a_policy_spending_all_the_slack_takes_a_prompt_the_default_half_refuses() -> None:
+    # 1.02 s of stall within 1.5 s of slack, but not within its half.
+    workers = [prefill("p1", queued=600), decode("d1", sequences=3, slack=1.5)]
+    decision = route(request(), workers, policy=RoutingPolicy(tpot_slack_share=1.0))
+    assert decision.prefill is None and decision.meets_slo
+
+
 def test_a_prefill_worker_comfortably_within_ttft_is_preferred_to_local_prefill() -> None:
     # 1.1 s predicted at the idle prefill worker: within 60% of the 2 s objective.
     decision = route(request(), [prefill("p1"), decode("d1")])
@@ -151,5 +158,5 @@ def test_slo_objectives_must_be_positive() -> None:
 
 
 def test_a_remote_ttft_share_of_one_keeps_prompts_off_decode_workers_while_a_prefill_worker_meets_ttft() -> None:
-    decision = route(request(), [prefill("p1", queued=100), decode("d1")], remote_ttft_share=1.0)
+    decision = route(request(), [prefill("p1", queued=100), decode("d1")], policy=RoutingPolicy(remote_ttft_share=1))
     assert decision.prefill == "p1" and decision.meets_slo
