@@ -89,22 +89,23 @@ def test_no_local_prefill_where_its_chunks_would_break_the_running_batch_tpot() 
 
 
 def test_local_prefill_beside_a_running_batch_whose_tpot_slack_absorbs_the_stall() -> None:
-    # The prompt stalls the batch for 256 x 4 ms = 1.02 s; half of 2.5 s of slack covers it.
+    # The prompt stalls the batch for 256 x 4 ms = 1.02 s; three quarters of 2.5 s of slack cover it.
     decision = route(request(), [prefill("p1", queued=600), decode("d1", sequences=3, slack=2.5)])
     assert decision.prefill is None and decision.meets_slo
 
 
-@pytest.mark.parametrize(("slack", "queued"), [(1.5, 0), (2.5, 200)])
-def test_no_local_prefill_where_the_stall_exceeds_half_the_least_tpot_slack(slack: float, queued: int) -> None:
-    # 1.02 s of stall against 0.75 s of spendable slack; or 1.82 s with 200 local tokens queued before it.
+@pytest.mark.parametrize(("slack", "queued"), [(1.2, 0), (2.2, 200)])
+def test_no_local_prefill_where_the_stall_exceeds_the_spendable_tpot_slack(slack: float, queued: int) -> None:
+    # 1.02 s of stall against 0.9 s of spendable slack (three quarters); or 1.82 s with 200 local
+    # tokens queued before it, against 1.65 s.
     workers = [prefill("p1", queued=600), decode("d1", sequences=3, slack=slack, queued=queued)]
     decision = route(request(), workers)
     assert decision.prefill == "p1" and not decision.meets_slo
 
 
-def test_a_policy_spending_all_the_slack_takes_a_prompt_the_default_half_refuses() -> None:
-    # 1.02 s of stall within 1.5 s of slack, but not within its half.
-    workers = [prefill("p1", queued=600), decode("d1", sequences=3, slack=1.5)]
+def test_a_policy_spending_all_the_slack_takes_a_prompt_the_default_share_refuses() -> None:
+    # 1.02 s of stall within 1.2 s of slack, but not within three quarters of it.
+    workers = [prefill("p1", queued=600), decode("d1", sequences=3, slack=1.2)]
     decision = route(request(), workers, policy=RoutingPolicy(tpot_slack_share=1.0))
     assert decision.prefill is None and decision.meets_slo
 
