@@ -14,8 +14,8 @@ output token from each worker's reported step model (services.common.step_model)
   mean-TPOT objectives (tpot_slack.py).
 
 A way is feasible when both predictions meet the request's SLO. A decode-role worker prefills
-only when no prefill worker can meet the SLO with room to spare, within the policy's share of the
-TTFT objective (conditional disaggregation: it takes cycles from decoding, and only those its
+only when no prefill worker can meet the SLO (or, with a policy's share below 1, meet it with room
+to spare) (conditional disaggregation: it takes cycles from decoding, and only those its
 running requests' TPOT slack allows); otherwise a feasible way on the least loaded decode worker
 wins, the cheapest of them (cost: each prediction as a fraction of its objective), then in turn.
 When no way is feasible the router still names the best one, marked as missing the SLO: admission
@@ -45,10 +45,9 @@ class RoutingPolicy:
 
     # A prefill worker predicted to reach the first token within this share of the TTFT objective
     # keeps the prompt from a decode worker; above it a decode worker with slack may take the prompt,
-    # if that is cheaper. Predictions err (actual/predicted TTFT 0.67-1.17, p10-p90, in a goodput
-    # run), so a prompt predicted just under its objective on a queued prefill worker misses it too
-    # often. 1: a decode worker prefills only when no prefill worker meets the objective.
-    remote_ttft_share: float = 0.6
+    # if that is cheaper. 1 (a decode worker prefills only when no prefill worker meets the
+    # objective) measured as well as 0.6 on the goodput benchmark (runs G and H), so it stays.
+    remote_ttft_share: float = 1.0
     # The share of its running requests' least TPOT slack a worker may spend on stalling them with
     # prompts: later arrivals slow the batch's remaining steps, and the step model's predictions err.
     # 0.75 attained more than 0.5 on the goodput benchmark (run H: colocated refused none of 60 at

@@ -11,8 +11,8 @@ from services.gateway.router import RoutingPolicy
 
 def test_routing_flags_become_the_policy_and_default_to_it():
     args = build_parser().parse_args(["gateway", "--decode", "h:2", "--prefill", "h:1",
-                                      "--remote-ttft-share", "1", "--tpot-slack-share", "0.75"])
-    assert routing_policy(args) == RoutingPolicy(remote_ttft_share=1.0, tpot_slack_share=0.75)
+                                      "--remote-ttft-share", "0.8", "--tpot-slack-share", "0.6"])
+    assert routing_policy(args) == RoutingPolicy(remote_ttft_share=0.8, tpot_slack_share=0.6)
     defaults = build_parser().parse_args(["gateway", "--decode", "h:2", "--prefill", "h:1"])
     assert routing_policy(defaults) == RoutingPolicy()
 

@@ -112,17 +112,18 @@ def test_a_policy_spending_all_the_slack_takes_a_prompt_the_default_share_refuse
 
 def test_a_prefill_worker_comfortably_within_ttft_is_preferred_to_local_prefill() -> None:
     # 1.1 s predicted at the idle prefill worker: within 60% of the 2 s objective.
-    decision = route(request(), [prefill("p1"), decode("d1")])
+    decision = route(request(), [prefill("p1"), decode("d1")], policy=RoutingPolicy(remote_ttft_share=0.6))
     assert decision.prefill == "p1"
 
 
-def test_a_decode_worker_with_slack_takes_a_prompt_the_prefill_worker_meets_only_narrowly() -> None:
-    # 100 queued tokens make it 1.56 s at the prefill worker (meets, but above 1.2 s); the idle
+def test_with_a_remote_share_a_decode_worker_takes_a_prompt_the_prefill_worker_meets_only_narrowly() -> None:
+    # 100 queued tokens make it 1.56 s at the prefill worker (meets, but above 60%: 1.2 s); the idle
     # decode worker computes it in 1.27 s.
-    decision = route(request(), [prefill("p1", queued=100), decode("d1")])
+    share = RoutingPolicy(remote_ttft_share=0.6)
+    decision = route(request(), [prefill("p1", queued=100), decode("d1")], policy=share)
     assert decision.prefill is None and decision.decode == "d1" and decision.meets_slo
     # Beside a running batch whose slack cannot absorb the stall, the prefill worker keeps it.
-    decision = route(request(), [prefill("p1", queued=100), decode("d1", sequences=3, slack=1.0)])
+    decision = route(request(), [prefill("p1", queued=100), decode("d1", sequences=3, slack=1.0)], policy=share)
     assert decision.prefill == "p1" and decision.meets_slo
 
 
@@ -158,6 +159,6 @@ def test_slo_objectives_must_be_positive() -> None:
         Slo(ttft_s=0, tpot_s=0.1)
 
 
-def test_a_remote_ttft_share_of_one_keeps_prompts_off_decode_workers_while_a_prefill_worker_meets_ttft() -> None:
-    decision = route(request(), [prefill("p1", queued=100), decode("d1")], policy=RoutingPolicy(remote_ttft_share=1))
+def test_by_default_prompts_stay_off_decode_workers_while_a_prefill_worker_meets_ttft() -> None:
+    decision = route(request(), [prefill("p1", queued=100), decode("d1")])
     assert decision.prefill == "p1" and decision.meets_slo
