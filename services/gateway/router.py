@@ -156,25 +156,25 @@ def route(request: RouteRequest, workers: Sequence[WorkerLoad], turn: int = 0,
         decision = _decision(request, decode, None, ttft, disturbed, penalty)
         options.append(((decode.role == "decode" and bool(prefillers), decision.cost, decode.sequences,
                          decode.queued_prompt_tokens, d_index), decision))
-    if any(d.meets_slo and d.prefill is not None and d.ttft_s <= comfortable for _, d in options):
-        options.sort(key=_rank)
-    else:
-        # No prefill worker is comfortably within the objective: a decode worker's own prefill
-        # competes on cost instead of ranking after every disaggregated option.
-        options.sort(key=lambda option: _rank(((False, *option[0][1:]), option[1])))
+    relaxed = not any(d.meets_slo and d.prefill is not None and d.ttft_s <= comfortable for _, d in options)
+    options.sort(key=lambda option: _rank(option, relaxed))
     best = options[0][1]
     reasons = tuple(_reason(decision) for _, decision in options[:8])
     return Decision(best.decode, best.prefill, best.ttft_s, best.tpot_s, best.meets_slo, best.cost, reasons)
 
 
-def _rank(option: tuple[tuple[bool, float, int, int, int], Decision]) -> tuple:
+def _rank(option: tuple[tuple[bool, float, int, int, int], Decision], relaxed: bool) -> tuple:
     """Options meeting the SLO first, and among them the least loaded decode worker first, then the
     cheapest; options missing it, the least bad first. Load before cost because a worker whose step
     model is too pessimistic (a start-up profile measured while its neighbours were loading) would
     otherwise get no request while its predictions lost to another's, so no step of its own would
-    ever correct them; the SLO, not a few milliseconds of predicted difference, is what must be met."""
+    ever correct them; the SLO, not a few milliseconds of predicted difference, is what must be met.
+    A decode worker's own prefill (conditional) ranks after the disaggregated options, unless
+    `relaxed` (no prefill worker comfortably within the TTFT objective) and it meets the SLO: then
+    it competes on load and cost."""
     (conditional, cost, sequences, queue, index), decision = option
     if decision.meets_slo:
+        conditional = conditional and not relaxed
         return (False, conditional, sequences, cost, queue, index)
     return (True, conditional, 0, cost, sequences, queue, index)
 

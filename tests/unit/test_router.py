@@ -162,3 +162,13 @@ def test_slo_objectives_must_be_positive() -> None:
 def test_by_default_prompts_stay_off_decode_workers_while_a_prefill_worker_meets_ttft() -> None:
     decision = route(request(), [prefill("p1", queued=100), decode("d1")])
     assert decision.prefill == "p1" and decision.meets_slo
+
+
+@pytest.mark.parametrize("share", [1.0, 0.6])
+def test_when_no_way_meets_the_slo_the_prefill_worker_stays_the_least_bad_over_a_cheaper_local_prefill(share) -> None:
+    # 4.8 s of TTFT at the prefill worker, about 3 s on the decode worker behind its own 400 queued
+    # tokens: both miss, and the decode worker's cheaper miss must not take its cycles.
+    workers = [prefill("p1", queued=900), decode("d1", queued=400)]
+    decision = route(request(), workers, policy=RoutingPolicy(remote_ttft_share=share))
+    assert not decision.meets_slo and decision.prefill == "p1"
+    assert any(reason.startswith("local prefill on d1") for reason in decision.reasons)
