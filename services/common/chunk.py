@@ -38,6 +38,8 @@ class Timings:
     kv_wait_s: float
     e2e_s: float
     kv_delivery_wait_s: float = 0.0  # the prefill worker's wait for delivery after its first token
+    reserve_s: float = 0.0  # disaggregated: arrival at the decode worker to its KV blocks reserved
+    batch_join_s: float = 0.0  # disaggregated: the KV complete to joining the decode batch
 
 
 @dataclass(frozen=True)

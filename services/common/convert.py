@@ -140,7 +140,7 @@ def chunk_from_proto(msg: common_pb2.TokenChunk, request_id: str) -> Chunk:
         usage=Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if usage else None,
         timings=Timings(
             timings.ttft_s, timings.tpot_s, timings.prefill_queue_s, timings.prefill_compute_s,
-            timings.kv_wait_s, timings.e2e_s, timings.kv_delivery_wait_s,
+            timings.kv_wait_s, timings.e2e_s, timings.kv_delivery_wait_s, timings.reserve_s, timings.batch_join_s,
         ) if timings else None,
     )
 
@@ -164,7 +164,7 @@ def chunk_to_proto(chunk: Chunk) -> common_pb2.TokenChunk:
         msg.timings.CopyFrom(common_pb2.Timings(
             ttft_s=t.ttft_s, tpot_s=t.tpot_s, prefill_queue_s=t.prefill_queue_s,
             prefill_compute_s=t.prefill_compute_s, kv_wait_s=t.kv_wait_s, e2e_s=t.e2e_s,
-            kv_delivery_wait_s=t.kv_delivery_wait_s,
+            kv_delivery_wait_s=t.kv_delivery_wait_s, reserve_s=t.reserve_s, batch_join_s=t.batch_join_s,
         ))
     return msg
 

@@ -113,7 +113,14 @@ def _timings(
         kv_wait_s=timings.kv_wait_s,
         e2e_s=now - timings.arrived_at,
         kv_delivery_wait_s=timings.kv_delivery_wait_s,
+        reserve_s=_between(timings.arrived_at, timings.reserved_at),
+        batch_join_s=_between(timings.kv_done_at, timings.joined_at),
     )
+
+
+def _between(start: float | None, end: float | None) -> float:
+    """Seconds from one stage's end to another's (0 when either did not happen: local prefill)."""
+    return end - start if start is not None and end is not None else 0.0
 
 
 class LateKVTransfer(kvtransfer_pb2_grpc.KVTransferServicer):

@@ -52,6 +52,7 @@ class RequestObservation:
         # The router's predictions for the latest placement, logged beside what happened, so a
         # deployment's logs show how well its step models predict (a bias misroutes and refuses).
         self._predicted: tuple[float, float] | None = None
+        self._placed_after = 0.0  # arrival to the latest placement: tokenizing and admission's wait
         metrics.waiting.inc()
         if self._traced:
             self._span.set_attributes({
@@ -90,6 +91,7 @@ class RequestObservation:
         against the objectives, and the options weighed."""
         self._slo = slo
         self._predicted = (decision.ttft_s, decision.tpot_s)
+        self._placed_after = time.perf_counter() - self._arrived_at
         attributes.update({
             "tandem.route.decode": decision.decode,
             "tandem.route.prefill": decision.prefill or "local",
@@ -192,6 +194,11 @@ class RequestObservation:
             "e2e_s": round(e2e, 6), "prefill_queue_s": round(timings.prefill_queue_s, 6),
             "prefill_compute_s": round(timings.prefill_compute_s, 6), "kv_wait_s": round(timings.kv_wait_s, 6),
             "decode_s": round(max(0.0, timings.e2e_s - timings.ttft_s), 6),
+            # TTFT's parts: placed_s at the gateway, then worker_ttft_s at the decode worker, which
+            # is reserve_s + prefill_queue_s + prefill_compute_s + kv_wait_s + batch_join_s when
+            # disaggregated.
+            "placed_s": round(self._placed_after, 6), "worker_ttft_s": round(timings.ttft_s, 6),
+            "reserve_s": round(timings.reserve_s, 6), "batch_join_s": round(timings.batch_join_s, 6),
             "decode_worker": self._workers[0], "prefill_worker": self._workers[1],
         }
         if self._predicted is not None:

@@ -105,7 +105,12 @@ def test_disaggregated_greedy_tokens_equal_colocated(prefill, decode, prompts, r
             final = chunks[-1]
             assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
             assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(prompt), len(expected))
-            assert final.timings.e2e_s >= final.timings.ttft_s > final.timings.kv_delivery_wait_s > 0
+            timings = final.timings
+            assert timings.e2e_s >= timings.ttft_s > timings.kv_delivery_wait_s > 0
+            # TTFT's parts at the decode worker add up to at most its TTFT (the rest is RPC hops).
+            parts = (timings.reserve_s, timings.prefill_queue_s, timings.prefill_compute_s, timings.kv_wait_s,
+                     timings.batch_join_s)
+            assert timings.reserve_s > 0 and timings.batch_join_s > 0 and sum(parts) <= timings.ttft_s
         # The prefill worker has seen every prompt by now: at least the diary's blocks were cached.
         assert attempt == 0 or final.usage.cached_tokens >= 16
     _wait_until_no_blocks_used(prefill, decode)
@@ -127,7 +132,8 @@ def test_without_a_prefill_address_the_decode_worker_prefills_itself(prefill, de
     for prompt, expected in zip(prompts, reference, strict=True):
         chunks = _generate(stub, _request(prompt, prefill, prefill_address=""))
         assert [t for c in chunks for t in c.token_ids] == expected
-        assert chunks[-1].timings.kv_delivery_wait_s == 0
+        timings = chunks[-1].timings
+        assert timings.kv_delivery_wait_s == timings.reserve_s == timings.batch_join_s == 0
     assert _load(prefill).finished_requests == prefilled_before
     _wait_until_no_blocks_used(prefill, decode)
 

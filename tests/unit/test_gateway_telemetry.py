@@ -25,7 +25,7 @@ def _chat() -> GenerateRequest:
 
 def _chunk(token_ids: list[int], text: str, finish: str | None = None) -> Chunk:
     usage = Usage(prompt_tokens=5, completion_tokens=3, cached_tokens=0) if finish else None
-    timings = Timings(0.1, 0.05, 0.0, 0.08, 0.001, 0.2) if finish else None
+    timings = Timings(0.1, 0.05, 0.0, 0.08, 0.001, 0.2, reserve_s=0.015, batch_join_s=0.004) if finish else None
     return Chunk("r1", tuple(token_ids), text, (), finish, usage, timings)
 
 
@@ -61,6 +61,9 @@ def test_one_request_on_its_span_and_in_the_metrics(capture, caplog):
     record = json.loads(line.removeprefix("request finished "))
     assert (record["decode_worker"], record["prefill_worker"], record["output_tokens"]) == ("decode:1", "prefill:1", 3)
     assert (record["predicted_ttft_s"], record["predicted_tpot_s"]) == (0.25, 0.04)
+    # And TTFT's parts, so a log shows where a first token's time went beyond the prefill itself.
+    assert (record["worker_ttft_s"], record["reserve_s"], record["batch_join_s"]) == (0.1, 0.015, 0.004)
+    assert 0 <= record["placed_s"] <= record["ttft_s"]
 
     [span] = exporter.get_finished_spans()
     attributes = span.attributes
