@@ -101,6 +101,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # A step starts a second (or later) prompt only if all its prompt tokens, the new prompt's
+    # whole remaining part included, stay within this; None: only the token budget limits. Once a
+    # device is saturated (a few hundred tokens on a CPU core), batching another prompt no longer
+    # speeds anything up, it only holds back the first prompt's first token until both are done.
+    max_prompt_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, "max_num_seqs", f"must be positive, got {self.max_num_seqs}")
@@ -109,6 +114,9 @@ class SchedulerConfig:
             "max_num_batched_tokens",
             f"must be positive, got {self.max_num_batched_tokens}",
         )
+        if self.max_prompt_batch_tokens is not None:
+            _require(self.max_prompt_batch_tokens > 0, "max_prompt_batch_tokens",
+                     f"must be positive, got {self.max_prompt_batch_tokens}")
 
 
 @dataclass(frozen=True)

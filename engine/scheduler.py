@@ -170,10 +170,14 @@ class Scheduler:
         out.preempted.append(request.request_id)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        prompt_limit = self.config.max_prompt_batch_tokens
+        prompt_tokens = sum(c.num_tokens for c in out.chunks if c.start < c.request.num_prompt_tokens)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached_blocks, num_cached = self._cached_prefix(request)
             num_new = request.num_tokens - num_cached
+            if prompt_limit is not None and prompt_tokens and prompt_tokens + num_new > prompt_limit:
+                break
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
@@ -188,6 +192,7 @@ class Scheduler:
             self.running.append(request)
             out.chunks.append(self._chunk(request, num_new))
             budget -= num_new
+            prompt_tokens += num_new
         return budget
 
     def _cached_prefix(self, request: Request) -> tuple[list[int], int]:

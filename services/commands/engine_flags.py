@@ -7,6 +7,11 @@ from typing import get_args
 
 from engine.config import CacheConfig, CpuWeights, EngineConfig, Role, SchedulerConfig
 
+# One prompt of a few hundred tokens keeps a CPU core busy, so batching a second one into its step
+# only delays the first one's first token (bench/prompt_batching.py; docs/benchmarks.md). A GPU
+# is far from saturated by a few prompts: there they batch up to the token budget.
+CPU_PROMPT_BATCH_TOKENS = 256
+
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Model, device, cache and batching flags."""
@@ -23,6 +28,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-prompt-batch-tokens", type=int, default=None,
+                        help="a step starts another prompt only while its prompt tokens stay within this; "
+                             f"0: no limit (default: {CPU_PROMPT_BATCH_TOKENS} on CPU, none on GPU)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
 
@@ -43,5 +51,12 @@ def engine_config(args: argparse.Namespace, role: Role) -> EngineConfig:
             memory_bytes=None if args.kv_cache_blocks else args.kv_cache_mib * 1024 * 1024,
             enable_prefix_caching=not args.no_prefix_caching,
         ),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_prompt_batch_tokens=_prompt_batch_tokens(args)),
     )
+
+
+def _prompt_batch_tokens(args: argparse.Namespace) -> int | None:
+    if args.max_prompt_batch_tokens is None:
+        return CPU_PROMPT_BATCH_TOKENS if args.device == "cpu" else None
+    return args.max_prompt_batch_tokens or None

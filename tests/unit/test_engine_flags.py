@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from services.commands.engine_flags import add_engine_flags, engine_config
+from services.commands.engine_flags import CPU_PROMPT_BATCH_TOKENS, add_engine_flags, engine_config
 
 
 def _config(*flags: str):
@@ -24,3 +24,15 @@ def test_cpu_weights_default_to_fp16_and_the_flag_chooses_another_format():
 def test_unknown_cpu_weight_format_is_a_usage_error():
     with pytest.raises(SystemExit):
         _config("--cpu-weights", "int4")
+
+
+def test_prompt_batching_is_limited_on_cpu_by_default_and_not_on_gpu():
+    assert _config().scheduler.max_prompt_batch_tokens == CPU_PROMPT_BATCH_TOKENS
+    assert _config("--device", "cuda").scheduler.max_prompt_batch_tokens is None
+    assert _config("--max-prompt-batch-tokens", "512").scheduler.max_prompt_batch_tokens == 512
+    assert _config("--max-prompt-batch-tokens", "0").scheduler.max_prompt_batch_tokens is None
+
+
+def test_a_negative_prompt_batch_limit_is_refused():
+    with pytest.raises(ValueError, match="max_prompt_batch_tokens"):
+        _config("--max-prompt-batch-tokens", "-1")

@@ -17,9 +17,11 @@ def _req(rid: str, n: int, max_tokens: int = 8, base: int = 0) -> Request:
     return Request(rid, [base + i for i in range(n)], SamplingParams(max_tokens=max_tokens, ignore_eos=True), 1024)
 
 
-def _sched(num_blocks: int = 64, budget: int = 32, chunked: bool = True, max_seqs: int = 8, **kw) -> Scheduler:
+def _sched(num_blocks: int = 64, budget: int = 32, chunked: bool = True, max_seqs: int = 8,
+           prompt_batch: int | None = None, **kw) -> Scheduler:
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=True)
-    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                             max_prompt_batch_tokens=prompt_batch)
     return Scheduler(config, kv, **kw)
 
 
@@ -52,6 +54,21 @@ def test_token_budget_chunks_the_last_prefill():
     out = s.schedule()
     # Decodes first (one token each), then the rest of c's prompt within the budget.
     assert _layout(out) == [("a", 10, 1), ("b", 20, 1), ("c", 2, 28)]
+
+
+def test_a_prompt_batch_limit_keeps_a_second_prompt_from_delaying_the_first():
+    s = _sched(budget=64, prompt_batch=16)
+    for index, (rid, n) in enumerate((("a", 20), ("b", 10), ("c", 6), ("d", 4))):
+        s.add(_req(rid, n, base=100 * index))  # no shared prefix
+    # The first prompt of a step always runs, whole within the budget, however long; the next
+    # waits, though the token budget would have taken it.
+    out, _ = _run_step(s)
+    assert _layout(out) == [("a", 0, 20)]
+    # Prompts batch only while all of them fit the limit: b and c (16), not d too.
+    out, _ = _run_step(s)
+    assert _layout(out) == [("a", 20, 1), ("b", 0, 10), ("c", 0, 6)]
+    out, _ = _run_step(s)
+    assert _layout(out) == [("a", 21, 1), ("b", 10, 1), ("c", 6, 1), ("d", 0, 4)]
 
 
 def test_without_chunking_a_long_prompt_waits_whole():
