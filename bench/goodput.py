@@ -89,6 +89,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-pin", action="store_true", help="do not pin Tandem's workers to one core each")
     parser.add_argument("--gateway-args", default="",
                         help="more flags for Tandem's gateway, one shell-quoted string (e.g. '--remote-ttft-share 1')")
+    parser.add_argument("--prefill-args", default="",
+                        help="more flags for Tandem's prefill worker, one shell-quoted string "
+                             "(e.g. '--max-prompt-batch-tokens 256')")
+    parser.add_argument("--decode-args", default="",
+                        help="more flags for Tandem's decode and colocated workers, one shell-quoted string "
+                             "(e.g. '--max-num-batched-tokens 256')")
     parser.add_argument("--out", default=None, help="results path without extension (default: bench/results/goodput)")
     parser.add_argument("--smoke", action="store_true", help="a stub server and a few requests, to check the tool")
     parser.add_argument("--rescore", default=None, metavar="RESULTS_JSON",
@@ -212,6 +218,8 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractCon
         options = DeployOptions(log_dir=log_dir, model=args.model, hf_model_dir=HF_EXPORT_DIR,
                                 startup_timeout_s=args.startup_timeout,
                                 gateway_args=tuple(shlex.split(args.gateway_args)),
+                                prefill_args=tuple(shlex.split(args.prefill_args)),
+                                decode_args=tuple(shlex.split(args.decode_args)),
                                 pin_cores=not args.no_pin and (os.cpu_count() or 1) >= 2)
         for config in args.config_list:
             name = config if repeat == 1 else f"{config}#{repeat}"

@@ -50,6 +50,8 @@ class DeployOptions:
     startup_timeout_s: float = 600.0
     pin_cores: bool = True
     gateway_args: tuple[str, ...] = ()  # more flags for Tandem's gateway (e.g. a routing setting to compare)
+    prefill_args: tuple[str, ...] = ()  # more flags for Tandem's prefill worker (e.g. a scheduler setting)
+    decode_args: tuple[str, ...] = ()  # more flags for Tandem's decode and colocated workers
 
     def __post_init__(self) -> None:
         if self.startup_timeout_s <= 0:
@@ -182,13 +184,15 @@ def _start_tandem(config: str, options: DeployOptions, processes: list[ServerPro
     ports = [free_port(host) for _ in range(2)]
     workers = [f"{host}:{port}" for port in ports]
     if config == "disagg":
-        start("prefill", ["prefill", "--host", host, "--port", str(ports[0]), "--threads", "1", *model], 0)
-        start("decode", ["decode", "--host", host, "--port", str(ports[1]), "--threads", "1", *model], 1)
+        start("prefill", ["prefill", "--host", host, "--port", str(ports[0]), "--threads", "1", *model,
+                          *options.prefill_args], 0)
+        start("decode", ["decode", "--host", host, "--port", str(ports[1]), "--threads", "1", *model,
+                         *options.decode_args], 1)
         pools = ["--prefill", workers[0], "--decode", workers[1]]
     else:
         for index, port in enumerate(ports):
             start(f"worker{index}", ["worker", "--role", "colocated", "--host", host, "--port", str(port),
-                                     "--threads", "1", *model], index)
+                                     "--threads", "1", *model, *options.decode_args], index)
         pools = ["--colocated", ",".join(workers)]
     http_port = free_port(host)
     start("gateway", ["gateway", "--host", host, "--port", str(free_port(host)), "--http-port", str(http_port),
