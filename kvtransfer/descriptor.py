@@ -6,7 +6,7 @@ import ipaddress
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Literal, Protocol
 
 import torch
 from tandem.v1 import kvtransfer_pb2
@@ -20,6 +20,41 @@ WriteBlocks = Callable[[int, Sequence[int], torch.Tensor, torch.Tensor], None]
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DIST_BACKENDS = ("gloo", "nccl")
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
+
+
+class _ModelShape(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+class _RunConfig(Protocol):
+    @property
+    def torch_dtype_name(self) -> str: ...
+
+
+class _BlockTables(Protocol):
+    @property
+    def block_size(self) -> int: ...
+
+
+class PagedEngine(Protocol):
+    """What `KVLayout.of_engine` reads of an engine (engine.engine.Engine is one): its model's
+    shape, the fingerprint of its weights and dtype, the dtype and its KV cache's block size."""
+
+    @property
+    def model_config(self) -> _ModelShape: ...
+    @property
+    def fingerprint(self) -> bytes: ...
+    @property
+    def config(self) -> _RunConfig: ...
+    @property
+    def kv(self) -> _BlockTables: ...
 
 
 class TransferError(Exception):
@@ -42,7 +77,7 @@ class KVLayout:
             raise ValueError(f"dtype: unknown KV dtype {self.dtype!r}")
 
     @classmethod
-    def of_engine(cls, engine: Any) -> KVLayout:
+    def of_engine(cls, engine: PagedEngine) -> KVLayout:
         """The layout of an engine's paged KV cache."""
         config = engine.model_config
         return cls(

@@ -15,7 +15,7 @@ from services.gateway.planner_rules import PlannerConfig, PoolBounds
 if TYPE_CHECKING:
     from services.gateway.discovery import KubernetesDiscovery
     from services.gateway.planner import Planner
-    from services.gateway.workers import WorkerRegistry
+    from services.gateway.registry import WorkerRegistry
 
 _LEASE_NAME = "tandem-planner"
 

@@ -26,11 +26,11 @@ from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
 from services.common.tls import TlsConfig, warn_if_worker_exposed
 from services.common.worker import WorkerRpcs
+from services.common.worker_metrics import WorkerMetrics
 from services.decode.prefill_client import PrefillClients
 from services.decode.telemetry import DecodeRecorder
 from services.decode.worker import DecodeTimings, DecodeWorker
 from services.observability.metrics import serve_metrics
-from services.observability.worker_metrics import WorkerMetrics
 
 
 class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):

@@ -4,9 +4,9 @@ from the timestamps the worker recorded)."""
 from __future__ import annotations
 
 from engine.outputs import RequestOutput
+from services.common.worker_metrics import WorkerMetrics
 from services.decode.worker import DecodeTimings
 from services.observability.spans import add_event, add_span, set_attributes, tracing_active
-from services.observability.worker_metrics import WorkerMetrics
 
 
 class DecodeRecorder:

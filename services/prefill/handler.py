@@ -19,8 +19,8 @@ from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
 from services.common.tls import TlsConfig, open_sync_channel, warn_if_worker_exposed
 from services.common.worker import WorkerRpcs
+from services.common.worker_metrics import WorkerMetrics
 from services.observability.metrics import serve_metrics
-from services.observability.worker_metrics import WorkerMetrics
 from services.prefill.telemetry import record_prefill
 from services.prefill.worker import PrefillResult, PrefillWorker
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from services.common.worker_metrics import WorkerMetrics
 from services.observability.spans import add_span, set_attributes, tracing_active
-from services.observability.worker_metrics import WorkerMetrics
 from services.prefill.worker import PrefillResult
 
 

@@ -14,8 +14,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.worker_metrics import WorkerMetrics
 from services.observability.gpu import gpu_collector
-from services.observability.worker_metrics import WorkerMetrics
 
 
 def _samples(metrics: WorkerMetrics) -> dict[tuple[str, str], float]:

@@ -1,0 +1,276 @@
+"""The layering, read from the source: the engine imports neither grpc nor service code, kvtransfer
+no service code, the gateway never reaches torch, and no two packages import each other.
+
+Imports are parsed with `ast`, nothing is imported. Every `import` counts wherever it stands
+(an import inside a function runs too, only later), except under `if TYPE_CHECKING:`. A package
+is a directory; it contains its subpackages, so `engine/kv_cache` using `engine/config.py` is no
+cycle, while `services/common` and `services/observability` importing each other is one.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+FIRST_PARTY = ("engine", "kvtransfer", "services")
+# Where the gateway process starts: its package and its command.
+GATEWAY_ROOTS = ("services.gateway", "services.commands.gateway")
+HEAVY = frozenset({"torch", "triton", "transformers"})
+
+
+@dataclass(frozen=True)
+class Import:
+    """`importer` imports `imported` (a dotted name) at `line`."""
+
+    importer: str
+    imported: str
+    line: int
+
+
+class SourceTree:
+    """The first-party modules under a root directory and what each imports."""
+
+    def __init__(self, root: Path, packages: Iterable[str] = FIRST_PARTY) -> None:
+        self.root = root
+        self.top = tuple(packages)
+        self.files: dict[str, Path] = {}
+        for top in self.top:
+            for path in sorted((root / top).rglob("*.py")):
+                parts = path.relative_to(root).with_suffix("").parts
+                self.files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+        self.imports = {module: list(self._imports_of(module)) for module in self.files}
+
+    def package_of(self, module: str) -> str:
+        """The directory a module is in, as a dotted name (a package's own directory for its __init__)."""
+        return module if self.files[module].name == "__init__.py" else module.rpartition(".")[0]
+
+    def first_party(self, name: str) -> bool:
+        """Whether a dotted name is inside the tree's packages."""
+        return name.split(".")[0] in self.top
+
+    def modules_run_by(self, name: str) -> list[str]:
+        """The tree's modules that importing `name` runs: every enclosing package's __init__, then
+        the module itself (an imported name that is no module stops at its package)."""
+        parts = name.split(".")
+        return [prefix for i in range(1, len(parts) + 1) if (prefix := ".".join(parts[:i])) in self.files]
+
+    def _imports_of(self, module: str) -> Iterator[Import]:
+        path = self.files[module]
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    yield Import(module, alias.name, node.lineno)
+            elif isinstance(node, ast.ImportFrom):
+                base = _absolute(node.module, node.level, package)
+                yield Import(module, base, node.lineno)
+                for alias in node.names:  # `from package import module` imports the module too
+                    if self.first_party(base) and f"{base}.{alias.name}" in self.files:
+                        yield Import(module, f"{base}.{alias.name}", node.lineno)
+
+
+def _absolute(module: str | None, level: int, package: str) -> str:
+    if not level:
+        return module or ""
+    base = package.rsplit(".", level - 1)[0] if level > 1 else package
+    return f"{base}.{module}" if module else base
+
+
+def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node that may run, skipping the bodies of `if TYPE_CHECKING:` (their else runs)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def forbidden_imports(tree: SourceTree, package: str, forbidden: Iterable[str]) -> list[str]:
+    """Imports, by modules of `package` (and its subpackages), of anything under a `forbidden` top-level name."""
+    tops = set(forbidden)
+    return [f"{i.importer}:{i.line} imports {i.imported}"
+            for module in tree.files if module == package or module.startswith(f"{package}.")
+            for i in tree.imports[module] if i.imported.split(".")[0] in tops]
+
+
+def closure_reaches(tree: SourceTree, roots: Iterable[str], heavy: Iterable[str]) -> list[str]:
+    """For each `heavy` top-level name reachable from the modules under `roots`, one import chain to it."""
+    start = [m for m in tree.files if any(m == root or m.startswith(f"{root}.") for root in roots)]
+    came_from: dict[str, str | None] = {}
+    for module in start:
+        for run in tree.modules_run_by(module):
+            came_from.setdefault(run, None)
+    queue, found, heavy = list(came_from), {}, set(heavy)
+    while queue:
+        module = queue.pop(0)
+        for i in tree.imports[module]:
+            top = i.imported.split(".")[0]
+            if top in heavy and top not in found:
+                found[top] = " -> ".join([*_chain(came_from, module), f"{i.imported} (line {i.line})"])
+            for run in tree.modules_run_by(i.imported) if tree.first_party(i.imported) else ():
+                if run not in came_from:
+                    came_from[run] = module
+                    queue.append(run)
+    return [found[top] for top in sorted(found)]
+
+
+def _chain(came_from: dict[str, str | None], module: str) -> list[str]:
+    chain = [module]
+    while (parent := came_from[chain[-1]]) is not None:
+        chain.append(parent)
+    return chain[::-1]
+
+
+def package_cycles(tree: SourceTree) -> list[str]:
+    """Every set of packages that import each other in a circle, with the imports that close it.
+
+    An import between two packages counts between the two sibling packages that hold them under
+    their closest common parent; one between a package and its own parent or child does not count."""
+    edges: dict[str, dict[str, str]] = {}
+    for module, imports in tree.imports.items():
+        for i in imports:
+            for imported in tree.modules_run_by(i.imported) if tree.first_party(i.imported) else ():
+                pair = _siblings(tree.package_of(module), tree.package_of(imported))
+                if pair is not None:
+                    edges.setdefault(pair[0], {}).setdefault(pair[1], f"{module}:{i.line} imports {i.imported}")
+    cycles = []
+    for component in _strongly_connected(edges):
+        witnesses = sorted(w for a in component for b, w in edges.get(a, {}).items() if b in component)
+        cycles.append(f"{' <-> '.join(sorted(component))}: {'; '.join(witnesses)}")
+    return sorted(cycles)
+
+
+def _siblings(a: str, b: str) -> tuple[str, str] | None:
+    """(a's, b's) enclosing packages just below their closest common parent; None if one holds the other."""
+    pa, pb = a.split("."), b.split(".")
+    common = 0
+    while common < min(len(pa), len(pb)) and pa[common] == pb[common]:
+        common += 1
+    if common in (len(pa), len(pb)):
+        return None
+    return ".".join(pa[:common + 1]), ".".join(pb[:common + 1])
+
+
+def _strongly_connected(edges: dict[str, dict[str, str]]) -> list[set[str]]:
+    """The graph's strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for successor in edges.get(node, {}):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = set()
+            while (member := stack.pop()) != node:
+                component.add(member)
+            component.add(node)
+            if len(component) > 1:
+                components.append(component)
+
+    for node in list(edges):
+        if node not in index:
+            visit(node)
+    return components
+
+
+# ---- the checker, on a small tree made to break each rule ---------------------------------------
+
+def _write(root: Path, files: dict[str, str]) -> SourceTree:
+    for name, source in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    return SourceTree(root, ("engine", "services"))
+
+
+def test_the_checker_finds_forbidden_imports_wherever_they_run(tmp_path: Path) -> None:
+    tree = _write(tmp_path, {
+        "engine/__init__.py": "",
+        "engine/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import grpc\nelse:\n    import os\n",
+        "engine/sub/__init__.py": "",
+        "engine/sub/b.py": "def f():\n    from services.x import y\n",
+        "services/__init__.py": "",
+        "services/x.py": "y = 1\n",
+    })
+    assert forbidden_imports(tree, "engine", ["grpc", "services"]) == ["engine.sub.b:2 imports services.x"]
+
+
+def test_the_checker_follows_the_gateway_to_torch_through_packages_and_relative_imports(tmp_path: Path) -> None:
+    tree = _write(tmp_path, {
+        "engine/__init__.py": "",
+        "engine/light.py": "import json\n",
+        "engine/kv/__init__.py": "from . import heavy\n",
+        "engine/kv/heavy.py": "import torch.nn\n",
+        "services/__init__.py": "",
+        "services/gateway/__init__.py": "",
+        "services/gateway/app.py": "from engine import light\nfrom ..helpers import tool\n",
+        "services/helpers.py": "from engine.kv.other import thing\n",
+    })
+    assert closure_reaches(tree, ["services.gateway"], HEAVY) == [
+        "services.gateway.app -> services.helpers -> engine.kv -> engine.kv.heavy -> torch.nn (line 1)"]
+    assert closure_reaches(tree, ["engine.light"], HEAVY) == []
+
+
+def test_the_checker_finds_cycles_between_sibling_packages_but_not_with_a_parent(tmp_path: Path) -> None:
+    tree = _write(tmp_path, {
+        "engine/__init__.py": "",
+        "engine/config.py": "",
+        "engine/engine.py": "from engine.kv import cache\n",
+        "engine/kv/__init__.py": "",
+        "engine/kv/cache.py": "from engine.config import X\n",
+        "services/__init__.py": "",
+        "services/common/__init__.py": "",
+        "services/common/errors.py": "from services.observability.deep.spans import set_error\n",
+        "services/observability/__init__.py": "",
+        "services/observability/deep/__init__.py": "",
+        "services/observability/deep/spans.py": "",
+        "services/observability/metrics.py": "from services.common import errors\n",
+    })
+    assert package_cycles(tree) == [
+        "services.common <-> services.observability: "
+        "services.common.errors:1 imports services.observability.deep.spans; "
+        "services.observability.metrics:1 imports services.common"]
+
+
+# ---- the rules, on this repository -----------------------------------------------------------------
+
+TREE = SourceTree(REPO)
+
+
+def test_the_tree_was_read() -> None:
+    assert len(TREE.files) > 100 and "services.gateway.router" in TREE.files
+
+
+def test_the_engine_imports_neither_grpc_nor_protobuf_nor_service_code() -> None:
+    assert forbidden_imports(TREE, "engine", ["grpc", "grpc_health", "tandem", "google", "services"]) == []
+
+
+def test_kvtransfer_imports_no_service_code() -> None:
+    assert forbidden_imports(TREE, "kvtransfer", ["services"]) == []
+
+
+def test_the_gateway_never_reaches_torch() -> None:
+    assert closure_reaches(TREE, GATEWAY_ROOTS, HEAVY) == []
+
+
+def test_no_two_packages_import_each_other() -> None:
+    assert package_cycles(TREE) == []
