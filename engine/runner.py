@@ -30,7 +30,6 @@ class ModelRunner:
         self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None
     ) -> dict[str, SampledToken]:
         """Run one step; return the sampled token of every chunk that reached its request's end."""
-        self.cache.copy_blocks(out.block_copies)
         if out.is_empty:
             return {}
         input_ids, positions, meta, sample_rows = self._prepare(out)

@@ -34,10 +34,9 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
-    """One step's batch, in execution order, plus cache maintenance the runner must do first."""
+    """One step's batch, in execution order, and the requests preempted to make room for it."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
 
     @property
@@ -135,7 +134,6 @@ class Scheduler:
             index += 1
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
-        out.block_copies = self.kv.pop_pending_copies()
         return out
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:

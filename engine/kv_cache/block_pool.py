@@ -73,13 +73,6 @@ class BlockPool:
             block_ids.append(block_id)
         return block_ids
 
-    def incref(self, block_ids: Iterable[int]) -> None:
-        """Add a reference to blocks that are already referenced (sharing, e.g. a forked request)."""
-        for block_id in block_ids:
-            if self._ref_counts[block_id] == 0:
-                raise ValueError(f"block {block_id} is unreferenced; take it with allocate or touch")
-            self._ref_counts[block_id] += 1
-
     def touch(self, block_id: int) -> None:
         """Take a reference on a cached block found by ``lookup``, pulling it out of the LRU if it was evictable."""
         if block_id not in self._hash_by_block:
@@ -119,16 +112,6 @@ class BlockPool:
             return
         self._block_by_hash[block_hash] = block_id
         self._hash_by_block[block_id] = block_hash
-
-    def reset_cache(self) -> bool:
-        """Forget every hash if no block is referenced; return False (changing nothing) otherwise."""
-        if any(self._ref_counts):
-            return False
-        self._free.extend(self._evictable)
-        self._evictable.clear()
-        self._block_by_hash.clear()
-        self._hash_by_block.clear()
-        return True
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent."""

@@ -35,17 +35,6 @@ class CacheEngine:
         """Number of decoder layers with a cache."""
         return len(self.kv_caches)
 
-    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy-on-write: duplicate src blocks into dst blocks in every layer."""
-        if not pairs:
-            return
-        device = self.kv_caches[0][0].device
-        src = torch.tensor([p[0] for p in pairs], device=device)
-        dst = torch.tensor([p[1] for p in pairs], device=device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
-
     def gather_blocks(self, layer: int, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A contiguous copy of some blocks of one layer: two [n, block_size, kv_heads, head_dim]."""
         k_cache, v_cache = self.kv_caches[layer]

@@ -2,8 +2,7 @@
 
 Prefix caching follows vLLM v1: full blocks whose KV has been computed are hashed as a chain and can be
 shared read-only by later requests with the same prefix; the block holding a prompt's last token is always
-computed fresh, so a shared full block is never written. The only shared block that can be written is a
-partially filled tail shared by ``fork``; it is copied on write.
+computed fresh, so a shared block is never written.
 """
 
 from collections import Counter
@@ -37,7 +36,6 @@ class KVCacheManager:
         self._enable_prefix_caching = enable_prefix_caching
         self._salt = salt
         self._requests: dict[str, _RequestBlocks] = {}
-        self._pending_copies: list[tuple[int, int]] = []
 
     @property
     def block_size(self) -> int:
@@ -81,10 +79,6 @@ class KVCacheManager:
         """Number of blocks in the request's table."""
         return len(self._requests[request_id].table)
 
-    def cached_block(self, block_hash: bytes) -> int | None:
-        """Block id cached under ``block_hash`` (as computed by ``prompt_block_hashes`` with this salt), or None."""
-        return self._pool.lookup(block_hash)
-
     def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
         """Longest chain of cached full blocks matching the start of ``token_ids``: (block ids, tokens covered).
 
@@ -109,8 +103,7 @@ class KVCacheManager:
         """Grow the request's table to cover ``num_total_tokens`` tokens; False (changing nothing) if out of blocks.
 
         ``cached_blocks`` (from ``find_cached_prefix``, called just before) are accepted only on a request's
-        first call and become the head of its table. A partially filled tail block shared after ``fork`` is
-        replaced by a private copy before new tokens are written into it; the copy is queued for the runner.
+        first call and become the head of its table.
         """
         request = self._requests.get(request_id)
         if request is not None and cached_blocks:
@@ -124,10 +117,9 @@ class KVCacheManager:
             raise ValueError(f"request {request_id!r} cannot shrink from {held_tokens} to {num_total_tokens} tokens")
 
         num_new = max(0, -(-num_total_tokens // self._block_size) - held)
-        copy_tail = request is not None and num_total_tokens > held_tokens and self._tail_is_shared_partial(request)
         # Evictable cached blocks count as free, but touching them below takes them out of the free count.
         reused_evictable = sum(1 for block_id in set(cached_blocks) if self._pool.ref_count(block_id) == 0)
-        if num_new + copy_tail > self._pool.num_free - reused_evictable:
+        if num_new > self._pool.num_free - reused_evictable:
             return False
 
         if request is None:
@@ -135,8 +127,6 @@ class KVCacheManager:
                 self._pool.touch(block_id)
             request = _RequestBlocks(table=list(cached_blocks), hashes=cached_hashes)
             self._requests[request_id] = request
-        if copy_tail:
-            self._copy_tail_on_write(request)
         request.table.extend(self._pool.allocate(num_new))
         request.num_tokens = num_total_tokens
         return True
@@ -166,25 +156,6 @@ class KVCacheManager:
         if request is None:
             return
         self._pool.decref(reversed(request.table))
-        # A copy into a block nobody holds any more would be wasted (or clobber the block's next owner).
-        self._pending_copies = [(src, dst) for src, dst in self._pending_copies if self._pool.ref_count(dst) > 0]
-
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """Give ``child_id`` a table sharing all of ``parent_id``'s blocks (parallel sampling, n > 1)."""
-        if child_id in self._requests:
-            raise ValueError(f"request {child_id!r} already exists")
-        parent = self._requests[parent_id]
-        self._pool.incref(parent.table)
-        self._requests[child_id] = _RequestBlocks(list(parent.table), parent.num_tokens, list(parent.hashes))
-
-    def pop_pending_copies(self) -> list[tuple[int, int]]:
-        """Copy-on-write block copies (src, dst) the runner must perform, in order, before the next forward."""
-        copies, self._pending_copies = self._pending_copies, []
-        return copies
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget all cached prefixes; False (and nothing changes) while any request holds blocks."""
-        return self._pool.reset_cache()
 
     def check_invariants(self) -> None:
         """Raise AssertionError if pool or request bookkeeping is inconsistent."""
@@ -197,7 +168,6 @@ class KVCacheManager:
             assert len(request.hashes) <= len(request.table), f"{request_id}: more hashes than blocks"
             for block_id, block_hash in zip(request.table[:len(request.hashes)], request.hashes, strict=True):
                 assert self._pool.block_hash(block_id) in (None, block_hash), f"{request_id}: block hash mismatch"
-        assert all(self._pool.ref_count(dst) > 0 for _, dst in self._pending_copies), "copy into a free block"
 
     def _hashes_of_cached(self, cached_blocks: Sequence[int]) -> list[bytes]:
         if len(set(cached_blocks)) != len(cached_blocks):
@@ -209,14 +179,3 @@ class KVCacheManager:
                 raise ValueError(f"cached block {block_id} is no longer cached")
             hashes.append(block_hash)
         return hashes
-
-    def _tail_is_shared_partial(self, request: _RequestBlocks) -> bool:
-        return (request.num_tokens % self._block_size != 0
-                and self._pool.ref_count(request.table[-1]) > 1)
-
-    def _copy_tail_on_write(self, request: _RequestBlocks) -> None:
-        shared = request.table[-1]
-        (private,) = self._pool.allocate(1)
-        self._pending_copies.append((shared, private))
-        self._pool.decref([shared])
-        request.table[-1] = private

@@ -47,22 +47,6 @@ def test_prompt_block_hashes_chain_full_blocks_only():
     assert prompt_block_hashes(tokens[:3], BS) == []
 
 
-def test_manager_registers_the_hashes_prompt_block_hashes_gives():
-    tokens = list(range(9))
-    manager = KVCacheManager(8, BS, salt=b"model-a")
-    computed(manager, "a", tokens)
-    ours = prompt_block_hashes(tokens, BS, b"model-a")
-    assert [manager.cached_block(h) for h in ours] == [0, 1]
-    assert [manager.cached_block(h) for h in prompt_block_hashes(tokens, BS, b"model-b")] == [None, None]
-
-
-def test_salt_separates_caches():
-    tokens = list(range(9))
-    manager_a = KVCacheManager(8, BS, salt=b"model-a")
-    computed(manager_a, "a", tokens)
-    assert manager_a.find_cached_prefix(tokens) == ([0, 1], 8)
-    hashes_b = prompt_block_hashes(tokens, BS, b"model-b")
-    assert all(manager_a.cached_block(h) is None for h in hashes_b)
 
 
 # --- allocation, prefix hits, eviction --------------------------------------------------------------------
@@ -229,97 +213,20 @@ def test_prefix_caching_disabled():
     assert manager.num_free_blocks == 8
 
 
-# --- fork and copy-on-write ------------------------------------------------------------------------------
+# --- freeing and invariant checking ----------------------------------------------------------------------
 
-def test_fork_shares_blocks_and_copies_partial_tail_on_write():
-    manager = KVCacheManager(4, BS)
-    assert manager.allocate_slots("a", 6)
-    manager.fork("a", "b")
-    assert manager.block_table("b") == [0, 1]
-    assert manager.num_free_blocks == 2
-    manager.check_invariants()
-
-    assert manager.allocate_slots("a", 7)
-    assert manager.pop_pending_copies() == [(1, 2)]
-    assert manager.pop_pending_copies() == []
-    assert manager.block_table("a") == [0, 2]
-    assert manager.block_table("b") == [0, 1]
-    manager.check_invariants()
-
-    # b now holds block 1 alone and writes into it in place.
-    assert manager.allocate_slots("b", 7)
-    assert manager.pop_pending_copies() == []
-    assert manager.block_table("b") == [0, 1]
-    manager.free("a")
-    manager.free("b")
-    assert manager.num_free_blocks == 4
-    manager.check_invariants()
-
-
-def test_fork_with_full_tail_needs_no_copy():
-    manager = KVCacheManager(4, BS)
-    assert manager.allocate_slots("a", 8)
-    manager.fork("a", "b")
-    assert manager.allocate_slots("a", 9)
-    assert manager.pop_pending_copies() == []
-    assert manager.block_table("a") == [0, 1, 2]
-    assert manager.block_table("b") == [0, 1]
-    manager.check_invariants()
-
-
-def test_copy_on_write_fails_cleanly_without_a_free_block():
-    manager = KVCacheManager(2, BS)
-    assert manager.allocate_slots("a", 6)
-    manager.fork("a", "b")
-    assert manager.num_free_blocks == 0
-    assert not manager.allocate_slots("a", 7)
-    assert manager.pop_pending_copies() == []
-    assert manager.block_table("a") == [0, 1]
-    manager.check_invariants()
-
-
-def test_free_drops_pending_copy_into_released_block():
-    manager = KVCacheManager(4, BS)
-    manager.allocate_slots("a", 6)
-    manager.fork("a", "b")
-    manager.allocate_slots("a", 7)
-    manager.free("a")
-    assert manager.pop_pending_copies() == []
-    manager.check_invariants()
-
-
-def test_fork_errors_and_unknown_free():
+def test_freeing_an_unknown_request_changes_nothing():
     manager = KVCacheManager(4, BS)
     manager.allocate_slots("a", 4)
-    manager.allocate_slots("b", 4)
-    with pytest.raises(ValueError):
-        manager.fork("a", "b")
-    with pytest.raises(KeyError):
-        manager.fork("missing", "c")
     manager.free("missing")
-    assert manager.num_requests == 2
-    manager.check_invariants()
-
-
-# --- reset and invariant checking ------------------------------------------------------------------------
-
-def test_reset_prefix_cache():
-    manager = KVCacheManager(4, BS)
-    tokens = list(range(9))
-    computed(manager, "a", tokens)
-    assert manager.reset_prefix_cache() is False
-    assert manager.num_cached_blocks == 2
-    manager.free("a")
-    assert manager.reset_prefix_cache() is True
-    assert manager.num_cached_blocks == 0
-    assert manager.find_cached_prefix(tokens) == ([], 0)
+    assert manager.num_requests == 1
     manager.check_invariants()
 
 
 def test_check_invariants_detects_ref_count_drift():
     manager = KVCacheManager(4, BS)
     manager.allocate_slots("a", 4)
-    manager._pool.incref([0])  # a reference no request table accounts for
+    manager._pool.allocate(1)  # a reference no request table accounts for
     with pytest.raises(AssertionError):
         manager.check_invariants()
 
@@ -338,8 +245,8 @@ class SimRequest:
 class KVCacheMachine(RuleBasedStateMachine):
     """Drives the manager like a scheduler and a runner would, keeping a shadow of every block's contents.
 
-    The shadow catches what bookkeeping checks alone cannot: a shared block written in place, a prefix hit
-    on a block whose content changed, or a copy-on-write that was not queued.
+    The shadow catches what bookkeeping checks alone cannot: a shared block written in place, or a prefix
+    hit on a block whose content changed.
     """
 
     NUM_BLOCKS = 12
@@ -362,9 +269,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         return manager.num_free_blocks, manager.num_cached_blocks, manager.num_requests, tables, hits
 
     def _compute(self, request_id: str, target: int) -> None:
-        """The runner: perform queued copies, write KV for the new tokens, then register full blocks."""
-        for src, dst in self.manager.pop_pending_copies():
-            self.kv[dst] = list(self.kv[src])
+        """The runner: write KV for the new tokens, then register full blocks."""
         sim = self.requests[request_id]
         table = self.manager.block_table(request_id)
         for pos in range(sim.num_computed, target):
@@ -385,7 +290,6 @@ class KVCacheMachine(RuleBasedStateMachine):
         request_id = self._new_id()
         if not self.manager.allocate_slots(request_id, target, blocks):
             assert self._snapshot() == before
-            assert self.manager.pop_pending_copies() == []
             return
         assert self.manager.block_table(request_id)[:len(blocks)] == blocks
         self.requests[request_id] = SimRequest(tokens, num_cached)
@@ -406,20 +310,10 @@ class KVCacheMachine(RuleBasedStateMachine):
             self._compute(request_id, target)
             return
         assert self._snapshot() == before
-        assert self.manager.pop_pending_copies() == []
         if decoding:
             del sim.tokens[-len(new_tokens):]
         if preempt_on_failure:
             self.free(data)
-
-    @precondition(lambda self: self.requests)
-    @rule(data=st.data())
-    def fork(self, data: st.DataObject) -> None:
-        parent_id = data.draw(st.sampled_from(sorted(self.requests)))
-        child_id = self._new_id()
-        self.manager.fork(parent_id, child_id)
-        parent = self.requests[parent_id]
-        self.requests[child_id] = SimRequest(list(parent.tokens), parent.num_computed)
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
@@ -428,13 +322,6 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.manager.free(request_id)
         del self.requests[request_id]
         assert not self.manager.has_request(request_id)
-
-    @rule()
-    def reset_prefix_cache(self) -> None:
-        holds_blocks = any(self.manager.num_blocks_held(rid) for rid in self.requests)
-        assert self.manager.reset_prefix_cache() is not holds_blocks
-        if not holds_blocks:
-            assert self.manager.num_cached_blocks == 0
 
     @invariant()
     def bookkeeping_and_contents_agree(self) -> None:
