@@ -1,4 +1,5 @@
-"""Chained content hashes of full KV blocks, shared by the engine (prefix cache) and the gateway (routing).
+"""Chained content hashes of full KV blocks: the engine's prefix cache names its blocks with them (salted
+with the model's fingerprint), the gateway's prefix index the prompts it routed (unsalted). No torch.
 
 A block's hash covers its parent block's hash, so equal hashes mean equal whole prefixes, not just equal
 blocks. sha256 over a fixed byte layout keeps hashes stable across processes and machines, which Python's

@@ -1,29 +1,15 @@
 """Which worker holds which prompt prefixes, as far as this gateway's own routing tells it.
 
-Prompts are cut into blocks of the workers' block size and each full block named by a hash chained
-over the blocks before it (the same idea as the workers' prefix caches, with the gateway's own
-hash: only the gateway compares these). Every prompt routed to a worker is recorded there; each
-worker's record is an LRU bounded by its KV cache size, since that is the most it can hold.
+Prompts are cut into blocks of the workers' block size and each full block named by the hash chain
+of the workers' prefix caches (engine.kv_cache.block_hash), without their salt: only the gateway
+compares these names. Every prompt routed to a worker is recorded there; each worker's record is
+an LRU bounded by its KV cache size, since that is the most it can hold.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The chained hash of every full block of the prompt."""
-    data = array("I", token_ids).tobytes()  # 4 bytes a token, encoded once for the whole prompt
-    width = 4 * block_size
-    hashes: list[bytes] = []
-    parent = b""
-    for end in range(width, len(data) + 1, width):
-        parent = hashlib.blake2b(parent + data[end - width:end], digest_size=16).digest()
-        hashes.append(parent)
-    return hashes
 
 
 class PrefixIndex:

@@ -12,9 +12,10 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 
+from engine.kv_cache.block_hash import prompt_block_hashes
 from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.tls import TlsConfig
-from services.gateway.prefix_index import PrefixIndex, block_hashes
+from services.gateway.prefix_index import PrefixIndex
 from services.gateway.router import (
     DEFAULT_POLICY,
     DEFAULT_SLO,
@@ -177,7 +178,7 @@ class WorkerRegistry:
         hashes_by_size: dict[int, list[bytes]] = {}
         for worker in self._workers.values():
             block_size = worker.report.block_size if worker.report and worker.report.block_size else 16
-            hashes = hashes_by_size.setdefault(block_size, block_hashes(prompt_token_ids, block_size))
+            hashes = hashes_by_size.setdefault(block_size, prompt_block_hashes(prompt_token_ids, block_size))
             tokens = self.prefix_index.cached_tokens(worker.address, hashes, block_size)
             if tokens:
                 cached[worker.address] = tokens
@@ -202,7 +203,7 @@ class WorkerRegistry:
             if report is None or not request.token_ids:
                 continue
             block_size = report.block_size or 16
-            hashes = hashes_by_size.setdefault(block_size, block_hashes(request.token_ids, block_size))
+            hashes = hashes_by_size.setdefault(block_size, prompt_block_hashes(request.token_ids, block_size))
             self.prefix_index.record(worker.address, hashes, report.total_kv_blocks)
         return Placement(decision, decode, prefill, request, self._changed)
 
