@@ -6,21 +6,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata, write_kv
-
-
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Copy the given blocks out of a cache: [len(block_ids), block_size, num_kv_heads, head_dim].
-
-    index_select on the flattened blocks is about 3x faster on CPU than advanced indexing.
-    """
-    flat = cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1).long())
-    return flat.view(block_ids.numel(), *cache.shape[1:])
+from engine.kv_cache.blocks import blocks_for
+from engine.kv_cache.cache_engine import gather_blocks
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first seq_len cached rows of one sequence: [seq_len, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
-    num_blocks = (seq_len + block_size - 1) // block_size
+    num_blocks = blocks_for(seq_len, block_size)
     rows = gather_blocks(cache, block_table[:num_blocks])
     return rows.reshape(num_blocks * block_size, *cache.shape[2:])[:seq_len]
 
@@ -37,7 +30,7 @@ def paged_decode_attention(
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     max_len = int(seq_lens.max())
-    max_blocks = (max_len + block_size - 1) // block_size
+    max_blocks = blocks_for(max_len, block_size)
     table = block_tables[:, :max_blocks]
     keys = gather_blocks(k_cache, table).view(batch, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
     values = gather_blocks(v_cache, table).view(batch, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)

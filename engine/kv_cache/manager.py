@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache.block_hash import hash_block
 from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.blocks import blocks_for
 
 
 @dataclass
@@ -116,7 +117,7 @@ class KVCacheManager:
         if num_total_tokens < held_tokens:
             raise ValueError(f"request {request_id!r} cannot shrink from {held_tokens} to {num_total_tokens} tokens")
 
-        num_new = max(0, -(-num_total_tokens // self._block_size) - held)
+        num_new = max(0, blocks_for(num_total_tokens, self._block_size) - held)
         # Evictable cached blocks count as free, but touching them below takes them out of the free count.
         reused_evictable = sum(1 for block_id in set(cached_blocks) if self._pool.ref_count(block_id) == 0)
         if num_new > self._pool.num_free - reused_evictable:
@@ -164,7 +165,7 @@ class KVCacheManager:
         for block_id in range(self._pool.num_blocks):
             assert self._pool.ref_count(block_id) == holders[block_id], f"block {block_id} ref count != holders"
         for request_id, request in self._requests.items():
-            assert len(request.table) == -(-request.num_tokens // self._block_size), f"{request_id}: table size"
+            assert len(request.table) == blocks_for(request.num_tokens, self._block_size), f"{request_id}: table size"
             assert len(request.hashes) <= len(request.table), f"{request_id}: more hashes than blocks"
             for block_id, block_hash in zip(request.table[:len(request.hashes)], request.hashes, strict=True):
                 assert self._pool.block_hash(block_id) in (None, block_hash), f"{request_id}: block hash mismatch"

@@ -14,6 +14,7 @@ from typing import Protocol
 import grpc
 
 from engine.engine import Engine
+from engine.kv_cache.blocks import blocks_for
 from engine.outputs import KVReservation, RequestOutput
 from engine.resume import Resumed
 from engine.sampler import TokenLogprobs
@@ -233,7 +234,7 @@ def _reserve(
     """On the engine thread: the reservation, or StatusError RESOURCE_EXHAUSTED when this worker
     cannot hold the prompt (now, or ever: another decode worker may have a bigger cache)."""
     resumed_tokens = len(resumed.output_token_ids) if resumed is not None else 0
-    needed = -(-(len(prompt_token_ids) + resumed_tokens + 1) // engine.kv.block_size)
+    needed = blocks_for(len(prompt_token_ids) + resumed_tokens + 1, engine.kv.block_size)
     try:
         reservation = engine.reserve(request_id, prompt_token_ids, params, resumed)
     except ValueError as exc:

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.kv_cache.blocks import blocks_for
 from services.common.step_model import StepModel
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -186,13 +187,9 @@ def _rotated(workers: list[WorkerLoad], turn: int) -> list[WorkerLoad]:
     return workers[shift:] + workers[:shift]
 
 
-def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
-
-
 def _fits(request: RouteRequest, decode: WorkerLoad) -> bool:
     """The decode worker can reserve the prompt now (it needs the prompt plus one token's blocks)."""
-    return _blocks(request.prompt_tokens + 1, decode.block_size) <= decode.free_kv_blocks
+    return blocks_for(request.prompt_tokens + 1, decode.block_size) <= decode.free_kv_blocks
 
 
 def _uncached(request: RouteRequest, worker: WorkerLoad) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.engine import Engine
+from engine.kv_cache.blocks import blocks_for
 from engine.scheduler import ScheduledChunk
 from kvtransfer.sender import KVSender
 
@@ -70,7 +71,7 @@ class KVPushHook:
         # chunk left partly filled (sent again, now fuller); blocks before it that were never sent
         # are this worker's own prefix-cache hits, which no chunk computes.
         first = max(push.skip, min(push.next_block, chunk.start // block_size))
-        end = (chunk.start + chunk.num_tokens - 1) // block_size + 1
+        end = blocks_for(chunk.start + chunk.num_tokens, block_size)
         if first < end:
             request_id = chunk.request.request_id
             try:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.kv_cache.block_hash import hash_block, prompt_block_hashes
+from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.manager import KVCacheManager
 
 BS = 4
@@ -331,7 +332,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         for request_id, sim in self.requests.items():
             table = self.manager.block_table(request_id)
             held.update(table)
-            assert len(table) == -(-sim.num_computed // BS)
+            assert len(table) == blocks_for(sim.num_computed, BS)
             for pos in range(sim.num_computed):
                 assert self.kv[table[pos // BS]][pos % BS] == sim.tokens[pos], f"{request_id} KV corrupted at {pos}"
         assert self.manager.usage == len(held) / self.NUM_BLOCKS

@@ -26,6 +26,7 @@ from engine.attention.triton_paged import (
     triton_paged_decode_attention,
     triton_paged_prefill_attention,
 )
+from engine.kv_cache.blocks import blocks_for
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_TOL = 1e-5 if DEVICE == "cpu" else 1e-4
@@ -44,7 +45,7 @@ def _caches(shape, dtype=torch.float32, seed=0):
 
 def _block_tables(seq_lens, block_size, seed=0):
     """Disjoint, shuffled (so non-contiguous) block ids per sequence, zero padded plus a spare column."""
-    needed = [-(-n // block_size) for n in seq_lens]
+    needed = [blocks_for(n, block_size) for n in seq_lens]
     ids = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
     table = torch.zeros(len(seq_lens), max(needed) + 1, dtype=torch.int32)
     for i, count in enumerate(needed):
