@@ -138,7 +138,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(self.role in ("colocated", "prefill", "decode"), "role", f"unknown role {self.role!r}")
-        _require(self.dtype in (None, "float32", "bfloat16", "float16"), "dtype", f"unknown dtype {self.dtype!r}")
+        _require(self.dtype in (None, *get_args(DType)), "dtype", f"unknown dtype {self.dtype!r}")
         _require(self.device == "cpu" or self.device.startswith("cuda"), "device", f"unknown device {self.device!r}")
         _require(
             self.attention_backend in ("auto", "torch", "triton"),

@@ -16,6 +16,8 @@ import torch
 from engine.attention.selector import select_attention_backend
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.dtypes import TORCH_DTYPES
+from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.loader import ModelFiles, build_model, load_model_files
@@ -33,7 +35,6 @@ log = logging.getLogger(__name__)
 
 LayerHook = Callable[[int, Sequence[ScheduledChunk]], None]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Engine:
         """Load the model (or use already loaded `files`, so tests and benchmarks load it once)."""
         self.config = config
         self.device = torch.device(config.device)
-        dtype = _DTYPES[config.torch_dtype_name]
+        dtype = TORCH_DTYPES[config.torch_dtype_name]
         if files is None:
             files = load_model_files(config.model, dtype)
         self.model_config = files.config
@@ -112,7 +113,7 @@ class Engine:
                 f"context of {self.max_model_len} tokens (at most {self.max_model_len - len(prompt)})"
             )
         output = list(check_resumable(resumed, params.max_tokens, vocab)) if resumed is not None else []
-        needed = -(-(len(prompt) + len(output) + 1) // self.kv.block_size)
+        needed = blocks_for(len(prompt) + len(output) + 1, self.kv.block_size)
         if needed > self.kv.num_blocks:
             raise ValueError(
                 f"prompt: {len(prompt)} tokens need {needed} KV blocks but the cache has {self.kv.num_blocks}"

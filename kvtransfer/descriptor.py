@@ -11,13 +11,14 @@ from typing import Literal, Protocol
 import torch
 from tandem.v1 import kvtransfer_pb2
 
+from engine.dtypes import TORCH_DTYPES
+
 Backend = Literal["torch_dist", "grpc"]
 
 # (layer, destination block ids, k, v): writes received pages into the receiver's cache. k and v
 # are [len(block ids), block_size, num_kv_heads, head_dim] in the layout's dtype.
 WriteBlocks = Callable[[int, Sequence[int], torch.Tensor, torch.Tensor], None]
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DIST_BACKENDS = ("gloo", "nccl")
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
 
@@ -73,7 +74,7 @@ class KVLayout:
     block_size: int
 
     def __post_init__(self) -> None:
-        if self.dtype not in _TORCH_DTYPES:
+        if self.dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype: unknown KV dtype {self.dtype!r}")
 
     @classmethod
@@ -92,7 +93,7 @@ class KVLayout:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The dtype of a page's elements."""
-        return _TORCH_DTYPES[self.dtype]
+        return TORCH_DTYPES[self.dtype]
 
     @property
     def block_shape(self) -> tuple[int, int, int]:

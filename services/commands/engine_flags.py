@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import get_args
 
-from engine.config import CacheConfig, CpuWeights, EngineConfig, Role, SchedulerConfig
+from engine.config import CacheConfig, CpuWeights, DType, EngineConfig, Role, SchedulerConfig
 
 # One prompt of a few hundred tokens keeps a CPU core busy, so batching a second one into its step
 # only delays the first one's first token (bench/prompt_batching.py; docs/benchmarks.md). A GPU
@@ -17,7 +17,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Model, device, cache and batching flags."""
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the shipped SmolLM2-135M)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default=None, choices=get_args(DType))
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--cpu-weights", default="fp16", choices=get_args(CpuWeights),
