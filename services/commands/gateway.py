@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from services.common.tls import warn_if_exposed
     from services.gateway.api_keys import load_api_keys
     from services.gateway.registry import WorkerRegistry
-    from services.gateway.router import Slo
+    from services.gateway.router import SloTargets
     from services.observability.tracing import setup_tracing
 
     pools = {
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--decode/--colocated: give at least one decode or colocated worker")
     elif pools["decode"] and not pools["prefill"]:
         raise ValueError("--prefill: decode workers need at least one prefill worker")
-    slo = Slo(args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)
+    slo = SloTargets(args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)
     policy = routing_policy(args)
     tls = tls_config(args)
     limits = grpc_limits(args)

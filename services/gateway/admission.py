@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from services.gateway.router import Decision, RouteRequest, Slo
+from services.gateway.router import Decision, RouteRequest, SloTargets
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class Admission(Generic[C]):
             left = waiter.deadline - now
             if left <= 0:
                 continue  # its own timeout refuses it
-            budget = dataclasses.replace(waiter.request, slo=Slo(left, waiter.request.slo.tpot_s))
+            budget = dataclasses.replace(waiter.request, slo=SloTargets(left, waiter.request.slo.tpot_s))
             decision = self._placer.decide(budget)
             if decision.meets_slo:
                 self._remove(waiter)

@@ -10,7 +10,15 @@ from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 from services.common.convert import chunk_to_proto, sampling_params_from_proto
 from services.common.errors import StatusError, abort_with
-from services.gateway.request import ChatMessage, ChatPrompt, GenerateRequest, Prompt, Slo, TextPrompt, TokenPrompt
+from services.gateway.request import (
+    ChatMessage,
+    ChatPrompt,
+    GenerateRequest,
+    Prompt,
+    RequestedSlo,
+    TextPrompt,
+    TokenPrompt,
+)
 from services.gateway.service import GatewayService
 
 
@@ -54,7 +62,7 @@ def generate_request_from_proto(msg: gateway_pb2.GenerateRequest) -> GenerateReq
         sampling = sampling_params_from_proto(msg.sampling)
     except ValueError as error:
         raise ValueError(f"sampling.{error}") from error
-    slo = Slo(ttft_ms=msg.slo.ttft_ms or None, tpot_ms=msg.slo.tpot_ms or None)
+    slo = RequestedSlo(ttft_ms=msg.slo.ttft_ms or None, tpot_ms=msg.slo.tpot_ms or None)
     return GenerateRequest(
         prompt=_prompt_from_proto(msg),
         sampling=sampling,

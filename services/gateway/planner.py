@@ -31,7 +31,7 @@ from services.gateway.planner_rules import (
 )
 from services.gateway.registry import WorkerRegistry
 from services.gateway.router import Role
-from services.gateway.workers import Worker
+from services.gateway.workers import RemoteWorker
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Planner:
         self._election = election
         self._clock = clock
         self._decisions = {role: ScaleDecision(config.scale_down_window_s, config.cooldown_s) for role in ROLES}
-        self._sent: dict[Worker, int] = {}
+        self._sent: dict[RemoteWorker, int] = {}
         self._sampled_at: float | None = None
         self._task: asyncio.Task | None = None
 
@@ -110,7 +110,7 @@ class Planner:
                 except Exception as error:  # the API may be briefly unreachable: plan again next interval
                     log.warning("planner: could not apply %s: %s", self.recommended, error)
 
-    def _arrival_rate(self, now: float, prefill_workers: Sequence[Worker]) -> float:
+    def _arrival_rate(self, now: float, prefill_workers: Sequence[RemoteWorker]) -> float:
         """Prompt tokens per second this gateway sent the prefill pool since the last sample."""
         sent = {worker: worker.prompt_tokens_sent for worker in prefill_workers}
         routed = sum(count - self._sent.get(worker, 0) for worker, count in sent.items())

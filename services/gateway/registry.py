@@ -24,11 +24,11 @@ from services.gateway.router import (
     Role,
     RouteRequest,
     RoutingPolicy,
-    Slo,
+    SloTargets,
     route,
 )
 from services.gateway.tpot_slack import DecodeProgress
-from services.gateway.workers import Worker
+from services.gateway.workers import RemoteWorker
 
 _RETIRE_POLL_S = 0.1
 
@@ -37,7 +37,7 @@ class Placement:
     """A request placed on a decode worker (and a prefill worker, or none for local prefill):
     counted against them until `release`; its prompt counts in their queue until `prefilled`."""
 
-    def __init__(self, decision: Decision, decode: Worker, prefill: Worker | None, request: RouteRequest,
+    def __init__(self, decision: Decision, decode: RemoteWorker, prefill: RemoteWorker | None, request: RouteRequest,
                  on_release: Callable[[], None]) -> None:
         self.decision = decision
         self.decode = decode
@@ -77,7 +77,7 @@ class WorkerRegistry:
     """Prefill, decode and colocated workers by address; routes requests over their views."""
 
     def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = (), colocated: Sequence[str] = (),
-                 default_slo: Slo = DEFAULT_SLO, retire_after_s: float = 10.0, tls: TlsConfig | None = None,
+                 default_slo: SloTargets = DEFAULT_SLO, retire_after_s: float = 10.0, tls: TlsConfig | None = None,
                  limits: GrpcLimits = DEFAULT_GRPC_LIMITS, policy: RoutingPolicy = DEFAULT_POLICY) -> None:
         """Addresses (host:port) of each pool's first workers; channels (mutual TLS with `tls`, message
         sizes from `limits`) open
@@ -91,20 +91,20 @@ class WorkerRegistry:
         self._limits = limits
         self._retire_after_s = retire_after_s
         self._started = False
-        self._retiring: dict[asyncio.Task, Worker] = {}
+        self._retiring: dict[asyncio.Task, RemoteWorker] = {}
         self.prefix_index = PrefixIndex()
         self._listeners: list[Callable[[], None]] = []
-        self._workers: dict[str, Worker] = {}
+        self._workers: dict[str, RemoteWorker] = {}
         pools: list[tuple[Role, Sequence[str]]] = [("prefill", prefill), ("decode", decode), ("colocated", colocated)]
         for role, addresses in pools:
             for address in addresses:
                 if address in self._workers:
                     raise ValueError(f"worker {address} is listed twice")
-                self._workers[address] = Worker(address, role, self._changed, self._tls, self._limits)
+                self._workers[address] = RemoteWorker(address, role, self._changed, self._tls, self._limits)
         self._turns = itertools.count()
 
     @property
-    def workers(self) -> list[Worker]:
+    def workers(self) -> list[RemoteWorker]:
         """Every worker."""
         return list(self._workers.values())
 
@@ -125,7 +125,7 @@ class WorkerRegistry:
     def add(self, role: Role, address: str) -> None:
         """Route to a new worker (once it is SERVING); a no-op for one already known."""
         if address not in self._workers:
-            self._workers[address] = worker = Worker(address, role, self._changed, self._tls, self._limits)
+            self._workers[address] = worker = RemoteWorker(address, role, self._changed, self._tls, self._limits)
             if self._started:
                 worker.start()
 
@@ -140,7 +140,7 @@ class WorkerRegistry:
             task.add_done_callback(self._retiring.pop)
 
     @staticmethod
-    async def _retire(worker: Worker, after_s: float) -> None:
+    async def _retire(worker: RemoteWorker, after_s: float) -> None:
         await asyncio.sleep(after_s)
         while worker.in_flight:
             await asyncio.sleep(_RETIRE_POLL_S)
@@ -172,7 +172,8 @@ class WorkerRegistry:
         return up(("colocated",)) or (up(("decode",)) and up(("prefill",)))
 
     # ---- placing requests ------------------------------------------------------------------------
-    def route_request(self, prompt_token_ids: Sequence[int], max_tokens: int, slo: Slo | None = None) -> RouteRequest:
+    def route_request(self, prompt_token_ids: Sequence[int], max_tokens: int,
+                      slo: SloTargets | None = None) -> RouteRequest:
         """A request as the router sees it, with the prefix each worker likely holds."""
         cached: dict[str, int] = {}
         hashes_by_size: dict[int, list[bytes]] = {}

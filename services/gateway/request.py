@@ -40,8 +40,9 @@ Prompt = TextPrompt | TokenPrompt | ChatPrompt
 
 
 @dataclass(frozen=True)
-class Slo:
-    """A request's latency objectives in milliseconds; None takes the deployment's default."""
+class RequestedSlo:
+    """The latency objectives a client asked for, in milliseconds; None takes the deployment's default
+    (the gateway resolves them into the router's SloTargets)."""
 
     ttft_ms: int | None = None
     tpot_ms: int | None = None
@@ -65,5 +66,5 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     model: str = ""
     request_id: str = ""
-    slo: Slo = field(default_factory=Slo)
+    slo: RequestedSlo = field(default_factory=RequestedSlo)
     priority: int = 0

@@ -66,8 +66,9 @@ class NoWorkerError(Exception):
 
 
 @dataclass(frozen=True)
-class Slo:
-    """A request's objectives, in seconds."""
+class SloTargets:
+    """The objectives a request is routed against, in seconds: what its client asked for
+    (request.RequestedSlo) or else the deployment's default."""
 
     ttft_s: float
     tpot_s: float
@@ -78,12 +79,12 @@ class Slo:
 
 
 # The deployment's objectives unless a request or the gateway's flags say otherwise.
-DEFAULT_SLO = Slo(ttft_s=2.0, tpot_s=0.100)
+DEFAULT_SLO = SloTargets(ttft_s=2.0, tpot_s=0.100)
 
 
 @dataclass(frozen=True)
 class WorkerLoad:
-    """What the gateway knows of one worker when it routes a request (see workers.Worker.view)."""
+    """What the gateway knows of one worker when it routes a request (see workers.RemoteWorker.view)."""
 
     address: str
     role: Role
@@ -107,7 +108,7 @@ class RouteRequest:
 
     prompt_tokens: int
     max_tokens: int
-    slo: Slo
+    slo: SloTargets
     # Prompt tokens each worker (by address) already holds in its prefix cache, as far as the
     # gateway knows; missing means none.
     cached_tokens: Mapping[str, int] = field(default_factory=dict)

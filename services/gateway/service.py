@@ -29,7 +29,7 @@ from services.gateway.migration import MigrationPolicy, StreamProgress
 from services.gateway.model import ServedModel
 from services.gateway.registry import Placement, WorkerRegistry
 from services.gateway.request import GenerateRequest
-from services.gateway.router import NoWorkerError, Slo
+from services.gateway.router import NoWorkerError, SloTargets
 from services.gateway.telemetry import RequestObservation, record_refusal
 from services.observability.tracing import capture_content
 
@@ -71,13 +71,13 @@ class GatewayService:
         traced and counted like the requests that did."""
         record_refusal(self.metrics, request_id, code, message)
 
-    def slo(self, request: GenerateRequest) -> Slo:
+    def slo(self, request: GenerateRequest) -> SloTargets:
         """The request's objectives: its own, else the deployment's."""
         default = self.registry.default_slo
-        return Slo(request.slo.ttft_ms / 1000 if request.slo.ttft_ms else default.ttft_s,
+        return SloTargets(request.slo.ttft_ms / 1000 if request.slo.ttft_ms else default.ttft_s,
                    request.slo.tpot_ms / 1000 if request.slo.tpot_ms else default.tpot_s)
 
-    async def place(self, request: GenerateRequest, prompt: list[int], slo: Slo, arrived_at: float,
+    async def place(self, request: GenerateRequest, prompt: list[int], slo: SloTargets, arrived_at: float,
                     exclude: frozenset[str] = frozenset()) -> Placement:
         """Where the request runs, once admission lets it in (see services.gateway.admission).
         StatusError RESOURCE_EXHAUSTED (with a retry-after hint) when refused, UNAVAILABLE when no

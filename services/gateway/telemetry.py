@@ -23,7 +23,7 @@ from engine.sampling_params import SamplingParams
 from services.common.chunk import Chunk
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.request import ChatPrompt, GenerateRequest, TextPrompt
-from services.gateway.router import Decision, Slo
+from services.gateway.router import Decision, SloTargets
 from services.observability.spans import TRACER, set_error
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class RequestObservation:
         self._output: list[str] = []
         self._running = False
         self._waiting = True
-        self._slo: Slo | None = None
+        self._slo: SloTargets | None = None
         self._workers = ("", "")  # (decode, prefill) of the latest attempt, for the finish log line
         # The router's predictions for the latest placement, logged beside what happened, so a
         # deployment's logs show how well its step models predict (a bias misroutes and refuses).
@@ -86,7 +86,7 @@ class RequestObservation:
             yield attributes
             span.set_attributes(attributes)
 
-    def placed(self, attributes: dict[str, AttributeValue], decision: Decision, slo: Slo) -> None:
+    def placed(self, attributes: dict[str, AttributeValue], decision: Decision, slo: SloTargets) -> None:
         """Put the router's decision on the routing span's attributes: the choice, its predictions
         against the objectives, and the options weighed."""
         self._slo = slo

@@ -41,8 +41,9 @@ _RECONNECT_OPTIONS = [
 ]
 
 
-class Worker:
-    """One worker as the gateway sees it: health, latest load, and what this gateway sent it since."""
+class RemoteWorker:
+    """One worker process as the gateway sees it over its channel: health, latest load, and what
+    this gateway sent it since."""
 
     def __init__(self, address: str, role: Role, on_change: Callable[[], None] = lambda: None,
                  tls: TlsConfig | None = None, limits: GrpcLimits = DEFAULT_GRPC_LIMITS) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from services.gateway.admission import Admission, Rejected
-from services.gateway.router import Decision, RouteRequest, Slo
+from services.gateway.router import Decision, RouteRequest, SloTargets
 
 
 class Claim:
@@ -37,7 +37,7 @@ class ScriptedPlacer:
 
 
 def req(tokens: int = 100, ttft: float = 5.0) -> RouteRequest:
-    return RouteRequest(prompt_tokens=tokens, max_tokens=16, slo=Slo(ttft, 0.1))
+    return RouteRequest(prompt_tokens=tokens, max_tokens=16, slo=SloTargets(ttft, 0.1))
 
 
 def test_a_request_that_fits_is_placed_at_once() -> None:

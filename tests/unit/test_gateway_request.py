@@ -7,7 +7,7 @@ from tandem.v1 import common_pb2, gateway_pb2
 
 from engine.sampling_params import SamplingParams
 from services.gateway.handler import generate_request_from_proto
-from services.gateway.request import ChatMessage, ChatPrompt, Slo, TextPrompt, TokenPrompt
+from services.gateway.request import ChatMessage, ChatPrompt, RequestedSlo, TextPrompt, TokenPrompt
 
 
 def test_every_field_is_carried():
@@ -19,12 +19,12 @@ def test_every_field_is_carried():
     request = generate_request_from_proto(msg)
     assert request.prompt == TextPrompt("hello")
     assert request.sampling == SamplingParams(max_tokens=5, temperature=0.0, top_k=3)
-    assert (request.request_id, request.model, request.slo, request.priority) == ("r1", "m", Slo(500, 50), -2)
+    assert (request.request_id, request.model, request.slo, request.priority) == ("r1", "m", RequestedSlo(500, 50), -2)
 
 
 def test_unset_slo_fields_take_the_deployment_defaults():
     request = generate_request_from_proto(gateway_pb2.GenerateRequest(text="x", slo=common_pb2.Slo(tpot_ms=20)))
-    assert request.slo == Slo(ttft_ms=None, tpot_ms=20)
+    assert request.slo == RequestedSlo(ttft_ms=None, tpot_ms=20)
 
 
 def test_token_and_chat_prompts():

@@ -15,7 +15,7 @@ from engine.sampling_params import SamplingParams
 from services.common.chunk import Chunk, Timings, Usage
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.request import ChatMessage, ChatPrompt, GenerateRequest
-from services.gateway.router import Decision, Slo
+from services.gateway.router import Decision, SloTargets
 from services.gateway.telemetry import RequestObservation
 
 
@@ -44,7 +44,7 @@ def test_one_request_on_its_span_and_in_the_metrics(capture, caplog):
         observation = RequestObservation(metrics, "r1", _chat(), capture)
         assert _value(metrics, "vllm:num_requests_waiting") == 1
         observation.accepted(5, SamplingParams(max_tokens=3, temperature=0.5, top_p=0.9))
-        observation.placed({}, Decision("decode:1", "prefill:1", 0.25, 0.04, True, 0.5), Slo(2.0, 0.1))
+        observation.placed({}, Decision("decode:1", "prefill:1", 0.25, 0.04, True, 0.5), SloTargets(2.0, 0.1))
         observation.dispatched(0, "decode:1", "prefill:1")
         assert (_value(metrics, "vllm:num_requests_waiting"), _value(metrics, "vllm:num_requests_running")) == (0, 1)
         for chunk in (_chunk([7], "Hi"), _chunk([8, 9], " you", finish="length")):

@@ -19,7 +19,7 @@ from services.gateway.openai_api.params import (
     unknown_fields,
 )
 from services.gateway.openai_api.schema import ChatBody, CompletionBody
-from services.gateway.request import ChatMessage, ChatPrompt, Slo, TextPrompt, TokenPrompt
+from services.gateway.request import ChatMessage, ChatPrompt, RequestedSlo, TextPrompt, TokenPrompt
 
 
 def completion(**fields) -> CompletionBody:
@@ -34,7 +34,7 @@ def test_an_empty_body_means_the_engine_defaults_and_sixteen_tokens():
     [request] = completion_requests(completion(), [[1, 2]], "cmpl-1")
     assert request.sampling == SamplingParams(max_tokens=COMPLETION_MAX_TOKENS)
     assert request.prompt == TokenPrompt((1, 2))
-    assert (request.model, request.request_id, request.slo, request.priority) == ("", "cmpl-1-0", Slo(), 0)
+    assert (request.model, request.request_id, request.slo, request.priority) == ("", "cmpl-1-0", RequestedSlo(), 0)
 
 
 def test_every_sampling_field_and_vllm_extension_reaches_the_engine():
@@ -51,7 +51,7 @@ def test_every_sampling_field_and_vllm_extension_reaches_the_engine():
 
 def test_slo_and_priority_fields_reach_the_request():
     [request] = completion_requests(completion(ttft_ms=800, tpot_ms=40, priority=5, model="m"), [[1]], "r")
-    assert (request.slo, request.priority, request.model) == (Slo(800, 40), 5, "m")
+    assert (request.slo, request.priority, request.model) == (RequestedSlo(800, 40), 5, "m")
 
 
 def test_n_fans_out_with_consecutive_seeds_prompt_major():

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from services.common.step_model import StepModel
-from services.gateway.router import NoWorkerError, RouteRequest, RoutingPolicy, Slo, WorkerLoad, route
+from services.gateway.router import NoWorkerError, RouteRequest, RoutingPolicy, SloTargets, WorkerLoad, route
 
 # Roughly this machine's single core: 4 ms per prompt token, 60 ms per decode step plus 5 ms per sequence.
 CPU = StepModel(base_s=0.060, per_prompt_token_s=0.004, per_sequence_s=0.005, per_context_token_s=0.000001)
-SLO = Slo(ttft_s=2.0, tpot_s=0.100)
+SLO = SloTargets(ttft_s=2.0, tpot_s=0.100)
 
 
 def prefill(address: str, queued: int = 0, wait: float = 0.01) -> WorkerLoad:
@@ -24,7 +24,7 @@ def decode(address: str, sequences: int = 0, free: int = 1000, role: str = "deco
                       queued_prompt_tokens=queued)
 
 
-def request(prompt: int = 256, cached: dict[str, int] | None = None, slo: Slo = SLO) -> RouteRequest:
+def request(prompt: int = 256, cached: dict[str, int] | None = None, slo: SloTargets = SLO) -> RouteRequest:
     return RouteRequest(prompt_tokens=prompt, max_tokens=64, slo=slo, cached_tokens=cached or {})
 
 
@@ -63,7 +63,7 @@ def test_a_pessimistic_step_model_does_not_starve_an_idle_decode_worker() -> Non
     # always lost to the busy d2 (found in bench/soak.py: 1 request against 6,282). Both meet the SLO.
     slow_model = StepModel(base_s=0.233, per_prompt_token_s=0.004)
     idle = WorkerLoad("d1", "decode", free_kv_blocks=1000, step_model=slow_model, chunk_tokens=64)
-    loose = Slo(ttft_s=600.0, tpot_s=600.0)
+    loose = SloTargets(ttft_s=600.0, tpot_s=600.0)
     decision = route(request(slo=loose), [prefill("p1"), idle, decode("d2", sequences=6)])
     assert decision.decode == "d1" and decision.meets_slo
 
@@ -135,7 +135,7 @@ def test_colocated_workers_prefill_locally_and_the_less_loaded_one_wins() -> Non
 
 
 def test_a_slo_no_option_meets_names_the_best_option_anyway() -> None:
-    decision = route(request(2000, slo=Slo(ttft_s=0.5, tpot_s=0.05)), [prefill("p1"), decode("d1")])
+    decision = route(request(2000, slo=SloTargets(ttft_s=0.5, tpot_s=0.05)), [prefill("p1"), decode("d1")])
     assert not decision.meets_slo
     assert decision.decode == "d1"
 
@@ -156,7 +156,7 @@ def test_unmeasured_workers_still_get_requests() -> None:
 
 def test_slo_objectives_must_be_positive() -> None:
     with pytest.raises(ValueError, match="positive"):
-        Slo(ttft_s=0, tpot_s=0.1)
+        SloTargets(ttft_s=0, tpot_s=0.1)
 
 
 def test_by_default_prompts_stay_off_decode_workers_while_a_prefill_worker_meets_ttft() -> None:

@@ -11,7 +11,15 @@ from typing import TypeVar
 
 from engine.sampling_params import SamplingParams
 from services.gateway.openai_api.schema import MAX_CHOICES, ChatBody, CompletionBody, SamplingBody
-from services.gateway.request import ChatMessage, ChatPrompt, GenerateRequest, Prompt, Slo, TextPrompt, TokenPrompt
+from services.gateway.request import (
+    ChatMessage,
+    ChatPrompt,
+    GenerateRequest,
+    Prompt,
+    RequestedSlo,
+    TextPrompt,
+    TokenPrompt,
+)
 
 T = TypeVar("T")
 
@@ -106,7 +114,7 @@ def _requests(
                         None if body.seed is None else body.seed + choice)
         for choice in range(body.n)
     ]
-    slo = Slo(ttft_ms=body.ttft_ms, tpot_ms=body.tpot_ms)
+    slo = RequestedSlo(ttft_ms=body.ttft_ms, tpot_ms=body.tpot_ms)
     return [
         GenerateRequest(
             prompt=TokenPrompt(tuple(prompt)),
