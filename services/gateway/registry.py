@@ -178,7 +178,9 @@ class WorkerRegistry:
         cached: dict[str, int] = {}
         hashes_by_size: dict[int, list[bytes]] = {}
         for worker in self._workers.values():
-            block_size = worker.report.block_size if worker.report and worker.report.block_size else 16
+            if worker.report is None:
+                continue  # not routed to
+            block_size = worker.report.block_size
             hashes = hashes_by_size.setdefault(block_size, prompt_block_hashes(prompt_token_ids, block_size))
             tokens = self.prefix_index.cached_tokens(worker.address, hashes, block_size)
             if tokens:
@@ -189,7 +191,7 @@ class WorkerRegistry:
     def decide(self, request: RouteRequest, idle: bool = False, exclude: frozenset[str] = frozenset()) -> Decision:
         """The router's decision over the workers' current views (or idle ones); NoWorkerError if
         no worker could take it."""
-        views = [w.view(idle) for w in self._workers.values() if w.address not in exclude]
+        views = [view for w in self._workers.values() if w.address not in exclude and (view := w.view(idle))]
         return route(request, views, next(self._turns), self._policy)
 
     def claim(self, request: RouteRequest, decision: Decision) -> Placement:
@@ -203,7 +205,7 @@ class WorkerRegistry:
             report = worker.report
             if report is None or not request.token_ids:
                 continue
-            block_size = report.block_size or 16
+            block_size = report.block_size
             hashes = hashes_by_size.setdefault(block_size, prompt_block_hashes(request.token_ids, block_size))
             self.prefix_index.record(worker.address, hashes, report.total_kv_blocks)
         return Placement(decision, decode, prefill, request, self._changed)

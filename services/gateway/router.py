@@ -93,7 +93,7 @@ class WorkerLoad:
     sequences: int = 0  # running + waiting + reserved: what its decode batch will hold
     context_tokens: int = 0
     free_kv_blocks: int = 0
-    block_size: int = 16
+    block_size: int = field(kw_only=True)  # tokens per KV block, as the worker reports it
     step_model: StepModel = field(default_factory=StepModel)
     chunk_tokens: int = 2048  # the scheduler's token budget per step
     kv_delivery_wait_s: float = 0.0

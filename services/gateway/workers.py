@@ -55,6 +55,7 @@ class RemoteWorker:
         stub_class = prefill_pb2_grpc.PrefillStub if role == "prefill" else decode_pb2_grpc.DecodeStub
         self.stub = stub_class(self.channel)
         self.serving = False
+        # The latest valid load report; None until one came (the worker is not routed to meanwhile).
         self.report: common_pb2.LoadReport | None = None
         # What this gateway sent here and the worker's reports may not show yet.
         self.pending_prompt_tokens = 0  # prompt tokens it must still compute for us, first token not yet back
@@ -62,6 +63,7 @@ class RemoteWorker:
         self.prompt_tokens_sent = 0  # every prompt token it computed for us (the planner's arrival rate)
         self.decoding: set[DecodeProgress] = set()  # the requests this gateway streams from it (decode, colocated)
         self._on_change = on_change
+        self._refusing = False  # the latest report was refused
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -115,13 +117,16 @@ class RemoteWorker:
             # Cancels the worker's request when our client went away; a no-op once it ended.
             call.cancel()
 
-    def view(self, idle: bool = False) -> WorkerLoad:
-        """Its load for routing: the latest report, raised to what this gateway knows it sent since.
-        With `idle`, the same worker with nothing queued or running (what it could do at best)."""
-        report = self.report or common_pb2.LoadReport()
+    def view(self, idle: bool = False) -> WorkerLoad | None:
+        """Its load for routing: the latest report, raised to what this gateway knows it sent since;
+        None until it sent a valid report. With `idle`, the same worker with nothing queued or
+        running (what it could do at best)."""
+        report = self.report
+        if report is None:
+            return None
         if idle:
             return WorkerLoad(self.address, self.role, self.serving, free_kv_blocks=report.total_kv_blocks,
-                              block_size=report.block_size or 16, step_model=step_model_from_proto(report.step_model),
+                              block_size=report.block_size, step_model=step_model_from_proto(report.step_model),
                               chunk_tokens=report.max_num_batched_tokens or 2048,
                               kv_delivery_wait_s=report.kv_delivery_wait_s)
         reported = report.running_requests + report.waiting_requests + report.reserved_requests
@@ -131,12 +136,12 @@ class RemoteWorker:
         return WorkerLoad(
             address=self.address,
             role=self.role,
-            serving=self.serving and self.report is not None,
+            serving=self.serving,
             queued_prompt_tokens=max(report.queued_prompt_tokens, self.pending_prompt_tokens),
             sequences=sequences,
             context_tokens=context_tokens,
             free_kv_blocks=report.free_kv_blocks,
-            block_size=report.block_size or 16,
+            block_size=report.block_size,
             step_model=step_model,
             chunk_tokens=report.max_num_batched_tokens or 2048,
             kv_delivery_wait_s=report.kv_delivery_wait_s,
@@ -170,13 +175,28 @@ class RemoteWorker:
             self._set_serving(False)
             await asyncio.sleep(_RESUBSCRIBE_S)
 
+    def _receive(self, report: common_pb2.LoadReport) -> None:
+        """Take a load report, or refuse one the router cannot use: without its block size the
+        gateway cannot count the worker's KV room or its prefix blocks."""
+        if report.block_size < 1:
+            if not self._refusing:
+                log.warning("%s worker %s: load report without block_size refused; not routing to it until "
+                            "one carries it", self.role, self.address)
+            self._refusing = True
+            self.report = None
+        else:
+            if self._refusing:
+                log.info("%s worker %s: load reports carry block_size again", self.role, self.address)
+            self._refusing = False
+            self.report = report
+        self._on_change()
+
     async def _watch_load(self) -> None:
         request = common_pb2.WatchLoadRequest(interval_ms=_LOAD_INTERVAL_MS)
         while True:
             try:
                 async for report in self.stub.WatchLoad(request):
-                    self.report = report
-                    self._on_change()
+                    self._receive(report)
             except grpc.aio.AioRpcError as error:
                 log.debug("%s worker %s: load watch: %s: %s", self.role, self.address, error.code().name,
                           error.details())

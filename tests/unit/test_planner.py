@@ -41,9 +41,9 @@ def loaded_registry() -> WorkerRegistry:
     prefill, decode = registry.workers
     prefill.serving = decode.serving = True
     prefill.report = common_pb2.LoadReport(role="prefill", queued_prompt_tokens=400, prefill_tokens_per_s=500.0,
-                                           total_kv_blocks=1000, free_kv_blocks=1000)
+                                           total_kv_blocks=1000, free_kv_blocks=1000, block_size=16)
     decode.report = common_pb2.LoadReport(role="decode", running_requests=8, total_kv_blocks=1000,
-                                          used_kv_blocks=900, free_kv_blocks=100, tpot_s=0.02)
+                                          used_kv_blocks=900, free_kv_blocks=100, tpot_s=0.02, block_size=16)
     return registry
 
 
