@@ -66,8 +66,9 @@ def _causal_over_context(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float
 ) -> torch.Tensor:
     query_len, num_heads, _ = q.shape
-    # [1, heads, len, head_dim]: given 3-d tensors, CPU SDPA takes its unfused path, which measured
-    # 4x slower than its flash kernel for a 1,024-token prompt (109 vs 26 ms a layer, one thread).
+    # [1, heads, len, head_dim]: given 3-d tensors, CPU SDPA takes its unfused path, several times
+    # slower than its flash kernel on long prompts (docs/benchmarks.md, "Prefill at par with
+    # transformers").
     keys = gather_context(k_cache, block_table, seq_len).transpose(0, 1)[None]
     values = gather_context(v_cache, block_table, seq_len).transpose(0, 1)[None]
     queries = q.transpose(0, 1)[None].to(keys.dtype)

@@ -1,1 +1,2 @@
-"""Paged KV cache bookkeeping: block hashing, the block pool and per-request block tables (no torch)."""
+"""The paged KV cache: block hashing, the block pool, per-request block tables and the tokens-to-blocks
+rule (all torch-free, the gateway uses some), and cache_engine.py, the K/V tensors themselves."""

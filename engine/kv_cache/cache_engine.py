@@ -18,7 +18,8 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Copy the given blocks out of a cache: [len(block_ids), block_size, num_kv_heads, head_dim].
 
-    index_select on the flattened blocks is about 3x faster on CPU than advanced indexing.
+    index_select on the flattened blocks, because on CPU it is several times faster than advanced
+    indexing (docs/benchmarks.md).
     """
     flat = cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1).long())
     return flat.view(block_ids.numel(), *cache.shape[1:])

@@ -5,23 +5,24 @@ re-lays the weight out on every call. So the weights are prepared once at load, 
 formats (`EngineConfig.cpu_weights`):
 
 - "fp16": the weight is rounded to fp16 in place and packed for fbgemm's fp16-weight product,
-  which reads half the bytes and computes in fp32. On the project machine (one thread) it measured
-  2.2×/2.4×/1.9×/1.8× faster than the oneDNN-packed fp32 weight at 1/4/8/16 rows, still ahead at
-  256, and 12% behind MKL's GEMM at 1,024. The GGUF's own weights are 4-bit (Q4_1) and 8-bit
-  (Q8_0) blocks with fp16 scales; rounding them to fp16 moves each by at most 2⁻¹¹ of itself.
-- "fp32": exact weights, pre-packed for oneDNN (what vLLM's CPU build does): 1.4-2× faster than
-  `F.linear` at decode sizes, 7-8% slower from 64 rows up.
+  which reads half the bytes and computes in fp32: faster than the oneDNN-packed fp32 weight at
+  decode sizes, behind MKL's GEMM from a few hundred rows up. The GGUF's own weights are 4-bit
+  (Q4_1) and 8-bit (Q8_0) blocks with fp16 scales; rounding them to fp16 moves each by at most
+  2⁻¹¹ of itself.
+- "fp32": exact weights, pre-packed for oneDNN (what vLLM's CPU build does): faster than
+  `F.linear` at decode sizes, slower from 64 rows up.
 - "plain": `F.linear` only, no second copy of the weights.
 
 fbgemm's fp16 product runs on one thread, so with more torch threads only the smallest inputs take
-it (with two threads it measured ahead of oneDNN's two-thread product up to 16 rows, behind at 32).
-Each format keeps the fp32 weight for the inputs its packed kernel does not win, so every path
-computes with the same weight values.
+it (beside a multi-threaded oneDNN product it wins only there). Each format keeps the fp32 weight
+for the inputs its packed kernel does not win, so every path computes with the same weight values.
+The row limits below are where the kernels cross over (docs/benchmarks.md, "Weights held at fp16
+for decode").
 
 torch marks the two aten fp16 ops deprecated (each prints one warning line per process); their
-replacement, `torch.ops.quantized.linear_dynamic_fp16`, measured 5 ms slower per decode step
-(29 → 34 ms at batch 1) from per-call overhead. torch is pinned, and `can_prepare` falls back to
-the exact format's kernels in a torch without them.
+replacement, `torch.ops.quantized.linear_dynamic_fp16`, is slower per decode step from per-call
+overhead (docs/benchmarks.md). torch is pinned, and `can_prepare` falls back to the exact format's
+kernels in a torch without them.
 """
 
 from __future__ import annotations

@@ -5,13 +5,12 @@ bursts of random (Poisson) arrivals, and also drain what is already queued withi
 `queue_drain_s`. The headroom follows square-root staffing: with an offered load of `load`
 replicas' worth of work, the queue a burst leaves grows with sqrt(load), so a pool runs
 `load + beta x sqrt(load)` replicas (`prefill_headroom_beta`, 0.6 by default). The share of
-headroom shrinks as the pool grows: 2 replicas' load gets 42%, 11 gets 18%, 22 gets 13%, where a
-fixed 80% utilisation gave 25% to all (bench/planner_sim.py: at 80% a small pool missed its TTFT in
-bursts and a large one held more replicas than it needed). The drain time is about how long a new
-replica takes to be ready (a pod scheduled, its model loaded: minutes): replicas asked for to drain
-a queue faster than that arrive after it has gone, and are then held through the scale-down window
-(draining within a TTFT of 1 s asked for up to 64 replicas whenever prompts grew longer). For the
-same reason a queued prompt, computed by one replica, never asks for more than one replica:
+headroom shrinks as the pool grows, where a fixed utilisation gives every pool the same share: too
+little for a small pool's bursts, more replicas than a large one needs (docs/benchmarks.md,
+"Planner simulation"). The drain time is about how long a new replica takes to be ready (a pod
+scheduled, its model loaded: minutes): replicas asked for to drain a queue faster than that arrive
+after it has gone, and are then held through the scale-down window. For the same reason a queued
+prompt, computed by one replica, never asks for more than one replica:
 
     load = arrival tokens/s / measured tokens/s per replica
     replicas = ceil(load + beta x sqrt(load)

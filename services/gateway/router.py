@@ -46,13 +46,13 @@ class RoutingPolicy:
 
     # A prefill worker predicted to reach the first token within this share of the TTFT objective
     # keeps the prompt from a decode worker; above it a decode worker with slack may take the prompt,
-    # if that is cheaper. 1 (a decode worker prefills only when no prefill worker meets the
-    # objective) measured as well as 0.6 on the goodput benchmark (runs G and H), so it stays.
+    # if that is cheaper. At 1 a decode worker prefills only when no prefill worker meets the
+    # objective: a lower share kept no more requests within their SLO (docs/benchmarks.md, run H).
     remote_ttft_share: float = 1.0
     # The share of its running requests' least TPOT slack a worker may spend on stalling them with
     # prompts: later arrivals slow the batch's remaining steps, and the step model's predictions err.
-    # 0.75 attained more than 0.5 on the goodput benchmark (run H: colocated refused none of 60 at
-    # 1.2 and 1.5 req/s, against 3-8 at 0.5), with TPOT p90 still under the 100 ms objective.
+    # Less refused requests that would have met their SLO, and this much still kept TPOT within the
+    # objective (docs/benchmarks.md, run H).
     tpot_slack_share: float = 0.75
 
     def __post_init__(self) -> None:
