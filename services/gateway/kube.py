@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from kubernetes import client, config
@@ -60,6 +61,10 @@ class DeploymentScale:
         )
 
 
+def _utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
 class LeaseElection:
     """One leader among the gateway replicas, through a Lease that the leader renews.
 
@@ -69,8 +74,11 @@ class LeaseElection:
     """
 
     def __init__(self, api: client.CoordinationV1Api, namespace: str, name: str, identity: str,
-                 duration_s: int) -> None:
+                 duration_s: int, clock: Callable[[], datetime.datetime] = _utc_now) -> None:
+        """`clock`: the time written into the Lease and compared with its holder's renewals (UTC;
+        Lease times are wall-clock times shared by every replica)."""
         self._api = api
+        self._clock = clock
         self._namespace = namespace
         self._name = name
         self.identity = identity
@@ -78,7 +86,7 @@ class LeaseElection:
 
     def try_lead(self) -> bool:
         """Take or renew the Lease; whether this replica leads until the next call."""
-        now = datetime.datetime.now(datetime.UTC)
+        now = self._clock()
         try:
             lease = self._api.read_namespaced_lease(self._name, self._namespace)
         except ApiException as error:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -40,6 +41,27 @@ def req(tokens: int = 100, ttft: float = 5.0) -> RouteRequest:
     return RouteRequest(prompt_tokens=tokens, max_tokens=16, slo=SloTargets(ttft, 0.1))
 
 
+class SteppingClock:
+    """A clock that is `step` seconds later at every reading: time passes while admission works."""
+
+    def __init__(self, step: float) -> None:
+        self.step = step
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+async def run_others_until(condition: Callable[[], bool]) -> None:
+    """Let the other tasks run (no time passes) until `condition` holds."""
+    for _ in range(100):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the other tasks never got there")
+
+
 def test_a_request_that_fits_is_placed_at_once() -> None:
     async def scenario() -> None:
         placer = ScriptedPlacer(capacity=1)
@@ -64,8 +86,8 @@ def test_a_waiting_request_is_placed_when_capacity_frees() -> None:
         admission = Admission(placer, max_queued=4)
         first = await admission.admit(req())
         second = asyncio.create_task(admission.admit(req(200)))
-        await asyncio.sleep(0.05)
-        assert admission.queued == 1 and not second.done()
+        await run_others_until(lambda: admission.queued == 1)
+        assert not second.done()
         first.release()
         admission.changed()
         claim = await asyncio.wait_for(second, 5)
@@ -77,7 +99,8 @@ def test_a_waiting_request_is_placed_when_capacity_frees() -> None:
 def test_a_request_still_waiting_at_its_ttft_deadline_is_rejected_with_a_retry_hint() -> None:
     async def scenario() -> None:
         placer = ScriptedPlacer(capacity=0)
-        admission = Admission(placer, max_queued=4)
+        # Each reading is a second later: by the time it would wait, the 100 ms budget is spent.
+        admission = Admission(placer, max_queued=4, clock=SteppingClock(1.0))
         with pytest.raises(Rejected) as rejected:
             await admission.admit(req(ttft=0.1))
         assert rejected.value.retry_after_s >= 1.0
@@ -92,11 +115,11 @@ def test_a_full_queue_refuses_the_lowest_ranked_request() -> None:
         placer = ScriptedPlacer(capacity=0)
         admission = Admission(placer, max_queued=2)
         low = [asyncio.create_task(admission.admit(req(), priority=0)) for _ in range(2)]
-        await asyncio.sleep(0.05)
+        await run_others_until(lambda: admission.queued == 2)
         with pytest.raises(Rejected, match="queue is full"):
             await admission.admit(req(), priority=0)  # no better than those waiting
         high = asyncio.create_task(admission.admit(req(), priority=5))
-        await asyncio.sleep(0.05)
+        await run_others_until(low[1].done)
         # The later-deadline low-priority request gave its place to the high-priority one.
         assert low[1].done() and isinstance(low[1].exception(), Rejected)
         assert not low[0].done() and admission.queued == 2
@@ -116,7 +139,7 @@ def test_a_cancelled_waiter_leaves_the_queue() -> None:
         placer = ScriptedPlacer(capacity=0)
         admission = Admission(placer, max_queued=4)
         waiting = asyncio.create_task(admission.admit(req()))
-        await asyncio.sleep(0.05)
+        await run_others_until(lambda: admission.queued == 1)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting

@@ -9,7 +9,7 @@ registry entries whose load reports the test sets (what their WatchLoad streams 
 from __future__ import annotations
 
 import asyncio
-import time
+import datetime
 
 import pytest
 from fake_kube_api import FakeKubeApi
@@ -31,6 +31,16 @@ class Clock:
         self.now = 1000.0
 
     def __call__(self) -> float:
+        return self.now
+
+
+class WallClock:
+    """The time the replicas write into the Lease; it moves only when a test moves it."""
+
+    def __init__(self) -> None:
+        self.now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+
+    def __call__(self) -> datetime.datetime:
         return self.now
 
 
@@ -103,10 +113,12 @@ def api():
     fake.close()
 
 
-def planner_of(api: FakeKubeApi, registry: WorkerRegistry, identity: str, lease_s: int = 30) -> Planner:
+def planner_of(api: FakeKubeApi, registry: WorkerRegistry, identity: str, lease_s: int = 30,
+               wall_clock: WallClock | None = None) -> Planner:
     api_client = client.ApiClient(api.configuration())
     scale = DeploymentScale(client.AppsV1Api(api_client), "tandem", DEPLOYMENTS)
-    election = LeaseElection(client.CoordinationV1Api(api_client), "tandem", "tandem-planner", identity, lease_s)
+    election = LeaseElection(client.CoordinationV1Api(api_client), "tandem", "tandem-planner", identity, lease_s,
+                             wall_clock or WallClock())
     return Planner(registry, CONFIG, scale, election, clock=Clock())
 
 
@@ -132,11 +144,13 @@ def test_apply_sets_the_scale_of_each_pool_from_the_leader_only(api):
 def test_another_replica_takes_over_an_expired_lease(api):
     async def scenario() -> None:
         registry = loaded_registry()
-        first, second = planner_of(api, registry, "gateway-a", 1), planner_of(api, registry, "gateway-b", 1)
+        wall_clock = WallClock()
+        first = planner_of(api, registry, "gateway-a", 1, wall_clock)
+        second = planner_of(api, registry, "gateway-b", 1, wall_clock)
         await asyncio.to_thread(first.apply)
         await asyncio.to_thread(second.apply)
         assert (first.leading, second.leading) == (True, False)
-        time.sleep(1.2)  # gateway-a stops renewing (gone, or partitioned from the API)
+        wall_clock.now += datetime.timedelta(seconds=1.2)  # gateway-a stops renewing (gone, or partitioned)
         await asyncio.to_thread(second.apply)
         assert second.leading
         lease = api.leases["tandem-planner"]["spec"]
