@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from engine.kv_cache.block_hash import prompt_block_hashes
 from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
@@ -78,18 +78,20 @@ class WorkerRegistry:
 
     def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = (), colocated: Sequence[str] = (),
                  default_slo: SloTargets = DEFAULT_SLO, retire_after_s: float = 10.0, tls: TlsConfig | None = None,
-                 limits: GrpcLimits = DEFAULT_GRPC_LIMITS, policy: RoutingPolicy = DEFAULT_POLICY) -> None:
+                 limits: GrpcLimits = DEFAULT_GRPC_LIMITS, policy: RoutingPolicy = DEFAULT_POLICY,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         """Addresses (host:port) of each pool's first workers; channels (mutual TLS with `tls`, message
-        sizes from `limits`) open
-        on `start`; pools may start empty when discovery fills them. A removed worker's channel stays open at least
-        `retire_after_s`: a request placed before the removal may still retry there, and must get
-        the worker's own answer (a retryable UNAVAILABLE once it drains), not a closed channel.
+        sizes from `limits`) open on `start`; pools may start empty when discovery fills them. A
+        removed worker's channel stays open at least `retire_after_s` (waited with `sleep`), then
+        until its streams end: a request placed before the removal may still retry there, and must
+        get the worker's own answer (a retryable UNAVAILABLE once it drains), not a closed channel.
         `policy` is the router's (services.gateway.router.route)."""
         self.default_slo = default_slo
         self._policy = policy
         self._tls = tls
         self._limits = limits
         self._retire_after_s = retire_after_s
+        self._sleep = sleep
         self._started = False
         self._retiring: dict[asyncio.Task, RemoteWorker] = {}
         self.prefix_index = PrefixIndex()
@@ -139,11 +141,10 @@ class WorkerRegistry:
             self._retiring[task] = worker
             task.add_done_callback(self._retiring.pop)
 
-    @staticmethod
-    async def _retire(worker: RemoteWorker, after_s: float) -> None:
-        await asyncio.sleep(after_s)
+    async def _retire(self, worker: RemoteWorker, after_s: float) -> None:
+        await self._sleep(after_s)
         while worker.in_flight:
-            await asyncio.sleep(_RETIRE_POLL_S)
+            await self._sleep(_RETIRE_POLL_S)
         await worker.close()
 
     async def close(self) -> None:

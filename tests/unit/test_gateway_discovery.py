@@ -164,6 +164,23 @@ def test_api_errors_back_off_exponentially_then_recover(api):
         watched.stop()
 
 
+class HeldSleeps:
+    """The registry's sleeps, each returning only when the test ends it."""
+
+    def __init__(self) -> None:
+        self._started: asyncio.Queue[tuple[float, asyncio.Future[None]]] = asyncio.Queue()
+
+    async def __call__(self, seconds: float) -> None:
+        ended = asyncio.get_running_loop().create_future()
+        self._started.put_nowait((seconds, ended))
+        await ended
+
+    async def next(self) -> tuple[float, asyncio.Future[None]]:
+        """The next sleep the registry starts (waiting for it to start): its seconds, and a future
+        whose result ends it."""
+        return await asyncio.wait_for(self._started.get(), 30)
+
+
 async def closed(worker) -> None:
     """Wait (with a generous deadline) until the worker's channel is shut down."""
     deadline = time.monotonic() + 30
@@ -174,11 +191,13 @@ async def closed(worker) -> None:
 
 def test_a_removed_idle_worker_keeps_its_channel_for_requests_that_ranked_it_before():
     async def scenario() -> None:
-        registry = WorkerRegistry(decode=["127.0.0.1:1"], retire_after_s=0.5)
+        sleeps = HeldSleeps()
+        registry = WorkerRegistry(decode=["127.0.0.1:1"], retire_after_s=0.5, sleep=sleeps)
         (worker,) = registry.workers
         registry.remove("decode", "127.0.0.1:1")
-        await asyncio.sleep(0.2)
-        assert worker.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN
+        seconds, retirement = await sleeps.next()
+        assert seconds == 0.5 and worker.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN
+        retirement.set_result(None)
         await closed(worker)
         await registry.close()
 
@@ -187,7 +206,8 @@ def test_a_removed_idle_worker_keeps_its_channel_for_requests_that_ranked_it_bef
 
 def test_sync_pool_adds_new_workers_and_drains_removed_ones_after_their_streams():
     async def scenario() -> None:
-        registry = WorkerRegistry(retire_after_s=0.2)
+        sleeps = HeldSleeps()
+        registry = WorkerRegistry(retire_after_s=0.2, sleep=sleeps)
         sync_pool(registry, "decode", {"127.0.0.1:1", "127.0.0.1:2"})
         assert registry.addresses("decode") == {"127.0.0.1:1", "127.0.0.1:2"}
         (busy,) = [worker for worker in registry.workers if worker.address == "127.0.0.1:1"]
@@ -196,9 +216,13 @@ def test_sync_pool_adds_new_workers_and_drains_removed_ones_after_their_streams(
         sync_pool(registry, "decode", {"127.0.0.1:2", "127.0.0.1:3"})
         assert registry.addresses("decode") == {"127.0.0.1:2", "127.0.0.1:3"}
         assert busy not in registry.workers, "a removed worker gets no new requests"
-        await asyncio.sleep(0.5)
+        seconds, retirement = await sleeps.next()
+        assert seconds == 0.2
+        retirement.set_result(None)  # its retirement delay is over
+        _, poll = await sleeps.next()  # but its stream still runs
         assert busy.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN, "its stream still runs"
         busy.decoding.discard(stream)
+        poll.set_result(None)
         await closed(busy)
         await registry.close()
 
