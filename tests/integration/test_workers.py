@@ -4,11 +4,14 @@ pushed by the prefill worker over each backend, against an in-process colocated 
 from __future__ import annotations
 
 import time
+import urllib.request
+from collections.abc import Callable
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from parity_prompts import parity_prompt_ids
+from prometheus_client.parser import text_string_to_metric_families
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from workers_util import Worker, free_port, start_worker
 
@@ -59,6 +62,27 @@ def _load(worker: Worker) -> common_pb2.LoadReport:
     stub = (decode_pb2_grpc.DecodeStub if worker.args[0] == "decode" else prefill_pb2_grpc.PrefillStub)(
         _channel(worker))
     return stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10)
+
+
+def _until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def _prefilling(prefill: Worker) -> bool:
+    """Whether the prefill worker's engine holds a prompt it has not finished computing."""
+    report = _load(prefill)
+    return report.running_requests + report.waiting_requests > 0
+
+
+def _prefills_delivered(prefill: Worker) -> float:
+    """Prefills the worker completed and delivered: only those reach its TTFT histogram."""
+    with urllib.request.urlopen(f"http://{prefill.metrics_address}/metrics", timeout=30) as response:
+        families = text_string_to_metric_families(response.read().decode())
+        return sum(sample.value for family in families for sample in family.samples
+                   if sample.name == "vllm:time_to_first_token_seconds_count")
 
 
 def _wait_until_no_blocks_used(*workers: Worker) -> None:
@@ -178,14 +202,16 @@ def test_cancel_mid_stream_frees_every_block(prefill, decode, prompts):
 
 
 def test_cancel_during_prefill_frees_every_block(prefill, decode, prompts):
-    # A fresh prompt (no prefix-cache hit) so that its prefill takes a while.
+    # A fresh prompt (no prefix-cache hit): its ~1,000 tokens take several 200-token prefill steps.
     prompt = [t + 1 for t in prompts[2]]
+    delivered, ended = _prefills_delivered(prefill), _load(prefill).finished_requests
     call = _decode_stub(decode).Generate(_request(prompt, prefill, LONG), timeout=120)
-    deadline = time.monotonic() + DEADLINE_S
-    while _load(decode).reserved_requests == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _until(lambda: _prefilling(prefill))
     call.cancel()
     _wait_until_no_blocks_used(prefill, decode)
+    # The prefill worker's request ended without delivering its pages: the cancel landed mid-prefill.
+    _until(lambda: _load(prefill).finished_requests == ended + 1)
+    assert _prefills_delivered(prefill) == delivered
 
 
 def test_abort_rpc_ends_the_stream_cancelled(prefill, decode, prompts):
