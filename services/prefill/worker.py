@@ -13,7 +13,7 @@ from engine.engine import Engine
 from engine.outputs import RequestOutput
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
-from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget
+from kvtransfer.descriptor import KVLayout, LayoutTransferError, TransferError, TransferTarget
 from kvtransfer.sender import KVSender, KVSenderPool
 from services.common.engine_loop import EngineLoop
 from services.common.errors import StatusError
@@ -71,7 +71,6 @@ class PrefillWorker(Worker):
         """`connect` opens the channel to a decode worker's gRPC KV receiver (TLS or not)."""
         self.hook = KVPushHook(engine)
         super().__init__("prefill", address, EngineLoop(engine, layer_hook=self.hook), draining)
-        self.layout = layout
         self.senders = KVSenderPool(layout, timeout=transfer_timeout, device=engine.config.device, connect=connect)
         self.transfer_timeout = transfer_timeout
         self._delivery_wait_s = 0.0
@@ -91,9 +90,6 @@ class PrefillWorker(Worker):
         differs from ours, UNAVAILABLE if the pages cannot be delivered. Whatever happens
         (including cancellation), the request's blocks are freed before this returns.
         """
-        mismatch = self.layout.mismatch(target.layout)
-        if mismatch is not None:
-            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout mismatch: {mismatch}")
         sender = await self._sender(target)
         queue = self.loop.open_stream(request_id)
         added_at = time.perf_counter()
@@ -121,7 +117,8 @@ class PrefillWorker(Worker):
                              tuple(push.layers))
 
     async def _sender(self, target: TransferTarget) -> KVSender:
-        """A sender for the target, paired off the event loop; StatusError UNAVAILABLE if unreachable."""
+        """A sender for the target, paired off the event loop; StatusError FAILED_PRECONDITION if
+        pairing finds the layouts differ, UNAVAILABLE if the receiver is unreachable."""
         pairing = asyncio.ensure_future(asyncio.to_thread(self.senders.sender, target))
         try:
             return await asyncio.shield(pairing)
@@ -129,6 +126,8 @@ class PrefillWorker(Worker):
             # Pairing goes on in its thread; a sender it yields after the request was given up is aborted.
             pairing.add_done_callback(_abort_sender)
             raise
+        except LayoutTransferError as exc:
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout mismatch: {exc.reason}") from exc
         except TransferError as exc:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"cannot reach the KV receiver: {exc}") from exc
 
