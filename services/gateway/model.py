@@ -59,6 +59,7 @@ class ServedModel:
             raise ValueError(f"{kind}: the prompt is empty")
         return CheckedPrompt(tuple(ids))
 
+
 def _context_length(source: str) -> int:
     """The context length the model was trained for: GGUF `<arch>.context_length` or HF
     `max_position_embeddings`."""
