@@ -96,7 +96,7 @@ async def serve(
         layout = KVLayout.of_engine(engine)
         senders = KVSenderPool(layout, timeout=transfer_timeout, device=config.device,
                                connect=lambda address: open_sync_channel(address, tls, limits))
-        worker = PrefillWorker(server.address, engine, server.draining, layout, senders, transfer_timeout)
+        worker = PrefillWorker(server.address, engine, server.draining, senders, transfer_timeout)
         await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
         worker.loop.start()
         metrics.watch_engine(worker.loop)

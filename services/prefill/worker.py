@@ -17,7 +17,7 @@ from engine.kv_export import KVExport
 from engine.outputs import RequestOutput
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
-from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget
+from kvtransfer.descriptor import LayoutTransferError, TransferError, TransferTarget
 from kvtransfer.sender import KVSender, KVSenderPool
 from services.common.engine_loop import EngineLoop
 from services.common.failure import Failure, WorkerError
@@ -68,13 +68,11 @@ class PrefillWorker(RoleWorker):
         address: str,
         engine: Engine,
         draining: asyncio.Event,
-        layout: KVLayout,
         senders: KVSenderPool,
         transfer_timeout: float,
     ) -> None:
-        """`senders`: the connections to decode workers' KV receivers, for pages of `layout`."""
+        """`senders`: the connections to decode workers' KV receivers (they check the layout when they pair)."""
         super().__init__("prefill", address, EngineLoop(engine), draining)
-        self.layout = layout
         self.senders = senders
         self.transfer_timeout = transfer_timeout
         self._delivery_wait_s = 0.0
@@ -94,9 +92,6 @@ class PrefillWorker(RoleWorker):
         ours, UNAVAILABLE if the pages cannot be delivered. Whatever happens (including
         cancellation), the request's blocks are freed before this returns.
         """
-        mismatch = self.layout.mismatch(target.layout)
-        if mismatch is not None:
-            raise WorkerError(Failure.MISMATCH, f"KV layout mismatch: {mismatch}")
         sender = await self._sender(target)
         queue = self.loop.open_stream(request_id)
         added_at = time.perf_counter()
@@ -125,7 +120,8 @@ class PrefillWorker(RoleWorker):
                              tuple(push.layers))
 
     async def _sender(self, target: TransferTarget) -> KVSender:
-        """A sender for the target, paired off the event loop; WorkerError UNAVAILABLE if unreachable."""
+        """A sender for the target, paired off the event loop; WorkerError MISMATCH if pairing finds the
+        layouts differ, UNAVAILABLE if the receiver is unreachable."""
         pairing = asyncio.ensure_future(asyncio.to_thread(self.senders.sender, target))
         try:
             return await asyncio.shield(pairing)
@@ -133,6 +129,8 @@ class PrefillWorker(RoleWorker):
             # Pairing goes on in its thread; a sender it yields after the request was given up is aborted.
             pairing.add_done_callback(_abort_sender)
             raise
+        except LayoutTransferError as exc:
+            raise WorkerError(Failure.MISMATCH, f"KV layout mismatch: {exc.reason}") from exc
         except TransferError as exc:
             raise WorkerError(Failure.UNAVAILABLE, f"cannot reach the KV receiver: {exc}") from exc
 
