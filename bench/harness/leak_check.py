@@ -10,8 +10,8 @@ import time
 
 import grpc
 from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from workers_util import Worker
 
+from bench.harness.worker import Worker
 from services.common.server import channel_options
 
 IDLE_DEADLINE_S = 60.0  # generous: aborts and lease expiries land within seconds

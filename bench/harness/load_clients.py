@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from bench.harness.sse_client import DONE, carries_text, event_data
+from bench.harness.token_timer import TokenTimer
 from services.client import TandemClient
 
 GRPC, HTTP = "grpc", "http"
@@ -63,35 +65,13 @@ class Outcome:
     detail: str = ""
 
 
-class _Clock:
-    """Token arrival times of one call."""
-
-    def __init__(self) -> None:
-        self.started_at = time.monotonic()
-        self.first_at: float | None = None
-        self.last_at: float | None = None
-        self.tokens = 0
-        self.chunks = 0
-
-    def add(self, tokens: int) -> None:
-        if not tokens:
-            return
-        now = time.monotonic()
-        if self.first_at is None:
-            self.first_at = now
-        self.last_at, self.tokens, self.chunks = now, self.tokens + tokens, self.chunks + 1
-
-    def outcome(self, request: LoadRequest, status: str, **extra: object) -> Outcome:
-        ttft = None if self.first_at is None else self.first_at - self.started_at
-        tpot = None
-        if self.first_at is not None and self.last_at is not None and self.tokens > 1:
-            tpot = (self.last_at - self.first_at) / (self.tokens - 1)
-        return Outcome(request, status, self.tokens, self.started_at, ttft, tpot, **extra)
+def _outcome(clock: TokenTimer, request: LoadRequest, status: str, **extra: object) -> Outcome:
+    return Outcome(request, status, clock.tokens, clock.started_at, clock.ttft_s, clock.tpot_s, **extra)
 
 
 def run_grpc(client: TandemClient, request: LoadRequest) -> Outcome:
     """Run `request` through the gateway's gRPC API."""
-    clock = _Clock()
+    clock = TokenTimer(time.monotonic)
     stream = client.generate(token_ids=list(request.token_ids), max_tokens=request.max_tokens, temperature=0.0,
                              ignore_eos=True, ttft_ms=request.ttft_ms, tpot_ms=request.tpot_ms,
                              timeout=CALL_TIMEOUT_S)
@@ -109,15 +89,15 @@ def run_grpc(client: TandemClient, request: LoadRequest) -> Outcome:
                 give_up()
     except grpc.RpcError as error:
         if gave_up.is_set() and error.code() == grpc.StatusCode.CANCELLED:
-            return clock.outcome(request, CANCELLED)
+            return _outcome(clock, request, CANCELLED)
         if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             retry_after = dict(error.trailing_metadata() or ()).get("retry-after")
-            return clock.outcome(request, REFUSED, retry_after_s=_seconds(retry_after), detail=error.details())
-        return clock.outcome(request, ERROR, detail=f"{error.code().name}: {error.details()}")
+            return _outcome(clock, request, REFUSED, retry_after_s=_seconds(retry_after), detail=error.details())
+        return _outcome(clock, request, ERROR, detail=f"{error.code().name}: {error.details()}")
     finally:
         if timer is not None:
             timer.cancel()
-    return clock.outcome(request, OK)
+    return _outcome(clock, request, OK)
 
 
 def run_http(address: str, request: LoadRequest) -> Outcome:
@@ -139,7 +119,7 @@ def run_http(address: str, request: LoadRequest) -> Outcome:
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
 
-    clock = _Clock()
+    clock = TokenTimer(time.monotonic)
     timer = _timer(request.cancel_after_s, give_up)
     try:
         connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -147,28 +127,28 @@ def run_http(address: str, request: LoadRequest) -> Outcome:
         if response.status != 200:
             text = response.read().decode(errors="replace")
             if response.status == 429:
-                return clock.outcome(request, REFUSED, retry_after_s=_seconds(response.getheader("Retry-After")),
+                return _outcome(clock, request, REFUSED, retry_after_s=_seconds(response.getheader("Retry-After")),
                                      detail=text)
-            return clock.outcome(request, ERROR, detail=f"HTTP {response.status}: {text}")
+            return _outcome(clock, request, ERROR, detail=f"HTTP {response.status}: {text}")
         completion_tokens = None
         for event in _events(response):
             if "error" in event:
-                return clock.outcome(request, ERROR, detail=json.dumps(event["error"]))
+                return _outcome(clock, request, ERROR, detail=json.dumps(event["error"]))
             if event.get("usage"):
                 completion_tokens = event["usage"]["completion_tokens"]
             # An event carries a chunk's text; its token count is known only from the usage at the end.
-            if any(choice.get("text") for choice in event.get("choices", ())):
+            if carries_text(event):
                 clock.add(1)
                 if clock.chunks == request.cancel_after_chunks:
                     give_up()
         if completion_tokens is None:
             raise OSError("the stream ended without its usage event")
         clock.tokens = completion_tokens
-        return clock.outcome(request, OK)
+        return _outcome(clock, request, OK)
     except (OSError, http.client.HTTPException) as error:
         if gave_up.is_set():
-            return clock.outcome(request, CANCELLED)
-        return clock.outcome(request, ERROR, detail=repr(error))
+            return _outcome(clock, request, CANCELLED)
+        return _outcome(clock, request, ERROR, detail=repr(error))
     finally:
         if timer is not None:
             timer.cancel()
@@ -178,12 +158,12 @@ def run_http(address: str, request: LoadRequest) -> Outcome:
 def _events(response: http.client.HTTPResponse) -> Iterator[dict]:
     """The JSON events of a server-sent event stream, up to `data: [DONE]`."""
     for raw in response:
-        line = raw.decode().strip()
-        if not line.startswith("data: "):
+        data = event_data(raw.decode())
+        if data is None:
             continue
-        if line == "data: [DONE]":
+        if data == DONE:
             return
-        yield json.loads(line[len("data: "):])
+        yield json.loads(data)
     raise OSError("the stream ended before data: [DONE]")
 
 

@@ -8,10 +8,11 @@ in front of them, started together (their model loads overlap) and stopped toget
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from workers_util import Worker, free_port, start_worker
+from bench.harness.ports import free_port
+from bench.harness.worker import Worker, start_worker
 
 WORKER_FLAGS = ("--threads", "1", "--kv-cache-mib", "128")
 
@@ -44,9 +45,11 @@ def start_mesh(
     decode: int = 1,
     worker_flags: Sequence[str] = WORKER_FLAGS,
     gateway_flags: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> Mesh:
-    """Start the workers and a gateway over them (`--port 0 --http-port 0` plus `gateway_flags`);
-    return once every process is serving. If one fails to start, the others are stopped."""
+    """Start the workers and a gateway over them (`--port 0 --http-port 0` plus `gateway_flags`),
+    with `env` added to their environment; return once every process is serving. If one fails to
+    start, the others are stopped."""
     roles = ["prefill"] * prefill + ["decode"] * decode
     # Ports known before the start, so that the gateway starts with the workers.
     ports = [free_port() for _ in roles]
@@ -55,7 +58,7 @@ def start_mesh(
     arg_lists = [[role, "--port", str(port), *worker_flags] for role, port in zip(roles, ports, strict=True)]
     arg_lists.append(["gateway", "--port", "0", "--http-port", "0", "--prefill", addresses["prefill"],
                       "--decode", addresses["decode"], *gateway_flags])
-    processes = [start_worker(args, wait=False) for args in arg_lists]
+    processes = [start_worker(args, wait=False, env=env) for args in arg_lists]
     try:
         for process in processes:
             process.wait_ready()

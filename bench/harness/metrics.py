@@ -2,7 +2,7 @@
 
 Goodput follows DistServe: the highest request rate at which at least 90% of requests meet both
 their TTFT and their TPOT objective. Imports only the standard library and numpy, so unit tests
-and every bench/goodput_* module can use it without the HTTP client or matplotlib.
+and every part of the goodput suite can use it without the HTTP client or matplotlib.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from bench.harness.token_timer import tpot
 
 PERCENTILES = (50, 90, 99)
 ATTAINMENT_TARGET = 0.9
@@ -59,8 +61,7 @@ class RequestResult:
 def token_timing(sent_at: float, first_at: float, last_at: float, tokens: int) -> tuple[float, float]:
     """(TTFT, TPOT) from the send time and the arrival times of the first and last token:
     TPOT = (last − first) / (tokens − 1), 0 for a single token."""
-    tpot = (last_at - first_at) / (tokens - 1) if tokens > 1 else 0.0
-    return first_at - sent_at, tpot
+    return first_at - sent_at, tpot(first_at, last_at, tokens)
 
 
 def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:

@@ -1,4 +1,5 @@
-"""How close a variant of the served model stays to the original: the measures the probes share.
+"""How close a variant of the served model stays to the original: the measures cpu_weights and
+int8_prefill share.
 
 Prompts and perplexity windows come from this repository's own documents (no download); the
 perplexity is teacher-forced, so it does not depend on where greedy decoding happens to fork.
@@ -7,14 +8,13 @@ perplexity is teacher-forced, so it does not depend on where greedy decoding hap
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 
+from bench.harness.paths import REPO
 from engine.attention.metadata import AttentionMetadata
 from engine.engine import Engine
 
-REPO = Path(__file__).resolve().parents[1]
 SCORED_DOCUMENTS = ("README.md", "docs/architecture.md")
 
 

@@ -1,9 +1,12 @@
-"""The goodput benchmark's own client: open-loop Poisson arrivals against `/v1/completions`.
+"""The benchmarks' OpenAI-API client: streamed `/v1/completions` with open-loop arrivals, each request
+timed by its server-sent events.
 
 Every request is sent at its scheduled time whether or not earlier ones have finished (open loop:
 a slow server builds a queue instead of slowing the client down), streamed, and timed by its SSE
 chunks: TTFT is the first chunk carrying text, TPOT is (last text chunk − first) / (tokens − 1),
 with the token count from `usage` (`stream_options.include_usage`) or else the text chunks counted.
+Times come from `clock` (seconds; `time.perf_counter` unless a test gives its own). The event
+helpers are shared with the load clients' HTTP path (bench/harness/load_clients.py).
 """
 
 from __future__ import annotations
@@ -11,11 +14,26 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx2
-from goodput_metrics import RequestResult, token_timing
-from goodput_workload import BenchRequest
+
+from bench.harness.metrics import RequestResult, token_timing
+from bench.harness.token_timer import TokenTimer
+from bench.harness.workload import BenchRequest
+
+DONE = "[DONE]"  # the data of the last event of a stream
+Clock = Callable[[], float]
+
+
+def event_data(line: str) -> str | None:
+    """The data of an SSE `data:` line (DONE included); None for any other line."""
+    return line[len("data:"):].strip() if line.startswith("data:") else None
+
+
+def carries_text(event: dict) -> bool:
+    """Whether a completion chunk carries generated text."""
+    return any(choice.get("text") for choice in event.get("choices") or ())
 
 
 def request_body(model: str, request: BenchRequest, slo_ms: tuple[float, float] | None) -> dict:
@@ -36,54 +54,51 @@ async def served_model(base_url: str, timeout_s: float = 30.0) -> str:
         return response.json()["data"][0]["id"]
 
 
-async def _one(client: httpx2.AsyncClient, body: dict, origin: float) -> RequestResult:
-    sent = time.perf_counter()
-    first = last = 0.0
-    chunks = 0
+async def _one(client: httpx2.AsyncClient, body: dict, origin: float, clock: Clock) -> RequestResult:
+    timer = TokenTimer(clock)
+    sent = timer.started_at
     usage_tokens: int | None = None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
                 await response.aread()
-                return RequestResult(False, started_s=sent - origin, finished_s=time.perf_counter() - origin,
+                return RequestResult(False, started_s=sent - origin, finished_s=clock() - origin,
                                      error=f"HTTP {response.status_code}")
             async for line in response.aiter_lines():
-                if not line.startswith("data:") or (payload := line[5:].strip()) == "[DONE]":
+                if (data := event_data(line)) is None or data == DONE:
                     continue
-                chunk = json.loads(payload)
+                chunk = json.loads(data)
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
-                if any(choice.get("text") for choice in chunk.get("choices") or ()):
-                    last = time.perf_counter()
-                    first = first or last
-                    chunks += 1
+                if carries_text(chunk):
+                    timer.add(1)
     except (httpx2.HTTPError, json.JSONDecodeError) as error:
-        return RequestResult(False, started_s=sent - origin, finished_s=time.perf_counter() - origin,
+        return RequestResult(False, started_s=sent - origin, finished_s=clock() - origin,
                              error=type(error).__name__)
-    finished = time.perf_counter()
-    tokens = usage_tokens if usage_tokens is not None else chunks
-    if not chunks or tokens != body["max_tokens"]:
+    finished = clock()
+    tokens = usage_tokens if usage_tokens is not None else timer.chunks
+    if timer.first_at is None or timer.last_at is None or tokens != body["max_tokens"]:
         return RequestResult(False, started_s=sent - origin, finished_s=finished - origin,
                              error=f"{tokens} of {body['max_tokens']} tokens")
-    ttft, tpot = token_timing(sent, first, last, tokens)
+    ttft, tpot = token_timing(sent, timer.first_at, timer.last_at, tokens)
     return RequestResult(True, ttft, tpot, tokens, sent - origin, finished - origin)
 
 
 async def run_open_loop(base_url: str, bodies: Sequence[dict], arrivals: Sequence[float],
-                        request_timeout_s: float) -> list[RequestResult]:
+                        request_timeout_s: float, clock: Clock = time.perf_counter) -> list[RequestResult]:
     """Send `bodies[i]` at `arrivals[i]` seconds from now, all concurrently; every result, in order.
     A request still running after `request_timeout_s` is abandoned and counted as failed."""
     limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx2.Timeout(request_timeout_s, connect=30.0)
     async with httpx2.AsyncClient(base_url=base_url, limits=limits, timeout=timeout) as client:
-        origin = time.perf_counter()
+        origin = clock()
 
         async def at(delay: float, body: dict) -> RequestResult:
-            await asyncio.sleep(max(0.0, origin + delay - time.perf_counter()))
+            await asyncio.sleep(max(0.0, origin + delay - clock()))
             try:
-                return await asyncio.wait_for(_one(client, body, origin), request_timeout_s)
+                return await asyncio.wait_for(_one(client, body, origin, clock), request_timeout_s)
             except TimeoutError:
-                now = time.perf_counter() - origin
+                now = clock() - origin
                 return RequestResult(False, started_s=now - request_timeout_s, finished_s=now, error="timeout")
 
         return list(await asyncio.gather(*(at(t, b) for t, b in zip(arrivals, bodies, strict=True))))

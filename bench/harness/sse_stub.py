@@ -1,9 +1,12 @@
-"""A tiny OpenAI-style streaming server for `bench/goodput.py --smoke`: it shows the benchmark's
-whole path (schedule, SSE parsing, SLO accounting, results, plot) without a model.
+"""A tiny OpenAI-style streaming server for `python -m bench goodput --smoke` and the client's tests:
+it shows the benchmark's whole path (schedule, SSE parsing, SLO accounting, results, plot) without a
+model.
 
 It imitates a server with one prefill lane: requests queue for it and hold it `prefill_s` each,
 then stream `max_tokens` chunks `tpot_s` apart, so TTFT attainment falls once the request rate
-nears 1 / `prefill_s`. Only `/v1/models`, `/health` and streaming `/v1/completions` are served.
+nears 1 / `prefill_s`. Those waits are `pause(seconds)`: real sleeps, unless a test passes a pause
+that moves a fake clock instead. Only `/v1/models`, `/health` and streaming `/v1/completions` are
+served.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -40,7 +44,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._json({"error": {"message": "only streaming /v1/completions"}}, HTTPStatus.BAD_REQUEST)
             return
         with self.server.prefill_lane:
-            time.sleep(self.server.prefill_s)
+            self.server.pause(self.server.prefill_s)
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
@@ -48,7 +52,7 @@ class _Handler(BaseHTTPRequestHandler):
         tokens = int(body["max_tokens"])
         for index in range(tokens):
             if index:
-                time.sleep(self.server.tpot_s)
+                self.server.pause(self.server.tpot_s)
             self._event({"object": "text_completion", "model": MODEL,
                          "choices": [{"index": 0, "text": f" w{index}", "finish_reason": None}]})
         if body.get("stream_options", {}).get("include_usage"):
@@ -78,9 +82,10 @@ class StubServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, prefill_s: float, tpot_s: float, port: int = 0) -> None:
+    def __init__(self, prefill_s: float, tpot_s: float, port: int = 0,
+                 pause: Callable[[float], None] = time.sleep) -> None:
         super().__init__(("127.0.0.1", port), _Handler)
-        self.prefill_s, self.tpot_s = prefill_s, tpot_s
+        self.prefill_s, self.tpot_s, self.pause = prefill_s, tpot_s, pause
         self.prefill_lane = threading.Lock()
 
     @property

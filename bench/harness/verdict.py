@@ -1,25 +1,18 @@
-"""How the reliability benchmarks (cancel_storm, overload, soak) end: the verdict printed, the results
-written to bench/results/<name>.json (not in smoke mode, whose figures are not results) and the exit code."""
+"""How the reliability suites (cancel_storm, overload, soak) end: the verdict printed, the results
+written with their problems and the command line, and the exit code."""
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
+from collections.abc import Sequence
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from bench.harness.suite import command_line, results_path, write_results
 
 
-def finish(name: str, results: dict, problems: list[str], passed: str, smoke: bool) -> int:
-    """Print PROBLEMS or PASS (`passed` says what passing means), write the results with the command
-    line, the problems and the settings, and return 1 if there was a problem, else 0."""
+def finish(module: str, argv: Sequence[str], results: dict, problems: list[str], passed: str, smoke: bool) -> int:
+    """Print PROBLEMS or PASS (`passed` says what passing means), write the results of the suite
+    `module` run with `argv` (a smoke run's under results/smoke/: its figures are not results), and
+    return 1 if there was a problem, else 0."""
     print("\n".join(["PROBLEMS:", *problems]) if problems else f"PASS: {passed}")
-    if smoke:
-        print("smoke mode: results not written")
-    else:
-        path = RESULTS_DIR / f"{name}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        record = {"command": " ".join(["python", *sys.argv]), **results, "problems": problems}
-        path.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"wrote {path.relative_to(RESULTS_DIR.parents[1])}")
+    write_results(results_path(module, smoke), {"command": command_line(module, argv), **results,
+                                                "problems": problems})
     return 1 if problems else 0

@@ -1,5 +1,6 @@
-"""Start `tandem` server processes for integration tests and learn their addresses from the ready
-line (`tandem <role> ready grpc=HOST:PORT[ metrics=HOST:PORT][ http=HOST:PORT]`) they print on stdout once SERVING.
+"""`tandem` server processes for the integration tests and the benchmarks: each one's stderr goes to
+a log file of its own (kept only when it exits uncleanly), its addresses come from its ready line
+(services/launcher.py).
 
     worker = start_worker(["prefill", "--port", "0"])
     ... worker.address ...
@@ -9,77 +10,61 @@ line (`tandem <role> ready grpc=HOST:PORT[ metrics=HOST:PORT][ http=HOST:PORT]`)
 from __future__ import annotations
 
 import os
-import queue
-import random
-import re
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from bench.harness.paths import REPO
+from services.launcher import LaunchError, ServerProcess, tandem_command
+
 _SERVERS = ("prefill", "decode", "worker")  # the gateway serves /metrics on its HTTP port
-_READY = re.compile(r"^tandem (\w+) ready grpc=(\S+)(?: metrics=(\S+))?(?: http=(\S+))?$")
 
 
 class Worker:
-    """One `python -m services.cli ...` process; its logs (stderr) go to `log_path`."""
+    """One `python -m services.cli ARGS` process (`proc`); its logs (stderr) go to `log_path`."""
 
     def __init__(self, args: Sequence[str], env: Mapping[str, str] | None = None) -> None:
         self.args = list(args)
-        # Tests never rely on a fixed port: the metrics port is a free one unless a test picks it.
+        # Never a fixed port unless asked for: the metrics port is a free one unless the caller picks it.
         if self.args[0] in _SERVERS and "--metrics-port" not in self.args:
             self.args += ["--metrics-port", "0"]
-        self.address: str | None = None
-        self.metrics_address: str | None = None
-        self.http_address: str | None = None  # the gateway's HTTP API
         env = dict(os.environ, **(env or {}), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         with tempfile.NamedTemporaryFile(prefix=f"tandem-{self.args[0]}-", suffix=".log", delete=False) as log:
             self.log_path = Path(log.name)
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", *self.args],
-                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
-            )
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read_stdout, daemon=True).start()
+            self._server = ServerProcess(self.args[0], tandem_command(self.args), env=env, cwd=REPO, stderr=log)
+        self.proc = self._server.proc
 
-    def _read_stdout(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line.rstrip("\n"))
-        self._lines.put(None)
+    @property
+    def address(self) -> str | None:
+        """Its gRPC address, once ready."""
+        return ready.grpc if (ready := self._server.ready) else None
+
+    @property
+    def metrics_address(self) -> str | None:
+        """Its Prometheus endpoint (a worker's), once ready."""
+        return ready.metrics if (ready := self._server.ready) else None
+
+    @property
+    def http_address(self) -> str | None:
+        """The gateway's HTTP API, once ready."""
+        return ready.http if (ready := self._server.ready) else None
 
     def wait_ready(self, timeout: float = 300.0) -> str:
-        """Block until the ready line; its address. RuntimeError (with the log's tail) if the
-        process exits or prints something else first, or the timeout passes."""
+        """Block until the ready line; its address. RuntimeError (LaunchError, with the log's tail)
+        if the process exits first or the timeout passes; the process is stopped then."""
         try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            line = None
-        match = _READY.match(line or "")
-        if match is None:
+            return self._server.wait_ready(timeout).grpc
+        except LaunchError as error:
             self.stop(timeout=5.0)
-            raise RuntimeError(f"{self.args} did not become ready (stdout: {line!r}); log:\n{self.log_tail()}")
-        self.address, self.metrics_address, self.http_address = match.group(2), match.group(3), match.group(4)
-        return self.address
+            raise LaunchError(f"{self.args} did not become ready ({error}); log:\n{self.log_tail()}") from None
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM, wait for the exit (SIGKILL after `timeout`); the exit code. The log is kept
         only when the exit code is not 0."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.returncode == 0:
+        code = self._server.stop(timeout)
+        if code == 0:
             self.log_path.unlink(missing_ok=True)
-        return self.proc.returncode
+        return code
 
     def log_tail(self, lines: int = 40) -> str:
         """The end of the process's stderr (empty once a clean stop removed the log)."""
@@ -98,30 +83,3 @@ def start_worker(
     if wait:
         worker.wait_ready(timeout)
     return worker
-
-
-_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A TCP port free right now on 127.0.0.1 (for tests that must know it before the ready line).
-
-    The port comes from below the kernel's ephemeral range: a port the kernel hands to `bind(0)` or
-    to an outgoing connection can be taken by another process (a worker's metrics server, a gloo
-    socket) between this check and the worker's own bind, which once failed a whole CI run. Ports
-    already handed out in this process are never handed out again, since they may not be bound yet.
-    """
-    low = int(_EPHEMERAL_RANGE.read_text().split()[0]) if _EPHEMERAL_RANGE.exists() else 32768
-    for _ in range(1000):
-        port = random.randrange(max(1024, low - 12000), low)
-        if port in _handed_out:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError(f"no free TCP port below the ephemeral range (starts at {low})")

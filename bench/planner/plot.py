@@ -1,4 +1,4 @@
-"""bench/planner_sim.py's figure: replicas per pool (planner asked, planner ready, oracle) and SLO
+"""The planner simulation's figure: replicas per pool (planner asked, planner ready, oracle) and SLO
 attainment over the simulated day."""
 
 from __future__ import annotations

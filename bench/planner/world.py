@@ -1,6 +1,7 @@
 """The planner simulation's world, pure (no planner, no I/O): the day's demand, per-replica capacity,
 the prefill pool's queue, the decode pool's steady state, the per-minute SLO rule and the oracle.
-bench/planner_sim.py drives it with the planner's rules; its docstring states the model in full.
+The planner_sim suite (bench/suites/planner_sim.py) drives it with the planner's rules; its
+docstring states the model in full.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ ATTAINMENT_FRACTION = 0.9  # a minute attains its SLO when this share of its req
 @dataclass(frozen=True)
 class Capacity:
     """What one replica of each pool can do (defaults: SmolLM2-135M on one core of this machine,
-    weights held at fp16 for decode, bench/results/engine_throughput_fp16_weights.json)."""
+    weights held at fp16 for decode; docs/benchmarks.md, "Weights held at fp16 for decode")."""
 
     prefill_tokens_per_s: float = 280.0  # measured on 1,024-token prompts (340 on 256-token ones)
     decode_base_s: float = 0.024  # decode step time = base + per_sequence x batch, fitted to

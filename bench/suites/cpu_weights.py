@@ -10,28 +10,23 @@ fp16 for fbgemm's fp16-weight product ("fp16"). For each, in the same run:
 - perplexity of eight 512-token windows of README + architecture.md (teacher-forced);
 - greedy agreement with fp32: the index of the first differing token over 48, six prompts.
 
-    python bench/cpu_weights.py [--batch 1,4,8] [--out bench/results/cpu_weights.json]
+    python -m bench cpu_weights [--batch 1,4,8] [--out bench/results/cpu_weights.json]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from model_quality import document_windows, first_difference, perplexity  # noqa: E402
-
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.model.loader import load_model_files  # noqa: E402
-from engine.offline import generate  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from bench.harness.model_quality import document_windows, first_difference, perplexity
+from bench.harness.suite import command_line, results_path, suite_parser, write_results
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import Engine
+from engine.model.loader import load_model_files
+from engine.offline import generate
+from engine.sampling_params import SamplingParams
 
 PROMPT_TOKENS = 256
 DECODE_TOKENS = 64
@@ -67,11 +62,12 @@ def measure(engine: Engine, batches: list[int]) -> dict:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str]) -> int:
+    """Measure both formats from one load, print the table, write the results."""
+    parser = suite_parser(__name__, __doc__)
     parser.add_argument("--batch", default="1,4,8", help="comma-separated decode batch sizes")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "cpu_weights.json"))
-    args = parser.parse_args()
+    parser.add_argument("--out", default=str(results_path(__name__)))
+    args = parser.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
     torch.set_num_threads(1)
     files = load_model_files(None, torch.float32)
@@ -95,9 +91,6 @@ def main() -> int:
     a, b = results["fp32"]["perplexity"], results["fp16"]["perplexity"]
     print(f"| perplexity, 8 x {WINDOW_TOKENS} tokens | {a:.3f} | {b:.3f} | {b / a - 1:+.3%} |")
     print(f"| greedy agrees with fp32 for (of {AGREEMENT_TOKENS}) | | {results['fp16']['first_difference']} | |")
-    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=2) + "\n")
+    write_results(args.out, {"command": command_line(__name__, argv), "results": results})
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

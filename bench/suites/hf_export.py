@@ -3,15 +3,20 @@
 transformers dequantizes a GGUF on load but refuses to save a model that still carries the GGUF
 quantization config, so the weights are moved into a fresh LlamaForCausalLM and saved from there.
 vLLM loads the same directory, so every system in the benchmark runs identical fp32 weights.
+engine_throughput and goodput run this suite themselves when the export is missing.
+
+    python -m bench hf_export [--gguf PATH] [--out bench/.cache/smollm2-hf]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
+import subprocess
 import sys
+from collections.abc import Sequence
 
-DEFAULT_EXPORT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "smollm2-hf")
+from bench.harness.paths import HF_EXPORT_DIR, REPO
+from bench.harness.suite import suite_parser
 
 
 def export_hf(gguf_path: str, out_dir: str) -> str:
@@ -38,18 +43,21 @@ def export_hf(gguf_path: str, out_dir: str) -> str:
     return out_dir
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python bench/hf_export.py [--gguf PATH] [--out DIR]`; prints the export directory."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from engine.model.loader import default_model_path
+def ensure_export() -> None:
+    """Run this suite in a process of its own (the export loads transformers and the whole model)
+    unless the export is already there."""
+    if not (HF_EXPORT_DIR / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "bench", "hf_export", "--out", str(HF_EXPORT_DIR)], cwd=REPO,
+                       check=True)
 
-    parser = argparse.ArgumentParser(description=__doc__)
+
+def main(argv: Sequence[str]) -> int:
+    """Export the model; print the export directory."""
+    from engine.model.paths import default_model_path
+
+    parser = suite_parser(__name__, __doc__)
     parser.add_argument("--gguf", default=None, help="GGUF file (default: the shipped SmolLM2-135M)")
-    parser.add_argument("--out", default=DEFAULT_EXPORT_DIR)
+    parser.add_argument("--out", default=str(HF_EXPORT_DIR))
     args = parser.parse_args(argv)
     print(export_hf(args.gguf or default_model_path(), args.out))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

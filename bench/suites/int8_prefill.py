@@ -18,29 +18,24 @@ the perplexity of 512-token windows of text (teacher-forced, so independent of w
 decoding happens to fork). Prompts and windows come from this repository's README and
 architecture document.
 
-    python bench/int8_prefill.py [--prompts 6] [--timed 4]
+    python -m bench int8_prefill [--prompts 6] [--timed 4]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 import warnings
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from model_quality import document_windows, first_difference, perplexity  # noqa: E402
-
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.model.linear import Linear  # noqa: E402
-from engine.offline import generate  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from bench.harness.model_quality import document_windows, first_difference, perplexity
+from bench.harness.suite import command_line, results_path, suite_parser, write_results
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import Engine
+from engine.model.linear import Linear
+from engine.offline import generate
+from engine.sampling_params import SamplingParams
 
 PROMPT_TOKENS = 256
 OUTPUT_TOKENS = 48
@@ -99,13 +94,14 @@ def _measure(engine: Engine, prompts: list[list[int]], timed: int) -> tuple[floa
     return prefill_s, [completion.token_ids for completion in generate(engine, prompts, long)]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str]) -> int:
+    """Every variant against fp32 on one engine; the results."""
+    parser = suite_parser(__name__, __doc__)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--timed", type=int, default=4, help="prompts timed for the prefill figure")
     parser.add_argument("--perplexity-windows", type=int, default=8, help=f"{WINDOW_TOKENS}-token windows scored")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "int8_prefill.json"))
-    args = parser.parse_args()
+    parser.add_argument("--out", default=str(results_path(__name__)))
+    args = parser.parse_args(argv)
     warnings.simplefilter("ignore")  # torch's quantized-tensor API warns that it is deprecated
     torch.set_num_threads(1)
     torch.backends.quantized.engine = "fbgemm"
@@ -140,9 +136,6 @@ def main() -> int:
         print(f"{variant:>10}: prefill {prefill_s * 1000:6.0f} ms per {PROMPT_TOKENS}-token prompt "
               f"({results[variant]['speedup']:.2f}x fp32); perplexity {score:.3f}; greedy agrees with "
               f"fp32 for {agreement} of {OUTPUT_TOKENS} tokens", flush=True)
-    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=2) + "\n")
+    write_results(args.out, {"command": command_line(__name__, argv), "results": results})
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,123 +7,25 @@ that starts the sender to the receiver's completion; pairing and handshakes happ
 first. The raw baseline sends the same K and V bytes, layer by layer, over one TCP socket. Runs of
 the three methods alternate.
 
-    python bench/kv_transfer.py [--runs 5]
+    python -m bench kv_transfer [--runs 5]
+
+Prints the table and writes bench/results/kv_transfer.json.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import multiprocessing
 import socket
 import statistics
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
-import grpc
 import torch
-from tandem.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
-from kvtransfer import KVLayout, KVSenderPool, KVTransferServicer, TransferTarget
-from kvtransfer.grpc_stream import GrpcReceiver
-from kvtransfer.receiver import KVReceiver, make_receiver
-
-LAYOUT = KVLayout("SmolLM2-135M-Instruct:bench", num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32",
-                  block_size=16)
-PROMPT_TOKENS = 512
-NUM_BLOCKS = PROMPT_TOKENS // LAYOUT.block_size
-TOTAL_BYTES = 2 * LAYOUT.num_layers * NUM_BLOCKS * LAYOUT.block_bytes
-
-
-def prompt_kv() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One prompt's K and V per layer, as export_kv returns them."""
-    shape = (NUM_BLOCKS, *LAYOUT.block_shape)
-    return [(torch.randn(shape), torch.randn(shape)) for _ in range(LAYOUT.num_layers)]
-
-
-# ---- the sender process -------------------------------------------------------------------------------
-def sender_process(conn: Connection) -> None:
-    """Answer ("kv", target bytes) and ("raw", port) with the bytes sent; ("exit",) ends."""
-    torch.set_num_threads(1)
-    pool = KVSenderPool(LAYOUT, timeout=60.0)
-    layers = prompt_kv()
-    while (command := conn.recv())[0] != "exit":
-        if command[0] == "kv":
-            target = TransferTarget.from_proto(kvtransfer_pb2.KVTarget.FromString(command[1]))
-            sender = pool.sender(target)
-            for layer, (k, v) in enumerate(layers):
-                sender.send(layer, 0, k, v)
-            sender.finish()
-            conn.send(sender.wait(60.0))
-        else:
-            with socket.create_connection(("127.0.0.1", command[1])) as sock:
-                for k, v in layers:
-                    sock.sendall(k.view(torch.uint8).numpy())
-                    sock.sendall(v.view(torch.uint8).numpy())
-            conn.send(TOTAL_BYTES)
-    pool.close()
-
-
-# ---- the receiving side -------------------------------------------------------------------------------
-class Cache:
-    """The receiver's KV cache: per-layer tensors indexed by block id."""
-
-    def __init__(self) -> None:
-        shape = (LAYOUT.num_layers, NUM_BLOCKS + 8, *LAYOUT.block_shape)
-        self.k, self.v = torch.zeros(shape), torch.zeros(shape)
-
-    def write(self, layer: int, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        index = torch.tensor(list(block_ids))
-        self.k[layer, index] = k
-        self.v[layer, index] = v
-
-
-def serve_grpc() -> tuple[GrpcReceiver, Callable[[], None]]:
-    """A grpc.aio server with the KVTransfer service on its own thread; (receiver, stop)."""
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-
-    async def start() -> tuple[GrpcReceiver, grpc.aio.Server]:
-        server = grpc.aio.server()
-        port = server.add_insecure_port("127.0.0.1:0")
-        receiver = GrpcReceiver(f"127.0.0.1:{port}", timeout=60.0)
-        kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(LAYOUT, receiver), server)
-        await server.start()
-        return receiver, server
-
-    receiver, server = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
-
-    def stop() -> None:
-        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-
-    return receiver, stop
-
-
-class BackendRun:
-    """Timed transfers through one receiver; the first one (pairing, handshake) is a warm-up."""
-
-    def __init__(self, conn: Connection, receiver: KVReceiver) -> None:
-        self._conn = conn
-        self._receiver = receiver
-        self._cache = Cache()
-        self._next_id = 1
-        self.once()
-
-    def once(self) -> float:
-        """Seconds for one transfer, from the command that starts the sender to the completion."""
-        transfer_id, self._next_id = self._next_id, self._next_id + 1
-        block_ids = list(range(8, 8 + NUM_BLOCKS))
-        target = self._receiver.expect("bench-prefill", transfer_id, block_ids, 0, LAYOUT, self._cache.write)
-        future = self._receiver.completion(transfer_id)
-        start = time.perf_counter()
-        self._conn.send(("kv", target.to_proto().SerializeToString()))
-        received = future.result(60)
-        elapsed = time.perf_counter() - start
-        assert self._conn.recv() == received == TOTAL_BYTES
-        return elapsed
+from bench.harness.kv_rig import LAYOUT, PROMPT_TOKENS, TOTAL_BYTES, BackendRun, sender_process, serve_grpc
+from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from kvtransfer.receiver import make_receiver
 
 
 class RawRun:
@@ -151,10 +53,11 @@ class RawRun:
         self._listener.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str]) -> int:
+    """Time every method in turn, print their medians, write the results."""
+    parser = suite_parser(__name__, __doc__)
     parser.add_argument("--runs", type=int, default=5, help="timed transfers per backend")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     ctx = multiprocessing.get_context("spawn")
     conn, child_end = ctx.Pipe()
@@ -177,17 +80,15 @@ def main() -> None:
     grpc_receiver.close()
     stop_grpc()
 
-    with open("/proc/loadavg") as f:
-        load = f.read().split()[:3]
+    load = load_average()
     print(f"{TOTAL_BYTES / 1e6:.1f} MB per transfer ({PROMPT_TOKENS} tokens, {LAYOUT.num_layers} layers), "
-          f"median of {args.runs} runs, load average {' '.join(load)}")
+          f"median of {args.runs} runs, load average {load}")
     raw_rate = TOTAL_BYTES / statistics.median(results["raw tcp"]) / 1e6
     for name, seconds in results.items():
         median = statistics.median(seconds)
         rate = TOTAL_BYTES / median / 1e6
         print(f"{name:>10}: {median * 1e3:7.1f} ms  {rate:8.0f} MB/s  {rate / raw_rate:6.1%} of raw "
               f"(best {min(seconds) * 1e3:.1f} ms)")
-
-
-if __name__ == "__main__":
-    main()
+    write_results(results_path(__name__), {"command": command_line(__name__, argv), "load_average": load,
+                                           "bytes": TOTAL_BYTES, "seconds": results})
+    return 0

@@ -7,8 +7,8 @@ Three phases run one after another, never at the same time, so they never compet
    (start of the call to the first chunk carrying a token); TPOT is (last token - first token) / (n - 1).
 2. In-process: the same engine in a child process with one torch thread, the same prompts one by one
    through engine.offline.generate.
-3. Transfer: one prompt's KV sent on its own through the chosen backend, measured by bench/kv_transfer.py's
-   own sender and receiver (the median of --transfer-runs transfers after a warm-up).
+3. Transfer: one prompt's KV sent on its own through the chosen backend, by the kv_transfer suite's
+   sender and receiver (bench/harness/kv_rig.py; the median of --transfer-runs transfers after a warm-up).
 
 Each side first runs one untimed warm-up request. Prompts are distinct random token ids, so that no
 request hits a prefix cache. Hidden fraction of the transfer = 1 - (mesh TTFT - in-process TTFT) / transfer
@@ -17,34 +17,33 @@ it is a lower bound. The direct measure uses the prefill worker's delivery wait 
 to the receiver holding every page, reported in each request's timings): the transfer time compute
 did not hide, so hidden = 1 - delivery wait / transfer time.
 
-    python bench/mesh_overhead.py [--requests 8] [--prompt-tokens 512] [--output-tokens 64]
+    python -m bench mesh_overhead [--requests 8] [--prompt-tokens 512] [--output-tokens 64]
                                   [--kv-backend torch_dist|grpc] [--quick]
+
+Writes bench/results/mesh_overhead.json (a --quick run's under bench/results/smoke/).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import random
 import statistics
 import sys
-import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "bench"), str(REPO / "tests" / "integration")]
-from workers_util import Worker, start_worker  # noqa: E402
+from bench.harness import kv_rig
+from bench.harness.load_clients import random_tokens
+from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.harness.token_timer import TokenTimer
+from bench.harness.worker import Worker, start_worker
 
-RESULTS = REPO / "bench" / "results" / "mesh_overhead.json"
 TTFT_TARGET = 1.10
 TPOT_TARGET = 1.05
 HIDDEN_TARGET = 0.80
-# Ordinary text tokens of the default model's vocabulary: no special tokens, which sit at the bottom.
-TOKEN_RANGE = (1000, 30000)
 
 
 @dataclass(frozen=True)
@@ -62,33 +61,23 @@ class RequestTiming:
 def make_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
     """`count` distinct prompts of `length` random token ids."""
     rng = random.Random(seed)
-    return [[rng.randrange(*TOKEN_RANGE) for _ in range(length)] for _ in range(count)]
-
-
-def loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
+    return [random_tokens(rng, length) for _ in range(count)]
 
 
 # ---- phase 1: the mesh --------------------------------------------------------------------------------
 def mesh_request(client, prompt: list[int], output_tokens: int) -> RequestTiming:
     """Send one request through the gateway and time it at the client."""
-    started = time.perf_counter()
-    first_at = last_at = 0.0
-    tokens = 0
+    clock = TokenTimer()
     timings = None
     for chunk in client.generate(token_ids=prompt, max_tokens=output_tokens, temperature=0.0, ignore_eos=True):
-        if chunk.token_ids:
-            last_at = time.perf_counter()
-            first_at = first_at or last_at
-            tokens += len(chunk.token_ids)
+        clock.add(len(chunk.token_ids))
         timings = chunk.timings or timings
-    if tokens != output_tokens:
-        raise RuntimeError(f"the mesh generated {tokens} tokens, not {output_tokens}")
+    if clock.tokens != output_tokens or clock.ttft_s is None or clock.tpot_s is None:
+        raise RuntimeError(f"the mesh generated {clock.tokens} tokens, not {output_tokens}")
     return RequestTiming(
-        ttft_s=first_at - started,
-        tpot_s=(last_at - first_at) / (tokens - 1) if tokens > 1 else 0.0,
-        tokens=tokens,
+        ttft_s=clock.ttft_s,
+        tpot_s=clock.tpot_s,
+        tokens=clock.tokens,
         kv_wait_s=timings.kv_wait_s if timings else None,
         prefill_compute_s=timings.prefill_compute_s if timings else None,
         delivery_wait_s=timings.kv_delivery_wait_s if timings else None,
@@ -159,8 +148,7 @@ def run_inprocess(prompts: list[list[int]], output_tokens: int) -> tuple[list[Re
 
 # ---- phase 3: the transfer on its own -----------------------------------------------------------------
 def run_transfer(backend: str, runs: int) -> float:
-    """Median seconds of one 512-token prompt's KV through `backend`, as bench/kv_transfer.py times it."""
-    import kv_transfer
+    """Median seconds of one 512-token prompt's KV through `backend`, as the kv_transfer suite times it."""
     import torch
 
     from kvtransfer.receiver import make_receiver
@@ -168,15 +156,15 @@ def run_transfer(backend: str, runs: int) -> float:
     torch.set_num_threads(1)
     ctx = multiprocessing.get_context("spawn")
     conn, child_end = ctx.Pipe()
-    child = ctx.Process(target=kv_transfer.sender_process, args=(child_end,), daemon=True)
+    child = ctx.Process(target=kv_rig.sender_process, args=(child_end,), daemon=True)
     child.start()
     if backend == "torch_dist":
         receiver = make_receiver("torch_dist", "127.0.0.1", "", timeout=60.0)
         stop_server = None
     else:
-        receiver, stop_server = kv_transfer.serve_grpc()
+        receiver, stop_server = kv_rig.serve_grpc()
     try:
-        run = kv_transfer.BackendRun(conn, receiver)
+        run = kv_rig.BackendRun(conn, receiver)
         seconds = [run.once() for _ in range(runs)]
     finally:
         conn.send(("exit",))
@@ -244,55 +232,49 @@ def print_table(args: argparse.Namespace, s: dict, loads: dict[str, str]) -> Non
         print(f"prefill worker's compute time: {s['prefill_compute_s'] * 1e3:.1f} ms")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str]) -> int:
+    """The three phases in turn, the table, the results."""
+    parser = suite_parser(__name__, __doc__)
     parser.add_argument("--requests", type=int, default=8, help="timed requests per side (after one warm-up)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--kv-backend", default="torch_dist", choices=["torch_dist", "grpc"])
     parser.add_argument("--transfer-runs", type=int, default=5, help="timed transfers in phase 3")
     parser.add_argument("--quick", action="store_true", help="2 requests, 16 output tokens, 2 transfers")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.output_tokens, args.transfer_runs = 2, 16, 2
     if args.output_tokens < 2:
         parser.error("--output-tokens must be at least 2 (TPOT needs two tokens)")
     os.environ["OMP_NUM_THREADS"] = "1"
     prompts = make_prompts(args.requests + 1, args.prompt_tokens)
-    loads = {"start": loadavg()}
+    loads = {"start": load_average()}
 
     print(f"phase 1/3: mesh ({args.kv_backend}) ...", flush=True)
     mesh = run_mesh(prompts, args.output_tokens, args.kv_backend)
-    loads["after_mesh"] = loadavg()
+    loads["after_mesh"] = load_average()
     print("phase 2/3: in-process engine ...", flush=True)
     local, shape = run_inprocess(prompts, args.output_tokens)
-    loads["after_in_process"] = loadavg()
+    loads["after_in_process"] = load_average()
     print("phase 3/3: KV transfer alone ...", flush=True)
     transfer_s = run_transfer(args.kv_backend, args.transfer_runs)
-    loads["end"] = loadavg()
+    loads["end"] = load_average()
 
-    import kv_transfer
-
-    layout = kv_transfer.LAYOUT
+    layout = kv_rig.LAYOUT
     bench_shape = {name: getattr(layout, name) for name in shape}
     if bench_shape != shape:
-        print(f"warning: bench/kv_transfer.py's KV shape {bench_shape} is not the engine's {shape}", file=sys.stderr)
-    note = f"{kv_transfer.TOTAL_BYTES / 1e6:.1f} MB, {kv_transfer.PROMPT_TOKENS} tokens"
-    if args.prompt_tokens != kv_transfer.PROMPT_TOKENS:
-        # bench/kv_transfer.py sends 512 tokens' worth; time grows with the bytes.
-        transfer_s *= args.prompt_tokens / kv_transfer.PROMPT_TOKENS
+        print(f"warning: the kv_transfer suite's KV shape {bench_shape} is not the engine's {shape}", file=sys.stderr)
+    note = f"{kv_rig.TOTAL_BYTES / 1e6:.1f} MB, {kv_rig.PROMPT_TOKENS} tokens"
+    if args.prompt_tokens != kv_rig.PROMPT_TOKENS:
+        # The rig sends 512 tokens' worth; time grows with the bytes.
+        transfer_s *= args.prompt_tokens / kv_rig.PROMPT_TOKENS
         note += f", scaled linearly to {args.prompt_tokens} tokens"
 
     summary = summarize(mesh, local, transfer_s, note)
     print_table(args, summary, loads)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "command": " ".join(["python", *sys.argv]),
+    write_results(results_path(__name__, args.quick), {
+        "command": command_line(__name__, argv),
         "settings": vars(args), "load_average": loads, "engine_kv_shape": shape, "summary": summary,
         "mesh": [asdict(t) for t in mesh], "in_process": [asdict(t) for t in local],
-    }, indent=2) + "\n")
-    print(f"\nwrote {RESULTS.relative_to(REPO)}")
-
-
-if __name__ == "__main__":
-    main()
+    })
+    return 0

@@ -3,7 +3,7 @@ capacity is refused around them.
 
 One mesh (a prefill and a decode worker behind a gateway with a bounded admission queue), one run:
 
-1. Objectives from the workers' step models (tests/integration/burst.py: TTFT = 3 prompts' prefill,
+1. Objectives from the workers' step models (bench/harness/burst.py: TTFT = 3 prompts' prefill,
    TPOT = 4 decode steps of the request alone); every request carries them.
 2. Capacity: requests sent back to back, as many at once as the TTFT objective holds; capacity is
    the rate at which they completed (requests per second).
@@ -17,27 +17,24 @@ it) over the admitted requests (those that completed); refusals are RESOURCE_EXH
 The gateway's RSS is sampled throughout. Afterwards the workers must hold nothing and a request
 through each API must be served.
 
-    python bench/overload.py [--probes 40] [--burst-factor 10] [--max-queued 8] [--smoke]
+    python -m bench overload [--probes 40] [--burst-factor 10] [--max-queued 8] [--smoke]
 
-Writes bench/results/overload.json (not in --smoke mode); exits 1 on an error, a leak or a failed
-request after the burst.
+Writes bench/results/overload.json (a --smoke run's under bench/results/smoke/); exits 1 on an error,
+a leak or a failed request after the burst.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
-from pathlib import Path
+from collections.abc import Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests" / "integration")]
-from burst import Objectives, burst_requests, objectives  # noqa: E402
-from leak_check import is_idle, wait_until_idle  # noqa: E402
-from load_clients import ERROR, OK, REFUSED, LoadRunner, Outcome  # noqa: E402
-from mesh_launcher import start_mesh  # noqa: E402
-from process_memory import RssSampler  # noqa: E402
-from reliability_verdict import finish  # noqa: E402
+from bench.harness.burst import Objectives, burst_requests, objectives
+from bench.harness.leak_check import is_idle, wait_until_idle
+from bench.harness.load_clients import ERROR, OK, REFUSED, LoadRunner, Outcome
+from bench.harness.mesh import start_mesh
+from bench.harness.process_memory import RssSampler
+from bench.harness.suite import suite_parser
+from bench.harness.verdict import finish
 
 PROMPT_TOKENS = 256
 MAX_TOKENS = 16
@@ -70,14 +67,16 @@ def measure_capacity(runner: LoadRunner, slo: Objectives, requests: int, seed: i
     return completed / (time.monotonic() - started)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str]) -> int:
+    """Measure capacity, then probes without and with the burst; 0 when nothing went wrong."""
+    parser = suite_parser(__name__, __doc__)
     parser.add_argument("--probes", type=int, default=40, help="probe requests per phase")
     parser.add_argument("--capacity-requests", type=int, default=24, help="requests timed to measure capacity")
     parser.add_argument("--burst-factor", type=float, default=10.0, help="burst rate as a multiple of capacity")
     parser.add_argument("--max-queued", type=int, default=8, help="the gateway's --max-queued-requests")
-    parser.add_argument("--smoke", action="store_true", help="4 probes, 4 capacity requests; nothing written")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="4 probes, 4 capacity requests; results under "
+                        "results/smoke/")
+    args = parser.parse_args(argv)
     if args.smoke:
         args.probes, args.capacity_requests = 4, 4
 
@@ -130,12 +129,9 @@ def main() -> int:
               f"{row['ttft_met']:>10.1%}{row['tpot_met']:>10.1%}{row['both_met']:>10.1%}")
     print(f"gateway RSS: {rss.samples[0][1]['gateway'] >> 20} MiB at the start, peak {calm_rss >> 20} MiB without "
           f"the burst, {burst_rss >> 20} MiB with it")
-    return finish("overload", {
+    return finish(__name__, argv, {
         "settings": vars(args), "objectives_ms": {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms},
         "capacity_rps": capacity, "burst": {"requests": burst_count, "seconds": window}, "phases": rows,
         "gateway_rss_bytes": {"start": rss.samples[0][1]["gateway"], "peak_calm": calm_rss, "peak_burst": burst_rss},
     }, problems, "no errors, nothing leaked, the mesh serves after the burst", args.smoke)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,7 @@
-"""Planner simulation: a simulated day of traffic against the planner's own rules
-(services/gateway/planner_rules.py), compared with an oracle that sizes each pool perfectly.
+"""Planner simulation: a simulated day of traffic against the planner's own rules, compared with an
+oracle that sizes each pool perfectly.
+
+The rules are services/gateway/planner_rules.py itself.
 
 Demand (issue 6): 24 hours at one-minute steps. The request rate follows a sinusoid between 10% and
 100% of the peak, the peak at hour 14, with Poisson noise (each minute's count is Poisson, arrivals
@@ -8,7 +10,7 @@ The default peak, 3 requests/s, is 3,072 prompt tokens/s in the 1,024-token phas
 replicas at the default capacity, and 2 decode replicas.
 
 Capacity per replica (flags; defaults measured on this machine for SmolLM2-135M on one core by
-bench/engine_throughput.py --threads 1, as bench/results/goodput.json holds attainment per rate
+the engine_throughput suite with --threads 1, as the goodput suite measures attainment per rate
 rather than per-replica capacity): a prefill replica computes 280 prompt tokens/s (its speed on
 1,024-token prompts; 256-token ones go at 340), one prompt at a time; a decode step with batch b
 takes 24 ms + 5.6 ms x b (weights held at fp16), so a replica holds at most 13 sequences within
@@ -43,10 +45,11 @@ prompt alone takes longer than the TTFT target, the throughput bound); decode, t
 state at the minute's arrival rate has TPOT <= 100 ms.
 
 Output: replica-hours of planner and oracle (their ratio), the share of minutes attaining the SLO,
-bench/results/planner_sim.json and docs/planner_sim.png. Target: >= 90% of minutes at <= 1.2x the
-oracle's replica-hours.
+bench/results/planner_sim.json and the plot bench/results/planner_sim.png (docs/planner_sim.png is
+the one the docs show: `--plot docs/planner_sim.png`; plotting needs matplotlib, the `bench` extra).
+Target: >= 90% of minutes at <= 1.2x the oracle's replica-hours.
 
-    .venv/bin/python bench/planner_sim.py [--peak-rate 3] [--ttft-ms 2000] [--prefill-tokens-per-s 280]
+    python -m bench planner_sim [--peak-rate 3] [--ttft-ms 2000] [--prefill-tokens-per-s 280]
         [--decode-step-ms 24] [--decode-step-per-seq-ms 5.6] [--seed 0] [--out bench/results/planner_sim]
 """
 
@@ -55,13 +58,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from planner_sim_model import (
+from bench.harness.suite import command_line, results_path, suite_parser
+from bench.planner.world import (
     MINUTE_S,
     Capacity,
     Demand,
@@ -73,12 +76,7 @@ from planner_sim_model import (
     oracle_decode,
     oracle_prefill,
 )
-from planner_sim_plot import plot_day
-
-REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_DIR)
-
-from services.gateway.planner_rules import (  # noqa: E402
+from services.gateway.planner_rules import (
     DecodeDemand,
     PlannerConfig,
     PoolBounds,
@@ -196,8 +194,9 @@ def summarize(trace: Trace, demand: Demand, capacity: Capacity, targets: Targets
     }
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The simulation's flags."""
+    parser = suite_parser(__name__, __doc__)
     parser.add_argument("--peak-rate", type=float, default=Demand.peak_rate, help="requests/s at the peak")
     parser.add_argument("--hours", type=int, default=Demand.hours)
     parser.add_argument("--seed", type=int, default=Demand.seed)
@@ -220,13 +219,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--scale-down-window", type=float, default=PlannerConfig.scale_down_window_s)
     parser.add_argument("--scale-cooldown", type=float, default=PlannerConfig.cooldown_s)
     parser.add_argument("--max-replicas", type=int, default=64, help="each pool's upper bound")
-    parser.add_argument("--out", default=os.path.join(REPO_DIR, "bench", "results", "planner_sim"),
+    parser.add_argument("--out", default=str(results_path(__name__, suffix="")),
                         help="results path without extension (.json)")
-    parser.add_argument("--plot", default=os.path.join(REPO_DIR, "docs", "planner_sim.png"))
+    parser.add_argument("--plot", default=str(results_path(__name__, suffix=".png")))
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str]) -> int:
     """Simulate the day, print the summary, write the JSON results and the plot."""
     args = parse_args(argv)
     demand = Demand(peak_rate=args.peak_rate, hours=args.hours, seed=args.seed)
@@ -255,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w", encoding="utf-8") as file:
         json.dump({
-            "command": shlex.join(["python", "bench/planner_sim.py", *(sys.argv[1:] if argv is None else argv)]),
+            "command": command_line(__name__, argv),
             "demand": asdict(demand), "capacity": asdict(capacity), "slo": asdict(targets),
             "planner": {"queue_drain_s": config.queue_drain_s, "tpot_s": config.tpot_s,
                         "prefill_headroom_beta": config.prefill_headroom_beta,
@@ -266,10 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "summary": summary, "minutes": asdict(trace),
         }, file)
         file.write("\n")
+    from bench.planner.plot import plot_day  # matplotlib only here: the simulation runs without it
+
     plot_day(trace, summary, args.plot)
     print(f"wrote {args.out}.json and {args.plot}", file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,30 +12,25 @@ so each request is one prompt's prefill, as at a prefill worker) on one engine (
 prefix cache) with and without the limit, alternately, and prints TTFT p50/p90/mean and the
 makespan of each, side by side.
 
-    python bench/prompt_batching.py [--rate 1.4] [--requests 60] [--limit 256] [--repeats 2]
+    python -m bench prompt_batching [--rate 1.4] [--requests 60] [--limit 256] [--repeats 2]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from goodput_workload import build_workload  # noqa: E402
-
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.model.loader import load_model_files  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from services.common.malloc_arenas import limit_malloc_arenas  # noqa: E402
+from bench.harness.suite import command_line, results_path, suite_parser, write_results
+from bench.harness.workload import build_workload
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.engine import Engine
+from engine.model.loader import load_model_files
+from engine.sampling_params import SamplingParams
+from services.common.malloc_arenas import limit_malloc_arenas
 
 
 def replay(engine: Engine, prompts: list[list[int]], arrivals: list[float]) -> dict:
@@ -60,15 +55,16 @@ def replay(engine: Engine, prompts: list[list[int]], arrivals: list[float]) -> d
             "makespan_s": max(first.values())}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str]) -> int:
+    """Both schedulers on the same arrivals, alternately; the table and the results."""
+    parser = suite_parser(__name__, __doc__)
     parser.add_argument("--rate", type=float, default=1.4, help="prompts per second (Poisson)")
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--limit", type=int, default=256, help="max_prompt_batch_tokens to compare with none")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "prompt_batching.json"))
-    args = parser.parse_args()
+    parser.add_argument("--out", default=str(results_path(__name__)))
+    args = parser.parse_args(argv)
     limit_malloc_arenas()  # as the workers do
     torch.set_num_threads(1)
     files = load_model_files(None, torch.float32)
@@ -103,10 +99,7 @@ def main() -> None:
         cells = [statistics.median(r[key] for r in results) for key in
                  ("ttft_p50_s", "ttft_p90_s", "ttft_mean_s", "ttft_over_2s", "makespan_s")]
         print(f"| {name} | {cells[0]:.2f} | {cells[1]:.2f} | {cells[2]:.2f} | {cells[3]:g} | {cells[4]:.1f} |")
-    Path(args.out).write_text(json.dumps({"command": sys.argv, "rate": args.rate, "workload": workload.source,
-                                          "runs": runs}, indent=1))
-    print(f"\nwrote {args.out}")
+    write_results(args.out, {"command": command_line(__name__, argv), "rate": args.rate,
+                             "workload": workload.source, "runs": runs})
+    return 0
 
-
-if __name__ == "__main__":
-    main()

@@ -6,16 +6,19 @@ holding 100 waiting requests (every one re-decided, none placed: the worst case,
 request leaves the queue). Baseline in the same run: the time of an empty Python call, to show the
 clock's floor. Target: ≤ 1 ms per request at 100 queued.
 
-    python bench/routing_overhead.py [--repeats 2000]
+    python -m bench routing_overhead [--repeats 2000]
+
+Prints the medians and writes bench/results/routing_overhead.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import time
+from collections.abc import Callable, Sequence
 
+from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
 from services.common.step_model import StepModel
 from services.gateway.admission import Admission
 from services.gateway.router import Decision, RouteRequest, Slo, WorkerLoad, route
@@ -27,6 +30,8 @@ WORKERS = [
     WorkerLoad("d1", "decode", sequences=6, context_tokens=3000, free_kv_blocks=900, step_model=MODEL),
     WorkerLoad("d2", "decode", sequences=3, context_tokens=1500, free_kv_blocks=2000, step_model=MODEL),
 ]
+QUEUED = 100
+TARGET_S = 1e-3  # per request, with QUEUED waiting
 REQUEST = RouteRequest(prompt_tokens=1000, max_tokens=64, slo=Slo(2.0, 0.1), cached_tokens={"p2": 512})
 
 
@@ -58,12 +63,14 @@ async def drain_seconds(queued: int) -> float:
     return elapsed
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=2000)
-    args = parser.parse_args()
+def main(argv: Sequence[str]) -> int:
+    """Time the empty call, one decision and the drains; print and write their medians."""
+    parser = suite_parser(__name__, __doc__)
+    parser.add_argument("--repeats", type=int, default=2000, help="timed calls of each kind")
+    parser.add_argument("--drains", type=int, default=20, help="timed drains of the queue")
+    args = parser.parse_args(argv)
 
-    def timed(fn) -> float:
+    def timed(fn: Callable[[], object]) -> float:
         samples = []
         for _ in range(args.repeats):
             started = time.perf_counter()
@@ -73,16 +80,17 @@ def main() -> None:
 
     empty = timed(lambda: None)
     one = timed(lambda: route(REQUEST, WORKERS))
-    drains = [asyncio.run(drain_seconds(100)) for _ in range(20)]
-    drain = statistics.median(drains)
-    with open("/proc/loadavg") as f:
-        load = " ".join(f.read().split()[:3])
+    drain = statistics.median(asyncio.run(drain_seconds(QUEUED)) for _ in range(args.drains))
+    load = load_average()
+    met = drain / QUEUED <= TARGET_S
     print(f"load average {load}; medians")
     print(f"empty call:                       {empty * 1e6:8.2f} us")
     print(f"one routing decision (2P + 2D):   {one * 1e6:8.2f} us")
-    print(f"drain of 100 queued requests:     {drain * 1e3:8.3f} ms = {drain / 100 * 1e6:.1f} us per request "
-          f"(target <= 1 ms per request: {'met' if drain / 100 <= 1e-3 else 'MISSED'})")
-
-
-if __name__ == "__main__":
-    main()
+    print(f"drain of {QUEUED} queued requests:     {drain * 1e3:8.3f} ms = {drain / QUEUED * 1e6:.1f} us per request "
+          f"(target <= 1 ms per request: {'met' if met else 'MISSED'})")
+    write_results(results_path(__name__), {
+        "command": command_line(__name__, argv), "load_average": load,
+        "median_s": {"empty_call": empty, "decision": one, f"drain_{QUEUED}_queued": drain},
+        "per_request_in_drain_s": drain / QUEUED, "target_s": TARGET_S, "target_met": met,
+    })
+    return 0

@@ -1,7 +1,7 @@
 """Soak: a real mesh under steady mixed load with random client cancellations for a long time
 (30 minutes by default), watching for slow leaks.
 
-The load is the cancellation storm's (tests/integration/storm.py: shared prompt prefixes, a quarter
+The load is the cancellation storm's (bench/harness/storm.py: shared prompt prefixes, a quarter
 of the clients over HTTP, half of the requests cancelled before prefill, during the KV transfer or
 mid-decode), sent closed-loop by --concurrency clients until the time is up. Every --sample-s it
 records each process's RSS (/proc), each worker's KV blocks held by requests (LoadReport
@@ -15,32 +15,29 @@ Verdict, all three needed:
   its prefix cache) within a minute;
 - zero errors: every request completed with all its tokens or was cancelled by its own client.
 
-    python bench/soak.py [--minutes 30] [--concurrency 6] [--sample-s 15] [--cancel-fraction 0.5] [--smoke]
+    python -m bench soak [--minutes 30] [--concurrency 6] [--sample-s 15] [--cancel-fraction 0.5] [--smoke]
 
-Writes bench/results/soak.json (not in --smoke mode: 1 minute, one worker per pool, a sample every
-2 s); exits 1 unless the verdict passes. `make soak` runs it (it is not part of `make bench`).
+Writes bench/results/soak.json (--smoke: 1 minute, one worker per pool, a sample every 2 s, its
+results under bench/results/smoke/); exits 1 unless the verdict passes. `make soak` runs it (it is not
+part of `make bench`).
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import statistics
-import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Iterator, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests" / "integration")]
-from leak_check import is_idle, load_report, wait_until_idle  # noqa: E402
-from load_clients import LoadRequest, LoadRunner, Outcome  # noqa: E402
-from mesh_launcher import Mesh, start_mesh  # noqa: E402
-from process_memory import rss_bytes  # noqa: E402
-from reliability_verdict import finish  # noqa: E402
-from storm import StormConfig, calm_ttft, outcome_problems, plan_storm  # noqa: E402
+from bench.harness.leak_check import is_idle, load_report, wait_until_idle
+from bench.harness.load_clients import LoadRequest, LoadRunner, Outcome
+from bench.harness.mesh import Mesh, start_mesh
+from bench.harness.process_memory import rss_bytes
+from bench.harness.storm import NO_SLO, StormConfig, calm_ttft, outcome_problems, plan_storm
+from bench.harness.suite import suite_parser
+from bench.harness.verdict import finish
 
 FLAT_FLOOR_BYTES = 32 << 20
 FLAT_FRACTION = 0.05
@@ -106,8 +103,9 @@ def names(mesh: Mesh) -> dict[str, int]:
     return named | {"gateway": mesh.gateway.proc.pid}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str]) -> int:
+    """Load a fresh mesh for the given time, sampling it; 0 when the verdict passes."""
+    parser = suite_parser(__name__, __doc__)
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--concurrency", type=int, default=6, help="clients, each with one request at a time")
     parser.add_argument("--sample-s", type=float, default=15.0, help="seconds between samples")
@@ -117,13 +115,13 @@ def main() -> int:
                         help="share of requests their clients cancel (0 tells a leak on cancellation from others)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="1 minute, a sample every 2 s, one worker per pool; "
-                        "nothing written")
-    args = parser.parse_args()
+                        "results under results/smoke/")
+    args = parser.parse_args(argv)
     if args.smoke:
         args.minutes, args.sample_s, args.prefill, args.decode = 1.0, 2.0, 1, 1
     config = StormConfig(concurrency=args.concurrency, cancel_fraction=args.cancel_fraction, seed=args.seed)
 
-    mesh = start_mesh(args.prefill, args.decode, gateway_flags=["--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"])
+    mesh = start_mesh(args.prefill, args.decode, gateway_flags=NO_SLO)
     pids = names(mesh)
     workers = dict(zip(list(pids)[:-1], mesh.workers, strict=True))
     samples: list[dict] = []
@@ -161,12 +159,9 @@ def main() -> int:
     problems += outcome_problems(load.outcomes)
     problems += [f"{name} exited with {code}" for name, code in codes.items() if code]
     print(f"{len(load.outcomes)} requests: {dict(load.counts())}")
-    return finish("soak", {
+    return finish(__name__, argv, {
         "settings": vars(args), "samples": samples,
         "rss_growth_bytes": {n: {"fitted": g, "allowed": a} for n, (g, a) in growth.items()},
         "outcomes": dict(load.counts()),
     }, problems, "flat memory, no leaked blocks, no errors besides deliberate cancellations", args.smoke)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

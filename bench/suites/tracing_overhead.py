@@ -8,41 +8,31 @@ alternate off/on `--rounds` times, never overlapping, and the best round of each
 (the one least disturbed by whatever else shares the machine). The target is at most 2% less
 throughput with tracing on.
 
-    python bench/tracing_overhead.py [--requests 32] [--concurrency 4] [--prompt-tokens 256]
+    python -m bench tracing_overhead [--requests 32] [--concurrency 4] [--prompt-tokens 256]
                                      [--output-tokens 32] [--rounds 2] [--smoke]
 
-`--smoke` runs a tiny workload only to show the script works, and writes no results.
+Writes bench/results/tracing_overhead.json; `--smoke` runs a tiny workload only to show the suite
+works, its results under bench/results/smoke/.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import random
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests" / "integration")]
-from otlp_receiver import OtlpReceiver  # noqa: E402
-from workers_util import Worker, start_worker  # noqa: E402
+from bench.harness.load_clients import random_tokens
+from bench.harness.mesh import start_mesh
+from bench.harness.otlp_receiver import OtlpReceiver
+from bench.harness.suite import command_line, results_path, suite_parser, write_results
 
-RESULTS = REPO / "bench" / "results" / "tracing_overhead.json"
 TARGET_OVERHEAD = 0.02
-TOKEN_RANGE = (1000, 30000)  # ordinary text tokens of the default model
-
-
-def start_mesh(env: dict[str, str]) -> list[Worker]:
-    """A prefill, a decode worker and a gateway, all ready."""
-    workers = [start_worker([role, "--port", "0", "--threads", "1"], wait=False, env=env)
-               for role in ("prefill", "decode")]
-    prefill, decode = (worker.wait_ready() for worker in workers)
-    workers.append(start_worker(["gateway", "--port", "0", "--http-port", "0", "--prefill", prefill, "--decode", decode,
-                                 "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"], env=env))
-    return workers
+WORKER_FLAGS = ("--threads", "1")  # the workers' own defaults otherwise
+NO_SLO = ("--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000")
 
 
 def throughput(gateway: str, prompts: list[list[int]], output_tokens: int, concurrency: int) -> float:
@@ -71,29 +61,30 @@ def one_round(traced: bool, prompts: list[list[int]], args: argparse.Namespace) 
         if traced:
             receiver = stack.enter_context(OtlpReceiver())
             env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_TRACES_SAMPLER": "always_on"}
-        workers = start_mesh(env)
+        mesh = start_mesh(worker_flags=WORKER_FLAGS, gateway_flags=NO_SLO, env=env)
         try:
-            return throughput(str(workers[-1].address), prompts, args.output_tokens, args.concurrency)
+            return throughput(str(mesh.gateway.address), prompts, args.output_tokens, args.concurrency)
         finally:
-            for worker in reversed(workers):
-                if worker.stop() != 0:
-                    print(f"warning: {worker.args[0]} exited uncleanly; log:\n{worker.log_tail()}", file=sys.stderr)
+            for name, code in mesh.stop().items():
+                if code != 0:
+                    print(f"warning: {name} exited with {code}", file=sys.stderr)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str]) -> int:
+    """Alternate rounds with tracing off and on; the overhead of the best of each."""
+    parser = suite_parser(__name__, __doc__)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--smoke", action="store_true", help="a tiny workload; no results written")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="a tiny workload, its results under results/smoke/")
+    args = parser.parse_args(argv)
     if args.smoke:
         args.requests, args.concurrency, args.prompt_tokens, args.output_tokens, args.rounds = 3, 2, 16, 4, 1
     rng = random.Random(0)
     # Distinct random prompts, so that no request hits a prefix cache.
-    prompts = [[rng.randrange(*TOKEN_RANGE) for _ in range(args.prompt_tokens)] for _ in range(args.requests + 1)]
+    prompts = [random_tokens(rng, args.prompt_tokens) for _ in range(args.requests + 1)]
     best = {"off": 0.0, "on": 0.0}
     for _ in range(args.rounds):
         for mode in best:
@@ -103,15 +94,11 @@ def main() -> int:
     overhead = 1 - best["on"] / best["off"]
     verdict = "meets" if overhead <= TARGET_OVERHEAD else "misses"
     print(f"tracing overhead: {overhead:.1%} of throughput ({verdict} the {TARGET_OVERHEAD:.0%} target)")
-    if not args.smoke:
-        RESULTS.write_text(json.dumps({
-            "workload": {k: getattr(args, k) for k in ("requests", "concurrency", "prompt_tokens", "output_tokens",
-                                                       "rounds")},
-            "tokens_per_s": best, "overhead": overhead, "target": TARGET_OVERHEAD,
-        }, indent=2) + "\n")
-        print(f"wrote {RESULTS.relative_to(REPO)}")
+    write_results(results_path(__name__, args.smoke), {
+        "command": command_line(__name__, argv),
+        "workload": {k: getattr(args, k) for k in ("requests", "concurrency", "prompt_tokens", "output_tokens",
+                                                   "rounds")},
+        "tokens_per_s": best, "overhead": overhead, "target": TARGET_OVERHEAD,
+    })
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,9 @@
 
 Batch-1 decode has to read every weight once per step, so its floor is weight bytes / bandwidth;
 prefill is compute-bound, so its floor is 2 * params * tokens / FLOP/s. Both are measured with
-the thread count the systems under test get. Run as a script it prints one JSON object.
+the thread count the systems under test get. The engine_throughput suite runs it in a process of
+its own, `python -m bench.throughput.roofline --model-dir DIR [--threads N]`, which prints one JSON
+object.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def measure(model_dir: str, threads: int, stream_bytes: int, gemm_n: int) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python bench/roofline.py --model-dir DIR [--threads N]`; prints the measurement as JSON."""
+    """Measure with the given flags; print the measurement as JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-dir", required=True, help="HF model directory (safetensors)")
     parser.add_argument("--threads", type=int, default=2)

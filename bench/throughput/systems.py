@@ -1,21 +1,23 @@
-"""The measuring side of bench/engine_throughput.py: time one system on a workload file.
+"""The measuring side of the engine_throughput suite: time one system on a workload file.
 
-`python bench/workers.py {tandem,transformers} --workload PATH` loads the system, warms it up, times
-every case and prints one `BENCH-RESULT {json}` line. bench/vllm_offline.py reuses `run_cases`,
-`emit` and `load_workload`, so this module imports only the standard library at load time.
+`python -m bench.throughput.systems {tandem,transformers} --workload PATH` loads the system, warms it
+up, times every case and prints one `BENCH-RESULT {json}` line. vLLM's side (bench/vllm/offline.py)
+reuses `run_cases`, `emit` and `load_workload`, so this module imports only the standard library at
+load time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 
-REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.harness.paths import REPO
+from bench.harness.token_timer import tpot
+
 RESULT_PREFIX = "BENCH-RESULT "
 KV_CACHE_GIB = 2
 
@@ -49,11 +51,6 @@ def run_cases(workload: dict, generate: GenerateFn) -> dict[str, dict[str, float
     return results
 
 
-def tpot(first_token_at: float, last_token_at: float, num_tokens: int) -> float:
-    """Mean time per output token after the first (0 for a single token)."""
-    return (last_token_at - first_token_at) / (num_tokens - 1) if num_tokens > 1 else 0.0
-
-
 def emit(result: dict) -> None:
     """Hand a worker's result to the parent on stdout."""
     print(RESULT_PREFIX + json.dumps(result), flush=True)
@@ -63,7 +60,6 @@ def tandem(workload: dict) -> dict:
     """Tandem's Engine through engine.offline.generate (all requests submitted at once)."""
     import torch
 
-    sys.path.insert(0, REPO_DIR)
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.engine import Engine
     from engine.offline import generate
@@ -82,7 +78,7 @@ def tandem(workload: dict) -> dict:
         completions = generate(engine, prompts, params)
         return sum(len(c.token_ids) for c in completions), sum(c.tpot_s for c in completions) / len(completions)
 
-    revision = subprocess.run(["git", "-C", REPO_DIR, "rev-parse", "--short", "HEAD"],
+    revision = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, check=False).stdout.strip()
     return {"system": "tandem", "version": revision or "unknown",
             "mode": f"Engine, {engine.runner.model.layers[0].attention.name} attention, "

@@ -1,13 +1,13 @@
 """vLLM's CPU build on the benchmark workload: offline `LLM.generate`, eager mode.
 
-Runs inside bench/.cache/vllm-venv (see bench/setup_vllm.sh):
-`python bench/vllm_offline.py --workload PATH` prints one `BENCH-RESULT {json}` line.
+Runs inside bench/.cache/vllm-venv (see bench/setup_vllm.sh), from the repository's root:
+`python -m bench.vllm.offline --workload PATH` prints one `BENCH-RESULT {json}` line.
 The environment must already hold VLLM_CPU_OMP_THREADS_BIND and VLLM_CPU_KVCACHE_SPACE.
 """
 
 from __future__ import annotations
 
-from vllm_cpu_version import install_version_lookup  # bench/ is sys.path[0] for this script
+from bench.vllm.version import install_version_lookup
 
 # Before any vLLM import: its modules bind `version` at import time.
 install_version_lookup()
@@ -15,7 +15,8 @@ install_version_lookup()
 import argparse  # noqa: E402
 import sys  # noqa: E402
 
-from workers import emit, load_workload, run_cases, tpot  # noqa: E402 - bench/ is sys.path[0] for this script
+from bench.harness.token_timer import tpot  # noqa: E402
+from bench.throughput.systems import emit, load_workload, run_cases  # noqa: E402
 
 
 def vllm_generate(workload: dict) -> dict:

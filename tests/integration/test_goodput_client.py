@@ -1,19 +1,15 @@
-"""bench/goodput.py's client against bench/sse_stub.py on loopback: SSE timing, token counts and
+"""The goodput suite's client against bench/harness/sse_stub.py on loopback: SSE timing, token counts and
 failures as the benchmark records them (the stub stands in for a model server, so no model loads)."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # bench/ scripts import each other by name
-
-from goodput_client import request_body, run_open_loop, served_model
-from goodput_workload import BenchRequest
-from sse_stub import MODEL, StubServer
+from bench.harness.sse_client import request_body, run_open_loop, served_model
+from bench.harness.sse_stub import MODEL, StubServer
+from bench.harness.workload import BenchRequest
 
 
 @pytest.fixture
