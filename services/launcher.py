@@ -59,11 +59,10 @@ class ServerProcess:
                  cwd: str | os.PathLike[str] | None = None, stderr: IO[str] | None = None,
                  on_line: Callable[[str], None] | None = None, cpu: int | None = None) -> None:
         self.name = name
-        self.argv = list(argv)
         self.ready: ReadyLine | None = None
         self._on_line = on_line
         self._settled = threading.Event()  # set at the ready line, or when stdout ends without one
-        self.proc = subprocess.Popen(self.argv, cwd=cwd, env=None if env is None else dict(env),
+        self.proc = subprocess.Popen(list(argv), cwd=cwd, env=None if env is None else dict(env),
                                      stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1,
                                      process_group=0)
         if cpu is not None:

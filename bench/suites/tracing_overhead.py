@@ -3,10 +3,10 @@
 Each round starts a gateway, a prefill and a decode worker (one torch thread each), sends
 `--requests` distinct prompts `--concurrency` at a time through the gateway after one untimed
 warm-up, and counts output tokens per second of wall time. With tracing on, every process exports
-to an OTLP/gRPC receiver inside this script (the one the tests use), sampling every request. Rounds
-alternate off/on `--rounds` times, never overlapping, and the best round of each mode is kept
-(the one least disturbed by whatever else shares the machine). The target is at most 2% less
-throughput with tracing on.
+to an OTLP/gRPC receiver inside this process (bench/harness/otlp_receiver.py, the one the tests
+use), sampling every request. Rounds alternate off/on `--rounds` times, never overlapping, and the
+best round of each mode is kept (the one least disturbed by whatever else shares the machine). The
+target is at most 2% less throughput with tracing on.
 
     python -m bench tracing_overhead [--requests 32] [--concurrency 4] [--prompt-tokens 256]
                                      [--output-tokens 32] [--rounds 2] [--smoke]
