@@ -56,7 +56,7 @@ class ServerProcess:
     (this process's own when None)."""
 
     def __init__(self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-                 cwd: str | os.PathLike[str] | None = None, stderr: IO[str] | None = None,
+                 cwd: str | os.PathLike[str] | None = None, stderr: IO[str] | IO[bytes] | None = None,
                  on_line: Callable[[str], None] | None = None, cpu: int | None = None) -> None:
         self.name = name
         self.ready: ReadyLine | None = None
