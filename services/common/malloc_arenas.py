@@ -4,7 +4,7 @@ glibc gives each new thread an arena of its own. A worker steps its engine on a 
 asyncio loop, and in that thread's arena a prefill's large activations (megabytes, freed and
 allocated again in every layer) were handed back to the kernel and returned as fresh zeroed pages:
 a 512-token prefill computed 16-18% longer than the same engine on the main thread, whose arena
-keeps them (2.25 s vs 1.89 s in the prefill worker, measured with `bench/mesh_overhead.py`). With
+keeps them (2.25 s vs 1.89 s in the prefill worker, measured with `python -m bench mesh_overhead`). With
 one arena the worker computes as fast as in-process, and threads no longer grow heaps of their own.
 """
 
