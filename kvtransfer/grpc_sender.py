@@ -15,7 +15,7 @@ import grpc
 import torch
 from tandem.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
-from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget, check_pages
+from kvtransfer.descriptor import KVLayout, LayoutTransferError, TransferError, TransferTarget, check_pages
 from kvtransfer.faults import Fault, TransferFault, flip_bit
 from kvtransfer.grpc_stream import MAX_PIECE_BYTES
 
@@ -86,7 +86,7 @@ class GrpcSender:
 
 
 class GrpcSenders:
-    """The prefill side's gRPC channels, one per receiver address, each checked by a Handshake."""
+    """The prefill side's gRPC channels, one per receiver address and layout, each checked by a Handshake."""
 
     def __init__(
         self, layout: KVLayout, timeout: float, connect: Callable[[str], grpc.Channel] = grpc.insecure_channel
@@ -95,13 +95,14 @@ class GrpcSenders:
         self._connect = connect
         self._layout = layout
         self._timeout = timeout
-        self._channels: dict[str, tuple[grpc.Channel, kvtransfer_pb2_grpc.KVTransferStub]] = {}
+        self._channels: dict[tuple[str, KVLayout], tuple[grpc.Channel, kvtransfer_pb2_grpc.KVTransferStub]] = {}
         self._lock = threading.Lock()
 
     def sender(self, target: TransferTarget, fault: TransferFault) -> GrpcSender:
         """A sender on the receiver's channel (handshaking first on a new one; blocks up to the
-        timeout); `fault` is the test hook's plan for it."""
-        return GrpcSender(self._stub(target.address), target, fault)
+        timeout); `fault` is the test hook's plan for it. LayoutTransferError if the target's layout
+        is not ours (before dialling) or the receiver holds another one (its Handshake)."""
+        return GrpcSender(self._stub(target), target, fault)
 
     def close(self) -> None:
         """Close every channel (calls in flight fail)."""
@@ -111,11 +112,20 @@ class GrpcSenders:
         for channel, _ in channels:
             channel.close()
 
-    def _stub(self, address: str) -> kvtransfer_pb2_grpc.KVTransferStub:
+    def _stub(self, target: TransferTarget) -> kvtransfer_pb2_grpc.KVTransferStub:
+        # Keyed by layout too. A channel reconnects by itself to a receiver restarted at the same
+        # address, with no new Handshake; such a receiver's targets state its new layout, so they
+        # find no channel and are checked here. Every target a channel serves is thus in the layout
+        # its Handshake accepted.
+        key = (target.address, target.layout)
         with self._lock:
-            known = self._channels.get(address)
+            known = self._channels.get(key)
         if known is not None:
             return known[1]
+        address = target.address
+        reason = self._layout.mismatch(target.layout)
+        if reason is not None:
+            raise LayoutTransferError(address, reason)
         channel = self._connect(address)
         stub = kvtransfer_pb2_grpc.KVTransferStub(channel)
         try:
@@ -124,7 +134,7 @@ class GrpcSenders:
             channel.close()
             raise
         with self._lock:
-            kept = self._channels.setdefault(address, (channel, stub))
+            kept = self._channels.setdefault(key, (channel, stub))
         if kept[0] is not channel:  # another thread handshook first
             channel.close()
         return kept[1]
@@ -140,7 +150,7 @@ class GrpcSenders:
                 reason = self._layout.mismatch(KVLayout.from_proto(response.layout)) or response.reason
             except ValueError:
                 reason = response.reason
-            raise TransferError(f"KV layout mismatch with {address}: {reason}")
+            raise LayoutTransferError(address, reason)
 
 
 def _flipped(data: bytes) -> bytes:

@@ -8,7 +8,7 @@ from typing import Protocol
 import grpc
 import torch
 
-from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget
+from kvtransfer.descriptor import KVLayout, TransferTarget
 from kvtransfer.faults import TransferFault, fault_file, read_fault
 from kvtransfer.grpc_sender import GrpcSenders
 from kvtransfer.torch_dist_sender import TorchDistSenders
@@ -50,17 +50,16 @@ class KVSenderPool:
         """`layout` is this worker's; `timeout` bounds pairing, handshakes and each message;
         `device` is where the exported KV lives (NCCL targets need it on CUDA); `connect` opens the
         gRPC backend's channel to a receiver's host:port (e.g. with mutual TLS)."""
-        self.layout = layout
-        self._torch_dist = TorchDistSenders(timeout, torch.device(device))
+        self._torch_dist = TorchDistSenders(layout, timeout, torch.device(device))
         self._grpc = GrpcSenders(layout, timeout, connect)
         self._fault_file = fault_file()  # the test hook (kvtransfer.faults); None in production
 
     def sender(self, target: TransferTarget) -> KVSender:
-        """A sender for one transfer; TransferError if the layouts differ (naming the fields) or the
-        receiver cannot be reached. May block while pairing: call it off the event loop."""
-        reason = self.layout.mismatch(target.layout)
-        if reason is not None:
-            raise TransferError(f"KV layout mismatch: {reason}")
+        """A sender for one transfer, on the pair for the target's receiver and layout. Pairing checks
+        the layouts (LayoutTransferError, naming the fields, before any page is sent), and a pair
+        serves only targets of the layout it was made for, so each target is covered by that one
+        check. TransferError if the receiver cannot be reached. May block while pairing: call it off
+        the event loop."""
         fault = TransferFault(read_fault(self._fault_file), target.transfer_id)
         if target.backend == "torch_dist":
             return self._torch_dist.sender(target, fault)

@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kvtransfer.descriptor import TransferError, TransferTarget, check_pages
+from kvtransfer.descriptor import KVLayout, LayoutTransferError, TransferError, TransferTarget, check_pages
 from kvtransfer.faults import Fault, TransferFault, flip_bit
 from kvtransfer.futures import settle, settle_error
 from kvtransfer.torch_dist import (
@@ -129,7 +129,7 @@ class _SendingPair:
     thread waits for the receiver's BYE (or the pair breaking) so a dead pair does not linger."""
 
     def __init__(self, target: TransferTarget, timeout: float, device: torch.device, pool: TorchDistSenders) -> None:
-        self.namespace = target.namespace
+        self.key = _pair_key(target)
         self.ready = threading.Event()
         self._target = target
         self._timeout = timeout
@@ -246,21 +246,30 @@ class _SendingPair:
 
 
 class TorchDistSenders:
-    """The prefill side's torch_dist pairs, one per receiver namespace."""
+    """The prefill side's torch_dist pairs, one per receiver namespace and layout."""
 
-    def __init__(self, timeout: float, device: torch.device) -> None:
+    def __init__(self, layout: KVLayout, timeout: float, device: torch.device) -> None:
+        """`layout` is this worker's: a pair is made only with a receiver that holds it."""
+        self._layout = layout
         self._timeout = timeout
         self._device = device
-        self._pairs: dict[str, _SendingPair] = {}
+        self._pairs: dict[tuple[str, KVLayout], _SendingPair] = {}
         self._lock = threading.Lock()
 
     def sender(self, target: TransferTarget, fault: TransferFault) -> TorchDistSender:
         """A sender on the target's pair, pairing first if needed (blocks up to the timeout); `fault`
-        is the test hook's plan for it."""
+        is the test hook's plan for it. LayoutTransferError, before pairing, if the target's layout
+        is not ours."""
         with self._lock:
-            pair = self._pairs.get(target.namespace)
+            pair = self._pairs.get(_pair_key(target))
             if pair is None:
-                pair = self._pairs[target.namespace] = _SendingPair(target, self._timeout, self._device, self)
+                # The target is the receiver's word on its layout. Pairs are keyed by namespace and
+                # layout, so this comparison, made once per pair, covers every target the pair
+                # serves; a restarted receiver pairs again anyway, under a new namespace.
+                reason = self._layout.mismatch(target.layout)
+                if reason is not None:
+                    raise LayoutTransferError(target.address, reason)
+                pair = self._pairs[_pair_key(target)] = _SendingPair(target, self._timeout, self._device, self)
         # Pairing gives up by itself after the timeout; the margin covers thread start-up.
         if not pair.ready.wait(2 * self._timeout):
             raise TransferError(f"pairing with the KV receiver at {target.address} did not finish")
@@ -269,8 +278,8 @@ class TorchDistSenders:
     def forget(self, pair: _SendingPair) -> None:
         """Drop an ended pair: a later target for the same receiver comes with a new namespace."""
         with self._lock:
-            if self._pairs.get(pair.namespace) is pair:
-                del self._pairs[pair.namespace]
+            if self._pairs.get(pair.key) is pair:
+                del self._pairs[pair.key]
 
     def close(self) -> None:
         """Close every pair after what is queued and wait (up to the timeout) for their threads.
@@ -283,3 +292,7 @@ class TorchDistSenders:
         deadline = time.monotonic() + self._timeout
         for pair in pairs:
             pair.join(max(0.0, deadline - time.monotonic()))
+
+
+def _pair_key(target: TransferTarget) -> tuple[str, KVLayout]:
+    return target.namespace, target.layout

@@ -17,6 +17,7 @@ _COMMAND_MODULES = (
     "services.commands.chat",
     "services.commands.mesh",
     "services.commands.probe",
+    "services.commands.bench",
 )
 
 

@@ -8,7 +8,7 @@ from typing import get_args
 from engine.config import CacheConfig, CpuWeights, DType, EngineConfig, Role, SchedulerConfig
 
 # One prompt of a few hundred tokens keeps a CPU core busy, so batching a second one into its step
-# only delays the first one's first token (bench/prompt_batching.py; docs/benchmarks.md). A GPU
+# only delays the first one's first token (`python -m bench prompt_batching`; docs/benchmarks.md). A GPU
 # is far from saturated by a few prompts: there they batch up to the token budget.
 CPU_PROMPT_BATCH_TOKENS = 256
 

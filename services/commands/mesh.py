@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
 
-_READY_LINE = re.compile(r"^tandem (\w+) ready grpc=(\S+)(?: metrics=\S+)?(?: http=(\S+))?$")
+from services.launcher import ReadyLine, ServerProcess, tandem_command
+
 _DEMO_PROMPT = "Explain in two sentences why LLM inference splits prefill and decode."
 
 
@@ -46,35 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     mesh.set_defaults(func=run)
 
 
-class Child:
-    """One child process; its stdout is relayed with a prefix, and its ready line noted."""
-
-    def __init__(self, role: str, argv: Sequence[str]) -> None:
-        self.role = role
-        self.address: str | None = None
-        self.http_address: str | None = None
-        self.ready = threading.Event()
-        # Its own process group: Ctrl-C reaches only the mesh, which then stops the children itself.
-        self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, text=True, bufsize=1, process_group=0,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        threading.Thread(target=self._relay, name=f"{role}-stdout", daemon=True).start()
-
-    def _relay(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            match = _READY_LINE.match(line.strip())
-            if match and match.group(1) == self.role:
-                self.address = match.group(2)
-                self.http_address = match.group(3)
-                self.ready.set()
-            print(f"[{self.role}] {line}", end="", flush=True)
-
-    def stop(self) -> None:
-        """Ask it to drain and exit (SIGTERM)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+def _child(role: str, args: Sequence[str]) -> ServerProcess:
+    """`tandem ARGS` as one of the mesh's children, its stdout relayed with a `[role]` prefix."""
+    return ServerProcess(role, tandem_command(args), env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         on_line=lambda line: print(f"[{role}] {line}", flush=True))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    children: list[Child] = []
+    children: list[ServerProcess] = []
     try:
         gateway, http = _start(args, children, stop)
         print(f"tandem mesh ready gateway={gateway} http={http}", flush=True)
@@ -92,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         while not stop.wait(0.5):
             for child in children:
                 if child.proc.poll() is not None:
-                    raise MeshError(f"the {child.role} process exited with code {child.proc.returncode}")
+                    raise MeshError(f"the {child.name} process exited with code {child.proc.returncode}")
         return 0
     except MeshError as error:
         print(f"tandem mesh: error: {error}", file=sys.stderr, flush=True)
@@ -101,25 +75,24 @@ def run(args: argparse.Namespace) -> int:
         _stop_all(children, args.grace_period)
 
 
-def _start(args: argparse.Namespace, children: list[Child], stop: threading.Event) -> tuple[str, str]:
+def _start(args: argparse.Namespace, children: list[ServerProcess], stop: threading.Event) -> tuple[str, str]:
     """Start the two workers together (their model loads overlap), then the gateway on the
     addresses they report; the gateway's gRPC and HTTP addresses once all are ready."""
-    base = [sys.executable, "-m", "services.cli", "--log-level", args.log_level]
+    base = ["--log-level", args.log_level]
     common = ["--host", args.host, *(["--model", args.model] if args.model else [])]
     # A worker asked for port 0 binds a free port itself and names it in its ready line: a port
     # picked here and bound later by the child could be taken by another process in between.
-    children.append(Child("prefill", [*base, "prefill", *common, "--port", str(args.prefill_port), "--threads", "1",
-                                      *_free_metrics_port(args.prefill_port)]))
-    children.append(Child("decode", [*base, "decode", *common, "--port", str(args.decode_port), "--threads", "1",
-                                     "--kv-backend", args.kv_backend, *_free_metrics_port(args.decode_port)]))
-    _wait_ready(children, time.monotonic() + args.startup_timeout, stop)
-    prefill, decode = (str(child.address) for child in children)
+    children.append(_child("prefill", [*base, "prefill", *common, "--port", str(args.prefill_port), "--threads", "1",
+                                       *_free_metrics_port(args.prefill_port)]))
+    children.append(_child("decode", [*base, "decode", *common, "--port", str(args.decode_port), "--threads", "1",
+                                      "--kv-backend", args.kv_backend, *_free_metrics_port(args.decode_port)]))
+    prefill, decode = (ready.grpc for ready in _wait_ready(children, time.monotonic() + args.startup_timeout, stop))
     # The gateway reports ready once it sees a serving worker in each pool.
-    children.append(Child("gateway", [*base, "gateway", *common, "--port", str(args.gateway_port),
-                                      "--http-port", str(args.http_port), "--prefill", prefill, "--decode", decode,
-                                      "--wait-for-workers", str(args.startup_timeout)]))
-    _wait_ready(children, time.monotonic() + args.startup_timeout, stop)
-    return str(children[-1].address), str(children[-1].http_address)
+    children.append(_child("gateway", [*base, "gateway", *common, "--port", str(args.gateway_port),
+                                       "--http-port", str(args.http_port), "--prefill", prefill, "--decode", decode,
+                                       "--wait-for-workers", str(args.startup_timeout)]))
+    gateway = _wait_ready(children, time.monotonic() + args.startup_timeout, stop)[-1]
+    return gateway.grpc, str(gateway.http)
 
 
 def _free_metrics_port(port: int) -> list[str]:
@@ -128,17 +101,19 @@ def _free_metrics_port(port: int) -> list[str]:
     return [] if port else ["--metrics-port", "0"]
 
 
-def _wait_ready(children: Sequence[Child], deadline: float, stop: threading.Event) -> None:
-    while not all(child.ready.is_set() for child in children):
+def _wait_ready(children: Sequence[ServerProcess], deadline: float, stop: threading.Event) -> list[ReadyLine]:
+    """Every child's ready line, in order, polled so that a stop request interrupts the wait."""
+    while not all(child.ready for child in children):
         for child in children:
-            if child.proc.poll() is not None and not child.ready.is_set():
-                raise MeshError(f"the {child.role} process exited with code {child.proc.returncode} "
+            if child.proc.poll() is not None and not child.ready:
+                raise MeshError(f"the {child.name} process exited with code {child.proc.returncode} "
                                 "before it was ready (its log is above)")
         if time.monotonic() > deadline:
-            late = ", ".join(child.role for child in children if not child.ready.is_set())
+            late = ", ".join(child.name for child in children if not child.ready)
             raise MeshError(f"not ready within --startup-timeout: {late}")
         if stop.wait(0.1):
             raise MeshError("interrupted while starting")
+    return [child.ready for child in children if child.ready]
 
 
 def _demo(gateway: str, prompt: str, max_tokens: int, stop: threading.Event) -> None:
@@ -184,17 +159,14 @@ def _print_usage(gateway: str, http: str) -> None:
           "Ctrl-C stops the mesh.", flush=True)
 
 
-def _stop_all(children: Sequence[Child], grace_period: float) -> None:
+def _stop_all(children: Sequence[ServerProcess], grace_period: float) -> None:
     """SIGTERM every child, then SIGKILL whichever has not exited after the grace period."""
     for child in reversed(children):
-        child.stop()
+        child.terminate()
     deadline = time.monotonic() + grace_period
     for child in children:
-        try:
-            code = child.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(f"tandem mesh: killing the {child.role} process after {grace_period:g} s", file=sys.stderr)
-            child.proc.kill()
-            code = child.proc.wait()
+        code, killed = child.wait_or_kill(deadline - time.monotonic())
+        if killed:
+            print(f"tandem mesh: killed the {child.name} process after {grace_period:g} s", file=sys.stderr)
         if code != 0:
-            print(f"tandem mesh: the {child.role} process exited with code {code}", file=sys.stderr, flush=True)
+            print(f"tandem mesh: the {child.name} process exited with code {code}", file=sys.stderr, flush=True)

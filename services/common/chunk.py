@@ -29,14 +29,18 @@ class Usage:
 
 @dataclass(frozen=True)
 class Timings:
-    """Where a finished request's time went, in seconds, as the workers measured it."""
+    """Where a finished request's time went, in seconds, as the workers measured it.
 
-    ttft_s: float
-    tpot_s: float
-    prefill_queue_s: float
-    prefill_compute_s: float
-    kv_wait_s: float
-    e2e_s: float
+    The one record of a request's timings: its fields are those of the `Timings` proto, name for name
+    (convert.py maps them by name, and a test holds the two equal), so a new timing is a field here
+    and in the proto, plus where the decode worker works it out (services/decode/progress.py)."""
+
+    ttft_s: float = 0.0  # arrival at the decode worker to its first token leaving it
+    tpot_s: float = 0.0  # mean time per output token after the first
+    prefill_queue_s: float = 0.0  # waiting in the prefill worker's queue
+    prefill_compute_s: float = 0.0  # the prefill forward passes
+    kv_wait_s: float = 0.0  # the decode worker's wait for the prompt's KV after the first token arrived
+    e2e_s: float = 0.0  # end to end at the decode worker
     kv_delivery_wait_s: float = 0.0  # the prefill worker's wait for delivery after its first token
     reserve_s: float = 0.0  # disaggregated: arrival at the decode worker to its KV blocks reserved
     batch_join_s: float = 0.0  # disaggregated: the KV complete to joining the decode batch

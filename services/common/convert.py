@@ -6,7 +6,8 @@ types are named for checkers only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+import dataclasses
+from typing import TYPE_CHECKING
 
 from tandem.v1 import common_pb2
 
@@ -15,8 +16,9 @@ from services.common.chunk import Chunk, Timings, TokenLogprob, Usage
 from services.common.step_model import StepModel
 
 if TYPE_CHECKING:
-    from engine.outputs import EngineStats, RequestOutput
+    from engine.outputs import RequestOutput
     from engine.sampler import TokenLogprobs
+    from services.common.worker import WorkerLoad
 
 # What a proto field's zero value means when the engine's default differs from it.
 _DEFAULT_MAX_TOKENS = SamplingParams.max_tokens
@@ -27,13 +29,6 @@ _FINISH_TO_PROTO = {
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
 _FINISH_FROM_PROTO = {value: name for name, value in _FINISH_TO_PROTO.items()}
-
-
-class StepRatesLike(Protocol):
-    """The measured speeds a load report carries (EngineLoop.rates)."""
-
-    prefill_tokens_per_s: float
-    decode_step_s: float
 
 
 def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -104,7 +99,17 @@ def token_logprob_to_proto(logprobs: TokenLogprobs | TokenLogprob) -> common_pb2
     )
 
 
-def token_chunk(output: RequestOutput, timings: common_pb2.Timings | None = None) -> common_pb2.TokenChunk:
+def timings_to_proto(timings: Timings) -> common_pb2.Timings:
+    """The wire form of a request's timings (field for field, by name)."""
+    return common_pb2.Timings(**dataclasses.asdict(timings))
+
+
+def timings_from_proto(msg: common_pb2.Timings) -> Timings:
+    """A request's timings read off the wire (field for field, by name)."""
+    return Timings(**{field.name: getattr(msg, field.name) for field in dataclasses.fields(Timings)})
+
+
+def token_chunk(output: RequestOutput, timings: Timings | None = None) -> common_pb2.TokenChunk:
     """What one engine output adds to the client's stream; the final one carries finish reason,
     usage and (when given) timings."""
     chunk = common_pb2.TokenChunk(
@@ -120,14 +125,13 @@ def token_chunk(output: RequestOutput, timings: common_pb2.Timings | None = None
             cached_tokens=output.num_cached_tokens,
         ))
         if timings is not None:
-            chunk.timings.CopyFrom(timings)
+            chunk.timings.CopyFrom(timings_to_proto(timings))
     return chunk
 
 
 def chunk_from_proto(msg: common_pb2.TokenChunk, request_id: str) -> Chunk:
     """A relayed TokenChunk as plain data; usage and timings only where the message has them."""
     usage = msg.usage if msg.HasField("usage") else None
-    timings = msg.timings if msg.HasField("timings") else None
     return Chunk(
         request_id=request_id,
         token_ids=tuple(msg.token_ids),
@@ -138,10 +142,7 @@ def chunk_from_proto(msg: common_pb2.TokenChunk, request_id: str) -> Chunk:
         ),
         finish_reason=finish_reason_from_proto(msg.finish_reason),
         usage=Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if usage else None,
-        timings=Timings(
-            timings.ttft_s, timings.tpot_s, timings.prefill_queue_s, timings.prefill_compute_s,
-            timings.kv_wait_s, timings.e2e_s, timings.kv_delivery_wait_s, timings.reserve_s, timings.batch_join_s,
-        ) if timings else None,
+        timings=timings_from_proto(msg.timings) if msg.HasField("timings") else None,
     )
 
 
@@ -160,49 +161,33 @@ def chunk_to_proto(chunk: Chunk) -> common_pb2.TokenChunk:
             cached_tokens=chunk.usage.cached_tokens,
         ))
     if chunk.timings is not None:
-        t = chunk.timings
-        msg.timings.CopyFrom(common_pb2.Timings(
-            ttft_s=t.ttft_s, tpot_s=t.tpot_s, prefill_queue_s=t.prefill_queue_s,
-            prefill_compute_s=t.prefill_compute_s, kv_wait_s=t.kv_wait_s, e2e_s=t.e2e_s,
-            kv_delivery_wait_s=t.kv_delivery_wait_s, reserve_s=t.reserve_s, batch_join_s=t.batch_join_s,
-        ))
+        msg.timings.CopyFrom(timings_to_proto(chunk.timings))
     return msg
 
 
-def load_report(
-    stats: EngineStats,
-    rates: StepRatesLike,
-    *,
-    worker_id: str,
-    role: str,
-    block_size: int,
-    reserved_requests: int = 0,
-    finished_requests: int = 0,
-    step_model: StepModel | None = None,
-    max_num_batched_tokens: int = 0,
-    kv_delivery_wait_s: float = 0.0,
-) -> common_pb2.LoadReport:
-    """A worker's LoadReport from its engine's stats and measured rates."""
+def load_report(load: WorkerLoad) -> common_pb2.LoadReport:
+    """A worker's LoadReport."""
+    stats = load.stats
     return common_pb2.LoadReport(
-        worker_id=worker_id,
-        role=role,
+        worker_id=load.worker_id,
+        role=load.role,
         queued_prompt_tokens=stats.num_waiting_tokens,
         running_requests=stats.num_running,
         waiting_requests=stats.num_waiting,
         free_kv_blocks=stats.num_free_blocks,
         total_kv_blocks=stats.num_total_blocks,
-        block_size=block_size,
+        block_size=stats.block_size,
         cached_kv_blocks=stats.num_cached_blocks,
-        prefill_tokens_per_s=rates.prefill_tokens_per_s,
-        tpot_s=rates.decode_step_s,
-        reserved_requests=reserved_requests,
+        prefill_tokens_per_s=load.prefill_tokens_per_s,
+        tpot_s=load.decode_step_s,
+        reserved_requests=load.reserved_requests,
         # usage is a fraction of the total; round, since e.g. 0.3 * 10 is 2.999...
         used_kv_blocks=round(stats.kv_usage * stats.num_total_blocks),
-        finished_requests=finished_requests,
+        finished_requests=load.finished_requests,
         context_tokens=stats.num_context_tokens,
-        step_model=step_model_to_proto(step_model or StepModel()),
-        max_num_batched_tokens=max_num_batched_tokens,
-        kv_delivery_wait_s=kv_delivery_wait_s,
+        step_model=step_model_to_proto(load.step_model),
+        max_num_batched_tokens=stats.max_num_batched_tokens,
+        kv_delivery_wait_s=load.kv_delivery_wait_s,
     )
 
 

@@ -1,7 +1,8 @@
 """Runs an Engine on its own thread so that asyncio gRPC handlers never block on torch.
 
-Every interaction with the engine (adding, aborting, reserving, reading stats) is queued as a
-command and executed on the engine thread between steps, so the engine needs no locks.
+Every interaction with the engine is a message of `engine.commands`, queued and dispatched (in
+`_dispatch`, the one place that knows the engine's methods) on the engine thread between steps,
+so the engine needs no locks.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from engine.engine import Engine, LayerHook
+from engine.commands import Abort, AddRequest, Command, GetStats, ImportPages, Release, Reserve, StartDecode
+from engine.engine import Engine
 from engine.outputs import RequestOutput
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
@@ -50,13 +52,12 @@ class StepRates:
 class EngineLoop:
     """The engine thread plus the asyncio-facing API of one worker."""
 
-    def __init__(self, engine: Engine, layer_hook: LayerHook | None = None, fit: StepModelFit | None = None) -> None:
+    def __init__(self, engine: Engine, fit: StepModelFit | None = None) -> None:
         """`fit` is the step model to refine with every step (a new one if None)."""
         self.engine = engine
         self.rates = StepRates()
         self.step_model = fit or StepModelFit()
-        self._layer_hook = layer_hook
-        self._commands: deque[tuple[Callable[[Engine], object], Future]] = deque()
+        self._commands: deque[tuple[Command[Any], Future[Any]]] = deque()
         self._wake = threading.Condition()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
         self._stopping = False
@@ -74,19 +75,23 @@ class EngineLoop:
         self._thread.join(timeout)
 
     # ---- commands ---------------------------------------------------------------------------
-    def submit(self, fn: Callable[[Engine], T]) -> Future[T]:
-        """Run fn(engine) on the engine thread between steps; a concurrent Future of its result."""
+    def submit(self, command: Command[T]) -> Future[T]:
+        """Run a command on the engine thread between steps; a concurrent Future of its result."""
         future: Future[T] = Future()
         with self._wake:
             if self._stopping:
                 raise RuntimeError("the engine is stopping")
-            self._commands.append((fn, future))
+            self._commands.append((command, future))
             self._wake.notify()
         return future
 
-    async def call(self, fn: Callable[[Engine], T]) -> T:
-        """Await fn(engine) run on the engine thread."""
-        return await asyncio.wrap_future(self.submit(fn))
+    async def call(self, command: Command[T]) -> T:
+        """Await a command run on the engine thread."""
+        return await asyncio.wrap_future(self.submit(command))
+
+    def import_pages(self, command: ImportPages) -> None:
+        """Write received pages now, on the calling thread (see ImportPages for why that is safe)."""
+        self._dispatch(command)
 
     # ---- streams ----------------------------------------------------------------------------
     def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | Exception]:
@@ -111,7 +116,7 @@ class EngineLoop:
         queue = self.open_stream(request_id)
         finished = False
         try:
-            await self.call(lambda e: e.add_request(request_id, prompt_token_ids, params, resumed))
+            await self.call(AddRequest(request_id, prompt_token_ids, params, resumed))
             while True:
                 output = await queue.get()
                 if isinstance(output, Exception):
@@ -124,7 +129,7 @@ class EngineLoop:
         finally:
             self.close_stream(request_id)
             if not finished:
-                self.submit(lambda e: e.abort(request_id))
+                self.submit(Abort(request_id))
 
     # ---- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -138,24 +143,43 @@ class EngineLoop:
                     return
                 commands = list(self._commands)
                 self._commands.clear()
-            for fn, future in commands:
-                self._execute(fn, future)
+            for command, future in commands:
+                self._execute(command, future)
             if engine.has_unfinished():
                 self._step()
 
-    def _execute(self, fn: Callable[[Engine], object], future: Future) -> None:
+    def _execute(self, command: Command[Any], future: Future[Any]) -> None:
         if not future.set_running_or_notify_cancel():
             return
         try:
-            future.set_result(fn(self.engine))
+            future.set_result(self._dispatch(command))
         except BaseException as exc:  # handed to the awaiting caller, whatever it is
             future.set_exception(exc)
+
+    def _dispatch(self, command: Command[Any]) -> object:
+        engine = self.engine
+        match command:
+            case AddRequest(request_id, prompt, params, resumed, export):
+                return engine.add_request(request_id, prompt, params, resumed, export)
+            case Reserve(request_id, prompt, params, resumed):
+                return engine.reserve(request_id, prompt, params, resumed)
+            case ImportPages(request_id, layer, block_ids, k, v):
+                return engine.import_kv(request_id, layer, block_ids, k, v)
+            case StartDecode(request_id, first_token):
+                return engine.start_decode(request_id, first_token)
+            case Release(request_id):
+                return engine.release(request_id)
+            case Abort(request_id):
+                return engine.abort(request_id)
+            case GetStats():
+                return engine.stats()
+        raise TypeError(f"not an engine command: {command!r}")
 
     def _step(self) -> None:
         engine = self.engine
         started = time.perf_counter()
         try:
-            outputs = engine.step(self._layer_hook)
+            outputs = engine.step()
         except Exception as exc:
             # A failed step must not strand its requests: abort them all and tell their readers.
             log.exception("engine step failed; aborting every request it held")

@@ -1,8 +1,9 @@
 """How failures become gRPC statuses, the same way in every handler.
 
 ValueError (the engine's and the converters' "bad input, naming the field") is INVALID_ARGUMENT,
-TimeoutError is DEADLINE_EXCEEDED, a `StatusError` carries its own code, anything else is INTERNAL
-(and logged with its traceback, since it is a bug or an unexpected failure). The RPC's span, when
+TimeoutError is DEADLINE_EXCEEDED, a role worker's `WorkerError` maps its kind of failure to a code
+(the one place that does), a `StatusError` carries its own code, anything else is INTERNAL (and
+logged with its traceback, since it is a bug or an unexpected failure). The RPC's span, when
 traced, is marked failed with the status code's name as its `error.type`. A StatusError's extra
 fields travel as trailing metadata (`retry-after`, `tandem-failed-prefill`), and
 `status_error_from_rpc` reads them back on the calling side.
@@ -16,12 +17,21 @@ from typing import NoReturn
 
 import grpc
 
+from services.common.failure import Failure, WorkerError
 from services.observability.spans import set_error
 
 log = logging.getLogger(__name__)
 
 
 FAILED_PREFILL_KEY = "tandem-failed-prefill"
+
+_FAILURE_CODES = {
+    Failure.NO_ROOM: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Failure.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Failure.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Failure.MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    Failure.CANCELLED: grpc.StatusCode.CANCELLED,
+}
 
 
 class StatusError(Exception):
@@ -44,6 +54,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a handler answers `exc` with."""
     if isinstance(exc, StatusError):
         return exc.code, exc.message
+    if isinstance(exc, WorkerError):
+        return _FAILURE_CODES[exc.failure], exc.message
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, TimeoutError):
@@ -58,11 +70,10 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
     if code is grpc.StatusCode.INTERNAL:
         log.error("internal error", exc_info=exc)
     trailers: list[tuple[str, str]] = []
-    if isinstance(exc, StatusError):
-        if exc.retry_after_s is not None:
-            trailers.append(("retry-after", str(math.ceil(exc.retry_after_s))))
-        if exc.failed_prefill is not None:
-            trailers.append((FAILED_PREFILL_KEY, exc.failed_prefill))
+    if isinstance(exc, StatusError) and exc.retry_after_s is not None:
+        trailers.append(("retry-after", str(math.ceil(exc.retry_after_s))))
+    if isinstance(exc, StatusError | WorkerError) and exc.failed_prefill is not None:
+        trailers.append((FAILED_PREFILL_KEY, exc.failed_prefill))
     await context.abort(code, message, trailing_metadata=tuple(trailers))
     raise AssertionError("context.abort returned")  # it always raises; this tells type checkers
 
@@ -71,3 +82,4 @@ def status_error_from_rpc(error: grpc.aio.AioRpcError) -> StatusError:
     """A failed call as a StatusError: its code, details and the prefill worker it blames."""
     trailers = dict(error.trailing_metadata() or ())
     return StatusError(error.code(), error.details() or "", failed_prefill=trailers.get(FAILED_PREFILL_KEY))
+

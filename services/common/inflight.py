@@ -10,9 +10,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-import grpc
-
-from services.common.errors import StatusError
+from services.common.failure import Failure, WorkerError
 
 T = TypeVar("T")
 
@@ -33,7 +31,7 @@ class InflightRequests:
     async def run(self, request_id: str, work: Coroutine[Any, Any, T]) -> T:
         """Run `work` as the request's task and return its result.
 
-        ValueError if the id is already in flight; StatusError(CANCELLED) if `abort` cancelled it.
+        ValueError if the id is already in flight; WorkerError CANCELLED if `abort` cancelled it.
         If the caller is cancelled (the client went away), the task is cancelled too and this
         returns only after its cleanup ran.
         """
@@ -47,7 +45,7 @@ class InflightRequests:
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if task.cancelled() and current is not None and not current.cancelling():
-                raise StatusError(grpc.StatusCode.CANCELLED, f"request {request_id!r} was aborted") from None
+                raise WorkerError(Failure.CANCELLED, f"request {request_id!r} was aborted") from None
             raise
         finally:
             del self._tasks[request_id]

@@ -1,24 +1,35 @@
-"""What the prefill and decode workers share: the engine thread, the requests in flight, the load
-report, and the Abort / GetLoad / WatchLoad RPCs that every worker service serves the same way."""
+"""What the prefill and decode workers share: the engine thread, the requests in flight and the load
+they report. Transport-free: the gRPC side of it is `services.common.worker_rpcs`."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from typing import Generic, TypeVar
+from dataclasses import dataclass
 
-import grpc
-from tandem.v1 import common_pb2
-
-from services.common.convert import load_report
+from engine.commands import GetStats
+from engine.outputs import EngineStats
 from services.common.engine_loop import EngineLoop
 from services.common.inflight import InflightRequests
+from services.common.step_model import StepModel
 
-_DEFAULT_WATCH_INTERVAL_MS = 200
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load now, as its load reports carry it."""
+
+    worker_id: str
+    role: str
+    stats: EngineStats
+    prefill_tokens_per_s: float  # recently measured (0 until measured)
+    decode_step_s: float  # recently measured time per decode step (0 until measured)
+    step_model: StepModel
+    reserved_requests: int
+    finished_requests: int
+    kv_delivery_wait_s: float
 
 
-class Worker:
-    """One loaded engine serving one role, as its gRPC handlers see it."""
+class RoleWorker:
+    """One loaded engine serving one role (prefill, decode or colocated), as its handlers see it."""
 
     def __init__(self, role: str, address: str, loop: EngineLoop, draining: asyncio.Event) -> None:
         self.role = role
@@ -37,63 +48,22 @@ class Worker:
         """Recent wait for KV delivery after a first token (only the prefill role has one)."""
         return 0.0
 
-    async def load_report(self) -> common_pb2.LoadReport:
+    async def load(self) -> WorkerLoad:
         """This worker's load now (the engine's stats are read on its thread, between steps)."""
-        stats, block_size, budget = await self.loop.call(
-            lambda e: (e.stats(), e.kv.block_size, e.config.scheduler.max_num_batched_tokens))
-        return load_report(
-            stats,
-            self.loop.rates,
+        stats = await self.loop.call(GetStats())
+        rates = self.loop.rates
+        return WorkerLoad(
             worker_id=self.worker_id,
             role=self.role,
-            block_size=block_size,
+            stats=stats,
+            prefill_tokens_per_s=rates.prefill_tokens_per_s,
+            decode_step_s=rates.decode_step_s,
+            step_model=self.loop.step_model.model,
             reserved_requests=self.reserved_requests,
             finished_requests=self.inflight.finished,
-            step_model=self.loop.step_model.model,
-            max_num_batched_tokens=budget,
             kv_delivery_wait_s=self.kv_delivery_wait_s,
         )
-
-    async def watch_load(self, interval_ms: int, context: grpc.aio.ServicerContext) -> None:
-        """Write a report every interval until the client goes away (which cancels this) or the
-        server drains (so that watchers do not hold the drain)."""
-        interval = (interval_ms or _DEFAULT_WATCH_INTERVAL_MS) / 1000
-        while not self.draining.is_set():
-            await context.write(await self.load_report())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.draining.wait(), interval)
 
     async def close(self) -> None:
         """Stop the engine thread (after the server drained)."""
         await asyncio.to_thread(self.loop.stop)
-
-
-W = TypeVar("W", bound=Worker)
-
-
-class WorkerRpcs(Generic[W]):
-    """Abort, GetLoad and WatchLoad for a worker service; mixed into the role's servicer.
-
-    `worker` is None until the model is loaded; until then every RPC answers UNAVAILABLE.
-    """
-
-    worker: W | None = None
-
-    async def ready(self, context: grpc.aio.ServicerContext) -> W:
-        """The loaded worker, or end the RPC with UNAVAILABLE."""
-        if self.worker is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        assert self.worker is not None  # context.abort raised otherwise
-        return self.worker
-
-    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext):
-        worker = await self.ready(context)
-        return common_pb2.AbortResponse(found=worker.inflight.abort(request.request_id))
-
-    async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
-        worker = await self.ready(context)
-        return await worker.load_report()
-
-    async def WatchLoad(self, request: common_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext) -> None:
-        worker = await self.ready(context)
-        await worker.watch_load(request.interval_ms, context)

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.commands import GetStats
 from engine.outputs import EngineStats
 from services.common.engine_loop import EngineLoop
 from services.observability.gpu import gpu_collector
@@ -33,7 +34,7 @@ class EngineStateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         try:
-            stats: EngineStats = self._loop.submit(lambda e: e.stats()).result(_STATS_TIMEOUT_S)
+            stats: EngineStats = self._loop.submit(GetStats()).result(_STATS_TIMEOUT_S)
         except (RuntimeError, FutureTimeout) as error:  # stopping, or a step that does not end
             log.info("metrics: engine stats unavailable: %s", error)
             return

@@ -25,11 +25,12 @@ from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
 from services.common.tls import TlsConfig, warn_if_worker_exposed
-from services.common.worker import WorkerRpcs
 from services.common.worker_metrics import WorkerMetrics
+from services.common.worker_rpcs import WorkerRpcs
 from services.decode.prefill_client import PrefillClients
+from services.decode.progress import DecodeProgress
 from services.decode.telemetry import DecodeRecorder
-from services.decode.worker import DecodeTimings, DecodeWorker
+from services.decode.worker import DecodeWorker
 from services.observability.metrics import serve_metrics
 
 
@@ -55,7 +56,7 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
             request_id = request.request_id or uuid.uuid4().hex
             await worker.inflight.run(
                 request_id, self._stream(worker, request_id, request, params, resumed, context,
-                                         DecodeTimings(arrived_at, resumed_tokens=len(request.output_token_ids)))
+                                         DecodeProgress(arrived_at, resumed_tokens=len(request.output_token_ids)))
             )
         except Exception as exc:
             await abort_with(context, exc)
@@ -73,23 +74,22 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
         params: SamplingParams,
         resumed: Resumed | None,
         context: grpc.aio.ServicerContext,
-        timings: DecodeTimings,
+        progress: DecodeProgress,
     ) -> None:
-        recorder = DecodeRecorder(self.metrics, timings)
+        recorder = DecodeRecorder(self.metrics, progress)
         if request.prefill_address:
             prefill = self.prefills.peer(request.prefill_address)
-            outputs = worker.generate(request_id, request.prompt_token_ids, params, prefill, timings, resumed)
+            outputs = worker.generate(request_id, request.prompt_token_ids, params, prefill, progress, resumed)
         else:
-            outputs = worker.generate_local(request_id, request.prompt_token_ids, params, timings, resumed)
+            outputs = worker.generate_local(request_id, request.prompt_token_ids, params, progress, resumed)
         try:
             # aclosing: leaving early (client gone, Abort) runs the request's cleanup before this returns.
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
-                    now = time.perf_counter()
-                    recorder.output(output, now)
-                    generated_here = output.num_output_tokens - timings.resumed_tokens
-                    final = _timings(timings, recorder, now, generated_here) if output.finished else None
-                    await context.write(token_chunk(output, final))
+                    recorder.output(output, time.perf_counter())
+                    generated_here = output.num_output_tokens - progress.resumed_tokens
+                    timings = progress.timings(generated_here) if output.finished else None
+                    await context.write(token_chunk(output, timings))
         finally:
             recorder.trace()
 
@@ -99,28 +99,6 @@ def _resumed(request: decode_pb2.DecodeRequest) -> Resumed | None:
     if not request.output_token_ids:
         return None
     return Resumed(tuple(request.output_token_ids), request.output_text_length)
-
-
-def _timings(
-    timings: DecodeTimings, recorder: DecodeRecorder, now: float, num_output_tokens: int
-) -> common_pb2.Timings:
-    assert recorder.first_at is not None  # the final output came after the first
-    return common_pb2.Timings(
-        ttft_s=recorder.first_at - timings.arrived_at,
-        tpot_s=recorder.tpot_s(num_output_tokens),
-        prefill_queue_s=timings.prefill_queue_s,
-        prefill_compute_s=timings.prefill_compute_s,
-        kv_wait_s=timings.kv_wait_s,
-        e2e_s=now - timings.arrived_at,
-        kv_delivery_wait_s=timings.kv_delivery_wait_s,
-        reserve_s=_between(timings.arrived_at, timings.reserved_at),
-        batch_join_s=_between(timings.kv_done_at, timings.joined_at),
-    )
-
-
-def _between(start: float | None, end: float | None) -> float:
-    """Seconds from one stage's end to another's (0 when either did not happen: local prefill)."""
-    return end - start if start is not None and end is not None else 0.0
 
 
 class LateKVTransfer(kvtransfer_pb2_grpc.KVTransferServicer):

@@ -14,21 +14,21 @@ from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kvtransfer.descriptor import TransferTarget
 from services.common.convert import sampling_params_to_proto
-from services.common.errors import StatusError
+from services.common.failure import Failure, WorkerError
 from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.tls import TlsConfig, open_channel
+from services.decode.progress import PrefillFigures
 from services.decode.worker import PrefillReply
 
 log = logging.getLogger(__name__)
 
-# The prefill worker's verdicts that are about the request itself; anything else means that
-# worker failed, which the gateway may treat by trying another one.
-_PASSED_ON = frozenset({
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-})
+# The prefill worker's verdicts passed on as they are (bad input, INVALID_ARGUMENT, becomes a
+# ValueError); anything else means that worker failed, which the gateway may treat by trying another.
+_PASSED_ON = {
+    grpc.StatusCode.FAILED_PRECONDITION: Failure.MISMATCH,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Failure.DEADLINE,
+    grpc.StatusCode.CANCELLED: Failure.CANCELLED,
+}
 _ABORT_TIMEOUT_S = 2.0
 
 
@@ -44,7 +44,7 @@ class GrpcPrefillPeer:
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, target: TransferTarget,
         timeout: float, resumed: Resumed | None = None,
     ) -> PrefillReply:
-        """Prefill.Prefill with a deadline; StatusError on failure."""
+        """Prefill.Prefill with a deadline; ValueError for bad input, WorkerError for other failures."""
         request = prefill_pb2.PrefillRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -55,15 +55,15 @@ class GrpcPrefillPeer:
         try:
             response = await self._stub.Prefill(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            code = exc.code() if exc.code() in _PASSED_ON else grpc.StatusCode.UNAVAILABLE
-            raise StatusError(code, f"prefill worker {self.address}: {exc.details()}") from exc
+            message = f"prefill worker {self.address}: {exc.details()}"
+            if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(message) from exc
+            raise WorkerError(_PASSED_ON.get(exc.code(), Failure.UNAVAILABLE), message) from exc
         return PrefillReply(
             first_token=response.first_token_id,
             first_logprob=_logprobs(response.first_logprob) if response.HasField("first_logprob") else None,
             cached_tokens=response.cached_tokens,
-            queue_s=response.queue_s,
-            compute_s=response.compute_s,
-            delivery_wait_s=response.kv_delivery_wait_s,
+            figures=PrefillFigures(response.queue_s, response.compute_s, response.kv_delivery_wait_s),
         )
 
     def abort(self, request_id: str) -> None:

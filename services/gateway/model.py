@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from engine.model.paths import default_model_path, served_model_id
 from engine.tokenizer import Tokenizer
-from services.gateway.request import Prompt, TextPrompt, TokenPrompt
+from services.gateway.request import CheckedPrompt, Prompt, TextPrompt, TokenPrompt
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,14 @@ class ServedModel:
         tokenizer = Tokenizer.from_path(source)
         return cls(served_model_id(source), max_model_len or _context_length(source), tokenizer)
 
-    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
-        """The prompt as token ids; ValueError naming the field ("text", "token_ids" or "chat")
-        when it is unusable. Its length is for services.gateway.limits to judge."""
+    def checked_prompt(self, prompt: Prompt) -> CheckedPrompt:
+        """The prompt as token ids, checked: the gateway's one check of a prompt on either API.
+        ValueError naming the field ("text", "token_ids" or "chat") when it is unusable. A
+        CheckedPrompt is returned as it is (this checked it when it made it), so the HTTP API checks
+        its prompts at its edge and the core those of the gRPC API. Its length is for
+        services.gateway.limits to judge."""
+        if isinstance(prompt, CheckedPrompt):
+            return prompt
         if isinstance(prompt, TextPrompt):
             kind, ids = "text", self.tokenizer.encode(prompt.text)
         elif isinstance(prompt, TokenPrompt):
@@ -52,7 +57,7 @@ class ServedModel:
                 raise ValueError(f"chat: {error}") from error
         if not ids:
             raise ValueError(f"{kind}: the prompt is empty")
-        return ids
+        return CheckedPrompt(tuple(ids))
 
 
 def _context_length(source: str) -> int:

@@ -16,7 +16,7 @@ class TextPrompt:
 
 @dataclass(frozen=True)
 class TokenPrompt:
-    """Token ids, checked against the vocabulary."""
+    """Token ids as the client sent them, checked against the vocabulary by the served model."""
 
     ids: tuple[int, ...]
 
@@ -36,7 +36,17 @@ class ChatPrompt:
     messages: tuple[ChatMessage, ...]
 
 
-Prompt = TextPrompt | TokenPrompt | ChatPrompt
+@dataclass(frozen=True)
+class CheckedPrompt:
+    """A prompt the served model already turned into token ids and checked
+    (services.gateway.model.ServedModel.checked_prompt). An API edge that needs the ids before the
+    core does (the HTTP API sizes a chat reply by them, and fans one prompt out to n choices) hands
+    them on as this, so that each prompt is checked once."""
+
+    ids: tuple[int, ...]
+
+
+Prompt = TextPrompt | TokenPrompt | ChatPrompt | CheckedPrompt
 
 
 @dataclass(frozen=True)

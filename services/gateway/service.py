@@ -133,7 +133,7 @@ class GatewayService:
             raise StatusError(grpc.StatusCode.NOT_FOUND,
                               f"model {request.model!r} is not served here; the model is {model.id!r}")
         try:
-            prompt = model.prompt_token_ids(request.prompt)
+            prompt = list(model.checked_prompt(request.prompt).ids)
             self.limits.check(len(prompt), request.sampling.max_tokens, model.max_model_len)
         except ValueError as error:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error

@@ -10,6 +10,7 @@ gateway's metrics. Prompts and completions go on the span only when
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -27,6 +28,9 @@ from services.gateway.router import Decision, SloTargets
 from services.observability.spans import TRACER, set_error
 
 log = logging.getLogger(__name__)
+
+# The Timings fields the gateway measures itself, for the whole stream.
+_GATEWAY_TIMINGS = frozenset({"ttft_s", "tpot_s", "e2e_s"})
 
 
 class RequestObservation:
@@ -187,18 +191,18 @@ class RequestObservation:
             metrics.slo("ttft", ttft <= self._slo.ttft_s)
             metrics.slo("tpot", tpot <= self._slo.tpot_s)
         timings = chunk.timings
+        # Every worker timing under its own name (so a new one is logged with no change here), except
+        # ttft, tpot and e2e, which are the gateway's own; the worker's TTFT is worker_ttft_s.
+        # TTFT's parts: placed_s at the gateway, then worker_ttft_s at the decode worker, which is
+        # reserve_s + prefill_queue_s + prefill_compute_s + kv_wait_s + batch_join_s when disaggregated.
+        worker = {name: round(value, 6) for name, value in dataclasses.asdict(timings).items()
+                  if name not in _GATEWAY_TIMINGS}
         record: dict[str, Any] = {
             "request_id": self._request_id, "trace_id": self._trace_id(), "finish_reason": reason,
             "prompt_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
             "cached_tokens": usage.cached_tokens, "ttft_s": round(ttft, 6), "tpot_s": round(tpot, 6),
-            "e2e_s": round(e2e, 6), "prefill_queue_s": round(timings.prefill_queue_s, 6),
-            "prefill_compute_s": round(timings.prefill_compute_s, 6), "kv_wait_s": round(timings.kv_wait_s, 6),
-            "decode_s": round(max(0.0, timings.e2e_s - timings.ttft_s), 6),
-            # TTFT's parts: placed_s at the gateway, then worker_ttft_s at the decode worker, which
-            # is reserve_s + prefill_queue_s + prefill_compute_s + kv_wait_s + batch_join_s when
-            # disaggregated.
+            "e2e_s": round(e2e, 6), **worker, "decode_s": round(max(0.0, timings.e2e_s - timings.ttft_s), 6),
             "placed_s": round(self._placed_after, 6), "worker_ttft_s": round(timings.ttft_s, 6),
-            "reserve_s": round(timings.reserve_s, 6), "batch_join_s": round(timings.batch_join_s, 6),
             "decode_worker": self._workers[0], "prefill_worker": self._workers[1],
         }
         if self._predicted is not None:

@@ -12,14 +12,15 @@ from engine.engine import Engine
 from engine.model.paths import served_model_id
 from engine.resume import Resumed
 from kvtransfer.descriptor import KVLayout, TransferTarget
+from kvtransfer.sender import KVSenderPool
 from services.common.convert import finish_reason_to_proto, sampling_params_from_proto, token_logprob_to_proto
 from services.common.errors import abort_with
 from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
 from services.common.tls import TlsConfig, open_sync_channel, warn_if_worker_exposed
-from services.common.worker import WorkerRpcs
 from services.common.worker_metrics import WorkerMetrics
+from services.common.worker_rpcs import WorkerRpcs
 from services.observability.metrics import serve_metrics
 from services.prefill.telemetry import record_prefill
 from services.prefill.worker import PrefillResult, PrefillWorker
@@ -92,8 +93,10 @@ async def serve(
 
     async def load() -> None:
         engine = await asyncio.to_thread(Engine, config)
-        worker = PrefillWorker(server.address, engine, server.draining, KVLayout.of_engine(engine), transfer_timeout,
-                               lambda address: open_sync_channel(address, tls, limits))
+        layout = KVLayout.of_engine(engine)
+        senders = KVSenderPool(layout, timeout=transfer_timeout, device=config.device,
+                               connect=lambda address: open_sync_channel(address, tls, limits))
+        worker = PrefillWorker(server.address, engine, server.draining, senders, transfer_timeout)
         await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
         worker.loop.start()
         metrics.watch_engine(worker.loop)

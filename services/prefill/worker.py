@@ -1,24 +1,28 @@
-"""The prefill role: compute a prompt, push its KV pages layer by layer, return the first token."""
+"""The prefill role: compute a prompt, push its KV pages layer by layer, return the first token.
+
+Transport-free: failures are WorkerErrors (and ValueError for bad input), which the handler maps
+to gRPC statuses.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
-
+from engine.commands import Abort, AddRequest, Release
 from engine.engine import Engine
+from engine.kv_export import KVExport
 from engine.outputs import RequestOutput
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
-from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget
+from kvtransfer.descriptor import LayoutTransferError, TransferError, TransferTarget
 from kvtransfer.sender import KVSender, KVSenderPool
 from services.common.engine_loop import EngineLoop
-from services.common.errors import StatusError
-from services.common.worker import Worker
-from services.prefill.kv_push import KVPush, KVPushHook
+from services.common.failure import Failure, WorkerError
+from services.common.worker import RoleWorker
+from services.prefill.kv_push import KVPush
 
 
 @dataclass(frozen=True)
@@ -56,23 +60,20 @@ class PrefillResult:
         return self.delivered_at - self.done_at
 
 
-class PrefillWorker(Worker):
-    """A prefill engine whose layer hook pushes every request's pages to its decode worker."""
+class PrefillWorker(RoleWorker):
+    """A prefill engine that pushes every request's pages to its decode worker, layer by layer."""
 
     def __init__(
         self,
         address: str,
         engine: Engine,
         draining: asyncio.Event,
-        layout: KVLayout,
+        senders: KVSenderPool,
         transfer_timeout: float,
-        connect: Callable[[str], grpc.Channel] = grpc.insecure_channel,
     ) -> None:
-        """`connect` opens the channel to a decode worker's gRPC KV receiver (TLS or not)."""
-        self.hook = KVPushHook(engine)
-        super().__init__("prefill", address, EngineLoop(engine, layer_hook=self.hook), draining)
-        self.layout = layout
-        self.senders = KVSenderPool(layout, timeout=transfer_timeout, device=engine.config.device, connect=connect)
+        """`senders`: the connections to decode workers' KV receivers (they check the layout when they pair)."""
+        super().__init__("prefill", address, EngineLoop(engine), draining)
+        self.senders = senders
         self.transfer_timeout = transfer_timeout
         self._delivery_wait_s = 0.0
 
@@ -87,21 +88,18 @@ class PrefillWorker(Worker):
         """Prefill one prompt into `target` (with `resumed`: the prompt and the output already
         delivered, then the next token); returns once the pages were delivered.
 
-        Raises ValueError for bad input, StatusError FAILED_PRECONDITION if the target's layout
-        differs from ours, UNAVAILABLE if the pages cannot be delivered. Whatever happens
-        (including cancellation), the request's blocks are freed before this returns.
+        Raises ValueError for bad input, WorkerError MISMATCH if the target's layout differs from
+        ours, UNAVAILABLE if the pages cannot be delivered. Whatever happens (including
+        cancellation), the request's blocks are freed before this returns.
         """
-        mismatch = self.layout.mismatch(target.layout)
-        if mismatch is not None:
-            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout mismatch: {mismatch}")
         sender = await self._sender(target)
         queue = self.loop.open_stream(request_id)
         added_at = time.perf_counter()
+        push = KVPush(request_id, sender)
         released = False
         try:
-            push = await self.loop.call(
-                lambda e: self._add(e, request_id, prompt_token_ids, params, resumed, sender, target.num_cached_tokens)
-            )
+            export = KVExport(push, receiver_cached_tokens=target.num_cached_tokens)
+            await self.loop.call(AddRequest(request_id, prompt_token_ids, params, resumed, export))
             output = await queue.get()
             if isinstance(output, Exception):
                 raise output
@@ -110,18 +108,20 @@ class PrefillWorker(Worker):
             delivered_at = time.perf_counter()
             wait = delivered_at - done_at
             self._delivery_wait_s = wait if not self._delivery_wait_s else 0.8 * self._delivery_wait_s + 0.2 * wait
-            await self.loop.call(lambda e: self._release(e, request_id))
+            await self.loop.call(Release(request_id))
             released = True
         finally:
             self.loop.close_stream(request_id)
             if not released:
-                self.loop.submit(lambda e: self._abort(e, request_id, sender))
+                # Once the engine dropped the request it hands the push no page: abort the sender then.
+                self.loop.submit(Abort(request_id)).add_done_callback(lambda _: sender.abort())
         started_at = push.started_at if push.started_at is not None else added_at
         return PrefillResult(output, kv_bytes, target.backend, added_at, started_at, done_at, delivered_at,
                              tuple(push.layers))
 
     async def _sender(self, target: TransferTarget) -> KVSender:
-        """A sender for the target, paired off the event loop; StatusError UNAVAILABLE if unreachable."""
+        """A sender for the target, paired off the event loop; WorkerError MISMATCH if pairing finds the
+        layouts differ, UNAVAILABLE if the receiver is unreachable."""
         pairing = asyncio.ensure_future(asyncio.to_thread(self.senders.sender, target))
         try:
             return await asyncio.shield(pairing)
@@ -129,53 +129,25 @@ class PrefillWorker(Worker):
             # Pairing goes on in its thread; a sender it yields after the request was given up is aborted.
             pairing.add_done_callback(_abort_sender)
             raise
+        except LayoutTransferError as exc:
+            raise WorkerError(Failure.MISMATCH, f"KV layout mismatch: {exc.reason}") from exc
         except TransferError as exc:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"cannot reach the KV receiver: {exc}") from exc
+            raise WorkerError(Failure.UNAVAILABLE, f"cannot reach the KV receiver: {exc}") from exc
 
     async def _deliver(self, push: KVPush) -> int:
         """Send the end marker and wait (off the event loop) until the receiver has every page."""
         if push.error is not None:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {push.error}")
+            raise WorkerError(Failure.UNAVAILABLE, f"KV push failed: {push.error}")
         push.sender.finish()
         try:
             return await asyncio.to_thread(push.sender.wait, self.transfer_timeout)
         except TransferError as exc:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}") from exc
+            raise WorkerError(Failure.UNAVAILABLE, f"KV transfer failed: {exc}") from exc
 
     async def close(self) -> None:
         """Stop the engine thread, then drop the connections to decode workers."""
         await super().close()
         await asyncio.to_thread(self.senders.close)
-
-    # ---- on the engine thread ---------------------------------------------------------------
-    def _add(
-        self,
-        engine: Engine,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        resumed: Resumed | None,
-        sender: KVSender,
-        num_cached_tokens: int,
-    ) -> KVPush:
-        # Registered before the request can be scheduled, so the hook sees its very first layer.
-        push = self.hook.register(request_id, sender, num_cached_tokens)
-        try:
-            engine.add_request(request_id, prompt_token_ids, params, resumed)
-        except BaseException:
-            self.hook.unregister(request_id)
-            raise
-        return push
-
-    def _release(self, engine: Engine, request_id: str) -> None:
-        self.hook.unregister(request_id)
-        engine.release(request_id)
-
-    def _abort(self, engine: Engine, request_id: str, sender: KVSender) -> None:
-        # Unregistered first, on this thread: the hook cannot send for the request after this.
-        self.hook.unregister(request_id)
-        engine.abort(request_id)
-        sender.abort()
 
 
 def _abort_sender(pairing: asyncio.Future[KVSender]) -> None:

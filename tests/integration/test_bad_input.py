@@ -30,7 +30,6 @@ from bad_input_strategies import (
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from leak_check import assert_no_leaks
 from tandem.v1 import (
     common_pb2,
     decode_pb2,
@@ -40,8 +39,10 @@ from tandem.v1 import (
     kvtransfer_pb2_grpc,
     prefill_pb2,
 )
-from workers_util import Worker, free_port, start_worker
 
+from bench.harness.leak_check import assert_no_leaks
+from bench.harness.ports import free_port
+from bench.harness.worker import Worker, start_worker
 from kvtransfer.descriptor import TransferTarget, split_address
 from services.common.server import channel_options
 from services.gateway.openai_api.schema import ChatBody, CompletionBody

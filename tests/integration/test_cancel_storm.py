@@ -2,14 +2,15 @@
 processes behind a gateway, prefix caching on): 200 requests over gRPC and HTTP, half cancelled by
 their clients before prefill, during the KV transfer or mid-decode. Nothing may leak, every request
 that was not cancelled gets all its tokens, and the mesh answers as before. `make bench` runs the
-same storm with 1,000 requests (bench/cancel_storm.py)."""
+same storm with 1,000 requests (`python -m bench cancel_storm`)."""
 
 from __future__ import annotations
 
 import pytest
-from leak_check import assert_no_leaks
-from mesh_launcher import start_mesh
-from storm import StormConfig, run_storm
+
+from bench.harness.leak_check import assert_no_leaks
+from bench.harness.mesh import start_mesh
+from bench.harness.storm import StormConfig, run_storm
 
 # Objectives no request can miss: the storm is about cancellation, not admission.
 NO_SLO = ["--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"]

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from leak_check import assert_no_leaks, load_report
 from parity_prompts import travel_diary
 from prometheus_client.parser import text_string_to_metric_families
-from workers_util import Worker, start_worker
 
+from bench.harness.leak_check import assert_no_leaks, load_report
+from bench.harness.worker import Worker, start_worker
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
 from kvtransfer.faults import ENV_VAR

@@ -17,8 +17,8 @@ import grpc
 import pytest
 from fake_kube_api import FakeKubeApi
 from tandem.v1 import common_pb2, decode_pb2
-from workers_util import start_worker
 
+from bench.harness.worker import start_worker
 from engine.sampling_params import SamplingParams
 from services.client import TandemClient
 from services.common.convert import sampling_params_to_proto

@@ -16,11 +16,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from leak_check import assert_no_leaks, load_report
-from mesh_launcher import Mesh
 from parity_prompts import CHAT, PLAIN, parity_prompt_ids, travel_diary
-from workers_util import REPO, Worker, free_port, start_worker
 
+from bench.harness.leak_check import assert_no_leaks, load_report
+from bench.harness.mesh import Mesh
+from bench.harness.paths import REPO
+from bench.harness.ports import free_port
+from bench.harness.worker import Worker, start_worker
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
 from services.client import TandemClient

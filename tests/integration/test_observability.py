@@ -10,11 +10,12 @@ import uuid
 
 import grpc
 import pytest
-from otlp_receiver import OtlpReceiver, ReceivedSpan
 from prometheus_client.parser import text_string_to_metric_families
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from workers_util import Worker, free_port, start_worker
 
+from bench.harness.otlp_receiver import OtlpReceiver, ReceivedSpan
+from bench.harness.ports import free_port
+from bench.harness.worker import Worker, start_worker
 from services.common.server import channel_options
 
 MODEL = "SmolLM2-135M-Instruct"

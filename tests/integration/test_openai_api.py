@@ -15,8 +15,9 @@ import openai
 import pytest
 from parity_prompts import travel_diary
 from tandem.v1 import common_pb2, decode_pb2_grpc
-from workers_util import Worker, free_port, start_worker
 
+from bench.harness.ports import free_port
+from bench.harness.worker import Worker, start_worker
 from services.client import TandemClient
 from services.common.server import channel_options
 

@@ -3,16 +3,17 @@ decode worker process behind a gateway) can hold within the requests' objectives
 stays bounded, the rest is refused with RESOURCE_EXHAUSTED / HTTP 429 and a retry-after hint, the
 gateway's memory stays bounded, every admitted request completes, and afterwards the mesh serves
 normally and holds nothing. (tests/integration/test_routing.py bounds a smaller gRPC burst on a
-colocated worker; whether admitted requests keep their objectives is measured by bench/overload.py.)"""
+colocated worker; whether admitted requests keep their objectives is measured by `python -m bench overload`.)"""
 
 from __future__ import annotations
 
 import pytest
-from burst import burst_requests, objectives
-from leak_check import assert_no_leaks
-from load_clients import OK, REFUSED, LoadRunner
-from mesh_launcher import start_mesh
-from process_memory import RssSampler
+
+from bench.harness.burst import burst_requests, objectives
+from bench.harness.leak_check import assert_no_leaks
+from bench.harness.load_clients import OK, REFUSED, LoadRunner
+from bench.harness.mesh import start_mesh
+from bench.harness.process_memory import RssSampler
 
 MAX_QUEUED = 4
 PROMPT_TOKENS = 256

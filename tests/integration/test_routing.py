@@ -7,10 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from leak_check import assert_no_leaks, load_report
 from parity_prompts import travel_diary
-from workers_util import Worker, free_port, start_worker
 
+from bench.harness.leak_check import assert_no_leaks, load_report
+from bench.harness.ports import free_port
+from bench.harness.worker import Worker, start_worker
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
 from services.client import TandemClient

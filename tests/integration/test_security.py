@@ -18,8 +18,10 @@ import grpc
 import pytest
 from certs import TestCa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from workers_util import REPO, Worker, free_port, start_worker
 
+from bench.harness.paths import REPO
+from bench.harness.ports import free_port
+from bench.harness.worker import Worker, start_worker
 from services.client import TandemClient
 from services.common.tls import TlsConfig, open_channel
 

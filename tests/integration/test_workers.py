@@ -13,8 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from parity_prompts import parity_prompt_ids
 from prometheus_client.parser import text_string_to_metric_families
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from workers_util import Worker, free_port, start_worker
 
+from bench.harness.ports import free_port
+from bench.harness.worker import Worker, start_worker
 from engine.config import SchedulerConfig
 from engine.offline import generate
 from engine.sampling_params import SamplingParams

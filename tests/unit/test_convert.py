@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -11,14 +12,19 @@ from tandem.v1 import common_pb2
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from services.common.chunk import Timings
 from services.common.convert import (
     finish_reason_from_proto,
     finish_reason_to_proto,
     load_report,
     sampling_params_from_proto,
     sampling_params_to_proto,
+    timings_from_proto,
+    timings_to_proto,
     token_chunk,
 )
+from services.common.step_model import StepModel
+from services.common.worker import WorkerLoad
 
 
 def test_an_empty_proto_means_the_engine_defaults():
@@ -81,7 +87,7 @@ def _output(**overrides) -> RequestOutput:
 
 
 def test_an_unfinished_output_is_a_chunk_without_finish_or_usage():
-    chunk = token_chunk(_output(), common_pb2.Timings(ttft_s=1.0))
+    chunk = token_chunk(_output(), Timings(ttft_s=1.0))
     assert list(chunk.token_ids) == [11] and chunk.text == "hi"
     assert chunk.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
     assert not chunk.HasField("usage") and not chunk.HasField("timings")
@@ -91,7 +97,7 @@ def test_the_final_output_carries_finish_reason_usage_timings_and_logprobs():
     logprobs = TokenLogprobs(token_id=12, logprob=-0.5, top=((12, -0.5), (13, -1.5)))
     output = _output(new_token_ids=(12,), finished=True, finish_reason="length", logprobs=(logprobs,),
                      num_cached_tokens=16, num_output_tokens=4)
-    chunk = token_chunk(output, common_pb2.Timings(ttft_s=0.25, e2e_s=1.5))
+    chunk = token_chunk(output, Timings(ttft_s=0.25, e2e_s=1.5))
     assert chunk.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.cached_tokens) == (5, 4, 16)
     assert (chunk.timings.ttft_s, chunk.timings.e2e_s) == (0.25, 1.5)
@@ -116,16 +122,13 @@ def test_finish_reasons(reason, value):
         assert finish_reason_from_proto(value) == reason
 
 
-class _Rates:
-    prefill_tokens_per_s = 1000.0
-    decode_step_s = 0.02
-
-
 def test_load_report_counts_used_blocks_from_usage():
     stats = EngineStats(num_running=2, num_waiting=1, num_waiting_tokens=300, num_free_blocks=7,
-                        num_total_blocks=10, num_cached_blocks=4, kv_usage=0.3)
-    report = load_report(stats, _Rates(), worker_id="decode@x:1", role="decode", block_size=16,
-                         reserved_requests=1, finished_requests=9)
+                        num_total_blocks=10, num_cached_blocks=4, kv_usage=0.3, block_size=16,
+                        max_num_batched_tokens=512)
+    report = load_report(WorkerLoad(worker_id="decode@x:1", role="decode", stats=stats, prefill_tokens_per_s=1000.0,
+                                    decode_step_s=0.02, step_model=StepModel(), reserved_requests=1,
+                                    finished_requests=9, kv_delivery_wait_s=0.0))
     assert report.used_kv_blocks == 3  # 0.3 * 10 is 2.9999...: rounded, not truncated
     assert (report.free_kv_blocks, report.total_kv_blocks, report.cached_kv_blocks) == (7, 10, 4)
     assert (report.queued_prompt_tokens, report.running_requests, report.waiting_requests) == (300, 2, 1)
@@ -160,3 +163,11 @@ def test_a_relayed_chunk_survives_the_round_trip_through_plain_data():
     assert chunk_from_proto(middle, "r1").finish_reason is None
     assert chunk_from_proto(middle, "r1").usage is None
     assert chunk_from_proto(last, "r1").usage.cached_tokens == 1
+
+
+def test_the_timings_record_and_its_proto_have_the_same_fields():
+    # convert.py maps them by name: a timing added to one and not the other must fail here.
+    record = [field.name for field in dataclasses.fields(Timings)]
+    assert record == [field.name for field in common_pb2.Timings.DESCRIPTOR.fields]
+    timings = Timings(*(0.5 + i for i in range(len(record))))
+    assert timings_from_proto(timings_to_proto(timings)) == timings

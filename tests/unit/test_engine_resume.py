@@ -8,7 +8,7 @@ import pytest
 
 from engine.engine import Engine
 from engine.offline import generate
-from engine.outputs import RequestOutput
+from engine.outputs import KVReservation, RequestOutput
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
 from engine.stop_strings import StopStringMatcher
@@ -83,7 +83,7 @@ def _disaggregated_resume(prefill: Engine, decode: Engine, prompt: list[int], pa
     """A resumed request's path through a prefill and a decode engine: the prefill computes the
     prompt and the delivered output, its KV moves, the decode engine generates the rest."""
     reservation = decode.reserve("moved", prompt, params, resumed)
-    assert reservation is not None
+    assert isinstance(reservation, KVReservation)
     prefill.add_request("moved", prompt, params, resumed)
     first = None
     while first is None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 from parity_prompts import parity_prompt_ids
 
+from engine.config import CacheConfig
 from engine.engine import Engine
 from engine.offline import generate
+from engine.outputs import KVReservation, NoKVRoom, TooLargeForKV
 from engine.sampling_params import SamplingParams
 
 
@@ -18,7 +20,7 @@ def _disaggregated(
     for i, prompt in enumerate(prompts):
         request_id = f"r{i}"
         reservation = decode.reserve(request_id, prompt, params)
-        assert reservation is not None
+        assert isinstance(reservation, KVReservation)
         prefill.add_request(request_id, prompt, params)
         first = None
         while first is None:
@@ -65,8 +67,21 @@ def test_decode_side_prefix_hit_ships_only_the_rest(make_engine, tokenizer):
     decode = make_engine(role="decode")
     first_pass = _disaggregated(prefill, decode, [prompt], params)
     reservation = decode.reserve("again", prompt, params)
-    assert reservation is not None and reservation.num_cached_tokens >= 1000
+    assert isinstance(reservation, KVReservation) and reservation.num_cached_tokens >= 1000
     assert len(reservation.blocks_to_fill) < len(reservation.block_ids)
     decode.abort("again")
     assert _disaggregated(prefill, decode, [prompt], params) == first_pass
     assert decode.kv.usage == 0
+
+
+def test_reserve_says_why_it_cannot_take_a_prompt(make_engine):
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    decode = make_engine(role="decode", cache=CacheConfig(num_blocks=4))  # 64 tokens of 16
+    assert decode.reserve("too-large", list(range(1, 71)), params) == TooLargeForKV(
+        num_prompt_tokens=70, needed_blocks=5, total_blocks=4)
+    held = decode.reserve("held", list(range(1, 40)), params)
+    assert isinstance(held, KVReservation) and len(held.block_ids) == 3
+    assert decode.reserve("no-room", list(range(1, 30)), params) == NoKVRoom(needed_blocks=2, free_blocks=1)
+    assert str(NoKVRoom(2, 1)) == "the prompt needs 2 blocks, 1 are free"
+    decode.abort("held")
+    assert not decode.scheduler.requests and decode.kv.usage == 0

@@ -1,18 +1,14 @@
-"""bench/goodput_gateway_log.py: a rate's routing figures from the gateway's log lines, in the
+"""bench/goodput/gateway_log.py: a rate's routing figures from the gateway's log lines, in the
 formats services/gateway/telemetry.py writes."""
 
 from __future__ import annotations
 
 import json
-import sys
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # bench/ scripts import each other by name
-
-from goodput_gateway_log import read_routing, summarize_routing
+from bench.goodput.gateway_log import read_routing, summarize_routing
 
 T0 = 1_800_000_000.0
 

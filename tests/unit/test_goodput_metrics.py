@@ -1,18 +1,15 @@
-"""bench/goodput.py's arithmetic: percentiles, SLO attainment, goodput from an attainment curve,
+"""The goodput suite's arithmetic: percentiles, SLO attainment, goodput from an attainment curve,
 reproducible Poisson schedules, the workload's dataset reader, and vLLM result parsing."""
 
 from __future__ import annotations
 
 import itertools
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # bench/ scripts import each other by name
-
-from goodput_metrics import (
+from bench.goodput.vllm_client import results_from_vllm
+from bench.harness.metrics import (
     RequestResult,
     Slo,
     goodput,
@@ -21,8 +18,7 @@ from goodput_metrics import (
     summarize_rate,
     token_timing,
 )
-from goodput_vllm_client import results_from_vllm
-from goodput_workload import OUTPUT_TOKENS, PROMPT_TOKENS, _first_exchanges, build_workload
+from bench.harness.workload import OUTPUT_TOKENS, PROMPT_TOKENS, _first_exchanges, build_workload
 
 SLO = Slo("loose", ttft_s=2.0, tpot_s=0.1)
 
@@ -128,7 +124,7 @@ def test_vllm_bench_results_become_per_request_results():
 
 
 def test_rescore_recomputes_attainment_and_goodput_at_other_slos(tmp_path):
-    from goodput import rescore
+    from bench.suites.goodput import rescore
 
     def sample(tpot_s: float) -> dict:
         return {"ok": True, "ttft_s": 0.5, "tpot_s": tpot_s, "output_tokens": 10, "started_s": 0.0,
@@ -147,7 +143,7 @@ def test_rescore_recomputes_attainment_and_goodput_at_other_slos(tmp_path):
 
 
 def test_repeats_interleave_the_configurations_with_their_own_names_and_logs():
-    from goodput import _targets, parse_args
+    from bench.suites.goodput import _targets, parse_args
 
     args = parse_args(["--configs", "disagg,vllm", "--repeats", "2"])
     targets = _targets(args)  # deployment() starts nothing until entered
@@ -160,7 +156,7 @@ def test_repeats_interleave_the_configurations_with_their_own_names_and_logs():
 
 
 def test_repeats_table_gives_every_run_and_the_median():
-    from goodput_report import format_repeats, label
+    from bench.goodput.report import format_repeats, label
 
     def found(value: float) -> dict:
         return {"loose": {"interpolated": value, "highest_passing": value, "bounded": True}}

@@ -19,7 +19,9 @@ from services.gateway.openai_api.params import (
     unknown_fields,
 )
 from services.gateway.openai_api.schema import ChatBody, CompletionBody
-from services.gateway.request import ChatMessage, ChatPrompt, RequestedSlo, TextPrompt, TokenPrompt
+from services.gateway.request import ChatMessage, ChatPrompt, CheckedPrompt, RequestedSlo, TextPrompt, TokenPrompt
+
+ONE = CheckedPrompt((1,))  # a prompt the served model tokenized and checked
 
 
 def completion(**fields) -> CompletionBody:
@@ -31,9 +33,9 @@ def chat(**fields) -> ChatBody:
 
 
 def test_an_empty_body_means_the_engine_defaults_and_sixteen_tokens():
-    [request] = completion_requests(completion(), [[1, 2]], "cmpl-1")
+    [request] = completion_requests(completion(), [CheckedPrompt((1, 2))], "cmpl-1")
     assert request.sampling == SamplingParams(max_tokens=COMPLETION_MAX_TOKENS)
-    assert request.prompt == TokenPrompt((1, 2))
+    assert request.prompt == CheckedPrompt((1, 2))
     assert (request.model, request.request_id, request.slo, request.priority) == ("", "cmpl-1-0", RequestedSlo(), 0)
 
 
@@ -41,7 +43,7 @@ def test_every_sampling_field_and_vllm_extension_reaches_the_engine():
     body = completion(max_tokens=9, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.2,
                       presence_penalty=0.5, frequency_penalty=-0.5, seed=3, stop="\n", stop_token_ids=[7],
                       ignore_eos=True, min_tokens=2, skip_special_tokens=False, logprobs=4)
-    [request] = completion_requests(body, [[1]], "r")
+    [request] = completion_requests(body, [ONE], "r")
     assert request.sampling == SamplingParams(
         max_tokens=9, min_tokens=2, temperature=0.5, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.2,
         presence_penalty=0.5, frequency_penalty=-0.5, seed=3, stop=("\n",), stop_token_ids=(7,), ignore_eos=True,
@@ -50,15 +52,15 @@ def test_every_sampling_field_and_vllm_extension_reaches_the_engine():
 
 
 def test_slo_and_priority_fields_reach_the_request():
-    [request] = completion_requests(completion(ttft_ms=800, tpot_ms=40, priority=5, model="m"), [[1]], "r")
+    [request] = completion_requests(completion(ttft_ms=800, tpot_ms=40, priority=5, model="m"), [ONE], "r")
     assert (request.slo, request.priority, request.model) == (RequestedSlo(800, 40), 5, "m")
 
 
 def test_n_fans_out_with_consecutive_seeds_prompt_major():
-    requests = completion_requests(completion(n=2, seed=10, prompt=["a", "b"]), [[1], [2]], "r")
+    requests = completion_requests(completion(n=2, seed=10, prompt=["a", "b"]), [ONE, CheckedPrompt((2,))], "r")
     assert [(r.prompt.ids, r.sampling.seed, r.request_id) for r in requests] == [
         ((1,), 10, "r-0"), ((1,), 11, "r-1"), ((2,), 10, "r-2"), ((2,), 11, "r-3")]
-    unseeded = completion_requests(completion(n=3), [[1]], "r")
+    unseeded = completion_requests(completion(n=3), [ONE], "r")
     assert [r.sampling.seed for r in unseeded] == [None, None, None]
 
 
@@ -89,25 +91,25 @@ def test_chat_content_may_be_text_parts_but_nothing_else():
 
 
 def test_chat_max_tokens_default_to_the_rest_of_the_context():
-    [request] = chat_requests(chat(), [1] * 100, 1000, "r")
+    [request] = chat_requests(chat(), CheckedPrompt((1,) * 100), 1000, "r")
     assert request.sampling.max_tokens == 900
-    [request] = chat_requests(chat(max_tokens=5, max_completion_tokens=7), [1], 1000, "r")
+    [request] = chat_requests(chat(max_tokens=5, max_completion_tokens=7), ONE, 1000, "r")
     assert request.sampling.max_tokens == 7
 
 
 def test_chat_logprobs_are_a_flag_with_a_count_of_alternatives():
-    assert chat_requests(chat(), [1], 100, "r")[0].sampling.logprobs is None
-    assert chat_requests(chat(logprobs=True), [1], 100, "r")[0].sampling.logprobs == 0
-    assert chat_requests(chat(logprobs=True, top_logprobs=3), [1], 100, "r")[0].sampling.logprobs == 3
+    assert chat_requests(chat(), ONE, 100, "r")[0].sampling.logprobs is None
+    assert chat_requests(chat(logprobs=True), ONE, 100, "r")[0].sampling.logprobs == 0
+    assert chat_requests(chat(logprobs=True, top_logprobs=3), ONE, 100, "r")[0].sampling.logprobs == 3
     with pytest.raises(ValueError, match=r"^top_logprobs: requires logprobs"):
-        chat_requests(chat(top_logprobs=3), [1], 100, "r")
+        chat_requests(chat(top_logprobs=3), ONE, 100, "r")
 
 
 def test_engine_limits_name_the_body_field():
     with pytest.raises(ValueError, match=r"^temperature: must be in \[0, 100\]"):
         sampling_params(completion(temperature=101), 4, None, None)
     with pytest.raises(ValueError, match=r"^seed:"):
-        completion_requests(completion(n=2, seed=2**63 - 1), [[1]], "r")
+        completion_requests(completion(n=2, seed=2**63 - 1), [ONE], "r")
 
 
 def test_unknown_fields_are_listed_known_ones_not():

@@ -112,7 +112,7 @@ def test_decode_sizes_from_the_step_model_once_fitted():
 def test_an_over_provisioned_decode_pool_is_sized_by_its_token_rate_not_its_few_sequences():
     # Regression: 17 replicas stepping at 26 ms (24 ms + 5.6 ms a sequence, batch 0.3) hold only 4
     # sequences; sized by sequences (13.6 a replica at 100 ms) the pool fell to 1 replica, which
-    # could not keep up, then jumped back up, every few minutes (bench/planner_sim.py). Their
+    # could not keep up, then jumped back up, every few minutes (the planner_sim suite). Their
     # 154 tokens/s need 1.13 replicas at 136 tokens/s each: 1.41 -> 2 at 0.8.
     idle = DecodeDemand(sequences=4, used_kv_blocks=10, kv_blocks_per_replica=500, batch_per_replica=0.3,
                         tpot_s=0.026, step_base_s=0.024, step_per_sequence_s=0.0056)

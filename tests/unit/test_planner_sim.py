@@ -1,17 +1,13 @@
-"""bench/planner_sim.py's world: the day's demand curve, the prefill queue, the decode steady state,
-the per-minute SLO rule and the oracle."""
+"""The planner simulation's world (bench/planner/world.py): the day's demand curve, the prefill
+queue, the decode steady state, the per-minute SLO rule and the oracle."""
 
 from __future__ import annotations
 
-import sys
 from collections import deque
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # bench/ scripts import each other by name
-
-from planner_sim_model import (
+from bench.planner.world import (
     Capacity,
     Demand,
     PrefillPool,

@@ -60,7 +60,7 @@ def test_a_decode_worker_without_kv_room_is_the_last_resort() -> None:
 
 def test_a_pessimistic_step_model_does_not_starve_an_idle_decode_worker() -> None:
     # d1's start-up profile was measured under contention: it predicts 233 ms steps, so its cost
-    # always lost to the busy d2 (found in bench/soak.py: 1 request against 6,282). Both meet the SLO.
+    # always lost to the busy d2 (found by the soak suite: 1 request against 6,282). Both meet the SLO.
     slow_model = StepModel(base_s=0.233, per_prompt_token_s=0.004)
     idle = WorkerLoad("d1", "decode", free_kv_blocks=1000, block_size=16, step_model=slow_model, chunk_tokens=64)
     loose = SloTargets(ttft_s=600.0, tpot_s=600.0)

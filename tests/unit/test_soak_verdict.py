@@ -1,16 +1,11 @@
-"""bench/soak.py's flat-memory rule: RSS fitted over the last two thirds of the run, against
+"""The soak suite's flat-memory rule: RSS fitted over the last two thirds of the run, against
 max(32 MiB, 5% of the median RSS there)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # bench/ scripts import each other by name
-
-from soak import rss_growth
+from bench.suites.soak import rss_growth
 
 MIB = 1 << 20
 

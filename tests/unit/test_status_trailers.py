@@ -1,5 +1,6 @@
-"""A StatusError's extra fields cross a real gRPC call (loopback, port 0) as trailing metadata and
-come back as the same fields: the retry hint, and the prefill worker a decode worker blames."""
+"""A StatusError's (or a role worker's WorkerError's) extra fields cross a real gRPC call (loopback,
+port 0) as trailing metadata and come back as the same fields: the retry hint, and the prefill worker
+a decode worker blames. Each kind of WorkerError is answered with its own status code."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import grpc
 import pytest
 
 from services.common.errors import StatusError, abort_with, status_error_from_rpc
+from services.common.failure import Failure, WorkerError
 
 METHOD = "/tandem.test.Failing/Fail"
 
@@ -43,3 +45,16 @@ def test_errors_that_blame_no_worker_come_back_without_one() -> None:
         got = asyncio.run(_round_trip(raised))
         assert got.failed_prefill is None and got.code in (grpc.StatusCode.UNAVAILABLE,
                                                            grpc.StatusCode.INVALID_ARGUMENT)
+
+
+@pytest.mark.parametrize(("failure", "code"), [
+    (Failure.NO_ROOM, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Failure.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),
+    (Failure.DEADLINE, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (Failure.MISMATCH, grpc.StatusCode.FAILED_PRECONDITION),
+    (Failure.CANCELLED, grpc.StatusCode.CANCELLED),
+])
+def test_a_worker_failure_is_answered_with_its_code_and_its_blame(failure: Failure, code: grpc.StatusCode) -> None:
+    got = asyncio.run(_round_trip(WorkerError(failure, "it failed").blaming("10.0.0.7:50061")))
+    assert (got.code, got.message, got.failed_prefill) == (code, "it failed", "10.0.0.7:50061")
+    assert asyncio.run(_round_trip(WorkerError(failure, "it failed"))).failed_prefill is None

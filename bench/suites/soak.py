@@ -1,0 +1,167 @@
+"""Soak: a real mesh under steady mixed load with random client cancellations for a long time
+(30 minutes by default), watching for slow leaks.
+
+The load is the cancellation storm's (bench/harness/storm.py: shared prompt prefixes, a quarter
+of the clients over HTTP, half of the requests cancelled before prefill, during the KV transfer or
+mid-decode), sent closed-loop by --concurrency clients until the time is up. Every --sample-s it
+records each process's RSS (/proc), each worker's KV blocks held by requests (LoadReport
+used_kv_blocks) and the outcomes so far.
+
+Verdict, all three needed:
+- flat memory: for every process, the least-squares slope of its RSS over the last two thirds of
+  the run (the first third is warm-up: allocator pools and caches fill), times that window's
+  length, is at most max(32 MiB, 5% of its median RSS in the window);
+- zero leaked blocks: once the load stops every worker is idle (no request, no block held beyond
+  its prefix cache) within a minute;
+- zero errors: every request completed with all its tokens or was cancelled by its own client.
+
+    python -m bench soak [--minutes 30] [--concurrency 6] [--sample-s 15] [--cancel-fraction 0.5] [--smoke]
+
+Writes bench/results/soak.json (--smoke: 1 minute, one worker per pool, a sample every 2 s, its
+results under bench/results/smoke/); exits 1 unless the verdict passes. `make soak` runs it (it is not
+part of `make bench`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+
+from bench.harness.leak_check import is_idle, load_report, wait_until_idle
+from bench.harness.load_clients import LoadRequest, LoadRunner, Outcome
+from bench.harness.mesh import Mesh, start_mesh
+from bench.harness.process_memory import rss_bytes
+from bench.harness.storm import NO_SLO, StormConfig, calm_ttft, outcome_problems, plan_storm
+from bench.harness.suite import suite_parser
+from bench.harness.verdict import finish
+
+FLAT_FLOOR_BYTES = 32 << 20
+FLAT_FRACTION = 0.05
+WARM_UP_FRACTION = 1 / 3
+PLAN_BATCH = 500
+
+
+def rss_growth(samples: list[tuple[float, int]]) -> tuple[float, float]:
+    """(fitted growth over the window after warm-up, the growth allowed there) for one process's
+    (seconds, RSS bytes) samples."""
+    end = samples[-1][0]
+    window = [(t, rss) for t, rss in samples if t >= end * WARM_UP_FRACTION]
+    if len(window) < 2:
+        return 0.0, float(FLAT_FLOOR_BYTES)
+    times, values = zip(*window, strict=True)
+    slope = statistics.linear_regression(times, values).slope if len(set(times)) > 1 else 0.0
+    return slope * (times[-1] - times[0]), max(FLAT_FLOOR_BYTES, FLAT_FRACTION * statistics.median(values))
+
+
+def endless_plan(config: StormConfig, ttft_s: float) -> Iterator[LoadRequest]:
+    """The storm's requests, batch after batch, each batch from its own seed."""
+    for batch in itertools.count():
+        plan = plan_storm(StormConfig(**{**vars(config), "requests": PLAN_BATCH, "seed": config.seed + batch}), ttft_s)
+        yield from (planned.request for planned in plan)
+
+
+class Load:
+    """`concurrency` client threads running the plan until `stop()`; `outcomes` grows as they end."""
+
+    def __init__(self, runner: LoadRunner, plan: Iterator[LoadRequest], concurrency: int) -> None:
+        self.outcomes: list[Outcome] = []
+        self._runner, self._plan = runner, plan
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(concurrency)]
+        for thread in self._threads:
+            thread.start()
+
+    def _client(self) -> None:
+        while not self._stopped.is_set():
+            with self._lock:
+                request = next(self._plan)
+            outcome = self._runner.run(request)
+            with self._lock:
+                self.outcomes.append(outcome)
+
+    def counts(self) -> Counter:
+        """Outcomes so far by status."""
+        with self._lock:
+            return Counter(outcome.status for outcome in self.outcomes)
+
+    def stop(self) -> None:
+        """Send nothing more and wait for the requests in flight to end."""
+        self._stopped.set()
+        for thread in self._threads:
+            thread.join()
+
+
+def names(mesh: Mesh) -> dict[str, int]:
+    """A short name for every process, and its pid."""
+    named = {f"prefill{i}": w.proc.pid for i, w in enumerate(mesh.prefill)}
+    named |= {f"decode{i}": w.proc.pid for i, w in enumerate(mesh.decode)}
+    return named | {"gateway": mesh.gateway.proc.pid}
+
+
+def main(argv: Sequence[str]) -> int:
+    """Load a fresh mesh for the given time, sampling it; 0 when the verdict passes."""
+    parser = suite_parser(__name__, __doc__)
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--concurrency", type=int, default=6, help="clients, each with one request at a time")
+    parser.add_argument("--sample-s", type=float, default=15.0, help="seconds between samples")
+    parser.add_argument("--prefill", type=int, default=2, help="prefill workers")
+    parser.add_argument("--decode", type=int, default=2, help="decode workers")
+    parser.add_argument("--cancel-fraction", type=float, default=0.5,
+                        help="share of requests their clients cancel (0 tells a leak on cancellation from others)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="1 minute, a sample every 2 s, one worker per pool; "
+                        "results under results/smoke/")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.minutes, args.sample_s, args.prefill, args.decode = 1.0, 2.0, 1, 1
+    config = StormConfig(concurrency=args.concurrency, cancel_fraction=args.cancel_fraction, seed=args.seed)
+
+    mesh = start_mesh(args.prefill, args.decode, gateway_flags=NO_SLO)
+    pids = names(mesh)
+    workers = dict(zip(list(pids)[:-1], mesh.workers, strict=True))
+    samples: list[dict] = []
+    try:
+        with LoadRunner(str(mesh.gateway.address), str(mesh.gateway.http_address)) as runner:
+            load = Load(runner, endless_plan(config, calm_ttft(runner, config)), args.concurrency)
+            started = time.monotonic()
+            print(f"{'t (s)':>7}  RSS MiB " + " ".join(f"{n:>8}" for n in pids) + "  | KV blocks held "
+                  + " ".join(f"{n:>8}" for n in workers) + "  | outcomes")
+            while True:
+                now = time.monotonic() - started
+                sample = {"t": now, "rss": {n: rss_bytes(pid) for n, pid in pids.items()},
+                          "kv_blocks": {n: load_report(w).used_kv_blocks for n, w in workers.items()},
+                          "outcomes": dict(load.counts())}
+                samples.append(sample)
+                print(f"{now:>7.0f}          " + " ".join(f"{b >> 20:>8}" for b in sample["rss"].values())
+                      + "                  " + " ".join(f"{b:>8}" for b in sample["kv_blocks"].values())
+                      + f"  | {sample['outcomes']}", flush=True)
+                if now >= args.minutes * 60:
+                    break
+                time.sleep(min(args.sample_s, max(0.0, args.minutes * 60 - now)))
+            load.stop()
+            idle = wait_until_idle(mesh.workers)
+    finally:
+        codes = mesh.stop()
+
+    growth = {n: rss_growth([(s["t"], s["rss"][n]) for s in samples]) for n in pids}
+    for n, (grown, allowed) in growth.items():
+        print(f"{n}: RSS {'+' if grown >= 0 else ''}{grown / 2**20:.1f} MiB over the last two thirds "
+              f"(allowed {allowed / 2**20:.0f} MiB)")
+    problems = [f"{n}: RSS grew {grown / 2**20:.1f} MiB over the last two thirds, more than {allowed / 2**20:.0f} MiB"
+                for n, (grown, allowed) in growth.items() if grown > allowed]
+    problems += [f"leaked: {r.worker_id} used_kv_blocks={r.used_kv_blocks} running={r.running_requests} "
+                 f"waiting={r.waiting_requests} reserved={r.reserved_requests}" for r in idle if not is_idle(r)]
+    problems += outcome_problems(load.outcomes)
+    problems += [f"{name} exited with {code}" for name, code in codes.items() if code]
+    print(f"{len(load.outcomes)} requests: {dict(load.counts())}")
+    return finish(__name__, argv, {
+        "settings": vars(args), "samples": samples,
+        "rss_growth_bytes": {n: {"fitted": g, "allowed": a} for n, (g, a) in growth.items()},
+        "outcomes": dict(load.counts()),
+    }, problems, "flat memory, no leaked blocks, no errors besides deliberate cancellations", args.smoke)
+

@@ -1,0 +1,108 @@
+"""Prefill role: which KV pages each layer of a step wrote for a request, handed to where they go.
+
+A request added with a `KVExport` gets its pages pushed layer by layer while later layers compute:
+as soon as a layer has written the step's KV, the engine gathers the blocks of each such request that
+the receiver does not hold yet and hands them to the request's sink. Only the engine knows the
+blocks; the sink sees destination indices (0 is the first block the receiver lacks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.kv_cache.blocks import blocks_for
+from engine.scheduler import ScheduledChunk
+
+
+@dataclass(frozen=True)
+class LayerPages:
+    """One layer's K and V for the receiver's blocks [first_block, first_block + len(k)), each
+    [n, block_size, kv_heads, head_dim]."""
+
+    layer: int
+    first_block: int
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V together."""
+        return self.k.nbytes + self.v.nbytes
+
+
+class KVSink(Protocol):
+    """Where one request's pages go. Called on the engine thread, inside the step, so it must be
+    quick and must not raise (a transfer's failure is its own request's, never the step's)."""
+
+    def layer_done(self, layer: int, pages: LayerPages | None) -> None:
+        """A layer of a step that computed part of the request is done; `pages` are the blocks it
+        wrote that the receiver needs (None when it wrote only blocks the receiver holds)."""
+        ...
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """Push a request's pages to `sink`, except the blocks of the receiver's own prefix-cache hit
+    (its first `receiver_cached_tokens` tokens)."""
+
+    sink: KVSink
+    receiver_cached_tokens: int = 0
+
+
+@dataclass
+class _Progress:
+    export: KVExport
+    skip: int  # blocks the receiver holds; block i goes to its index i - skip
+    next_block: int  # first block never sent
+
+
+# (request id, layer, first block, end block) -> copies of that layer's K and V for those blocks
+Gather = Callable[[str, int, int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class KVExports:
+    """The requests whose pages go out as they are computed, and what each has sent so far."""
+
+    def __init__(self, block_size: int, num_layers: int) -> None:
+        self._block_size = block_size
+        self._last_layer = num_layers - 1
+        self._progress: dict[str, _Progress] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._progress)
+
+    def add(self, request_id: str, export: KVExport) -> None:
+        """Start exporting a request's pages (before its first step)."""
+        skip = export.receiver_cached_tokens // self._block_size
+        self._progress[request_id] = _Progress(export, skip, skip)
+
+    def drop(self, request_id: str) -> None:
+        """Stop exporting: no page of the request reaches its sink after this."""
+        self._progress.pop(request_id, None)
+
+    def layer_done(self, layer: int, chunks: Sequence[ScheduledChunk], gather: Gather) -> None:
+        """Hand each exported request of the step the pages `layer` wrote for it."""
+        for chunk in chunks:
+            progress = self._progress.get(chunk.request.request_id)
+            if progress is None:
+                continue
+            first, end = self._pages_written(chunk, progress)
+            pages = None
+            if first < end:
+                k, v = gather(chunk.request.request_id, layer, first, end)
+                pages = LayerPages(layer, first - progress.skip, k, v)
+            progress.export.sink.layer_done(layer, pages)
+            if layer == self._last_layer:
+                progress.next_block = max(progress.next_block, end)
+
+    def _pages_written(self, chunk: ScheduledChunk, progress: _Progress) -> tuple[int, int]:
+        # The chunk wrote tokens [start, start + num_tokens). Its first block may be one an earlier
+        # chunk left partly filled (sent again, now fuller); blocks before it that were never sent
+        # are this engine's own prefix-cache hits, which no chunk computes.
+        first = max(progress.skip, min(progress.next_block, chunk.start // self._block_size))
+        end = blocks_for(chunk.start + chunk.num_tokens, self._block_size)
+        return first, end

@@ -1,0 +1,51 @@
+"""The Abort, GetLoad and WatchLoad RPCs, served the same way by every worker service."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Generic, TypeVar
+
+import grpc
+from tandem.v1 import common_pb2
+
+from services.common.convert import load_report
+from services.common.worker import RoleWorker
+
+_DEFAULT_WATCH_INTERVAL_MS = 200
+
+W = TypeVar("W", bound=RoleWorker)
+
+
+class WorkerRpcs(Generic[W]):
+    """Abort, GetLoad and WatchLoad for a worker service; mixed into the role's servicer.
+
+    `worker` is None until the model is loaded; until then every RPC answers UNAVAILABLE.
+    """
+
+    worker: W | None = None
+
+    async def ready(self, context: grpc.aio.ServicerContext) -> W:
+        """The loaded worker, or end the RPC with UNAVAILABLE."""
+        if self.worker is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        assert self.worker is not None  # context.abort raised otherwise
+        return self.worker
+
+    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext):
+        worker = await self.ready(context)
+        return common_pb2.AbortResponse(found=worker.inflight.abort(request.request_id))
+
+    async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
+        worker = await self.ready(context)
+        return load_report(await worker.load())
+
+    async def WatchLoad(self, request: common_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext) -> None:
+        """Write a report every interval until the client goes away (which cancels this) or the
+        server drains (so that watchers do not hold the drain)."""
+        worker = await self.ready(context)
+        interval = (request.interval_ms or _DEFAULT_WATCH_INTERVAL_MS) / 1000
+        while not worker.draining.is_set():
+            await context.write(load_report(await worker.load()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(worker.draining.wait(), interval)

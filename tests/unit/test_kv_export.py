@@ -1,0 +1,70 @@
+"""Which pages the engine hands a prefill request's sink after each layer (no model: the chunks are
+built by hand and the gather records what it was asked for)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv_export import KVExport, KVExports, LayerPages
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledChunk
+
+BLOCK = 4
+LAYERS = 2
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int | None, int]] = []  # (layer, first destination block, blocks)
+
+    def layer_done(self, layer: int, pages: LayerPages | None) -> None:
+        self.calls.append((layer, None, 0) if pages is None else (layer, pages.first_block, pages.k.shape[0]))
+
+
+def _gather(asked: list[tuple[int, int, int]]):
+    def gather(request_id: str, layer: int, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        asked.append((layer, first, end))
+        pages = torch.zeros(end - first, BLOCK, 1, 2)
+        return pages, pages.clone()
+    return gather
+
+
+def _chunk(request: Request, start: int, num_tokens: int) -> ScheduledChunk:
+    return ScheduledChunk(request, start, num_tokens, block_table=tuple(range(8)))
+
+
+def _step(exports: KVExports, chunk: ScheduledChunk, asked: list[tuple[int, int, int]]) -> None:
+    for layer in range(LAYERS):
+        exports.layer_done(layer, [chunk], _gather(asked))
+
+
+def test_chunks_send_the_blocks_they_wrote_again_when_partly_filled_and_skip_the_receivers_prefix():
+    request = Request("r", list(range(22)), SamplingParams(), max_model_len=64)
+    exports, sink, asked = KVExports(BLOCK, LAYERS), _Sink(), []
+    # The receiver holds the first 5 tokens' whole block (1 block); this engine computes from token 8
+    # on (its own prefix-cache hit covers blocks 0-1), in chunks of 6 and 8 tokens.
+    exports.add("r", KVExport(sink, receiver_cached_tokens=5))
+    _step(exports, _chunk(request, 8, 6), asked)  # tokens 8..13: blocks 2-3, and block 1 never sent
+    _step(exports, _chunk(request, 14, 8), asked)  # tokens 14..21: block 3 again (now full), 4, 5
+    assert asked == [(0, 1, 4), (1, 1, 4), (0, 3, 6), (1, 3, 6)]
+    assert sink.calls == [(0, 0, 3), (1, 0, 3), (0, 2, 3), (1, 2, 3)]
+
+
+def test_a_chunk_inside_the_receivers_prefix_reports_its_layers_without_pages():
+    request = Request("r", list(range(20)), SamplingParams(), max_model_len=64)
+    exports, sink, asked = KVExports(BLOCK, LAYERS), _Sink(), []
+    exports.add("r", KVExport(sink, receiver_cached_tokens=16))
+    _step(exports, _chunk(request, 0, 8), asked)
+    assert asked == [] and sink.calls == [(0, None, 0), (1, None, 0)]
+
+
+def test_a_dropped_request_gets_no_more_pages():
+    request = Request("r", list(range(8)), SamplingParams(), max_model_len=64)
+    exports, sink, asked = KVExports(BLOCK, LAYERS), _Sink(), []
+    exports.add("r", KVExport(sink))
+    assert exports
+    exports.drop("r")
+    assert not exports
+    _step(exports, _chunk(request, 0, 8), asked)
+    assert asked == [] and sink.calls == []
