@@ -21,16 +21,16 @@ from collections.abc import Callable, Sequence
 from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
 from services.common.step_model import StepModel
 from services.gateway.admission import Admission
-from services.gateway.router import Decision, RouteRequest, SloTargets, WorkerLoad, route
+from services.gateway.router import Decision, RouteRequest, SloTargets, WorkerView, route
 
 MODEL = StepModel(base_s=0.06, per_prompt_token_s=0.004, per_sequence_s=0.015, per_context_token_s=1e-6)
 WORKERS = [
-    WorkerLoad("p1", "prefill", queued_prompt_tokens=900, free_kv_blocks=4000, block_size=16, step_model=MODEL,
+    WorkerView("p1", "prefill", queued_prompt_tokens=900, free_kv_blocks=4000, block_size=16, step_model=MODEL,
                chunk_tokens=2048),
-    WorkerLoad("p2", "prefill", queued_prompt_tokens=300, free_kv_blocks=4000, block_size=16, step_model=MODEL,
+    WorkerView("p2", "prefill", queued_prompt_tokens=300, free_kv_blocks=4000, block_size=16, step_model=MODEL,
                chunk_tokens=2048),
-    WorkerLoad("d1", "decode", sequences=6, context_tokens=3000, free_kv_blocks=900, block_size=16, step_model=MODEL),
-    WorkerLoad("d2", "decode", sequences=3, context_tokens=1500, free_kv_blocks=2000, block_size=16, step_model=MODEL),
+    WorkerView("d1", "decode", sequences=6, context_tokens=3000, free_kv_blocks=900, block_size=16, step_model=MODEL),
+    WorkerView("d2", "decode", sequences=3, context_tokens=1500, free_kv_blocks=2000, block_size=16, step_model=MODEL),
 ]
 QUEUED = 100
 TARGET_S = 1e-3  # per request, with QUEUED waiting

@@ -83,7 +83,7 @@ DEFAULT_SLO = SloTargets(ttft_s=2.0, tpot_s=0.100)
 
 
 @dataclass(frozen=True)
-class WorkerLoad:
+class WorkerView:
     """What the gateway knows of one worker when it routes a request (see workers.RemoteWorker.view)."""
 
     address: str
@@ -132,7 +132,7 @@ class Decision:
 DEFAULT_POLICY = RoutingPolicy()
 
 
-def route(request: RouteRequest, workers: Sequence[WorkerLoad], turn: int = 0,
+def route(request: RouteRequest, workers: Sequence[WorkerView], turn: int = 0,
           policy: RoutingPolicy = DEFAULT_POLICY) -> Decision:
     """The best way to run `request` on these workers (see the module docstring). Raises
     NoWorkerError when no serving worker can decode it or, for decode-only pools, prefill it."""
@@ -181,37 +181,37 @@ def _rank(option: tuple[tuple[bool, float, int, int, int], Decision], relaxed: b
     return (True, conditional, 0, cost, sequences, queue, index)
 
 
-def _rotated(workers: list[WorkerLoad], turn: int) -> list[WorkerLoad]:
+def _rotated(workers: list[WorkerView], turn: int) -> list[WorkerView]:
     if not workers:
         return workers
     shift = turn % len(workers)
     return workers[shift:] + workers[:shift]
 
 
-def _fits(request: RouteRequest, decode: WorkerLoad) -> bool:
+def _fits(request: RouteRequest, decode: WorkerView) -> bool:
     """The decode worker can reserve the prompt now (it needs the prompt plus one token's blocks)."""
     return blocks_for(request.prompt_tokens + 1, decode.block_size) <= decode.free_kv_blocks
 
 
-def _uncached(request: RouteRequest, worker: WorkerLoad) -> int:
+def _uncached(request: RouteRequest, worker: WorkerView) -> int:
     cached = min(request.cached_tokens.get(worker.address, 0), request.prompt_tokens - 1)
     return request.prompt_tokens - max(0, cached)
 
 
-def _tpot(request: RouteRequest, decode: WorkerLoad) -> float:
+def _tpot(request: RouteRequest, decode: WorkerView) -> float:
     """One decode step of the batch with this request added, halfway through its output."""
     context = decode.context_tokens + request.prompt_tokens + request.max_tokens // 2
     return decode.step_model.step_s(0, decode.sequences + 1, context)
 
 
-def _disaggregated_ttft(request: RouteRequest, prefill: WorkerLoad) -> float:
+def _disaggregated_ttft(request: RouteRequest, prefill: WorkerView) -> float:
     model = prefill.step_model
     queue = model.prefill_s(prefill.queued_prompt_tokens, prefill.chunk_tokens)
     compute = model.prefill_s(_uncached(request, prefill), prefill.chunk_tokens)
     return queue + compute + prefill.kv_delivery_wait_s + HOP_S
 
 
-def _local_ttft(request: RouteRequest, decode: WorkerLoad) -> tuple[float, float]:
+def _local_ttft(request: RouteRequest, decode: WorkerView) -> tuple[float, float]:
     """(TTFT prefilling on the decode worker, the running batch's step time meanwhile)."""
     model = decode.step_model
     chunk = decode.chunk_tokens
@@ -221,7 +221,7 @@ def _local_ttft(request: RouteRequest, decode: WorkerLoad) -> tuple[float, float
     return queue + compute + HOP_S, mixed if decode.sequences else 0.0
 
 
-def _absorbed(request: RouteRequest, decode: WorkerLoad, slack_share: float) -> bool:
+def _absorbed(request: RouteRequest, decode: WorkerView, slack_share: float) -> bool:
     """Whether the requests decoding on `decode` can take the stall of its queued local prompts
     and this one (their prompt compute, once each) and still meet their mean-TPOT objectives. Only
     a share of the least slack is spent: later arrivals slow the batch's remaining steps, and the
@@ -230,7 +230,7 @@ def _absorbed(request: RouteRequest, decode: WorkerLoad, slack_share: float) -> 
     return stall <= slack_share * decode.tpot_slack_s
 
 
-def _decision(request: RouteRequest, decode: WorkerLoad, prefill: WorkerLoad | None, ttft: float, tpot: float,
+def _decision(request: RouteRequest, decode: WorkerView, prefill: WorkerView | None, ttft: float, tpot: float,
               penalty: float) -> Decision:
     slo = request.slo
     meets = ttft <= slo.ttft_s and tpot <= slo.tpot_s and penalty < NO_ROOM_PENALTY

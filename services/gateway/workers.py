@@ -26,7 +26,7 @@ from services.common.convert import chunk_from_proto, sampling_params_to_proto, 
 from services.common.errors import status_error_from_rpc
 from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.tls import TlsConfig, open_channel
-from services.gateway.router import Role, WorkerLoad
+from services.gateway.router import Role, WorkerView
 from services.gateway.tpot_slack import DecodeProgress
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class RemoteWorker:
             # Cancels the worker's request when our client went away; a no-op once it ended.
             call.cancel()
 
-    def view(self, idle: bool = False) -> WorkerLoad | None:
+    def view(self, idle: bool = False) -> WorkerView | None:
         """Its load for routing: the latest report, raised to what this gateway knows it sent since;
         None until it sent a valid report. With `idle`, the same worker with nothing queued or
         running (what it could do at best)."""
@@ -125,7 +125,7 @@ class RemoteWorker:
         if report is None:
             return None
         if idle:
-            return WorkerLoad(self.address, self.role, self.serving, free_kv_blocks=report.total_kv_blocks,
+            return WorkerView(self.address, self.role, self.serving, free_kv_blocks=report.total_kv_blocks,
                               block_size=report.block_size, step_model=step_model_from_proto(report.step_model),
                               chunk_tokens=report.max_num_batched_tokens or 2048,
                               kv_delivery_wait_s=report.kv_delivery_wait_s)
@@ -133,7 +133,7 @@ class RemoteWorker:
         sequences = max(reported, self.in_flight)
         context_tokens = max(report.context_tokens, self.pending_context_tokens)
         step_model = step_model_from_proto(report.step_model)
-        return WorkerLoad(
+        return WorkerView(
             address=self.address,
             role=self.role,
             serving=self.serving,
@@ -149,7 +149,7 @@ class RemoteWorker:
         )
 
     def _tpot_slack_s(self, reported_sequences: int, step_s: float) -> float:
-        """The least stall any request decoding here can absorb (router.WorkerLoad.tpot_slack_s);
+        """The least stall any request decoding here can absorb (router.WorkerView.tpot_slack_s);
         0 when the worker runs requests this gateway does not stream (another gateway's), whose
         objectives and progress it cannot know."""
         if reported_sequences > self.in_flight:

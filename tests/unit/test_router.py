@@ -5,21 +5,21 @@ from __future__ import annotations
 import pytest
 
 from services.common.step_model import StepModel
-from services.gateway.router import NoWorkerError, RouteRequest, RoutingPolicy, SloTargets, WorkerLoad, route
+from services.gateway.router import NoWorkerError, RouteRequest, RoutingPolicy, SloTargets, WorkerView, route
 
 # Roughly this machine's single core: 4 ms per prompt token, 60 ms per decode step plus 5 ms per sequence.
 CPU = StepModel(base_s=0.060, per_prompt_token_s=0.004, per_sequence_s=0.005, per_context_token_s=0.000001)
 SLO = SloTargets(ttft_s=2.0, tpot_s=0.100)
 
 
-def prefill(address: str, queued: int = 0, wait: float = 0.01) -> WorkerLoad:
-    return WorkerLoad(address, "prefill", queued_prompt_tokens=queued, free_kv_blocks=1000, block_size=16,
+def prefill(address: str, queued: int = 0, wait: float = 0.01) -> WorkerView:
+    return WorkerView(address, "prefill", queued_prompt_tokens=queued, free_kv_blocks=1000, block_size=16,
                       step_model=CPU, chunk_tokens=512, kv_delivery_wait_s=wait)
 
 
 def decode(address: str, sequences: int = 0, free: int = 1000, role: str = "decode", chunk: int = 64,
-           slack: float = 0.0, queued: int = 0) -> WorkerLoad:
-    return WorkerLoad(address, role, sequences=sequences, context_tokens=300 * sequences,  # type: ignore[arg-type]
+           slack: float = 0.0, queued: int = 0) -> WorkerView:
+    return WorkerView(address, role, sequences=sequences, context_tokens=300 * sequences,  # type: ignore[arg-type]
                       free_kv_blocks=free, block_size=16, step_model=CPU, chunk_tokens=chunk, tpot_slack_s=slack,
                       queued_prompt_tokens=queued)
 
@@ -62,7 +62,7 @@ def test_a_pessimistic_step_model_does_not_starve_an_idle_decode_worker() -> Non
     # d1's start-up profile was measured under contention: it predicts 233 ms steps, so its cost
     # always lost to the busy d2 (found by the soak suite: 1 request against 6,282). Both meet the SLO.
     slow_model = StepModel(base_s=0.233, per_prompt_token_s=0.004)
-    idle = WorkerLoad("d1", "decode", free_kv_blocks=1000, block_size=16, step_model=slow_model, chunk_tokens=64)
+    idle = WorkerView("d1", "decode", free_kv_blocks=1000, block_size=16, step_model=slow_model, chunk_tokens=64)
     loose = SloTargets(ttft_s=600.0, tpot_s=600.0)
     decision = route(request(slo=loose), [prefill("p1"), idle, decode("d2", sequences=6)])
     assert decision.decode == "d1" and decision.meets_slo
@@ -70,7 +70,7 @@ def test_a_pessimistic_step_model_does_not_starve_an_idle_decode_worker() -> Non
 
 def test_no_serving_decode_worker_is_an_error() -> None:
     with pytest.raises(NoWorkerError):
-        route(request(), [prefill("p1"), WorkerLoad("d1", "decode", serving=False, free_kv_blocks=100, block_size=16)])
+        route(request(), [prefill("p1"), WorkerView("d1", "decode", serving=False, free_kv_blocks=100, block_size=16)])
 
 
 def test_prefill_runs_on_an_idle_decode_worker_when_every_prefill_queue_breaks_ttft() -> None:
@@ -148,8 +148,8 @@ def test_equal_workers_take_turns() -> None:
 
 
 def test_unmeasured_workers_still_get_requests() -> None:
-    workers = [WorkerLoad("p1", "prefill", free_kv_blocks=100, block_size=16),
-               WorkerLoad("d1", "decode", free_kv_blocks=100, block_size=16)]
+    workers = [WorkerView("p1", "prefill", free_kv_blocks=100, block_size=16),
+               WorkerView("d1", "decode", free_kv_blocks=100, block_size=16)]
     decision = route(request(), workers)
     assert (decision.prefill, decision.decode) == ("p1", "d1")
     assert decision.meets_slo
