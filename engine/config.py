@@ -12,6 +12,10 @@ Role = Literal["colocated", "prefill", "decode"]
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 CpuWeights = Literal["fp16", "fp32", "plain"]
+# vLLM's flag names and values. "auto" quantization: the file's own blocks where a kernel serves them,
+# else none; "auto" KV cache dtype: the model's dtype.
+Quantization = Literal["auto", "none", "gguf", "int8", "gptq", "awq"]
+KVCacheDType = Literal["auto", "fp8", "fp8_e4m3", "int8"]
 
 
 def _require(cond: bool, field_name: str, message: str) -> None:
@@ -135,6 +139,8 @@ class EngineConfig:
     # them to fp16 for a product that reads half the bytes; "fp32" keeps them exact, pre-packed for
     # oneDNN; "plain" keeps one copy. Both packed formats hold a second copy of the weights.
     cpu_weights: CpuWeights = "fp16"
+    quantization: Quantization = "auto"  # weight-only: activations stay in `dtype`
+    kv_cache_dtype: KVCacheDType = "auto"
 
     def __post_init__(self) -> None:
         _require(self.role in ("colocated", "prefill", "decode"), "role", f"unknown role {self.role!r}")
@@ -146,6 +152,10 @@ class EngineConfig:
             f"unknown backend {self.attention_backend!r}",
         )
         _require(self.cpu_weights in get_args(CpuWeights), "cpu_weights", f"unknown format {self.cpu_weights!r}")
+        _require(self.quantization in get_args(Quantization), "quantization",
+                 f"unknown method {self.quantization!r} (choose from {', '.join(get_args(Quantization))})")
+        _require(self.kv_cache_dtype in get_args(KVCacheDType), "kv_cache_dtype",
+                 f"unknown dtype {self.kv_cache_dtype!r} (choose from {', '.join(get_args(KVCacheDType))})")
         if self.max_model_len is not None:
             _require(self.max_model_len > 0, "max_model_len", "must be positive")
 

@@ -53,7 +53,9 @@ class Engine:
     """One model, one paged KV cache, one scheduler: the runtime every pool shares."""
 
     def __init__(self, config: EngineConfig, files: ModelFiles | None = None) -> None:
-        """Load the model (or use already loaded `files`, so tests and benchmarks load it once)."""
+        """Load the model (or use already loaded `files`, so tests and benchmarks load it once).
+        ValueError naming the field for a format this engine has no kernel for."""
+        _check_formats(config)
         self.config = config
         self.device = torch.device(config.device)
         dtype = TORCH_DTYPES[config.torch_dtype_name]
@@ -293,3 +295,18 @@ class Engine:
             max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
             num_context_tokens=sum(request.num_tokens for request in self.scheduler.running),
         )
+
+
+# The weight and KV formats this engine computes; anything else is refused before loading, never
+# served by a silent fallback.
+_QUANTIZATIONS = ("auto", "none")
+_KV_CACHE_DTYPES = ("auto",)
+
+
+def _check_formats(config: EngineConfig) -> None:
+    if config.quantization not in _QUANTIZATIONS:
+        raise ValueError(f"quantization: {config.quantization!r} is not supported (supported: "
+                         f"{', '.join(_QUANTIZATIONS)})")
+    if config.kv_cache_dtype not in _KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: {config.kv_cache_dtype!r} is not supported (supported: "
+                         f"{', '.join(_KV_CACHE_DTYPES)})")

@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 from typing import get_args
 
-from engine.config import CacheConfig, CpuWeights, DType, EngineConfig, Role, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    CpuWeights,
+    DType,
+    EngineConfig,
+    KVCacheDType,
+    Quantization,
+    Role,
+    SchedulerConfig,
+)
 
 # One prompt of a few hundred tokens keeps a CPU core busy, so batching a second one into its step
 # only delays the first one's first token (`python -m bench prompt_batching`; docs/benchmarks.md). A GPU
@@ -23,6 +32,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-weights", default="fp16", choices=get_args(CpuWeights),
                         help="fp32 on CPU: weights rounded to fp16 for a faster decode (default), exact "
                              "(fp32, oneDNN-packed), or one plain copy")
+    parser.add_argument("--quantization", default="auto", choices=get_args(Quantization),
+                        help="weight format (weight-only; activations in --dtype); auto: the file's own "
+                             "blocks where a kernel serves them, else none")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=get_args(KVCacheDType),
+                        help="KV cache element format; auto: the model's dtype")
     parser.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache budget in MiB")
     parser.add_argument("--kv-cache-blocks", type=int, default=None, help="explicit KV block count (overrides MiB)")
     parser.add_argument("--block-size", type=int, default=16)
@@ -45,6 +59,8 @@ def engine_config(args: argparse.Namespace, role: Role) -> EngineConfig:
         attention_backend=args.attention_backend,
         max_model_len=args.max_model_len,
         cpu_weights=args.cpu_weights,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.kv_cache_blocks,

@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from engine.config import EngineConfig
 from services.commands.engine_flags import CPU_PROMPT_BATCH_TOKENS, add_engine_flags, engine_config
 
 
@@ -36,3 +37,14 @@ def test_prompt_batching_is_limited_on_cpu_by_default_and_not_on_gpu():
 def test_a_negative_prompt_batch_limit_is_refused():
     with pytest.raises(ValueError, match="max_prompt_batch_tokens"):
         _config("--max-prompt-batch-tokens", "-1")
+
+
+def test_a_format_the_engine_cannot_compute_is_refused_before_loading_naming_the_field():
+    from engine.engine import Engine
+
+    with pytest.raises(ValueError, match=r"^quantization: 'awq' is not supported \(supported: auto, none\)"):
+        Engine(EngineConfig(quantization="awq", model="/nonexistent.gguf"))
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype: 'fp8' is not supported"):
+        Engine(EngineConfig(kv_cache_dtype="fp8", model="/nonexistent.gguf"))
+    with pytest.raises(ValueError, match="^quantization: unknown method 'q4'"):
+        EngineConfig(quantization="q4")  # type: ignore[arg-type]
