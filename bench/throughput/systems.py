@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -56,8 +57,29 @@ def emit(result: dict) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
+def worker_main(measure: Callable[[dict], dict], doc: str | None, argv: list[str] | None = None) -> int:
+    """The main() of a baseline's worker program (bench/vllm/offline.py, bench/llamacpp/offline.py):
+    `--workload PATH`, then one result line."""
+    parser = argparse.ArgumentParser(description=doc)
+    parser.add_argument("--workload", required=True)
+    emit(measure(load_workload(parser.parse_args(argv).workload)))
+    return 0
+
+
+def pin_to_cores(workload: dict) -> None:
+    """Bind this process to the workload's `cores` (if it names any), as vLLM binds its threads."""
+    if workload.get("cores"):
+        os.sched_setaffinity(0, workload["cores"])
+
+
+# The EngineConfig fields a Tandem result records, where this checkout's EngineConfig has them.
+_FORMAT_FIELDS = ("dtype", "quantization", "kv_cache_dtype", "cpu_weights")
+
+
 def tandem(workload: dict) -> dict:
-    """Tandem's Engine through engine.offline.generate (all requests submitted at once)."""
+    """Tandem's Engine through engine.offline.generate (all requests submitted at once), on the
+    workload's model_dir unless its `tandem` entry gives other EngineConfig fields (`{"model": null}`:
+    the shipped GGUF at the engine's defaults)."""
     import torch
 
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -65,12 +87,13 @@ def tandem(workload: dict) -> dict:
     from engine.offline import generate
     from engine.sampling_params import SamplingParams
 
+    pin_to_cores(workload)
     torch.set_num_threads(workload["threads"])
     engine = Engine(EngineConfig(
-        model=workload["model_dir"],
         max_model_len=workload["max_model_len"],
         cache=CacheConfig(memory_bytes=KV_CACHE_GIB << 30, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=workload["max_num_seqs"]),
+        **{"model": workload["model_dir"], **workload.get("tandem", {})},
     ))
 
     def run(prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
@@ -80,9 +103,12 @@ def tandem(workload: dict) -> dict:
 
     revision = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, check=False).stdout.strip()
+    config = engine.config
     return {"system": "tandem", "version": revision or "unknown",
             "mode": f"Engine, {engine.runner.model.layers[0].attention.name} attention, "
                     f"max_num_seqs={workload['max_num_seqs']}",
+            "engine": {"model": config.model or "shipped GGUF", "torch_dtype": config.torch_dtype_name,
+                       **{name: getattr(config, name) for name in _FORMAT_FIELDS if hasattr(config, name)}},
             "cases": run_cases(workload, run)}
 
 
