@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.harness.engine_formats import FORMAT_FIELDS, engine_formats
 from bench.harness.machine import describe
 from bench.harness.model_quality import FIXED_TEXT, spans
 from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
@@ -34,7 +35,6 @@ from engine.sampling_params import SamplingParams
 PROMPT_TOKENS = 128
 WARMUP_STEPS = 8
 TOP_OPS = 12
-ENGINE_FLAGS = ("dtype", "quantization", "kv_cache_dtype", "cpu_weights")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -42,7 +42,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = suite_parser(__name__, __doc__)
     parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed, and as many profiled")
-    for name in ENGINE_FLAGS:
+    for name in FORMAT_FIELDS:
         parser.add_argument(f"--{name.replace('_', '-')}", default=None, help=f"EngineConfig.{name} (default: "
                             "the engine's)")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
@@ -103,7 +103,7 @@ def measure(engine: Engine, prompt: list[int], steps: int) -> dict:
 def main(argv: Sequence[str]) -> int:
     """Measure at every thread count; print the table; write the results."""
     args = parse_args(argv)
-    settings = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+    settings = {name: getattr(args, name) for name in FORMAT_FIELDS if getattr(args, name) is not None}
     try:
         config = EngineConfig(cache=CacheConfig(memory_bytes=64 << 20, enable_prefix_caching=False), **settings)
         engine = Engine(config)
@@ -118,8 +118,7 @@ def main(argv: Sequence[str]) -> int:
         torch.set_num_threads(threads)
         runs[threads] = {**measure(engine, prompt, args.steps), "trivial_op_us": trivial_op_us()}
     load["end"] = load_average()
-    chosen = {"torch_dtype": config.torch_dtype_name,
-              **{name: getattr(config, name) for name in ENGINE_FLAGS if hasattr(config, name)}}
+    chosen = engine_formats(engine)
     print("| threads | decode step, ms (median) | in ops (self time), ms | outside ops, ms | ops per step | "
           "dispatch estimate (ops x trivial op), ms | profiled step, ms |")
     print("|---:|---:|---:|---:|---:|---:|---:|")

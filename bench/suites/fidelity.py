@@ -32,6 +32,7 @@ import torch
 
 from bench.fidelity.formats import NAMES, REFERENCE, Format, selected
 from bench.fidelity.report import format_table, verdict
+from bench.harness.engine_formats import engine_formats
 from bench.harness.machine import describe
 from bench.harness.model_quality import FIXED_TEXT, first_difference, perplexity, spans
 from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
@@ -99,17 +100,18 @@ def measure(fmt: Format, args: argparse.Namespace, windows: list[list[int]], pro
         engine = Engine(config)
     except ValueError as refusal:  # the engine's start-up check: a format it has no kernel for
         return {"skipped": str(refusal)}
+    formats = engine_formats(engine)
     try:
         score = perplexity(engine, windows, args.chunk_tokens)
         greedy = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
         outputs = [c.token_ids for c in generate(engine, prompts, greedy)]
     except Exception as error:  # one broken format must not hide the others' rows
         traceback.print_exc()
-        return {"failed": f"{type(error).__name__}: {error}"}
+        return {"failed": f"{type(error).__name__}: {error}", "engine": formats}
     finally:
         del engine
         gc.collect()
-    return {"perplexity": score, "greedy": outputs, "seconds": time.perf_counter() - started}
+    return {"perplexity": score, "greedy": outputs, "seconds": time.perf_counter() - started, "engine": formats}
 
 
 def main(argv: Sequence[str]) -> int:

@@ -72,16 +72,13 @@ def pin_to_cores(workload: dict) -> None:
         os.sched_setaffinity(0, workload["cores"])
 
 
-# The EngineConfig fields a Tandem result records, where this checkout's EngineConfig has them.
-_FORMAT_FIELDS = ("dtype", "quantization", "kv_cache_dtype", "cpu_weights")
-
-
 def tandem(workload: dict) -> dict:
     """Tandem's Engine through engine.offline.generate (all requests submitted at once), on the
     workload's model_dir unless its `tandem` entry gives other EngineConfig fields (`{"model": null}`:
     the shipped GGUF at the engine's defaults)."""
     import torch
 
+    from bench.harness.engine_formats import engine_formats
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.engine import Engine
     from engine.offline import generate
@@ -103,12 +100,10 @@ def tandem(workload: dict) -> dict:
 
     revision = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, check=False).stdout.strip()
-    config = engine.config
     return {"system": "tandem", "version": revision or "unknown",
             "mode": f"Engine, {engine.runner.model.layers[0].attention.name} attention, "
                     f"max_num_seqs={workload['max_num_seqs']}",
-            "engine": {"model": config.model or "shipped GGUF", "torch_dtype": config.torch_dtype_name,
-                       **{name: getattr(config, name) for name in _FORMAT_FIELDS if hasattr(config, name)}},
+            "engine": {"model": engine.config.model or "shipped GGUF", **engine_formats(engine)},
             "cases": run_cases(workload, run)}
 
 
