@@ -82,7 +82,8 @@ def engine_config(fmt: Format, args: argparse.Namespace) -> EngineConfig | str:
         return f"this checkout's EngineConfig has no field {', '.join(missing)}"
     model = getattr(args, fmt.checkpoint) if fmt.checkpoint else None
     if fmt.checkpoint and not model:
-        return f"needs a {fmt.name.upper()} checkpoint of the shipped model (--{fmt.checkpoint.replace('_', '-')} DIR)"
+        flag = f"--{fmt.checkpoint.replace('_', '-')}"
+        return f"needs a checkpoint of the shipped model in this format ({flag} DIR)"
     try:
         return EngineConfig(model=model, cache=CacheConfig(memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=False),
                             **fmt.settings)
