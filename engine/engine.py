@@ -22,6 +22,7 @@ from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_export import KVExport, KVExports
 from engine.model.loader import ModelFiles, build_model, load_model_files
+from engine.model.weight_formats import choose_quantization
 from engine.outputs import (
     EngineStats,
     KVReservation,
@@ -61,18 +62,19 @@ class Engine:
         dtype = TORCH_DTYPES[config.torch_dtype_name]
         if files is None:
             files = load_model_files(config.model, dtype)
+        self.quantization = choose_quantization(config.quantization, files.kind, files.quantized_as, config.device)
         self.model_config = files.config
         self.tokenizer = Tokenizer.from_path(files.source)
         self.max_model_len = min(config.max_model_len or files.config.max_position_embeddings,
                                  files.config.max_position_embeddings)
         attention = select_attention_backend(config.attention_backend, config.device)
-        model = build_model(files, attention, self.device)
-        model.prepare_weights(config.cpu_weights)
+        model = build_model(files, attention, self.device, self.quantization, config.cpu_weights)
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or max(
             1, (config.cache.memory_bytes or 0) // bytes_per_block(files.config, block_size, dtype)
         )
-        self.fingerprint = hashlib.sha256(f"{files.config!r}|{dtype}".encode()).digest()
+        # The weight format is part of the model: KV computed with other weights is neither reused nor accepted.
+        self.fingerprint = hashlib.sha256(f"{files.config!r}|{dtype}|{self.quantization}".encode()).digest()
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint)
         eos = set(self.tokenizer.eos_token_ids) | set(files.config.eos_token_ids)
         self.scheduler = Scheduler(
@@ -83,8 +85,8 @@ class Engine:
         self._exports = KVExports(block_size, files.config.num_layers)
         self._text: dict[str, _TextState] = {}
         self.last_step_tokens = StepTokens()
-        log.info("engine ready: %s, role=%s, %d KV blocks of %d tokens, attention=%s",
-                 files.config.name, config.role, num_blocks, block_size, attention.name)
+        log.info("engine ready: %s, role=%s, %d KV blocks of %d tokens, attention=%s, quantization=%s",
+                 files.config.name, config.role, num_blocks, block_size, attention.name, self.quantization)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -299,7 +301,7 @@ class Engine:
 
 # The weight and KV formats this engine computes; anything else is refused before loading, never
 # served by a silent fallback.
-_QUANTIZATIONS = ("auto", "none")
+_QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 _KV_CACHE_DTYPES = ("auto",)
 
 

@@ -16,6 +16,17 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
 
 
 @pytest.fixture(scope="module")
+def make_engine(make_engine):
+    """Engines over the file's weights dequantized (quantization none): the numbers transformers
+    computes, whichever format `auto` picks."""
+
+    def build(**overrides):
+        return make_engine(**{"quantization": "none", **overrides})
+
+    return build
+
+
+@pytest.fixture(scope="module")
 def prompts(tokenizer) -> list[list[int]]:
     ids = parity_prompt_ids(tokenizer)
     assert max(len(p) for p in ids) >= 1000, "one parity prompt must be about 1,000 tokens"
