@@ -140,15 +140,30 @@ inline int64_t block_group(const Problem& p, int64_t n) {
   return (n / kBlockRows) * p.groups * kBlockRows + n % kBlockRows;
 }
 
-inline void finish(const Problem& p, int64_t m, int64_t n, float dot) {
-  float y = dot;
-  if (p.offset != nullptr) {
-    const float* offset = p.offset + block_group(p, n);
-    const float* sums = p.group_sums + m * p.groups;
-    for (int64_t g = 0; g < p.groups; ++g) y += offset[g * kBlockRows] * sums[g];
+inline void finish(const Problem& p, int64_t m, int64_t n, float dot) { p.y[m * p.N + n] = dot; }
+
+// y[m, n] += Σ_g offset[n, g]·sums[m, g] in group order, then + bias[n]: eight rows of a block
+// at a time, one lane each, so every output gets the same sequence of operations.
+inline void epilogue(const Problem& p, int64_t n_begin, int64_t n_end) {
+  if (p.offset == nullptr && p.bias == nullptr) return;
+  for (int64_t m = 0; m < p.M; ++m) {
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += kBlockRows) {
+      Vec extra = zero();
+      if (p.offset != nullptr) {
+        const float* offset = p.offset + block_group(p, n0);
+        const float* sums = p.group_sums + m * p.groups;
+        for (int64_t g = 0; g < p.groups; ++g) extra = fma(broadcast(sums + g), load(offset + g * kBlockRows), extra);
+      }
+      float lanes[kBlockRows];
+      store(lanes, extra);
+      for (int64_t n = n0; n < std::min(n_end, n0 + kBlockRows); ++n) {
+        float y = p.y[m * p.N + n];
+        if (p.offset != nullptr) y += lanes[n - n0];
+        if (p.bias != nullptr) y += p.bias[n];
+        p.y[m * p.N + n] = y;
+      }
+    }
   }
-  if (p.bias != nullptr) y += p.bias[n];
-  p.y[m * p.N + n] = y;
 }
 
 // MB rows of x against NB rows of W (within one block): MB*NB accumulators, at most 8, so with the
@@ -222,6 +237,7 @@ void rows_task(const Problem& p, int64_t n_begin, int64_t n_end) {
     m += 2;
   }
   if (p.M - m >= 1) columns<BITS, GROUPS_OF_32, 1, 8>(p, m, n_begin, n_end);
+  epilogue(p, n_begin, n_end);
 }
 
 // Rows [begin, end) of the fp32 weight [N, K]: fl(fl(scale·q) + offset) per element.
