@@ -13,6 +13,7 @@ that is renamed into place, so processes starting together never load a half-wri
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmatmul.cpp")
 HEADERS = (Path(__file__).with_name("qmatmul_core.h"),)
@@ -134,6 +137,7 @@ def library(variant: Variant, flags: frozenset[str] | None = None) -> Path:
     if (target / _LIBRARY).exists():
         return target / _LIBRARY
     target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building the %s kernels into %s (once; about a minute)", variant.name, target)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         _compile(variant, staging / _LIBRARY)
