@@ -22,7 +22,7 @@ from bench.harness.leak_check import assert_no_leaks, load_report
 from bench.harness.mesh import Mesh
 from bench.harness.paths import REPO
 from bench.harness.ports import free_port
-from bench.harness.worker import Worker, start_worker
+from bench.harness.worker import WorkerProcess, start_worker
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
 from services.client import TandemClient
@@ -33,7 +33,7 @@ RPC_TIMEOUT_S = 300.0
 GREEDY = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
 
 
-def _start_all(arg_lists: list[list[str]]) -> list[Worker]:
+def _start_all(arg_lists: list[list[str]]) -> list[WorkerProcess]:
     """Start processes together, so their loads overlap, and wait for every ready line."""
     workers = [start_worker(args, wait=False) for args in arg_lists]
     for worker in workers:
@@ -56,7 +56,7 @@ def _gateway_args(prefill: list[list[str]], decode: list[list[str]]) -> list[str
             "--decode", addresses(decode), "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"]
 
 
-def _stop(workers: list[Worker]) -> None:
+def _stop(workers: list[WorkerProcess]) -> None:
     codes = {worker.args[0]: worker.stop() for worker in workers}
     assert all(code == 0 for code in codes.values()), codes
 
@@ -155,7 +155,7 @@ def test_resource_exhausted_and_retry_on_another_decode_worker(mesh, tokenizer, 
     tiny_args = _worker_args("decode", "--kv-cache-blocks", "4")
     prefill, decode = [worker.args for worker in mesh.prefill], mesh.decode[0].args
     long_prompt = travel_diary()  # ~1,000 tokens: far more than 4 blocks of 16
-    started: list[Worker] = []
+    started: list[WorkerProcess] = []
     try:
         started += _start_all([tiny_args, _gateway_args(prefill, [tiny_args])])
         # Started once the tiny worker serves, so that its first view of the pool includes it.

@@ -17,7 +17,7 @@ from parity_prompts import travel_diary
 from tandem.v1 import common_pb2, decode_pb2_grpc
 
 from bench.harness.ports import free_port
-from bench.harness.worker import Worker, start_worker
+from bench.harness.worker import WorkerProcess, start_worker
 from services.client import TandemClient
 from services.common.server import channel_options
 
@@ -31,10 +31,10 @@ DEADLINE_S = 60.0  # generous bound for conditions polled below; no test asserts
 
 @dataclass
 class Mesh:
-    gateway: Worker  # over one prefill and one decode worker
-    overloaded: Worker  # its only decode worker has a 4-block KV cache
-    orphan: Worker  # its workers do not exist
-    decode: Worker
+    gateway: WorkerProcess  # over one prefill and one decode worker
+    overloaded: WorkerProcess  # its only decode worker has a 4-block KV cache
+    orphan: WorkerProcess  # its workers do not exist
+    decode: WorkerProcess
 
 
 def _worker(role: str, *flags: str) -> list[str]:
@@ -65,7 +65,7 @@ def mesh():
 
 
 @pytest.fixture(scope="module")
-def gateway(mesh) -> Worker:
+def gateway(mesh) -> WorkerProcess:
     return mesh.gateway
 
 
@@ -95,7 +95,7 @@ def _grpc_text(grpc_client, **request) -> tuple[str, list]:
     return text, logprobs
 
 
-def _post(gateway: Worker, path: str, data: bytes) -> tuple[int, dict, bytes]:
+def _post(gateway: WorkerProcess, path: str, data: bytes) -> tuple[int, dict, bytes]:
     request = urllib.request.Request(f"http://{gateway.http_address}{path}", data=data,
                                      headers={"Content-Type": "application/json"})
     try:
@@ -303,12 +303,12 @@ def test_metrics_are_prometheus_text(gateway):
         assert "# TYPE " in response.read().decode()
 
 
-def _decode_load(worker: Worker) -> common_pb2.LoadReport:
+def _decode_load(worker: WorkerProcess) -> common_pb2.LoadReport:
     with grpc.insecure_channel(str(worker.address), options=channel_options()) as channel:
         return decode_pb2_grpc.DecodeStub(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=30)
 
 
-def _wait_idle(worker: Worker) -> None:
+def _wait_idle(worker: WorkerProcess) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while (load := _decode_load(worker)).running_requests + load.waiting_requests + load.reserved_requests:
         assert time.monotonic() < deadline, load

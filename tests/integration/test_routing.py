@@ -11,7 +11,7 @@ from parity_prompts import travel_diary
 
 from bench.harness.leak_check import assert_no_leaks, load_report
 from bench.harness.ports import free_port
-from bench.harness.worker import Worker, start_worker
+from bench.harness.worker import WorkerProcess, start_worker
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
 from services.client import TandemClient
@@ -22,14 +22,14 @@ RPC_TIMEOUT_S = 300.0
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
 
-def _start(*arg_lists: list[str]) -> list[Worker]:
+def _start(*arg_lists: list[str]) -> list[WorkerProcess]:
     workers = [start_worker(args, wait=False) for args in arg_lists]
     for worker in workers:
         worker.wait_ready()
     return workers
 
 
-def _stop(workers: list[Worker]) -> None:
+def _stop(workers: list[WorkerProcess]) -> None:
     codes = [worker.stop() for worker in reversed(workers)]
     assert codes == [0] * len(codes), codes
 
