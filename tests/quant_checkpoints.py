@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -34,6 +34,7 @@ class Layout:
     sym: bool = False
     act_order: bool = False
     checkpoint_format: Literal["gptq", "gptq_v2"] = "gptq"
+    zero_biases: bool = False  # a zero bias beside every packed layer, as some GPTQ exporters write
 
     @property
     def stored_zero_offset(self) -> int:
@@ -49,14 +50,17 @@ class Layout:
                 "sym": self.sym, "checkpoint_format": self.checkpoint_format, "lm_head": False}
 
 
-def quantize(weight: torch.Tensor, layout: Layout, generator: torch.Generator) -> QuantizedWeight:
+def quantize(weight: torch.Tensor, layout: Layout, order_seed: int) -> QuantizedWeight:
     """Round-to-nearest 4-bit groups of a [N, K] weight (GPTQ's quantizer without its error
-    feedback). Act-order groups are random sets of input features; within a group, features ascend."""
+    feedback). Act-order groups are random sets of input features drawn from `order_seed` (GPTQ
+    orders by the Hessian of the layer's input, so layers reading one input share it); within a
+    group, features ascend."""
     rows, cols = weight.shape
     groups = cols // layout.group_size
     perm = None
     if layout.act_order:
-        perm = torch.randperm(cols, generator=generator).view(groups, layout.group_size).sort(dim=1).values.flatten()
+        shuffled = torch.randperm(cols, generator=torch.Generator().manual_seed(order_seed))
+        perm = shuffled.view(groups, layout.group_size).sort(dim=1).values.flatten()
     grouped = (weight if perm is None else weight[:, perm]).view(rows, groups, layout.group_size)
     low = grouped.amin(-1).clamp(max=0)
     high = grouped.amax(-1).clamp(min=0)
@@ -89,7 +93,8 @@ def pack(name: str, weight: QuantizedWeight, layout: Layout) -> dict[str, torch.
     group_of_column = torch.arange(cols, dtype=torch.int32) // weight.group_size
     g_idx = torch.empty_like(group_of_column)
     g_idx[torch.arange(cols) if weight.perm is None else weight.perm] = group_of_column
-    return {
+    biases = {f"{prefix}.bias": torch.zeros(weight.shape[0], dtype=torch.float16)} if layout.zero_biases else {}
+    return biases | {
         f"{prefix}.qweight": _words(q.numpy(), tuple(range(8))).t().contiguous(),  # packed along K: [K / 8, N]
         f"{prefix}.qzeros": _words(zero.t().numpy(), tuple(range(8))),  # packed along N: [G, N / 8]
         f"{prefix}.scales": scales,
@@ -120,14 +125,15 @@ def hf_config(config: ModelConfig) -> dict[str, object]:
     }
 
 
-def write_checkpoint(directory: Path, config: ModelConfig, float_shard: Path, quantized: Mapping[str, QuantizedWeight],
-                     layout: Layout, tokenizer_json: Path) -> None:
-    """An HF directory: config.json with the layout's quantization_config, the float tensors' shard
-    (linked), the packed layers' shard and tokenizer.json (linked)."""
+def write_checkpoint(directory: Path, config: ModelConfig, float_shards: Sequence[Path],
+                     quantized: Mapping[str, QuantizedWeight], layout: Layout, tokenizer_json: Path) -> None:
+    """An HF directory: config.json with the layout's quantization_config, the float tensors'
+    shards and tokenizer.json (linked), and the packed layers' shard."""
     directory.mkdir(parents=True)
     raw = hf_config(config) | {"quantization_config": layout.quantization_config()}
     (directory / "config.json").write_text(json.dumps(raw), encoding="utf-8")
-    os.symlink(float_shard, directory / "model-float.safetensors")
+    for shard in float_shards:
+        os.symlink(shard, directory / shard.name)
     os.symlink(tokenizer_json, directory / "tokenizer.json")
     packed: dict[str, torch.Tensor] = {}
     for name, weight in quantized.items():

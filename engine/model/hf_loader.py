@@ -54,7 +54,20 @@ def load_hf_dir(path: str, dtype: torch.dtype, requested: str = "auto") -> HFChe
         weights.pop("lm_head.weight", None)
         if "lm_head.weight" in quantized:
             raise ValueError("lm_head.qweight: a packed LM head on a model with tie_word_embeddings is not supported")
+    _drop_zero_biases(weights, quantized, config)
     return HFCheckpoint(config, weights, quantized, quantization)
+
+
+def _drop_zero_biases(weights: dict[str, torch.Tensor], quantized: dict[str, QuantizedWeight],
+                      config: ModelConfig) -> None:
+    # Some GPTQ exporters store a zero bias for every packed layer; as vLLM does, the ones this model
+    # has no bias for are skipped (a zero bias changes nothing; any other is left to be refused).
+    biased = ("q_proj", "k_proj", "v_proj") if config.attention_bias else ()
+    for name in quantized:
+        prefix = name.removesuffix(".weight")
+        bias = weights.get(f"{prefix}.bias")
+        if bias is not None and not prefix.endswith(biased) and not bool(bias.any()):
+            del weights[f"{prefix}.bias"]
 
 
 def _safetensors_files(path: str) -> list[str]:
