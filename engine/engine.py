@@ -22,6 +22,7 @@ from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_export import KVExport, KVExports
 from engine.model.loader import ModelFiles, build_model, load_model_files
+from engine.model.quant_config import check_requested
 from engine.outputs import (
     EngineStats,
     KVReservation,
@@ -60,7 +61,9 @@ class Engine:
         self.device = torch.device(config.device)
         dtype = TORCH_DTYPES[config.torch_dtype_name]
         if files is None:
-            files = load_model_files(config.model, dtype)
+            files = load_model_files(config.model, dtype, config.quantization)
+        else:
+            check_requested(config.quantization, files.stored_format, files.source)
         self.model_config = files.config
         self.tokenizer = Tokenizer.from_path(files.source)
         self.max_model_len = min(config.max_model_len or files.config.max_position_embeddings,
@@ -299,7 +302,7 @@ class Engine:
 
 # The weight and KV formats this engine computes; anything else is refused before loading, never
 # served by a silent fallback.
-_QUANTIZATIONS = ("auto", "none")
+_QUANTIZATIONS = ("auto", "none", "gptq", "awq")
 _KV_CACHE_DTYPES = ("auto",)
 
 

@@ -42,8 +42,8 @@ def test_a_negative_prompt_batch_limit_is_refused():
 def test_a_format_the_engine_cannot_compute_is_refused_before_loading_naming_the_field():
     from engine.engine import Engine
 
-    with pytest.raises(ValueError, match=r"^quantization: 'awq' is not supported \(supported: auto, none\)"):
-        Engine(EngineConfig(quantization="awq", model="/nonexistent.gguf"))
+    with pytest.raises(ValueError, match=r"^quantization: 'int8' is not supported \(supported: auto, none, gptq, "):
+        Engine(EngineConfig(quantization="int8", model="/nonexistent.gguf"))
     with pytest.raises(ValueError, match=r"^kv_cache_dtype: 'fp8' is not supported"):
         Engine(EngineConfig(kv_cache_dtype="fp8", model="/nonexistent.gguf"))
     with pytest.raises(ValueError, match=r"^quantization: unknown method 'q4'"):
