@@ -40,10 +40,11 @@ def load_model_files(path: str | None, dtype: torch.dtype) -> ModelFiles:
     raise ValueError(f"model path {source!r} is neither a .gguf file nor an HF model directory")
 
 
-def build_model(files: ModelFiles, attention: AttentionBackend, device: str | torch.device) -> LlamaForCausalLM:
-    """The model on `device`, in the dtype of the loaded weights, with those weights copied in."""
+def build_model(files: ModelFiles, attention: AttentionBackend, device: str | torch.device,
+                dtype: torch.dtype | None = None) -> LlamaForCausalLM:
+    """The model on `device`, in `dtype` (None: the loaded weights' own), with those weights copied in."""
     with torch.device(device):
         model = LlamaForCausalLM(files.config, attention)
-    model.to(dtype=files.weights["model.embed_tokens.weight"].dtype)
+    model.to(dtype=dtype or files.weights["model.embed_tokens.weight"].dtype)
     model.load_weights(files.weights)
     return model.eval()
