@@ -6,6 +6,7 @@ incremental detokenization and stop strings here).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Sequence
@@ -17,6 +18,8 @@ from engine.attention.selector import select_attention_backend
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.dtypes import TORCH_DTYPES
+from engine.formats import resolve_formats
+from engine.hardware import probe
 from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
 from engine.kv_cache.manager import KVCacheManager
@@ -54,23 +57,31 @@ class Engine:
     """One model, one paged KV cache, one scheduler: the runtime every pool shares."""
 
     def __init__(self, config: EngineConfig, files: ModelFiles | None = None) -> None:
-        """Load the model (or use already loaded `files`, so tests and benchmarks load it once).
-        ValueError naming the field for a format this engine has no kernel for."""
+        """Load the model (or use already loaded `files`, so tests and benchmarks load it once; they
+        are converted to the engine's dtype). ValueError naming the field for a format this engine
+        has no kernel for, or a combination of formats that cannot run."""
         _check_formats(config)
         self.config = config
         self.device = torch.device(config.device)
-        dtype = TORCH_DTYPES[config.torch_dtype_name]
+        # What it computes in, resolved from the hardware once (engine.formats).
+        formats = resolve_formats(config, probe(config.device))
+        dtype = TORCH_DTYPES[formats.dtype]
         if files is None:
             files = load_model_files(config.model, dtype, config.quantization)
         else:
             check_requested(config.quantization, files.stored_format, files.source)
+        # "auto" serves what a GPTQ/AWQ checkpoint holds.
+        self.formats = dataclasses.replace(formats, quantization=files.quant_method or formats.quantization)
+        log.info("engine formats: %s", self.formats.describe())
+        if self.formats.warning is not None:
+            log.warning("%s", self.formats.warning)
         self.model_config = files.config
         self.tokenizer = Tokenizer.from_path(files.source)
         self.max_model_len = min(config.max_model_len or files.config.max_position_embeddings,
                                  files.config.max_position_embeddings)
         attention = select_attention_backend(config.attention_backend, config.device)
-        model = build_model(files, attention, self.device)
-        model.prepare_weights(config.cpu_weights)
+        model = build_model(files, attention, self.device, dtype)
+        model.prepare_weights(self.formats.cpu_weights)
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or max(
             1, (config.cache.memory_bytes or 0) // bytes_per_block(files.config, block_size, dtype)

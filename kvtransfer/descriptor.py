@@ -34,9 +34,9 @@ class _ModelShape(Protocol):
     def head_dim(self) -> int: ...
 
 
-class _RunConfig(Protocol):
+class _Formats(Protocol):
     @property
-    def torch_dtype_name(self) -> str: ...
+    def kv_cache_dtype(self) -> str: ...
 
 
 class _BlockTables(Protocol):
@@ -46,14 +46,14 @@ class _BlockTables(Protocol):
 
 class PagedEngine(Protocol):
     """What `KVLayout.of_engine` reads of an engine (engine.engine.Engine is one): its model's
-    shape, the fingerprint of its weights and dtype, the dtype and its KV cache's block size."""
+    shape, the fingerprint of its weights and dtype, its KV cache's element dtype and block size."""
 
     @property
     def model_config(self) -> _ModelShape: ...
     @property
     def fingerprint(self) -> bytes: ...
     @property
-    def config(self) -> _RunConfig: ...
+    def formats(self) -> _Formats: ...
     @property
     def kv(self) -> _BlockTables: ...
 
@@ -95,7 +95,7 @@ class KVLayout:
             num_layers=config.num_layers,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
-            dtype=engine.config.torch_dtype_name,
+            dtype=engine.formats.kv_cache_dtype,
             block_size=engine.kv.block_size,
         )
 

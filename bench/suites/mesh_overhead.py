@@ -127,7 +127,7 @@ def inprocess_child(conn: Connection, prompts: list[list[int]], output_tokens: i
         timed.append(RequestTiming(completion.ttft_s, completion.tpot_s, len(completion.token_ids)))
     config = engine.model_config
     shape = {"num_layers": config.num_layers, "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
-             "dtype": engine.config.torch_dtype_name, "block_size": engine.kv.block_size}
+             "dtype": engine.formats.kv_cache_dtype, "block_size": engine.kv.block_size}
     conn.send(([asdict(t) for t in timed[1:]], shape))
 
 

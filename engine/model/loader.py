@@ -60,9 +60,10 @@ def load_model_files(path: str | None, dtype: torch.dtype, quantization: str = "
     raise ValueError(f"model path {source!r} is neither a .gguf file nor an HF model directory")
 
 
-def build_model(files: ModelFiles, attention: AttentionBackend, device: str | torch.device) -> LlamaForCausalLM:
-    """The model on `device`, in the dtype of the loaded weights, with those weights copied in."""
-    dtype = files.weights["model.embed_tokens.weight"].dtype
+def build_model(files: ModelFiles, attention: AttentionBackend, device: str | torch.device,
+                dtype: torch.dtype | None = None) -> LlamaForCausalLM:
+    """The model on `device`, in `dtype` (None: the loaded weights' own), with those weights copied in."""
+    dtype = dtype or files.weights["model.embed_tokens.weight"].dtype
     with torch.device(device):
         model = LlamaForCausalLM(files.config, attention)
     model.to(dtype=dtype)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from parity_prompts import travel_diary
 from prometheus_client.parser import text_string_to_metric_families
+from reference import PINNED_FLAGS
 
 from bench.harness.leak_check import assert_no_leaks, load_report
 from bench.harness.worker import WorkerProcess, start_worker
@@ -27,7 +28,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.faults import ENV_VAR
 from services.client import TandemClient
 
-WORKER_FLAGS = ["--port", "0", "--threads", "1", "--kv-cache-mib", "64"]
+WORKER_FLAGS = ["--port", "0", "--threads", "1", "--kv-cache-mib", "64", *PINNED_FLAGS]
 # Load reports are read between engine steps, so a prompt is seen mid-prefill only when it takes
 # several steps: small chunks make a few hundred tokens take several.
 PREFILL_FLAGS = [*WORKER_FLAGS, "--max-num-batched-tokens", "128"]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 import openai
 import pytest
+from reference import PINNED_FLAGS
 
 from bench.harness.leak_check import assert_no_leaks, load_report
 from bench.harness.ports import free_port
@@ -27,7 +28,7 @@ from engine.offline import Completion, generate
 from engine.sampling_params import SamplingParams
 from services.client import TandemClient
 
-WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256"]
+WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256", *PINNED_FLAGS]
 DEADLINE_S = 60.0  # generous bound for conditions polled below; no test asserts elapsed time
 RPC_TIMEOUT_S = 300.0
 # Multi-byte characters early in the answer, so the split may fall where text is held back.

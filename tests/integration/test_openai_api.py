@@ -16,10 +16,12 @@ import pytest
 from parity_prompts import travel_diary
 from tandem.v1 import common_pb2, decode_pb2_grpc
 
+from bench.harness.leak_check import load_report
 from bench.harness.ports import free_port
 from bench.harness.worker import WorkerProcess, start_worker
 from services.client import TandemClient
 from services.common.server import channel_options
+from services.gateway.formats import FORMAT_FIELDS
 
 WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256"]
 TIMEOUT_S = 300.0
@@ -105,11 +107,16 @@ def _post(gateway: WorkerProcess, path: str, data: bytes) -> tuple[int, dict, by
         return error.code, dict(error.headers), error.read()
 
 
-def test_models_lists_the_served_model(client, grpc_client):
+def test_models_lists_the_served_model(mesh, client, grpc_client):
     [served] = grpc_client.list_models()
     [model] = client.models.list().data
     assert (model.id, model.owned_by) == (served.id, "tandem")
     assert model.model_extra["max_model_len"] == served.max_model_len
+    # The formats, as the workers (all started alike) report them: whatever `auto` chose on this machine.
+    report = load_report(mesh.decode)
+    assert report.dtype in ("float32", "bfloat16") and report.quantization
+    assert {name: model.model_extra[name] for name in FORMAT_FIELDS} == {
+        name: getattr(report, name) for name in FORMAT_FIELDS}
 
 
 def test_greedy_completion_matches_grpc(client, grpc_client, model_id):

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from parity_prompts import travel_diary
+from reference import PINNED_FLAGS
 
 from bench.harness.leak_check import assert_no_leaks, load_report
 from bench.harness.ports import free_port
@@ -17,7 +18,7 @@ from engine.sampling_params import SamplingParams
 from services.client import TandemClient
 from services.common.convert import step_model_from_proto
 
-FLAGS = ["--threads", "1", "--kv-cache-mib", "128"]
+FLAGS = ["--threads", "1", "--kv-cache-mib", "128", *PINNED_FLAGS]
 RPC_TIMEOUT_S = 300.0
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 

@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from parity_prompts import parity_prompt_ids
 from prometheus_client.parser import text_string_to_metric_families
+from reference import PINNED_FLAGS
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 from bench.harness.ports import free_port
@@ -24,7 +25,7 @@ from services.common.server import channel_options
 
 # Prefill in chunks that end mid-block, so pages of a partly filled block are pushed twice.
 CHUNK_TOKENS = "200"
-COMMON = ["--port", "0", "--threads", "1", "--kv-cache-mib", "64"]
+COMMON = ["--port", "0", "--threads", "1", "--kv-cache-mib", "64", *PINNED_FLAGS]
 DEADLINE_S = 60.0  # generous bound for conditions polled below; no test asserts elapsed time
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tandem.v1 import kvtransfer_pb2
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import ModelConfig
 from kvtransfer.descriptor import KVLayout, TransferTarget, check_pages
 
 LAYOUT = KVLayout("SmolLM2:0123456789abcdef", 30, 3, 64, "float32", 16)
@@ -46,7 +46,7 @@ def test_layout_of_engine_names_model_and_fingerprint() -> None:
     config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=8, name="Tiny")
     engine = SimpleNamespace(model_config=config, fingerprint=bytes(range(32)),
-                             config=EngineConfig(dtype="bfloat16"), kv=SimpleNamespace(block_size=16))
+                             formats=SimpleNamespace(kv_cache_dtype="bfloat16"), kv=SimpleNamespace(block_size=16))
     assert KVLayout.of_engine(engine) == KVLayout("Tiny:0001020304050607", 2, 2, 8, "bfloat16", 16)
 
 
