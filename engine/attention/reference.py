@@ -111,8 +111,7 @@ class TorchPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         """See `AttentionBackend.forward`."""
-        self.codec.write(k_cache, meta.slot_mapping, k)
-        self.codec.write(v_cache, meta.slot_mapping, v)
+        self.codec.write(k_cache, v_cache, meta.slot_mapping, k, v)
         if meta.max_query_len == 1:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.codec)
         return self._mixed(q, k_cache, v_cache, meta, scale)

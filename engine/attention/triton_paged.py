@@ -300,8 +300,7 @@ class TritonPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         """See `AttentionBackend.forward`; the batch maxima come from the metadata's host copies."""
-        self.codec.write(k_cache, meta.slot_mapping, k)
-        self.codec.write(v_cache, meta.slot_mapping, v)
+        self.codec.write(k_cache, v_cache, meta.slot_mapping, k, v)
         return _paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
             meta.max_query_len, meta.max_seq_len, self.codec,

@@ -21,14 +21,14 @@ copies, both transfer backends, their checksums) moves the scales with them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from functools import cache
 from typing import ClassVar, Protocol
 
 import torch
 
 from engine.dtypes import TORCH_DTYPES
-from engine.kv_cache.cache_engine import gather_blocks
+from engine.kv_cache.cache_engine import copy_rows, gather_blocks
 
 SCALE_BYTES = 4  # one float32 per row
 # vLLM's spelling for "fp8" when no format is named.
@@ -48,8 +48,9 @@ class KVCodec(Protocol):
         """Rows [..., head_dim] as a page stores them, [..., row_width(head_dim)]."""
         ...
 
-    def write(self, cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
-        """Store x [T, num_kv_heads, head_dim] at the flat slots `slot_mapping` [T]."""
+    def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store a step's k and v [T, num_kv_heads, head_dim] at the flat slots `slot_mapping` [T]."""
         ...
 
     def read(self, cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -77,9 +78,11 @@ class DenseKV:
         """See `KVCodec.encode`: the values themselves."""
         return x
 
-    def write(self, cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
+    def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
         """See `KVCodec.write`."""
-        cache.view(-1, *x.shape[1:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
+        for cache, x in ((k_cache, k), (v_cache, v)):
+            cache.view(-1, *x.shape[1:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
 
     def read(self, cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """See `KVCodec.read`."""
@@ -114,7 +117,7 @@ class ScaledKV:
         """See `KVCodec.encode`: [..., head_dim + 4] uint8, the codes, then the row's scale."""
         x = x.float()
         # A row of zeros gets the smallest normal scale rather than 0, so that x / scale stays finite.
-        scale = (x.abs().amax(-1, keepdim=True) / self.max_code).clamp_(min=torch.finfo(torch.float32).tiny)
+        scale = x.abs().amax(-1, keepdim=True).div_(self.max_code).clamp_(min=torch.finfo(torch.float32).tiny)
         # No clamp: |x / scale| exceeds max_code by a float32 rounding at most, which rounds back to it.
         scaled = x / scale
         codes = (scaled.round_() if self.rounds else scaled).to(self.code_dtype)
@@ -125,9 +128,13 @@ class ScaledKV:
         codes, scale = self._split(rows)
         return (self._widen(codes) * scale).to(dtype)
 
-    def write(self, cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
-        """See `KVCodec.write`: each row's scale is computed here, from the row alone."""
-        cache.view(-1, x.shape[1], cache.shape[-1]).index_copy_(0, slot_mapping, self.encode(x))
+    def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """See `KVCodec.write`: each row's scale is computed here, from the row alone. K and V are
+        encoded together: a decode step's rows are few, and each op's fixed cost is what counts."""
+        rows = self.encode(torch.stack((k, v)))
+        for cache, encoded in ((k_cache, rows[0]), (v_cache, rows[1])):
+            copy_rows(cache.view(-1, *encoded.shape[1:]), slot_mapping, encoded)
 
     def read(self, cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """See `KVCodec.read`."""
@@ -148,7 +155,7 @@ class ScaledKV:
         return rows[..., :head_dim].view(self.code_dtype), rows[..., head_dim:].view(torch.float32)
 
 
-@cache
+@functools.cache
 def _byte_values(code_dtype: torch.dtype) -> torch.Tensor:
     """The float32 value of each of the 256 bytes read as `code_dtype`, on CPU."""
     return torch.arange(256, dtype=torch.uint8).view(code_dtype).float()

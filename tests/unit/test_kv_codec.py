@@ -63,13 +63,13 @@ def test_a_zero_row_decodes_to_zeros(codec) -> None:
 def test_later_tokens_of_a_partly_filled_block_leave_the_earlier_rows_alone(codec) -> None:
     # Scales are per token and head: a later, much larger token neither clips nor requantizes the
     # rows already in its block, so a page is the same whatever chunks wrote it.
-    cache = torch.zeros(2, 16, 3, 68, dtype=torch.uint8)
+    cache, values = torch.zeros(2, 16, 3, 68, dtype=torch.uint8), torch.zeros(2, 16, 3, 68, dtype=torch.uint8)
     first, later = _rows(1)[:5], 100 * _rows(2)[:3]
-    codec.write(cache, torch.arange(16, 21), first)
+    codec.write(cache, values, torch.arange(16, 21), first, -first)
     before = cache[1, :5].clone()
-    codec.write(cache, torch.arange(21, 24), later)
+    codec.write(cache, values, torch.arange(21, 24), later, -later)
     assert torch.equal(cache[1, :5], before)
-    assert torch.equal(cache[1, 5:8], codec.encode(later))
+    assert torch.equal(cache[1, 5:8], codec.encode(later)) and torch.equal(values[1, 5:8], codec.encode(-later))
     read = codec.read(cache, torch.tensor([1]), torch.float32)[0]
     # Within half of e4m3's top step (16 of 448) of each row's largest value.
     assert ((read[5:8] - later).abs() <= later.abs().amax(-1, keepdim=True) * 16 / 448 * (1 + 1e-5)).all()
