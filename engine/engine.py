@@ -61,6 +61,8 @@ class Engine:
         self.device = torch.device(config.device)
         dtype = TORCH_DTYPES[config.torch_dtype_name]
         self.kv_format = kv_format(config.kv_cache_dtype, config.torch_dtype_name)
+        # Before loading: a KV format the device's kernels cannot read fails at once.
+        attention = select_attention_backend(config.attention_backend, config.device, self.kv_format.codec)
         if files is None:
             files = load_model_files(config.model, dtype)
         self.model_config = files.config
@@ -69,7 +71,6 @@ class Engine:
                                  files.config.max_position_embeddings)
         block_size = config.cache.block_size
         block_bytes = bytes_per_block(files.config, block_size, self.kv_format)  # checks the format fits the model
-        attention = select_attention_backend(config.attention_backend, config.device, self.kv_format.codec)
         model = build_model(files, attention, self.device)
         model.prepare_weights(config.cpu_weights)
         num_blocks = config.cache.num_blocks or max(1, (config.cache.memory_bytes or 0) // block_bytes)
