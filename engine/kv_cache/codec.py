@@ -126,7 +126,14 @@ class ScaledKV:
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows [..., head_dim + 4] uint8 -> values [..., head_dim] in `dtype`."""
         codes, scale = self._split(rows)
-        return (self._widen(codes) * scale).to(dtype)
+        if not self.code_dtype.is_floating_point:
+            values = codes * scale  # integer codes widen and scale in one pass
+        elif self.table_on_cpu and codes.device.type == "cpu":
+            index = codes.view(torch.uint8).to(torch.int32).reshape(-1)
+            values = _byte_values(self.code_dtype).index_select(0, index).view(codes.shape).mul_(scale)
+        else:
+            values = codes.float().mul_(scale)
+        return values.to(dtype)
 
     def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
@@ -143,12 +150,6 @@ class ScaledKV:
     def kernel_operands(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """See `KVCodec.kernel_operands`: views into the cache, no copy."""
         return self._split(cache)
-
-    def _widen(self, codes: torch.Tensor) -> torch.Tensor:
-        if not (self.table_on_cpu and codes.device.type == "cpu"):
-            return codes.float()
-        index = codes.view(torch.uint8).to(torch.int32).reshape(-1)
-        return _byte_values(self.code_dtype).index_select(0, index).view(codes.shape)
 
     def _split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         head_dim = rows.shape[-1] - SCALE_BYTES
