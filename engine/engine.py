@@ -22,6 +22,7 @@ from engine.formats import resolve_formats
 from engine.hardware import probe
 from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
+from engine.kv_cache.codec import kv_format
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_export import KVExport, KVExports
 from engine.model.loader import ModelFiles, build_model, load_model_files
@@ -59,19 +60,23 @@ class Engine:
     def __init__(self, config: EngineConfig, files: ModelFiles | None = None) -> None:
         """Load the model (or use already loaded `files`, so tests and benchmarks load it once; they
         are converted to the engine's dtype). ValueError naming the field for a format this engine
-        has no kernel for, or a combination of formats that cannot run."""
+        has no kernel for (on this device), or a combination of formats that cannot run."""
         _check_formats(config)
         self.config = config
         self.device = torch.device(config.device)
         # What it computes in, resolved from the hardware once (engine.formats).
         formats = resolve_formats(config, probe(config.device))
         dtype = TORCH_DTYPES[formats.dtype]
+        self.kv_format = kv_format(config.kv_cache_dtype, formats.dtype)
+        # Before loading: a KV format the device's kernels cannot read fails at once.
+        attention = select_attention_backend(config.attention_backend, config.device, self.kv_format.codec)
         if files is None:
             files = load_model_files(config.model, dtype, config.quantization)
         else:
             check_requested(config.quantization, files.stored_format, files.source)
         # "auto" serves what a GPTQ/AWQ checkpoint holds.
-        self.formats = dataclasses.replace(formats, quantization=files.quant_method or formats.quantization)
+        self.formats = dataclasses.replace(formats, quantization=files.quant_method or formats.quantization,
+                                           kv_cache_dtype=self.kv_format.name)
         log.info("engine formats: %s", self.formats.describe())
         if self.formats.warning is not None:
             log.warning("%s", self.formats.warning)
@@ -79,26 +84,24 @@ class Engine:
         self.tokenizer = Tokenizer.from_path(files.source)
         self.max_model_len = min(config.max_model_len or files.config.max_position_embeddings,
                                  files.config.max_position_embeddings)
-        attention = select_attention_backend(config.attention_backend, config.device)
+        block_size = config.cache.block_size
+        block_bytes = bytes_per_block(files.config, block_size, self.kv_format)  # checks the format fits the model
         model = build_model(files, attention, self.device, dtype)
         model.prepare_weights(self.formats.cpu_weights)
-        block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks or max(
-            1, (config.cache.memory_bytes or 0) // bytes_per_block(files.config, block_size, dtype)
-        )
+        num_blocks = config.cache.num_blocks or max(1, (config.cache.memory_bytes or 0) // block_bytes)
         self.fingerprint = hashlib.sha256(f"{files.config!r}|{dtype}".encode()).digest()
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint)
         eos = set(self.tokenizer.eos_token_ids) | set(files.config.eos_token_ids)
         self.scheduler = Scheduler(
             config.scheduler, self.kv, eos_token_ids=eos, keep_finished_kv=config.role == "prefill"
         )
-        cache = CacheEngine(files.config, num_blocks, block_size, dtype, self.device)
+        cache = CacheEngine(files.config, num_blocks, block_size, self.kv_format, self.device)
         self.runner = ModelRunner(model, cache, Sampler(files.config.vocab_size, sorted(eos)), self.device)
         self._exports = KVExports(block_size, files.config.num_layers)
         self._text: dict[str, _TextState] = {}
         self.last_step_tokens = StepTokens()
-        log.info("engine ready: %s, role=%s, %d KV blocks of %d tokens, attention=%s",
-                 files.config.name, config.role, num_blocks, block_size, attention.name)
+        log.info("engine ready: %s, role=%s, %d KV blocks of %d tokens, kv_cache=%s, attention=%s",
+                 files.config.name, config.role, num_blocks, block_size, self.kv_format.name, attention.name)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -246,7 +249,8 @@ class Engine:
         self, request_id: str, layer: int, first_block: int = 0, end_block: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of one layer's K and V for the request's blocks [first_block, end_block) (the
-        receiver may already hold a prefix): two [n, block_size, kv_heads, head_dim] tensors.
+        receiver may already hold a prefix): two [n, *page shape] tensors in the cache's format
+        (a quantized one's scales inside its pages, engine.kv_cache.codec).
         Safe inside a layer hook: the blocks of the running step are allocated already."""
         return self.runner.cache.gather_blocks(layer, self.kv_block_ids(request_id)[first_block:end_block])
 
@@ -311,16 +315,13 @@ class Engine:
         )
 
 
-# The weight and KV formats this engine computes; anything else is refused before loading, never
-# served by a silent fallback.
+# The weight formats this engine computes; anything else is refused before loading, never served
+# by a silent fallback. Every KV cache dtype has a codec (engine.kv_cache.codec); the attention
+# selector refuses one its kernels cannot read on the device.
 _QUANTIZATIONS = ("auto", "none", "gptq", "awq")
-_KV_CACHE_DTYPES = ("auto",)
 
 
 def _check_formats(config: EngineConfig) -> None:
     if config.quantization not in _QUANTIZATIONS:
         raise ValueError(f"quantization: {config.quantization!r} is not supported (supported: "
                          f"{', '.join(_QUANTIZATIONS)})")
-    if config.kv_cache_dtype not in _KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype: {config.kv_cache_dtype!r} is not supported (supported: "
-                         f"{', '.join(_KV_CACHE_DTYPES)})")

@@ -52,6 +52,14 @@ def small_decode() -> WorkerProcess:
     assert worker.stop() == 0, worker.log_tail()
 
 
+@pytest.fixture(scope="module")
+def fp8_decode() -> WorkerProcess:
+    """A decode worker whose KV cache is fp8 (the prefill worker's is the auto fp32 one)."""
+    worker = start_worker(["decode", *COMMON, "--kv-cache-dtype", "fp8"])
+    yield worker
+    assert worker.stop() == 0, worker.log_tail()
+
+
 def _channel(worker: WorkerProcess) -> grpc.Channel:
     return grpc.insecure_channel(worker.address, options=channel_options())
 
@@ -192,6 +200,14 @@ def test_a_layout_mismatch_is_failed_precondition_naming_block_size(prefill, sma
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "block_size" in error.value.details()
     _wait_until_no_blocks_used(prefill, small_decode)
+
+
+def test_a_kv_dtype_mismatch_is_failed_precondition_naming_it(prefill, fp8_decode, prompts):
+    with pytest.raises(grpc.RpcError) as error:
+        _generate(_decode_stub(fp8_decode), _request(prompts[0], prefill))
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "dtype: float32 here, fp8_e4m3 there" in error.value.details()
+    _wait_until_no_blocks_used(prefill, fp8_decode)
 
 
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)

@@ -74,7 +74,5 @@ def test_a_format_the_engine_cannot_compute_is_refused_before_loading_naming_the
 
     with pytest.raises(ValueError, match=r"^quantization: 'int8' is not supported \(supported: auto, none, gptq, "):
         Engine(EngineConfig(quantization="int8", model="/nonexistent.gguf"))
-    with pytest.raises(ValueError, match=r"^kv_cache_dtype: 'fp8' is not supported"):
-        Engine(EngineConfig(kv_cache_dtype="fp8", model="/nonexistent.gguf"))
     with pytest.raises(ValueError, match=r"^quantization: unknown method 'q4'"):
         EngineConfig(quantization="q4")  # type: ignore[arg-type]
