@@ -4,9 +4,11 @@ Each format is one kind of product chosen at load, so the model code never branc
 
 - "none": float weights in the model's dtype (a file's integer blocks dequantized exactly), as
   `Linear` (engine.model.linear) prepares them for `EngineConfig.cpu_weights`;
-- "gguf": the GGUF file's own integer blocks (engine.model.gguf_blocks) through the CPU kernels
-  (`QuantizedLinear`); tensors stored in blocks no kernel takes were dequantized at load, and are
-  named in a start-up warning, never served silently in another format;
+- "gguf", "gptq", "awq" (the checkpoint's own integer groups): the GGUF file's blocks
+  (engine.model.gguf_blocks) or a GPTQ/AWQ checkpoint's packed layers (engine.model.gptq_awq)
+  through the CPU kernels (`QuantizedLinear`); tensors whose groups no kernel takes on the device
+  (GPTQ/AWQ off CPU, a group size the kernels cannot step through, a GGUF block type no loader
+  maps) are served dequantized and named in a start-up warning, never silently;
 - "int8": every product's float weight (a GGUF file's dequantized, or an HF checkpoint's)
   rounded to int8 per output channel at load (engine.model.int8), the LM head included.
 
@@ -34,24 +36,29 @@ log = logging.getLogger(__name__)
 
 Weight = torch.Tensor | QuantizedWeight
 Product = Callable[[torch.Tensor], torch.Tensor]
-SERVED = ("none", "gguf", "int8")  # what WeightFormat builds; "auto" resolves to one of them
+OWN_GROUPS = ("gguf", "gptq", "awq")  # serve the integer groups the checkpoint holds
+SERVED = ("none", "int8", *OWN_GROUPS)  # what WeightFormat builds; "auto" resolves to one of them
 
 
-def choose_quantization(requested: str, kind: str, stored_as: str | None, device: str) -> str:
-    """The format to serve. "auto": the checkpoint's own integer format where a kernel serves it on
-    this device (a GGUF file with Q4_0/Q4_1/Q8_0/Q4_K blocks, on CPU), else "none". ValueError
-    naming the flag for an explicit format this checkpoint or device cannot take."""
-    cpu = device == "cpu"
+def choose_quantization(requested: str, stored_as: str | None, device: str) -> str:
+    """The format to serve for a checkpoint whose weights are `stored_as` integer groups (None: float
+    weights; quant_config.check_requested has refused a flag that contradicts the checkpoint).
+    "auto": the checkpoint's own groups, where the CPU kernels serve a GGUF file's on CPU, and a
+    GPTQ/AWQ checkpoint's everywhere (dequantized where no kernel takes them); else "none".
+    ValueError naming the flag for an explicit format this checkpoint or device cannot take."""
+    cpu = torch.device(device).type == "cpu"
     if requested == "auto":
-        if stored_as in SERVED and cpu and _kernels_build(required=False):
-            return stored_as
+        if stored_as in ("gptq", "awq"):
+            return stored_as if not cpu or _kernels_build(required=False) else "none"
+        if stored_as == "gguf" and cpu and _kernels_build(required=False):
+            return "gguf"
         return "none"
-    if requested == "gguf" and kind != "gguf":
-        raise ValueError("quantization: 'gguf' serves a GGUF file's own blocks; this model is an HF directory "
+    if requested == "gguf" and stored_as != "gguf":
+        raise ValueError("quantization: 'gguf' serves a GGUF file's own integer blocks; this checkpoint has none "
                          "(supported for it: auto, none, int8)")
-    if requested in ("gguf", "int8"):
-        if not cpu:
-            raise ValueError(f"quantization: {requested!r} has CPU kernels only (supported on {device}: auto, none)")
+    if requested in ("gguf", "int8") and not cpu:
+        raise ValueError(f"quantization: {requested!r} has CPU kernels only (supported on {device}: auto, none)")
+    if requested != "none" and cpu:
         _kernels_build(required=True, requested=requested)
     return requested
 
@@ -65,7 +72,7 @@ def _kernels_build(required: bool, requested: str = "auto") -> bool:
         if required:
             raise ValueError(f"quantization: {requested!r} needs the CPU kernels, which could not be built: "
                              f"{error}") from error
-        log.warning("quantization auto: the CPU kernels could not be built, so the file's integer blocks are "
+        log.warning("quantization auto: the CPU kernels could not be built, so the checkpoint's integer groups are "
                     "served dequantized (quantization none): %s", error)
         return False
     return True
@@ -98,7 +105,7 @@ class WeightFormat:
         self.dtype = dtype
         self.device = torch.device(device)
         self.cpu_weights = cpu_weights
-        self.dequantized: list[str] = []  # tensors whose integer groups no kernel takes (gguf), served dense
+        self.dequantized: list[str] = []  # tensors whose integer groups no kernel takes here, served dense
 
     def product(self, parts: Sequence[tuple[str, Weight]], bias: torch.Tensor | None = None) -> Product:
         """y = x·Wᵀ (+ bias) for W the rows of `parts` (HF name, weight) stacked in order."""
@@ -129,12 +136,12 @@ class WeightFormat:
         return DenseEmbedding(dense(weight, self.dtype).to(self.device))
 
     def _runs(self, parts: Sequence[tuple[str, Weight]]) -> list[list[tuple[str, Weight]]]:
-        # Under gguf, consecutive parts fuse while their layouts agree; every other format fuses all.
-        if self.quantization != "gguf":
+        # Serving own groups, consecutive parts fuse while their layouts agree; other formats fuse all.
+        if self.quantization not in OWN_GROUPS:
             return [list(parts)]
         runs: list[list[tuple[str, Weight]]] = []
         for name, weight in parts:
-            if isinstance(weight, QuantizedWeight) and not has_kernel(weight):
+            if isinstance(weight, QuantizedWeight) and not (self.device.type == "cpu" and has_kernel(weight)):
                 self.dequantized.append(name)
                 weight = weight.dequantize()
             if runs and _same_layout(runs[-1][-1][1], weight):
@@ -148,7 +155,7 @@ class WeightFormat:
         if self.quantization == "int8":
             stacked = torch.cat([dense(weight, torch.float32) for weight in weights])
             return QuantizedLinear(quantize_int8(stacked), bias)
-        if self.quantization == "gguf" and isinstance(weights[0], QuantizedWeight):
+        if self.quantization in OWN_GROUPS and isinstance(weights[0], QuantizedWeight):
             return QuantizedLinear(_stack(weights), bias)  # type: ignore[arg-type]
         stacked = torch.cat([dense(weight, self.dtype) for weight in weights]).to(self.device)
         linear = Linear(stacked, None if bias is None else bias.to(self.device))

@@ -14,29 +14,35 @@ from engine.model.weight_formats import choose_quantization
 
 
 def test_auto_serves_a_gguf_files_blocks_on_cpu_and_float_weights_elsewhere():
-    assert choose_quantization("auto", "gguf", "gguf", "cpu") == "gguf"
-    assert choose_quantization("auto", "gguf", None, "cpu") == "none"  # a GGUF file of float tensors
-    assert choose_quantization("auto", "hf", None, "cpu") == "none"
-    assert choose_quantization("auto", "gguf", "gguf", "cuda") == "none"  # the kernels are CPU ones
+    assert choose_quantization("auto", "gguf", "cpu") == "gguf"
+    assert choose_quantization("auto", None, "cpu") == "none"  # float tensors (GGUF F32/F16, or HF)
+    assert choose_quantization("auto", "gguf", "cuda") == "none"  # the kernels are CPU ones
+
+
+def test_auto_serves_a_gptq_or_awq_checkpoints_own_groups_on_every_device():
+    # Off CPU no kernel takes them: they are served dequantized, named in a warning (build_model).
+    for method in ("gptq", "awq"):
+        assert choose_quantization("auto", method, "cpu") == method
+        assert choose_quantization("auto", method, "cuda") == method
 
 
 def test_explicit_formats_are_served_where_they_apply():
-    assert choose_quantization("int8", "hf", None, "cpu") == "int8"
-    assert choose_quantization("int8", "gguf", "gguf", "cpu") == "int8"
-    assert choose_quantization("none", "gguf", "gguf", "cuda") == "none"
+    assert choose_quantization("int8", None, "cpu") == "int8"
+    assert choose_quantization("int8", "gguf", "cpu") == "int8"
+    assert choose_quantization("none", "gguf", "cuda") == "none"
 
 
 def test_gguf_on_an_hf_directory_and_the_kernels_off_cpu_are_refused_naming_the_flag():
-    with pytest.raises(ValueError, match=r"^quantization: 'gguf' serves a GGUF file's own blocks; .*\(supported "
-                                         r"for it: auto, none, int8\)$"):
-        choose_quantization("gguf", "hf", None, "cpu")
+    with pytest.raises(ValueError, match=r"^quantization: 'gguf' serves a GGUF file's own integer blocks; "
+                                         r".*\(supported for it: auto, none, int8\)$"):
+        choose_quantization("gguf", None, "cpu")
     with pytest.raises(ValueError, match=r"^quantization: 'int8' has CPU kernels only \(supported on cuda:0: "):
-        choose_quantization("int8", "hf", None, "cuda:0")
+        choose_quantization("int8", None, "cuda:0")
 
 
 def test_an_engine_on_an_hf_directory_refuses_gguf_before_serving(tmp_path: Path):
     save_random_model(CONFIGS["llama_gqa_tied"](), tmp_path)
-    with pytest.raises(ValueError, match=r"^quantization: 'gguf' serves a GGUF file's own blocks"):
+    with pytest.raises(ValueError, match=r"^quantization: 'gguf' serves a GGUF file's own integer blocks"):
         Engine(EngineConfig(model=str(tmp_path), quantization="gguf"))
 
 
@@ -46,9 +52,10 @@ def test_without_a_compiler_auto_says_so_and_serves_dequantized_weights(monkeypa
     monkeypatch.setenv("CXX", "false")
     kernels.cache_clear()
     try:
-        assert choose_quantization("auto", "gguf", "gguf", "cpu") == "none"
+        assert choose_quantization("auto", "gguf", "cpu") == "none"
+        assert choose_quantization("auto", "gptq", "cpu") == "none"
         assert "the CPU kernels could not be built" in caplog.text
         with pytest.raises(ValueError, match=r"^quantization: 'gguf' needs the CPU kernels, which could not be built"):
-            choose_quantization("gguf", "gguf", "gguf", "cpu")
+            choose_quantization("gguf", "gguf", "cpu")
     finally:
         kernels.cache_clear()

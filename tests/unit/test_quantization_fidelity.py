@@ -90,7 +90,7 @@ def test_greedy_agreement_with_fp32_is_reported(make_engine, prompts, fp32_greed
     params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
     # The shipped file's default ("auto") is its own blocks.
     engine = make_engine(quantization="auto" if quantization == "gguf" else quantization, cache=SMALL_CACHE)
-    assert engine.quantization == quantization
+    assert engine.formats.quantization == quantization
     ours = [run.token_ids for run in generate(engine, prompts, params)]
     reference, margins = fp32_greedy
     divergences = [first_divergence(o, r) for o, r in zip(ours, reference, strict=True)]
