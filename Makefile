@@ -8,10 +8,20 @@ PIP := $(BIN)/pip install --quiet --disable-pip-version-check -c requirements.lo
 
 PROTOS := $(wildcard protos/tandem/v1/*.proto)
 GENERATED := generated/.stamp
+KERNEL_SOURCES := $(wildcard engine/model/kernels/*.cpp engine/model/kernels/*.h) engine/model/kernels/build.py
+KERNELS := build/kernels/.stamp
 
 .PHONY: install protos run test unit lint bench bench-goodput soak clean deploy-render
 
-install: $(STAMP) $(GENERATED)
+install: $(STAMP) $(GENERATED) $(KERNELS)
+
+# The quantized-product kernels (--quantization gguf/int8), built for the variants this CPU runs into
+# the ignored build/kernels/ folder (engine/model/kernels/build.py keys each build by its variant,
+# CPU flags, source and torch; the engine builds a missing one on first use). Without a compiler
+# the step only warns: --quantization auto then serves dequantized weights.
+$(KERNELS): $(KERNEL_SOURCES) $(STAMP)
+	@if $(BIN)/python -m engine.model.kernels; then mkdir -p $(@D) && touch $@; \
+	else echo "warning: the quantized kernels could not be built (--quantization gguf/int8 unavailable)"; fi
 
 protos: $(GENERATED)
 
@@ -66,6 +76,7 @@ bench: install $(BENCH_STAMP)
 	$(BENCH) decode_overhead
 	$(BENCH) fidelity
 	$(BENCH) cpu_weights
+	$(BENCH) weight_formats
 	$(BENCH) int8_prefill
 	$(BENCH) kv_transfer
 	$(BENCH) mesh_overhead
@@ -93,4 +104,4 @@ soak: install
 	$(BENCH) soak $(SOAK_ARGS)
 
 clean:
-	rm -rf $(VENV) generated .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) generated build/kernels .pytest_cache .ruff_cache .hypothesis

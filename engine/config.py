@@ -10,8 +10,11 @@ from typing import Literal, get_args
 
 Role = Literal["colocated", "prefill", "decode"]
 DType = Literal["float32", "bfloat16", "float16"]
+# What --dtype takes: a dtype, or "auto", which the engine resolves from the hardware at start-up.
+DTypeOption = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 CpuWeights = Literal["fp16", "fp32", "plain"]
+CpuWeightsOption = Literal["auto", "fp16", "fp32", "plain"]
 # vLLM's flag names and values. "auto" quantization: the file's own blocks where a kernel serves them,
 # else none; "auto" KV cache dtype: the model's dtype.
 Quantization = Literal["auto", "none", "gguf", "int8", "gptq", "awq"]
@@ -125,43 +128,47 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything one engine instance needs: which model, which role, how big a cache."""
+    """Everything one engine instance needs: which model, which role, how big a cache, which formats.
+
+    The "auto" formats are resolved once, when the engine starts (engine.formats, which says why in
+    the engine's start-up line): `dtype` "auto" is bfloat16 on a GPU that computes it (compute
+    capability 8.0 and up, else float16) and on a CPU that multiplies bf16 natively (AMX-BF16 or
+    AVX512-BF16 in /proc/cpuinfo), float32 on any other CPU.
+    """
 
     model: str | None = None  # path to a GGUF file or an HF directory; None = the shipped model
     role: Role = "colocated"
-    dtype: DType | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    dtype: DTypeOption = "auto"  # activations and arithmetic
     device: str = "cpu"
     attention_backend: AttentionBackendName = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # fp32 on CPU: how the matrix products hold their weights (engine.model.linear). "fp16" rounds
+    # float32 on CPU: how the matrix products hold their weights (engine.model.linear). "fp16" rounds
     # them to fp16 for a product that reads half the bytes; "fp32" keeps them exact, pre-packed for
-    # oneDNN; "plain" keeps one copy. Both packed formats hold a second copy of the weights.
-    cpu_weights: CpuWeights = "fp16"
+    # oneDNN; "plain" keeps one copy. Both packed formats hold a second copy of the weights. "auto":
+    # fp16 when dtype "auto" chose float32 (the fast default), fp32 when float32 was asked for (so
+    # dtype float32 with quantization none is exact fp32), plain where no float32 product runs on a
+    # CPU; fp16 or fp32 there is refused at start-up.
+    cpu_weights: CpuWeightsOption = "auto"
     quantization: Quantization = "auto"  # weight-only: activations stay in `dtype`
     kv_cache_dtype: KVCacheDType = "auto"
 
     def __post_init__(self) -> None:
         _require(self.role in ("colocated", "prefill", "decode"), "role", f"unknown role {self.role!r}")
-        _require(self.dtype in (None, *get_args(DType)), "dtype", f"unknown dtype {self.dtype!r}")
+        _require(self.dtype in get_args(DTypeOption), "dtype",
+                 f"unknown dtype {self.dtype!r} (choose from {', '.join(get_args(DTypeOption))})")
         _require(self.device == "cpu" or self.device.startswith("cuda"), "device", f"unknown device {self.device!r}")
         _require(
             self.attention_backend in ("auto", "torch", "triton"),
             "attention_backend",
             f"unknown backend {self.attention_backend!r}",
         )
-        _require(self.cpu_weights in get_args(CpuWeights), "cpu_weights", f"unknown format {self.cpu_weights!r}")
+        _require(self.cpu_weights in get_args(CpuWeightsOption), "cpu_weights",
+                 f"unknown format {self.cpu_weights!r} (choose from {', '.join(get_args(CpuWeightsOption))})")
         _require(self.quantization in get_args(Quantization), "quantization",
                  f"unknown method {self.quantization!r} (choose from {', '.join(get_args(Quantization))})")
         _require(self.kv_cache_dtype in get_args(KVCacheDType), "kv_cache_dtype",
                  f"unknown dtype {self.kv_cache_dtype!r} (choose from {', '.join(get_args(KVCacheDType))})")
         if self.max_model_len is not None:
             _require(self.max_model_len > 0, "max_model_len", "must be positive")
-
-    @property
-    def torch_dtype_name(self) -> DType:
-        """The dtype actually used: explicit, else float32 on CPU and bfloat16 on CUDA."""
-        if self.dtype is not None:
-            return self.dtype
-        return "float32" if self.device == "cpu" else "bfloat16"

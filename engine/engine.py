@@ -17,11 +17,16 @@ from engine.attention.selector import select_attention_backend
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.dtypes import TORCH_DTYPES
+from engine.formats import choose_dtype, resolve_formats
+from engine.hardware import probe
 from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
+from engine.kv_cache.codec import kv_format
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_export import KVExport, KVExports
 from engine.model.loader import ModelFiles, build_model, load_model_files
+from engine.model.quant_config import check_requested
+from engine.model.weight_formats import choose_quantization
 from engine.outputs import (
     EngineStats,
     KVReservation,
@@ -53,38 +58,49 @@ class Engine:
     """One model, one paged KV cache, one scheduler: the runtime every pool shares."""
 
     def __init__(self, config: EngineConfig, files: ModelFiles | None = None) -> None:
-        """Load the model (or use already loaded `files`, so tests and benchmarks load it once).
-        ValueError naming the field for a format this engine has no kernel for."""
-        _check_formats(config)
+        """Load the model (or use already loaded `files`, so tests and benchmarks load it once; they
+        are converted to the engine's dtype). ValueError naming the field for a format this engine
+        has no kernel for (on this device), or a combination of formats that cannot run."""
         self.config = config
         self.device = torch.device(config.device)
-        dtype = TORCH_DTYPES[config.torch_dtype_name]
+        # What it computes in, resolved from the hardware once (engine.formats).
+        hardware = probe(config.device)
+        dtype_name = choose_dtype(config.dtype, hardware).dtype
+        dtype = TORCH_DTYPES[dtype_name]
+        self.kv_format = kv_format(config.kv_cache_dtype, dtype_name)
+        # Before loading: a KV format the device's kernels cannot read fails at once.
+        attention = select_attention_backend(config.attention_backend, config.device, self.kv_format.codec)
         if files is None:
-            files = load_model_files(config.model, dtype)
+            files = load_model_files(config.model, dtype, config.quantization)
+        else:
+            check_requested(config.quantization, files.stored_format, files.source)
+        quantization = choose_quantization(config.quantization, files.quantized_as, config.device)
+        self.formats = resolve_formats(config, hardware, quantization)
+        log.info("engine formats: %s", self.formats.describe())
+        if self.formats.warning is not None:
+            log.warning("%s", self.formats.warning)
         self.model_config = files.config
         self.tokenizer = Tokenizer.from_path(files.source)
         self.max_model_len = min(config.max_model_len or files.config.max_position_embeddings,
                                  files.config.max_position_embeddings)
-        attention = select_attention_backend(config.attention_backend, config.device)
-        model = build_model(files, attention, self.device)
-        model.prepare_weights(config.cpu_weights)
         block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks or max(
-            1, (config.cache.memory_bytes or 0) // bytes_per_block(files.config, block_size, dtype)
-        )
-        self.fingerprint = hashlib.sha256(f"{files.config!r}|{dtype}".encode()).digest()
+        block_bytes = bytes_per_block(files.config, block_size, self.kv_format)  # checks the format fits the model
+        model = build_model(files, attention, self.device, quantization, self.formats.cpu_weights, dtype)
+        num_blocks = config.cache.num_blocks or max(1, (config.cache.memory_bytes or 0) // block_bytes)
+        # The weight format is part of the model: KV computed with other weights is neither reused nor accepted.
+        self.fingerprint = hashlib.sha256(f"{files.config!r}|{dtype}|{quantization}".encode()).digest()
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint)
         eos = set(self.tokenizer.eos_token_ids) | set(files.config.eos_token_ids)
         self.scheduler = Scheduler(
             config.scheduler, self.kv, eos_token_ids=eos, keep_finished_kv=config.role == "prefill"
         )
-        cache = CacheEngine(files.config, num_blocks, block_size, dtype, self.device)
+        cache = CacheEngine(files.config, num_blocks, block_size, self.kv_format, self.device)
         self.runner = ModelRunner(model, cache, Sampler(files.config.vocab_size, sorted(eos)), self.device)
         self._exports = KVExports(block_size, files.config.num_layers)
         self._text: dict[str, _TextState] = {}
         self.last_step_tokens = StepTokens()
-        log.info("engine ready: %s, role=%s, %d KV blocks of %d tokens, attention=%s",
-                 files.config.name, config.role, num_blocks, block_size, attention.name)
+        log.info("engine ready: %s, role=%s, %d KV blocks of %d tokens, kv_cache=%s, attention=%s",
+                 files.config.name, config.role, num_blocks, block_size, self.kv_format.name, attention.name)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -232,7 +248,8 @@ class Engine:
         self, request_id: str, layer: int, first_block: int = 0, end_block: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of one layer's K and V for the request's blocks [first_block, end_block) (the
-        receiver may already hold a prefix): two [n, block_size, kv_heads, head_dim] tensors.
+        receiver may already hold a prefix): two [n, *page shape] tensors in the cache's format
+        (a quantized one's scales inside its pages, engine.kv_cache.codec).
         Safe inside a layer hook: the blocks of the running step are allocated already."""
         return self.runner.cache.gather_blocks(layer, self.kv_block_ids(request_id)[first_block:end_block])
 
@@ -296,17 +313,3 @@ class Engine:
             num_context_tokens=sum(request.num_tokens for request in self.scheduler.running),
         )
 
-
-# The weight and KV formats this engine computes; anything else is refused before loading, never
-# served by a silent fallback.
-_QUANTIZATIONS = ("auto", "none")
-_KV_CACHE_DTYPES = ("auto",)
-
-
-def _check_formats(config: EngineConfig) -> None:
-    if config.quantization not in _QUANTIZATIONS:
-        raise ValueError(f"quantization: {config.quantization!r} is not supported (supported: "
-                         f"{', '.join(_QUANTIZATIONS)})")
-    if config.kv_cache_dtype not in _KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype: {config.kv_cache_dtype!r} is not supported (supported: "
-                         f"{', '.join(_KV_CACHE_DTYPES)})")

@@ -21,7 +21,8 @@ from engine.scheduler import ScheduledChunk
 @dataclass(frozen=True)
 class LayerPages:
     """One layer's K and V for the receiver's blocks [first_block, first_block + len(k)), each
-    [n, block_size, kv_heads, head_dim]."""
+    [n, *page shape] as the cache stores them: a quantized cache's rows carry their scales
+    (engine.kv_cache.codec), so the scales go wherever the pages go."""
 
     layer: int
     first_block: int
@@ -30,7 +31,7 @@ class LayerPages:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K and V together."""
+        """Bytes of K and V together (scales included)."""
         return self.k.nbytes + self.v.nbytes
 
 

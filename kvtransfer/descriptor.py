@@ -11,12 +11,13 @@ from typing import Literal, Protocol
 import torch
 from tandem.v1 import kvtransfer_pb2
 
-from engine.dtypes import TORCH_DTYPES
+from engine.kv_cache.codec import KV_FORMATS
 
 Backend = Literal["torch_dist", "grpc"]
 
 # (layer, destination block ids, k, v): writes received pages into the receiver's cache. k and v
-# are [len(block ids), block_size, num_kv_heads, head_dim] in the layout's dtype.
+# are [len(block ids), *layout.block_shape] of layout.torch_dtype (a quantized layout's pages are
+# uint8 rows of codes and their scales, engine.kv_cache.codec).
 WriteBlocks = Callable[[int, Sequence[int], torch.Tensor, torch.Tensor], None]
 
 _DIST_BACKENDS = ("gloo", "nccl")
@@ -34,26 +35,26 @@ class _ModelShape(Protocol):
     def head_dim(self) -> int: ...
 
 
-class _RunConfig(Protocol):
-    @property
-    def torch_dtype_name(self) -> str: ...
-
-
 class _BlockTables(Protocol):
     @property
     def block_size(self) -> int: ...
 
 
+class _PageFormat(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
 class PagedEngine(Protocol):
     """What `KVLayout.of_engine` reads of an engine (engine.engine.Engine is one): its model's
-    shape, the fingerprint of its weights and dtype, the dtype and its KV cache's block size."""
+    shape, the fingerprint of its weights and dtype, its KV format and its KV cache's block size."""
 
     @property
     def model_config(self) -> _ModelShape: ...
     @property
     def fingerprint(self) -> bytes: ...
     @property
-    def config(self) -> _RunConfig: ...
+    def kv_format(self) -> _PageFormat: ...
     @property
     def kv(self) -> _BlockTables: ...
 
@@ -73,7 +74,9 @@ class LayoutTransferError(TransferError):
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What a KV page means; two workers exchange pages only when every field is equal."""
+    """What a KV page means; two workers exchange pages only when every field is equal. `dtype` is
+    the KV format (engine.kv_cache.codec): the model's dtype for an "auto" cache, else fp8_e4m3 or
+    int8, so peers whose caches differ are refused naming it."""
 
     model: str
     num_layers: int
@@ -83,8 +86,10 @@ class KVLayout:
     block_size: int
 
     def __post_init__(self) -> None:
-        if self.dtype not in TORCH_DTYPES:
+        if self.dtype not in KV_FORMATS:
             raise ValueError(f"dtype: unknown KV dtype {self.dtype!r}")
+        # ValueError from a quantized format for a head_dim its scales cannot follow.
+        KV_FORMATS[self.dtype].page_shape(self.block_size, self.num_kv_heads, self.head_dim)
 
     @classmethod
     def of_engine(cls, engine: PagedEngine) -> KVLayout:
@@ -95,24 +100,25 @@ class KVLayout:
             num_layers=config.num_layers,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
-            dtype=engine.config.torch_dtype_name,
+            dtype=engine.kv_format.name,
             block_size=engine.kv.block_size,
         )
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The dtype of a page's elements."""
-        return TORCH_DTYPES[self.dtype]
+        """The dtype of a page's elements (uint8 for a quantized format)."""
+        return KV_FORMATS[self.dtype].storage_dtype
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
-        """Shape of one block of one layer's K (or V): [block_size, num_kv_heads, head_dim]."""
-        return (self.block_size, self.num_kv_heads, self.head_dim)
+        """Shape of one block of one layer's K (or V): [block_size, num_kv_heads, head_dim], or
+        head_dim + 4 bytes per row for a quantized format (codes, then the row's scale)."""
+        return KV_FORMATS[self.dtype].page_shape(self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block of one layer's K (or V)."""
-        return self.block_size * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
+        """Bytes of one block of one layer's K (or V), scales included."""
+        return KV_FORMATS[self.dtype].page_bytes(self.block_size, self.num_kv_heads, self.head_dim)
 
     def mismatch(self, other: KVLayout) -> str | None:
         """None if both layouts are equal, else every differing field, e.g. "block_size: 16 here, 32 there"."""

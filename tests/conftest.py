@@ -43,11 +43,14 @@ def tokenizer(model_path: str):
 
 @pytest.fixture(scope="session")
 def make_engine(model_files):
-    """Build engines on the session's weights: `make_engine(role=..., cache=..., scheduler=...)`."""
+    """Build engines on the session's weights: `make_engine(role=..., cache=..., scheduler=...)`, in
+    the pinned formats (reference.PINNED_FORMATS) unless overridden."""
+    from reference import PINNED_FORMATS
+
     from engine.config import EngineConfig
     from engine.engine import Engine
 
     def build(**overrides) -> Engine:
-        return Engine(EngineConfig(**overrides), files=model_files)
+        return Engine(EngineConfig(**{**PINNED_FORMATS, **overrides}), files=model_files)
 
     return build

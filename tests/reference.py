@@ -7,6 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
+# The formats identity tests pin (issue 20), so that CI on any CPU computes the same numbers: fp32
+# arithmetic over unquantized weights held at fp16 for the decode product, what `--dtype auto`
+# serves on a CPU without native bf16. Tests comparing with transformers token for token hold the
+# weights exact (EXACT_FORMATS: what `--dtype float32 --quantization none` means on its own).
+PINNED_FORMATS = {"dtype": "float32", "quantization": "none", "cpu_weights": "fp16"}
+EXACT_FORMATS = {**PINNED_FORMATS, "cpu_weights": "fp32"}
+# The same as worker flags.
+PINNED_FLAGS = [arg for name, value in PINNED_FORMATS.items() for arg in (f"--{name.replace('_', '-')}", value)]
+
 
 @dataclass(frozen=True)
 class ReferenceRun:

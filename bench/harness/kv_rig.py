@@ -3,9 +3,10 @@
 suites.
 
 The prompt is 512 tokens of the default model's shape (30 layers, 3 KV heads, head_dim 64, blocks
-of 16, fp32: about 23.6 MB), sent layer by layer; a run is timed from the command that starts the
+of 16, fp32: about 23.6 MB; in a quantized KV format, fp8_e4m3 or int8, 1-byte codes plus a float32
+scale per row: about 6.3 MB), sent layer by layer; a run is timed from the command that starts the
 sender to the receiver's completion, and each receiver's first run (pairing, handshakes) is a
-warm-up.
+warm-up. Every function takes the layout to send (default: fp32).
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 import grpc
 import torch
 from tandem.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
+from engine.kv_cache.cache_engine import copy_rows
+from engine.kv_cache.codec import KV_FORMATS
 from kvtransfer import KVLayout, KVSenderPool, KVTransferServicer, TransferTarget
 from kvtransfer.grpc_stream import GrpcReceiver
 from kvtransfer.receiver import KVReceiver
@@ -29,21 +33,34 @@ LAYOUT = KVLayout("SmolLM2-135M-Instruct:bench", num_layers=30, num_kv_heads=3, 
                   block_size=16)
 PROMPT_TOKENS = 512
 NUM_BLOCKS = PROMPT_TOKENS // LAYOUT.block_size
-TOTAL_BYTES = 2 * LAYOUT.num_layers * NUM_BLOCKS * LAYOUT.block_bytes
 
 
-def prompt_kv() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One prompt's K and V per layer, as export_kv returns them."""
-    shape = (NUM_BLOCKS, *LAYOUT.block_shape)
-    return [(torch.randn(shape), torch.randn(shape)) for _ in range(LAYOUT.num_layers)]
+def layout_of(dtype: str) -> KVLayout:
+    """The bench layout with its pages in KV format `dtype` (a KVLayout dtype name)."""
+    return replace(LAYOUT, dtype=dtype)
+
+
+def total_bytes(layout: KVLayout = LAYOUT) -> int:
+    """Bytes of one prompt's K and V in `layout`."""
+    return 2 * layout.num_layers * NUM_BLOCKS * layout.block_bytes
+
+
+TOTAL_BYTES = total_bytes()
+
+
+def prompt_kv(layout: KVLayout = LAYOUT) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One prompt's K and V per layer, as export_kv returns them (encoded in the layout's format)."""
+    codec = KV_FORMATS[layout.dtype].codec
+    shape = (NUM_BLOCKS, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    return [(codec.encode(torch.randn(shape)), codec.encode(torch.randn(shape))) for _ in range(layout.num_layers)]
 
 
 # ---- the sender process -------------------------------------------------------------------------------
-def sender_process(conn: Connection) -> None:
+def sender_process(conn: Connection, layout: KVLayout = LAYOUT) -> None:
     """Answer ("kv", target bytes) and ("raw", port) with the bytes sent; ("exit",) ends."""
     torch.set_num_threads(1)
-    pool = KVSenderPool(LAYOUT, timeout=60.0)
-    layers = prompt_kv()
+    pool = KVSenderPool(layout, timeout=60.0)
+    layers = prompt_kv(layout)
     while (command := conn.recv())[0] != "exit":
         if command[0] == "kv":
             target = TransferTarget.from_proto(kvtransfer_pb2.KVTarget.FromString(command[1]))
@@ -57,7 +74,7 @@ def sender_process(conn: Connection) -> None:
                 for k, v in layers:
                     sock.sendall(k.view(torch.uint8).numpy())
                     sock.sendall(v.view(torch.uint8).numpy())
-            conn.send(TOTAL_BYTES)
+            conn.send(total_bytes(layout))
     pool.close()
 
 
@@ -65,17 +82,17 @@ def sender_process(conn: Connection) -> None:
 class Cache:
     """The receiver's KV cache: per-layer tensors indexed by block id."""
 
-    def __init__(self) -> None:
-        shape = (LAYOUT.num_layers, NUM_BLOCKS + 8, *LAYOUT.block_shape)
-        self.k, self.v = torch.zeros(shape), torch.zeros(shape)
+    def __init__(self, layout: KVLayout = LAYOUT) -> None:
+        shape = (layout.num_layers, NUM_BLOCKS + 8, *layout.block_shape)
+        self.k, self.v = torch.zeros(shape, dtype=layout.torch_dtype), torch.zeros(shape, dtype=layout.torch_dtype)
 
     def write(self, layer: int, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         index = torch.tensor(list(block_ids))
-        self.k[layer, index] = k
-        self.v[layer, index] = v
+        copy_rows(self.k[layer], index, k)  # as the engine's cache writes received pages
+        copy_rows(self.v[layer], index, v)
 
 
-def serve_grpc() -> tuple[GrpcReceiver, Callable[[], None]]:
+def serve_grpc(layout: KVLayout = LAYOUT) -> tuple[GrpcReceiver, Callable[[], None]]:
     """A grpc.aio server with the KVTransfer service on its own thread; (receiver, stop)."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -84,7 +101,7 @@ def serve_grpc() -> tuple[GrpcReceiver, Callable[[], None]]:
         server = grpc.aio.server()
         port = server.add_insecure_port("127.0.0.1:0")
         receiver = GrpcReceiver(f"127.0.0.1:{port}", timeout=60.0)
-        kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(LAYOUT, receiver), server)
+        kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(layout, receiver), server)
         await server.start()
         return receiver, server
 
@@ -100,10 +117,11 @@ def serve_grpc() -> tuple[GrpcReceiver, Callable[[], None]]:
 class BackendRun:
     """Timed transfers through one receiver; the first one (pairing, handshake) is a warm-up."""
 
-    def __init__(self, conn: Connection, receiver: KVReceiver) -> None:
+    def __init__(self, conn: Connection, receiver: KVReceiver, layout: KVLayout = LAYOUT) -> None:
         self._conn = conn
         self._receiver = receiver
-        self._cache = Cache()
+        self._layout = layout
+        self._cache = Cache(layout)
         self._next_id = 1
         self.once()
 
@@ -111,11 +129,11 @@ class BackendRun:
         """Seconds for one transfer, from the command that starts the sender to the completion."""
         transfer_id, self._next_id = self._next_id, self._next_id + 1
         block_ids = list(range(8, 8 + NUM_BLOCKS))
-        target = self._receiver.expect("bench-prefill", transfer_id, block_ids, 0, LAYOUT, self._cache.write)
+        target = self._receiver.expect("bench-prefill", transfer_id, block_ids, 0, self._layout, self._cache.write)
         future = self._receiver.completion(transfer_id)
         start = time.perf_counter()
         self._conn.send(("kv", target.to_proto().SerializeToString()))
         received = future.result(60)
         elapsed = time.perf_counter() - start
-        assert self._conn.recv() == received == TOTAL_BYTES
+        assert self._conn.recv() == received == total_bytes(self._layout)
         return elapsed

@@ -11,13 +11,13 @@ import time
 import grpc
 from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
-from bench.harness.worker import Worker
+from bench.harness.worker import WorkerProcess
 from services.common.server import channel_options
 
 IDLE_DEADLINE_S = 60.0  # generous: aborts and lease expiries land within seconds
 
 
-def load_report(worker: Worker) -> common_pb2.LoadReport:
+def load_report(worker: WorkerProcess) -> common_pb2.LoadReport:
     """The worker's LoadReport now (GetLoad over a fresh plaintext channel)."""
     stub_class = prefill_pb2_grpc.PrefillStub if worker.args[0] == "prefill" else decode_pb2_grpc.DecodeStub
     with grpc.insecure_channel(str(worker.address), options=channel_options()) as channel:
@@ -30,7 +30,7 @@ def is_idle(report: common_pb2.LoadReport) -> bool:
                 or report.reserved_requests)
 
 
-def wait_until_idle(workers: list[Worker], timeout: float = IDLE_DEADLINE_S) -> list[common_pb2.LoadReport]:
+def wait_until_idle(workers: list[WorkerProcess], timeout: float = IDLE_DEADLINE_S) -> list[common_pb2.LoadReport]:
     """Poll until every worker is idle or `timeout` passes; the last reports either way."""
     deadline = time.monotonic() + timeout
     while True:
@@ -40,7 +40,7 @@ def wait_until_idle(workers: list[Worker], timeout: float = IDLE_DEADLINE_S) -> 
         time.sleep(0.2)
 
 
-def assert_no_leaks(workers: list[Worker], timeout: float = IDLE_DEADLINE_S) -> None:
+def assert_no_leaks(workers: list[WorkerProcess], timeout: float = IDLE_DEADLINE_S) -> None:
     """Fail, naming each worker's holdings, unless every worker becomes idle within `timeout`."""
     reports = wait_until_idle(workers, timeout)
     held = {

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from bench.harness.ports import free_port
-from bench.harness.worker import Worker, start_worker
+from bench.harness.worker import WorkerProcess, start_worker
 
 WORKER_FLAGS = ("--threads", "1", "--kv-cache-mib", "128")
 
@@ -21,17 +21,17 @@ WORKER_FLAGS = ("--threads", "1", "--kv-cache-mib", "128")
 class Mesh:
     """The processes of one mesh; `stop()` ends them, the gateway first."""
 
-    prefill: list[Worker]
-    decode: list[Worker]
-    gateway: Worker
+    prefill: list[WorkerProcess]
+    decode: list[WorkerProcess]
+    gateway: WorkerProcess
 
     @property
-    def workers(self) -> list[Worker]:
+    def workers(self) -> list[WorkerProcess]:
         """The prefill and decode workers (the processes that hold KV blocks)."""
         return [*self.prefill, *self.decode]
 
     @property
-    def processes(self) -> list[Worker]:
+    def processes(self) -> list[WorkerProcess]:
         """Every process, the gateway last."""
         return [*self.workers, self.gateway]
 

@@ -29,7 +29,7 @@ from tandem.v1 import common_pb2
 from bench.harness.leak_check import is_idle, load_report, wait_until_idle
 from bench.harness.load_clients import CANCELLED, GRPC, HTTP, OK, LoadRequest, LoadRunner, Outcome, random_tokens
 from bench.harness.mesh import Mesh
-from bench.harness.worker import Worker
+from bench.harness.worker import WorkerProcess
 
 POINTS = ("before_prefill", "during_transfer", "mid_decode")
 # Objectives no request can miss, for a gateway whose load is about cancellation, not admission.
@@ -202,7 +202,7 @@ def _prefill_ends(mesh: Mesh) -> tuple[int, float]:
     return ended, _counter(mesh.prefill, "vllm:time_to_first_token_seconds_count")
 
 
-def _counter(workers: list[Worker], sample: str) -> float:
+def _counter(workers: list[WorkerProcess], sample: str) -> float:
     """A Prometheus sample summed over the workers' /metrics."""
     total = 0.0
     for worker in workers:

@@ -20,7 +20,7 @@ from services.launcher import LaunchError, ServerProcess, tandem_command
 _SERVERS = ("prefill", "decode", "worker")  # the gateway serves /metrics on its HTTP port
 
 
-class Worker:
+class WorkerProcess:
     """One `python -m services.cli ARGS` process (`proc`); its logs (stderr) go to `log_path`."""
 
     def __init__(self, args: Sequence[str], env: Mapping[str, str] | None = None) -> None:
@@ -75,11 +75,11 @@ class Worker:
 
 def start_worker(
     args: Sequence[str], wait: bool = True, timeout: float = 300.0, env: Mapping[str, str] | None = None
-) -> Worker:
+) -> WorkerProcess:
     """Start `tandem <args>` (e.g. ["decode", "--port", "0", "--kv-backend", "grpc"]) with `env` added
     to this process's environment; unless `wait` is False, return once it is SERVING, with `address`
     (and `metrics_address`) set."""
-    worker = Worker(args, env)
+    worker = WorkerProcess(args, env)
     if wait:
         worker.wait_ready(timeout)
     return worker

@@ -39,7 +39,7 @@ from bench.harness import kv_rig
 from bench.harness.load_clients import random_tokens
 from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
 from bench.harness.token_timer import TokenTimer
-from bench.harness.worker import Worker, start_worker
+from bench.harness.worker import WorkerProcess, start_worker
 
 TTFT_TARGET = 1.10
 TPOT_TARGET = 1.05
@@ -88,7 +88,7 @@ def run_mesh(prompts: list[list[int]], output_tokens: int, backend: str) -> list
     """Start the three processes, time every prompt but the first (the warm-up), stop them."""
     from services.client import TandemClient
 
-    workers: list[Worker] = []
+    workers: list[WorkerProcess] = []
     try:
         # Both workers load their model at the same time; the gateway needs their addresses.
         workers.append(start_worker(["prefill", "--port", "0", "--threads", "1"], wait=False))
@@ -127,7 +127,7 @@ def inprocess_child(conn: Connection, prompts: list[list[int]], output_tokens: i
         timed.append(RequestTiming(completion.ttft_s, completion.tpot_s, len(completion.token_ids)))
     config = engine.model_config
     shape = {"num_layers": config.num_layers, "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
-             "dtype": engine.config.torch_dtype_name, "block_size": engine.kv.block_size}
+             "dtype": engine.formats.kv_cache_dtype, "block_size": engine.kv.block_size}
     conn.send(([asdict(t) for t in timed[1:]], shape))
 
 

@@ -42,7 +42,11 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Writes this step's K/V into the paged cache, then attends over each sequence's context."""
+    """Writes this step's K/V into the paged cache, then attends over each sequence's context.
+
+    The cache holds pages in the format chosen at load (engine.kv_cache.codec); the backend was
+    made with its codec, so it alone encodes and decodes them: callers pass the tensors through.
+    """
 
     name: str
 
@@ -51,7 +55,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, *page shape]: [block_size, num_kv_heads, head_dim] for values
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
@@ -59,11 +63,3 @@ class AttentionBackend(Protocol):
         """Attention output for every query token."""
         ...
 
-
-def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Scatter this step's keys and values into their cache slots."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -5,17 +5,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.metadata import AttentionMetadata, write_kv
+from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.blocks import blocks_for
-from engine.kv_cache.cache_engine import gather_blocks
+from engine.kv_cache.codec import DENSE, KVCodec
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len cached rows of one sequence: [seq_len, num_kv_heads, head_dim]."""
+def gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, codec: KVCodec = DENSE,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The first seq_len cached rows of one sequence, read through `codec` (scaled ones decode to
+    `dtype`): [seq_len, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = blocks_for(seq_len, block_size)
-    rows = gather_blocks(cache, block_table[:num_blocks])
-    return rows.reshape(num_blocks * block_size, *cache.shape[2:])[:seq_len]
+    rows = codec.read(cache, block_table[:num_blocks], dtype)
+    return rows.reshape(num_blocks * block_size, *rows.shape[2:])[:seq_len]
 
 
 def paged_decode_attention(
@@ -25,6 +29,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks]
     seq_lens: torch.Tensor,  # [B]
     scale: float,
+    codec: KVCodec = DENSE,
 ) -> torch.Tensor:
     """One query token per sequence against its whole paged context, batched with padding."""
     batch, num_heads, head_dim = q.shape
@@ -32,8 +37,9 @@ def paged_decode_attention(
     max_len = int(seq_lens.max())
     max_blocks = blocks_for(max_len, block_size)
     table = block_tables[:, :max_blocks]
-    keys = gather_blocks(k_cache, table).view(batch, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    values = gather_blocks(v_cache, table).view(batch, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    rows = (batch, max_blocks * block_size, num_kv_heads, head_dim)
+    keys = codec.read(k_cache, table, q.dtype).view(rows).transpose(1, 2)
+    values = codec.read(v_cache, table, q.dtype).view(rows).transpose(1, 2)
     positions = torch.arange(max_blocks * block_size, device=q.device)
     visible = (positions[None, :] < seq_lens[:, None].to(positions.device))[:, None, None, :]
     out = F.scaled_dot_product_attention(
@@ -51,26 +57,28 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,  # [B + 1]
     seq_lens: torch.Tensor,  # [B]
     scale: float,
+    codec: KVCodec = DENSE,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix plus themselves."""
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         out[starts[i] : starts[i + 1]] = _causal_over_context(
-            q[starts[i] : starts[i + 1]], k_cache, v_cache, block_tables[i], seq_len, scale
+            q[starts[i] : starts[i + 1]], k_cache, v_cache, block_tables[i], seq_len, scale, codec
         )
     return out
 
 
 def _causal_over_context(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+    scale: float, codec: KVCodec,
 ) -> torch.Tensor:
     query_len, num_heads, _ = q.shape
     # [1, heads, len, head_dim]: given 3-d tensors, CPU SDPA takes its unfused path, several times
     # slower than its flash kernel on long prompts (docs/benchmarks.md, "Prefill at par with
     # transformers").
-    keys = gather_context(k_cache, block_table, seq_len).transpose(0, 1)[None]
-    values = gather_context(v_cache, block_table, seq_len).transpose(0, 1)[None]
+    keys = gather_context(k_cache, block_table, seq_len, codec, q.dtype).transpose(0, 1)[None]
+    values = gather_context(v_cache, block_table, seq_len, codec, q.dtype).transpose(0, 1)[None]
     queries = q.transpose(0, 1)[None].to(keys.dtype)
     gqa = num_heads != keys.shape[1]
     if query_len == seq_len:
@@ -84,9 +92,13 @@ def _causal_over_context(
 
 
 class TorchPagedAttention:
-    """The torch backend: batched decode rows, a per-sequence loop for prefill rows."""
+    """The torch backend: batched decode rows, a per-sequence loop for prefill rows; pages are
+    written and read through `codec` (scaled ones are decoded to the queries' dtype as they are read)."""
 
     name = "torch"
+
+    def __init__(self, codec: KVCodec = DENSE) -> None:
+        self.codec = codec
 
     def forward(
         self,
@@ -99,9 +111,9 @@ class TorchPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         """See `AttentionBackend.forward`."""
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.codec.write(k_cache, v_cache, meta.slot_mapping, k, v)
         if meta.max_query_len == 1:
-            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.codec)
         return self._mixed(q, k_cache, v_cache, meta, scale)
 
     def _mixed(
@@ -115,11 +127,13 @@ class TorchPagedAttention:
             token_rows = torch.tensor([starts[i] for i in decode_rows], device=q.device)
             seq_rows = torch.tensor(decode_rows, device=q.device)
             out[token_rows] = paged_decode_attention(
-                q[token_rows], k_cache, v_cache, meta.block_tables[seq_rows], meta.seq_lens[seq_rows], scale
+                q[token_rows], k_cache, v_cache, meta.block_tables[seq_rows], meta.seq_lens[seq_rows], scale,
+                self.codec,
             )
         for i, query_len in enumerate(meta.query_lens_list):
             if query_len > 1:
                 out[starts[i] : starts[i + 1]] = _causal_over_context(
-                    q[starts[i] : starts[i + 1]], k_cache, v_cache, meta.block_tables[i], meta.seq_lens_list[i], scale
+                    q[starts[i] : starts[i + 1]], k_cache, v_cache, meta.block_tables[i], meta.seq_lens_list[i],
+                    scale, self.codec,
                 )
         return out

@@ -12,6 +12,7 @@ import torch
 
 from engine.attention.metadata import AttentionBackend
 from engine.attention.reference import TorchPagedAttention, paged_decode_attention
+from engine.kv_cache.codec import DENSE, FP8_E4M3, KVCodec
 
 logger = logging.getLogger(__name__)
 
@@ -35,19 +36,35 @@ def triton_unsupported_reason(device: str, environ: Mapping[str, str]) -> str | 
     return None
 
 
+def triton_kv_unsupported_reason(codec: KVCodec, capability: tuple[int, int] | None) -> str | None:
+    """Why the Triton kernels cannot read a `codec` cache on an NVIDIA GPU of compute `capability`
+    (None: not an NVIDIA GPU), or None. Triton has fp8 e4m3 loads from compute capability 8.9 on."""
+    if codec is FP8_E4M3 and capability is not None and capability < (8, 9):
+        return f"Triton reads fp8 e4m3 on compute capability 8.9 and up, this GPU is {capability[0]}.{capability[1]}"
+    return None
+
+
+def _nvidia_capability(device: str) -> tuple[int, int] | None:
+    if torch.device(device).type != "cuda" or torch.version.hip is not None:
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
 @cache
-def _triton_failure(device: str) -> str | None:
-    """Run the decode kernel once on a tiny batch; the error (or wrong answer) it gives, if any."""
+def _triton_failure(device: str, codec: KVCodec) -> str | None:
+    """Run the decode kernel once on a tiny batch, over a cache written through `codec`; the error
+    (or wrong answer) it gives, if any."""
     try:
         from engine.attention.triton_paged import triton_paged_decode_attention
 
         generator = torch.Generator().manual_seed(0)
         k_cache, v_cache = torch.randn(2, 2, 16, 2, 16, generator=generator).to(device).unbind(0)
+        k_cache, v_cache = codec.encode(k_cache), codec.encode(v_cache)
         q = torch.randn(2, 4, 16, generator=generator).to(device)
         block_tables = torch.tensor([[1, 0], [0, 1]], dtype=torch.int32, device=device)
         seq_lens = torch.tensor([19, 7], dtype=torch.int32, device=device)
-        got = triton_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.25)
-        want = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.25)
+        got = triton_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.25, codec)
+        want = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.25, codec)
     except Exception as error:  # any failure to import, compile or launch means "does not work"
         return f"{type(error).__name__}: {error}"
     if not torch.allclose(got, want, atol=1e-3, rtol=1e-3):
@@ -55,25 +72,33 @@ def _triton_failure(device: str) -> str | None:
     return None
 
 
-def select_attention_backend(name: Literal["auto", "torch", "triton"], device: str) -> AttentionBackend:
-    """The backend called `name` for `device`; "auto" prefers Triton on CUDA when it imports and works.
+def select_attention_backend(
+    name: Literal["auto", "torch", "triton"], device: str, codec: KVCodec = DENSE
+) -> AttentionBackend:
+    """The backend called `name` for `device`, reading and writing the cache through `codec`; "auto"
+    prefers Triton on CUDA when it imports and works (torch reads every KV format on every device).
 
-    Raises ValueError for an unknown name, or for "triton" where its kernels cannot run.
+    Raises ValueError for an unknown name, for "triton" where its kernels cannot run, and (naming
+    kv_cache_dtype) for "triton" with a KV format its kernels cannot read on this device.
     """
     if name == "torch":
-        return TorchPagedAttention()
+        return TorchPagedAttention(codec)
     if name not in ("auto", "triton"):
         raise ValueError(f"unknown attention backend {name!r}")
     is_cuda = torch.device(device).type == "cuda"
     if name == "auto" and not is_cuda:
         # The interpreter is far slower than torch, so CPU only gets Triton when asked by name.
-        return TorchPagedAttention()
-    reason = triton_unsupported_reason(device, os.environ) or _triton_failure(device)
+        return TorchPagedAttention(codec)
+    kv_reason = triton_kv_unsupported_reason(codec, _nvidia_capability(device))
+    if kv_reason is not None and name == "triton":
+        raise ValueError(f"kv_cache_dtype: {FP8_E4M3.name} has no kernel for attention backend 'triton' on {device} "
+                         f"({kv_reason}; supported there: auto, int8, or attention backend torch)")
+    reason = kv_reason or triton_unsupported_reason(device, os.environ) or _triton_failure(device, codec)
     if reason is None:
         from engine.attention.triton_paged import TritonPagedAttention
 
-        return TritonPagedAttention()
+        return TritonPagedAttention(codec)
     if name == "triton":
         raise ValueError(f"attention backend 'triton' is unavailable on {device}: {reason}")
     logger.warning("falling back to the torch attention backend on %s: %s", device, reason)
-    return TorchPagedAttention()
+    return TorchPagedAttention(codec)

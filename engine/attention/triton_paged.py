@@ -6,6 +6,10 @@ a KV head share its K/V loads. Keys are visited in tiles of `_KV_TILE` positions
 softmax; each position finds its cache slot through the block table, so any block size works.
 Decode batches with few programs also split each context across programs (flash-decoding) and
 merge the partial results in a second kernel.
+
+A quantized cache (engine.kv_cache.codec) is read as it is stored: 1-byte codes and one float32
+scale per (token, KV head) row. The scales never multiply the codes: a key's scale multiplies its
+column of scores, a value's scale its column of probabilities, so each costs one product per key.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.metadata import AttentionMetadata, write_kv
+from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache.codec import DENSE, KVCodec
 
 _LOG2E = 1.4426950408889634
 _KV_TILE = 64  # keys per inner-loop step
@@ -27,18 +32,20 @@ _MAX_SPLITS = 32
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
+    stride_ksb, stride_kst, stride_ksh,  # the scales' strides (unused unless SCALED)
+    stride_vsb, stride_vst, stride_vsh,
     stride_ot, stride_oh, stride_os,
     stride_lt, stride_lh,
     stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    KV_TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -63,8 +70,11 @@ def _paged_attention_kernel(
     dim_valid = dims < HEAD_DIM
     q_offsets = (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
-    # Round like the reference (which casts queries to the cache dtype), then compute in float32.
-    q = q.to(k_cache_ptr.dtype.element_ty).to(tl.float32)
+    if not SCALED:
+        # Round like the reference (which casts queries to the cache dtype); a quantized cache is
+        # decoded to the queries' dtype instead.
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    q = q.to(tl.float32)
 
     # Causality: nothing past this tile's last query is visible to any of its rows.
     kv_end = tl.minimum(seq_len, seq_len - query_len + (q_tile + 1) * BLOCK_Q)
@@ -86,6 +96,9 @@ def _paged_attention_kernel(
         k_offsets = slot[:, None] * stride_kb + in_block[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
         k = tl.load(k_cache_ptr + k_offsets, mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SCALED:
+            k_scale_offsets = slot * stride_ksb + in_block * stride_kst + kv_head * stride_ksh
+            scores = scores * tl.load(k_scale_ptr + k_scale_offsets, mask=kv_valid, other=0.0)[None, :]
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
 
@@ -97,7 +110,11 @@ def _paged_attention_kernel(
         row_sum = row_sum * rescale + tl.sum(probs, 1)
         v_offsets = slot[:, None] * stride_vb + in_block[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
         v = tl.load(v_cache_ptr + v_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * rescale[:, None] + tl.dot(probs, v, input_precision=DOT_PRECISION)
+        weights = probs
+        if SCALED:
+            v_scale_offsets = slot * stride_vsb + in_block * stride_vst + kv_head * stride_vsh
+            weights = probs * tl.load(v_scale_ptr + v_scale_offsets, mask=kv_valid, other=0.0)[None, :]
+        acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision=DOT_PRECISION)
         row_max = new_max
 
     # A split that got no keys has row_sum 0: it stores zeros and a log-sum-exp of -inf.
@@ -158,10 +175,13 @@ def _paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    codec: KVCodec,
 ) -> torch.Tensor:
     """Launch the kernel(s); the host-side maxima size the grid without a device sync."""
     if q.stride(-1) != 1:
         q = q.contiguous()
+    k_cache, k_scales, k_scale_strides = _kernel_operands(codec, k_cache)
+    v_cache, v_scales, v_scale_strides = _kernel_operands(codec, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -186,19 +206,22 @@ def _paged_attention(
     head_dim_pad = max(triton.next_power_of_2(head_dim), 16)
     grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads * num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, partial, lse,
+        q, k_cache, v_cache, k_scales, v_scales, partial, lse,
         block_tables, query_start_loc, seq_lens,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *k_scale_strides, *v_scale_strides,
         partial.stride(0), partial.stride(1), partial_split_stride,
         *lse_strides,
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         KV_TILE=_KV_TILE, NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        # Codes are exact in tf32; what decides is the dtype the values are computed in.
+        DOT_PRECISION="ieee" if (q.dtype if codec.scaled else k_cache.dtype) == torch.float32 else "tf32",
+        SCALED=codec.scaled,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -211,6 +234,15 @@ def _paged_attention(
     return out
 
 
+def _kernel_operands(codec: KVCodec, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """Values or codes, scales and the scales' block, token and head strides; a dense cache has no
+    scales, which the kernel then never reads: the cache itself stands in, with zero strides."""
+    values, scales = codec.kernel_operands(cache)
+    if scales is None:
+        return values, values, (0, 0, 0)
+    return values, scales, scales.stride()[:3]
+
+
 def triton_paged_decode_attention(
     q: torch.Tensor,  # [B, num_heads, head_dim], one query per sequence
     k_cache: torch.Tensor,
@@ -218,11 +250,12 @@ def triton_paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks]
     seq_lens: torch.Tensor,  # [B]
     scale: float,
+    codec: KVCodec = DENSE,
 ) -> torch.Tensor:
     """Triton twin of `reference.paged_decode_attention` (reads the longest context back to the host)."""
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return _paged_attention(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, 1, int(seq_lens.max())
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, 1, int(seq_lens.max()), codec
     )
 
 
@@ -234,6 +267,7 @@ def triton_paged_prefill_attention(
     query_start_loc: torch.Tensor,  # [B + 1]
     seq_lens: torch.Tensor,  # [B]
     scale: float,
+    codec: KVCodec = DENSE,
 ) -> torch.Tensor:
     """Triton twin of `reference.paged_prefill_attention`: chunked prefill, cached prefixes, decode rows.
 
@@ -241,14 +275,19 @@ def triton_paged_prefill_attention(
     """
     max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     return _paged_attention(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, int(seq_lens.max())
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, int(seq_lens.max()),
+        codec,
     )
 
 
 class TritonPagedAttention:
-    """The Triton backend: one kernel launch per layer for decode, prefill or a mix of both."""
+    """The Triton backend: one kernel launch per layer for decode, prefill or a mix of both; pages
+    are written through `codec` and read by the kernel as stored."""
 
     name = "triton"
+
+    def __init__(self, codec: KVCodec = DENSE) -> None:
+        self.codec = codec
 
     def forward(
         self,
@@ -261,8 +300,8 @@ class TritonPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         """See `AttentionBackend.forward`; the batch maxima come from the metadata's host copies."""
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.codec.write(k_cache, v_cache, meta.slot_mapping, k, v)
         return _paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-            meta.max_query_len, meta.max_seq_len,
+            meta.max_query_len, meta.max_seq_len, self.codec,
         )

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import ModelConfig
 
+if TYPE_CHECKING:
+    from engine.kv_cache.codec import KVFormat
 
-def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Memory one block takes across all layers, K and V."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
+
+def bytes_per_block(model: ModelConfig, block_size: int, kv_format: KVFormat) -> int:
+    """Memory one block takes across all layers, K and V (a quantized format's scales included)."""
+    return 2 * model.num_layers * kv_format.page_bytes(block_size, model.num_kv_heads, model.head_dim)
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -25,13 +28,29 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return flat.view(block_ids.numel(), *cache.shape[1:])
 
 
+def copy_rows(cache: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache[index] = rows along dim 0 (rows in the cache's dtype and device).
+
+    Bytes go as int32 words where their rows allow: torch's index_copy_ moves uint8 one element at
+    a time, no faster an element than float32, so a quantized page would cost as much as an fp32
+    one (1 KiB of words in the time of 256 bytes, measured on CPU).
+    """
+    rows = rows.contiguous()
+    if cache.dtype == torch.uint8 and rows.shape[-1] % 4 == 0 and rows.storage_offset() % 4 == 0:
+        cache, rows = cache.view(torch.int32), rows.view(torch.int32)
+    cache.index_copy_(0, index, rows)
+
+
 class CacheEngine:
-    """Per-layer K and V tensors of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Per-layer K and V tensors of shape [num_blocks, *page shape]: [num_blocks, block_size,
+    num_kv_heads, head_dim] for values, head_dim + 4 bytes per row for a quantized format
+    (engine.kv_cache.codec). Blocks move in and out as pages of that format, scales included."""
 
     def __init__(
-        self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self, model: ModelConfig, num_blocks: int, block_size: int, kv_format: KVFormat, device: torch.device
     ) -> None:
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        shape = (num_blocks, *kv_format.page_shape(block_size, model.num_kv_heads, model.head_dim))
+        dtype = kv_format.storage_dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
@@ -45,7 +64,7 @@ class CacheEngine:
         return len(self.kv_caches)
 
     def gather_blocks(self, layer: int, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A contiguous copy of some blocks of one layer: two [n, block_size, kv_heads, head_dim]."""
+        """A contiguous copy of some blocks of one layer: two [n, *page shape] tensors."""
         k_cache, v_cache = self.kv_caches[layer]
         index = torch.tensor(list(block_ids), device=k_cache.device, dtype=torch.long)
         return gather_blocks(k_cache, index), gather_blocks(v_cache, index)
@@ -58,6 +77,9 @@ class CacheEngine:
                 f"kv blocks: expected [{len(block_ids)}, {', '.join(map(str, k_cache.shape[1:]))}], "
                 f"got k {list(k.shape)} and v {list(v.shape)}"
             )
+        if k_cache.dtype == torch.uint8 and not k.dtype == v.dtype == torch.uint8:
+            # Values converted to uint8 would pass for codes: a quantized cache takes its own pages only.
+            raise ValueError(f"kv blocks: this cache holds uint8 pages (codes and scales), got {k.dtype} and {v.dtype}")
         index = torch.tensor(list(block_ids), device=k_cache.device, dtype=torch.long)
-        k_cache[index] = k.to(device=k_cache.device, dtype=k_cache.dtype)
-        v_cache[index] = v.to(device=v_cache.device, dtype=v_cache.dtype)
+        copy_rows(k_cache, index, k.to(device=k_cache.device, dtype=k_cache.dtype))
+        copy_rows(v_cache, index, v.to(device=v_cache.device, dtype=v_cache.dtype))

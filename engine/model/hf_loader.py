@@ -1,35 +1,73 @@
-"""Read an HF model directory (config.json + safetensors, sharded or not) into a ModelConfig and weights."""
+"""Read an HF model directory (config.json + safetensors, sharded or not) into a ModelConfig and weights:
+float tensors in the model's dtype, and GPTQ/AWQ layers as QuantizedWeights (engine.model.gptq_awq)."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
 from engine.config import ModelConfig, RopeScaling
+from engine.model.gptq_awq import take_quantized
+from engine.model.quant_config import CheckpointQuantization, check_requested, read_checkpoint_quantization
+from engine.model.quantized import QuantizedWeight
 
 _ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 _SHARD_INDEX = "model.safetensors.index.json"
 
 
-def load_hf_dir(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config from config.json; all safetensors weights converted to `dtype`, HF names kept."""
+@dataclass(frozen=True)
+class HFCheckpoint:
+    """An HF directory's config and tensors under their HF names: `weights` in the requested dtype,
+    `quantized` the packed layers (none for a float checkpoint), as `quantization` describes them."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    quantized: dict[str, QuantizedWeight]
+    quantization: CheckpointQuantization | None
+
+
+def load_hf_dir(path: str, dtype: torch.dtype, requested: str = "auto") -> HFCheckpoint:
+    """Config from config.json, then every safetensors tensor. ValueError naming the flag if
+    `requested` (--quantization) contradicts the checkpoint's quantization_config (checked before
+    any tensor is read), or naming the tensor or field the checkpoint gets wrong."""
     with open(os.path.join(path, "config.json"), encoding="utf-8") as file:
-        config = config_from_hf(json.load(file), name=os.path.basename(os.path.normpath(path)))
-    weights: dict[str, torch.Tensor] = {}
+        raw = json.load(file)
+    config = config_from_hf(raw, name=os.path.basename(os.path.normpath(path)))
+    quantization = read_checkpoint_quantization(raw, path)
+    check_requested(requested, "float" if quantization is None else quantization.method, path)
+    tensors: dict[str, torch.Tensor] = {}
     for shard in _safetensors_files(path):
-        weights.update((name, tensor.to(dtype)) for name, tensor in load_file(shard).items())
+        tensors.update(load_file(shard))
+    quantized = {} if quantization is None else take_quantized(tensors, quantization)
+    weights = {name: tensor.to(dtype) for name, tensor in tensors.items()}
     # Old Llama checkpoints carry RoPE buffers; tied checkpoints may still store the head (transformers
     # ignores it and ties), so neither is a weight this model has.
     for name in [n for n in weights if n.endswith("rotary_emb.inv_freq")]:
         del weights[name]
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    return config, weights
+        if "lm_head.weight" in quantized:
+            raise ValueError("lm_head.qweight: a packed LM head on a model with tie_word_embeddings is not supported")
+    _drop_zero_biases(weights, quantized, config)
+    return HFCheckpoint(config, weights, quantized, quantization)
+
+
+def _drop_zero_biases(weights: dict[str, torch.Tensor], quantized: dict[str, QuantizedWeight],
+                      config: ModelConfig) -> None:
+    # Some GPTQ exporters store a zero bias for every packed layer; as vLLM does, the ones this model
+    # has no bias for are skipped (a zero bias changes nothing; any other is left to be refused).
+    biased = ("q_proj", "k_proj", "v_proj") if config.attention_bias else ()
+    for name in quantized:
+        prefix = name.removesuffix(".weight")
+        bias = weights.get(f"{prefix}.bias")
+        if bias is not None and not prefix.endswith(biased) and not bool(bias.any()):
+            del weights[f"{prefix}.bias"]
 
 
 def _safetensors_files(path: str) -> list[str]:

@@ -2,48 +2,96 @@
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from engine.attention.metadata import AttentionBackend
-from engine.config import ModelConfig
+from engine.config import CpuWeights, ModelConfig
 from engine.model.gguf_loader import load_gguf
 from engine.model.hf_loader import load_hf_dir
 from engine.model.llama import LlamaForCausalLM
 from engine.model.paths import default_model_path
+from engine.model.quant_config import StoredFormat, check_requested
+from engine.model.quantized import QuantizedWeight
+from engine.model.weight_formats import OWN_GROUPS, WeightFormat
+
+log = logging.getLogger(__name__)
+
+QuantizedAs = Literal["gguf", "gptq", "awq"]
 
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """A model's config and its HF-named weights, already in the dtype the model will run in."""
+    """A model's config and its HF-named weights: float tensors already in `dtype`, and a
+    QuantizedWeight for each tensor the checkpoint stores in integer groups a loader maps (a GGUF
+    file's blocks, a GPTQ or AWQ checkpoint's packed layers)."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | QuantizedWeight]
     source: str
     kind: Literal["gguf", "hf"]
+    dtype: torch.dtype
+    # The integer format of the checkpoint's QuantizedWeights, None when it has none.
+    quantized_as: QuantizedAs | None = None
+    # Tensors stored in integer blocks no loader maps, dequantized into `weights` (name -> block type).
+    dequantized: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def stored_format(self) -> StoredFormat:
+        """What the checkpoint holds: GGUF blocks, float tensors, or GPTQ/AWQ packed layers."""
+        if self.kind == "gguf":
+            return "gguf"
+        return self.quantized_as or "float"
+
+    @property
+    def quantized(self) -> dict[str, QuantizedWeight]:
+        """The weights stored as integer groups, by HF name."""
+        return {name: weight for name, weight in self.weights.items() if isinstance(weight, QuantizedWeight)}
 
 
-def load_model_files(path: str | None, dtype: torch.dtype) -> ModelFiles:
-    """Read a .gguf file or an HF directory (config.json + *.safetensors); None means the shipped model."""
+def load_model_files(path: str | None, dtype: torch.dtype, quantization: str = "auto") -> ModelFiles:
+    """Read a .gguf file or an HF directory (config.json + *.safetensors); None means the shipped model.
+    ValueError naming the flag, before the tensors are read, if `quantization` (--quantization) does
+    not fit what the checkpoint holds."""
     source = default_model_path() if path is None else path
     if os.path.isdir(source):
-        config, weights = load_hf_dir(source, dtype)
-        return ModelFiles(config=config, weights=weights, source=source, kind="hf")
+        checkpoint = load_hf_dir(source, dtype, quantization)
+        method = None if checkpoint.quantization is None else checkpoint.quantization.method
+        return ModelFiles(config=checkpoint.config, weights={**checkpoint.weights, **checkpoint.quantized},
+                          source=source, kind="hf", dtype=dtype, quantized_as=method)
     if os.path.isfile(source) and source.endswith(".gguf"):
-        config, weights = load_gguf(source, dtype)
-        return ModelFiles(config=config, weights=weights, source=source, kind="gguf")
+        check_requested(quantization, "gguf", source)
+        config, gguf_weights, dequantized = load_gguf(source, dtype)
+        stored = "gguf" if any(isinstance(w, QuantizedWeight) for w in gguf_weights.values()) else None
+        return ModelFiles(config=config, weights=gguf_weights, source=source, kind="gguf", dtype=dtype,
+                          quantized_as=stored, dequantized=dequantized)
     if not os.path.exists(source):
         raise FileNotFoundError(f"model path {source!r} does not exist")
     raise ValueError(f"model path {source!r} is neither a .gguf file nor an HF model directory")
 
 
-def build_model(files: ModelFiles, attention: AttentionBackend, device: str | torch.device) -> LlamaForCausalLM:
-    """The model on `device`, in the dtype of the loaded weights, with those weights copied in."""
+def build_model(files: ModelFiles, attention: AttentionBackend, device: str | torch.device,
+                quantization: str = "none", cpu_weights: CpuWeights = "plain",
+                dtype: torch.dtype | None = None) -> LlamaForCausalLM:
+    """The model on `device`, in `dtype` (None: the files' own; tests share one fp32 load), its
+    products built in the given weight format (engine.model.weight_formats) with dense weights
+    prepared as `cpu_weights` says. Serving a checkpoint's own integer groups, a warning names every
+    tensor no kernel takes on this device (served dequantized)."""
+    dtype = dtype or files.dtype
     with torch.device(device):
         model = LlamaForCausalLM(files.config, attention)
-    model.to(dtype=files.weights["model.embed_tokens.weight"].dtype)
-    model.load_weights(files.weights)
+    model.to(dtype=dtype)
+    formats = WeightFormat(quantization, dtype, device, cpu_weights)
+    model.load_weights(files.weights, formats)
+    if quantization in OWN_GROUPS:
+        unserved = {**files.dequantized, **{name: "groups no kernel takes here" for name in formats.dequantized}}
+        if unserved:
+            log.warning("quantization %s: no kernel serves these tensors' integer groups on %s, so they are served "
+                        "dequantized to %s: %s", quantization, torch.device(device).type,
+                        str(dtype).removeprefix("torch."),
+                        ", ".join(f"{name} ({kind})" for name, kind in sorted(unserved.items())))
     return model.eval()

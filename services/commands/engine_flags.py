@@ -7,8 +7,8 @@ from typing import get_args
 
 from engine.config import (
     CacheConfig,
-    CpuWeights,
-    DType,
+    CpuWeightsOption,
+    DTypeOption,
     EngineConfig,
     KVCacheDType,
     Quantization,
@@ -26,12 +26,16 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Model, device, cache and batching flags."""
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the shipped SmolLM2-135M)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default=None, choices=get_args(DType))
+    parser.add_argument("--dtype", default="auto", choices=get_args(DTypeOption),
+                        help="activations and arithmetic; auto (resolved at start-up, which the engine's log "
+                             "says): bfloat16 on a GPU (float16 before compute capability 8.0) and on a CPU "
+                             "with amx_bf16 or avx512_bf16, else float32")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--cpu-weights", default="fp16", choices=get_args(CpuWeights),
-                        help="fp32 on CPU: weights rounded to fp16 for a faster decode (default), exact "
-                             "(fp32, oneDNN-packed), or one plain copy")
+    parser.add_argument("--cpu-weights", default="auto", choices=get_args(CpuWeightsOption),
+                        help="float32 on CPU: weights rounded to fp16 for a faster decode, exact (fp32, "
+                             "oneDNN-packed), or one plain copy; auto: fp16 when --dtype auto chose float32, "
+                             "fp32 when --dtype float32 was given (exact fp32 with --quantization none)")
     parser.add_argument("--quantization", default="auto", choices=get_args(Quantization),
                         help="weight format (weight-only; activations in --dtype); auto: the file's own "
                              "blocks where a kernel serves them, else none")
@@ -47,6 +51,21 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              f"0: no limit (default: {CPU_PROMPT_BATCH_TOKENS} on CPU, none on GPU)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_flag_args(args: argparse.Namespace) -> list[str]:
+    """The engine flags of `args` that differ from their defaults, as command-line arguments: what a
+    command that starts engine processes (`tandem mesh`) passes on to them. Every engine flag is
+    named after its attribute (`--kv-cache-mib` sets `kv_cache_mib`)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_flags(parser)
+    argv: list[str] = []
+    for name, default in vars(parser.parse_args([])).items():
+        value = getattr(args, name)
+        if value != default:
+            flag = "--" + name.replace("_", "-")
+            argv += [flag] if value is True else [flag, str(value)]
+    return argv
 
 
 def engine_config(args: argparse.Namespace, role: Role) -> EngineConfig:

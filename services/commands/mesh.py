@@ -1,9 +1,9 @@
 """`tandem mesh`: a whole deployment on one machine, what `make run` starts.
 
 A gateway, one prefill and one decode worker run as separate processes, exactly as they would
-on separate machines; this command starts them, shows one request streamed through them, says
-how to call the gateway (gRPC, or the OpenAI-compatible HTTP API), and stops them all on Ctrl-C
-or SIGTERM.
+on separate machines (the engine flags, `--dtype` and the rest, go to both workers); this command
+starts them, shows one request streamed through them, says how to call the gateway (gRPC, or the
+OpenAI-compatible HTTP API), and stops them all on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from services.commands.engine_flags import add_engine_flags, engine_flag_args
 from services.launcher import ReadyLine, ServerProcess, tandem_command
 
 _DEMO_PROMPT = "Explain in two sentences why LLM inference splits prefill and decode."
@@ -36,7 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     mesh.add_argument("--prefill-port", type=int, default=50061, help="0 = a free port")
     mesh.add_argument("--decode-port", type=int, default=50071, help="0 = a free port")
     mesh.add_argument("--kv-backend", default="torch_dist", choices=["torch_dist", "grpc"])
-    mesh.add_argument("--model", default=None, help="GGUF file or HF directory (default: the shipped SmolLM2-135M)")
+    # The engine flags (model, dtype, formats, threads, cache, batching) go to both workers; the
+    # gateway gets the model and its context length.
+    add_engine_flags(mesh)
     mesh.add_argument("--startup-timeout", type=float, default=300.0, help="seconds allowed for the ready lines")
     mesh.add_argument("--grace-period", type=float, default=10.0,
                       help="seconds the children get to drain on shutdown before they are killed")
@@ -79,16 +82,18 @@ def _start(args: argparse.Namespace, children: list[ServerProcess], stop: thread
     """Start the two workers together (their model loads overlap), then the gateway on the
     addresses they report; the gateway's gRPC and HTTP addresses once all are ready."""
     base = ["--log-level", args.log_level]
-    common = ["--host", args.host, *(["--model", args.model] if args.model else [])]
+    engine = ["--host", args.host, *engine_flag_args(args)]
     # A worker asked for port 0 binds a free port itself and names it in its ready line: a port
     # picked here and bound later by the child could be taken by another process in between.
-    children.append(_child("prefill", [*base, "prefill", *common, "--port", str(args.prefill_port), "--threads", "1",
+    children.append(_child("prefill", [*base, "prefill", *engine, "--port", str(args.prefill_port),
                                        *_free_metrics_port(args.prefill_port)]))
-    children.append(_child("decode", [*base, "decode", *common, "--port", str(args.decode_port), "--threads", "1",
+    children.append(_child("decode", [*base, "decode", *engine, "--port", str(args.decode_port),
                                       "--kv-backend", args.kv_backend, *_free_metrics_port(args.decode_port)]))
     prefill, decode = (ready.grpc for ready in _wait_ready(children, time.monotonic() + args.startup_timeout, stop))
     # The gateway reports ready once it sees a serving worker in each pool.
-    children.append(_child("gateway", [*base, "gateway", *common, "--port", str(args.gateway_port),
+    model = [*(["--model", args.model] if args.model else []),
+             *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])]
+    children.append(_child("gateway", [*base, "gateway", "--host", args.host, *model, "--port", str(args.gateway_port),
                                        "--http-port", str(args.http_port), "--prefill", prefill, "--decode", decode,
                                        "--wait-for-workers", str(args.startup_timeout)]))
     gateway = _wait_ready(children, time.monotonic() + args.startup_timeout, stop)[-1]

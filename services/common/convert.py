@@ -188,6 +188,10 @@ def load_report(load: WorkerLoad) -> common_pb2.LoadReport:
         step_model=step_model_to_proto(load.step_model),
         max_num_batched_tokens=stats.max_num_batched_tokens,
         kv_delivery_wait_s=load.kv_delivery_wait_s,
+        dtype=load.formats.dtype,
+        quantization=load.formats.quantization,
+        cpu_weights=load.formats.cpu_weights,
+        kv_cache_dtype=load.formats.kv_cache_dtype,
     )
 
 

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass
 
 from engine.commands import GetStats
+from engine.formats import EngineFormats
 from engine.outputs import EngineStats
 from services.common.engine_loop import EngineLoop
 from services.common.inflight import InflightRequests
@@ -26,6 +27,7 @@ class WorkerLoad:
     reserved_requests: int
     finished_requests: int
     kv_delivery_wait_s: float
+    formats: EngineFormats  # what the engine computes in, fixed at its start-up
 
 
 class RoleWorker:
@@ -35,6 +37,7 @@ class RoleWorker:
         self.role = role
         self.worker_id = f"{role}@{address}"
         self.loop = loop
+        self.formats = loop.engine.formats  # immutable: safe to read off the engine thread
         self.draining = draining
         self.inflight = InflightRequests()
 
@@ -62,6 +65,7 @@ class RoleWorker:
             reserved_requests=self.reserved_requests,
             finished_requests=self.inflight.finished,
             kv_delivery_wait_s=self.kv_delivery_wait_s,
+            formats=self.formats,
         )
 
     async def close(self) -> None:

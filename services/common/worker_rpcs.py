@@ -15,6 +15,15 @@ from services.common.worker import RoleWorker
 _DEFAULT_WATCH_INTERVAL_MS = 200
 
 W = TypeVar("W", bound=RoleWorker)
+T = TypeVar("T")
+
+
+async def loaded(value: T | None, context: grpc.aio.ServicerContext) -> T:
+    """`value`, set once the model is loaded; until then end the RPC with UNAVAILABLE."""
+    if value is None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+    assert value is not None  # context.abort raised otherwise
+    return value
 
 
 class WorkerRpcs(Generic[W]):
@@ -27,10 +36,7 @@ class WorkerRpcs(Generic[W]):
 
     async def ready(self, context: grpc.aio.ServicerContext) -> W:
         """The loaded worker, or end the RPC with UNAVAILABLE."""
-        if self.worker is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        assert self.worker is not None  # context.abort raised otherwise
-        return self.worker
+        return await loaded(self.worker, context)
 
     async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         worker = await self.ready(context)

@@ -26,7 +26,7 @@ from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
 from services.common.tls import TlsConfig, warn_if_worker_exposed
 from services.common.worker_metrics import WorkerMetrics
-from services.common.worker_rpcs import WorkerRpcs
+from services.common.worker_rpcs import WorkerRpcs, loaded
 from services.decode.prefill_client import PrefillClients
 from services.decode.progress import DecodeProgress
 from services.decode.telemetry import DecodeRecorder
@@ -108,17 +108,11 @@ class LateKVTransfer(kvtransfer_pb2_grpc.KVTransferServicer):
     def __init__(self) -> None:
         self.servicer: KVTransferServicer | None = None
 
-    async def _ready(self, context: grpc.aio.ServicerContext) -> KVTransferServicer:
-        if self.servicer is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        assert self.servicer is not None  # context.abort raised otherwise
-        return self.servicer
-
     async def Handshake(self, request: kvtransfer_pb2.HandshakeRequest, context: grpc.aio.ServicerContext):
-        return await (await self._ready(context)).Handshake(request, context)
+        return await (await loaded(self.servicer, context)).Handshake(request, context)
 
     async def Push(self, request_iterator, context: grpc.aio.ServicerContext):
-        return await (await self._ready(context)).Push(request_iterator, context)
+        return await (await loaded(self.servicer, context)).Push(request_iterator, context)
 
 
 async def serve(

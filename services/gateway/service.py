@@ -23,6 +23,7 @@ import grpc
 from services.common.chunk import Chunk
 from services.common.errors import StatusError
 from services.gateway.admission import Admission, Rejected
+from services.gateway.formats import served_formats
 from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import MigrationPolicy, StreamProgress
@@ -61,6 +62,10 @@ class GatewayService:
         if self.model is None:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, "the gateway is still loading its model")
         return self.model
+
+    def served_formats(self) -> dict[str, str | None]:
+        """The formats the workers serve the model in (services.gateway.formats)."""
+        return served_formats(worker.report for worker in self.registry.workers if worker.report is not None)
 
     def ready(self) -> bool:
         """Whether requests can be served now: the model is loaded and the workers can take requests."""

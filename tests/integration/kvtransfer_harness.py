@@ -16,6 +16,7 @@ import grpc
 import torch
 from tandem.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
+from engine.kv_cache.codec import KV_FORMATS
 from kvtransfer import KVLayout, KVSender, KVSenderPool, KVTransferServicer, TransferTarget
 from kvtransfer.grpc_stream import GrpcReceiver
 from kvtransfer.receiver import KVReceiver, make_receiver
@@ -32,11 +33,13 @@ def layout_of(dtype: str, **changes: Any) -> KVLayout:
 
 
 def pages(layout: KVLayout, num_blocks: int, seed: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The seeded K and V one layer of a transfer sends (both processes compute them)."""
+    """The seeded K and V one layer of a transfer sends (both processes compute them), encoded as
+    the layout's pages (a quantized layout's rows carry their scales)."""
     gen = torch.Generator().manual_seed(seed * 1000 + layer)
-    shape = (num_blocks, *layout.block_shape)
-    return torch.randn(shape, generator=gen).to(layout.torch_dtype), torch.randn(shape, generator=gen).to(
-        layout.torch_dtype)
+    kv_format = KV_FORMATS[layout.dtype]
+    shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    return kv_format.codec.encode(k).to(layout.torch_dtype), kv_format.codec.encode(v).to(layout.torch_dtype)
 
 
 def layer_pieces(layer: int, num_blocks: int) -> list[tuple[int, int]]:

@@ -42,7 +42,7 @@ from tandem.v1 import (
 
 from bench.harness.leak_check import assert_no_leaks
 from bench.harness.ports import free_port
-from bench.harness.worker import Worker, start_worker
+from bench.harness.worker import WorkerProcess, start_worker
 from kvtransfer.descriptor import TransferTarget, split_address
 from services.common.server import channel_options
 from services.gateway.openai_api.schema import ChatBody, CompletionBody
@@ -60,13 +60,13 @@ NAMES_A_FIELD = re.compile(r"^[A-Za-z_][\w.\-]*: ")
 
 @dataclass
 class Mesh:
-    gateway: Worker
-    prefill: Worker
-    decode: Worker
+    gateway: WorkerProcess
+    prefill: WorkerProcess
+    decode: WorkerProcess
     model_id: str
 
     @property
-    def processes(self) -> list[Worker]:
+    def processes(self) -> list[WorkerProcess]:
         return [self.gateway, self.prefill, self.decode]
 
 

@@ -19,15 +19,16 @@ from pathlib import Path
 import pytest
 from parity_prompts import travel_diary
 from prometheus_client.parser import text_string_to_metric_families
+from reference import PINNED_FLAGS
 
 from bench.harness.leak_check import assert_no_leaks, load_report
-from bench.harness.worker import Worker, start_worker
+from bench.harness.worker import WorkerProcess, start_worker
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
 from kvtransfer.faults import ENV_VAR
 from services.client import TandemClient
 
-WORKER_FLAGS = ["--port", "0", "--threads", "1", "--kv-cache-mib", "64"]
+WORKER_FLAGS = ["--port", "0", "--threads", "1", "--kv-cache-mib", "64", *PINNED_FLAGS]
 # Load reports are read between engine steps, so a prompt is seen mid-prefill only when it takes
 # several steps: small chunks make a few hundred tokens take several.
 PREFILL_FLAGS = [*WORKER_FLAGS, "--max-num-batched-tokens", "128"]
@@ -40,18 +41,18 @@ BACKENDS = ["torch_dist", "grpc"]
 
 @dataclass
 class Mesh:
-    prefill: list[Worker]  # A and B
+    prefill: list[WorkerProcess]  # A and B
     fault_files: list[Path]  # their test hook files, in the same order
-    decode: dict[str, Worker]  # by KV backend
-    victims: list[Worker]  # prefill workers the kill test kills; their hook files follow fault_files
-    gateways: dict[str, Worker]  # A and B in front of each decode worker; "victims" in front of torch_dist's
+    decode: dict[str, WorkerProcess]  # by KV backend
+    victims: list[WorkerProcess]  # prefill workers the kill test kills; their hook files follow fault_files
+    gateways: dict[str, WorkerProcess]  # A and B in front of each decode worker; "victims" in front of torch_dist's
 
     @property
-    def workers(self) -> list[Worker]:
+    def workers(self) -> list[WorkerProcess]:
         return [*self.prefill, *self.decode.values()]
 
 
-def _gateway(prefill: list[Worker], decode: list[Worker]) -> Worker:
+def _gateway(prefill: list[WorkerProcess], decode: list[WorkerProcess]) -> WorkerProcess:
     return start_worker(["gateway", "--port", "0", "--http-port", "0",
                          "--prefill", ",".join(str(w.address) for w in prefill),
                          "--decode", ",".join(str(w.address) for w in decode),
@@ -66,7 +67,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     decode = {backend: start_worker(["decode", *WORKER_FLAGS, "--kv-backend", backend, "--kv-timeout", KV_TIMEOUT_S],
                                     wait=False) for backend in BACKENDS}
     started = [*prefill, *decode.values()]
-    gateways: dict[str, Worker] = {}
+    gateways: dict[str, WorkerProcess] = {}
     try:
         for worker in started:
             worker.wait_ready()
@@ -86,13 +87,13 @@ def reference(make_engine) -> Callable[[list[int]], list[int]]:
     return lambda prompt: generate(engine, [prompt], [SamplingParams(**GREEDY)])[0].token_ids
 
 
-def _token_ids(gateway: Worker, prompt: list[int]) -> list[int]:
+def _token_ids(gateway: WorkerProcess, prompt: list[int]) -> list[int]:
     with TandemClient(str(gateway.address)) as client:
         return [i for chunk in client.generate(token_ids=prompt, **GREEDY, timeout=RPC_TIMEOUT_S)
                 for i in chunk.token_ids]
 
 
-def _routed(gateway: Worker) -> dict[str, float]:
+def _routed(gateway: WorkerProcess) -> dict[str, float]:
     """The gateway's attempts so far (retries included) per prefill worker ("local": none)."""
     with urllib.request.urlopen(f"http://{gateway.http_address}/metrics", timeout=30) as reply:
         text = reply.read().decode()
@@ -136,12 +137,12 @@ def test_transfer_fault_is_retried_on_the_other_prefill_worker(mesh, tokenizer, 
     assert_no_leaks(mesh.workers)
 
 
-def _busy(worker: Worker) -> bool:
+def _busy(worker: WorkerProcess) -> bool:
     report = load_report(worker)
     return bool(report.running_requests or report.waiting_requests)
 
 
-def _first_busy(workers: list[Worker]) -> Worker:
+def _first_busy(workers: list[WorkerProcess]) -> WorkerProcess:
     """The first of `workers` seen running or queueing a request (polled)."""
     deadline = time.monotonic() + DEADLINE_S
     while True:
@@ -152,7 +153,7 @@ def _first_busy(workers: list[Worker]) -> Worker:
         time.sleep(0.05)
 
 
-def _delivering(worker: Worker) -> bool:
+def _delivering(worker: WorkerProcess) -> bool:
     """Its prompt is computed (nothing runs or waits) but its pages are still held for the transfer."""
     report = load_report(worker)
     return not (report.running_requests or report.waiting_requests) and report.used_kv_blocks > 0

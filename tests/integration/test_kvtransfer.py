@@ -21,7 +21,7 @@ from kvtransfer_harness import (
 )
 from tandem.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
-from kvtransfer import KVSenderPool, TransferError
+from kvtransfer import KVLayout, KVSenderPool, TransferError
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -34,7 +34,7 @@ def side(request: pytest.FixtureRequest) -> Iterator[tuple[Receivers, Child]]:
     receivers.close()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8_e4m3", "int8"])
 def test_layers_arrive_bit_exact(side: tuple[Receivers, Child], dtype: str) -> None:
     receivers, child = side
     layout, cache = layout_of(dtype), FakeCache(layout_of(dtype))
@@ -42,9 +42,12 @@ def test_layers_arrive_bit_exact(side: tuple[Receivers, Child], dtype: str) -> N
     assert child.open(target) == ("ok", 0)
     sent = child.send_all(target, seed=7)
     received = receivers.get(dtype).completion(target.transfer_id).result(20)
+    # Codes and their scales alike: a quantized page's rows hold both.
     cache.assert_holds(target, seed=7)
     # Layer 0 went whole, the others in two chunks: every byte counted once.
     assert sent == received == 2 * layout.num_layers * NUM_BLOCKS * layout.block_bytes
+    if dtype in ("fp8_e4m3", "int8"):  # one byte a value plus a float32 scale per 64: 68 / 256 of fp32
+        assert layout.block_bytes * 256 == layout_of("float32").block_bytes * 68
 
 
 def test_interleaved_transfers_share_and_reuse_the_pair(side: tuple[Receivers, Child]) -> None:
@@ -73,12 +76,18 @@ def test_interleaved_transfers_share_and_reuse_the_pair(side: tuple[Receivers, C
     later_cache.assert_holds(later, seed=11)
 
 
-def test_layout_mismatch_is_refused_naming_the_field(side: tuple[Receivers, Child]) -> None:
+@pytest.mark.parametrize(("own", "expected"), [
+    (layout_of("float32", block_size=32), "block_size: 32 here, 16 there"),
+    (layout_of("fp8_e4m3"), "dtype: fp8_e4m3 here, float32 there"),  # a quantized cache against an auto one
+])
+def test_layout_mismatch_is_refused_naming_the_field(
+    side: tuple[Receivers, Child], own: KVLayout, expected: str
+) -> None:
     receivers, child = side
     layout = layout_of("float32")
     target = receivers.expect(FakeCache(layout), layout)
-    status, message = child.open(target, own_layout=layout_of("float32", block_size=32))
-    assert status == "error" and "TransferError" in message and "block_size: 32 here, 16 there" in message
+    status, message = child.open(target, own_layout=own)
+    assert status == "error" and "TransferError" in message and expected in message
     receivers.get().cancel(target.transfer_id)
 
 

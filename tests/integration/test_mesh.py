@@ -17,23 +17,24 @@ from pathlib import Path
 import grpc
 import pytest
 from parity_prompts import CHAT, PLAIN, parity_prompt_ids, travel_diary
+from reference import PINNED_FLAGS
 
 from bench.harness.leak_check import assert_no_leaks, load_report
 from bench.harness.mesh import Mesh
 from bench.harness.paths import REPO
 from bench.harness.ports import free_port
-from bench.harness.worker import Worker, start_worker
+from bench.harness.worker import WorkerProcess, start_worker
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
 from services.client import TandemClient
 
-WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256"]
+WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256", *PINNED_FLAGS]
 DEADLINE_S = 60.0  # generous bound for conditions polled below; no test asserts elapsed time
 RPC_TIMEOUT_S = 300.0
 GREEDY = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
 
 
-def _start_all(arg_lists: list[list[str]]) -> list[Worker]:
+def _start_all(arg_lists: list[list[str]]) -> list[WorkerProcess]:
     """Start processes together, so their loads overlap, and wait for every ready line."""
     workers = [start_worker(args, wait=False) for args in arg_lists]
     for worker in workers:
@@ -56,7 +57,7 @@ def _gateway_args(prefill: list[list[str]], decode: list[list[str]]) -> list[str
             "--decode", addresses(decode), "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"]
 
 
-def _stop(workers: list[Worker]) -> None:
+def _stop(workers: list[WorkerProcess]) -> None:
     codes = {worker.args[0]: worker.stop() for worker in workers}
     assert all(code == 0 for code in codes.values()), codes
 
@@ -155,7 +156,7 @@ def test_resource_exhausted_and_retry_on_another_decode_worker(mesh, tokenizer, 
     tiny_args = _worker_args("decode", "--kv-cache-blocks", "4")
     prefill, decode = [worker.args for worker in mesh.prefill], mesh.decode[0].args
     long_prompt = travel_diary()  # ~1,000 tokens: far more than 4 blocks of 16
-    started: list[Worker] = []
+    started: list[WorkerProcess] = []
     try:
         started += _start_all([tiny_args, _gateway_args(prefill, [tiny_args])])
         # Started once the tiny worker serves, so that its first view of the pool includes it.
@@ -227,10 +228,14 @@ def test_chat_command_prints_the_answer(mesh, tokenizer, reference):
     assert conversation.stderr.count(" generated, finish=") == 2, conversation.stderr
 
 
+MESH_ENGINE_FLAGS = ["--dtype", "float32", "--cpu-weights", "fp16", "--kv-cache-mib", "64"]
+
+
 def test_mesh_command_serves_then_stops_its_children():
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "mesh", "--gateway-port", "0", "--http-port", "0",
-         "--prefill-port", "0", "--decode-port", "0", "--demo-max-tokens", "8", "--grace-period", "20"],
+         "--prefill-port", "0", "--decode-port", "0", "--demo-max-tokens", "8", "--grace-period", "20",
+         *MESH_ENGINE_FLAGS],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
@@ -251,7 +256,11 @@ def test_mesh_command_serves_then_stops_its_children():
         with TandemClient(gateway) as client:
             assert client.list_models()[0].id == "SmolLM2-135M-Instruct"
         with urllib.request.urlopen(f"http://{http}/v1/models", timeout=30) as models:
-            assert json.load(models)["data"][0]["id"] == "SmolLM2-135M-Instruct"
+            [model] = json.load(models)["data"]
+        assert model["id"] == "SmolLM2-135M-Instruct"
+        # The engine flags reached both workers, whose load reports told the gateway.
+        assert (model["dtype"], model["quantization"], model["cpu_weights"], model["kv_cache_dtype"]) == (
+            "float32", "none", "fp16", "float32")
         assert any(f"curl http://{http}/v1/chat/completions" in line for line in lines), "".join(lines)
         with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as children:
             child_pids = [int(pid) for pid in children.read().split()]
@@ -262,6 +271,8 @@ def test_mesh_command_serves_then_stops_its_children():
             argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
             if {"prefill", "decode"} & set(argv):
                 assert argv[argv.index("--port") + 1] == "0", argv
+                flags = MESH_ENGINE_FLAGS[::2]
+                assert [argv[argv.index(flag) + 1] for flag in flags] == MESH_ENGINE_FLAGS[1::2], argv
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
     finally:

@@ -19,15 +19,16 @@ from dataclasses import dataclass
 import grpc
 import openai
 import pytest
+from reference import PINNED_FLAGS
 
 from bench.harness.leak_check import assert_no_leaks, load_report
 from bench.harness.ports import free_port
-from bench.harness.worker import Worker, start_worker
+from bench.harness.worker import WorkerProcess, start_worker
 from engine.offline import Completion, generate
 from engine.sampling_params import SamplingParams
 from services.client import TandemClient
 
-WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256"]
+WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256", *PINNED_FLAGS]
 DEADLINE_S = 60.0  # generous bound for conditions polled below; no test asserts elapsed time
 RPC_TIMEOUT_S = 300.0
 # Multi-byte characters early in the answer, so the split may fall where text is held back.
@@ -41,18 +42,18 @@ SEEDED = {"max_tokens": MAX_TOKENS, "temperature": 0.8, "seed": 7, "ignore_eos":
 
 @dataclass
 class Mesh:
-    prefill: Worker
-    decode: list[Worker]
-    gateway: Worker  # resumes a request at most twice (the default)
-    strict: Worker  # --max-migrations 0
-    local: Worker  # --colocated: every attempt is prefilled on its decode worker
+    prefill: WorkerProcess
+    decode: list[WorkerProcess]
+    gateway: WorkerProcess  # resumes a request at most twice (the default)
+    strict: WorkerProcess  # --max-migrations 0
+    local: WorkerProcess  # --colocated: every attempt is prefilled on its decode worker
 
     @property
-    def gateways(self) -> list[Worker]:
+    def gateways(self) -> list[WorkerProcess]:
         return [self.gateway, self.strict, self.local]
 
     @property
-    def workers(self) -> list[Worker]:
+    def workers(self) -> list[WorkerProcess]:
         return [self.prefill, *self.decode]
 
 
@@ -90,12 +91,12 @@ def reference(make_engine, tokenizer) -> Callable[[dict], Completion]:
 
 
 @pytest.fixture
-def kill(mesh: Mesh) -> Iterator[Callable[[], Worker]]:
+def kill(mesh: Mesh) -> Iterator[Callable[[], WorkerProcess]]:
     """`kill()` SIGKILLs the decode worker running a request now and returns it; after the test a
     fresh decode worker takes its port, and every gateway routes to it again."""
-    killed: list[Worker] = []
+    killed: list[WorkerProcess] = []
 
-    def kill_the_running_one() -> Worker:
+    def kill_the_running_one() -> WorkerProcess:
         deadline = time.monotonic() + DEADLINE_S
         while True:
             running = [worker for worker in mesh.decode if load_report(worker).running_requests]
@@ -112,7 +113,7 @@ def kill(mesh: Mesh) -> Iterator[Callable[[], Worker]]:
         _replace(mesh, worker)
 
 
-def _replace(mesh: Mesh, killed: Worker) -> None:
+def _replace(mesh: Mesh, killed: WorkerProcess) -> None:
     address = _address(killed.args)
     seen = {gateway: _serving_lines(gateway, address) for gateway in mesh.gateways}
     mesh.decode[mesh.decode.index(killed)] = start_worker(killed.args)
@@ -123,16 +124,16 @@ def _replace(mesh: Mesh, killed: Worker) -> None:
         time.sleep(0.1)
 
 
-def _serving_lines(gateway: Worker, address: str) -> int:
+def _serving_lines(gateway: WorkerProcess, address: str) -> int:
     """How often the gateway logged the worker at `address` as SERVING."""
     return gateway.log_path.read_text(errors="replace").count(f" worker {address} is SERVING")
 
 
-def _survivors(mesh: Mesh, killed: Worker) -> list[Worker]:
+def _survivors(mesh: Mesh, killed: WorkerProcess) -> list[WorkerProcess]:
     return [worker for worker in mesh.workers if worker is not killed]
 
 
-def _migrations(gateway: Worker) -> float:
+def _migrations(gateway: WorkerProcess) -> float:
     """The gateway's tandem:request_migrations_total."""
     with urllib.request.urlopen(f"http://{gateway.http_address}/metrics", timeout=30) as response:
         text = response.read().decode()

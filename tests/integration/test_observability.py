@@ -15,7 +15,7 @@ from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gate
 
 from bench.harness.otlp_receiver import OtlpReceiver, ReceivedSpan
 from bench.harness.ports import free_port
-from bench.harness.worker import Worker, start_worker
+from bench.harness.worker import WorkerProcess, start_worker
 from services.common.server import channel_options
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -65,7 +65,7 @@ def mesh(receiver):
     assert all(code == 0 for code in codes.values()), codes
 
 
-def _generate(gateway: Worker, request_id: str, metadata=(), slo=None) -> list[common_pb2.TokenChunk]:
+def _generate(gateway: WorkerProcess, request_id: str, metadata=(), slo=None) -> list[common_pb2.TokenChunk]:
     request = gateway_pb2.GenerateRequest(
         request_id=request_id, text=f"Tell me about trace {request_id}.",
         sampling=common_pb2.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), slo=slo,
@@ -201,7 +201,7 @@ def test_an_http_request_continues_the_clients_trace(mesh, receiver):
     assert server.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 4
 
 
-def _invalid_request(gateway: Worker) -> str:
+def _invalid_request(gateway: WorkerProcess) -> str:
     """Send a request the gateway refuses (INVALID_ARGUMENT); its id."""
     request = gateway_pb2.GenerateRequest(request_id=f"bad-{uuid.uuid4().hex[:8]}", text="Hi",
                                           sampling=common_pb2.SamplingParams(temperature=500.0))
@@ -230,7 +230,7 @@ def test_errors_mark_the_span(mesh, receiver):
     assert span.attributes["error.type"] == "INVALID_ARGUMENT" and span.parent_span_id == ""
 
 
-def _scrape(worker: Worker) -> dict[tuple[str, frozenset], float]:
+def _scrape(worker: WorkerProcess) -> dict[tuple[str, frozenset], float]:
     """Every sample of a process's /metrics: (name, labels) -> value."""
     # Workers serve metrics on their own port, the gateway at /metrics of its HTTP API.
     address = worker.metrics_address or worker.http_address

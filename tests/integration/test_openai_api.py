@@ -16,10 +16,12 @@ import pytest
 from parity_prompts import travel_diary
 from tandem.v1 import common_pb2, decode_pb2_grpc
 
+from bench.harness.leak_check import load_report
 from bench.harness.ports import free_port
-from bench.harness.worker import Worker, start_worker
+from bench.harness.worker import WorkerProcess, start_worker
 from services.client import TandemClient
 from services.common.server import channel_options
+from services.gateway.formats import FORMAT_FIELDS
 
 WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256"]
 TIMEOUT_S = 300.0
@@ -31,10 +33,10 @@ DEADLINE_S = 60.0  # generous bound for conditions polled below; no test asserts
 
 @dataclass
 class Mesh:
-    gateway: Worker  # over one prefill and one decode worker
-    overloaded: Worker  # its only decode worker has a 4-block KV cache
-    orphan: Worker  # its workers do not exist
-    decode: Worker
+    gateway: WorkerProcess  # over one prefill and one decode worker
+    overloaded: WorkerProcess  # its only decode worker has a 4-block KV cache
+    orphan: WorkerProcess  # its workers do not exist
+    decode: WorkerProcess
 
 
 def _worker(role: str, *flags: str) -> list[str]:
@@ -65,7 +67,7 @@ def mesh():
 
 
 @pytest.fixture(scope="module")
-def gateway(mesh) -> Worker:
+def gateway(mesh) -> WorkerProcess:
     return mesh.gateway
 
 
@@ -95,7 +97,7 @@ def _grpc_text(grpc_client, **request) -> tuple[str, list]:
     return text, logprobs
 
 
-def _post(gateway: Worker, path: str, data: bytes) -> tuple[int, dict, bytes]:
+def _post(gateway: WorkerProcess, path: str, data: bytes) -> tuple[int, dict, bytes]:
     request = urllib.request.Request(f"http://{gateway.http_address}{path}", data=data,
                                      headers={"Content-Type": "application/json"})
     try:
@@ -105,11 +107,16 @@ def _post(gateway: Worker, path: str, data: bytes) -> tuple[int, dict, bytes]:
         return error.code, dict(error.headers), error.read()
 
 
-def test_models_lists_the_served_model(client, grpc_client):
+def test_models_lists_the_served_model(mesh, client, grpc_client):
     [served] = grpc_client.list_models()
     [model] = client.models.list().data
     assert (model.id, model.owned_by) == (served.id, "tandem")
     assert model.model_extra["max_model_len"] == served.max_model_len
+    # The formats, as the workers (all started alike) report them: whatever `auto` chose on this machine.
+    report = load_report(mesh.decode)
+    assert report.dtype in ("float32", "bfloat16") and report.quantization
+    assert {name: model.model_extra[name] for name in FORMAT_FIELDS} == {
+        name: getattr(report, name) for name in FORMAT_FIELDS}
 
 
 def test_greedy_completion_matches_grpc(client, grpc_client, model_id):
@@ -303,12 +310,12 @@ def test_metrics_are_prometheus_text(gateway):
         assert "# TYPE " in response.read().decode()
 
 
-def _decode_load(worker: Worker) -> common_pb2.LoadReport:
+def _decode_load(worker: WorkerProcess) -> common_pb2.LoadReport:
     with grpc.insecure_channel(str(worker.address), options=channel_options()) as channel:
         return decode_pb2_grpc.DecodeStub(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=30)
 
 
-def _wait_idle(worker: Worker) -> None:
+def _wait_idle(worker: WorkerProcess) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while (load := _decode_load(worker)).running_requests + load.waiting_requests + load.reserved_requests:
         assert time.monotonic() < deadline, load

@@ -8,28 +8,29 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from parity_prompts import travel_diary
+from reference import PINNED_FLAGS
 
 from bench.harness.leak_check import assert_no_leaks, load_report
 from bench.harness.ports import free_port
-from bench.harness.worker import Worker, start_worker
+from bench.harness.worker import WorkerProcess, start_worker
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
 from services.client import TandemClient
 from services.common.convert import step_model_from_proto
 
-FLAGS = ["--threads", "1", "--kv-cache-mib", "128"]
+FLAGS = ["--threads", "1", "--kv-cache-mib", "128", *PINNED_FLAGS]
 RPC_TIMEOUT_S = 300.0
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
 
-def _start(*arg_lists: list[str]) -> list[Worker]:
+def _start(*arg_lists: list[str]) -> list[WorkerProcess]:
     workers = [start_worker(args, wait=False) for args in arg_lists]
     for worker in workers:
         worker.wait_ready()
     return workers
 
 
-def _stop(workers: list[Worker]) -> None:
+def _stop(workers: list[WorkerProcess]) -> None:
     codes = [worker.stop() for worker in reversed(workers)]
     assert codes == [0] * len(codes), codes
 

@@ -21,9 +21,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.harness.paths import REPO
 from bench.harness.ports import free_port
-from bench.harness.worker import Worker, start_worker
+from bench.harness.worker import WorkerProcess, start_worker
 from services.client import TandemClient
 from services.common.tls import TlsConfig, open_channel
+
+Mesh = dict[str, WorkerProcess]
+Pki = dict[str, Path]
 
 API_KEY = "test-key-7f3a"
 TIMEOUT_S = 300.0
@@ -78,14 +81,14 @@ def _health(address: str, tls: TlsConfig | None) -> grpc.StatusCode:
     return asyncio.run(check())
 
 
-def test_a_request_crosses_the_mtls_mesh_with_a_key(mesh: dict[str, Worker], pki: dict[str, Path]) -> None:
+def test_a_request_crosses_the_mtls_mesh_with_a_key(mesh: Mesh, pki: Pki) -> None:
     with TandemClient(str(mesh["gateway"].address), api_key=API_KEY, ca_file=pki["ca"]) as client:
         chunks = list(client.generate("The capital of France is", max_tokens=8, temperature=0.0, timeout=TIMEOUT_S))
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
     assert "".join(chunk.text for chunk in chunks).strip()
 
 
-def test_the_gateway_refuses_grpc_calls_without_a_valid_key(mesh: dict[str, Worker], pki: dict[str, Path]) -> None:
+def test_the_gateway_refuses_grpc_calls_without_a_valid_key(mesh: Mesh, pki: Pki) -> None:
     for key in (None, "wrong-key"):
         with TandemClient(str(mesh["gateway"].address), api_key=key, ca_file=pki["ca"]) as client, \
                 pytest.raises(grpc.RpcError) as error:
@@ -95,7 +98,7 @@ def test_the_gateway_refuses_grpc_calls_without_a_valid_key(mesh: dict[str, Work
         assert client.list_models(timeout=TIMEOUT_S)
 
 
-def _http(mesh: dict[str, Worker], pki: dict[str, Path], path: str, key: str | None) -> tuple[int, bytes]:
+def _http(mesh: Mesh, pki: Pki, path: str, key: str | None) -> tuple[int, bytes]:
     context = ssl.create_default_context(cafile=str(pki["ca"]))
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     request = urllib.request.Request(f"https://{mesh['gateway'].http_address}{path}", headers=headers)
@@ -106,7 +109,7 @@ def _http(mesh: dict[str, Worker], pki: dict[str, Path], path: str, key: str | N
         return error.code, error.read()
 
 
-def test_the_http_api_asks_for_a_key_but_not_for_health(mesh: dict[str, Worker], pki: dict[str, Path]) -> None:
+def test_the_http_api_asks_for_a_key_but_not_for_health(mesh: Mesh, pki: Pki) -> None:
     status, body = _http(mesh, pki, "/v1/models", None)
     assert status == 401
     assert json.loads(body)["error"]["type"] == "AuthenticationError"
@@ -119,7 +122,7 @@ def test_the_http_api_asks_for_a_key_but_not_for_health(mesh: dict[str, Worker],
     assert _http(mesh, pki, "/metrics", API_KEY)[0] == 200
 
 
-def test_grpc_health_needs_no_key(mesh: dict[str, Worker], pki: dict[str, Path]) -> None:
+def test_grpc_health_needs_no_key(mesh: Mesh, pki: Pki) -> None:
     gateway = str(mesh["gateway"].address)
     async def check() -> int:
         credentials = grpc.ssl_channel_credentials(root_certificates=pki["ca"].read_bytes())
@@ -130,7 +133,7 @@ def test_grpc_health_needs_no_key(mesh: dict[str, Worker], pki: dict[str, Path])
     assert asyncio.run(check()) == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_workers_refuse_peers_without_a_certificate_from_the_ca(mesh: dict[str, Worker], pki: dict[str, Path]) -> None:
+def test_workers_refuse_peers_without_a_certificate_from_the_ca(mesh: Mesh, pki: Pki) -> None:
     member = TlsConfig(pki["gateway_cert"], pki["gateway_key"], pki["ca"])
     stranger = TlsConfig(pki["stranger_cert"], pki["stranger_key"], pki["ca"])
     for role in ("prefill", "decode"):
@@ -140,7 +143,7 @@ def test_workers_refuse_peers_without_a_certificate_from_the_ca(mesh: dict[str, 
         assert _health(address, stranger) == grpc.StatusCode.UNAVAILABLE
 
 
-def test_probe_checks_a_worker_with_the_pods_certificate(mesh: dict[str, Worker], pki: dict[str, Path]) -> None:
+def test_probe_checks_a_worker_with_the_pods_certificate(mesh: Mesh, pki: Pki) -> None:
     def probe(*flags: str) -> int:
         command = [sys.executable, "-m", "services.cli", "probe", str(mesh["decode"].address), "--timeout", "30"]
         return subprocess.run([*command, *flags], cwd=REPO, capture_output=True, timeout=TIMEOUT_S).returncode

@@ -12,10 +12,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from parity_prompts import parity_prompt_ids
 from prometheus_client.parser import text_string_to_metric_families
+from reference import PINNED_FLAGS
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 from bench.harness.ports import free_port
-from bench.harness.worker import Worker, start_worker
+from bench.harness.worker import WorkerProcess, start_worker
 from engine.config import SchedulerConfig
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
@@ -24,42 +25,50 @@ from services.common.server import channel_options
 
 # Prefill in chunks that end mid-block, so pages of a partly filled block are pushed twice.
 CHUNK_TOKENS = "200"
-COMMON = ["--port", "0", "--threads", "1", "--kv-cache-mib", "64"]
+COMMON = ["--port", "0", "--threads", "1", "--kv-cache-mib", "64", *PINNED_FLAGS]
 DEADLINE_S = 60.0  # generous bound for conditions polled below; no test asserts elapsed time
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def prefill() -> Worker:
+def prefill() -> WorkerProcess:
     worker = start_worker(["prefill", *COMMON, "--max-num-batched-tokens", CHUNK_TOKENS])
     yield worker
     assert worker.stop() == 0, worker.log_tail()
 
 
 @pytest.fixture(scope="module", params=["torch_dist", "grpc"])
-def decode(request) -> Worker:
+def decode(request) -> WorkerProcess:
     worker = start_worker(["decode", *COMMON, "--kv-backend", request.param])
     yield worker
     assert worker.stop() == 0, worker.log_tail()
 
 
 @pytest.fixture(scope="module")
-def small_decode() -> Worker:
+def small_decode() -> WorkerProcess:
     """A decode worker with a 4-block cache of 32-token blocks (the prefill worker's are 16)."""
     worker = start_worker(["decode", *COMMON, "--block-size", "32", "--kv-cache-blocks", "4"])
     yield worker
     assert worker.stop() == 0, worker.log_tail()
 
 
-def _channel(worker: Worker) -> grpc.Channel:
+@pytest.fixture(scope="module")
+def fp8_decode() -> WorkerProcess:
+    """A decode worker whose KV cache is fp8 (the prefill worker's is the auto fp32 one)."""
+    worker = start_worker(["decode", *COMMON, "--kv-cache-dtype", "fp8"])
+    yield worker
+    assert worker.stop() == 0, worker.log_tail()
+
+
+def _channel(worker: WorkerProcess) -> grpc.Channel:
     return grpc.insecure_channel(worker.address, options=channel_options())
 
 
-def _decode_stub(worker: Worker) -> decode_pb2_grpc.DecodeStub:
+def _decode_stub(worker: WorkerProcess) -> decode_pb2_grpc.DecodeStub:
     return decode_pb2_grpc.DecodeStub(_channel(worker))
 
 
-def _load(worker: Worker) -> common_pb2.LoadReport:
+def _load(worker: WorkerProcess) -> common_pb2.LoadReport:
     stub = (decode_pb2_grpc.DecodeStub if worker.args[0] == "decode" else prefill_pb2_grpc.PrefillStub)(
         _channel(worker))
     return stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10)
@@ -72,13 +81,13 @@ def _until(condition: Callable[[], bool]) -> None:
         time.sleep(0.01)
 
 
-def _prefilling(prefill: Worker) -> bool:
+def _prefilling(prefill: WorkerProcess) -> bool:
     """Whether the prefill worker's engine holds a prompt it has not finished computing."""
     report = _load(prefill)
     return report.running_requests + report.waiting_requests > 0
 
 
-def _prefills_delivered(prefill: Worker) -> float:
+def _prefills_delivered(prefill: WorkerProcess) -> float:
     """Prefills the worker completed and delivered: only those reach its TTFT histogram."""
     with urllib.request.urlopen(f"http://{prefill.metrics_address}/metrics", timeout=30) as response:
         families = text_string_to_metric_families(response.read().decode())
@@ -86,7 +95,7 @@ def _prefills_delivered(prefill: Worker) -> float:
                    if sample.name == "vllm:time_to_first_token_seconds_count")
 
 
-def _wait_until_no_blocks_used(*workers: Worker) -> None:
+def _wait_until_no_blocks_used(*workers: WorkerProcess) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while True:
         used = [_load(w).used_kv_blocks for w in workers]
@@ -96,7 +105,9 @@ def _wait_until_no_blocks_used(*workers: Worker) -> None:
     assert used == [0] * len(workers)
 
 
-def _request(prompt: list[int], prefill: Worker, params: SamplingParams = GREEDY, **fields) -> decode_pb2.DecodeRequest:
+def _request(
+    prompt: list[int], prefill: WorkerProcess, params: SamplingParams = GREEDY, **fields
+) -> decode_pb2.DecodeRequest:
     """A DecodeRequest; `fields` override any of its fields."""
     base = {"prompt_token_ids": prompt, "sampling": sampling_params_to_proto(params),
             "prefill_address": prefill.address}
@@ -189,6 +200,14 @@ def test_a_layout_mismatch_is_failed_precondition_naming_block_size(prefill, sma
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "block_size" in error.value.details()
     _wait_until_no_blocks_used(prefill, small_decode)
+
+
+def test_a_kv_dtype_mismatch_is_failed_precondition_naming_it(prefill, fp8_decode, prompts):
+    with pytest.raises(grpc.RpcError) as error:
+        _generate(_decode_stub(fp8_decode), _request(prompts[0], prefill))
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "dtype: float32 here, fp8_e4m3 there" in error.value.details()
+    _wait_until_no_blocks_used(prefill, fp8_decode)
 
 
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)

@@ -9,6 +9,7 @@ import sys
 import pytest
 from tandem.v1 import common_pb2
 
+from engine.formats import EngineFormats
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -25,6 +26,9 @@ from services.common.convert import (
 )
 from services.common.step_model import StepModel
 from services.common.worker import WorkerLoad
+
+FORMATS = EngineFormats(hardware='CPU "Xeon" [amx_bf16]', dtype="bfloat16", dtype_reason="auto", quantization="none",
+                        cpu_weights="plain", kv_cache_dtype="bfloat16")
 
 
 def test_an_empty_proto_means_the_engine_defaults():
@@ -128,13 +132,15 @@ def test_load_report_counts_used_blocks_from_usage():
                         max_num_batched_tokens=512)
     report = load_report(WorkerLoad(worker_id="decode@x:1", role="decode", stats=stats, prefill_tokens_per_s=1000.0,
                                     decode_step_s=0.02, step_model=StepModel(), reserved_requests=1,
-                                    finished_requests=9, kv_delivery_wait_s=0.0))
+                                    finished_requests=9, kv_delivery_wait_s=0.0, formats=FORMATS))
     assert report.used_kv_blocks == 3  # 0.3 * 10 is 2.9999...: rounded, not truncated
     assert (report.free_kv_blocks, report.total_kv_blocks, report.cached_kv_blocks) == (7, 10, 4)
     assert (report.queued_prompt_tokens, report.running_requests, report.waiting_requests) == (300, 2, 1)
     assert (report.reserved_requests, report.finished_requests, report.block_size) == (1, 9, 16)
     assert (report.prefill_tokens_per_s, report.tpot_s) == (1000.0, 0.02)
     assert (report.worker_id, report.role) == ("decode@x:1", "decode")
+    assert (report.dtype, report.quantization, report.cpu_weights, report.kv_cache_dtype) == (
+        "bfloat16", "none", "plain", "bfloat16")
 
 
 def test_convert_and_server_import_no_torch():

@@ -7,19 +7,50 @@ import argparse
 import pytest
 
 from engine.config import EngineConfig
-from services.commands.engine_flags import CPU_PROMPT_BATCH_TOKENS, add_engine_flags, engine_config
+from engine.model.paths import default_model_path
+from services.commands.engine_flags import CPU_PROMPT_BATCH_TOKENS, add_engine_flags, engine_config, engine_flag_args
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    return parser
 
 
 def _config(*flags: str):
-    parser = argparse.ArgumentParser()
-    add_engine_flags(parser)
-    return engine_config(parser.parse_args(list(flags)), "decode")
+    return engine_config(_parser().parse_args(list(flags)), "decode")
 
 
-def test_cpu_weights_default_to_fp16_and_the_flag_chooses_another_format():
-    assert _config().cpu_weights == "fp16"
+def test_formats_default_to_auto_which_the_engine_resolves_and_the_flags_choose_others():
+    config = _config()
+    assert (config.dtype, config.cpu_weights, config.quantization, config.kv_cache_dtype) == ("auto",) * 4
+    assert _config("--dtype", "float32").dtype == "float32"
+    assert _config("--dtype", "bfloat16").dtype == "bfloat16"
     assert _config("--cpu-weights", "fp32").cpu_weights == "fp32"
     assert _config("--cpu-weights", "plain").cpu_weights == "plain"
+    with pytest.raises(SystemExit):
+        _config("--dtype", "half")
+
+
+ENGINE_FLAGS = ["--model", "/m.gguf", "--device", "cuda:1", "--dtype", "float16", "--attention-backend", "triton",
+                "--threads", "2", "--cpu-weights", "plain", "--quantization", "none", "--kv-cache-dtype", "int8",
+                "--kv-cache-mib", "64", "--kv-cache-blocks", "9", "--block-size", "32", "--max-num-seqs", "3",
+                "--max-num-batched-tokens", "100", "--max-prompt-batch-tokens", "0", "--max-model-len", "512",
+                "--no-prefix-caching"]
+
+
+def test_engine_flags_pass_on_as_arguments_that_parse_back_to_the_same_values():
+    args = _parser().parse_args(ENGINE_FLAGS)
+    assert vars(_parser().parse_args(engine_flag_args(args))) == vars(args)
+    assert engine_flag_args(_parser().parse_args(["--dtype", "float32"])) == ["--dtype", "float32"]
+    assert engine_flag_args(_parser().parse_args([])) == []
+
+
+def test_every_engine_flag_is_named_after_its_attribute_so_it_passes_on():
+    flags = {action.dest: action.option_strings for action in _parser()._actions if action.dest != "help"}
+    assert all(f"--{dest.replace('_', '-')}" in names for dest, names in flags.items()), flags
+    assert set(flags) <= {arg[2:].replace("-", "_") for arg in ENGINE_FLAGS if arg.startswith("--")}, (
+        "a new engine flag: give it a non-default value in ENGINE_FLAGS")
 
 
 def test_unknown_cpu_weight_format_is_a_usage_error():
@@ -42,9 +73,8 @@ def test_a_negative_prompt_batch_limit_is_refused():
 def test_a_format_the_engine_cannot_compute_is_refused_before_loading_naming_the_field():
     from engine.engine import Engine
 
-    with pytest.raises(ValueError, match=r"^quantization: 'awq' is not supported \(supported: auto, none\)"):
-        Engine(EngineConfig(quantization="awq", model="/nonexistent.gguf"))
-    with pytest.raises(ValueError, match=r"^kv_cache_dtype: 'fp8' is not supported"):
-        Engine(EngineConfig(kv_cache_dtype="fp8", model="/nonexistent.gguf"))
+    model = default_model_path()  # the shipped GGUF file: refused from its name, before a tensor is read
+    with pytest.raises(ValueError, match=r"^quantization: 'gptq' does not fit .*: it is a GGUF file"):
+        Engine(EngineConfig(quantization="gptq", model=model))
     with pytest.raises(ValueError, match=r"^quantization: unknown method 'q4'"):
         EngineConfig(quantization="q4")  # type: ignore[arg-type]

@@ -3,9 +3,11 @@ invariance of the engine across batch shapes, chunking, prefix caching and preem
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from parity_prompts import parity_prompt_ids
-from reference import check_against, load_reference_model, reference_greedy
+from reference import EXACT_FORMATS, check_against, load_reference_model, reference_greedy
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.offline import generate
@@ -13,6 +15,12 @@ from engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 64
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def make_engine(make_engine):
+    """Engines in exact fp32 (`--dtype float32 --quantization none`), as transformers computes."""
+    return functools.partial(make_engine, **EXACT_FORMATS)
 
 
 @pytest.fixture(scope="module")

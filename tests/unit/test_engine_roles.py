@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from parity_prompts import parity_prompt_ids
 
 from engine.config import CacheConfig
@@ -58,6 +59,20 @@ def test_prefill_export_import_decode_equals_colocated(make_engine, tokenizer, p
     # Nothing is left behind on either side once the requests are done.
     assert prefill.kv.usage == 0 and decode.kv.usage == 0
     assert not prefill.scheduler.requests and not decode.scheduler.requests
+
+
+def test_quantized_pages_carry_their_scales_to_the_decode_engine(make_engine, tokenizer):
+    # An fp8 prefill engine's pages hold codes and scales; a decode engine of the same KV dtype
+    # continues exactly as one engine with that cache would (int8 pages travel the same way).
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = parity_prompt_ids(tokenizer)[:3]
+    fixed = {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "fp8"}
+    colocated = generate(make_engine(**fixed), prompts, params)
+    prefill, decode = make_engine(role="prefill", **fixed), make_engine(role="decode", **fixed)
+    pages = prefill.runner.cache.kv_caches[0][0]  # what export_kv copies blocks of
+    assert pages.dtype == torch.uint8 and pages.shape[1:] == (16, 3, 68)  # 64 codes and a float32 scale a row
+    assert _disaggregated(prefill, decode, prompts, params) == [c.token_ids for c in colocated]
+    assert decode.kv.usage == 0
 
 
 def test_decode_side_prefix_hit_ships_only_the_rest(make_engine, tokenizer):

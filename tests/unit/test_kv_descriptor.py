@@ -9,7 +9,8 @@ import pytest
 import torch
 from tandem.v1 import kvtransfer_pb2
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import ModelConfig
+from engine.kv_cache.codec import INT8, kv_format
 from kvtransfer.descriptor import KVLayout, TransferTarget, check_pages
 
 LAYOUT = KVLayout("SmolLM2:0123456789abcdef", 30, 3, 64, "float32", 16)
@@ -34,7 +35,7 @@ def test_equal_layouts_match() -> None:
 
 def test_unknown_dtype_is_refused() -> None:
     with pytest.raises(ValueError, match="dtype"):
-        replace(LAYOUT, dtype="int8")
+        replace(LAYOUT, dtype="int4")
 
 
 def test_layout_round_trips_through_protobuf() -> None:
@@ -42,12 +43,27 @@ def test_layout_round_trips_through_protobuf() -> None:
     assert KVLayout.from_proto(kvtransfer_pb2.KVLayout.FromString(wire)) == LAYOUT
 
 
-def test_layout_of_engine_names_model_and_fingerprint() -> None:
+@pytest.mark.parametrize(("kv_cache_dtype", "dtype"), [("auto", "bfloat16"), ("fp8", "fp8_e4m3"), ("int8", "int8")])
+def test_layout_of_engine_names_model_fingerprint_and_kv_format(kv_cache_dtype: str, dtype: str) -> None:
     config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=8, name="Tiny")
     engine = SimpleNamespace(model_config=config, fingerprint=bytes(range(32)),
-                             config=EngineConfig(dtype="bfloat16"), kv=SimpleNamespace(block_size=16))
-    assert KVLayout.of_engine(engine) == KVLayout("Tiny:0001020304050607", 2, 2, 8, "bfloat16", 16)
+                             kv_format=kv_format(kv_cache_dtype, "bfloat16"), kv=SimpleNamespace(block_size=16))
+    assert KVLayout.of_engine(engine) == KVLayout("Tiny:0001020304050607", 2, 2, 8, dtype, 16)
+
+
+def test_a_quantized_layout_pages_rows_of_codes_and_scales() -> None:
+    layout = replace(LAYOUT, dtype="int8")
+    assert layout.block_shape == (16, 3, 68) and layout.torch_dtype == torch.uint8
+    assert layout.block_bytes == 16 * 3 * 68  # 3,264 bytes against 12,288 in fp32
+    assert LAYOUT.mismatch(layout) == "dtype: float32 here, int8 there"
+    target = TransferTarget(layout, 1, (4, 5), 0, "grpc", "h", 1)
+    pages = INT8.encode(torch.randn(2, 16, 3, 64))
+    check_pages(target, 0, 0, pages, pages)
+    with pytest.raises(ValueError, match="kv pages"):
+        check_pages(target, 0, 0, torch.zeros(2, 16, 3, 64), torch.zeros(2, 16, 3, 64))
+    with pytest.raises(ValueError, match="head_dim divisible by 4"):
+        replace(layout, head_dim=62)
 
 
 @pytest.mark.parametrize("target", [

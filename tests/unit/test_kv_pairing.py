@@ -18,6 +18,7 @@ from kvtransfer.torch_dist_receiver import TorchDistReceiver
 
 OURS = KVLayout("tiny:0123456789abcdef", 2, 1, 4, "float32", 16)
 THEIRS = replace(OURS, block_size=32)
+QUANTIZED = replace(OURS, dtype="fp8_e4m3")  # the same model, its cache in fp8: pages of another format
 PEER = "prefill-0:50061"
 
 
@@ -32,15 +33,21 @@ def _refuse_to_dial(address: str) -> grpc.Channel:
 
 
 @pytest.mark.parametrize("backend", ["torch_dist", "grpc"])
-def test_a_target_of_another_layout_is_refused_before_any_connection(backend: str) -> None:
+@pytest.mark.parametrize(("theirs", "reason"), [
+    (THEIRS, "block_size: 16 here, 32 there"),
+    (QUANTIZED, "dtype: float32 here, fp8_e4m3 there"),
+])
+def test_a_target_of_another_layout_is_refused_before_any_connection(
+    backend: str, theirs: KVLayout, reason: str
+) -> None:
     # Nothing listens on the port: a pool that tried to pair would fail otherwise, and later.
     pool = KVSenderPool(OURS, timeout=5.0, connect=_refuse_to_dial)
-    target = TransferTarget(THEIRS, 1, (0,), 0, backend, "127.0.0.1", _unused_port(), "ab" * 16)
+    target = TransferTarget(theirs, 1, (0,), 0, backend, "127.0.0.1", _unused_port(), "ab" * 16)
     try:
         with pytest.raises(LayoutTransferError) as refused:
             pool.sender(target)
-        assert refused.value.reason == "block_size: 16 here, 32 there"
-        assert str(refused.value) == f"KV layout mismatch with {target.address}: block_size: 16 here, 32 there"
+        assert refused.value.reason == reason
+        assert str(refused.value) == f"KV layout mismatch with {target.address}: {reason}"
     finally:
         pool.close()
 
@@ -70,8 +77,12 @@ def test_a_grpc_channel_serves_only_targets_of_the_layout_its_handshake_accepted
     asyncio.run(_against_a_kv_service(OURS, _channel_for_one_layout))
 
 
-def test_a_grpc_receiver_holding_another_layout_is_refused_by_the_handshake() -> None:
-    asyncio.run(_against_a_kv_service(THEIRS, _handshake_refused))
+@pytest.mark.parametrize(("theirs", "reason"), [
+    (THEIRS, "block_size: 16 here, 32 there"),
+    (QUANTIZED, "dtype: float32 here, fp8_e4m3 there"),
+])
+def test_a_grpc_receiver_holding_another_layout_is_refused_by_the_handshake(theirs: KVLayout, reason: str) -> None:
+    asyncio.run(_against_a_kv_service(theirs, lambda pool, address: _handshake_refused(pool, address, reason)))
 
 
 async def _channel_for_one_layout(pool: KVSenderPool, address: str) -> None:
@@ -85,13 +96,13 @@ async def _channel_for_one_layout(pool: KVSenderPool, address: str) -> None:
         await asyncio.to_thread(pool.sender, restarted)
 
 
-async def _handshake_refused(pool: KVSenderPool, address: str) -> None:
+async def _handshake_refused(pool: KVSenderPool, address: str, reason: str) -> None:
     host, port = address.rsplit(":", 1)
     # The target claims our layout; only the receiver's answer shows it holds another.
     target = TransferTarget(OURS, 1, (0,), 0, "grpc", host, int(port))
     with pytest.raises(LayoutTransferError) as refused:
         await asyncio.to_thread(pool.sender, target)
-    assert refused.value.reason == "block_size: 16 here, 32 there"
+    assert refused.value.reason == reason
 
 
 async def _against_a_kv_service(layout: KVLayout, scenario) -> None:

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.attention import reference
-from engine.attention.reference import paged_prefill_attention
+from engine.attention.reference import paged_decode_attention, paged_prefill_attention
+from engine.kv_cache.codec import FP8_E4M3, INT8
 
 
 def _naive(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, offset: int) -> torch.Tensor:
@@ -46,3 +48,18 @@ def test_prefill_feeds_sdpa_batched_tensors_and_stays_exact(monkeypatch):
         values = v_cache[table[seq].long()].reshape(-1, kv_heads, head_dim)[:seq_len]
         expected = _naive(q[rows], keys, values, seq_len - q[rows].shape[0])
         torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("codec", [FP8_E4M3, INT8], ids=lambda c: c.name)
+def test_a_quantized_cache_is_read_as_its_decoded_values(codec):
+    torch.manual_seed(0)
+    k_cache, v_cache = (codec.encode(torch.randn(8, 4, 2, 16)) for _ in range(2))
+    k_values, v_values = (codec.decode(cache, torch.float32) for cache in (k_cache, v_cache))
+    table = torch.tensor([[5, 2, 7, 0], [1, 3, 4, 6]], dtype=torch.int32)
+    q = torch.randn(20, 6, 16)
+    args = (table, torch.tensor([0, 14, 20]), torch.tensor([14, 16]), 0.25)
+    assert torch.equal(paged_prefill_attention(q, k_cache, v_cache, *args, codec),
+                       paged_prefill_attention(q, k_values, v_values, *args))
+    lens = torch.tensor([9, 16])
+    assert torch.equal(paged_decode_attention(q[:2], k_cache, v_cache, table, lens, 0.25, codec),
+                       paged_decode_attention(q[:2], k_values, v_values, table, lens, 0.25))

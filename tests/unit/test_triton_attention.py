@@ -19,7 +19,11 @@ from engine.attention.reference import (
     paged_decode_attention,
     paged_prefill_attention,
 )
-from engine.attention.selector import select_attention_backend, triton_unsupported_reason
+from engine.attention.selector import (
+    select_attention_backend,
+    triton_kv_unsupported_reason,
+    triton_unsupported_reason,
+)
 from engine.attention.triton_paged import (
     TritonPagedAttention,
     num_kv_splits,
@@ -27,6 +31,7 @@ from engine.attention.triton_paged import (
     triton_paged_prefill_attention,
 )
 from engine.kv_cache.blocks import blocks_for
+from engine.kv_cache.codec import DENSE, FP8_E4M3, INT8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_TOL = 1e-5 if DEVICE == "cpu" else 1e-4
@@ -146,9 +151,9 @@ def _metadata(query_lens, seq_lens, tables, block_size):
     )
 
 
-def _backends_agree(shape, query_lens, seq_lens):
+def _backends_agree(shape, query_lens, seq_lens, codec=DENSE):
     num_heads, num_kv_heads, block_size, head_dim = shape
-    k_cache, v_cache = _caches(shape)
+    k_cache, v_cache = (codec.encode(cache) for cache in _caches(shape))
     tables = _block_tables(seq_lens, block_size)
     meta = _metadata(query_lens, seq_lens, tables, block_size)
     num_tokens = sum(query_lens)
@@ -157,13 +162,13 @@ def _backends_agree(shape, query_lens, seq_lens):
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
     q, k, v = (t.view(num_tokens, -1, head_dim) for t in (q, k, v))
     torch_caches = (k_cache.clone(), v_cache.clone())
-    got = TritonPagedAttention().forward(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
-    want = TorchPagedAttention().forward(q, k, v, *torch_caches, meta, head_dim**-0.5)
+    got = TritonPagedAttention(codec).forward(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
+    want = TorchPagedAttention(codec).forward(q, k, v, *torch_caches, meta, head_dim**-0.5)
     torch.testing.assert_close(got, want, atol=FP32_TOL, rtol=FP32_TOL)
     assert torch.equal(k_cache, torch_caches[0]) and torch.equal(v_cache, torch_caches[1])
-    # The step's keys really landed in the cache: the first new token's slot holds its key.
+    # The step's keys really landed in the cache: the first new token's slot holds its (encoded) key.
     slot = int(meta.slot_mapping[0])
-    assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim)[slot], k[0])
+    assert torch.equal(k_cache.view(-1, *k_cache.shape[2:])[slot], codec.encode(k[0]))
 
 
 @pytest.mark.parametrize("shape", [(9, 3, 16, 64), (8, 2, 32, 64)])
@@ -177,6 +182,18 @@ def test_forward_mixed_batch_matches_torch_backend(shape):
 
 def test_forward_decode_batch_matches_torch_backend():
     _backends_agree((9, 3, 16, 64), query_lens=[1, 1, 1], seq_lens=[400, 33, 1])
+
+
+@pytest.mark.parametrize("codec", [FP8_E4M3, INT8], ids=lambda c: c.name)
+def test_quantized_cache_mixed_batch_matches_torch_backend(codec):
+    # The kernel reads codes and applies each row's scale to its scores and probabilities; the
+    # torch backend decodes the rows first: the same numbers up to float32 rounding.
+    _backends_agree((9, 3, 16, 64), query_lens=[1, 12, 17, 1], seq_lens=[20, 29, 17, 32], codec=codec)
+
+
+@pytest.mark.parametrize("codec", [FP8_E4M3, INT8], ids=lambda c: c.name)
+def test_quantized_cache_split_decode_matches_torch_backend(codec):
+    _backends_agree((9, 3, 16, 64), query_lens=[1, 1], seq_lens=[400, 5], codec=codec)
 
 
 def test_bf16_inputs_close_to_fp32_reference():
@@ -226,6 +243,31 @@ def test_selector_auto_on_cuda_is_triton():
 def test_selector_rejects_unknown_names():
     with pytest.raises(ValueError, match="unknown"):
         select_attention_backend("flash", "cpu")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter is only in use without a GPU")
+def test_selector_hands_the_kv_codec_to_the_backend():
+    assert select_attention_backend("triton", "cpu", INT8).codec is INT8
+    assert select_attention_backend("torch", "cpu", FP8_E4M3).codec is FP8_E4M3
+    assert select_attention_backend("auto", "cpu").codec is DENSE
+
+
+def test_triton_reads_fp8_only_where_triton_has_fp8_e4m3():
+    assert "8.9" in triton_kv_unsupported_reason(FP8_E4M3, (8, 0))
+    assert triton_kv_unsupported_reason(FP8_E4M3, (8, 9)) is None
+    assert triton_kv_unsupported_reason(FP8_E4M3, None) is None  # the interpreter, or a ROCm GPU
+    assert triton_kv_unsupported_reason(INT8, (7, 0)) is None
+    assert triton_kv_unsupported_reason(DENSE, (7, 0)) is None
+
+
+def test_triton_with_fp8_on_a_gpu_without_it_is_refused_naming_the_flag(monkeypatch):
+    from engine.attention import selector
+
+    monkeypatch.setattr(selector, "_nvidia_capability", lambda device: (8, 0))
+    expected = (r"^kv_cache_dtype: fp8_e4m3 has no kernel for attention backend 'triton' on cuda:0 "
+                r"\(.*8\.0; supported there: auto, int8, or attention backend torch\)$")
+    with pytest.raises(ValueError, match=expected):
+        select_attention_backend("triton", "cuda:0", FP8_E4M3)
 
 
 def test_triton_unsupported_reason():

@@ -113,7 +113,7 @@ class OpenAIApi:
         model = self.service.served_model()
         return JSONResponse({"object": "list", "data": [{
             "id": model.id, "object": "model", "created": 0, "owned_by": "tandem", "root": model.id,
-            "max_model_len": model.max_model_len,
+            "max_model_len": model.max_model_len, **self.service.served_formats(),
         }]})
 
     async def health(self, request: Request) -> Response:
