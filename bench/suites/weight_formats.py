@@ -7,7 +7,9 @@ From one load of the shipped model, on `--threads` torch threads (1 by default),
   `--repeat` calls after a warm-up: F.linear over fp32
   weights, fbgemm's fp16-weight product, the CPU kernel over the file's blocks (Q4_1, the head
   Q8_0), the same weight dequantized then F.linear (what `QuantizedLinear` does from
-  DENSE_MIN_ROWS rows up), and the kernel over round-to-nearest int8;
+  DENSE_MIN_ROWS rows up), the kernel over round-to-nearest int8, and torch's own packed
+  products (`_weight_int4pack_mm_for_cpu` over the Q4_1 blocks, `_weight_int8pack_mm` per
+  channel; bench.harness.torch_packed) at fp32 and bf16 activations, with how far each moves a weight;
 - engine: for quantization none (fp32 weights pre-packed for oneDNN), none with fp16 weights,
   gguf and int8: the median ms of the decode steps at each `--batch` (prompts of 128 tokens, each
   step one token for all of them, `--decode-tokens` steps), the ms of one `--prefill-tokens` prompt
@@ -28,6 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from bench.harness import torch_packed
 from bench.harness.model_quality import document_windows, first_difference, perplexity
 from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
 from engine.config import CacheConfig, EngineConfig
@@ -102,7 +105,24 @@ def _time_products(x: torch.Tensor, served: QuantizedLinear, int8: QuantizedLine
         "gguf kernel": _median_ms(lambda: ops.matmul(x, w), repeat),
         "gguf dequantize + F.linear": _median_ms(lambda: F.linear(x, served.dequantize()), repeat),
         "int8 kernel": _median_ms(lambda: ops.matmul(x, i8), repeat),
+        **_time_torch_packed(x, served.source, repeat),
     }
+
+
+def _time_torch_packed(x: torch.Tensor, weight: QuantizedWeight, repeat: int) -> dict[str, float]:
+    """torch's packed products (bench.harness.torch_packed) at fp32 and bf16 activations; NaN
+    where this torch or this weight's format has none."""
+    figures: dict[str, float] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, build in (("int4pack", torch_packed.int4pack), ("int8pack", torch_packed.int8pack)):
+            label = f"torch {name} {str(dtype).removeprefix('torch.')}"
+            try:
+                product = build(weight, dtype)
+            except (ValueError, RuntimeError):
+                figures[label] = float("nan")
+                continue
+            figures[label] = _median_ms(lambda product=product: product(x), repeat)
+    return figures
 
 
 def measure_products(files: ModelFiles, rows: list[int], repeat: int) -> dict:
@@ -114,6 +134,18 @@ def measure_products(files: ModelFiles, rows: list[int], repeat: int) -> dict:
         results[name] = {str(count): _time_products(torch.randn(count, served.weight.shape[1]), served, int8, repeat)
                          for count in rows}
     return results
+
+
+def torch_packed_exactness(files: ModelFiles) -> dict[str, float]:
+    """How far torch's packed products move the file's weights (fp32 activations): int4pack over a
+    Q4_1 layer, int8pack (per channel) over the Q8_0 head."""
+    layer, head = _served(files, "gate_up 3072x576").source, _served(files, "lm_head 49152x576").source
+    return {
+        "torch int4pack over Q4_1 (gate_up)": torch_packed.weight_error(
+            torch_packed.int4pack(layer, torch.float32), layer, torch.float32),
+        "torch int8pack over Q8_0 requantized per channel (lm_head)": torch_packed.weight_error(
+            torch_packed.int8pack(head, torch.float32), head, torch.float32),
+    }
 
 
 def _decode_step_ms(engine: Engine, prompts: list[list[int]], steps: int) -> float:
@@ -195,6 +227,9 @@ def main(argv: Sequence[str]) -> int:
     print(f"CPU: {_cpu_name()} ({cpu}), {args.threads} thread(s), load average {load_average()}")
     products = measure_products(files, rows, args.repeat)
     _print_products(products)
+    exactness = torch_packed_exactness(files)
+    for label, error in exactness.items():
+        print(f"- {label}: max |w' - w| = {error:.3g}")
     engines: dict[str, dict] = {}
     if not args.skip_engines:
         for label, fields in ENGINES.items():
@@ -207,7 +242,8 @@ def main(argv: Sequence[str]) -> int:
                                            for r, o in zip(reference, figures.pop("greedy"), strict=True)]
         _print_engines(engines, batches, args.prefill_tokens)
     write_results(args.out, {"command": command_line(__name__, argv), "cpu": _cpu_name(), "threads": args.threads,
-                             "products": products, "engines": engines})
+                             "products": products, "torch_packed_exactness": exactness,
+                             "engines": engines})
     return 0
 
 
