@@ -14,14 +14,16 @@ IPv6 off: traffic between the hosts can reach nothing else. That is checked befo
 returns, and before anything runs in them. The machine running the harness joins the bridge too,
 as the client host (`client_address`): tests and benchmarks call the gateway and the workers from it.
 
-Every name the harness creates starts with `PREFIX` and the creating process's id, so a crashed
-run's namespaces are found and removed by the next one (`remove_stale`, which `Hosts` runs first).
+Every name the harness creates starts with `PREFIX`, the creating process's id and a count of the
+Hosts it made (`tag`), so a crashed run's namespaces are found and removed by the next one
+(`remove_stale`, which `Hosts` runs first).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
+import itertools
 import os
 import re
 import shutil
@@ -37,7 +39,9 @@ _TC = shutil.which("tc") or "/usr/sbin/tc"
 _SYSCTL = shutil.which("sysctl") or "/usr/sbin/sysctl"
 _HOST_IF = "eth0"  # each host's one interface
 _BRIDGE = "br0"
-_OWNED = re.compile(rf"^{PREFIX}(\d+)(?:-|c$)")
+# tndh<pid>n<k>-<host> for namespaces, tndh<pid>n<k> for the client link: the k-th Hosts of process pid.
+_OWNED = re.compile(rf"^{PREFIX}(\d+)n\d+(?:-|$)")
+_made_here = itertools.count()
 
 
 class HostsError(RuntimeError):
@@ -150,13 +154,14 @@ class Hosts:
             raise ValueError(f"names: expected distinct [a-z0-9-]{{1,11}} names, got {list(names)}")
         remove_stale()
         self.run_id = os.getpid() if run_id is None else run_id
+        self.tag = f"{PREFIX}{self.run_id}n{next(_made_here)}"
         self.names = list(names)
         self.subnet = _free_subnet(self.run_id)
         hosts = list(self.subnet.hosts())
         self.client_address = str(hosts[0])
         self._addresses = {name: str(hosts[i + 1]) for i, name in enumerate(names)}
-        self._switch = f"{PREFIX}{self.run_id}-switch"
-        self._client_link = f"{PREFIX}{self.run_id}c"
+        self._switch = f"{self.tag}-switch"
+        self._client_link = self.tag
         self._made: list[str] = []
         try:
             self._build()
@@ -169,7 +174,7 @@ class Hosts:
         """The namespace of host `name`."""
         if name not in self._addresses:
             raise KeyError(f"no host {name!r}; hosts: {self.names}")
-        return f"{PREFIX}{self.run_id}-{name}"
+        return f"{self.tag}-{name}"
 
     def address(self, name: str) -> str:
         """Host `name`'s IPv4 address."""
