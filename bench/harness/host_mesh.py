@@ -59,18 +59,19 @@ def start_host_mesh(
     decode_flags: Mapping[str, Sequence[str]],
     gateways: Mapping[str, Sequence[str]],
     gateway_flags: Sequence[str] = (),
-    host_flags: Mapping[str, Sequence[str]] = {},  # noqa: B006 - read only
-    host_env: Mapping[str, Mapping[str, str]] = {},  # noqa: B006 - read only
+    host_flags: Mapping[str, Sequence[str]] = {},
+    host_env: Mapping[str, Mapping[str, str]] = {},
+    prefill_hosts: Sequence[str] = PREFILL_HOSTS,
 ) -> HostMesh:
-    """Start a prefill worker on each of PREFILL_HOSTS, a decode worker on each host of `decode_flags`
+    """Start a prefill worker on each of `prefill_hosts`, a decode worker on each host of `decode_flags`
     (with those flags, e.g. its `--kv-backend`), all with `worker_flags`, and on the gateway host one
     gateway per entry of `gateways` (name -> the decode hosts it fronts; every prefill worker) with
     `gateway_flags`. `host_flags` and `host_env` add flags and environment per host (the gateway
     host's go to every gateway). Returns once every process serves; if one fails to start, the
     others are stopped."""
-    prefill = ",".join(_address(hosts, host, PREFILL_PORT) for host in PREFILL_HOSTS)
+    prefill = ",".join(_address(hosts, host, PREFILL_PORT) for host in prefill_hosts)
     plans: list[tuple[str, str, list[str]]] = []  # (kind, host, args)
-    for host in PREFILL_HOSTS:
+    for host in prefill_hosts:
         plans.append(("prefill", host, ["prefill", "--port", str(PREFILL_PORT), *worker_flags]))
     for host, flags in decode_flags.items():
         plans.append(("decode", host, ["decode", "--port", str(DECODE_PORT), *worker_flags, *flags]))

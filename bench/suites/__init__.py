@@ -15,7 +15,7 @@ from pathlib import Path
 
 SUITES = (
     "engine_throughput", "cpu_weights", "int8_prefill", "kv_transfer", "mesh_overhead", "routing_overhead",
-    "tracing_overhead", "goodput", "prompt_batching", "planner_sim", "cancel_storm", "overload", "soak",
+    "tracing_overhead", "goodput", "prompt_batching", "planner_sim", "cancel_storm", "overload", "soak", "links",
     "hf_export",
 )
 
