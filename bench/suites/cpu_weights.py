@@ -73,7 +73,9 @@ def main(argv: Sequence[str]) -> int:
     files = load_model_files(None, torch.float32)
     results: dict[str, dict] = {}
     for fmt in FORMATS:
-        engine = Engine(EngineConfig(cpu_weights=fmt, cache=CacheConfig(enable_prefix_caching=False)), files=files)
+        # quantization none: the formats of the dequantized weights (the file's blocks: weight_formats).
+        engine = Engine(EngineConfig(cpu_weights=fmt, quantization="none",
+                                     cache=CacheConfig(enable_prefix_caching=False)), files=files)
         results[fmt] = measure(engine, batches)
         del engine
     reference = results["fp32"]["greedy"]

@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 
+from bench.harness.machine import describe
 from bench.harness.paths import CACHE_DIR, HF_EXPORT_DIR, REPO, VLLM_PYTHON, VLLM_VENV
 from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
 from bench.suites.hf_export import ensure_export
@@ -90,27 +90,37 @@ def _vllm_command(workload_path: str) -> list[str] | str:
     return [str(VLLM_PYTHON), "-m", "bench.vllm.offline", "--workload", workload_path]
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Flags; --quick swaps in small sizes for a smoke run."""
-    parser = suite_parser(__name__, __doc__)
-    parser.add_argument("--skip-vllm", action="store_true")
-    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts")
+def add_workload_flags(parser: argparse.ArgumentParser, concurrency: str) -> None:
+    """The workload's shape flags (build_workload reads them), --quick and --out; the speed suite's too."""
+    parser.add_argument("--concurrency", default=concurrency, help="comma-separated request counts")
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--prefill-prompts", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per case; the fastest is kept")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    parser.add_argument("--out", default=None, help="JSON results (default: bench/results/engine_throughput.json, "
-                        "or bench/results/smoke/ with --quick)")
+    parser.add_argument("--out", default=None, help="JSON results (default: bench/results/SUITE.json, or "
+                        "bench/results/smoke/ with --quick)")
+
+
+def workload_args(parser: argparse.ArgumentParser, argv: Sequence[str], module: str) -> argparse.Namespace:
+    """Parse; --quick swaps in small sizes for a smoke run; --out defaults to the suite `module`'s path."""
     args = parser.parse_args(argv)
     if args.quick:
         args.concurrency, args.output_tokens, args.prompt_len = "1,4", 8, 32
         args.prefill_len, args.prefill_prompts, args.repeats = 64, 2, 1
     if args.out is None:
-        args.out = str(results_path(__name__, args.quick))
+        args.out = str(results_path(module, args.quick))
     return args
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Flags; --quick swaps in small sizes for a smoke run."""
+    parser = suite_parser(__name__, __doc__)
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--threads", type=int, default=2)
+    add_workload_flags(parser, "1,8,32")
+    return workload_args(parser, argv, __name__)
 
 
 def measure_roofline(args: argparse.Namespace, env: dict[str, str]) -> dict:
@@ -123,7 +133,7 @@ def measure_roofline(args: argparse.Namespace, env: dict[str, str]) -> dict:
     return json.loads(output.strip().splitlines()[-1])
 
 
-def _environments(threads: int) -> tuple[dict[str, str], dict[str, str]]:
+def environments(threads: int) -> tuple[dict[str, str], dict[str, str]]:
     """The environment of the torch subprocesses and that of vLLM's, both limited to `threads` cores."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "TOKENIZERS_PARALLELISM": "false"}
@@ -144,7 +154,7 @@ def main(argv: Sequence[str]) -> int:
     workload_path = str(CACHE_DIR / "workload.json")
     with open(workload_path, "w", encoding="utf-8") as file:
         json.dump(workload, file)
-    env, vllm_env = _environments(args.threads)
+    env, vllm_env = environments(args.threads)
     systems = [sys.executable, "-m", "bench.throughput.systems"]
     commands: dict[str, list[str] | str] = {
         "tandem": [*systems, "tandem", "--workload", workload_path],
@@ -186,7 +196,7 @@ def main(argv: Sequence[str]) -> int:
     write_results(args.out, {
         "command": command_line(__name__, argv),
         "started": started,
-        "machine": {"cpus": os.cpu_count(), "processor": _cpu_model(), "python": platform.python_version()},
+        "machine": describe(),
         "load_average": load,
         "workload": {k: v for k, v in workload.items() if k not in ("cases", "warmup_prompts")},
         "cases": {c["name"]: {"requests": len(c["prompts"]), "prompt_tokens": len(c["prompts"][0]),
@@ -198,9 +208,4 @@ def main(argv: Sequence[str]) -> int:
         **summary,
     })
     return 0
-
-
-def _cpu_model() -> str:
-    with open("/proc/cpuinfo", encoding="utf-8") as file:
-        return next((line.split(":", 1)[1].strip() for line in file if line.startswith("model name")), "unknown")
 

@@ -3,7 +3,8 @@
 
 Open-loop Poisson arrivals at a sweep of rates against an OpenAI-compatible `/v1/completions`
 endpoint, streaming, greedy, `ignore_eos` with `max_tokens` per request so every system generates
-the same lengths. The suite starts each configuration itself, one after another on this machine
+the same lengths. vLLM is measured twice, at float32 (`vllm`) and at its default dtype (`vllm-auto`).
+The suite starts each configuration itself, one after another on this machine
 (bench/goodput/deploy.py), or measures a server already running (`--endpoint`). Every
 configuration gets the same requests in the same order at the same arrival times (seeded); no
 prompt is sent twice, so prefix caches do not flatter later rates (a server measured with
@@ -14,7 +15,7 @@ Per rate: TTFT and TPOT p50/p90/p99, attainment of each SLO pair, throughput. Re
 bench/results/goodput.json and bench/results/goodput.png (attainment vs rate per configuration; the
 plot needs matplotlib, the `bench` extra); a --smoke run's to bench/results/smoke/.
 
-    .venv/bin/python -m bench goodput [--configs disagg,colocated,vllm] [--rates 0.2,0.4,0.6,0.8,1,1.2]
+    .venv/bin/python -m bench goodput [--configs disagg,colocated,vllm,vllm-auto] [--rates 0.2,0.4,0.6,0.8,1,1.2]
         [--requests-per-rate 60] [--slo 2000:100 --slo 1000:75] [--client own|vllm] [--seed 0]
     .venv/bin/python -m bench goodput --endpoint http://127.0.0.1:8000 --label mine
     .venv/bin/python -m bench goodput --smoke     # against a stub server, in seconds, no model
@@ -47,7 +48,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 
-from bench.goodput.deploy import CONFIGS, DeployOptions, Served, Unavailable, deployment
+from bench.goodput.deploy import CONFIGS, VLLM_DTYPES, DeployOptions, Served, Unavailable, deployment
 from bench.goodput.gateway_log import read_routing
 from bench.goodput.report import format_repeats, format_summary, label, plot_attainment
 from bench.goodput.vllm_client import run_vllm_client
@@ -243,7 +244,7 @@ def main(argv: Sequence[str]) -> int:
     if args.rescore:
         print(format_summary(rescore(args.rescore, args.slos), args.slos))
         return 0
-    if args.client == "vllm" or (not args.smoke and not args.endpoint and "vllm" in args.config_list):
+    if args.client == "vllm" or (not args.smoke and not args.endpoint and set(VLLM_DTYPES) & set(args.config_list)):
         ensure_export()
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     count = args.requests_per_rate * len(args.rate_list) + WARMUP_REQUESTS

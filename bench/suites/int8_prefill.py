@@ -106,7 +106,8 @@ def main(argv: Sequence[str]) -> int:
     torch.set_num_threads(1)
     torch.backends.quantized.engine = "fbgemm"
     # No prefix cache: every variant must compute every prompt itself.
-    engine = Engine(EngineConfig(cache=CacheConfig(enable_prefix_caching=False), cpu_weights="fp32"))
+    engine = Engine(EngineConfig(cache=CacheConfig(enable_prefix_caching=False), cpu_weights="fp32",
+                                 quantization="none"))
     layers = engine.runner.model.layers
     fp32 = [dict(layer.linears) for layer in layers]
     prompts = document_windows(engine, args.prompts, PROMPT_TOKENS)

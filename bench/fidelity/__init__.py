@@ -1,0 +1,1 @@
+"""The fidelity suite's parts (python -m bench fidelity): the formats it compares and their report."""

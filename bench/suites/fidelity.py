@@ -1,0 +1,157 @@
+"""Perplexity and greedy agreement of every weight, activation and KV-cache format against fp32.
+
+Each format (bench/fidelity/formats.py lists them; --formats picks some) gets its own engine on the
+shipped model, or on the checkpoint the format needs, with prefix caching off, and is scored on:
+
+- perplexity of 8 windows of 512 tokens of a fixed public-domain text committed with the bench
+  (bench/texts/README.md), teacher-forced in chunks of 128 tokens, so that every chunk reads the
+  ones before it back from the KV cache as decoding does;
+- its rise over the row it is held against (fp32; for the GGUF blocks, the same weights dequantized
+  at the same activation dtype) and issue 20's bound for it;
+- greedy agreement with fp32: the first differing token of 64, for 8 prompts of 128 tokens taken
+  from between the windows.
+
+A format this checkout's engine refuses at start-up is a skipped row carrying the engine's message;
+a format that fails while it is measured is a FAILED row, and the suite exits 1.
+
+    python -m bench fidelity [--formats fp32,bf16,gguf,...] [--threads N] [--gptq-model DIR]
+                             [--awq-model DIR] [--quick] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+
+import torch
+
+from bench.fidelity.formats import NAMES, REFERENCE, Format, selected
+from bench.fidelity.report import format_table, verdict
+from bench.harness.engine_formats import engine_formats
+from bench.harness.machine import describe
+from bench.harness.model_quality import FIXED_TEXT, first_difference, perplexity, spans
+from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import Engine
+from engine.model.paths import default_model_path
+from engine.offline import generate
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+KV_CACHE_BYTES = 256 << 20  # room for the longest window and every greedy prompt at once, in fp32
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Flags; --quick swaps in small sizes for a smoke run."""
+    parser = suite_parser(__name__, __doc__)
+    parser.add_argument("--formats", default=",".join(NAMES), help=f"comma-separated, from {', '.join(NAMES)} "
+                        f"({REFERENCE} and the rows the chosen ones are held against are always measured)")
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--window-tokens", type=int, default=512)
+    parser.add_argument("--chunk-tokens", type=int, default=128, help="tokens per forward pass in a window")
+    parser.add_argument("--prompts", type=int, default=8, help="greedy prompts")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--gptq-model", default=None, help="a GPTQ checkpoint of the shipped model (HF directory)")
+    parser.add_argument("--awq-model", default=None, help="an AWQ checkpoint of the shipped model (HF directory)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument("--out", default=None, help="JSON results (default: bench/results/fidelity.json, or "
+                        "bench/results/smoke/ with --quick)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.windows, args.window_tokens, args.chunk_tokens = 2, 128, 64
+        args.prompts, args.prompt_tokens, args.tokens = 2, 32, 16
+    try:
+        args.format_list = selected(args.formats)
+    except ValueError as error:
+        parser.error(str(error))
+    args.out = args.out or str(results_path(__name__, args.quick))
+    return args
+
+
+def engine_config(fmt: Format, args: argparse.Namespace) -> EngineConfig | str:
+    """The format's engine configuration, or why this checkout cannot build it."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    if missing := [name for name in fmt.settings if name not in fields]:
+        return f"this checkout's EngineConfig has no field {', '.join(missing)}"
+    model = getattr(args, fmt.checkpoint) if fmt.checkpoint else None
+    if fmt.checkpoint and not model:
+        flag = f"--{fmt.checkpoint.replace('_', '-')}"
+        return f"needs a checkpoint of the shipped model in this format ({flag} DIR)"
+    try:
+        return EngineConfig(model=model, cache=CacheConfig(memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=False),
+                            **fmt.settings)
+    except ValueError as refusal:
+        return str(refusal)
+
+
+def measure(fmt: Format, args: argparse.Namespace, windows: list[list[int]], prompts: list[list[int]]) -> dict:
+    """One format's perplexity and greedy outputs, or why it was skipped or failed."""
+    config = engine_config(fmt, args)
+    if isinstance(config, str):
+        return {"skipped": config}
+    started = time.perf_counter()
+    try:
+        engine = Engine(config)
+    except ValueError as refusal:  # the engine's start-up check: a format it has no kernel for
+        return {"skipped": str(refusal)}
+    formats = engine_formats(engine)
+    try:
+        score = perplexity(engine, windows, args.chunk_tokens)
+        greedy = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+        outputs = [c.token_ids for c in generate(engine, prompts, greedy)]
+    except Exception as error:  # one broken format must not hide the others' rows
+        traceback.print_exc()
+        return {"failed": f"{type(error).__name__}: {error}", "engine": formats}
+    finally:
+        del engine
+        gc.collect()
+    return {"perplexity": score, "greedy": outputs, "seconds": time.perf_counter() - started, "engine": formats}
+
+
+def main(argv: Sequence[str]) -> int:
+    """Score every chosen format, print the table, write the results; 1 if a format failed."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    load = {"start": load_average()}
+    ids = Tokenizer.from_path(default_model_path()).encode(FIXED_TEXT.read_text(encoding="utf-8"))
+    windows = spans(ids, args.windows, args.window_tokens)
+    prompts = spans(ids, args.prompts, args.prompt_tokens, centred=True)
+    results: dict[str, dict] = {}
+    for fmt in args.format_list:
+        print(f"[fidelity] {fmt.name}: {fmt.description} (load {load_average()})", file=sys.stderr, flush=True)
+        results[fmt.name] = measure(fmt, args, windows, prompts)
+        outcome = results[fmt.name]
+        print(f"[fidelity] {fmt.name}: " + (f"perplexity {outcome['perplexity']:.3f} in {outcome['seconds']:.0f} s"
+                                            if "perplexity" in outcome else
+                                            next(f"{k}: {v}" for k, v in outcome.items())), file=sys.stderr, flush=True)
+    reference = results[REFERENCE].get("greedy")
+    for result in results.values():
+        if reference is not None and "greedy" in result:
+            result["first_difference"] = [first_difference(r, o) for r, o in zip(reference, result["greedy"],
+                                                                                 strict=True)]
+            result["greedy_tokens"] = args.tokens
+    load["end"] = load_average()
+    machine = describe()
+    print(format_table(args.format_list, results, args.tokens))
+    print(f"\n{args.windows} windows x {args.window_tokens} tokens of {FIXED_TEXT.name}, chunks of "
+          f"{args.chunk_tokens}; {args.prompts} greedy prompts x {args.prompt_tokens} tokens; "
+          f"{machine['processor']} ({', '.join(machine['isa'])}), {torch.get_num_threads()} torch threads; "
+          f"load average {load['start']} -> {load['end']}")
+    write_results(args.out, {
+        "command": command_line(__name__, argv), "started": started, "machine": machine,
+        "torch_threads": torch.get_num_threads(), "load_average": load, "text": FIXED_TEXT.name,
+        "sizes": {k: getattr(args, k) for k in ("windows", "window_tokens", "chunk_tokens", "prompts",
+                                                 "prompt_tokens", "tokens")},
+        "formats": {f.name: {**dataclasses.asdict(f), **results[f.name], **verdict(f, results)}
+                    for f in args.format_list},
+    })
+    return 1 if any("failed" in r for r in results.values()) else 0

@@ -1,0 +1,263 @@
+// The kernels' arithmetic, free of torch (qmatmul.cpp wraps it as torch ops; see its header comment).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TANDEM_SIMD 1
+#else
+#define TANDEM_SIMD 0
+#endif
+
+namespace tandem_qmm {
+
+
+constexpr int64_t kChunk = 32;        // weights per unpack step; group sizes are multiples of it
+constexpr int64_t kRowsPerTask = 64;  // output rows per parallel task: their weights stay in cache across row blocks of x
+constexpr int64_t kBlockRows = 8;     // rows interleaved in the packed layout (see Problem)
+
+#if TANDEM_SIMD
+struct Vec {
+  __m256 v;
+};
+inline Vec zero() { return {_mm256_setzero_ps()}; }
+inline Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline Vec broadcast(const float* p) { return {_mm256_broadcast_ss(p)}; }
+inline Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline void store(float* p, Vec a) { _mm256_storeu_ps(p, a.v); }
+
+// ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)), the order the scalar build uses too.
+inline float hsum(Vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+inline void unpack4(const uint8_t* p, Vec w[4]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(bytes, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  w[0].v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  w[1].v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
+  w[2].v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  w[3].v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
+}
+
+inline void unpack8(const int8_t* p, Vec w[4]) {
+  for (int s = 0; s < 4; ++s) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * s));
+    w[s].v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  }
+}
+#else
+struct Vec {
+  float v[8];
+};
+inline Vec zero() { return {}; }
+inline Vec load(const float* p) {
+  Vec r;
+  for (int l = 0; l < 8; ++l) r.v[l] = p[l];
+  return r;
+}
+inline Vec broadcast(const float* p) {
+  Vec r;
+  for (int l = 0; l < 8; ++l) r.v[l] = *p;
+  return r;
+}
+inline Vec mul(Vec a, Vec b) {
+  for (int l = 0; l < 8; ++l) a.v[l] *= b.v[l];
+  return a;
+}
+inline Vec add(Vec a, Vec b) {
+  for (int l = 0; l < 8; ++l) a.v[l] += b.v[l];
+  return a;
+}
+inline Vec fma(Vec a, Vec b, Vec c) {
+  for (int l = 0; l < 8; ++l) c.v[l] += a.v[l] * b.v[l];
+  return c;
+}
+inline void store(float* p, Vec a) {
+  for (int l = 0; l < 8; ++l) p[l] = a.v[l];
+}
+inline float hsum(Vec a) {
+  const float s0 = a.v[0] + a.v[4], s1 = a.v[1] + a.v[5], s2 = a.v[2] + a.v[6], s3 = a.v[3] + a.v[7];
+  return (s0 + s2) + (s1 + s3);
+}
+inline void unpack4(const uint8_t* p, Vec w[4]) {
+  for (int j = 0; j < 16; ++j) {
+    w[j / 8].v[j % 8] = static_cast<float>(p[j] & 0x0F);
+    w[2 + j / 8].v[j % 8] = static_cast<float>(p[j] >> 4);
+  }
+}
+inline void unpack8(const int8_t* p, Vec w[4]) {
+  for (int j = 0; j < 32; ++j) w[j / 8].v[j % 8] = static_cast<float>(p[j]);
+}
+#endif
+
+// Bytes of one chunk of one row: 32 nibbles or 32 int8 values.
+template <int BITS>
+constexpr int64_t chunk_bytes() {
+  return BITS == 4 ? kChunk / 2 : kChunk;
+}
+
+template <int BITS>
+inline void unpack(const uint8_t* chunk, Vec w[4]) {
+  if constexpr (BITS == 4) {
+    unpack4(chunk, w);
+  } else {
+    unpack8(reinterpret_cast<const int8_t*>(chunk), w);
+  }
+}
+
+// The packed weight, in blocks of kBlockRows rows (the last block padded): within a block, chunk
+// by chunk, the chunk of each of its rows in turn; scales and offsets [blocks, groups, kBlockRows].
+// A tile of up to 8 rows then reads one stream and finds each row at a fixed offset.
+struct Problem {
+  const float* x;
+  int64_t M, K, N;
+  const uint8_t* q;
+  const float* scale;
+  const float* offset;  // nullptr: no offset
+  int64_t groups, chunks_per_group;
+  const float* group_sums;  // [M, groups] when there is an offset
+  const float* bias;        // nullptr: no bias
+  float* y;
+};
+
+template <int BITS>
+inline const uint8_t* block_chunks(const Problem& p, int64_t n) {
+  // Row n's first chunk; chunk c is kBlockRows * chunk_bytes further on per chunk.
+  return p.q + (n / kBlockRows) * (p.K / kChunk) * kBlockRows * chunk_bytes<BITS>() + (n % kBlockRows) * chunk_bytes<BITS>();
+}
+
+inline int64_t block_group(const Problem& p, int64_t n) {
+  // Index of row n's group 0 in scale/offset; group g is kBlockRows further on per group.
+  return (n / kBlockRows) * p.groups * kBlockRows + n % kBlockRows;
+}
+
+inline void finish(const Problem& p, int64_t m, int64_t n, float dot) { p.y[m * p.N + n] = dot; }
+
+// y[m, n] += Σ_g offset[n, g]·sums[m, g] in group order, then + bias[n]: eight rows of a block
+// at a time, one lane each, so every output gets the same sequence of operations.
+inline void epilogue(const Problem& p, int64_t n_begin, int64_t n_end) {
+  if (p.offset == nullptr && p.bias == nullptr) return;
+  for (int64_t m = 0; m < p.M; ++m) {
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += kBlockRows) {
+      Vec extra = zero();
+      if (p.offset != nullptr) {
+        const float* offset = p.offset + block_group(p, n0);
+        const float* sums = p.group_sums + m * p.groups;
+        for (int64_t g = 0; g < p.groups; ++g) extra = fma(broadcast(sums + g), load(offset + g * kBlockRows), extra);
+      }
+      float lanes[kBlockRows];
+      store(lanes, extra);
+      for (int64_t n = n0; n < std::min(n_end, n0 + kBlockRows); ++n) {
+        float y = p.y[m * p.N + n];
+        if (p.offset != nullptr) y += lanes[n - n0];
+        if (p.bias != nullptr) y += p.bias[n];
+        p.y[m * p.N + n] = y;
+      }
+    }
+  }
+}
+
+// MB rows of x against NB rows of W (within one block): MB*NB accumulators, at most 8, so with the
+// small loops unrolled they all stay in registers.
+template <int BITS, bool GROUPS_OF_32, int MB, int NB>
+void tile(const Problem& p, int64_t m0, int64_t n0) {
+  constexpr int64_t row_bytes = chunk_bytes<BITS>(), step = kBlockRows * chunk_bytes<BITS>();
+  const uint8_t* q = block_chunks<BITS>(p, n0);
+  const float* scale = p.scale + block_group(p, n0);
+  const float* x = p.x + m0 * p.K;
+  Vec acc[MB][NB];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) acc[i][j] = zero();
+  for (int64_t g = 0; g < p.groups; ++g, scale += kBlockRows) {
+    for (int64_t c = g * p.chunks_per_group; c < (g + 1) * p.chunks_per_group; ++c, q += step) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) {
+        Vec w[4];
+        unpack<BITS>(q + j * row_bytes, w);
+        const Vec d = broadcast(scale + j);
+        if constexpr (GROUPS_OF_32) {
+          // A group is one chunk: scale its dot product once (one multiply instead of four).
+#pragma GCC unroll 8
+          for (int i = 0; i < MB; ++i) {
+            const float* xr = x + i * p.K + c * kChunk;
+            Vec v = mul(w[0], load(xr));
+#pragma GCC unroll 3
+            for (int s = 1; s < 4; ++s) v = fma(w[s], load(xr + 8 * s), v);
+            acc[i][j] = fma(v, d, acc[i][j]);
+          }
+        } else {
+#pragma GCC unroll 4
+          for (int s = 0; s < 4; ++s) w[s] = mul(w[s], d);
+#pragma GCC unroll 8
+          for (int i = 0; i < MB; ++i) {
+            const float* xr = x + i * p.K + c * kChunk;
+#pragma GCC unroll 4
+            for (int s = 0; s < 4; ++s) acc[i][j] = fma(w[s], load(xr + 8 * s), acc[i][j]);
+          }
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) finish(p, m0 + i, n0 + j, hsum(acc[i][j]));
+}
+
+template <int BITS, bool GROUPS_OF_32, int MB, int NB>
+void columns(const Problem& p, int64_t m0, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  for (; n + NB <= n_end; n += NB) tile<BITS, GROUPS_OF_32, MB, NB>(p, m0, n);
+  for (; n < n_end; ++n) tile<BITS, GROUPS_OF_32, MB, 1>(p, m0, n);
+}
+
+// Output rows [n_begin, n_end) (n_begin a multiple of kBlockRows) for every row of x: row blocks
+// of x outer, so the weights of these rows stay in cache while each block of x passes over them.
+template <int BITS, bool GROUPS_OF_32>
+void rows_task(const Problem& p, int64_t n_begin, int64_t n_end) {
+  int64_t m = 0;
+  for (; m + 8 <= p.M; m += 8) columns<BITS, GROUPS_OF_32, 8, 1>(p, m, n_begin, n_end);
+  if (p.M - m >= 4) {
+    columns<BITS, GROUPS_OF_32, 4, 2>(p, m, n_begin, n_end);
+    m += 4;
+  }
+  if (p.M - m >= 2) {
+    columns<BITS, GROUPS_OF_32, 2, 4>(p, m, n_begin, n_end);
+    m += 2;
+  }
+  if (p.M - m >= 1) columns<BITS, GROUPS_OF_32, 1, 8>(p, m, n_begin, n_end);
+  epilogue(p, n_begin, n_end);
+}
+
+// Rows [begin, end) of the fp32 weight [N, K]: fl(fl(scale·q) + offset) per element.
+template <int BITS>
+void dequantize_rows(const Problem& p, float* out, int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* q = block_chunks<BITS>(p, n);
+    const int64_t first_group = block_group(p, n);
+    for (int64_t c = 0; c < p.K / kChunk; ++c, q += kBlockRows * chunk_bytes<BITS>()) {
+      const int64_t g = first_group + (c / p.chunks_per_group) * kBlockRows;
+      Vec w[4];
+      unpack<BITS>(q, w);
+      const Vec d = broadcast(p.scale + g);
+      for (int s = 0; s < 4; ++s) {
+        Vec v = mul(w[s], d);
+        if (p.offset != nullptr) v = add(v, broadcast(p.offset + g));
+        store(out + n * p.K + c * kChunk + 8 * s, v);
+      }
+    }
+  }
+}
+
+}  // namespace tandem_qmm

@@ -1,0 +1,147 @@
+"""The matrix-product and embedding kinds over a QuantizedWeight (weight-only: activations stay in their dtype).
+
+`QuantizedLinear` packs the weight once at load for the CPU kernels (engine/model/kernels): 4-bit
+values two to a byte in a GGUF block's nibble order, 8-bit values as int8, fp32 scales and
+offsets per group. Each weight the kernel multiplies is fl(scale·q), the first rounding of
+QuantizedWeight.dequantize(); the offset enters as offset·Σx over the group. So for formats
+without an offset (Q8_0, round-to-nearest int8) the products use exactly the dequantized weights;
+with an offset (Q4_1) they use the exact value scale·q + offset, of which the dequantized weight
+is the fp32 rounding (GGUF's fp16 d makes d·q exact in fp32). Signed 4-bit and unsigned 8-bit
+values are shifted into the stored range and the shift folded into the offset (one more rounding
+of the offset there).
+
+From `DENSE_MIN_ROWS` rows up (prefill chunks) the kernel's product loses to torch's GEMM, so the
+weight is dequantized (bit for bit QuantizedWeight.dequantize() for the formats above) and goes
+through F.linear; no dense copy is kept between calls (docs/benchmarks.md, "Quantized weights").
+
+`QuantizedEmbedding` dequantizes just the rows a step looks up, with dequantize()'s arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.kernels import Kernels, kernels
+from engine.model.quantized import QuantizedWeight
+
+DENSE_MIN_ROWS = 64  # from this many rows up, dequantize + torch's GEMM beats the kernel
+KERNEL_CHUNK = 32  # the kernels unpack 32 weights at a time: group sizes must be multiples of it
+BLOCK_ROWS = 8  # rows interleaved in the kernels' layout
+
+
+def has_kernel(weight: QuantizedWeight) -> bool:
+    """Whether the CPU kernels take this weight's layout (groups of a multiple of 32 weights)."""
+    return weight.group_size % KERNEL_CHUNK == 0
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A QuantizedWeight in the kernels' layout (engine/model/kernels/qmatmul.cpp): rows in blocks
+    of 8, the last padded, chunk by chunk of 32 weights within a block."""
+
+    packed: torch.Tensor  # uint8 [blocks, K*4] (4-bit: two to a byte) or int8 [blocks, K*8] (8-bit)
+    scale: torch.Tensor  # float32 [blocks, groups, 8]
+    offset: torch.Tensor | None  # float32 [blocks, groups, 8]
+    bits: int
+    group_size: int
+    rows: int
+    perm: torch.Tensor | None  # [K]: x's columns in q's order, for act-order weights
+
+    @classmethod
+    def pack(cls, weight: QuantizedWeight) -> PackedWeight:
+        """Pack once at load; ValueError for a layout the kernels do not take."""
+        if not has_kernel(weight):
+            raise ValueError(f"group_size: the CPU kernels need a multiple of {KERNEL_CHUNK}, got {weight.group_size}")
+        rows, cols = weight.shape
+        scale = weight.scale.float()
+        offset = None if weight.offset is None else weight.offset.float()
+        q = weight.q
+        if weight.bits == 4:
+            if q.dtype == torch.int8:  # -8..7 stored as 0..15: w = scale·(q' - 8)
+                q, offset = (q + 8).to(torch.uint8), _shifted(offset, scale, -8.0)
+            halves = q.view(rows, cols // KERNEL_CHUNK, 2, KERNEL_CHUNK // 2)
+            chunks = halves[:, :, 0] | (halves[:, :, 1] << 4)  # [rows, chunks, 16]
+        elif q.dtype == torch.uint8:  # 0..255 stored as -128..127: w = scale·(q' + 128)
+            chunks = (q.to(torch.int16) - 128).to(torch.int8).view(rows, -1, KERNEL_CHUNK)
+            offset = _shifted(offset, scale, 128.0)
+        else:
+            chunks = q.view(rows, -1, KERNEL_CHUNK)
+        return cls(_blocked(chunks).reshape(-1, cols * weight.bits), _blocked(scale),
+                   None if offset is None else _blocked(offset), weight.bits, weight.group_size, rows,
+                   None if weight.perm is None else weight.perm.long())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[N, K]."""
+        return (self.rows, self.packed.shape[1] // self.bits)
+
+
+def _blocked(per_row: torch.Tensor) -> torch.Tensor:
+    """[rows, a, (b)] -> [blocks, a, 8, (b)]: rows padded to a multiple of 8, each block's rows
+    interleaved along the second dimension."""
+    rows = per_row.shape[0]
+    padded = -rows % BLOCK_ROWS
+    if padded:
+        per_row = torch.cat([per_row, per_row.new_zeros(padded, *per_row.shape[1:])])
+    blocks = per_row.view(-1, BLOCK_ROWS, *per_row.shape[1:])
+    return blocks.transpose(1, 2).contiguous()
+
+
+def _shifted(offset: torch.Tensor | None, scale: torch.Tensor, shift: float) -> torch.Tensor:
+    return scale * shift if offset is None else offset + scale * shift
+
+
+class QuantizedLinear:
+    """y = x·Wᵀ (+ b) over a packed QuantizedWeight: the kernel for small inputs, GEMM for large."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, ops: Kernels | None = None) -> None:
+        self.source = weight
+        self.weight = PackedWeight.pack(weight)
+        self.bias = bias
+        self._bias32 = None if bias is None else bias.float().contiguous()
+        self._ops = kernels() if ops is None else ops
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.perm is not None:
+            x = x.index_select(1, w.perm)
+        if x.shape[0] >= DENSE_MIN_ROWS:
+            dense = self.dequantize().to(x.dtype)
+            return F.linear(x, dense, self.bias)
+        y = self._ops.matmul(x.float().contiguous(), w, self._bias32)
+        return y.to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [N, K], columns in q's order (act-order weights: not input-feature order)."""
+        return self._ops.dequantize(self.weight)
+
+
+class QuantizedEmbedding:
+    """Row lookup in a QuantizedWeight [vocab, hidden], dequantizing only the rows asked for."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        if weight.perm is not None:
+            raise ValueError("perm: an embedding's columns are not permuted")
+        self.weight = weight
+        self.dtype = dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        rows, cols = ids.shape[0], w.shape[1]
+        values = w.q[ids].view(rows, cols // w.group_size, w.group_size).float() * w.scale[ids].unsqueeze(-1)
+        if w.offset is not None:
+            values = values + w.offset[ids].unsqueeze(-1)
+        return values.view(rows, cols).to(self.dtype)
+
+
+class DenseEmbedding:
+    """Row lookup in a float weight."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)

@@ -1,0 +1,185 @@
+"""Which weight format serves the model's matrix products (`--quantization`), and each product built in it.
+
+Each format is one kind of product chosen at load, so the model code never branches on it:
+
+- "none": float weights in the model's dtype (a file's integer blocks dequantized exactly), as
+  `Linear` (engine.model.linear) prepares them for `EngineConfig.cpu_weights`;
+- "gguf", "gptq", "awq" (the checkpoint's own integer groups): the GGUF file's blocks
+  (engine.model.gguf_blocks) or a GPTQ/AWQ checkpoint's packed layers (engine.model.gptq_awq)
+  through the CPU kernels (`QuantizedLinear`); tensors whose groups no kernel takes on the device
+  (GPTQ/AWQ off CPU, a group size the kernels cannot step through, a GGUF block type no loader
+  maps) are served dequantized and named in a start-up warning, never silently;
+- "int8": every product's float weight (a GGUF file's dequantized, or an HF checkpoint's)
+  rounded to int8 per output channel at load (engine.model.int8), the LM head included.
+
+The tied embedding and LM head (SmolLM2 ties them; the file stores them as Q8_0) stay one tensor:
+under "gguf" the head is the kernel's product over the file's Q8_0 blocks (it is a fifth of a
+decode step's weight bytes) and the lookup dequantizes just the rows it needs, exactly; under
+"int8" both read the one int8 copy. An untied embedding is a lookup, not a product: it keeps the
+file's values.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from engine.config import CpuWeights
+from engine.model.int8 import quantize_int8
+from engine.model.linear import Linear
+from engine.model.quantized import QuantizedWeight
+from engine.model.quantized_linear import DenseEmbedding, QuantizedEmbedding, QuantizedLinear, has_kernel
+
+log = logging.getLogger(__name__)
+
+Weight = torch.Tensor | QuantizedWeight
+Product = Callable[[torch.Tensor], torch.Tensor]
+OWN_GROUPS = ("gguf", "gptq", "awq")  # serve the integer groups the checkpoint holds
+SERVED = ("none", "int8", *OWN_GROUPS)  # what WeightFormat builds; "auto" resolves to one of them
+
+
+def choose_quantization(requested: str, stored_as: str | None, device: str) -> str:
+    """The format to serve for a checkpoint whose weights are `stored_as` integer groups (None: float
+    weights; quant_config.check_requested has refused a flag that contradicts the checkpoint).
+    "auto": the checkpoint's own groups, where the CPU kernels serve a GGUF file's on CPU, and a
+    GPTQ/AWQ checkpoint's everywhere (dequantized where no kernel takes them); else "none".
+    ValueError naming the flag for an explicit format this checkpoint or device cannot take."""
+    cpu = torch.device(device).type == "cpu"
+    if requested == "auto":
+        if stored_as in ("gptq", "awq"):
+            return stored_as if not cpu or _kernels_build(required=False) else "none"
+        if stored_as == "gguf" and cpu and _kernels_build(required=False):
+            return "gguf"
+        return "none"
+    if requested == "gguf" and stored_as != "gguf":
+        raise ValueError("quantization: 'gguf' serves a GGUF file's own integer blocks; this checkpoint has none "
+                         "(supported for it: auto, none, int8)")
+    if requested in ("gguf", "int8") and not cpu:
+        raise ValueError(f"quantization: {requested!r} has CPU kernels only (supported on {device}: auto, none)")
+    if requested != "none" and cpu:
+        _kernels_build(required=True, requested=requested)
+    return requested
+
+
+def _kernels_build(required: bool, requested: str = "auto") -> bool:
+    from engine.model.kernels import kernels
+
+    try:
+        kernels()
+    except RuntimeError as error:
+        if required:
+            raise ValueError(f"quantization: {requested!r} needs the CPU kernels, which could not be built: "
+                             f"{error}") from error
+        log.warning("quantization auto: the CPU kernels could not be built, so the checkpoint's integer groups are "
+                    "served dequantized (quantization none): %s", error)
+        return False
+    return True
+
+
+def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight as a float tensor in `dtype` (integer groups dequantized exactly, then cast)."""
+    return (weight.dequantize() if isinstance(weight, QuantizedWeight) else weight).to(dtype)
+
+
+class ConcatenatedProducts:
+    """Products over row blocks of one fused weight whose blocks cannot share a layout (their
+    outputs side by side)."""
+
+    def __init__(self, products: Sequence[Product]) -> None:
+        self.products = list(products)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([product(x) for product in self.products], dim=-1)
+
+
+class WeightFormat:
+    """Builds the products and embeddings of one model in one format (see the module docstring)."""
+
+    def __init__(self, quantization: str, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 cpu_weights: CpuWeights = "plain") -> None:
+        if quantization not in SERVED:
+            raise ValueError(f"quantization: {quantization!r} is not one of {', '.join(SERVED)}")
+        self.quantization = quantization
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.cpu_weights = cpu_weights
+        self.dequantized: list[str] = []  # tensors whose integer groups no kernel takes here, served dense
+
+    def product(self, parts: Sequence[tuple[str, Weight]], bias: torch.Tensor | None = None) -> Product:
+        """y = x·Wᵀ (+ bias) for W the rows of `parts` (HF name, weight) stacked in order."""
+        runs = self._runs(parts)
+        products: list[Product] = []
+        first = 0
+        for run in runs:
+            rows = sum(weight.shape[0] for _, weight in run)
+            products.append(self._single(run, None if bias is None else bias[first : first + rows]))
+            first += rows
+        return products[0] if len(products) == 1 else ConcatenatedProducts(products)
+
+    def tied(self, name: str, weight: Weight) -> tuple[Callable[[torch.Tensor], torch.Tensor], Product]:
+        """The embedding lookup and the LM head over one tied weight, sharing its storage."""
+        if self.quantization == "int8":
+            quantized = quantize_int8(dense(weight, torch.float32))
+            return QuantizedEmbedding(quantized, self.dtype), QuantizedLinear(quantized)
+        head = self.product([(name, weight)])
+        if isinstance(head, QuantizedLinear) and isinstance(weight, QuantizedWeight):
+            return QuantizedEmbedding(weight, self.dtype), head
+        assert isinstance(head, Linear)
+        return DenseEmbedding(head.weight), head
+
+    def embedding(self, weight: Weight) -> Callable[[torch.Tensor], torch.Tensor]:
+        """An untied embedding: the file's values, integer groups kept where the format keeps them."""
+        if isinstance(weight, QuantizedWeight) and self.quantization != "none":
+            return QuantizedEmbedding(weight, self.dtype)
+        return DenseEmbedding(dense(weight, self.dtype).to(self.device))
+
+    def _runs(self, parts: Sequence[tuple[str, Weight]]) -> list[list[tuple[str, Weight]]]:
+        # Serving own groups, consecutive parts fuse while their layouts agree; other formats fuse all.
+        if self.quantization not in OWN_GROUPS:
+            return [list(parts)]
+        runs: list[list[tuple[str, Weight]]] = []
+        for name, weight in parts:
+            if isinstance(weight, QuantizedWeight) and not (self.device.type == "cpu" and has_kernel(weight)):
+                self.dequantized.append(name)
+                weight = weight.dequantize()
+            if runs and _same_layout(runs[-1][-1][1], weight):
+                runs[-1].append((name, weight))
+            else:
+                runs.append([(name, weight)])
+        return runs
+
+    def _single(self, run: list[tuple[str, Weight]], bias: torch.Tensor | None) -> Product:
+        weights = [weight for _, weight in run]
+        if self.quantization == "int8":
+            stacked = torch.cat([dense(weight, torch.float32) for weight in weights])
+            return QuantizedLinear(quantize_int8(stacked), bias)
+        if self.quantization in OWN_GROUPS and isinstance(weights[0], QuantizedWeight):
+            return QuantizedLinear(_stack(weights), bias)  # type: ignore[arg-type]
+        stacked = torch.cat([dense(weight, self.dtype) for weight in weights]).to(self.device)
+        linear = Linear(stacked, None if bias is None else bias.to(self.device))
+        linear.prepare(self.cpu_weights)
+        return linear
+
+
+def _same_layout(a: Weight, b: Weight) -> bool:
+    if not isinstance(a, QuantizedWeight) or not isinstance(b, QuantizedWeight):
+        return not isinstance(a, QuantizedWeight) and not isinstance(b, QuantizedWeight)
+    return ((a.bits, a.group_size, a.q.dtype, a.offset is None) == (b.bits, b.group_size, b.q.dtype, b.offset is None)
+            and (a.perm is None) == (b.perm is None) and (a.perm is None or torch.equal(a.perm, b.perm)))
+
+
+def _stack(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    if len(weights) == 1:
+        return weights[0]
+    first = weights[0]
+    offsets = [w.offset for w in weights]
+    return QuantizedWeight(
+        q=torch.cat([w.q for w in weights]),
+        scale=torch.cat([w.scale for w in weights]),
+        offset=None if first.offset is None else torch.cat(offsets),  # type: ignore[arg-type]
+        bits=first.bits,
+        group_size=first.group_size,
+        perm=first.perm,
+    )

@@ -1,0 +1,136 @@
+"""The CPU kernels of engine/model/kernels against the dequantized weight's product, on random
+QuantizedWeights of the shipped model's shapes, for every build this CPU runs (the scalar one always)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.kernels import kernels
+from engine.model.kernels.build import cpu_flags, runnable
+from engine.model.quantized import QuantizedWeight
+from engine.model.quantized_linear import DENSE_MIN_ROWS, PackedWeight, QuantizedLinear
+
+VARIANTS = [variant.name for variant in runnable(cpu_flags())]
+# (output, input) features of SmolLM2-135M's products: fused qkv, o, fused gate/up, down.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 32, DENSE_MIN_ROWS - 1]
+# fp32 accumulation: each of a kernel's 8 lanes sums K/8 products (at most 192 here), each sum
+# rounding by at most 2^-24 of the running magnitude, bounded by Σ|w·x|: 3e-5 of it is above
+# that worst case and far below what a misplaced weight or group moves (Σ|w·x| / K and more).
+RELATIVE_TOLERANCE = 3e-5
+
+# name -> (bits, signed q, offset, group size): GGUF's Q4_1, Q4_0, Q8_0, RTN int8 (a group per row),
+# and the unsigned 8-bit and 64-group forms GPTQ checkpoints take.
+FORMATS = {
+    "q4_offset": (4, False, True, 32),
+    "q4_signed": (4, True, False, 32),
+    "q8_signed": (8, True, False, 32),
+    "q8_per_row": (8, True, False, None),
+    "q8_offset": (8, False, True, 64),
+    "q4_group64_offset": (4, False, True, 64),
+}
+
+
+def random_weight(rows: int, cols: int, fmt: str, seed: int = 0, perm: bool = False) -> QuantizedWeight:
+    bits, signed, offset, group = FORMATS[fmt]
+    group = cols if group is None else group
+    gen = torch.Generator().manual_seed(seed)
+    low, high = (-(1 << (bits - 1)), 1 << (bits - 1)) if signed else (0, 1 << bits)
+    q = torch.randint(low, high, (rows, cols), generator=gen).to(torch.int8 if signed else torch.uint8)
+    groups = (rows, cols // group)
+    scale = torch.rand(groups, generator=gen) * 0.02 + 1e-3
+    return QuantizedWeight(
+        q=q, scale=scale, offset=(torch.randn(groups, generator=gen) * 0.05) if offset else None,
+        bits=bits, group_size=group, perm=torch.randperm(cols, generator=gen) if perm else None)
+
+
+def exact_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """scale·q + offset in float64 (the real value each format stands for), feature order."""
+    rows, cols = weight.shape
+    values = weight.q.double().view(rows, -1, weight.group_size) * weight.scale.double().unsqueeze(-1)
+    if weight.offset is not None:
+        values = values + weight.offset.double().unsqueeze(-1)
+    values = values.view(rows, cols)
+    # Column k of q is feature perm[k], so feature j is column argsort(perm)[j].
+    return values if weight.perm is None else values[:, torch.argsort(weight.perm)]
+
+
+def assert_product_close(y: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight,
+                         exact: torch.Tensor | None = None, tolerance: float = RELATIVE_TOLERANCE) -> None:
+    exact = exact_weight(weight) if exact is None else exact
+    reference = x.double() @ exact.T
+    bound = x.double().abs() @ exact.abs().T
+    error = (y.double() - reference).abs()
+    assert (error <= tolerance * bound).all(), float((error / bound).max())
+
+
+def _rows(count: int, cols: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(count, cols, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_kernel_matches_the_dequantized_product_at_every_decode_batch_size(variant, fmt):
+    ops = kernels(variant)
+    for shape in SHAPES:
+        weight = random_weight(*shape, fmt)
+        packed = PackedWeight.pack(weight)
+        x = _rows(max(ROWS), shape[1])
+        full = ops.matmul(x, packed)
+        assert_product_close(full, x, weight)
+        for rows in ROWS:
+            # A row's result is the same computation whatever the batch around it.
+            part = ops.matmul(x[:rows].contiguous(), packed)
+            assert torch.equal(part, full[:rows]), (shape, rows)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_dequantize_reproduces_the_representation_bit_for_bit(variant):
+    ops = kernels(variant)
+    for fmt in ("q4_offset", "q8_signed", "q8_per_row", "q4_group64_offset"):
+        weight = random_weight(576, 1536, fmt)
+        packed = PackedWeight.pack(weight)
+        assert torch.equal(ops.dequantize(packed), weight.dequantize()), fmt
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    weight = random_weight(3072, 576, "q4_offset")
+    product = QuantizedLinear(weight)
+    x = _rows(9, 576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = product(x)
+        torch.set_num_threads(2)
+        two = product(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("rows", [1, DENSE_MIN_ROWS - 1, DENSE_MIN_ROWS, 200])
+def test_quantized_linear_serves_small_and_large_inputs_with_bias_and_act_order(rows):
+    weight = random_weight(960, 576, "q4_group64_offset", perm=True)
+    bias = torch.randn(960)
+    product = QuantizedLinear(weight, bias)
+    x = _rows(rows, 576)
+    assert_product_close(product(x) - bias, x, weight)
+
+
+def test_the_lm_head_shape_and_bfloat16_activations():
+    weight = random_weight(49152, 576, "q8_signed")
+    exact = exact_weight(weight)
+    product = QuantizedLinear(weight)
+    x = _rows(3, 576)
+    assert_product_close(product(x), x, weight, exact)
+    y = product(x.bfloat16())
+    assert y.dtype == torch.bfloat16
+    # bf16 activations and output: within bf16's rounding (2^-8, twice) of the product of the bf16 inputs.
+    assert_product_close(y, x.bfloat16(), weight, exact, tolerance=2**-7)
+
+
+def test_a_group_the_kernels_cannot_take_is_refused():
+    weight = QuantizedWeight(torch.zeros(4, 48, dtype=torch.uint8), torch.ones(4, 3), None, bits=4, group_size=16)
+    with pytest.raises(ValueError, match=r"^group_size:"):
+        PackedWeight.pack(weight)
