@@ -46,11 +46,13 @@ class KVSenderPool:
         timeout: float = 30.0,
         device: str = "cpu",
         connect: Callable[[str], grpc.Channel] = grpc.insecure_channel,
+        host: str | None = None,
     ) -> None:
         """`layout` is this worker's; `timeout` bounds pairing, handshakes and each message;
         `device` is where the exported KV lives (NCCL targets need it on CUDA); `connect` opens the
-        gRPC backend's channel to a receiver's host:port (e.g. with mutual TLS)."""
-        self._torch_dist = TorchDistSenders(layout, timeout, torch.device(device))
+        gRPC backend's channel to a receiver's host:port (e.g. with mutual TLS); `host` is the
+        address this side of a torch_dist pair listens on (None: the one that routes to the receiver)."""
+        self._torch_dist = TorchDistSenders(layout, timeout, torch.device(device), host)
         self._grpc = GrpcSenders(layout, timeout, connect)
         self._fault_file = fault_file()  # the test hook (kvtransfer.faults); None in production
 

@@ -222,14 +222,16 @@ class Rendezvous:
             self._prefixed = None
 
 
-def join(host: str, port: int, namespace: str, dist_backend: str, timeout: float) -> PairGroup:
-    """The sender's side of pairing: join the receiver's store and group, then say hello."""
+def join(host: str, port: int, namespace: str, dist_backend: str, timeout: float,
+         local_host: str | None = None) -> PairGroup:
+    """The sender's side of pairing: join the receiver's store and group, then say hello. Its side
+    of the group listens on `local_host` (None: the local address that routes to the receiver)."""
     limit = timedelta(seconds=timeout)
     client = dist.PrefixStore(namespace, dist.TCPStore(host, port, is_master=False, timeout=limit))
     store = _DetachableStore(client)
     try:
         client.set(_JOINED, b"1")
-        group = _new_group(store, SENDER_RANK, dist_backend, _local_address_towards(host, port), limit)
+        group = _new_group(store, SENDER_RANK, dist_backend, local_host or _local_address_towards(host, port), limit)
         group.send_header(Header(Kind.HELLO), limit)
         return group
     finally:

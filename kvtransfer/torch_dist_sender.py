@@ -177,7 +177,8 @@ class _SendingPair:
         try:
             if target.dist_backend == "nccl" and self._device.type != "cuda":
                 raise ValueError("the receiver wants nccl but this sender's KV is not on CUDA")
-            group = join(target.host, target.port, target.namespace, target.dist_backend, self._timeout)
+            group = join(target.host, target.port, target.namespace, target.dist_backend, self._timeout,
+                         self._pool.host)
         except (RuntimeError, ValueError, OSError) as e:  # torch's store errors are RuntimeErrors
             self._end(TransferError(f"pairing with the KV receiver at {target.address} failed: {e}"))
             return
@@ -248,11 +249,13 @@ class _SendingPair:
 class TorchDistSenders:
     """The prefill side's torch_dist pairs, one per receiver namespace and layout."""
 
-    def __init__(self, layout: KVLayout, timeout: float, device: torch.device) -> None:
-        """`layout` is this worker's: a pair is made only with a receiver that holds it."""
+    def __init__(self, layout: KVLayout, timeout: float, device: torch.device, host: str | None = None) -> None:
+        """`layout` is this worker's: a pair is made only with a receiver that holds it; `host` is
+        the address its side of each pair listens on (None: the one that routes to the receiver)."""
         self._layout = layout
         self._timeout = timeout
         self._device = device
+        self.host = host
         self._pairs: dict[tuple[str, KVLayout], _SendingPair] = {}
         self._lock = threading.Lock()
 

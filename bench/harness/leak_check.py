@@ -17,10 +17,13 @@ from services.common.server import channel_options
 IDLE_DEADLINE_S = 60.0  # generous: aborts and lease expiries land within seconds
 
 
-def load_report(worker: WorkerProcess) -> common_pb2.LoadReport:
-    """The worker's LoadReport now (GetLoad over a fresh plaintext channel)."""
+def load_report(worker: WorkerProcess, credentials: grpc.ChannelCredentials | None = None) -> common_pb2.LoadReport:
+    """The worker's LoadReport now (GetLoad over a fresh channel: TLS with `credentials`, else plaintext)."""
     stub_class = prefill_pb2_grpc.PrefillStub if worker.args[0] == "prefill" else decode_pb2_grpc.DecodeStub
-    with grpc.insecure_channel(str(worker.address), options=channel_options()) as channel:
+    address = str(worker.address)
+    channel = (grpc.insecure_channel(address, options=channel_options()) if credentials is None
+               else grpc.secure_channel(address, credentials, options=channel_options()))
+    with channel:
         return stub_class(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=30)
 
 
@@ -30,19 +33,22 @@ def is_idle(report: common_pb2.LoadReport) -> bool:
                 or report.reserved_requests)
 
 
-def wait_until_idle(workers: list[WorkerProcess], timeout: float = IDLE_DEADLINE_S) -> list[common_pb2.LoadReport]:
+def wait_until_idle(workers: list[WorkerProcess], timeout: float = IDLE_DEADLINE_S,
+                    credentials: grpc.ChannelCredentials | None = None) -> list[common_pb2.LoadReport]:
     """Poll until every worker is idle or `timeout` passes; the last reports either way."""
     deadline = time.monotonic() + timeout
     while True:
-        reports = [load_report(worker) for worker in workers]
+        reports = [load_report(worker, credentials) for worker in workers]
         if all(is_idle(report) for report in reports) or time.monotonic() > deadline:
             return reports
         time.sleep(0.2)
 
 
-def assert_no_leaks(workers: list[WorkerProcess], timeout: float = IDLE_DEADLINE_S) -> None:
-    """Fail, naming each worker's holdings, unless every worker becomes idle within `timeout`."""
-    reports = wait_until_idle(workers, timeout)
+def assert_no_leaks(workers: list[WorkerProcess], timeout: float = IDLE_DEADLINE_S,
+                    credentials: grpc.ChannelCredentials | None = None) -> None:
+    """Fail, naming each worker's holdings, unless every worker becomes idle within `timeout`
+    (asked over TLS with `credentials`, a client certificate for workers that want one)."""
+    reports = wait_until_idle(workers, timeout, credentials)
     held = {
         str(worker.address): (f"used_kv_blocks={r.used_kv_blocks} running={r.running_requests} "
                               f"waiting={r.waiting_requests} reserved={r.reserved_requests}")

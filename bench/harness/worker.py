@@ -23,7 +23,8 @@ _SERVERS = ("prefill", "decode", "worker")  # the gateway serves /metrics on its
 class WorkerProcess:
     """One `python -m services.cli ARGS` process (`proc`); its logs (stderr) go to `log_path`."""
 
-    def __init__(self, args: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, args: Sequence[str], env: Mapping[str, str] | None = None, wrapper: Sequence[str] = ()) -> None:
+        """`wrapper` prefixes the command line (e.g. `ip netns exec NAME`: bench.harness.hosts)."""
         self.args = list(args)
         # Never a fixed port unless asked for: the metrics port is a free one unless the caller picks it.
         if self.args[0] in _SERVERS and "--metrics-port" not in self.args:
@@ -31,7 +32,8 @@ class WorkerProcess:
         env = dict(os.environ, **(env or {}), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         with tempfile.NamedTemporaryFile(prefix=f"tandem-{self.args[0]}-", suffix=".log", delete=False) as log:
             self.log_path = Path(log.name)
-            self._server = ServerProcess(self.args[0], tandem_command(self.args), env=env, cwd=REPO, stderr=log)
+            self._server = ServerProcess(self.args[0], [*wrapper, *tandem_command(self.args)], env=env, cwd=REPO,
+                                         stderr=log)
         self.proc = self._server.proc
 
     @property
@@ -74,12 +76,13 @@ class WorkerProcess:
 
 
 def start_worker(
-    args: Sequence[str], wait: bool = True, timeout: float = 300.0, env: Mapping[str, str] | None = None
+    args: Sequence[str], wait: bool = True, timeout: float = 300.0, env: Mapping[str, str] | None = None,
+    wrapper: Sequence[str] = (),
 ) -> WorkerProcess:
     """Start `tandem <args>` (e.g. ["decode", "--port", "0", "--kv-backend", "grpc"]) with `env` added
-    to this process's environment; unless `wait` is False, return once it is SERVING, with `address`
-    (and `metrics_address`) set."""
-    worker = WorkerProcess(args, env)
+    to this process's environment, its command line prefixed by `wrapper`; unless `wait` is False,
+    return once it is SERVING, with `address` (and `metrics_address`) set."""
+    worker = WorkerProcess(args, env, wrapper)
     if wait:
         worker.wait_ready(timeout)
     return worker

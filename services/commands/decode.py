@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
+from services.commands.address_flags import add_address_flags
 from services.commands.engine_flags import add_engine_flags, engine_config
 from services.commands.limit_flags import add_grpc_limit_flags, grpc_limits
 from services.commands.security_flags import add_tls_flags, tls_config
@@ -20,15 +21,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def add_decode_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     """The flags of a worker serving tandem.v1.Decode (decode and colocated roles)."""
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=default_port, help="0 = a free port")
+    add_address_flags(parser, default_port, "the ready line, and prefill workers for its KV")
     parser.add_argument("--grace-period", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on SIGTERM")
     parser.add_argument("--kv-backend", default="torch_dist", choices=["torch_dist", "grpc"],
                         help="how prompts' KV pages arrive from prefill workers")
-    parser.add_argument("--advertise-host", default=None,
-                        help="address prefill workers reach this worker at, for its KV (default: --host; "
-                             "set it when --host is a wildcard such as 0.0.0.0)")
     parser.add_argument("--kv-host", default=None,
                         help="address the torch_dist rendezvous stores bind to (default: --advertise-host)")
     parser.add_argument("--kv-timeout", type=float, default=30.0,

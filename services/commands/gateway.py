@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from services.gateway.limits import RequestLimits
     from services.gateway.registry import WorkerRegistry
 
+from services.commands.address_flags import add_address_flags
 from services.commands.gateway_cluster import add_cluster_flags
 from services.commands.limit_flags import add_grpc_limit_flags, add_request_limit_flags, grpc_limits, request_limits
 from services.commands.security_flags import add_api_key_flags, add_tls_flags, tls_config
@@ -25,8 +26,7 @@ log = logging.getLogger(__name__)
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `gateway` subcommand."""
     gateway = sub.add_parser("gateway", help="serve tandem.v1.Gateway in front of prefill and decode workers")
-    gateway.add_argument("--host", default="127.0.0.1")
-    gateway.add_argument("--port", type=int, default=50051, help="gRPC port; 0 = a free port")
+    add_address_flags(gateway, 50051, "its ready line")
     gateway.add_argument("--http-port", type=int, default=8000,
                          help="port of the OpenAI-compatible HTTP API; 0 = a free port")
     gateway.add_argument("--prefill", default="", help="prefill workers: HOST:PORT[,HOST:PORT...] (static discovery)")
@@ -159,7 +159,8 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
     # Clients authenticate with API keys, not certificates: the client API asks for none.
     credentials = tls.server_credentials(client_auth=False) if tls is not None else None
     interceptors = [ApiKeyInterceptor(keys)] if keys is not None else []
-    server = RoleServer("gateway", args.host, args.port, args.grace_period, credentials, interceptors, limits)
+    server = RoleServer("gateway", args.host, args.port, args.grace_period, credentials, interceptors, limits,
+                        args.advertise_host)
     server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(service),
                gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name)
     app = traced_http(create_app(service, requests))

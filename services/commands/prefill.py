@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
+from services.commands.address_flags import add_address_flags
 from services.commands.engine_flags import add_engine_flags, engine_config
 from services.commands.limit_flags import add_grpc_limit_flags, grpc_limits
 from services.commands.security_flags import add_tls_flags, tls_config
@@ -14,8 +15,7 @@ from services.commands.telemetry_flags import add_metrics_flag, metrics_port
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `prefill` subcommand."""
     prefill = sub.add_parser("prefill", help="serve a prefill worker: prompts in, first tokens and KV pages out")
-    prefill.add_argument("--host", default="127.0.0.1")
-    prefill.add_argument("--port", type=int, default=50061, help="0 = a free port")
+    add_address_flags(prefill, 50061, "the ready line, and decode workers' torch_dist pairs for the KV it sends")
     prefill.add_argument("--grace-period", type=float, default=30.0,
                          help="seconds in-flight requests get to finish on SIGTERM")
     prefill.add_argument("--kv-timeout", type=float, default=30.0,
@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> NoReturn:
     tls = tls_config(args)
     limits = grpc_limits(args)
     tracing = setup_tracing("prefill")
-    code = asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_timeout, port, tls, limits))
+    code = asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_timeout, port, tls, limits,
+                             args.advertise_host))
     if tracing is not None:
         tracing.shutdown()
     exit_process(code)

@@ -154,12 +154,16 @@ class RoleServer:
         credentials: grpc.ServerCredentials | None = None,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         limits: GrpcLimits = DEFAULT_GRPC_LIMITS,
+        advertise_host: str | None = None,
     ) -> None:
         """`credentials`: serve TLS (see services.common.tls), else plaintext; `interceptors` see
         every RPC first (e.g. the gateway's API-key check); `limits`: message sizes and streams per
-        connection. A request that does not parse gets INVALID_ARGUMENT (services.common.undecodable)."""
+        connection; `advertise_host`: the address others reach it at, which `address` and the ready
+        line name (default `host`; set it when `host` is a wildcard such as 0.0.0.0). A request that
+        does not parse gets INVALID_ARGUMENT (services.common.undecodable)."""
         self.role = role
         self.host = host
+        self.advertise_host = advertise_host or host
         self.port = port
         self.grace_period = grace_period
         # Last, so that it wraps the servicers' own handlers: a request that does not parse is bad input.
@@ -173,8 +177,8 @@ class RoleServer:
 
     @property
     def address(self) -> str:
-        """host:port actually bound (valid once `run` has bound the port)."""
-        return f"{self.host}:{self.port}"
+        """advertise_host:port, the port actually bound (valid once `run` has bound it)."""
+        return f"{self.advertise_host}:{self.port}"
 
     def add(self, add_to_server: Callable[[S, grpc.aio.Server], None], servicer: S, full_name: str) -> None:
         """Register a servicer with its generated `add_XServicer_to_server` function and its full
@@ -213,7 +217,7 @@ class RoleServer:
             loop.add_signal_handler(sig, stop.set)
         await self.grpc.start()
         listening = "".join([f" {listener.name}={await listener.start()}" for listener in self._listeners])
-        log.info("%s: gRPC listening on %s; loading", self.role, self.address)
+        log.info("%s: gRPC listening on %s:%d; loading", self.role, self.host, self.port)
         code = 0
         if await self._load(load, stop):
             health.set_serving(True)

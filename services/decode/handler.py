@@ -134,7 +134,7 @@ async def serve(
     `limits` bound the messages and streams of both."""
     warn_if_worker_exposed(config.role, host, tls)
     server = RoleServer(config.role, host, port, grace_period, tls.server_credentials() if tls else None,
-                        limits=limits)
+                        limits=limits, advertise_host=advertise_host)
     metrics = WorkerMetrics(served_model_id(config.model))
     server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
     servicer = DecodeServicer(metrics, tls, limits)

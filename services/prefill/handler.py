@@ -78,13 +78,16 @@ async def serve(
     metrics_port: int,
     tls: TlsConfig | None = None,
     limits: GrpcLimits = DEFAULT_GRPC_LIMITS,
+    advertise_host: str | None = None,
 ) -> int:
     """Run a prefill worker until SIGTERM/SIGINT; returns the exit code. With `tls`, its server and
     its gRPC KV channels to decode workers use (mutual) TLS; `limits` bound the messages and streams
-    of both."""
+    of both. `advertise_host` (default `host`) is the address its ready line names and its
+    torch_dist pairs listen on; without one given, a pair listens on the address that routes to
+    its receiver."""
     warn_if_worker_exposed("prefill", host, tls)
     server = RoleServer("prefill", host, port, grace_period, tls.server_credentials() if tls else None,
-                        limits=limits)
+                        limits=limits, advertise_host=advertise_host)
     metrics = WorkerMetrics(served_model_id(config.model))
     server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
     servicer = PrefillServicer(metrics)
@@ -95,7 +98,8 @@ async def serve(
         engine = await asyncio.to_thread(Engine, config)
         layout = KVLayout.of_engine(engine)
         senders = KVSenderPool(layout, timeout=transfer_timeout, device=config.device,
-                               connect=lambda address: open_sync_channel(address, tls, limits))
+                               connect=lambda address: open_sync_channel(address, tls, limits),
+                               host=advertise_host)
         worker = PrefillWorker(server.address, engine, server.draining, senders, transfer_timeout)
         await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
         worker.loop.start()
