@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 Weight = torch.Tensor | QuantizedWeight
 Product = Callable[[torch.Tensor], torch.Tensor]
+Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight, eps) -> RMSNorm(x)
+Rotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, cos, sin) -> rotated x
 
 
 def _empty_parameter(*shape: int) -> torch.nn.Parameter:
@@ -33,7 +35,8 @@ class LlamaDecoderLayer(torch.nn.Module):
     """One pre-norm block; q/k/v and gate/up are fused so each is a single product.
 
     The products (`linears`) are built by `LlamaForCausalLM.load_weights` in the weight format
-    chosen at load; the norms (and Qwen2's QKV bias) are parameters.
+    chosen at load; the norms' weights (and Qwen2's QKV bias) are parameters; `norm` and `rotate`
+    compute RMSNorm and the rotary embedding (`LlamaForCausalLM.use_kernels`).
     """
 
     def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
@@ -49,6 +52,8 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.input_layernorm = _empty_parameter(config.hidden_size)
         self.post_attention_layernorm = _empty_parameter(config.hidden_size)
         self.linears: dict[str, Product] = {}
+        self.norm: Norm = rms_norm
+        self.rotate: Rotate = apply_rotary
 
     def attention_block(
         self,
@@ -60,10 +65,10 @@ class LlamaDecoderLayer(torch.nn.Module):
     ) -> torch.Tensor:
         """hidden + self-attention(norm(hidden)); writes this step's K/V into the layer's cache."""
         num_tokens = hidden.shape[0]
-        qkv = self.linears["qkv"](rms_norm(hidden, self.input_layernorm, self.eps))
+        qkv = self.linears["qkv"](self.norm(hidden, self.input_layernorm, self.eps))
         qk_heads = self.num_heads + self.num_kv_heads
         # Q and K rotate by the same angles, so they are rotated together in one pass.
-        qk = apply_rotary(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim), cos, sin)
+        qk = self.rotate(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim), cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -71,7 +76,7 @@ class LlamaDecoderLayer(torch.nn.Module):
 
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden + SwiGLU(norm(hidden))."""
-        gate, up = self.linears["gate_up"](rms_norm(hidden, self.post_attention_layernorm, self.eps)).chunk(2, -1)
+        gate, up = self.linears["gate_up"](self.norm(hidden, self.post_attention_layernorm, self.eps)).chunk(2, -1)
         return hidden + self.linears["down"](F.silu(gate) * up)
 
 
@@ -90,6 +95,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.embed: Product = _not_loaded
         self.head: Product = _not_loaded
+        self.final_norm: Norm = rms_norm
 
     def forward(
         self,
@@ -111,7 +117,14 @@ class LlamaForCausalLM(torch.nn.Module):
             if on_layer_done is not None:
                 on_layer_done(index)
             hidden = layer.mlp_block(hidden)
-        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return self.final_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def use_kernels(self, norm: Norm, rotate: Rotate) -> None:
+        """Compute every RMSNorm with `norm` and rotary embedding with `rotate` (the arithmetic of
+        `rms_norm` and `apply_rotary`, as one op each: the CPU kernels'; `rotate` may work in place)."""
+        self.final_norm = norm
+        for layer in self.layers:
+            layer.norm, layer.rotate = norm, rotate
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 for the given final hidden states."""
