@@ -20,6 +20,7 @@ Weight = torch.Tensor | QuantizedWeight
 Product = Callable[[torch.Tensor], torch.Tensor]
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight, eps) -> RMSNorm(x)
 Rotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, cos, sin) -> rotated x
+Gate = Callable[[torch.Tensor], torch.Tensor]  # gate_up [T, 2I] -> silu(gate) * up [T, I]
 
 
 def _empty_parameter(*shape: int) -> torch.nn.Parameter:
@@ -31,12 +32,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up over the fused gate/up product's output."""
+    gate, up = gate_up.chunk(2, -1)
+    return F.silu(gate) * up
+
+
 class LlamaDecoderLayer(torch.nn.Module):
     """One pre-norm block; q/k/v and gate/up are fused so each is a single product.
 
     The products (`linears`) are built by `LlamaForCausalLM.load_weights` in the weight format
-    chosen at load; the norms' weights (and Qwen2's QKV bias) are parameters; `norm` and `rotate`
-    compute RMSNorm and the rotary embedding (`LlamaForCausalLM.use_kernels`).
+    chosen at load; the norms' weights (and Qwen2's QKV bias) are parameters; `norm`, `rotate`
+    and `gate` compute RMSNorm, the rotary embedding and SwiGLU's gating (`LlamaForCausalLM.use_kernels`).
     """
 
     def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
@@ -54,6 +61,7 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.linears: dict[str, Product] = {}
         self.norm: Norm = rms_norm
         self.rotate: Rotate = apply_rotary
+        self.gate: Gate = silu_mul
 
     def attention_block(
         self,
@@ -76,8 +84,8 @@ class LlamaDecoderLayer(torch.nn.Module):
 
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden + SwiGLU(norm(hidden))."""
-        gate, up = self.linears["gate_up"](self.norm(hidden, self.post_attention_layernorm, self.eps)).chunk(2, -1)
-        return hidden + self.linears["down"](F.silu(gate) * up)
+        gate_up = self.linears["gate_up"](self.norm(hidden, self.post_attention_layernorm, self.eps))
+        return hidden + self.linears["down"](self.gate(gate_up))
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -119,12 +127,13 @@ class LlamaForCausalLM(torch.nn.Module):
             hidden = layer.mlp_block(hidden)
         return self.final_norm(hidden, self.norm, self.config.rms_norm_eps)
 
-    def use_kernels(self, norm: Norm, rotate: Rotate) -> None:
-        """Compute every RMSNorm with `norm` and rotary embedding with `rotate` (the arithmetic of
-        `rms_norm` and `apply_rotary`, as one op each: the CPU kernels'; `rotate` may work in place)."""
+    def use_kernels(self, norm: Norm, rotate: Rotate, gate: Gate) -> None:
+        """Compute every RMSNorm with `norm`, rotary embedding with `rotate` and SwiGLU gating with
+        `gate` (the arithmetic of `rms_norm`, `apply_rotary` and `silu_mul`, as one op each: the CPU
+        kernels'; `rotate` may work in place)."""
         self.final_norm = norm
         for layer in self.layers:
-            layer.norm, layer.rotate = norm, rotate
+            layer.norm, layer.rotate, layer.gate = norm, rotate, gate
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 for the given final hidden states."""

@@ -1,4 +1,5 @@
-"""The CPU kernels' RMSNorm, rotary embedding and paged decode attention (engine/model/kernels) against the torch ops
+"""The CPU kernels' RMSNorm, rotary embedding, SwiGLU gating and paged decode attention
+(engine/model/kernels) against the torch ops
 they replace, for every build this CPU runs (the scalar one always), and where the engine uses them."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.reference import TorchPagedAttention, paged_decode_attention
 from engine.model.kernels import kernels
 from engine.model.kernels.build import cpu_flags, runnable
-from engine.model.llama import rms_norm
+from engine.model.llama import rms_norm, silu_mul
 from engine.model.rope import apply_rotary
 
 VARIANTS = [variant.name for variant in runnable(cpu_flags())]
@@ -53,6 +54,21 @@ def test_rotary_rotates_a_view_in_place_bit_for_bit_as_apply_rotary(variant):
     got = kernels(variant).rotary(view, cos, sin)
     assert got.data_ptr() == view.data_ptr() and torch.equal(got, want)
     assert torch.equal(qkv[:, 12 * 64 :], untouched)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_silu_mul_matches_torch_within_a_few_ulp(variant):
+    # The AVX2 build's exp is a polynomial a few ulp from expf (exp8.h), the scalar one std::exp;
+    # 1e-6 relative is above that and far below a wrong sign or half swapped (1e-1 and more).
+    gen = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(4, 2 * 1536 + 6, generator=gen) * 4  # rows of a width that leaves an 8-lane tail
+    gate_up[0, :12] = torch.tensor([-200.0, -100.0, -88.5, -87.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.5, 100.0, 200.0])
+    got = kernels(variant).silu_mul(gate_up)
+    torch.testing.assert_close(got, silu_mul(gate_up), rtol=1e-6, atol=1e-30)
+    assert torch.equal(kernels(variant).silu_mul(gate_up[2:3]), got[2:3])  # a row alone
+    wide = torch.zeros(4, 2 * gate_up.shape[1] + 8)
+    wide[:, : gate_up.shape[1]] = gate_up
+    assert torch.equal(kernels(variant).silu_mul(wide[:, : gate_up.shape[1]]), got)  # rows of a wider tensor
 
 
 def _paged_batch(seed: int, heads: int = 9, kv_heads: int = 3, head_dim: int = 64, block_size: int = 16):

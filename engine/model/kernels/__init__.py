@@ -1,6 +1,6 @@
 """The CPU kernels, loaded for the CPU at hand: the quantized products (qmatmul.cpp), and the ops
 that cost a batch-1 decode step most outside them in torch (rms_norm.cpp, decode_attention.cpp,
-rotary.cpp).
+rotary.cpp, silu_mul.cpp).
 
 `kernels()` loads the best build this CPU runs ("avx2": AVX2 + FMA + F16C intrinsics; else
 "scalar": plain C++), building it on first use if the Makefile's step has not (engine.model.kernels.build);
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 class Kernels:
     """One build's ops: the quantized product and the dequantization of a packed weight, RMSNorm and
-    paged decode attention and rotary embedding (fp32)."""
+    paged decode attention, rotary embedding and SwiGLU's silu(gate)·up (fp32)."""
 
     def __init__(self, variant: Variant) -> None:
         torch.ops.load_library(str(library(variant)))
@@ -49,6 +49,10 @@ class Kernels:
         """x fp32 [T, heads, head_dim] (rows contiguous) rotated in place by cos, sin [T, 1, head_dim // 2]
         and returned: bit for bit what engine.model.rope.apply_rotary returns."""
         return self._ops.rotary_(x, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) · up for fp32 gate_up [T, 2I] (gate | up, rows contiguous): fp32 [T, I]."""
+        return self._ops.silu_mul(gate_up)
 
     def decode_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -19,7 +19,7 @@
 #include <limits>
 #include <vector>
 
-#include "qmatmul_core.h"
+#include "exp8.h"
 
 namespace {
 
@@ -63,6 +63,16 @@ void weighted_sum(const float* p, const float* base, const int64_t* rows, int64_
     for (int64_t j = 0; j < len; ++j) acc += p[j] * base[rows[j] + d];
     out[d] = acc / sum;
   }
+}
+
+// s[j] ← exp(s[j] − top), eight at a time in the AVX2 build (exp8.h).
+void exp_shifted(float* s, int64_t len, float top) {
+  int64_t j = 0;
+#if TANDEM_SIMD
+  const __m256 shift = _mm256_set1_ps(top);
+  for (; j + 8 <= len; j += 8) _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift)));
+#endif
+  for (; j < len; ++j) s[j] = std::exp(s[j] - top);
 }
 
 void check_float_rows(const at::Tensor& t, const char* name, int64_t heads, int64_t head_dim, int64_t batch) {
@@ -126,8 +136,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       const int64_t b = task / kv_heads, kvh = task % kv_heads, len = lens[b];
       const int32_t* table = tables + b * max_blocks;
       rows.resize(len);
-      for (int64_t j = 0; j < len; ++j) {
-        rows[j] = (table[j / block_size] * block_size + j % block_size) * row + kvh * head_dim;
+      for (int64_t block = 0, j = 0; j < len; ++block) {  // block by block: no division per position
+        const int64_t first = table[block] * block_size * row + kvh * head_dim;
+        for (int64_t offset = 0; offset < block_size && j < len; ++offset, ++j) rows[j] = first + offset * row;
       }
       scores.resize(group * len);
       for (int64_t g = 0; g < group; ++g) {
@@ -136,10 +147,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         for (int64_t j = 0; j < len; ++j) s[j] = dot(query, keys + rows[j], head_dim) * sc;
         float top = -std::numeric_limits<float>::infinity(), sum = 0.f;
         for (int64_t j = 0; j < len; ++j) top = std::max(top, s[j]);
-        for (int64_t j = 0; j < len; ++j) {
-          s[j] = std::exp(s[j] - top);
-          sum += s[j];
-        }
+        exp_shifted(s, len, top);
+        for (int64_t j = 0; j < len; ++j) sum += s[j];
         weighted_sum(s, values, rows.data(), len, sum, outs + (b * heads + kvh * group + g) * head_dim, head_dim);
       }
     }
