@@ -24,6 +24,7 @@ from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
 from engine.kv_cache.codec import kv_format
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_export import KVExport, KVExports
+from engine.model.kernels import cpu_kernels
 from engine.model.loader import ModelFiles, build_model, load_model_files
 from engine.model.quant_config import check_requested
 from engine.model.weight_formats import choose_quantization
@@ -69,7 +70,9 @@ class Engine:
         dtype = TORCH_DTYPES[dtype_name]
         self.kv_format = kv_format(config.kv_cache_dtype, dtype_name)
         # Before loading: a KV format the device's kernels cannot read fails at once.
-        attention = select_attention_backend(config.attention_backend, config.device, self.kv_format.codec)
+        cpu_ops = cpu_kernels(config.device)
+        attention = select_attention_backend(config.attention_backend, config.device, self.kv_format.codec,
+                                             None if cpu_ops is None else cpu_ops.decode_attention)
         if files is None:
             files = load_model_files(config.model, dtype, config.quantization)
         else:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.codec import DENSE, KVCodec
+
+# (q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale) -> out: stores a decode
+# batch's K/V and attends, over dense fp32 pages (engine.model.kernels' decode_attention).
+DenseDecode = Callable[..., torch.Tensor]
 
 
 def gather_context(
@@ -93,12 +99,17 @@ def _causal_over_context(
 
 class TorchPagedAttention:
     """The torch backend: batched decode rows, a per-sequence loop for prefill rows; pages are
-    written and read through `codec` (scaled ones are decoded to the queries' dtype as they are read)."""
+    written and read through `codec` (scaled ones are decoded to the queries' dtype as they are read).
+
+    Given `dense_decode` (the CPU kernels' op, for a dense cache), a pure decode batch in fp32 is
+    that one op, which reads the pages in place, instead of a gather, a mask and SDPA per layer.
+    """
 
     name = "torch"
 
-    def __init__(self, codec: KVCodec = DENSE) -> None:
+    def __init__(self, codec: KVCodec = DENSE, dense_decode: DenseDecode | None = None) -> None:
         self.codec = codec
+        self.dense_decode = dense_decode if codec is DENSE else None
 
     def forward(
         self,
@@ -111,6 +122,10 @@ class TorchPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         """See `AttentionBackend.forward`."""
+        if (self.dense_decode is not None and meta.max_query_len == 1 and q.dtype == torch.float32
+                and k_cache.dtype == torch.float32):
+            return self.dense_decode(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                     scale)
         self.codec.write(k_cache, v_cache, meta.slot_mapping, k, v)
         if meta.max_query_len == 1:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.codec)

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 Weight = torch.Tensor | QuantizedWeight
 Product = Callable[[torch.Tensor], torch.Tensor]
+Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight, eps) -> RMSNorm(x)
+Rotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, cos, sin) -> rotated x
+Gate = Callable[[torch.Tensor], torch.Tensor]  # gate_up [T, 2I] -> silu(gate) * up [T, I]
 
 
 def _empty_parameter(*shape: int) -> torch.nn.Parameter:
@@ -29,11 +32,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up over the fused gate/up product's output."""
+    gate, up = gate_up.chunk(2, -1)
+    return F.silu(gate) * up
+
+
 class LlamaDecoderLayer(torch.nn.Module):
     """One pre-norm block; q/k/v and gate/up are fused so each is a single product.
 
     The products (`linears`) are built by `LlamaForCausalLM.load_weights` in the weight format
-    chosen at load; the norms (and Qwen2's QKV bias) are parameters.
+    chosen at load; the norms' weights (and Qwen2's QKV bias) are parameters; `norm`, `rotate`
+    and `gate` compute RMSNorm, the rotary embedding and SwiGLU's gating (`LlamaForCausalLM.use_kernels`).
     """
 
     def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
@@ -49,6 +59,9 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.input_layernorm = _empty_parameter(config.hidden_size)
         self.post_attention_layernorm = _empty_parameter(config.hidden_size)
         self.linears: dict[str, Product] = {}
+        self.norm: Norm = rms_norm
+        self.rotate: Rotate = apply_rotary
+        self.gate: Gate = silu_mul
 
     def attention_block(
         self,
@@ -60,10 +73,10 @@ class LlamaDecoderLayer(torch.nn.Module):
     ) -> torch.Tensor:
         """hidden + self-attention(norm(hidden)); writes this step's K/V into the layer's cache."""
         num_tokens = hidden.shape[0]
-        qkv = self.linears["qkv"](rms_norm(hidden, self.input_layernorm, self.eps))
+        qkv = self.linears["qkv"](self.norm(hidden, self.input_layernorm, self.eps))
         qk_heads = self.num_heads + self.num_kv_heads
         # Q and K rotate by the same angles, so they are rotated together in one pass.
-        qk = apply_rotary(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim), cos, sin)
+        qk = self.rotate(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim), cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -71,8 +84,8 @@ class LlamaDecoderLayer(torch.nn.Module):
 
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden + SwiGLU(norm(hidden))."""
-        gate, up = self.linears["gate_up"](rms_norm(hidden, self.post_attention_layernorm, self.eps)).chunk(2, -1)
-        return hidden + self.linears["down"](F.silu(gate) * up)
+        gate_up = self.linears["gate_up"](self.norm(hidden, self.post_attention_layernorm, self.eps))
+        return hidden + self.linears["down"](self.gate(gate_up))
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -90,6 +103,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.embed: Product = _not_loaded
         self.head: Product = _not_loaded
+        self.final_norm: Norm = rms_norm
 
     def forward(
         self,
@@ -111,7 +125,15 @@ class LlamaForCausalLM(torch.nn.Module):
             if on_layer_done is not None:
                 on_layer_done(index)
             hidden = layer.mlp_block(hidden)
-        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return self.final_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def use_kernels(self, norm: Norm, rotate: Rotate, gate: Gate) -> None:
+        """Compute every RMSNorm with `norm`, rotary embedding with `rotate` and SwiGLU gating with
+        `gate` (the arithmetic of `rms_norm`, `apply_rotary` and `silu_mul`, as one op each: the CPU
+        kernels'; `rotate` may work in place)."""
+        self.final_norm = norm
+        for layer in self.layers:
+            layer.norm, layer.rotate, layer.gate = norm, rotate, gate
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 for the given final hidden states."""

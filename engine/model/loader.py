@@ -13,6 +13,7 @@ from engine.attention.metadata import AttentionBackend
 from engine.config import CpuWeights, ModelConfig
 from engine.model.gguf_loader import load_gguf
 from engine.model.hf_loader import load_hf_dir
+from engine.model.kernels import cpu_kernels
 from engine.model.llama import LlamaForCausalLM
 from engine.model.paths import default_model_path
 from engine.model.quant_config import StoredFormat, check_requested
@@ -80,13 +81,17 @@ def build_model(files: ModelFiles, attention: AttentionBackend, device: str | to
     """The model on `device`, in `dtype` (None: the files' own; tests share one fp32 load), its
     products built in the given weight format (engine.model.weight_formats) with dense weights
     prepared as `cpu_weights` says. Serving a checkpoint's own integer groups, a warning names every
-    tensor no kernel takes on this device (served dequantized)."""
+    tensor no kernel takes on this device (served dequantized). On CPU in fp32 RMSNorm, the rotary
+    embedding and SwiGLU's gating are the CPU kernels' ops where they build."""
     dtype = dtype or files.dtype
     with torch.device(device):
         model = LlamaForCausalLM(files.config, attention)
     model.to(dtype=dtype)
     formats = WeightFormat(quantization, dtype, device, cpu_weights)
     model.load_weights(files.weights, formats)
+    ops = cpu_kernels(device) if dtype == torch.float32 else None
+    if ops is not None:  # one op for each instead of torch's three to eight (a batch-1 step has 121 of them)
+        model.use_kernels(ops.rms_norm, ops.rotary, ops.silu_mul)
     if quantization in OWN_GROUPS:
         unserved = {**files.dequantized, **{name: "groups no kernel takes here" for name in formats.dequantized}}
         if unserved:

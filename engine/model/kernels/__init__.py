@@ -1,14 +1,18 @@
-"""The quantized-product kernels (qmatmul.cpp), loaded for the CPU at hand.
+"""The CPU kernels, loaded for the CPU at hand: the quantized products (qmatmul.cpp), and the ops
+that cost a batch-1 decode step most outside them in torch (rms_norm.cpp, decode_attention.cpp,
+rotary.cpp, silu_mul.cpp).
 
 `kernels()` loads the best build this CPU runs ("avx2": AVX2 + FMA + F16C intrinsics; else
 "scalar": plain C++), building it on first use if the Makefile's step has not (engine.model.kernels.build);
 `kernels("scalar")` loads a given one (tests compare both). The ops take a weight already packed
-by engine.model.quantized_linear.PackedWeight.
+by engine.model.quantized_linear.PackedWeight. `cpu_kernels(device)` is what the model and the
+attention backend use: the best build on a CPU device, None elsewhere or where none can be built.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,9 +22,11 @@ from engine.model.kernels.build import Variant, cpu_flags, library, runnable, va
 if TYPE_CHECKING:
     from engine.model.quantized_linear import PackedWeight
 
+log = logging.getLogger(__name__)
 
 class Kernels:
-    """One build's ops: the quantized product and the dequantization of a packed weight."""
+    """One build's ops: the quantized product and the dequantization of a packed weight, RMSNorm and
+    paged decode attention, rotary embedding and SwiGLU's silu(gate)·up (fp32)."""
 
     def __init__(self, variant: Variant) -> None:
         torch.ops.load_library(str(library(variant)))
@@ -35,6 +41,28 @@ class Kernels:
         """The fp32 weight [N, K] (columns in q's order), fl(fl(scale·q) + offset) per element."""
         return self._ops.dequantize(w.packed, w.scale, w.offset, w.bits, w.group_size, w.rows)
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of fp32 x [..., n] by the fp32 weight [n], in transformers' float32 arithmetic."""
+        return self._ops.rms_norm(x, weight, eps)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x fp32 [T, heads, head_dim] (rows contiguous) rotated in place by cos, sin [T, 1, head_dim // 2]
+        and returned: bit for bit what engine.model.rope.apply_rotary returns."""
+        return self._ops.rotary_(x, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) · up for fp32 gate_up [T, 2I] (gate | up, rows contiguous): fp32 [T, I]."""
+        return self._ops.silu_mul(gate_up)
+
+    def decode_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    ) -> torch.Tensor:
+        """Store k, v [B, num_kv_heads, head_dim] at `slot_mapping` [B] int64 in the dense fp32 pages,
+        then attend q [B, num_heads, head_dim] (one token per sequence) over each sequence's
+        `seq_lens` [B] int32 tokens through `block_tables` [B, max_blocks] int32: fp32 [B, num_heads, head_dim]."""
+        return self._ops.decode_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale)
+
     def describe(self) -> str:
         """For the start-up log: the variant and the CPU flags that chose it."""
         needs = f" (CPU flags {' '.join(self.variant.cpu_flags)})" if self.variant.cpu_flags else ""
@@ -46,3 +74,16 @@ def kernels(name: str | None = None) -> Kernels:
     """The loaded build called `name`, or with None the best one this CPU runs. RuntimeError if it
     cannot run here or cannot be built."""
     return Kernels(runnable(cpu_flags())[0] if name is None else variant_named(name))
+
+
+@functools.cache
+def cpu_kernels(device: str | torch.device) -> Kernels | None:
+    """The best build for a CPU `device`; None for another device, or (with a warning: the engine
+    then runs torch's own ops) where no build can be made here."""
+    if torch.device(device).type != "cpu":
+        return None
+    try:
+        return kernels()
+    except RuntimeError as error:
+        log.warning("the CPU kernels could not be built, so RMSNorm and decode attention run as torch ops: %s", error)
+        return None

@@ -1,6 +1,8 @@
-"""Build the quantized-product kernels (qmatmul.cpp) for the CPU at hand, once, into an ignored folder.
+"""Build the CPU kernels (qmatmul.cpp's quantized products; rms_norm.cpp, decode_attention.cpp,
+rotary.cpp and silu_mul.cpp, the decode step's other hot ops) for the CPU at hand, once, into an
+ignored folder, as one library per variant.
 
-Each variant is the one source compiled with its own flags and needs the CPU flags its code uses;
+Each variant is the same sources compiled with its own flags and needs the CPU flags its code uses;
 a variant is built only where /proc/cpuinfo lists those flags, never compiled for a CPU without
 them. The build directory is keyed by the variant, its CPU flags and a hash of the source, the
 compiler flags and the torch build, so a build made for another CPU, source or torch is never
@@ -27,8 +29,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("qmatmul.cpp")
-HEADERS = (Path(__file__).with_name("qmatmul_core.h"),)
+_HERE = Path(__file__).parent
+SOURCES = tuple(_HERE / name for name in ("qmatmul.cpp", "rms_norm.cpp", "decode_attention.cpp", "rotary.cpp",
+                                          "silu_mul.cpp"))
+HEADERS = (_HERE / "qmatmul_core.h", _HERE / "exp8.h")
 BUILD_ROOT_ENV = "TANDEM_KERNELS_DIR"
 _LIBRARY = "qmatmul.so"
 
@@ -93,7 +97,7 @@ def _flags(variant: Variant) -> list[str]:
     return [
         "-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", *variant.compile_flags,
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}", f"-DTANDEM_OPS={variant.namespace}",
-        *(f"-I{path}" for path in include_paths()), str(SOURCE),
+        *(f"-I{path}" for path in include_paths()), *map(str, SOURCES),
         *(f"-L{path}" for path in libraries), *(f"-Wl,-rpath,{path}" for path in libraries),
         "-lc10", "-ltorch_cpu",
     ]
@@ -112,7 +116,7 @@ def _compile(variant: Variant, output: Path) -> None:
 def build_dir(variant: Variant) -> Path:
     """Where this variant's build for this source, compiler flags and torch lives."""
     key = hashlib.sha256()
-    for path in (SOURCE, *HEADERS):
+    for path in (*SOURCES, *HEADERS):
         key.update(path.read_bytes())
     key.update(" ".join(_flags(variant)).encode())
     key.update(f"{torch.__version__}|{torch.compiled_with_cxx11_abi()}|{sys.version_info[:2]}".encode())

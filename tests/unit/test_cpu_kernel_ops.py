@@ -1,0 +1,132 @@
+"""The CPU kernels' RMSNorm, rotary embedding, SwiGLU gating and paged decode attention
+(engine/model/kernels) against the torch ops
+they replace, for every build this CPU runs (the scalar one always), and where the engine uses them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.reference import TorchPagedAttention, paged_decode_attention
+from engine.model.kernels import kernels
+from engine.model.kernels.build import cpu_flags, runnable
+from engine.model.llama import rms_norm, silu_mul
+from engine.model.rope import apply_rotary
+
+VARIANTS = [variant.name for variant in runnable(cpu_flags())]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("shape", [(1, 576), (5, 576), (3, 2, 64), (2, 13)])
+def test_rms_norm_matches_torch_within_float32_summation_order(variant, shape):
+    # Only the order of the mean's float32 sum differs from torch's (n terms, each rounding by at
+    # most 2^-24 of the running sum): 1e-6 relative is above that at n = 576 and far below what a
+    # wrong mean, epsilon or weight moves (1e-3 and more).
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=gen) * 3
+    weight = torch.randn(shape[-1], generator=gen)
+    got = kernels(variant).rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got, rms_norm(x, weight, 1e-5), rtol=1e-6, atol=1e-6)
+    tiny = torch.full(shape, 1e-4)  # where eps is most of the mean of squares
+    torch.testing.assert_close(kernels(variant).rms_norm(tiny, weight, 1e-5), rms_norm(tiny, weight, 1e-5),
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rms_norm_of_a_row_does_not_depend_on_its_batch(variant):
+    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(1))
+    weight = torch.randn(576)
+    batched = kernels(variant).rms_norm(x, weight, 1e-6)
+    assert all(torch.equal(batched[i], kernels(variant).rms_norm(x[i : i + 1], weight, 1e-6)[0]) for i in range(7))
+    assert torch.equal(kernels(variant).rms_norm(x.t().contiguous().t(), weight, 1e-6), batched)  # strided input
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rotary_rotates_a_view_in_place_bit_for_bit_as_apply_rotary(variant):
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(5, 15 * 64, generator=gen)  # 12 rotated heads, then 3 that must stay as they are
+    angles = torch.rand(5, 1, 32, generator=gen) * 100
+    cos, sin = angles.cos(), angles.sin()
+    want = apply_rotary(qkv[:, : 12 * 64].view(5, 12, 64), cos, sin)
+    untouched = qkv[:, 12 * 64 :].clone()
+    view = qkv[:, : 12 * 64].view(5, 12, 64)
+    got = kernels(variant).rotary(view, cos, sin)
+    assert got.data_ptr() == view.data_ptr() and torch.equal(got, want)
+    assert torch.equal(qkv[:, 12 * 64 :], untouched)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_silu_mul_matches_torch_within_a_few_ulp(variant):
+    # The AVX2 build's exp is a polynomial a few ulp from expf (exp8.h), the scalar one std::exp;
+    # 1e-6 relative is above that and far below a wrong sign or half swapped (1e-1 and more).
+    gen = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(4, 2 * 1536 + 6, generator=gen) * 4  # rows of a width that leaves an 8-lane tail
+    gate_up[0, :12] = torch.tensor([-200.0, -100.0, -88.5, -87.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.5, 100.0, 200.0])
+    got = kernels(variant).silu_mul(gate_up)
+    torch.testing.assert_close(got, silu_mul(gate_up), rtol=1e-6, atol=1e-30)
+    assert torch.equal(kernels(variant).silu_mul(gate_up[2:3]), got[2:3])  # a row alone
+    wide = torch.zeros(4, 2 * gate_up.shape[1] + 8)
+    wide[:, : gate_up.shape[1]] = gate_up
+    assert torch.equal(kernels(variant).silu_mul(wide[:, : gate_up.shape[1]]), got)  # rows of a wider tensor
+
+
+def _paged_batch(seed: int, heads: int = 9, kv_heads: int = 3, head_dim: int = 64, block_size: int = 16):
+    """A cache of scattered blocks and a decode batch of 3 sequences (one reaching exactly a block's end)."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = torch.randn(2, 12, block_size, kv_heads, head_dim, generator=gen).unbind(0)
+    seq_lens = torch.tensor([37, 1, 32], dtype=torch.int32)
+    tables = torch.tensor([[7, 2, 9, 0], [4, 0, 0, 0], [11, 5, 0, 0]], dtype=torch.int32)
+    slots = torch.tensor([int(tables[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                          for b, n in enumerate(seq_lens.tolist())])
+    q = torch.randn(3, heads, head_dim, generator=gen)
+    k, v = torch.randn(2, 3, kv_heads, head_dim, generator=gen).unbind(0)
+    return q, k, v, k_cache, v_cache, slots, tables, seq_lens
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("heads", [9, 3])  # grouped-query (3 per KV head) and one query head per KV head
+def test_decode_attention_stores_the_rows_and_matches_the_torch_path(variant, heads):
+    q, k, v, k_cache, v_cache, slots, tables, seq_lens = _paged_batch(0, heads=heads)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for cache, rows in ((want_k, k), (want_v, v)):
+        cache.view(-1, *rows.shape[1:])[slots] = rows
+    want = paged_decode_attention(q, want_k, want_v, tables, seq_lens, 0.125)
+    got = kernels(variant).decode_attention(q, k, v, k_cache, v_cache, slots, tables, seq_lens, 0.125)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    # Softmax-weighted sums of unit-scale values over at most 37 rows in fp32: 1e-5 is above the
+    # rounding of either order and far below a misread row, head or scale (1e-2 and more).
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    alone = kernels(variant).decode_attention(q[:1], k[:1], v[:1], k_cache, v_cache, slots[:1], tables[:1],
+                                              seq_lens[:1], 0.125)
+    assert torch.equal(alone[0], got[0])  # a sequence's result does not depend on its batch
+
+
+def test_decode_attention_refuses_a_block_id_outside_the_cache():
+    q, k, v, k_cache, v_cache, slots, tables, seq_lens = _paged_batch(1)
+    tables[0, 2] = 12
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels().decode_attention(q, k, v, k_cache, v_cache, slots, tables, seq_lens, 0.125)
+
+
+def test_the_torch_backend_runs_fp32_decode_batches_through_the_op_and_the_rest_through_torch():
+    q, k, v, k_cache, v_cache, slots, tables, seq_lens = _paged_batch(2)
+    calls: list[int] = []
+
+    def recording(*args):
+        calls.append(args[0].shape[0])
+        return kernels().decode_attention(*args)
+
+    meta = AttentionMetadata(slot_mapping=slots, query_start_loc=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+                             seq_lens=seq_lens, block_tables=tables, query_lens_list=(1, 1, 1),
+                             seq_lens_list=tuple(seq_lens.tolist()))
+    fast_k, fast_v = k_cache.clone(), v_cache.clone()
+    got = TorchPagedAttention(dense_decode=recording).forward(q, k, v, fast_k, fast_v, meta, 0.125)
+    want = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    assert calls == [3]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fast_k, k_cache) and torch.equal(fast_v, v_cache)
+    TorchPagedAttention(dense_decode=recording).forward(q.double(), k.double(), v.double(), k_cache.double(),
+                                                        v_cache.double(), meta, 0.125)
+    assert calls == [3]  # not fp32: the torch path
+
