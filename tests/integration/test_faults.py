@@ -20,6 +20,7 @@ import pytest
 from parity_prompts import travel_diary
 from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS
+from routing_metrics import increase, poll, prefill_attempts
 
 from bench.harness.leak_check import assert_no_leaks, load_report
 from bench.harness.worker import WorkerProcess, start_worker
@@ -97,21 +98,11 @@ def _routed(gateway: WorkerProcess) -> dict[str, float]:
     """The gateway's attempts so far (retries included) per prefill worker ("local": none)."""
     with urllib.request.urlopen(f"http://{gateway.http_address}/metrics", timeout=30) as reply:
         text = reply.read().decode()
-    return {sample.labels["worker"]: sample.value
-            for family in text_string_to_metric_families(text) if family.name == "tandem:routing_decisions"
-            for sample in family.samples
-            if sample.name.endswith("_total") and sample.labels["pool"] == "prefill"}
-
-
-def _more(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {worker: count - before.get(worker, 0) for worker, count in after.items() if count > before.get(worker, 0)}
+    return prefill_attempts(text_string_to_metric_families(text))
 
 
 def _poll(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+    poll(condition, what, DEADLINE_S)
 
 
 @pytest.mark.parametrize("fault", ["corrupt", "drop", "stall"])
@@ -122,7 +113,7 @@ def test_transfer_fault_is_retried_on_the_other_prefill_worker(mesh, tokenizer, 
     expected = reference(prompt)
     before = _routed(gateway)
     assert _token_ids(gateway, prompt) == expected
-    [first] = _more(before, _routed(gateway))  # the prefill worker that served it now holds its prefix
+    [first] = increase(before, _routed(gateway))  # the prefill worker that served it now holds its prefix
     index = [str(w.address) for w in mesh.prefill].index(first)
     other = str(mesh.prefill[1 - index].address)
     mesh.fault_files[index].write_text(fault)
@@ -132,7 +123,7 @@ def test_transfer_fault_is_retried_on_the_other_prefill_worker(mesh, tokenizer, 
         assert _token_ids(gateway, prompt) == expected
     finally:
         mesh.fault_files[index].write_text("")
-    assert _more(before, _routed(gateway)) == {first: 1, other: 1}
+    assert increase(before, _routed(gateway)) == {first: 1, other: 1}
     assert f"{ENV_VAR}: {fault}" in mesh.prefill[index].log_tail(200)
     assert_no_leaks(mesh.workers)
 
@@ -171,7 +162,7 @@ def test_prefill_workers_killed_mid_prefill_then_mid_transfer(mesh, tokenizer, r
         killed.proc.kill()
         assert [i for chunk in stream for i in chunk.token_ids] == expected
     [survivor] = [v for v in mesh.victims if v is not killed]
-    assert _more(before, _routed(gateway)) == {str(killed.address): 1, str(survivor.address): 1}
+    assert increase(before, _routed(gateway)) == {str(killed.address): 1, str(survivor.address): 1}
     assert_no_leaks([survivor, *mesh.workers])
 
     # Mid-transfer: the survivor's pages stall (the test hook) and it is killed while holding them;
@@ -185,7 +176,7 @@ def test_prefill_workers_killed_mid_prefill_then_mid_transfer(mesh, tokenizer, r
         _poll(lambda: _delivering(survivor), "the survivor never held computed pages")
         survivor.proc.kill()
         assert [i for chunk in stream for i in chunk.token_ids] == expected
-    assert _more(before, _routed(gateway)) == {str(survivor.address): 1, "local": 1}
+    assert increase(before, _routed(gateway)) == {str(survivor.address): 1, "local": 1}
     assert_no_leaks(mesh.workers)
 
 

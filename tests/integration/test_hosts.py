@@ -29,6 +29,7 @@ from certs import TestCa
 from parity_prompts import travel_diary
 from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS
+from routing_metrics import increase, poll, prefill_attempts
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 
 from bench.harness.host_mesh import DECODE_HOSTS, HOST_NAMES, PREFILL_HOSTS, HostMesh, start_host_mesh
@@ -149,21 +150,11 @@ def _metrics(world: World, gateway: str) -> list:
 
 def _routed(world: World, gateway: str) -> dict[str, float]:
     """The gateway's attempts so far (retries included) per prefill worker ("local": none)."""
-    return {sample.labels["worker"]: sample.value
-            for family in _metrics(world, gateway) if family.name == "tandem:routing_decisions"
-            for sample in family.samples
-            if sample.name.endswith("_total") and sample.labels["pool"] == "prefill"}
-
-
-def _more(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {worker: count - before.get(worker, 0) for worker, count in after.items() if count > before.get(worker, 0)}
+    return prefill_attempts(_metrics(world, gateway))
 
 
 def _poll(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+    poll(condition, what, DEADLINE_S)
 
 
 def _no_leaks(world: World) -> None:
@@ -224,7 +215,7 @@ def test_prefill_links_down_while_pairs_are_made_fall_back_to_local_prefill(worl
     # Each prefill worker was tried, failed by the decode worker's KV deadline, and the decode
     # worker prefilled the prompt itself.
     prefill = {str(world.mesh.prefill[host].address): 1 for host in PREFILL_HOSTS}
-    assert _more(before, _routed(world, "torch_dist")) == {**prefill, "local": 1}
+    assert increase(before, _routed(world, "torch_dist")) == {**prefill, "local": 1}
     _no_leaks(world)
     for host in PREFILL_HOSTS:
         _served_through(world, "decode-1", host, prompt, expected)
@@ -304,7 +295,7 @@ def test_a_prefill_link_down_mid_transfer_is_retried_on_the_other_prefill_host(w
             world.hosts.uncap(host)
     assert tokens == expected
     [other] = [host for host in PREFILL_HOSTS if host != cut]
-    assert _more(before, _routed(world, backend)) == {str(world.mesh.prefill[h].address): 1 for h in (cut, other)}
+    assert increase(before, _routed(world, backend)) == {str(world.mesh.prefill[h].address): 1 for h in (cut, other)}
     _no_leaks(world)
     _served_through(world, BACKENDS[backend], cut, prompt, expected)
     _no_leaks(world)
@@ -351,7 +342,7 @@ def test_a_corrupted_torch_dist_page_is_caught_and_retried(world, tokenizer, ref
         for path in world.fault_files.values():
             path.write_text("")
     prefill = {str(world.mesh.prefill[host].address): 1 for host in PREFILL_HOSTS}
-    assert _more(before, _routed(world, "torch_dist")) == {**prefill, "local": 1}
+    assert increase(before, _routed(world, "torch_dist")) == {**prefill, "local": 1}
     assert "CRC32C mismatch" in world.mesh.gateways["torch_dist"].log_tail(400)  # why each attempt failed
     _no_leaks(world)
 
