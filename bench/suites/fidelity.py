@@ -1,7 +1,8 @@
 """Perplexity and greedy agreement of every weight, activation and KV-cache format against fp32.
 
 Each format (bench/fidelity/formats.py lists them; --formats picks some) gets its own engine on the
-shipped model, or on the checkpoint the format needs, with prefix caching off, and is scored on:
+shipped model, or on the checkpoint the format needs (given by a flag, or else built from the HF export
+into bench/.cache/quant-checkpoints/), with prefix caching off, and is scored on:
 
 - perplexity of 8 windows of 512 tokens of a fixed public-domain text committed with the bench
   (bench/texts/README.md), teacher-forced in chunks of 128 tokens, so that every chunk reads the
@@ -35,7 +36,9 @@ from bench.fidelity.report import format_table, verdict
 from bench.harness.engine_formats import engine_formats
 from bench.harness.machine import describe
 from bench.harness.model_quality import FIXED_TEXT, first_difference, perplexity, spans
+from bench.harness.quant_checkpoints import shipped_checkpoint
 from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.suites.hf_export import ensure_export
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.model.paths import default_model_path
@@ -44,6 +47,36 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
 KV_CACHE_BYTES = 256 << 20  # room for the longest window and every greedy prompt at once, in fp32
+SIZES = ("windows", "window_tokens", "chunk_tokens", "prompts", "prompt_tokens", "tokens")
+
+
+def add_size_flags(parser: argparse.ArgumentParser) -> None:
+    """The sizes of the measurement (SIZES), --quick and --out: the gptq_awq suite's too."""
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--window-tokens", type=int, default=512)
+    parser.add_argument("--chunk-tokens", type=int, default=128, help="tokens per forward pass in a window")
+    parser.add_argument("--prompts", type=int, default=8, help="greedy prompts")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument("--out", default=None, help="JSON results (default: bench/results/SUITE.json, or "
+                        "bench/results/smoke/ with --quick)")
+
+
+def parse_sizes(parser: argparse.ArgumentParser, argv: Sequence[str], module: str) -> argparse.Namespace:
+    """Parse; --quick swaps in small sizes for a smoke run; --out defaults to the suite `module`'s path."""
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.windows, args.window_tokens, args.chunk_tokens = 2, 128, 64
+        args.prompts, args.prompt_tokens, args.tokens = 2, 32, 16
+    args.out = args.out or str(results_path(module, args.quick))
+    return args
+
+
+def text_spans(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
+    """The perplexity windows and the greedy prompts, from the fixed text at the sizes in `args`."""
+    ids = Tokenizer.from_path(default_model_path()).encode(FIXED_TEXT.read_text(encoding="utf-8"))
+    return spans(ids, args.windows, args.window_tokens), spans(ids, args.prompts, args.prompt_tokens, centred=True)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -51,27 +84,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = suite_parser(__name__, __doc__)
     parser.add_argument("--formats", default=",".join(NAMES), help=f"comma-separated, from {', '.join(NAMES)} "
                         f"({REFERENCE} and the rows the chosen ones are held against are always measured)")
-    parser.add_argument("--windows", type=int, default=8)
-    parser.add_argument("--window-tokens", type=int, default=512)
-    parser.add_argument("--chunk-tokens", type=int, default=128, help="tokens per forward pass in a window")
-    parser.add_argument("--prompts", type=int, default=8, help="greedy prompts")
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--gptq-model", default=None, help="a GPTQ checkpoint of the shipped model (HF directory)")
-    parser.add_argument("--awq-model", default=None, help="an AWQ checkpoint of the shipped model (HF directory)")
-    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    parser.add_argument("--out", default=None, help="JSON results (default: bench/results/fidelity.json, or "
-                        "bench/results/smoke/ with --quick)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.windows, args.window_tokens, args.chunk_tokens = 2, 128, 64
-        args.prompts, args.prompt_tokens, args.tokens = 2, 32, 16
+    add_size_flags(parser)
+    built = "(default: one built from the HF export, round to nearest, in bench/.cache/quant-checkpoints/)"
+    parser.add_argument("--gptq-model", default=None, help=f"a GPTQ checkpoint of the shipped model {built}")
+    parser.add_argument("--awq-model", default=None, help=f"an AWQ checkpoint of the shipped model {built}")
+    args = parse_sizes(parser, argv, __name__)
     try:
         args.format_list = selected(args.formats)
     except ValueError as error:
         parser.error(str(error))
-    args.out = args.out or str(results_path(__name__, args.quick))
     return args
 
 
@@ -81,9 +103,9 @@ def engine_config(fmt: Format, args: argparse.Namespace) -> EngineConfig | str:
     if missing := [name for name in fmt.settings if name not in fields]:
         return f"this checkout's EngineConfig has no field {', '.join(missing)}"
     model = getattr(args, fmt.checkpoint) if fmt.checkpoint else None
-    if fmt.checkpoint and not model:
-        flag = f"--{fmt.checkpoint.replace('_', '-')}"
-        return f"needs a checkpoint of the shipped model in this format ({flag} DIR)"
+    if fmt.checkpoint and not model and fmt.built:
+        ensure_export()
+        model = str(shipped_checkpoint(fmt.built))
     try:
         return EngineConfig(model=model, cache=CacheConfig(memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=False),
                             **fmt.settings)
@@ -91,9 +113,10 @@ def engine_config(fmt: Format, args: argparse.Namespace) -> EngineConfig | str:
         return str(refusal)
 
 
-def measure(fmt: Format, args: argparse.Namespace, windows: list[list[int]], prompts: list[list[int]]) -> dict:
-    """One format's perplexity and greedy outputs, or why it was skipped or failed."""
-    config = engine_config(fmt, args)
+def measure(config: EngineConfig | str, args: argparse.Namespace, windows: list[list[int]],
+            prompts: list[list[int]]) -> dict:
+    """The perplexity and greedy outputs of an engine built from `config` (or the reason it cannot be
+    built), at the suite's sizes in `args`; or why it was skipped or failed."""
     if isinstance(config, str):
         return {"skipped": config}
     started = time.perf_counter()
@@ -122,13 +145,11 @@ def main(argv: Sequence[str]) -> int:
         torch.set_num_threads(args.threads)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     load = {"start": load_average()}
-    ids = Tokenizer.from_path(default_model_path()).encode(FIXED_TEXT.read_text(encoding="utf-8"))
-    windows = spans(ids, args.windows, args.window_tokens)
-    prompts = spans(ids, args.prompts, args.prompt_tokens, centred=True)
+    windows, prompts = text_spans(args)
     results: dict[str, dict] = {}
     for fmt in args.format_list:
         print(f"[fidelity] {fmt.name}: {fmt.description} (load {load_average()})", file=sys.stderr, flush=True)
-        results[fmt.name] = measure(fmt, args, windows, prompts)
+        results[fmt.name] = measure(engine_config(fmt, args), args, windows, prompts)
         outcome = results[fmt.name]
         print(f"[fidelity] {fmt.name}: " + (f"perplexity {outcome['perplexity']:.3f} in {outcome['seconds']:.0f} s"
                                             if "perplexity" in outcome else
@@ -149,8 +170,7 @@ def main(argv: Sequence[str]) -> int:
     write_results(args.out, {
         "command": command_line(__name__, argv), "started": started, "machine": machine,
         "torch_threads": torch.get_num_threads(), "load_average": load, "text": FIXED_TEXT.name,
-        "sizes": {k: getattr(args, k) for k in ("windows", "window_tokens", "chunk_tokens", "prompts",
-                                                 "prompt_tokens", "tokens")},
+        "sizes": {k: getattr(args, k) for k in SIZES},
         "formats": {f.name: {**dataclasses.asdict(f), **results[f.name], **verdict(f, results)}
                     for f in args.format_list},
     })

@@ -8,16 +8,15 @@ test reads the tensors and builds no model.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from quant_checkpoints import Layout, quantize, write_checkpoint
 from reference import check_against
 from safetensors.torch import save_file
 
+from bench.harness.quant_checkpoints import Layout, input_seed, is_linear, quantize, write_checkpoint
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.model.loader import ModelFiles, load_model_files
@@ -26,8 +25,6 @@ from engine.model.quantized_linear import QuantizedLinear
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")
 SERVED = "gptq_actorder_g64"
 LAYOUTS = {
     SERVED: Layout("gptq", 64, act_order=True),
@@ -52,7 +49,7 @@ def float_weights(model_files) -> dict[str, torch.Tensor]:
 def shared(float_weights, tokenizer, tmp_path_factory) -> dict[str, Path]:
     """The served checkpoint's float tensors (embedding, norms) and tokenizer.json, written once."""
     directory = tmp_path_factory.mktemp("shared")
-    floats = {name: weight for name, weight in float_weights.items() if not _is_linear(name)}
+    floats = {name: weight for name, weight in float_weights.items() if not is_linear(name)}
     save_file(floats, str(directory / "float.safetensors"))
     tokenizer._backend.save(str(directory / "tokenizer.json"))  # any tokenizer.json of the vocabulary will do
     return {"float": directory / "float.safetensors", "tokenizer": directory / "tokenizer.json"}
@@ -68,8 +65,8 @@ def checkpoint(model_files, float_weights, shared, tmp_path_factory):
             layout = LAYOUTS[name]
             every_layer = name == SERVED
             linears = {layer: weight for layer, weight in float_weights.items()
-                       if _is_linear(layer) and (every_layer or _in_some_layer(layer))}
-            packed = {layer: quantize(weight, layout, _input_seed(layer)) for layer, weight in linears.items()}
+                       if is_linear(layer) and (every_layer or _in_some_layer(layer))}
+            packed = {layer: quantize(weight, layout, input_seed(layer)) for layer, weight in linears.items()}
             floats = [shared["float"]] if every_layer else []
             directory = tmp_path_factory.mktemp(name) / "model"
             write_checkpoint(directory, model_files.config, floats, packed, layout, shared["tokenizer"])
@@ -79,20 +76,8 @@ def checkpoint(model_files, float_weights, shared, tmp_path_factory):
     return build
 
 
-def _is_linear(name: str) -> bool:
-    return name.removesuffix(".weight").endswith(LINEARS)
-
-
 def _in_some_layer(name: str) -> bool:
     return any(name.startswith(f"model.layers.{index}.") for index in SOME_LAYERS)
-
-
-def _input_seed(name: str) -> int:
-    """One seed per layer input: q/k/v read one, gate/up another."""
-    for sibling, shared_input in (("q_proj", "qkv"), ("k_proj", "qkv"), ("v_proj", "qkv"), ("up_proj", "gate_up"),
-                                  ("gate_proj", "gate_up")):
-        name = name.replace(sibling, shared_input)
-    return zlib.crc32(name.encode())
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from quant_checkpoints import hf_config
 from safetensors.torch import save_file
 
+from bench.harness.quant_checkpoints import hf_config
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model.loader import load_model_files

