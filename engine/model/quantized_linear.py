@@ -1,7 +1,7 @@
 """The matrix-product and embedding kinds over a QuantizedWeight (weight-only: activations stay in their dtype).
 
 `QuantizedLinear` packs the weight once at load for the CPU kernels (engine/model/kernels): 4-bit
-values two to a byte in a GGUF block's nibble order, 8-bit values as int8, fp32 scales and
+values two to a byte in spans of 64 that unpack without byte shuffles, 8-bit values as int8, fp32 scales and
 offsets per group. Each weight the kernel multiplies is fl(scale·q), the first rounding of
 QuantizedWeight.dequantize(); the offset enters as offset·Σx over the group. So for formats
 without an offset (Q8_0, round-to-nearest int8) the products use exactly the dequantized weights;
@@ -30,6 +30,7 @@ from engine.model.quantized import QuantizedWeight
 DENSE_MIN_ROWS = 64  # from this many rows up, dequantize + torch's GEMM beats the kernel
 KERNEL_CHUNK = 32  # the kernels unpack 32 weights at a time: group sizes must be multiples of it
 BLOCK_ROWS = 8  # rows interleaved in the kernels' layout
+SPAN = 64  # 4-bit weights per span: 8 words of 8 nibbles
 
 
 def has_kernel(weight: QuantizedWeight) -> bool:
@@ -39,8 +40,9 @@ def has_kernel(weight: QuantizedWeight) -> bool:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A QuantizedWeight in the kernels' layout (engine/model/kernels/qmatmul.cpp): rows in blocks
-    of 8, the last padded, chunk by chunk of 32 weights within a block."""
+    """A QuantizedWeight in the kernels' layout (engine/model/kernels/qmatmul_core.h): rows in
+    blocks of 8, the last padded; within a block, 8-bit values chunk by chunk of 32 weights, 4-bit
+    ones span by span of 64 (`_spans`)."""
 
     packed: torch.Tensor  # uint8 [blocks, K*4] (4-bit: two to a byte) or int8 [blocks, K*8] (8-bit)
     scale: torch.Tensor  # float32 [blocks, groups, 8]
@@ -62,14 +64,12 @@ class PackedWeight:
         if weight.bits == 4:
             if q.dtype == torch.int8:  # -8..7 stored as 0..15: w = scale·(q' - 8)
                 q, offset = (q + 8).to(torch.uint8), _shifted(offset, scale, -8.0)
-            halves = q.view(rows, cols // KERNEL_CHUNK, 2, KERNEL_CHUNK // 2)
-            chunks = halves[:, :, 0] | (halves[:, :, 1] << 4)  # [rows, chunks, 16]
-        elif q.dtype == torch.uint8:  # 0..255 stored as -128..127: w = scale·(q' + 128)
-            chunks = (q.to(torch.int16) - 128).to(torch.int8).view(rows, -1, KERNEL_CHUNK)
-            offset = _shifted(offset, scale, 128.0)
+            packed = _spans(q)
         else:
-            chunks = q.view(rows, -1, KERNEL_CHUNK)
-        return cls(_blocked(chunks).reshape(-1, cols * weight.bits), _blocked(scale),
+            if q.dtype == torch.uint8:  # 0..255 stored as -128..127: w = scale·(q' + 128)
+                q, offset = (q.to(torch.int16) - 128).to(torch.int8), _shifted(offset, scale, 128.0)
+            packed = _blocked(q.view(rows, -1, KERNEL_CHUNK)).reshape(-1, cols * 8)
+        return cls(packed, _blocked(scale),
                    None if offset is None else _blocked(offset), weight.bits, weight.group_size, rows,
                    None if weight.perm is None else weight.perm.long())
 
@@ -77,6 +77,26 @@ class PackedWeight:
     def shape(self) -> tuple[int, int]:
         """[N, K]."""
         return (self.rows, self.packed.shape[1] // self.bits)
+
+
+def _spans(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values [rows, K] (0..15) in the kernels' layout (qmatmul_core.h): per block of 8 rows,
+    span by span of 64 weights (a last one of 32 where K is an odd number of chunks), each row's
+    span as little-endian words whose nibble s of word l is weight 8s + l; [blocks, K * 4] bytes."""
+    rows, cols = q.shape
+    full = cols // SPAN * SPAN
+
+    def words(part: torch.Tensor, nibbles: int) -> torch.Tensor:
+        # byte b of word l holds nibbles 2b (low) and 2b + 1 (high): weights 16b + l and 16b + 8 + l.
+        pairs = part.reshape(rows, -1, nibbles // 2, 2, 8)
+        data = pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)  # [rows, spans, byte b, word l]
+        return _blocked(data.transpose(2, 3).reshape(rows, -1, 8 * nibbles // 2))
+
+    parts = [words(q[:, :full], 8)]
+    if full < cols:
+        parts.append(words(q[:, full:], 4))
+    blocks = parts[0].shape[0]
+    return torch.cat([part.reshape(blocks, -1) for part in parts], dim=1).contiguous()
 
 
 def _blocked(per_row: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,10 @@
 //
 // W is engine.model.quantized's representation (w = scale·q + offset per group of G weights, G a
 // multiple of 32), packed by engine.model.quantized_linear.PackedWeight in blocks of 8 rows (the
-// last padded): within a block, chunk by chunk (32 weights), each row's chunk in turn:
-//   bits 4: 16 bytes a chunk, byte j holding weight j (low nibble) and weight j+16 (high nibble),
-//           the order of a GGUF Q4 block; values 0..15;
-//   bits 8: 32 int8 a chunk;
-//   scale, offset: fp32 [blocks, K/G, 8].
+// last padded), scale and offset fp32 [blocks, K/G, 8]; 8-bit values (int8) chunk by chunk (32
+// weights), each row's chunk in turn; 4-bit values (0..15) span by span (64 weights), each row's
+// span in turn as 8 words whose nibble s of word l is weight 8s + l (qmatmul_core.h, Problem), so
+// that unpacking needs a mask and a conversion per 8 weights and no byte shuffles.
 // A tile of up to 8 rows then reads one stream with each row at a fixed offset (one pointer, not
 // eight: x86 has too few registers for eight).
 //
@@ -94,6 +93,13 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
         for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) s += xs[m * K + k];
         sums[m * groups + g] = s;
       }
+  }
+  std::vector<float> x4;
+  if (bits == 4) {
+    // x·16^-j at weight 8j + l of each chunk, to match unpack4's q·16^j (exact: powers of two).
+    x4.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) x4[i] = xs[i] * kX4Scale[(i % K % kChunk) / 8];
+    xs = x4.data();
   }
   const Problem p = problem(xs, M, K, N, packed, scale, offset, group_size, sums.empty() ? nullptr : sums.data(),
                             bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>());

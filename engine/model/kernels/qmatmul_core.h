@@ -17,6 +17,7 @@ namespace tandem_qmm {
 constexpr int64_t kChunk = 32;        // weights per unpack step; group sizes are multiples of it
 constexpr int64_t kRowsPerTask = 64;  // output rows per parallel task: their weights stay in cache across row blocks of x
 constexpr int64_t kBlockRows = 8;     // rows interleaved in the packed layout (see Problem)
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the weight stream to prefetch (see prefetch_ahead)
 
 #if TANDEM_SIMD
 struct Vec {
@@ -37,15 +38,13 @@ inline float hsum(Vec a) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
-inline void unpack4(const uint8_t* p, Vec w[4]) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(bytes, mask);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  w[0].v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  w[1].v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
-  w[2].v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  w[3].v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
+// Chunk `half` (0 or 1) of a 4-bit span (see Problem): lane l of w[j] is q·16^j for weight 8j + l of
+// the chunk. No byte shuffles: a mask per j and one conversion (the 16^j is undone in x, see x4_scale).
+inline void unpack4(const uint8_t* p, int64_t half, bool full, Vec w[4]) {
+  __m256i v = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                   : _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if (half) v = _mm256_srli_epi32(v, 16);
+  for (int j = 0; j < 4; ++j) w[j].v = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF << (4 * j))));
 }
 
 inline void unpack8(const int8_t* p, Vec w[4]) {
@@ -88,10 +87,13 @@ inline float hsum(Vec a) {
   const float s0 = a.v[0] + a.v[4], s1 = a.v[1] + a.v[5], s2 = a.v[2] + a.v[6], s3 = a.v[3] + a.v[7];
   return (s0 + s2) + (s1 + s3);
 }
-inline void unpack4(const uint8_t* p, Vec w[4]) {
-  for (int j = 0; j < 16; ++j) {
-    w[j / 8].v[j % 8] = static_cast<float>(p[j] & 0x0F);
-    w[2 + j / 8].v[j % 8] = static_cast<float>(p[j] >> 4);
+inline void unpack4(const uint8_t* p, int64_t half, bool full, Vec w[4]) {
+  for (int l = 0; l < 8; ++l) {
+    uint32_t v = full ? (uint32_t(p[4 * l]) | uint32_t(p[4 * l + 1]) << 8 | uint32_t(p[4 * l + 2]) << 16 |
+                         uint32_t(p[4 * l + 3]) << 24)
+                      : (uint32_t(p[2 * l]) | uint32_t(p[2 * l + 1]) << 8);
+    if (half) v >>= 16;
+    for (int j = 0; j < 4; ++j) w[j].v[l] = static_cast<float>(v & (0xFu << (4 * j)));
   }
 }
 inline void unpack8(const int8_t* p, Vec w[4]) {
@@ -99,24 +101,16 @@ inline void unpack8(const int8_t* p, Vec w[4]) {
 }
 #endif
 
-// Bytes of one chunk of one row: 32 nibbles or 32 int8 values.
-template <int BITS>
-constexpr int64_t chunk_bytes() {
-  return BITS == 4 ? kChunk / 2 : kChunk;
-}
+// 4-bit weights come as w[j] = q·16^j (unpack4); x is read multiplied by 16^-j to match (exact:
+// powers of two), so each product x·q, and every sum of them, is what it would be on q itself.
+constexpr float kX4Scale[4] = {1.0f, 1.0f / 16, 1.0f / 256, 1.0f / 4096};
 
-template <int BITS>
-inline void unpack(const uint8_t* chunk, Vec w[4]) {
-  if constexpr (BITS == 4) {
-    unpack4(chunk, w);
-  } else {
-    unpack8(reinterpret_cast<const int8_t*>(chunk), w);
-  }
-}
-
-// The packed weight, in blocks of kBlockRows rows (the last block padded): within a block, chunk
-// by chunk, the chunk of each of its rows in turn; scales and offsets [blocks, groups, kBlockRows].
-// A tile of up to 8 rows then reads one stream and finds each row at a fixed offset.
+// The packed weight, in blocks of kBlockRows rows (the last block padded), scales and offsets
+// [blocks, groups, kBlockRows]. Within a block, 8-bit weights go chunk by chunk (32 weights), each
+// row's chunk in turn; 4-bit weights span by span (64 weights, a last one of 32 where K is an odd
+// number of chunks), each row's span in turn: a span is 8 little-endian 32-bit words (16-bit for a
+// 32-weight span), word l holding in its nibble s the weight 8s + l. A tile of up to 8 rows then
+// reads one stream and finds each row at a fixed offset.
 struct Problem {
   const float* x;
   int64_t M, K, N;
@@ -130,9 +124,33 @@ struct Problem {
 };
 
 template <int BITS>
-inline const uint8_t* block_chunks(const Problem& p, int64_t n) {
-  // Row n's first chunk; chunk c is kBlockRows * chunk_bytes further on per chunk.
-  return p.q + (n / kBlockRows) * (p.K / kChunk) * kBlockRows * chunk_bytes<BITS>() + (n % kBlockRows) * chunk_bytes<BITS>();
+inline const uint8_t* block_base(const Problem& p, int64_t n) {
+  // A block holds 8 rows of K weights of BITS bits: K·BITS bytes.
+  return p.q + (n / kBlockRows) * p.K * BITS;
+}
+
+// The weights of chunk c of row j (0..7) of a block, as unpack4/unpack8 give them.
+template <int BITS>
+inline void load_chunk(const Problem& p, const uint8_t* block, int64_t j, int64_t c, Vec w[4]) {
+  if constexpr (BITS == 4) {
+    const int64_t span = c / 2;
+    const bool full = (span + 1) * 2 * kChunk <= p.K;
+    unpack4(block + span * kBlockRows * kChunk + j * (full ? kChunk : kChunk / 2), c % 2, full, w);
+  } else {
+    unpack8(reinterpret_cast<const int8_t*>(block + (c * kBlockRows + j) * kChunk), w);
+  }
+}
+
+// A model's weights are larger than the caches and stream from memory once a step; the hardware
+// prefetcher alone leaves a one-row product waiting on them (measured: a third slower). So the
+// first tile of a block asks for the bytes kPrefetchBytes beyond the chunk it unpacks.
+template <int BITS>
+inline void prefetch_ahead(const uint8_t* block, int64_t c) {
+#if TANDEM_SIMD
+  constexpr int64_t step = kBlockRows * kChunk * BITS / 8;  // bytes of one chunk of a block's 8 rows
+  const char* ahead = reinterpret_cast<const char*>(block + c * step + kPrefetchBytes);
+  for (int64_t line = 0; line < step; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+#endif
 }
 
 inline int64_t block_group(const Problem& p, int64_t n) {
@@ -170,8 +188,8 @@ inline void epilogue(const Problem& p, int64_t n_begin, int64_t n_end) {
 // small loops unrolled they all stay in registers.
 template <int BITS, bool GROUPS_OF_32, int MB, int NB>
 void tile(const Problem& p, int64_t m0, int64_t n0) {
-  constexpr int64_t row_bytes = chunk_bytes<BITS>(), step = kBlockRows * chunk_bytes<BITS>();
-  const uint8_t* q = block_chunks<BITS>(p, n0);
+  const uint8_t* block = block_base<BITS>(p, n0);
+  const int64_t row0 = n0 % kBlockRows;
   const float* scale = p.scale + block_group(p, n0);
   const float* x = p.x + m0 * p.K;
   Vec acc[MB][NB];
@@ -180,11 +198,12 @@ void tile(const Problem& p, int64_t m0, int64_t n0) {
 #pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) acc[i][j] = zero();
   for (int64_t g = 0; g < p.groups; ++g, scale += kBlockRows) {
-    for (int64_t c = g * p.chunks_per_group; c < (g + 1) * p.chunks_per_group; ++c, q += step) {
+    for (int64_t c = g * p.chunks_per_group; c < (g + 1) * p.chunks_per_group; ++c) {
+      if (row0 == 0) prefetch_ahead<BITS>(block, c);
 #pragma GCC unroll 8
       for (int j = 0; j < NB; ++j) {
         Vec w[4];
-        unpack<BITS>(q + j * row_bytes, w);
+        load_chunk<BITS>(p, block, row0 + j, c, w);
         const Vec d = broadcast(scale + j);
         if constexpr (GROUPS_OF_32) {
           // A group is one chunk: scale its dot product once (one multiply instead of four).
@@ -244,14 +263,15 @@ void rows_task(const Problem& p, int64_t n_begin, int64_t n_end) {
 template <int BITS>
 void dequantize_rows(const Problem& p, float* out, int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* q = block_chunks<BITS>(p, n);
+    const uint8_t* block = block_base<BITS>(p, n);
     const int64_t first_group = block_group(p, n);
-    for (int64_t c = 0; c < p.K / kChunk; ++c, q += kBlockRows * chunk_bytes<BITS>()) {
+    for (int64_t c = 0; c < p.K / kChunk; ++c) {
       const int64_t g = first_group + (c / p.chunks_per_group) * kBlockRows;
       Vec w[4];
-      unpack<BITS>(q, w);
+      load_chunk<BITS>(p, block, n % kBlockRows, c, w);
       const Vec d = broadcast(p.scale + g);
       for (int s = 0; s < 4; ++s) {
+        if constexpr (BITS == 4) w[s] = mul(w[s], broadcast(&kX4Scale[s]));  // q itself: exact
         Vec v = mul(w[s], d);
         if (p.offset != nullptr) v = add(v, broadcast(p.offset + g));
         store(out + n * p.K + c * kChunk + 8 * s, v);
