@@ -20,7 +20,7 @@ from engine.offline import generate
 from engine.sampling_params import SamplingParams
 
 STEPPED = 8
-GREEDY_TOKENS = 32
+GREEDY_TOKENS = 16
 BLOCK_SIZE = 16
 SMALL_CACHE = CacheConfig(num_blocks=96, memory_bytes=None, enable_prefix_caching=False)
 STORY = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
