@@ -39,7 +39,7 @@ inline float hsum(Vec a) {
 }
 
 // Chunk `half` (0 or 1) of a 4-bit span (see Problem): lane l of w[j] is q·16^j for weight 8j + l of
-// the chunk. No byte shuffles: a mask per j and one conversion (the 16^j is undone in x, see x4_scale).
+// the chunk. No byte shuffles: a mask per j and one conversion (the 16^j is undone in x, see kX4Scale).
 inline void unpack4(const uint8_t* p, int64_t half, bool full, Vec w[4]) {
   __m256i v = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
                    : _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
