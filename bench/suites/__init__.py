@@ -15,8 +15,8 @@ from pathlib import Path
 
 SUITES = (
     "engine_throughput", "speed", "decode_overhead", "fidelity", "cpu_weights", "weight_formats", "int8_prefill",
-    "gptq_awq", "kv_transfer", "mesh_overhead", "links", "routing_overhead", "tracing_overhead", "goodput",
-    "prompt_batching", "planner_sim", "cancel_storm", "overload", "soak", "hf_export",
+    "gptq_awq", "prompt_fp16", "kv_transfer", "mesh_overhead", "links", "routing_overhead", "tracing_overhead",
+    "goodput", "prompt_batching", "planner_sim", "cancel_storm", "overload", "soak", "hf_export",
 )
 
 

@@ -17,7 +17,9 @@ fbgemm's fp16 product runs on one thread, so with more torch threads only the sm
 it (beside a multi-threaded oneDNN product it wins only there). Each format keeps the fp32 weight
 for the inputs its packed kernel does not win, so every path computes with the same weight values.
 The row limits below are where the kernels cross over (docs/benchmarks.md, "Weights held at fp16
-for decode").
+for decode" and "Prompts under gguf": on an AMD EPYC with AVX2, one thread, 2026-12-01, the fp16
+product stayed faster at 512 and 1,024 rows, where an earlier run had put the limit at 512, so every
+prompt chunk of the default 2,048-token budget takes it).
 
 torch marks the two aten fp16 ops deprecated (each prints one warning line per process); their
 replacement, `torch.ops.quantized.linear_dynamic_fp16`, is slower per decode step from per-call
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from engine.config import CpuWeights
 
 PACKED_MAX_ROWS = 64  # from this many rows (tokens) up, F.linear beats the oneDNN-packed weight
-FP16_MAX_ROWS = 512  # one thread: from this many rows up, F.linear beats fbgemm's fp16 product
+FP16_MAX_ROWS = 4096  # one thread: fbgemm's fp16 product measured faster than F.linear up to 2,048 rows
 FP16_MAX_ROWS_THREADED = 16  # several threads: fbgemm still runs on one
 
 
@@ -78,6 +80,11 @@ def can_prepare(weight: torch.Tensor, weights: CpuWeights) -> bool:
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return False
     if weights == "fp16":
-        return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
-            torch.ops.aten, "fbgemm_linear_fp16_weight_fp32_activation")
+        return has_fp16_product()
     return weights == "fp32" and torch.backends.mkldnn.is_available()
+
+
+def has_fp16_product() -> bool:
+    """Whether this torch was built with fbgemm's fp16-weight product."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
+        torch.ops.aten, "fbgemm_linear_fp16_weight_fp32_activation")

@@ -10,9 +10,15 @@ is the fp32 rounding (GGUF's fp16 d makes d·q exact in fp32). Signed 4-bit and 
 values are shifted into the stored range and the shift folded into the offset (one more rounding
 of the offset there).
 
-From `DENSE_MIN_ROWS` rows up (prefill chunks) the kernel's product loses to torch's GEMM, so the
+From `DENSE_MIN_ROWS` rows up (prefill chunks) the kernel's product loses to a GEMM. There the
 weight is dequantized (bit for bit QuantizedWeight.dequantize() for the formats above) and goes
-through F.linear; no dense copy is kept between calls (docs/benchmarks.md, "Quantized weights").
+through F.linear, with no dense copy kept between calls; or, with `prompt_fp16` (what
+`--cpu-weights fp16` asks for), through fbgemm's fp16-weight product over a copy of the dequantized
+weight rounded to fp16 (each weight moved by at most 2⁻¹¹ of itself), below the row limit where
+that product wins (engine.model.linear.fp16_max_rows: it runs on one thread). One thread on an AMD
+EPYC (AVX2), 256 rows, the gate/up weight 3072x576: 12.4 ms against 1.4 + 17.9 ms dequantized;
+prompts 1.06-1.29x faster (docs/benchmarks.md, "Prompts under gguf"). The copy is packed on the
+first such input, so a worker that never computes a prompt (a decode worker) never holds it.
 
 `QuantizedEmbedding` dequantizes just the rows a step looks up, with dequantize()'s arithmetic.
 """
@@ -25,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.kernels import Kernels, kernels
+from engine.model.linear import fp16_max_rows
 from engine.model.quantized import QuantizedWeight
 
 DENSE_MIN_ROWS = 64  # from this many rows up, dequantize + torch's GEMM beats the kernel
@@ -117,22 +124,38 @@ def _shifted(offset: torch.Tensor | None, scale: torch.Tensor, shift: float) -> 
 class QuantizedLinear:
     """y = x·Wᵀ (+ b) over a packed QuantizedWeight: the kernel for small inputs, GEMM for large."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, ops: Kernels | None = None) -> None:
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, ops: Kernels | None = None,
+                 prompt_fp16: bool = False) -> None:
         self.source = weight
         self.weight = PackedWeight.pack(weight)
         self.bias = bias
+        self.prompt_fp16 = prompt_fp16
         self._bias32 = None if bias is None else bias.float().contiguous()
         self._ops = kernels() if ops is None else ops
+        self._fp16: torch.Tensor | None = None  # fbgemm-packed fp16 copy, made on first use
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if w.perm is not None:
             x = x.index_select(1, w.perm)
-        if x.shape[0] >= DENSE_MIN_ROWS:
+        rows = x.shape[0]
+        if rows >= DENSE_MIN_ROWS:
+            if self.prompt_fp16 and x.dtype == torch.float32 and rows < fp16_max_rows():
+                return torch.ops.aten.fbgemm_linear_fp16_weight_fp32_activation(x, self._prompt_weight(), self._bias32)
             dense = self.dequantize().to(x.dtype)
             return F.linear(x, dense, self.bias)
         y = self._ops.matmul(x.float().contiguous(), w, self._bias32)
         return y.to(x.dtype)
+
+    @property
+    def holds_prompt_copy(self) -> bool:
+        """Whether the fp16 copy for prompt-sized inputs has been packed."""
+        return self._fp16 is not None
+
+    def _prompt_weight(self) -> torch.Tensor:
+        if self._fp16 is None:
+            self._fp16 = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(self.dequantize())  # rounds to nearest fp16
+        return self._fp16
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [N, K], columns in q's order (act-order weights: not input-feature order)."""

@@ -6,7 +6,8 @@ Each format is one kind of product chosen at load, so the model code never branc
   `Linear` (engine.model.linear) prepares them for `EngineConfig.cpu_weights`;
 - "gguf", "gptq", "awq" (the checkpoint's own integer groups): the GGUF file's blocks
   (engine.model.gguf_blocks) or a GPTQ/AWQ checkpoint's packed layers (engine.model.gptq_awq)
-  through the CPU kernels (`QuantizedLinear`); tensors whose groups no kernel takes on the device
+  through the CPU kernels (`QuantizedLinear`; where `cpu_weights` is "fp16", prompt-sized inputs
+  take fbgemm's product over an fp16 copy); tensors whose groups no kernel takes on the device
   (GPTQ/AWQ off CPU, a group size the kernels cannot step through, a GGUF block type no loader
   maps) are served dequantized and named in a start-up warning, never silently;
 - "int8": every product's float weight (a GGUF file's dequantized, or an HF checkpoint's)
@@ -28,7 +29,7 @@ import torch
 
 from engine.config import CpuWeights
 from engine.model.int8 import quantize_int8
-from engine.model.linear import Linear
+from engine.model.linear import Linear, has_fp16_product
 from engine.model.quantized import QuantizedWeight
 from engine.model.quantized_linear import DenseEmbedding, QuantizedEmbedding, QuantizedLinear, has_kernel
 
@@ -122,7 +123,7 @@ class WeightFormat:
         """The embedding lookup and the LM head over one tied weight, sharing its storage."""
         if self.quantization == "int8":
             quantized = quantize_int8(dense(weight, torch.float32))
-            return QuantizedEmbedding(quantized, self.dtype), QuantizedLinear(quantized)
+            return QuantizedEmbedding(quantized, self.dtype), self._quantized(quantized)
         head = self.product([(name, weight)])
         if isinstance(head, QuantizedLinear) and isinstance(weight, QuantizedWeight):
             return QuantizedEmbedding(weight, self.dtype), head
@@ -154,13 +155,18 @@ class WeightFormat:
         weights = [weight for _, weight in run]
         if self.quantization == "int8":
             stacked = torch.cat([dense(weight, torch.float32) for weight in weights])
-            return QuantizedLinear(quantize_int8(stacked), bias)
+            return self._quantized(quantize_int8(stacked), bias)
         if self.quantization in OWN_GROUPS and isinstance(weights[0], QuantizedWeight):
-            return QuantizedLinear(_stack(weights), bias)  # type: ignore[arg-type]
+            return self._quantized(_stack(weights), bias)  # type: ignore[arg-type]
         stacked = torch.cat([dense(weight, self.dtype) for weight in weights]).to(self.device)
         linear = Linear(stacked, None if bias is None else bias.to(self.device))
         linear.prepare(self.cpu_weights)
         return linear
+
+    def _quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantizedLinear:
+        # Prompt-sized inputs take fbgemm's fp16 product where float32 weights would be held at fp16.
+        prompt_fp16 = self.cpu_weights == "fp16" and has_fp16_product()
+        return QuantizedLinear(weight, bias, prompt_fp16=prompt_fp16)
 
 
 def _same_layout(a: Weight, b: Weight) -> bool:
