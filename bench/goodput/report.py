@@ -70,9 +70,14 @@ def _slo_text(slo: Slo) -> str:
     return f"TTFT ≤ {slo.ttft_s:g} s & TPOT ≤ {slo.tpot_s * 1e3:g} ms"
 
 
-def plot_attainment(configs: dict[str, dict], slos: Sequence[Slo], path: str, title: str) -> None:
-    """One panel per SLO pair: attainment (%) against request rate, a line per configuration."""
-    import matplotlib
+def plot_attainment(configs: dict[str, dict], slos: Sequence[Slo], path: str, title: str) -> bool:
+    """One panel per SLO pair: attainment (%) against request rate, a line per configuration.
+    False, and no plot, where matplotlib (the `bench` extra) is not installed: the run's figures
+    are in its JSON and tables already, so a missing plotting library must not fail it."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -100,3 +105,4 @@ def plot_attainment(configs: dict[str, dict], slos: Sequence[Slo], path: str, ti
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+    return True

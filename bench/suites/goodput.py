@@ -275,9 +275,10 @@ def main(argv: Sequence[str]) -> int:
             "attainment_target": ATTAINMENT_TARGET, "configs": configs,
         }, file, indent=2)
         file.write("\n")
-    plot_attainment(configs, args.slos, args.out + ".png",
-                    f"SLO attainment vs rate ({args.requests_per_rate} requests per rate, "
-                    f"{'vLLM bench serve' if args.client == 'vllm' else 'the goodput suite'} client)")
-    print(f"[goodput] wrote {args.out}.json and {args.out}.png", file=sys.stderr)
+    plotted = plot_attainment(configs, args.slos, args.out + ".png",
+                              f"SLO attainment vs rate ({args.requests_per_rate} requests per rate, "
+                              f"{'vLLM bench serve' if args.client == 'vllm' else 'the goodput suite'} client)")
+    plot = f" and {args.out}.png" if plotted else " (no plot: no matplotlib; make bench-goodput installs it)"
+    print(f"[goodput] wrote {args.out}.json{plot}", file=sys.stderr)
     return 0 if any("rates" in c for c in configs.values()) else 1
 

