@@ -50,22 +50,24 @@ def main(argv: Sequence[str]) -> int:
     cache = CacheConfig(enable_prefix_caching=False)
     engines = {label: Engine(EngineConfig(cache=cache, **fields), files=files)  # type: ignore[arg-type]
                for label, fields in ENGINES.items()}
+    # (row label, engine, row limit): the limit only matters to engines holding fp16 weights.
+    runs = [(f"{label}, limit {limit}" if ENGINES[label]["cpu_weights"] == "fp16" else label, engine, limit)
+            for label, engine in engines.items()
+            for limit in (limits if ENGINES[label]["cpu_weights"] == "fp16" else limits[:1])]
     print(f"CPU: {describe()}, 1 thread, load average {load_average()}")
     first_token = SamplingParams(max_tokens=1, temperature=0.0)
     results: dict[str, dict[str, float]] = {}
     saved = linear.FP16_MAX_ROWS
     try:
         for tokens in (int(v) for v in args.tokens.split(",")):
-            prompts = document_windows(next(iter(engines.values())), args.prompts, tokens)
+            prompts = document_windows(runs[0][1], args.prompts, tokens)
             times: dict[str, list[float]] = {}
             for prompt in prompts:
-                for label, engine in engines.items():
-                    for limit in limits if "fp16" in label else limits[:1]:
-                        linear.FP16_MAX_ROWS = limit
-                        started = time.perf_counter()
-                        generate(engine, [prompt], first_token)
-                        key = f"{label}, limit {limit}" if "fp16" in label else label
-                        times.setdefault(key, []).append(time.perf_counter() - started)
+                for key, engine, limit in runs:
+                    linear.FP16_MAX_ROWS = limit
+                    started = time.perf_counter()
+                    generate(engine, [prompt], first_token)
+                    times.setdefault(key, []).append(time.perf_counter() - started)
             results[str(tokens)] = {key: tokens / statistics.median(t[1:]) for key, t in times.items()}
             print(f"{tokens}-token prompts, tokens/s: "
                   + "; ".join(f"{key} {rate:.0f}" for key, rate in results[str(tokens)].items()), flush=True)
