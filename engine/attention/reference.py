@@ -123,7 +123,7 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         """See `AttentionBackend.forward`."""
         if (self.dense_decode is not None and meta.max_query_len == 1 and q.dtype == torch.float32
-                and k_cache.dtype == torch.float32):
+                and k_cache.dtype == torch.float32 and q.shape[-1] % 8 == 0):  # the op steps 8 dimensions
             return self.dense_decode(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                      scale)
         self.codec.write(k_cache, v_cache, meta.slot_mapping, k, v)

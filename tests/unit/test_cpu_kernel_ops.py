@@ -102,6 +102,20 @@ def test_decode_attention_stores_the_rows_and_matches_the_torch_path(variant, he
     assert torch.equal(alone[0], got[0])  # a sequence's result does not depend on its batch
 
 
+def _recording_op(calls: list[int]):
+    def recording(*args):
+        calls.append(args[0].shape[0])
+        return kernels().decode_attention(*args)
+
+    return recording
+
+
+def _decode_meta(slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor) -> AttentionMetadata:
+    return AttentionMetadata(slot_mapping=slots, query_start_loc=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+                             seq_lens=seq_lens, block_tables=tables, query_lens_list=(1, 1, 1),
+                             seq_lens_list=tuple(seq_lens.tolist()))
+
+
 def test_decode_attention_refuses_a_block_id_outside_the_cache():
     q, k, v, k_cache, v_cache, slots, tables, seq_lens = _paged_batch(1)
     tables[0, 2] = 12
@@ -112,14 +126,8 @@ def test_decode_attention_refuses_a_block_id_outside_the_cache():
 def test_the_torch_backend_runs_fp32_decode_batches_through_the_op_and_the_rest_through_torch():
     q, k, v, k_cache, v_cache, slots, tables, seq_lens = _paged_batch(2)
     calls: list[int] = []
-
-    def recording(*args):
-        calls.append(args[0].shape[0])
-        return kernels().decode_attention(*args)
-
-    meta = AttentionMetadata(slot_mapping=slots, query_start_loc=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
-                             seq_lens=seq_lens, block_tables=tables, query_lens_list=(1, 1, 1),
-                             seq_lens_list=tuple(seq_lens.tolist()))
+    recording = _recording_op(calls)
+    meta = _decode_meta(slots, tables, seq_lens)
     fast_k, fast_v = k_cache.clone(), v_cache.clone()
     got = TorchPagedAttention(dense_decode=recording).forward(q, k, v, fast_k, fast_v, meta, 0.125)
     want = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.125)
@@ -130,3 +138,17 @@ def test_the_torch_backend_runs_fp32_decode_batches_through_the_op_and_the_rest_
                                                         v_cache.double(), meta, 0.125)
     assert calls == [3]  # not fp32: the torch path
 
+
+
+def test_a_head_dim_the_op_cannot_step_through_is_refused_by_it_and_served_by_torch():
+    # The op reads eight dimensions at a time; a model with another head size must still decode.
+    q, k, v, k_cache, v_cache, slots, tables, seq_lens = _paged_batch(3, head_dim=12)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 8"):
+        kernels().decode_attention(q, k, v, k_cache.clone(), v_cache.clone(), slots, tables, seq_lens, 0.125)
+    calls: list[int] = []
+    recording = _recording_op(calls)
+    meta = _decode_meta(slots, tables, seq_lens)
+    got = TorchPagedAttention(dense_decode=recording).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.125)
+    want = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    assert calls == []
+    assert torch.equal(got, want)
