@@ -12,13 +12,25 @@ of the offset there).
 
 From `DENSE_MIN_ROWS` rows up (prefill chunks) the kernel's product loses to a GEMM. There the
 weight is dequantized (bit for bit QuantizedWeight.dequantize() for the formats above) and goes
-through F.linear, with no dense copy kept between calls; or, with `prompt_fp16` (what
+through F.linear, with no dense copy kept between calls; or, with `fp16_copy` (what
 `--cpu-weights fp16` asks for), through fbgemm's fp16-weight product over a copy of the dequantized
 weight rounded to fp16 (each weight moved by at most 2⁻¹¹ of itself), below the row limit where
-that product wins (engine.model.linear.fp16_max_rows: it runs on one thread). One thread on an AMD
-EPYC (AVX2), 256 rows, the gate/up weight 3072x576: 12.4 ms against 1.4 + 17.9 ms dequantized;
-prompts 1.06-1.29x faster (docs/benchmarks.md, "Prompts under gguf"). The copy is packed on the
-first such input, so a worker that never computes a prompt (a decode worker) never holds it.
+that product wins (engine.model.linear.fp16_max_rows). One thread on an AMD EPYC (AVX2), 256 rows,
+the gate/up weight 3072x576: 12.4 ms against 1.4 + 17.9 ms dequantized; prompts 1.06-1.29x faster
+(docs/benchmarks.md, "Prompts under gguf"). fbgemm's product runs on one thread, so the copy
+serves only where torch runs one.
+
+From `FP16_MIN_ROWS` rows, decode batches included, the copy serves too: from a few rows a product
+is bound by arithmetic, not by weight bytes, and the kernel, which converts every weight to fp32
+once per block of rows, computes 25-45 GFLOP/s where fbgemm computes 70-85 (one thread, AMD EPYC:
+the 120 layer products of a step, over weights that stream from memory, 4 rows 27 against 29 ms,
+6 rows 56-71 against 36-40 ms, 32 rows 205-249 against 102-106 ms; the LM head's Q8_0 blocks, 6 rows
+11.2 against 9.0 ms, 32 rows 47.5 against 30.1 ms). A weight of more than twice `FP16_PIECE_ROWS`
+rows (the LM head) is packed in pieces of that many: fbgemm over the whole 49,152-row head took
+42 ms at 32 rows against 27 ms in pieces. A request's tokens then depend on whether its step's batch
+reached that size, as they already did on whether its prompt was computed in a chunk;
+`--dtype float32` (no copy) computes every row the same way. The copy is packed on its first use,
+so a worker that never computes such an input never holds it.
 
 `QuantizedEmbedding` dequantizes just the rows a step looks up, with dequantize()'s arithmetic.
 """
@@ -35,6 +47,8 @@ from engine.model.linear import fp16_max_rows
 from engine.model.quantized import QuantizedWeight
 
 DENSE_MIN_ROWS = 64  # from this many rows up, dequantize + torch's GEMM beats the kernel
+FP16_MIN_ROWS = 6  # one thread: from this many rows up, fbgemm's fp16 product beats the kernel
+FP16_PIECE_ROWS = 2048  # a larger weight's fp16 copy is packed in pieces of this many rows
 KERNEL_CHUNK = 32  # the kernels unpack 32 weights at a time: group sizes must be multiples of it
 BLOCK_ROWS = 8  # rows interleaved in the kernels' layout
 SPAN = 64  # 4-bit weights per span: 8 words of 8 nibbles
@@ -125,41 +139,56 @@ class QuantizedLinear:
     """y = x·Wᵀ (+ b) over a packed QuantizedWeight: the kernel for small inputs, GEMM for large."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, ops: Kernels | None = None,
-                 prompt_fp16: bool = False) -> None:
+                 fp16_copy: bool = False) -> None:
         self.source = weight
         self.weight = PackedWeight.pack(weight)
         self.bias = bias
-        self.prompt_fp16 = prompt_fp16
+        self.fp16_copy = fp16_copy
         self._bias32 = None if bias is None else bias.float().contiguous()
         self._ops = kernels() if ops is None else ops
-        self._fp16: torch.Tensor | None = None  # fbgemm-packed fp16 copy, made on first use
+        self._fp16: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None  # fbgemm-packed pieces, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if w.perm is not None:
             x = x.index_select(1, w.perm)
         rows = x.shape[0]
+        if (self.fp16_copy and x.dtype == torch.float32 and FP16_MIN_ROWS <= rows < fp16_max_rows()
+                and torch.get_num_threads() == 1):
+            return self._fp16_product(x)
         if rows >= DENSE_MIN_ROWS:
-            if self.prompt_fp16 and x.dtype == torch.float32 and rows < fp16_max_rows():
-                return torch.ops.aten.fbgemm_linear_fp16_weight_fp32_activation(x, self._prompt_weight(), self._bias32)
             dense = self.dequantize().to(x.dtype)
             return F.linear(x, dense, self.bias)
         y = self._ops.matmul(x.float().contiguous(), w, self._bias32)
         return y.to(x.dtype)
 
     @property
-    def holds_prompt_copy(self) -> bool:
-        """Whether the fp16 copy for prompt-sized inputs has been packed."""
+    def holds_fp16_copy(self) -> bool:
+        """Whether the fp16 copy has been packed."""
         return self._fp16 is not None
 
-    def _prompt_weight(self) -> torch.Tensor:
+    def _fp16_product(self, x: torch.Tensor) -> torch.Tensor:
         if self._fp16 is None:
-            self._fp16 = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(self.dequantize())  # rounds to nearest fp16
-        return self._fp16
+            dense = self.dequantize()
+            bias = self._bias32
+            self._fp16 = [  # packing rounds each weight to the nearest fp16
+                (torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(dense[first : first + rows].contiguous()),
+                 None if bias is None else bias[first : first + rows])
+                for first, rows in _pieces(dense.shape[0])]
+        outputs = [torch.ops.aten.fbgemm_linear_fp16_weight_fp32_activation(x, packed, bias)
+                   for packed, bias in self._fp16]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [N, K], columns in q's order (act-order weights: not input-feature order)."""
         return self._ops.dequantize(self.weight)
+
+
+def _pieces(rows: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each piece of an fp16 copy: the whole weight up to twice FP16_PIECE_ROWS."""
+    if rows <= 2 * FP16_PIECE_ROWS:
+        return [(0, rows)]
+    return [(first, min(FP16_PIECE_ROWS, rows - first)) for first in range(0, rows, FP16_PIECE_ROWS)]
 
 
 class QuantizedEmbedding:

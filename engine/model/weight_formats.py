@@ -6,8 +6,8 @@ Each format is one kind of product chosen at load, so the model code never branc
   `Linear` (engine.model.linear) prepares them for `EngineConfig.cpu_weights`;
 - "gguf", "gptq", "awq" (the checkpoint's own integer groups): the GGUF file's blocks
   (engine.model.gguf_blocks) or a GPTQ/AWQ checkpoint's packed layers (engine.model.gptq_awq)
-  through the CPU kernels (`QuantizedLinear`; where `cpu_weights` is "fp16", prompt-sized inputs
-  take fbgemm's product over an fp16 copy); tensors whose groups no kernel takes on the device
+  through the CPU kernels (`QuantizedLinear`; where `cpu_weights` is "fp16", inputs of a few rows
+  and more take fbgemm's product over an fp16 copy); tensors whose groups no kernel takes on the device
   (GPTQ/AWQ off CPU, a group size the kernels cannot step through, a GGUF block type no loader
   maps) are served dequantized and named in a start-up warning, never silently;
 - "int8": every product's float weight (a GGUF file's dequantized, or an HF checkpoint's)
@@ -164,9 +164,9 @@ class WeightFormat:
         return linear
 
     def _quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantizedLinear:
-        # Prompt-sized inputs take fbgemm's fp16 product where float32 weights would be held at fp16.
-        prompt_fp16 = self.cpu_weights == "fp16" and has_fp16_product()
-        return QuantizedLinear(weight, bias, prompt_fp16=prompt_fp16)
+        # Larger inputs take fbgemm's fp16 product where float32 weights would be held at fp16.
+        fp16_copy = self.cpu_weights == "fp16" and has_fp16_product()
+        return QuantizedLinear(weight, bias, fp16_copy=fp16_copy)
 
 
 def _same_layout(a: Weight, b: Weight) -> bool:
