@@ -14,23 +14,28 @@ From `DENSE_MIN_ROWS` rows up (prefill chunks) the kernel's product loses to a G
 weight is dequantized (bit for bit QuantizedWeight.dequantize() for the formats above) and goes
 through F.linear, with no dense copy kept between calls; or, with `fp16_copy` (what
 `--cpu-weights fp16` asks for), through fbgemm's fp16-weight product over a copy of the dequantized
-weight rounded to fp16 (each weight moved by at most 2⁻¹¹ of itself), below the row limit where
-that product wins (engine.model.linear.fp16_max_rows). One thread on an AMD EPYC (AVX2), 256 rows,
-the gate/up weight 3072x576: 12.4 ms against 1.4 + 17.9 ms dequantized; prompts 1.06-1.29x faster
-(docs/benchmarks.md, "Prompts under gguf"). fbgemm's product runs on one thread, so the copy
-serves only where torch runs one.
+weight rounded to fp16 (each weight moved by at most 2⁻¹¹ of itself), below
+engine.model.linear.FP16_MAX_ROWS rows. One
+thread on an AMD EPYC (AVX2), 256 rows, the gate/up weight 3072x576: 12.4 ms against 1.4 + 17.9 ms
+dequantized; prompts 1.06-1.29x faster (docs/benchmarks.md, "Prompts under gguf").
 
 From `FP16_MIN_ROWS` rows, decode batches included, the copy serves too: from a few rows a product
 is bound by arithmetic, not by weight bytes, and the kernel, which converts every weight to fp32
 once per block of rows, computes 25-45 GFLOP/s where fbgemm computes 70-85 (one thread, AMD EPYC:
 the 120 layer products of a step, over weights that stream from memory, 4 rows 27 against 29 ms,
 6 rows 56-71 against 36-40 ms, 32 rows 205-249 against 102-106 ms; the LM head's Q8_0 blocks, 6 rows
-11.2 against 9.0 ms, 32 rows 47.5 against 30.1 ms). A weight of more than twice `FP16_PIECE_ROWS`
-rows (the LM head) is packed in pieces of that many: fbgemm over the whole 49,152-row head took
-42 ms at 32 rows against 27 ms in pieces. A request's tokens then depend on whether its step's batch
-reached that size, as they already did on whether its prompt was computed in a chunk;
-`--dtype float32` (no copy) computes every row the same way. The copy is packed on its first use,
-so a worker that never computes such an input never holds it.
+11.2 against 9.0 ms, 32 rows 47.5 against 30.1 ms).
+
+torch runs fbgemm's product on one thread, so the copy is packed in pieces of rows that the
+kernels' `fp16_pieces` op spreads over torch's threads: one piece per thread, or pieces of
+`FP16_PIECE_ROWS` for a weight of more than twice that (the LM head: fbgemm over all its 49,152
+rows at once took 42 ms at 32 rows, one thread, against 27 ms in pieces). Two threads, gate/up:
+32 rows 0.87 ms against the kernel's 2.44, 256 rows 8.6 ms against F.linear's 10.2.
+
+A request's tokens then depend on whether its step's batch reached `FP16_MIN_ROWS`, as they
+already did on whether its prompt was computed in a chunk; `--dtype float32` (no copy) computes
+every row the same way. The copy is packed on its first use, so a worker that never computes such
+an input never holds it.
 
 `QuantizedEmbedding` dequantizes just the rows a step looks up, with dequantize()'s arithmetic.
 """
@@ -42,13 +47,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.model import linear
 from engine.model.kernels import Kernels, kernels
-from engine.model.linear import fp16_max_rows
 from engine.model.quantized import QuantizedWeight
 
 DENSE_MIN_ROWS = 64  # from this many rows up, dequantize + torch's GEMM beats the kernel
 FP16_MIN_ROWS = 6  # one thread: from this many rows up, fbgemm's fp16 product beats the kernel
-FP16_PIECE_ROWS = 2048  # a larger weight's fp16 copy is packed in pieces of this many rows
+FP16_PIECE_ROWS = 2048  # a weight of more than twice this many rows has its fp16 copy in pieces of this many
 KERNEL_CHUNK = 32  # the kernels unpack 32 weights at a time: group sizes must be multiples of it
 BLOCK_ROWS = 8  # rows interleaved in the kernels' layout
 SPAN = 64  # 4-bit weights per span: 8 words of 8 nibbles
@@ -146,16 +151,16 @@ class QuantizedLinear:
         self.fp16_copy = fp16_copy
         self._bias32 = None if bias is None else bias.float().contiguous()
         self._ops = kernels() if ops is None else ops
-        self._fp16: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None  # fbgemm-packed pieces, bias
+        self._fp16: list[torch.Tensor] | None = None  # fbgemm-packed pieces of the fp16 copy, made on first use
+        self._fp16_rows: list[int] = []
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if w.perm is not None:
             x = x.index_select(1, w.perm)
         rows = x.shape[0]
-        if (self.fp16_copy and x.dtype == torch.float32 and FP16_MIN_ROWS <= rows < fp16_max_rows()
-                and torch.get_num_threads() == 1):
-            return self._fp16_product(x)
+        if self.fp16_copy and x.dtype == torch.float32 and FP16_MIN_ROWS <= rows < linear.FP16_MAX_ROWS:
+            return self._fp16_product(x.contiguous())
         if rows >= DENSE_MIN_ROWS:
             dense = self.dequantize().to(x.dtype)
             return F.linear(x, dense, self.bias)
@@ -170,25 +175,27 @@ class QuantizedLinear:
     def _fp16_product(self, x: torch.Tensor) -> torch.Tensor:
         if self._fp16 is None:
             dense = self.dequantize()
-            bias = self._bias32
-            self._fp16 = [  # packing rounds each weight to the nearest fp16
-                (torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(dense[first : first + rows].contiguous()),
-                 None if bias is None else bias[first : first + rows])
-                for first, rows in _pieces(dense.shape[0])]
-        outputs = [torch.ops.aten.fbgemm_linear_fp16_weight_fp32_activation(x, packed, bias)
-                   for packed, bias in self._fp16]
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+            pieces = _pieces(dense.shape[0], torch.get_num_threads())
+            # packing rounds each weight to the nearest fp16
+            self._fp16 = [torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(dense[first : first + rows].contiguous())
+                          for first, rows in pieces]
+            self._fp16_rows = [rows for _, rows in pieces]
+        return self._ops.fp16_pieces(x, self._fp16, self._bias32, self._fp16_rows)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [N, K], columns in q's order (act-order weights: not input-feature order)."""
         return self._ops.dequantize(self.weight)
 
 
-def _pieces(rows: int) -> list[tuple[int, int]]:
-    """(first row, rows) of each piece of an fp16 copy: the whole weight up to twice FP16_PIECE_ROWS."""
-    if rows <= 2 * FP16_PIECE_ROWS:
-        return [(0, rows)]
-    return [(first, min(FP16_PIECE_ROWS, rows - first)) for first in range(0, rows, FP16_PIECE_ROWS)]
+def _pieces(rows: int, threads: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each piece of an fp16 copy: one per thread (rows in multiples of 8), or
+    pieces of FP16_PIECE_ROWS for a weight of more than twice that."""
+    if rows > 2 * FP16_PIECE_ROWS:
+        size = FP16_PIECE_ROWS
+    else:
+        per_thread = -(-rows // max(threads, 1))
+        size = -(-per_thread // BLOCK_ROWS) * BLOCK_ROWS
+    return [(first, min(size, rows - first)) for first in range(0, rows, size)]
 
 
 class QuantizedEmbedding:

@@ -168,15 +168,22 @@ def test_a_weight_of_many_rows_takes_its_fp16_copy_in_pieces(monkeypatch):
 
 
 @pytest.mark.skipif(not has_fp16_product(), reason="torch built without fbgemm")
-def test_no_fp16_copy_is_made_when_torch_runs_several_threads(monkeypatch):
-    # fbgemm's product runs on one thread; beside a threaded GEMM it loses at prompt sizes.
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    weight = random_weight(960, 576, "q4_offset")
-    product = QuantizedLinear(weight, fp16_copy=True)
-    for rows in (FP16_MIN_ROWS, DENSE_MIN_ROWS):
-        x = _rows(rows, 576)
-        assert_product_close(product(x), x, weight)
-    assert not product.holds_fp16_copy
+def test_with_several_threads_the_fp16_copy_is_in_one_piece_per_thread_and_computes_the_same(monkeypatch):
+    # torch runs fbgemm's product on one thread: the kernels' op spreads a weight's pieces over threads.
+    weight, bias = random_weight(960, 576, "q4_offset"), torch.randn(960)
+    x = _rows(FP16_MIN_ROWS + 3, 576)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            product = QuantizedLinear(weight, bias, fp16_copy=True)
+            results.append(product(x))
+            assert product._fp16_rows == ([960] if count == 1 else [480, 480])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
+    assert_product_close(results[1] - bias, x, weight, product.dequantize().half().double())
 
 
 @pytest.mark.parametrize(("cpu_weights", "fp16_copy"), [("fp16", has_fp16_product()), ("fp32", False),
@@ -204,3 +211,19 @@ def test_a_group_the_kernels_cannot_take_is_refused():
     weight = QuantizedWeight(torch.zeros(4, 48, dtype=torch.uint8), torch.ones(4, 3), None, bits=4, group_size=16)
     with pytest.raises(ValueError, match=r"^group_size:"):
         PackedWeight.pack(weight)
+
+
+@pytest.mark.skipif(not has_fp16_product(), reason="torch built without fbgemm")
+def test_the_fp16_pieces_run_on_several_threads_under_inference_mode():
+    # The engine steps under torch.inference_mode(); the op's worker threads must run in it too.
+    weight = random_weight(960, 576, "q4_offset")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        product = QuantizedLinear(weight, fp16_copy=True)
+        x = _rows(FP16_MIN_ROWS, 576)
+        with torch.inference_mode():
+            y = product(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert_product_close(y, x, weight, product.dequantize().half().double())

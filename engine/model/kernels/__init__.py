@@ -1,6 +1,7 @@
-"""The CPU kernels, loaded for the CPU at hand: the quantized products (qmatmul.cpp), and the ops
-that cost a batch-1 decode step most outside them in torch (rms_norm.cpp, decode_attention.cpp,
-rotary.cpp, silu_mul.cpp).
+"""The CPU kernels, loaded for the CPU at hand: the quantized products (qmatmul.cpp), fbgemm's fp16
+product with a weight's pieces on several threads (fp16_pieces.cpp), and the ops that cost a
+batch-1 decode step most outside them in torch (rms_norm.cpp, decode_attention.cpp, rotary.cpp,
+silu_mul.cpp).
 
 `kernels()` loads the best build this CPU runs ("avx2": AVX2 + FMA + F16C intrinsics; else
 "scalar": plain C++), building it on first use if the Makefile's step has not (engine.model.kernels.build);
@@ -25,8 +26,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 class Kernels:
-    """One build's ops: the quantized product and the dequantization of a packed weight, RMSNorm and
-    paged decode attention, rotary embedding and SwiGLU's silu(gate)·up (fp32)."""
+    """One build's ops: the quantized product and the dequantization of a packed weight, the fp16
+    product in pieces, RMSNorm and paged decode attention, rotary embedding and SwiGLU's
+    silu(gate)·up (fp32)."""
 
     def __init__(self, variant: Variant) -> None:
         torch.ops.load_library(str(library(variant)))
@@ -40,6 +42,12 @@ class Kernels:
     def dequantize(self, w: PackedWeight) -> torch.Tensor:
         """The fp32 weight [N, K] (columns in q's order), fl(fl(scale·q) + offset) per element."""
         return self._ops.dequantize(w.packed, w.scale, w.offset, w.bits, w.group_size, w.rows)
+
+    def fp16_pieces(self, x: torch.Tensor, packed: list[torch.Tensor], bias: torch.Tensor | None,
+                    rows: list[int]) -> torch.Tensor:
+        """y = x·Wᵀ (+ bias) through fbgemm's fp16 product, W's rows in pieces (`rows[i]` rows packed
+        by fbgemm_pack_gemm_matrix_fp16 as `packed[i]`) spread over torch's threads: fp32 [M, Σ rows]."""
+        return self._ops.fp16_pieces(x, packed, bias, rows)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of fp32 x [..., n] by the fp32 weight [n], in transformers' float32 arithmetic."""

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in ("qmatmul.cpp", "rms_norm.cpp", "decode_attention.cpp", "rotary.cpp",
-                                          "silu_mul.cpp"))
+                                          "silu_mul.cpp", "fp16_pieces.cpp"))
 HEADERS = (_HERE / "qmatmul_core.h", _HERE / "exp8.h")
 BUILD_ROOT_ENV = "TANDEM_KERNELS_DIR"
 _LIBRARY = "qmatmul.so"
