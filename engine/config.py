@@ -146,7 +146,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # float32 on CPU: how the matrix products hold their weights (engine.model.linear). "fp16" rounds
     # them to fp16 for a product that reads half the bytes (and gives quantized products an fp16
-    # copy for prompt-sized inputs, engine.model.quantized_linear); "fp32" keeps them exact, pre-packed for
+    # copy for inputs of 6 rows and more, engine.model.quantized_linear); "fp32" keeps them exact, pre-packed for
     # oneDNN; "plain" keeps one copy. Both packed formats hold a second copy of the weights. "auto":
     # fp16 when dtype "auto" chose float32 (the fast default), fp32 when float32 was asked for (so
     # dtype float32 with quantization none is exact fp32), plain where no float32 product runs on a

@@ -1,12 +1,12 @@
 """Prompt compute with and without fbgemm's fp16 product, in one process, alternated prompt by prompt.
 
-From one load of the shipped model, on one torch thread (fbgemm's product runs on one), prefix
-caching off: an engine serving the GGUF file's own blocks (`--quantization gguf`) and one serving
-them dequantized (`none`), both with `--cpu-weights fp16`. Each distinct prompt of each
-`--tokens` length is computed (first token only) by each engine with the fp16 product's row limit
-(engine.model.linear.FP16_MAX_ROWS) at each of `--limits`, and, for the gguf engine, also with
-`--cpu-weights fp32`, i.e. the exact path: dequantize each weight and torch's fp32 GEMM. It prints
-the median prompt tokens/s of each, the first prompt left out as warm-up.
+From one load of the shipped model, on one torch thread (the row limit it alternates,
+engine.model.linear.FP16_MAX_ROWS, is the one-thread limit), prefix caching off: an engine serving
+the GGUF file's own blocks (`--quantization gguf`) and one serving them dequantized (`none`), both
+with `--cpu-weights fp16`. Each distinct prompt of each `--tokens` length is computed (first token
+only) by each engine with the fp16 product's row limit at each of `--limits`, and, for the gguf
+engine, also with `--cpu-weights fp32`, i.e. the exact path: dequantize each weight and torch's
+fp32 GEMM. It prints the median prompt tokens/s of each, the first prompt left out as warm-up.
 
     python -m bench prompt_fp16 [--tokens 192,512,1024] [--prompts 5] [--limits 512,4096]
 """
