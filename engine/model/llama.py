@@ -21,6 +21,9 @@ Product = Callable[[torch.Tensor], torch.Tensor]
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight, eps) -> RMSNorm(x)
 Rotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, cos, sin) -> rotated x
 Gate = Callable[[torch.Tensor], torch.Tensor]  # gate_up [T, 2I] -> silu(gate) * up [T, I]
+# (hidden, cos, sin, kv_caches, meta) -> every layer's output for a step it serves, else None
+Stacked = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[tuple[torch.Tensor, torch.Tensor]],
+                    AttentionMetadata], torch.Tensor | None]
 
 
 def _empty_parameter(*shape: int) -> torch.nn.Parameter:
@@ -104,6 +107,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.embed: Product = _not_loaded
         self.head: Product = _not_loaded
         self.final_norm: Norm = rms_norm
+        self.stacked: Stacked | None = None  # all the layers in one call, where set (use_stacked)
 
     def forward(
         self,
@@ -120,6 +124,10 @@ class LlamaForCausalLM(torch.nn.Module):
         """
         hidden = self.embed(input_ids)
         cos, sin = self.rotary.forward(positions)
+        if self.stacked is not None and on_layer_done is None:
+            stacked = self.stacked(hidden, cos, sin, kv_caches, meta)
+            if stacked is not None:
+                return self.final_norm(stacked, self.norm, self.config.rms_norm_eps)
         for index, layer in enumerate(self.layers):
             hidden = layer.attention_block(hidden, cos, sin, kv_caches[index], meta)
             if on_layer_done is not None:
@@ -134,6 +142,11 @@ class LlamaForCausalLM(torch.nn.Module):
         self.final_norm = norm
         for layer in self.layers:
             layer.norm, layer.rotate, layer.gate = norm, rotate, gate
+
+    def use_stacked(self, stacked: Stacked | None) -> None:
+        """Run the layers of the steps `stacked` serves as that one call (engine.model.decode_stack:
+        the same arithmetic as the layers with the CPU kernels, without a torch call per op)."""
+        self.stacked = stacked
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 for the given final hidden states."""

@@ -11,6 +11,7 @@ import torch
 
 from engine.attention.metadata import AttentionBackend
 from engine.config import CpuWeights, ModelConfig
+from engine.model.decode_stack import DecodeStack
 from engine.model.gguf_loader import load_gguf
 from engine.model.hf_loader import load_hf_dir
 from engine.model.kernels import cpu_kernels
@@ -92,6 +93,7 @@ def build_model(files: ModelFiles, attention: AttentionBackend, device: str | to
     ops = cpu_kernels(device) if dtype == torch.float32 else None
     if ops is not None:  # one op for each instead of torch's three to eight (a batch-1 step has 121 of them)
         model.use_kernels(ops.rms_norm, ops.rotary, ops.silu_mul)
+        model.use_stacked(DecodeStack.build(model, ops))
     if quantization in OWN_GROUPS:
         unserved = {**files.dequantized, **{name: "groups no kernel takes here" for name in formats.dequantized}}
         if unserved:

@@ -159,13 +159,22 @@ class QuantizedLinear:
         if w.perm is not None:
             x = x.index_select(1, w.perm)
         rows = x.shape[0]
-        if self.fp16_copy and x.dtype == torch.float32 and FP16_MIN_ROWS <= rows < linear.FP16_MAX_ROWS:
+        if rows < self.kernel_rows(x.dtype):
+            return self._ops.matmul(x.float().contiguous(), w, self._bias32).to(x.dtype)
+        if self.fp16_copy and x.dtype == torch.float32 and rows < linear.FP16_MAX_ROWS:
             return self._fp16_product(x.contiguous())
-        if rows >= DENSE_MIN_ROWS:
-            dense = self.dequantize().to(x.dtype)
-            return F.linear(x, dense, self.bias)
-        y = self._ops.matmul(x.float().contiguous(), w, self._bias32)
-        return y.to(x.dtype)
+        dense = self.dequantize().to(x.dtype)
+        return F.linear(x, dense, self.bias)
+
+    def kernel_rows(self, dtype: torch.dtype) -> int:
+        """Inputs in `dtype` of fewer rows than this go through the kernel; larger ones through
+        the fp16 copy or a GEMM."""
+        return FP16_MIN_ROWS if self.fp16_copy and dtype == torch.float32 else DENSE_MIN_ROWS
+
+    @property
+    def ops(self) -> Kernels:
+        """The kernels' build this product runs on."""
+        return self._ops
 
     @property
     def holds_fp16_copy(self) -> bool:

@@ -1,7 +1,7 @@
 """The CPU kernels, loaded for the CPU at hand: the quantized products (qmatmul.cpp), fbgemm's fp16
-product with a weight's pieces on several threads (fp16_pieces.cpp), and the ops that cost a
+product with a weight's pieces on several threads (fp16_pieces.cpp), the ops that cost a
 batch-1 decode step most outside them in torch (rms_norm.cpp, decode_attention.cpp, rotary.cpp,
-silu_mul.cpp).
+silu_mul.cpp), and all of a small decode batch's decoder layers as one call (decode_stack.cpp).
 
 `kernels()` loads the best build this CPU runs ("avx2": AVX2 + FMA + F16C intrinsics; else
 "scalar": plain C++), building it on first use if the Makefile's step has not (engine.model.kernels.build);
@@ -70,6 +70,22 @@ class Kernels:
         then attend q [B, num_heads, head_dim] (one token per sequence) over each sequence's
         `seq_lens` [B] int32 tokens through `block_tables` [B, max_blocks] int32: fp32 [B, num_heads, head_dim]."""
         return self._ops.decode_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale)
+
+    def decode_stack(self, heads: int, kv_heads: int, head_dim: int, eps: float, scale: float) -> torch.ScriptObject:
+        """An empty DecodeStack (decode_stack.cpp) for layers of these shapes, to fill layer by layer:
+        `add_layer(input_norm, post_norm)`, then `add_product(packed, scale, offset, bias, bits,
+        group_size, rows)` for its qkv, o, gate_up and down in turn."""
+        return getattr(torch.classes, self.variant.namespace).DecodeStack(heads, kv_heads, head_dim, eps, scale)
+
+    def run_decode_stack(
+        self, stack: torch.ScriptObject, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """hidden fp32 [B, hidden] (one token per sequence) through every layer of `stack`, each
+        layer's K/V stored in its pages as decode_attention stores them: the last layer's output."""
+        return self._ops.decode_stack(stack, hidden, cos, sin, k_caches, v_caches, slot_mapping, block_tables,
+                                      seq_lens)
 
     def describe(self) -> str:
         """For the start-up log: the variant and the CPU flags that chose it."""

@@ -1,6 +1,7 @@
-"""Build the CPU kernels (qmatmul.cpp's quantized products; rms_norm.cpp, decode_attention.cpp,
-rotary.cpp and silu_mul.cpp, the decode step's other hot ops) for the CPU at hand, once, into an
-ignored folder, as one library per variant.
+"""Build the CPU kernels (qmatmul.cpp's quantized products; fp16_pieces.cpp; rms_norm.cpp,
+decode_attention.cpp, rotary.cpp and silu_mul.cpp, the decode step's other hot ops; decode_stack.cpp,
+which calls them all for a decode batch) for the CPU at hand, once, into an ignored folder, as one
+library per variant.
 
 Each variant is the same sources compiled with its own flags and needs the CPU flags its code uses;
 a variant is built only where /proc/cpuinfo lists those flags, never compiled for a CPU without
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in ("qmatmul.cpp", "rms_norm.cpp", "decode_attention.cpp", "rotary.cpp",
-                                          "silu_mul.cpp", "fp16_pieces.cpp"))
-HEADERS = (_HERE / "qmatmul_core.h", _HERE / "exp8.h")
+                                          "silu_mul.cpp", "fp16_pieces.cpp", "decode_stack.cpp"))
+HEADERS = (_HERE / "qmatmul_core.h", _HERE / "exp8.h", _HERE / "ops.h")
 BUILD_ROOT_ENV = "TANDEM_KERNELS_DIR"
 _LIBRARY = "qmatmul.so"
 

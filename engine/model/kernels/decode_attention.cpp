@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "exp8.h"
+#include "ops.h"
 
 namespace {
 
@@ -129,6 +130,10 @@ void check_float_rows(const at::Tensor& t, const char* name, int64_t heads, int6
               name, " must be float32 [", batch, ", ", heads, ", ", head_dim, "] with contiguous rows");
 }
 
+}  // namespace
+
+namespace TANDEM_OPS {
+
 // Stores k, v [B, KVH, D] at slot_mapping [B], then returns fp32 [B, H, D].
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -205,11 +210,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-}  // namespace
+}  // namespace TANDEM_OPS
 
 #define TANDEM_LIBRARY_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
 TANDEM_LIBRARY_FRAGMENT(TANDEM_OPS, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, float scale) -> Tensor",
-        &decode_attention);
+        &TANDEM_OPS::decode_attention);
 }

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "qmatmul_core.h"
+#include "ops.h"
 
 namespace {
 
@@ -69,6 +70,10 @@ Problem problem(const float* x, int64_t M, int64_t K, int64_t N, const at::Tenso
                  offset.has_value() ? offset->data_ptr<float>() : nullptr, K / group_size, group_size / kChunk,
                  sums, bias, y};
 }
+
+}  // namespace
+
+namespace TANDEM_OPS {
 
 // y = x·Wᵀ (+ bias) for the `rows`-row weight packed as engine.model.quantized_linear.PackedWeight.
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
@@ -114,6 +119,10 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   return y;
 }
 
+}  // namespace TANDEM_OPS
+
+namespace {
+
 // The fp32 weight [rows, K]: fl(fl(scale·q) + offset), as QuantizedWeight.dequantize() computes it.
 at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
                       int64_t bits, int64_t group_size, int64_t rows) {
@@ -140,7 +149,7 @@ at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& scale, const s
 TANDEM_LIBRARY(TANDEM_OPS, m) {
   m.def("matmul(Tensor x, Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int rows, "
         "Tensor? bias) -> Tensor",
-        &matmul);
+        &TANDEM_OPS::matmul);
   m.def("dequantize(Tensor packed, Tensor scale, Tensor? offset, int bits, int group_size, int rows) -> Tensor",
         &dequantize);
 }

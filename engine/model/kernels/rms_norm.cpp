@@ -14,6 +14,7 @@
 #include <cmath>
 
 #include "qmatmul_core.h"
+#include "ops.h"
 
 namespace {
 
@@ -34,6 +35,10 @@ void norm_row(const float* x, const float* w, float* y, int64_t n, float eps) {
   for (; k < n; ++k) y[k] = (x[k] * r) * w[k];
 }
 
+}  // namespace
+
+namespace TANDEM_OPS {
+
 // x fp32 [..., n] (rows contiguous), weight fp32 [n]: fp32 shaped like x.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, "x must be float32 [..., n]");
@@ -53,9 +58,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return y;
 }
 
-}  // namespace
+}  // namespace TANDEM_OPS
 
 #define TANDEM_LIBRARY_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
 TANDEM_LIBRARY_FRAGMENT(TANDEM_OPS, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &TANDEM_OPS::rms_norm);
 }

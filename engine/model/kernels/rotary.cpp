@@ -6,8 +6,9 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
+#include "ops.h"
 
-namespace {
+namespace TANDEM_OPS {
 
 // x fp32 [T, heads, D] (rows contiguous, any outer strides: a view into the fused QKV output),
 // cos and sin fp32 [T, 1, D/2]; rotates x in place and returns it.
@@ -39,9 +40,9 @@ at::Tensor rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   return x;
 }
 
-}  // namespace
+}  // namespace TANDEM_OPS
 
 #define TANDEM_LIBRARY_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
 TANDEM_LIBRARY_FRAGMENT(TANDEM_OPS, m) {
-  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)", &rotary_);
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)", &TANDEM_OPS::rotary_);
 }

@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "exp8.h"
+#include "ops.h"
 
 namespace {
 
@@ -29,6 +30,10 @@ void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
   for (; j < n; ++j) out[j] = (gate[j] / (1.f + std::exp(-gate[j]))) * up[j];
 }
 
+}  // namespace
+
+namespace TANDEM_OPS {
+
 // gate_up fp32 [T, 2I] (rows contiguous): fp32 [T, I].
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.stride(1) == 1 &&
@@ -44,9 +49,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
+}  // namespace TANDEM_OPS
 
 #define TANDEM_LIBRARY_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
 TANDEM_LIBRARY_FRAGMENT(TANDEM_OPS, m) {
-  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &TANDEM_OPS::silu_mul);
 }

@@ -1,0 +1,85 @@
+"""A small decode batch's decoder layers as one call into the CPU kernels (decode_stack.cpp).
+
+From Python a batch-1 step on one thread of an AMD EPYC spent 8-9 ms of about 30 in dispatch
+and the Python between its 1,276 torch calls, some 40 a layer. The kernels' DecodeStack holds
+every layer's packed weights and runs the same kernels in the same order from C++, so the step
+computes the same bits (tests/unit/test_decode_stack.py) and pays one call for all the layers.
+
+It serves a step only where every op would have taken those kernels: a pure decode batch (one
+token per sequence) in fp32, of fewer rows than any product's kernel limit (engine.model.
+quantized_linear: below FP16_MIN_ROWS with the fp16 copy), with dense fp32 pages and no per-layer
+callback. Anything else goes through the layers one op at a time, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.reference import TorchPagedAttention
+from engine.model.kernels import Kernels
+from engine.model.llama import LlamaForCausalLM
+from engine.model.quantized_linear import QuantizedLinear
+
+PRODUCTS = ("qkv", "o", "gate_up", "down")  # the order DecodeStack takes a layer's products in
+Caches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+class DecodeStack:
+    """The layers of `model` as one kernel call, for the decode steps it serves (see the module)."""
+
+    def __init__(self, model: LlamaForCausalLM, ops: Kernels) -> None:
+        config = model.config
+        first = model.layers[0]
+        self._ops = ops
+        self._stack = ops.decode_stack(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps,
+                                       first.scale)
+        limits = []
+        for layer in model.layers:
+            self._stack.add_layer(layer.input_layernorm.detach(), layer.post_attention_layernorm.detach())
+            for name in PRODUCTS:
+                product = layer.linears[name]
+                assert isinstance(product, QuantizedLinear)  # build() checked
+                w = product.weight
+                bias = None if product.bias is None else product.bias.float().contiguous()
+                self._stack.add_product(w.packed, w.scale, w.offset, bias, w.bits, w.group_size, w.rows)
+                limits.append(product.kernel_rows(torch.float32))
+        self.max_rows = min(limits) - 1
+        self._caches: tuple[Caches, list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM, ops: Kernels) -> DecodeStack | None:
+        """The stack for an fp32 model whose every product is a quantized weight in input order on
+        these kernels (another build rounds differently), with the kernels' decode attention; None
+        otherwise (the layers then run one by one)."""
+        layers = model.layers
+        attention = layers[0].attention
+        served = (
+            model.norm.dtype == torch.float32
+            and isinstance(attention, TorchPagedAttention) and attention.dense_decode is not None
+            and model.config.head_dim % 8 == 0
+            and all(_kernel_product(layer.linears.get(name), ops) for layer in layers for name in PRODUCTS)
+        )
+        return cls(model, ops) if served else None
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Caches,
+                 meta: AttentionMetadata) -> torch.Tensor | None:
+        """The last layer's output for this step, its K/V written; None where the stack does not
+        serve the step (the caller runs the layers)."""
+        if meta.max_query_len != 1 or hidden.shape[0] > self.max_rows or kv_caches[0][0].dtype != torch.float32:
+            return None
+        keys, values = self._split(kv_caches)
+        return self._ops.run_decode_stack(self._stack, hidden, cos, sin, keys, values, meta.slot_mapping,
+                                          meta.block_tables, meta.seq_lens)
+
+    def _split(self, kv_caches: Caches) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        # The engine passes the same list every step: split it into keys and values once.
+        if self._caches is None or self._caches[0] is not kv_caches:
+            self._caches = (kv_caches, [k for k, _ in kv_caches], [v for _, v in kv_caches])
+        return self._caches[1], self._caches[2]
+
+
+def _kernel_product(product: object, ops: Kernels) -> bool:
+    return isinstance(product, QuantizedLinear) and product.weight.perm is None and product.ops is ops

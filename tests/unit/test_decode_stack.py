@@ -1,0 +1,144 @@
+"""The decode stack (engine.model.decode_stack): a small decode batch's layers as one kernel call
+compute the same bits and write the same pages as the layers one op at a time, and it steps aside
+for every step it does not serve."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.reference import TorchPagedAttention
+from engine.config import ModelConfig
+from engine.model.decode_stack import DecodeStack
+from engine.model.kernels import kernels
+from engine.model.kernels.build import cpu_flags, runnable
+from engine.model.llama import LlamaForCausalLM
+from engine.model.quantized import QuantizedWeight
+from engine.model.quantized_linear import FP16_MIN_ROWS, QuantizedLinear
+from engine.model.weight_formats import WeightFormat
+from engine.sampling_params import SamplingParams
+
+VARIANTS = [variant.name for variant in runnable(cpu_flags())]
+BLOCK_SIZE = 4
+NUM_BLOCKS = 32
+# Small shapes of the shipped model's kind (GQA, head_dim a multiple of 8), with Qwen2's QKV bias.
+CONFIG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+                     num_kv_heads=2, head_dim=16, attention_bias=True)
+
+
+def _q4_1(rows: int, cols: int, gen: torch.Generator) -> QuantizedWeight:
+    # GGUF Q4_1's shape: groups of 32 unsigned 4-bit values with a scale and an offset.
+    groups = cols // 32
+    return QuantizedWeight(q=torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8),
+                           scale=torch.rand(rows, groups, generator=gen) * 0.02,
+                           offset=-torch.rand(rows, groups, generator=gen) * 0.15, bits=4, group_size=32)
+
+
+def _random_model(variant: str) -> LlamaForCausalLM:
+    ops = kernels(variant)
+    gen = torch.Generator().manual_seed(0)
+    model = LlamaForCausalLM(CONFIG, TorchPagedAttention(dense_decode=ops.decode_attention))
+    weights = {}
+    for name, shape in model._weight_shapes().items():
+        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            weights[name] = 1 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith(".bias"):
+            weights[name] = 0.1 * torch.randn(shape, generator=gen)
+        else:
+            weights[name] = _q4_1(*shape, gen)
+    model.load_weights(weights, WeightFormat("gguf", torch.float32, "cpu", "fp16"))
+    for layer in model.layers:  # the products on the same build as the stack, so that both round alike
+        layer.linears = {name: QuantizedLinear(product.source, product.bias, ops, fp16_copy=True)
+                         for name, product in layer.linears.items()}
+    model.use_kernels(ops.rms_norm, ops.rotary, ops.silu_mul)
+    model.use_stacked(DecodeStack.build(model, ops))
+    return model
+
+
+def _decode_batch(batch: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """One new token for each of `batch` sequences of 5 to 14 cached tokens, on disjoint blocks."""
+    lens = torch.randint(6, 15, (batch,), generator=gen).tolist()
+    blocks = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    width = -(-max(lens) // BLOCK_SIZE)
+    tables = [[blocks.pop() for _ in range(width)] for _ in range(batch)]
+    slots = [tables[b][(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE for b, n in enumerate(lens)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
+        query_lens_list=(1,) * batch, seq_lens_list=tuple(lens))
+    ids = torch.randint(0, CONFIG.vocab_size, (batch,), generator=gen)
+    return ids, torch.tensor([n - 1 for n in lens]), meta
+
+
+def _caches(gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (NUM_BLOCKS, BLOCK_SIZE, CONFIG.num_kv_heads, CONFIG.head_dim)
+    return [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(CONFIG.num_layers)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("batch", [1, 3, FP16_MIN_ROWS - 1])
+def test_the_stack_computes_the_layers_bits_and_writes_the_same_pages(variant, batch):
+    model = _random_model(variant)
+    stack = model.stacked
+    assert stack is not None and stack.max_rows == FP16_MIN_ROWS - 1
+    gen = torch.Generator().manual_seed(batch)
+    ids, positions, meta = _decode_batch(batch, gen)
+    caches = _caches(gen)
+    copies = [(k.clone(), v.clone()) for k, v in caches]
+    with torch.inference_mode():
+        stacked = model(ids, positions, caches, meta)
+        model.use_stacked(None)
+        layered = model(ids, positions, copies, meta)
+    assert torch.equal(stacked, layered)
+    for (k, v), (k_layered, v_layered) in zip(caches, copies, strict=True):
+        assert torch.equal(k, k_layered) and torch.equal(v, v_layered)
+
+
+def test_the_stack_steps_aside_for_batches_prompts_and_per_layer_callbacks():
+    model = _random_model(VARIANTS[0])
+    stack = model.stacked
+    gen = torch.Generator().manual_seed(7)
+    caches = _caches(gen)
+    with torch.inference_mode():
+        ids, positions, meta = _decode_batch(FP16_MIN_ROWS, gen)  # the fp16 copy's size: not the kernels'
+        hidden = model.embed(ids)
+        cos, sin = model.rotary(positions)
+        assert stack(hidden, cos, sin, caches, meta) is None
+        ids, positions, meta = _decode_batch(2, gen)
+        prompt = AttentionMetadata(meta.slot_mapping, torch.tensor([0, 2], dtype=torch.int32), meta.seq_lens[:1],
+                                   meta.block_tables[:1], (2,), meta.seq_lens_list[:1])
+        assert stack(model.embed(ids), *model.rotary(positions), caches, prompt) is None
+        done: list[int] = []
+        model(ids, positions, caches, meta, on_layer_done=done.append)  # a prefill worker's layer-by-layer push
+        assert done == list(range(CONFIG.num_layers))
+
+
+def test_formats_without_the_kernels_products_have_no_stack(make_engine):
+    # The pinned formats hold unquantized weights: their products are not the kernels'.
+    assert make_engine().runner.model.stacked is None
+    # Products on another build of the kernels would round differently from the stack's.
+    model = _random_model(VARIANTS[0])
+    other = kernels("scalar") if VARIANTS[0] != "scalar" else None
+    if other is not None:
+        assert DecodeStack.build(model, other) is None
+
+
+def test_the_shipped_model_decodes_the_same_tokens_with_and_without_the_stack(make_engine):
+    engine = make_engine(quantization="gguf")
+    model = engine.runner.model
+    stack = model.stacked
+    assert stack is not None
+
+    def greedy(stacked: DecodeStack | None) -> list[list[int]]:
+        model.use_stacked(stacked)
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        for i in range(2):
+            engine.add_request(f"{stacked is not None}-{i}", list(range(300 + 9 * i, 340 + 9 * i)), params)
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for output in engine.step():
+                tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        return [tokens[key] for key in sorted(tokens)]
+
+    assert greedy(stack) == greedy(None)
