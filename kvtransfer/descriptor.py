@@ -212,6 +212,13 @@ class TransferTarget:
         raise ValueError("backend: neither torch_dist nor grpc is set")
 
 
+def checksum_agreed(receiver: bool, sender: bool) -> bool:
+    """Whether a pair's pages carry a CRC32C, from each side's `--kv-checksum`: yes unless both are
+    off. A receiver that requires checksums thus always gets them, and neither side can drop them
+    alone; the receiver decides (it answers the gRPC Handshake, and refuses unchecked pages)."""
+    return receiver or sender
+
+
 def split_address(address: str, field: str = "address") -> tuple[str, int]:
     """`host:port` (IPv6 hosts in brackets) -> (host, port); ValueError naming `field` if malformed."""
     host, sep, port = address.rpartition(":")

@@ -7,7 +7,8 @@ page message is hit:
 
 - drop: that message is not sent (the rest of the transfer is): the receiver finds pages missing
   when the end marker arrives;
-- corrupt: one bit of its bytes flips after the checksum was computed: the receiver's check fails;
+- corrupt: one bit of its bytes flips after the checksum was computed: the receiver's check fails
+  (with checksums agreed off, kvtransfer.descriptor.checksum_agreed, nothing catches it);
 - stall: neither it nor any later page or the end marker of that transfer is sent; only the
   deadlines end it (the sender's own abort, when its deadline passes, still goes out).
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import google_crc32c
 import grpc
@@ -26,11 +27,16 @@ _Item = tuple[int, int, torch.Tensor, torch.Tensor, bool] | object
 
 
 class GrpcSender:
-    """One transfer's sending end: a Push call fed from a queue."""
+    """One transfer's sending end: a Push call fed from a queue. `checksum` is what its channel's
+    Handshake agreed: whether every piece carries a CRC32C; `on_refused` runs when the receiver
+    refuses the call with FAILED_PRECONDITION (its Handshake's answer no longer holds)."""
 
-    def __init__(self, stub: kvtransfer_pb2_grpc.KVTransferStub, target: TransferTarget, fault: TransferFault) -> None:
+    def __init__(self, stub: kvtransfer_pb2_grpc.KVTransferStub, target: TransferTarget, fault: TransferFault,
+                 checksum: bool, on_refused: Callable[[], None]) -> None:
         self.target = target
+        self.checksum = checksum
         self._fault = fault
+        self._on_refused = on_refused
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._call = stub.Push.future(self._chunks())
         # A call that ends early (refused, receiver gone) must not leave its iterator thread waiting.
@@ -59,6 +65,8 @@ class GrpcSender:
         except grpc.FutureCancelledError:
             raise TransferError(f"transfer {tid} was aborted") from None
         except grpc.RpcError as e:
+            if e.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                self._on_refused()
             raise TransferError(f"push of transfer {tid} failed: {e.code().name}: {e.details()}") from None
 
     def abort(self) -> None:
@@ -69,14 +77,14 @@ class GrpcSender:
         tid = self.target.transfer_id
         while (item := self._queue.get()) is not _STOP:
             if item is _END:
-                yield kvtransfer_pb2.KVChunk(transfer_id=tid, last=True, crc32c=google_crc32c.value(b""))
+                yield kvtransfer_pb2.KVChunk(transfer_id=tid, last=True, crc32c=self._crc(b""))
                 return
             layer, first_block, k, v, corrupt = item
             for kv, tensor in enumerate((k, v)):
                 raw = memoryview(tensor.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
                 for offset in range(0, len(raw), MAX_PIECE_BYTES):
                     data = bytes(raw[offset:offset + MAX_PIECE_BYTES])
-                    crc = google_crc32c.value(data)
+                    crc = self._crc(data)
                     if corrupt:
                         corrupt, data = False, _flipped(data)
                     yield kvtransfer_pb2.KVChunk(
@@ -84,63 +92,93 @@ class GrpcSender:
                         offset=offset, total_bytes=len(raw), data=data, crc32c=crc,
                     )
 
+    def _crc(self, data: bytes) -> int | None:
+        """The piece's CRC32C; None leaves the field unset (agreed off)."""
+        return google_crc32c.value(data) if self.checksum else None
+
+
+@dataclass
+class _Channel:
+    """A receiver's channel, and what its last Handshake agreed on checksums (None: ask again)."""
+
+    channel: grpc.Channel
+    stub: kvtransfer_pb2_grpc.KVTransferStub
+    checksum: bool | None = None
+
 
 class GrpcSenders:
     """The prefill side's gRPC channels, one per receiver address and layout, each checked by a Handshake."""
 
     def __init__(
-        self, layout: KVLayout, timeout: float, connect: Callable[[str], grpc.Channel] = grpc.insecure_channel
+        self, layout: KVLayout, timeout: float, connect: Callable[[str], grpc.Channel] = grpc.insecure_channel,
+        checksum: bool = True,
     ) -> None:
-        """`connect` opens a channel to a receiver's host:port (plaintext by default)."""
+        """`connect` opens a channel to a receiver's host:port (plaintext by default); `checksum`
+        False (`--kv-checksum off`) asks receivers to take pieces without CRC32C."""
         self._connect = connect
         self._layout = layout
         self._timeout = timeout
-        self._channels: dict[tuple[str, KVLayout], tuple[grpc.Channel, kvtransfer_pb2_grpc.KVTransferStub]] = {}
+        self._checksum = checksum
+        self._channels: dict[tuple[str, KVLayout], _Channel] = {}
         self._lock = threading.Lock()
 
     def sender(self, target: TransferTarget, fault: TransferFault) -> GrpcSender:
         """A sender on the receiver's channel (handshaking first on a new one; blocks up to the
         timeout); `fault` is the test hook's plan for it. LayoutTransferError if the target's layout
         is not ours (before dialling) or the receiver holds another one (its Handshake)."""
-        return GrpcSender(self._stub(target), target, fault)
+        key = (target.address, target.layout)
+        stub, checksum = self._channel(key)
+        return GrpcSender(stub, target, fault, checksum, lambda: self._ask_again(key))
 
     def close(self) -> None:
         """Close every channel (calls in flight fail)."""
         with self._lock:
             channels = list(self._channels.values())
             self._channels.clear()
-        for channel, _ in channels:
-            channel.close()
+        for known in channels:
+            known.channel.close()
 
-    def _stub(self, target: TransferTarget) -> kvtransfer_pb2_grpc.KVTransferStub:
+    def _channel(self, key: tuple[str, KVLayout]) -> tuple[kvtransfer_pb2_grpc.KVTransferStub, bool]:
         # Keyed by layout too. A channel reconnects by itself to a receiver restarted at the same
         # address, with no new Handshake; such a receiver's targets state its new layout, so they
         # find no channel and are checked here. Every target a channel serves is thus in the layout
         # its Handshake accepted.
-        key = (target.address, target.layout)
+        address, layout = key
         with self._lock:
             known = self._channels.get(key)
         if known is not None:
-            return known[1]
-        address = target.address
-        reason = self._layout.mismatch(target.layout)
+            checksum = known.checksum
+            if checksum is None:
+                checksum = known.checksum = self._handshake(address, known.stub)
+            return known.stub, checksum
+        reason = self._layout.mismatch(layout)
         if reason is not None:
             raise LayoutTransferError(address, reason)
         channel = self._connect(address)
         stub = kvtransfer_pb2_grpc.KVTransferStub(channel)
         try:
-            self._handshake(address, stub)
+            checksum = self._handshake(address, stub)
         except TransferError:
             channel.close()
             raise
         with self._lock:
-            kept = self._channels.setdefault(key, (channel, stub))
-        if kept[0] is not channel:  # another thread handshook first
+            kept = self._channels.setdefault(key, _Channel(channel, stub, checksum))
+        if kept.channel is not channel:  # another thread handshook first
             channel.close()
-        return kept[1]
+        return kept.stub, checksum
 
-    def _handshake(self, address: str, stub: kvtransfer_pb2_grpc.KVTransferStub) -> None:
-        request = kvtransfer_pb2.HandshakeRequest(layout=self._layout.to_proto())
+    def _ask_again(self, key: tuple[str, KVLayout]) -> None:
+        # A receiver restarted at the same address (same layout) keeps the channel but may now
+        # require the checksums the old one let us skip: its refusal makes the next sender on the
+        # channel handshake again, instead of every later transfer failing the same way.
+        with self._lock:
+            known = self._channels.get(key)
+            if known is not None:
+                known.checksum = None
+
+    def _handshake(self, address: str, stub: kvtransfer_pb2_grpc.KVTransferStub) -> bool:
+        """Check the layouts; what the receiver decided on checksums (True: every piece carries one)."""
+        request = kvtransfer_pb2.HandshakeRequest(layout=self._layout.to_proto(), checksum_off=not self._checksum)
         try:
             response = stub.Handshake(request, timeout=self._timeout)
         except grpc.RpcError as e:
@@ -151,6 +189,7 @@ class GrpcSenders:
             except ValueError:
                 reason = response.reason
             raise LayoutTransferError(address, reason)
+        return not response.checksum_off
 
 
 def _flipped(data: bytes) -> bytes:

@@ -1,7 +1,8 @@
 """The gRPC backend's receiving end: the KVTransfer service (Handshake, Push) and its KVReceiver.
 
 A Push call carries one transfer: KVChunk pieces of at most MAX_PIECE_BYTES, each with a CRC32C of
-its bytes. Per layer and block range the sender sends all of K, then all of V, in order; the
+its bytes unless the channel's Handshake agreed on none (kvtransfer.descriptor.checksum_agreed: both
+sides' `--kv-checksum` off). Per layer and block range the sender sends all of K, then all of V, in order; the
 service joins the pieces and hands whole pages to the transfer's write callback off the event loop.
 """
 
@@ -17,7 +18,14 @@ import grpc
 import torch
 from tandem.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
-from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget, WriteBlocks, split_address
+from kvtransfer.descriptor import (
+    KVLayout,
+    TransferError,
+    TransferTarget,
+    WriteBlocks,
+    checksum_agreed,
+    split_address,
+)
 from kvtransfer.pending import PendingTransfers
 
 if TYPE_CHECKING:
@@ -33,10 +41,12 @@ class GrpcReceiver:
 
     backend = "grpc"
 
-    def __init__(self, grpc_address: str, timeout: float = 30.0) -> None:
-        """`grpc_address` is where senders reach this worker's gRPC server; `timeout` bounds each transfer."""
+    def __init__(self, grpc_address: str, timeout: float = 30.0, checksum: bool = True) -> None:
+        """`grpc_address` is where senders reach this worker's gRPC server; `timeout` bounds each
+        transfer; `checksum` (its `--kv-checksum`) False lets senders that ask skip the CRC32C."""
         self.host, self.port = split_address(grpc_address)
         self.pending = PendingTransfers(timeout)
+        self.checksum = checksum
 
     def expect(self, peer: str, transfer_id: int, block_ids: Sequence[int], num_cached_tokens: int,
                layout: KVLayout, write: WriteBlocks) -> TransferTarget:
@@ -112,9 +122,10 @@ class _PageAssembly:
 class _Push:
     """The receiving state of one Push call."""
 
-    def __init__(self, pending: PendingTransfers, layout: KVLayout) -> None:
+    def __init__(self, pending: PendingTransfers, layout: KVLayout, checksum: bool) -> None:
         self._pending = pending
         self._layout = layout
+        self._checksum = checksum  # every piece must carry a CRC32C
         self.transfer_id: int | None = None
         self._assembly: _PageAssembly | None = None
 
@@ -130,7 +141,12 @@ class _Push:
         if blocks is None:
             raise _Refusal(grpc.StatusCode.NOT_FOUND if self._assembly is None else grpc.StatusCode.ABORTED,
                            f"transfer {tid} is not expected here (unknown, cancelled, failed or timed out)")
-        if google_crc32c.value(chunk.data) != chunk.crc32c:
+        if not chunk.HasField("crc32c"):
+            if self._checksum:
+                raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"transfer {tid}: a piece of layer {chunk.layer} came without CRC32C, which this "
+                               "receiver requires (--kv-checksum on)")
+        elif google_crc32c.value(chunk.data) != chunk.crc32c:
             raise _Refusal(grpc.StatusCode.DATA_LOSS, f"transfer {tid}: CRC32C mismatch in layer {chunk.layer}, "
                                                       f"{'KV'[min(chunk.kv, 1)]} bytes at offset {chunk.offset}")
         self._assembly = self._assembly or _PageAssembly(self._layout, blocks)
@@ -165,22 +181,27 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer):
     async def Handshake(
         self, request: kvtransfer_pb2.HandshakeRequest, context: grpc.aio.ServicerContext
     ) -> kvtransfer_pb2.HandshakeResponse:
-        """Accept the caller's layout if it equals ours, else name the differing fields."""
+        """Accept the caller's layout if it equals ours, else name the differing fields; decide
+        whether the caller's pieces carry a CRC32C (checksum_agreed)."""
         try:
             reason = self._layout.mismatch(KVLayout.from_proto(request.layout))
         except ValueError as e:
             reason = str(e)
+        # A worker that receives no KV over grpc takes no pieces: the safe answer costs nothing.
+        required = self._receiver is None or self._receiver.checksum
+        checksum = checksum_agreed(required, not request.checksum_off)
         return kvtransfer_pb2.HandshakeResponse(
-            accepted=reason is None, reason=reason or "", layout=self._layout.to_proto()
+            accepted=reason is None, reason=reason or "", layout=self._layout.to_proto(), checksum_off=not checksum
         )
 
     async def Push(
         self, request_iterator: AsyncIterator[kvtransfer_pb2.KVChunk], context: grpc.aio.ServicerContext
     ) -> kvtransfer_pb2.PushResponse:
-        """Write one transfer's pages; DATA_LOSS on a CRC mismatch or missing pages."""
+        """Write one transfer's pages; DATA_LOSS on a CRC mismatch or missing pages,
+        FAILED_PRECONDITION on a piece without CRC32C when this receiver requires one."""
         if self._receiver is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker does not receive KV over grpc")
-        push = _Push(self._receiver.pending, self._layout)
+        push = _Push(self._receiver.pending, self._layout, self._receiver.checksum)
         try:
             async for chunk in request_iterator:
                 received = await push.handle(chunk)

@@ -39,12 +39,14 @@ class KVReceiver(Protocol):
 
 
 def make_receiver(backend: str, bind_host: str, grpc_address: str, *, timeout: float = 30.0,
-                  device: str = "cpu") -> KVReceiver:
+                  device: str = "cpu", checksum: bool = True) -> KVReceiver:
     """The receiver for `backend`. torch_dist hosts pairing stores on `bind_host` (ephemeral ports;
     NCCL when `device` is CUDA, else gloo); grpc names `grpc_address`, this worker's gRPC server,
-    which must register KVTransferServicer. `timeout` bounds each transfer from expect() to its end."""
+    which must register KVTransferServicer. `timeout` bounds each transfer from expect() to its end.
+    `checksum` (`--kv-checksum`) True requires CRC32C on every page; False lets pages go without one
+    from senders whose setting is off too (kvtransfer.descriptor.checksum_agreed)."""
     if backend == "torch_dist":
-        return TorchDistReceiver(bind_host, timeout, "nccl" if device.startswith("cuda") else "gloo")
+        return TorchDistReceiver(bind_host, timeout, "nccl" if device.startswith("cuda") else "gloo", checksum)
     if backend == "grpc":
-        return GrpcReceiver(grpc_address, timeout)
+        return GrpcReceiver(grpc_address, timeout, checksum)
     raise ValueError(f"kv_backend: expected torch_dist or grpc, got {backend!r}")

@@ -16,7 +16,10 @@ from kvtransfer.torch_dist_sender import TorchDistSenders
 
 class KVSender(Protocol):
     """One transfer's sending end. Pages go out in the order they were queued, on a background
-    thread, so the prefill model computes later layers while earlier ones travel."""
+    thread, so the prefill model computes later layers while earlier ones travel. `checksum` is
+    whether its pages carry CRC32C, as agreed when its connection was made (checksum_agreed)."""
+
+    checksum: bool
 
     def send(self, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Queue one layer's pages for blocks target.block_ids[first_block:first_block + len(k)];
@@ -47,13 +50,15 @@ class KVSenderPool:
         device: str = "cpu",
         connect: Callable[[str], grpc.Channel] = grpc.insecure_channel,
         host: str | None = None,
+        checksum: bool = True,
     ) -> None:
         """`layout` is this worker's; `timeout` bounds pairing, handshakes and each message;
         `device` is where the exported KV lives (NCCL targets need it on CUDA); `connect` opens the
         gRPC backend's channel to a receiver's host:port (e.g. with mutual TLS); `host` is the
-        address this side of a torch_dist pair listens on (None: the one that routes to the receiver)."""
-        self._torch_dist = TorchDistSenders(layout, timeout, torch.device(device), host)
-        self._grpc = GrpcSenders(layout, timeout, connect)
+        address this side of a torch_dist pair listens on (None: the one that routes to the receiver);
+        `checksum` False (`--kv-checksum off`) skips the CRC32C where the receiver allows it too."""
+        self._torch_dist = TorchDistSenders(layout, timeout, torch.device(device), host, checksum)
+        self._grpc = GrpcSenders(layout, timeout, connect, checksum)
         self._fault_file = fault_file()  # the test hook (kvtransfer.faults); None in production
 
     def sender(self, target: TransferTarget) -> KVSender:

@@ -12,7 +12,9 @@ Messages are raw tensors: a fixed int64 header, then for pages the K and V bytes
 it lists, as uint8 (so every dtype, bfloat16 included, travels the same way; gloo's send/recv does
 handle bfloat16 too). A PAGES header carries the CRC32C of all the bytes that follow it, which the
 receiver checks before writing any of them; on NCCL (pages on the GPU) it carries none, since
-computing one would copy every page to the host.
+computing one would copy every page to the host. Pairing is also the checksum handshake: each side
+puts its `--kv-checksum` in the store, and a gloo pair checksums unless both are off
+(kvtransfer.descriptor.checksum_agreed); its receiver then refuses pages that come without one.
 
 Gloo facts this relies on (measured with torch 2.13):
 - a send leaves only once the peer posted the matching receive, so receivers post ahead;
@@ -40,11 +42,16 @@ import google_crc32c
 import torch
 import torch.distributed as dist
 
+from kvtransfer.descriptor import checksum_agreed
+
 MAGIC = 0x4B56_5041_4745_5332  # "KVPAGES2"
 # Between transfers a pair may sit idle for any time; its header recv must not expire.
 IDLE_TIMEOUT = timedelta(days=365)
 RECEIVER_RANK, SENDER_RANK = 0, 1
 _JOINED = "joined"  # set by the sender in the pairing store before it builds its side of the group
+# Each side's --kv-checksum ("on" or "off"), in the pairing store: the receiver's is there before
+# its target leaves, the sender's before it joins.
+_RECEIVER_CHECKSUM, _SENDER_CHECKSUM = "receiver_checksum", "sender_checksum"
 _JOIN_POLL_S = 0.02
 
 
@@ -156,10 +163,12 @@ class _DetachableStore(dist.Store):
 class PairGroup:
     """A two-rank group seen from one side; raises RuntimeError when the pair breaks."""
 
-    def __init__(self, group: dist.ProcessGroup, peer_rank: int, device: torch.device) -> None:
+    def __init__(self, group: dist.ProcessGroup, peer_rank: int, device: torch.device, checksum: bool) -> None:
+        """`checksum`: whether PAGES messages carry a CRC32C, as both sides agreed when pairing."""
         self._group = group
         self._peer = peer_rank
         self.device = device
+        self.checksum = checksum
 
     def post_send(self, tensor: torch.Tensor) -> dist.Work:
         """Start sending `tensor`; gloo sends it once the peer posted the matching receive, and
@@ -187,9 +196,10 @@ class PairGroup:
 
 
 class Rendezvous:
-    """The receiver's pairing store: one ephemeral port on `host`, open until the group is up."""
+    """The receiver's pairing store: one ephemeral port on `host`, open until the group is up.
+    `checksum` is the receiver's `--kv-checksum`."""
 
-    def __init__(self, host: str, namespace: str, timeout: float) -> None:
+    def __init__(self, host: str, namespace: str, timeout: float, checksum: bool = True) -> None:
         listener = socket.create_server((host, 0))
         self.host = host
         self.port: int = listener.getsockname()[1]
@@ -198,6 +208,8 @@ class Rendezvous:
         server = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
                                timeout=timedelta(seconds=timeout), master_listen_fd=listener.detach())
         self._prefixed: dist.Store | None = dist.PrefixStore(namespace, server)
+        self._prefixed.set(_RECEIVER_CHECKSUM, _setting(checksum))
+        self._checksum = checksum
         self._store = _DetachableStore(self._prefixed)
 
     def accept(self, dist_backend: str, stop: threading.Event) -> PairGroup:
@@ -212,7 +224,8 @@ class Rendezvous:
                     raise RuntimeError("the receiver closed before the sender joined")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no sender joined within {self._timeout:g} s")
-            group = _new_group(self._store, RECEIVER_RANK, dist_backend, self.host, limit)
+            checksum = checksum_agreed(self._checksum, self._prefixed.get(_SENDER_CHECKSUM) == _setting(True))
+            group = _new_group(self._store, RECEIVER_RANK, dist_backend, self.host, limit, checksum)
             hello = group.recv_header(limit)
             if hello.kind is not Kind.HELLO:
                 raise ValueError(f"expected HELLO from the sender, got {hello.kind.name}")
@@ -223,35 +236,45 @@ class Rendezvous:
 
 
 def join(host: str, port: int, namespace: str, dist_backend: str, timeout: float,
-         local_host: str | None = None) -> PairGroup:
+         local_host: str | None = None, checksum: bool = True) -> PairGroup:
     """The sender's side of pairing: join the receiver's store and group, then say hello. Its side
-    of the group listens on `local_host` (None: the local address that routes to the receiver)."""
+    of the group listens on `local_host` (None: the local address that routes to the receiver);
+    `checksum` is the sender's `--kv-checksum`."""
     limit = timedelta(seconds=timeout)
     client = dist.PrefixStore(namespace, dist.TCPStore(host, port, is_master=False, timeout=limit))
     store = _DetachableStore(client)
     try:
+        agreed = checksum_agreed(client.get(_RECEIVER_CHECKSUM) == _setting(True), checksum)
+        client.set(_SENDER_CHECKSUM, _setting(checksum))
         client.set(_JOINED, b"1")
-        group = _new_group(store, SENDER_RANK, dist_backend, local_host or _local_address_towards(host, port), limit)
+        local = local_host or _local_address_towards(host, port)
+        group = _new_group(store, SENDER_RANK, dist_backend, local, limit, agreed)
         group.send_header(Header(Kind.HELLO), limit)
         return group
     finally:
         store.detach()
 
 
-def _new_group(store: dist.Store, rank: int, dist_backend: str, local_host: str, timeout: timedelta) -> PairGroup:
+def _setting(checksum: bool) -> bytes:
+    return b"on" if checksum else b"off"
+
+
+def _new_group(store: dist.Store, rank: int, dist_backend: str, local_host: str, timeout: timedelta,
+               checksum: bool) -> PairGroup:
+    """The pair's group; it checksums as agreed on gloo, never on NCCL (see the module)."""
     peer = SENDER_RANK if rank == RECEIVER_RANK else RECEIVER_RANK
     if dist_backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
-        return PairGroup(dist.ProcessGroupGloo(store, rank, 2, options), peer, torch.device("cpu"))
+        return PairGroup(dist.ProcessGroupGloo(store, rank, 2, options), peer, torch.device("cpu"), checksum)
     if dist_backend == "nccl":
         if not (dist.is_nccl_available() and torch.cuda.is_available()):
             raise RuntimeError("dist_backend nccl needs CUDA and a torch build with NCCL")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = IDLE_TIMEOUT  # NCCL's watchdog would otherwise kill an idle pair
         device = torch.device("cuda", torch.cuda.current_device())
-        return PairGroup(dist.ProcessGroupNCCL(store, rank, 2, options), peer, device)
+        return PairGroup(dist.ProcessGroupNCCL(store, rank, 2, options), peer, device, False)
     raise ValueError(f"dist_backend: expected gloo or nccl, got {dist_backend!r}")
 
 

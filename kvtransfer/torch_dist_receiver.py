@@ -23,11 +23,11 @@ class _ReceivingPair:
     """One pair's receiving end: pairs with the peer on its own thread, then reads messages in order."""
 
     def __init__(self, peer: str, bind_host: str, dist_backend: str, pending: PendingTransfers,
-                 on_end: Callable[[_ReceivingPair, TransferError], None]) -> None:
+                 on_end: Callable[[_ReceivingPair, TransferError], None], checksum: bool) -> None:
         self.peer = peer
         self.namespace = secrets.token_hex(16)
         self.dist_backend = dist_backend
-        self.rendezvous = Rendezvous(bind_host, self.namespace, pending.timeout)
+        self.rendezvous = Rendezvous(bind_host, self.namespace, pending.timeout, checksum)
         self._timeout = timedelta(seconds=pending.timeout)
         self._pending = pending
         self._on_end = on_end
@@ -92,13 +92,13 @@ class _ReceivingPair:
                 pages = [group.post_recv(buffer) for buffer in buffers]
                 next_header = group.post_recv(header_buffer)
                 if held is not None:
-                    self._write(*held)
+                    self._write(group, *held)
                 for work in pages:
                     work.wait(self._timeout)
                 held = (header, buffers)
                 continue
             if held is not None:
-                self._write(*held)
+                self._write(group, *held)
                 held = None
             if header.kind is Kind.BYE:
                 self._say_bye()
@@ -106,9 +106,15 @@ class _ReceivingPair:
             self._handle_end(header)
             next_header = group.post_recv(header_buffer)
 
-    def _write(self, header: Header, buffers: list[torch.Tensor]) -> None:
+    def _write(self, group: PairGroup, header: Header, buffers: list[torch.Tensor]) -> None:
+        """Check the pages (a checksum the pair agreed on must be there and match), then write them."""
+        layers = sorted({run.layer for run in header.runs})
+        if header.checksum is None and group.checksum:
+            self._pending.fail(header.transfer_id, TransferError(
+                f"transfer {header.transfer_id}: the pages of layers {layers} from {self.peer} came without the "
+                "CRC32C this pair agreed on"))
+            return
         if header.checksum is not None and payload_checksum(buffers) != header.checksum:
-            layers = sorted({run.layer for run in header.runs})
             self._pending.fail(header.transfer_id, TransferError(
                 f"transfer {header.transfer_id}: CRC32C mismatch in the pages of layers {layers} from {self.peer}"))
             return
@@ -135,11 +141,14 @@ class TorchDistReceiver:
 
     backend = "torch_dist"
 
-    def __init__(self, bind_host: str, timeout: float = 30.0, dist_backend: str = "gloo") -> None:
+    def __init__(self, bind_host: str, timeout: float = 30.0, dist_backend: str = "gloo",
+                 checksum: bool = True) -> None:
         """Rendezvous stores listen on `bind_host` only; `timeout` bounds pairing, each message once
-        started, and each transfer from `expect` to its end."""
+        started, and each transfer from `expect` to its end; `checksum` False (`--kv-checksum off`)
+        lets pairs whose sender is off too go without CRC32C."""
         self._bind_host = bind_host
         self._dist_backend = dist_backend
+        self._checksum = checksum
         self._pending = PendingTransfers(timeout)
         self._pairs: dict[str, _ReceivingPair] = {}
         self._lock = threading.Lock()
@@ -150,7 +159,8 @@ class TorchDistReceiver:
         with self._lock:
             pair = self._pairs.get(peer)
             if pair is None:
-                pair = _ReceivingPair(peer, self._bind_host, self._dist_backend, self._pending, self._pair_ended)
+                pair = _ReceivingPair(peer, self._bind_host, self._dist_backend, self._pending, self._pair_ended,
+                                      self._checksum)
                 self._pairs[peer] = pair
             # Under the lock: a pair that breaks now fails this transfer too (see _pair_ended).
             self._pending.add(peer, transfer_id, block_ids, layout, write)

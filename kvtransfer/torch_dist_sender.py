@@ -38,6 +38,7 @@ class TorchDistSender:
 
     def __init__(self, pair: _SendingPair, target: TransferTarget, fault: TransferFault) -> None:
         self.target = target
+        self.checksum = pair.checksum  # what pairing agreed
         self.done: Future[int] = Future()
         self.bytes_sent = 0
         self._pair = pair
@@ -107,7 +108,7 @@ class _InFlight:
     def post(cls, group: PairGroup, sender: TorchDistSender, message: _Message) -> _InFlight:
         payload = [raw_bytes(tensor, group.device) for pages in message.pages for tensor in pages]
         header = message.header
-        if header.kind is Kind.PAGES and group.device.type == "cpu":
+        if header.kind is Kind.PAGES and group.checksum:
             header = replace(header, checksum=payload_checksum(payload))
         if message.corrupt:
             flip_bit(payload[0])
@@ -131,6 +132,7 @@ class _SendingPair:
     def __init__(self, target: TransferTarget, timeout: float, device: torch.device, pool: TorchDistSenders) -> None:
         self.key = _pair_key(target)
         self.ready = threading.Event()
+        self.checksum = False  # whether its pages carry CRC32C, set by pairing before `ready`
         self._target = target
         self._timeout = timeout
         self._device = device if target.dist_backend == "nccl" else torch.device("cpu")
@@ -178,10 +180,11 @@ class _SendingPair:
             if target.dist_backend == "nccl" and self._device.type != "cuda":
                 raise ValueError("the receiver wants nccl but this sender's KV is not on CUDA")
             group = join(target.host, target.port, target.namespace, target.dist_backend, self._timeout,
-                         self._pool.host)
+                         self._pool.host, self._pool.checksum)
         except (RuntimeError, ValueError, OSError) as e:  # torch's store errors are RuntimeErrors
             self._end(TransferError(f"pairing with the KV receiver at {target.address} failed: {e}"))
             return
+        self.checksum = group.checksum
         watch = threading.Thread(target=self._watch, args=(group,), name=f"kv-watch-{target.address}", daemon=True)
         self._threads.append(watch)
         watch.start()
@@ -249,13 +252,16 @@ class _SendingPair:
 class TorchDistSenders:
     """The prefill side's torch_dist pairs, one per receiver namespace and layout."""
 
-    def __init__(self, layout: KVLayout, timeout: float, device: torch.device, host: str | None = None) -> None:
+    def __init__(self, layout: KVLayout, timeout: float, device: torch.device, host: str | None = None,
+                 checksum: bool = True) -> None:
         """`layout` is this worker's: a pair is made only with a receiver that holds it; `host` is
-        the address its side of each pair listens on (None: the one that routes to the receiver)."""
+        the address its side of each pair listens on (None: the one that routes to the receiver);
+        `checksum` is this worker's `--kv-checksum`, which pairing weighs with the receiver's."""
         self._layout = layout
         self._timeout = timeout
         self._device = device
         self.host = host
+        self.checksum = checksum
         self._pairs: dict[tuple[str, KVLayout], _SendingPair] = {}
         self._lock = threading.Lock()
 

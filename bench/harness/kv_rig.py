@@ -57,14 +57,14 @@ def prompt_kv(layout: KVLayout = LAYOUT) -> list[tuple[torch.Tensor, torch.Tenso
 
 # ---- the sender process -------------------------------------------------------------------------------
 def sender_process(conn: Connection, layout: KVLayout = LAYOUT) -> None:
-    """Answer ("kv", target bytes) and ("raw", port) with the bytes sent; ("exit",) ends."""
+    """Answer ("kv", target bytes, --kv-checksum on) and ("raw", port) with the bytes sent; ("exit",) ends."""
     torch.set_num_threads(1)
-    pool = KVSenderPool(layout, timeout=60.0)
+    pools = {checksum: KVSenderPool(layout, timeout=60.0, checksum=checksum) for checksum in (True, False)}
     layers = prompt_kv(layout)
     while (command := conn.recv())[0] != "exit":
         if command[0] == "kv":
             target = TransferTarget.from_proto(kvtransfer_pb2.KVTarget.FromString(command[1]))
-            sender = pool.sender(target)
+            sender = pools[command[2]].sender(target)
             for layer, (k, v) in enumerate(layers):
                 sender.send(layer, 0, k, v)
             sender.finish()
@@ -75,7 +75,8 @@ def sender_process(conn: Connection, layout: KVLayout = LAYOUT) -> None:
                     sock.sendall(k.view(torch.uint8).numpy())
                     sock.sendall(v.view(torch.uint8).numpy())
             conn.send(total_bytes(layout))
-    pool.close()
+    for pool in pools.values():
+        pool.close()
 
 
 # ---- the receiving side -------------------------------------------------------------------------------
@@ -92,15 +93,16 @@ class Cache:
         copy_rows(self.v[layer], index, v)
 
 
-def serve_grpc(layout: KVLayout = LAYOUT) -> tuple[GrpcReceiver, Callable[[], None]]:
-    """A grpc.aio server with the KVTransfer service on its own thread; (receiver, stop)."""
+def serve_grpc(layout: KVLayout = LAYOUT, checksum: bool = True) -> tuple[GrpcReceiver, Callable[[], None]]:
+    """A grpc.aio server with the KVTransfer service on its own thread, its receiver's
+    `--kv-checksum` `checksum`; (receiver, stop)."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
     async def start() -> tuple[GrpcReceiver, grpc.aio.Server]:
         server = grpc.aio.server()
         port = server.add_insecure_port("127.0.0.1:0")
-        receiver = GrpcReceiver(f"127.0.0.1:{port}", timeout=60.0)
+        receiver = GrpcReceiver(f"127.0.0.1:{port}", timeout=60.0, checksum=checksum)
         kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(layout, receiver), server)
         await server.start()
         return receiver, server
@@ -115,12 +117,15 @@ def serve_grpc(layout: KVLayout = LAYOUT) -> tuple[GrpcReceiver, Callable[[], No
 
 
 class BackendRun:
-    """Timed transfers through one receiver; the first one (pairing, handshake) is a warm-up."""
+    """Timed transfers through one receiver; the first one (pairing, handshake) is a warm-up.
+    `checksum` is the sender's `--kv-checksum` (pages go without CRC32C only if the receiver's is off too)."""
 
-    def __init__(self, conn: Connection, receiver: KVReceiver, layout: KVLayout = LAYOUT) -> None:
+    def __init__(self, conn: Connection, receiver: KVReceiver, layout: KVLayout = LAYOUT,
+                 checksum: bool = True) -> None:
         self._conn = conn
         self._receiver = receiver
         self._layout = layout
+        self._checksum = checksum
         self._cache = Cache(layout)
         self._next_id = 1
         self.once()
@@ -132,7 +137,7 @@ class BackendRun:
         target = self._receiver.expect("bench-prefill", transfer_id, block_ids, 0, self._layout, self._cache.write)
         future = self._receiver.completion(transfer_id)
         start = time.perf_counter()
-        self._conn.send(("kv", target.to_proto().SerializeToString()))
+        self._conn.send(("kv", target.to_proto().SerializeToString(), self._checksum))
         received = future.result(60)
         elapsed = time.perf_counter() - start
         assert self._conn.recv() == received == total_bytes(self._layout)

@@ -7,6 +7,7 @@ from typing import NoReturn
 
 from services.commands.address_flags import add_address_flags
 from services.commands.engine_flags import add_engine_flags, engine_config
+from services.commands.kv_flags import add_kv_checksum_flag, kv_checksum
 from services.commands.limit_flags import add_grpc_limit_flags, grpc_limits
 from services.commands.security_flags import add_tls_flags, tls_config
 from services.commands.telemetry_flags import add_metrics_flag, metrics_port
@@ -30,6 +31,7 @@ def add_decode_flags(parser: argparse.ArgumentParser, default_port: int) -> None
                         help="address the torch_dist rendezvous stores bind to (default: --advertise-host)")
     parser.add_argument("--kv-timeout", type=float, default=30.0,
                         help="seconds a reservation waits for its prompt's first token and KV")
+    add_kv_checksum_flag(parser)
     add_metrics_flag(parser)
     add_grpc_limit_flags(parser)
     add_tls_flags(parser)
@@ -58,7 +60,8 @@ def run(args: argparse.Namespace) -> NoReturn:
     advertise_host = args.advertise_host or args.host
     tracing = setup_tracing("worker" if args.role == "colocated" else "decode")
     code = asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_backend,
-                             args.kv_host or advertise_host, args.kv_timeout, port, advertise_host, tls, limits))
+                             args.kv_host or advertise_host, args.kv_timeout, port, advertise_host, tls, limits,
+                             kv_checksum(args)))
     if tracing is not None:
         tracing.shutdown()
     exit_process(code)

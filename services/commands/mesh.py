@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 
 from services.commands.engine_flags import add_engine_flags, engine_flag_args
+from services.commands.kv_flags import add_kv_checksum_flag
 from services.launcher import ReadyLine, ServerProcess, tandem_command
 
 _DEMO_PROMPT = "Explain in two sentences why LLM inference splits prefill and decode."
@@ -37,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     mesh.add_argument("--prefill-port", type=int, default=50061, help="0 = a free port")
     mesh.add_argument("--decode-port", type=int, default=50071, help="0 = a free port")
     mesh.add_argument("--kv-backend", default="torch_dist", choices=["torch_dist", "grpc"])
+    add_kv_checksum_flag(mesh)  # to both workers
     # The engine flags (model, dtype, formats, threads, cache, batching) go to both workers; the
     # gateway gets the model and its context length.
     add_engine_flags(mesh)
@@ -82,7 +84,7 @@ def _start(args: argparse.Namespace, children: list[ServerProcess], stop: thread
     """Start the two workers together (their model loads overlap), then the gateway on the
     addresses they report; the gateway's gRPC and HTTP addresses once all are ready."""
     base = ["--log-level", args.log_level]
-    engine = ["--host", args.host, *engine_flag_args(args)]
+    engine = ["--host", args.host, "--kv-checksum", args.kv_checksum, *engine_flag_args(args)]
     # A worker asked for port 0 binds a free port itself and names it in its ready line: a port
     # picked here and bound later by the child could be taken by another process in between.
     children.append(_child("prefill", [*base, "prefill", *engine, "--port", str(args.prefill_port),

@@ -7,6 +7,7 @@ from typing import NoReturn
 
 from services.commands.address_flags import add_address_flags
 from services.commands.engine_flags import add_engine_flags, engine_config
+from services.commands.kv_flags import add_kv_checksum_flag, kv_checksum
 from services.commands.limit_flags import add_grpc_limit_flags, grpc_limits
 from services.commands.security_flags import add_tls_flags, tls_config
 from services.commands.telemetry_flags import add_metrics_flag, metrics_port
@@ -21,6 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     prefill.add_argument("--kv-timeout", type=float, default=30.0,
                          help="seconds a request's KV pages may take to reach the decode worker before "
                               "they are dropped")
+    add_kv_checksum_flag(prefill)
     add_metrics_flag(prefill)
     add_grpc_limit_flags(prefill)
     add_tls_flags(prefill)
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> NoReturn:
     limits = grpc_limits(args)
     tracing = setup_tracing("prefill")
     code = asyncio.run(serve(config, args.host, args.port, args.grace_period, args.kv_timeout, port, tls, limits,
-                             args.advertise_host))
+                             args.advertise_host, kv_checksum(args)))
     if tracing is not None:
         tracing.shutdown()
     exit_process(code)

@@ -127,11 +127,13 @@ async def serve(
     advertise_host: str,
     tls: TlsConfig | None = None,
     limits: GrpcLimits = DEFAULT_GRPC_LIMITS,
+    kv_checksum: bool = True,
 ) -> int:
     """Run a decode (or colocated: `config.role`) worker until SIGTERM/SIGINT; returns the exit code.
     Prefill workers reach its gRPC KV receiver at `advertise_host` (the server may listen on a
     wildcard address). With `tls`, its server and its channels to prefill workers use (mutual) TLS;
-    `limits` bound the messages and streams of both."""
+    `limits` bound the messages and streams of both. `kv_checksum` False (`--kv-checksum off`) takes
+    pages without CRC32C from prefill workers that are off too; True requires it on every page."""
     warn_if_worker_exposed(config.role, host, tls)
     server = RoleServer(config.role, host, port, grace_period, tls.server_credentials() if tls else None,
                         limits=limits, advertise_host=advertise_host)
@@ -147,7 +149,8 @@ async def serve(
     async def load() -> None:
         engine = await asyncio.to_thread(Engine, config)
         advertised = f"{advertise_host}:{server.port}"
-        receiver = make_receiver(kv_backend, kv_host, advertised, timeout=kv_timeout, device=config.device)
+        receiver = make_receiver(kv_backend, kv_host, advertised, timeout=kv_timeout, device=config.device,
+                                 checksum=kv_checksum)
         worker = DecodeWorker(server.address, engine, server.draining, receiver, kv_timeout)
         await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
         kv_transfer.servicer = KVTransferServicer(worker.layout, receiver if kv_backend == "grpc" else None)

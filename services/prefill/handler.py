@@ -79,12 +79,14 @@ async def serve(
     tls: TlsConfig | None = None,
     limits: GrpcLimits = DEFAULT_GRPC_LIMITS,
     advertise_host: str | None = None,
+    kv_checksum: bool = True,
 ) -> int:
     """Run a prefill worker until SIGTERM/SIGINT; returns the exit code. With `tls`, its server and
     its gRPC KV channels to decode workers use (mutual) TLS; `limits` bound the messages and streams
     of both. `advertise_host` (default `host`) is the address its ready line names and its
     torch_dist pairs listen on; without one given, a pair listens on the address that routes to
-    its receiver."""
+    its receiver. `kv_checksum` False (`--kv-checksum off`) sends pages without CRC32C to decode
+    workers that are off too."""
     warn_if_worker_exposed("prefill", host, tls)
     server = RoleServer("prefill", host, port, grace_period, tls.server_credentials() if tls else None,
                         limits=limits, advertise_host=advertise_host)
@@ -99,7 +101,7 @@ async def serve(
         layout = KVLayout.of_engine(engine)
         senders = KVSenderPool(layout, timeout=transfer_timeout, device=config.device,
                                connect=lambda address: open_sync_channel(address, tls, limits),
-                               host=advertise_host)
+                               host=advertise_host, checksum=kv_checksum)
         worker = PrefillWorker(server.address, engine, server.draining, senders, transfer_timeout)
         await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
         worker.loop.start()

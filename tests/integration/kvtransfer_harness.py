@@ -8,16 +8,20 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import threading
+from collections.abc import Iterator
 from dataclasses import replace
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 import torch
 from tandem.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 from engine.kv_cache.codec import KV_FORMATS
 from kvtransfer import KVLayout, KVSender, KVSenderPool, KVTransferServicer, TransferTarget
+from kvtransfer.faults import ENV_VAR
 from kvtransfer.grpc_stream import GrpcReceiver
 from kvtransfer.receiver import KVReceiver, make_receiver
 
@@ -51,9 +55,10 @@ def layer_pieces(layer: int, num_blocks: int) -> list[tuple[int, int]]:
 
 # ---- the sender process -----------------------------------------------------------------------------
 def sender_process(conn: Connection) -> None:
-    """Serve commands: open, send, finish, wait, abort, exit; reply ("ok", int) or ("error", str)."""
+    """Serve commands: open, send, finish, wait, abort, checked (1 if the transfer's pages carry a
+    CRC32C), exit; reply ("ok", int) or ("error", str)."""
     torch.set_num_threads(1)
-    pools: dict[KVLayout, KVSenderPool] = {}
+    pools: dict[tuple[KVLayout, bool], KVSenderPool] = {}
     senders: dict[int, tuple[KVSender, TransferTarget]] = {}
     while True:
         command, *args = conn.recv()
@@ -66,7 +71,10 @@ def sender_process(conn: Connection) -> None:
             if command == "open":
                 target = TransferTarget.from_proto(kvtransfer_pb2.KVTarget.FromString(args[0]))
                 own_layout = KVLayout.from_proto(kvtransfer_pb2.KVLayout.FromString(args[1]))
-                pool = pools.setdefault(own_layout, KVSenderPool(own_layout, timeout=10.0))
+                checksum = args[2]
+                if (own_layout, checksum) not in pools:
+                    pools[own_layout, checksum] = KVSenderPool(own_layout, timeout=10.0, checksum=checksum)
+                pool = pools[own_layout, checksum]
                 senders[target.transfer_id] = (pool.sender(target), target)
                 reply = 0
             else:
@@ -83,6 +91,8 @@ def sender_process(conn: Connection) -> None:
                     reply = sender.wait(args[1])
                 elif command == "abort":
                     sender.abort()
+                elif command == "checked":
+                    reply = int(sender.checksum)
             conn.send(("ok", reply))
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -103,9 +113,11 @@ class Child:
             raise AssertionError(f"the sender process did not answer {command[0]}")
         return self.conn.recv()
 
-    def open(self, target: TransferTarget, own_layout: KVLayout | None = None) -> tuple[str, Any]:
+    def open(self, target: TransferTarget, own_layout: KVLayout | None = None, checksum: bool = True
+             ) -> tuple[str, Any]:
+        """Open a sender from a pool of `own_layout` (default: the target's) and `--kv-checksum`."""
         own = (own_layout or target.layout).to_proto().SerializeToString()
-        return self("open", target.to_proto().SerializeToString(), own)
+        return self("open", target.to_proto().SerializeToString(), own, checksum)
 
     def send_all(self, target: TransferTarget, seed: int) -> int:
         for layer in range(target.layout.num_layers):
@@ -153,16 +165,16 @@ class FakeCache:
 class GrpcServer:
     """A grpc.aio server on 127.0.0.1:0 serving KVTransfer, on its own event-loop thread."""
 
-    def __init__(self, layout: KVLayout, timeout: float) -> None:
+    def __init__(self, layout: KVLayout, timeout: float, checksum: bool = True) -> None:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        started = asyncio.run_coroutine_threadsafe(self._start(layout, timeout), self.loop)
+        started = asyncio.run_coroutine_threadsafe(self._start(layout, timeout, checksum), self.loop)
         self.receiver, self.server = started.result(10)
 
-    async def _start(self, layout: KVLayout, timeout: float) -> tuple[GrpcReceiver, grpc.aio.Server]:
+    async def _start(self, layout: KVLayout, timeout: float, checksum: bool) -> tuple[GrpcReceiver, grpc.aio.Server]:
         server = grpc.aio.server()
         port = server.add_insecure_port("127.0.0.1:0")
-        receiver = GrpcReceiver(f"127.0.0.1:{port}", timeout)
+        receiver = GrpcReceiver(f"127.0.0.1:{port}", timeout, checksum)
         kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(layout, receiver), server)
         await server.start()
         return receiver, server
@@ -173,23 +185,24 @@ class GrpcServer:
 
 
 class Receivers:
-    """Receivers of one backend here, one per (dtype, timeout), made on first use."""
+    """Receivers of one backend here, one per (dtype, timeout, --kv-checksum), made on first use."""
 
     def __init__(self, backend: str) -> None:
         self.backend = backend
-        self._made: dict[tuple[str, float], KVReceiver] = {}
+        self._made: dict[tuple[str, float, bool], KVReceiver] = {}
         self._servers: list[GrpcServer] = []
         self._next_id = 1
 
-    def get(self, dtype: str = "float32", timeout: float = 30.0) -> KVReceiver:
-        if (dtype, timeout) not in self._made:
+    def get(self, dtype: str = "float32", timeout: float = 30.0, checksum: bool = True) -> KVReceiver:
+        key = (dtype, timeout, checksum)
+        if key not in self._made:
             if self.backend == "grpc":
-                server = GrpcServer(layout_of(dtype), timeout)
+                server = GrpcServer(layout_of(dtype), timeout, checksum)
                 self._servers.append(server)
-                self._made[dtype, timeout] = server.receiver
+                self._made[key] = server.receiver
             else:
-                self._made[dtype, timeout] = make_receiver("torch_dist", "127.0.0.1", "", timeout=timeout)
-        return self._made[dtype, timeout]
+                self._made[key] = make_receiver("torch_dist", "127.0.0.1", "", timeout=timeout, checksum=checksum)
+        return self._made[key]
 
     def expect(self, cache: FakeCache, layout: KVLayout, num_blocks: int = NUM_BLOCKS,
                receiver: KVReceiver | None = None, peer: str = PEER) -> TransferTarget:
@@ -204,3 +217,20 @@ class Receivers:
             receiver.close()
         for server in self._servers:
             server.stop()
+
+
+def hooked_side(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[tuple[Receivers, Child, Path]]:
+    """The body of a module fixture parametrized by backend: the receivers of that backend here, and
+    a sender process whose fault hook (kvtransfer.faults) reads the yielded file."""
+    torch.set_num_threads(1)
+    fault_file = tmp_path_factory.mktemp("kv-fault") / "fault"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(ENV_VAR, str(fault_file))
+        child = Child()  # a spawned process: it takes this environment
+    receivers = Receivers(request.param)
+    try:
+        yield receivers, child, fault_file
+    finally:
+        child.stop()
+        receivers.close()

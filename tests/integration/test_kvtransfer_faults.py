@@ -5,32 +5,17 @@ same connection arrives bit-exact."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from kvtransfer_harness import BACKENDS, Child, FakeCache, Receivers, layout_of
+from kvtransfer_harness import BACKENDS, Child, FakeCache, Receivers, hooked_side, layout_of
 
 from kvtransfer import TransferError
-from kvtransfer.faults import ENV_VAR
 
 NUM_BLOCKS = 4
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def side(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[tuple[Receivers, Child, Path]]:
-    """The receivers of one backend here, and a sender process whose hook reads the yielded file."""
-    torch.set_num_threads(1)
-    fault_file = tmp_path_factory.mktemp("kv-fault") / "fault"
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv(ENV_VAR, str(fault_file))
-        child = Child()  # a spawned process: it takes this environment
-    receivers = Receivers(request.param)
-    yield receivers, child, fault_file
-    child.stop()
-    receivers.close()
+side = pytest.fixture(hooked_side, scope="module", params=BACKENDS, name="side")
 
 
 def _transfer(receivers: Receivers, child: Child, seed: int, timeout: float = 30.0):
