@@ -184,10 +184,49 @@ inline void epilogue(const Problem& p, int64_t n_begin, int64_t n_end) {
   }
 }
 
+// One row of x against a whole block of 4-bit weights in groups of 32: the arithmetic of
+// tile<4, true, 1, 8> (so the same bits), written out for batch-1 decode, which is most of a
+// step's time. The generic tile reread the span bounds from memory and spilled its accumulators
+// every chunk (perf, AMD EPYC: 6.8 G weights/s with the weights in cache); here the bounds are
+// hoisted, the chunk's x stays in four registers and the eight accumulators in eight.
+inline void row_block_4bit_groups_of_32(const Problem& p, int64_t m0, int64_t n0) {
+  const uint8_t* block = block_base<4>(p, n0);
+  const float* scale = p.scale + block_group(p, n0);
+  const float* x = p.x + m0 * p.K;
+  const int64_t chunks = p.K / kChunk, full_chunks = p.K / (2 * kChunk) * 2;
+  Vec acc[kBlockRows];
+#pragma GCC unroll 8
+  for (int j = 0; j < kBlockRows; ++j) acc[j] = zero();
+  auto chunk = [&](int64_t c, bool full) {
+    prefetch_ahead<4>(block, c);
+    const float* xc = x + c * kChunk;
+    const Vec x0 = load(xc), x1 = load(xc + 8), x2 = load(xc + 16), x3 = load(xc + 24);
+    const uint8_t* span = block + (c / 2) * kBlockRows * kChunk;
+    const int64_t row_bytes = full ? kChunk : kChunk / 2;
+#pragma GCC unroll 8
+    for (int j = 0; j < kBlockRows; ++j) {
+      Vec w[4];
+      unpack4(span + j * row_bytes, c % 2, full, w);
+      Vec v = mul(w[0], x0);
+      v = fma(w[1], x1, v);
+      v = fma(w[2], x2, v);
+      v = fma(w[3], x3, v);
+      acc[j] = fma(v, broadcast(scale + c * kBlockRows + j), acc[j]);
+    }
+  };
+  for (int64_t c = 0; c < full_chunks; ++c) chunk(c, true);
+  for (int64_t c = full_chunks; c < chunks; ++c) chunk(c, false);
+#pragma GCC unroll 8
+  for (int j = 0; j < kBlockRows; ++j) finish(p, m0, n0 + j, hsum(acc[j]));
+}
+
 // MB rows of x against NB rows of W (within one block): MB*NB accumulators, at most 8, so with the
 // small loops unrolled they all stay in registers.
 template <int BITS, bool GROUPS_OF_32, int MB, int NB>
 void tile(const Problem& p, int64_t m0, int64_t n0) {
+  if constexpr (BITS == 4 && GROUPS_OF_32 && MB == 1 && NB == kBlockRows) {
+    if (n0 % kBlockRows == 0) return row_block_4bit_groups_of_32(p, m0, n0);
+  }
   const uint8_t* block = block_base<BITS>(p, n0);
   const int64_t row0 = n0 % kBlockRows;
   const float* scale = p.scale + block_group(p, n0);
