@@ -43,11 +43,9 @@ class DecodeStack:
                 product = layer.linears[name]
                 assert isinstance(product, QuantizedLinear)  # build() checked
                 w = product.weight
-                bias = None if product.bias is None else product.bias.float().contiguous()
-                self._stack.add_product(w.packed, w.scale, w.offset, bias, w.bits, w.group_size, w.rows)
+                self._stack.add_product(w.packed, w.scale, w.offset, product.bias32, w.bits, w.group_size, w.rows)
                 limits.append(product.kernel_rows(torch.float32))
         self.max_rows = min(limits) - 1
-        self._caches: tuple[Caches, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, ops: Kernels) -> DecodeStack | None:
@@ -70,15 +68,9 @@ class DecodeStack:
         serve the step (the caller runs the layers)."""
         if meta.max_query_len != 1 or hidden.shape[0] > self.max_rows or kv_caches[0][0].dtype != torch.float32:
             return None
-        keys, values = self._split(kv_caches)
-        return self._ops.run_decode_stack(self._stack, hidden, cos, sin, keys, values, meta.slot_mapping,
-                                          meta.block_tables, meta.seq_lens)
-
-    def _split(self, kv_caches: Caches) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        # The engine passes the same list every step: split it into keys and values once.
-        if self._caches is None or self._caches[0] is not kv_caches:
-            self._caches = (kv_caches, [k for k, _ in kv_caches], [v for _, v in kv_caches])
-        return self._caches[1], self._caches[2]
+        return self._ops.run_decode_stack(self._stack, hidden, cos, sin, [k for k, _ in kv_caches],
+                                          [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables,
+                                          meta.seq_lens)
 
 
 def _kernel_product(product: object, ops: Kernels) -> bool:

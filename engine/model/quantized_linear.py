@@ -149,7 +149,7 @@ class QuantizedLinear:
         self.weight = PackedWeight.pack(weight)
         self.bias = bias
         self.fp16_copy = fp16_copy
-        self._bias32 = None if bias is None else bias.float().contiguous()
+        self.bias32 = None if bias is None else bias.float().contiguous()  # the kernels' bias
         self._ops = kernels() if ops is None else ops
         self._fp16: list[torch.Tensor] | None = None  # fbgemm-packed pieces of the fp16 copy, made on first use
         self._fp16_rows: list[int] = []
@@ -160,7 +160,7 @@ class QuantizedLinear:
             x = x.index_select(1, w.perm)
         rows = x.shape[0]
         if rows < self.kernel_rows(x.dtype):
-            return self._ops.matmul(x.float().contiguous(), w, self._bias32).to(x.dtype)
+            return self._ops.matmul(x.float().contiguous(), w, self.bias32).to(x.dtype)
         if self.fp16_copy and x.dtype == torch.float32 and rows < linear.FP16_MAX_ROWS:
             return self._fp16_product(x.contiguous())
         dense = self.dequantize().to(x.dtype)
@@ -189,7 +189,7 @@ class QuantizedLinear:
             self._fp16 = [torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(dense[first : first + rows].contiguous())
                           for first, rows in pieces]
             self._fp16_rows = [rows for _, rows in pieces]
-        return self._ops.fp16_pieces(x, self._fp16, self._bias32, self._fp16_rows)
+        return self._ops.fp16_pieces(x, self._fp16, self.bias32, self._fp16_rows)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [N, K], columns in q's order (act-order weights: not input-feature order)."""
