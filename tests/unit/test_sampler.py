@@ -13,6 +13,7 @@ from engine.sampler import (
     TokenLogprobs,
     apply_filters,
     apply_penalties,
+    greedy_tokens,
 )
 from engine.sampling_params import SamplingParams
 
@@ -275,3 +276,12 @@ def test_caller_logits_are_not_modified():
     params = SamplingParams(top_k=2, repetition_penalty=2.0, min_tokens=1, logprobs=2)
     Sampler(vocab_size=4, eos_token_ids=[3]).sample(logits, [_state(params, prompt=[0, 1])])
     assert torch.equal(logits, before)
+
+
+def test_greedy_tokens_pick_what_argmax_picks_on_ties_and_nan():
+    logits = torch.zeros(4, 49152)
+    logits[0, 5] = logits[0, 700] = 1.0  # a tie: the first
+    logits[1] = 3.0  # all equal: index 0
+    logits[2, 3], logits[2, 100] = 5.0, float("nan")  # NaN wins, as in argmax
+    logits[3, 49151] = -1.0
+    assert greedy_tokens(logits).tolist() == logits.argmax(dim=1).tolist() == [5, 0, 100, 0]
