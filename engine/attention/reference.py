@@ -12,8 +12,9 @@ from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.codec import DENSE, KVCodec
 
 # (q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale) -> out: stores a decode
-# batch's K/V and attends, over dense fp32 pages (engine.model.kernels' decode_attention).
+# batch's K/V and attends, over dense pages (engine.model.kernels' decode_attention).
 DenseDecode = Callable[..., torch.Tensor]
+KERNEL_PAGES = (torch.float32, torch.bfloat16)  # the page dtypes DenseDecode reads
 
 
 def gather_context(
@@ -101,8 +102,9 @@ class TorchPagedAttention:
     """The torch backend: batched decode rows, a per-sequence loop for prefill rows; pages are
     written and read through `codec` (scaled ones are decoded to the queries' dtype as they are read).
 
-    Given `dense_decode` (the CPU kernels' op, for a dense cache), a pure decode batch in fp32 is
-    that one op, which reads the pages in place, instead of a gather, a mask and SDPA per layer.
+    Given `dense_decode` (the CPU kernels' op, for a dense cache), a pure decode batch over fp32 or
+    bf16 pages is that one op, which reads the pages in place, instead of a gather, a mask and SDPA
+    per layer (over bf16 pages it computes in fp32 and rounds its output to bf16 once).
     """
 
     name = "torch"
@@ -122,10 +124,12 @@ class TorchPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         """See `AttentionBackend.forward`."""
-        if (self.dense_decode is not None and meta.max_query_len == 1 and q.dtype == torch.float32
-                and k_cache.dtype == torch.float32 and q.shape[-1] % 8 == 0):  # the op steps 8 dimensions
-            return self.dense_decode(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                     scale)
+        if (self.dense_decode is not None and meta.max_query_len == 1 and k_cache.dtype in KERNEL_PAGES
+                and q.shape[-1] % 8 == 0):  # the op steps 8 dimensions
+            # It computes in fp32 and rounds this step's rows to the pages' dtype, as codec.write does.
+            out = self.dense_decode(q.float(), k.float(), v.float(), k_cache, v_cache, meta.slot_mapping,
+                                    meta.block_tables, meta.seq_lens, scale)
+            return out.to(q.dtype)
         self.codec.write(k_cache, v_cache, meta.slot_mapping, k, v)
         if meta.max_query_len == 1:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.codec)

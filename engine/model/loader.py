@@ -82,16 +82,17 @@ def build_model(files: ModelFiles, attention: AttentionBackend, device: str | to
     """The model on `device`, in `dtype` (None: the files' own; tests share one fp32 load), its
     products built in the given weight format (engine.model.weight_formats) with dense weights
     prepared as `cpu_weights` says. Serving a checkpoint's own integer groups, a warning names every
-    tensor no kernel takes on this device (served dequantized). On CPU in fp32 RMSNorm, the rotary
-    embedding and SwiGLU's gating are the CPU kernels' ops where they build."""
+    tensor no kernel takes on this device (served dequantized). On CPU in fp32 and bf16 RMSNorm, the
+    rotary embedding and SwiGLU's gating are the CPU kernels' ops where they build, and small decode
+    batches run as one call (engine.model.decode_stack)."""
     dtype = dtype or files.dtype
     with torch.device(device):
         model = LlamaForCausalLM(files.config, attention)
     model.to(dtype=dtype)
     formats = WeightFormat(quantization, dtype, device, cpu_weights)
     model.load_weights(files.weights, formats)
-    ops = cpu_kernels(device) if dtype == torch.float32 else None
-    if ops is not None:  # one op for each instead of torch's three to eight (a batch-1 step has 121 of them)
+    ops = cpu_kernels(device) if dtype in (torch.float32, torch.bfloat16) else None
+    if ops is not None:  # one op for each instead of torch's three to eight (121 in a batch-1 step)
         model.use_kernels(ops.rms_norm, ops.rotary, ops.silu_mul)
         model.use_stacked(DecodeStack.build(model, ops))
     if quantization in OWN_GROUPS:

@@ -37,6 +37,16 @@ already did on whether its prompt was computed in a chunk; `--dtype float32` (no
 every row the same way. The copy is packed on its first use, so a worker that never computes such
 an input never holds it.
 
+With bf16 activations (`--dtype auto` on a CPU with native bf16) inputs of `BF16_MIN_ROWS` rows
+and more, prompts and decode batches alike, go through oneDNN's bf16 GEMM (AMX where the CPU has
+it) over one kept copy of the dequantized weight rounded to bf16 and packed once for oneDNN (as
+vLLM's CPU build packs its weights; plain F.linear re-lays the weight out on every call), made on
+first use: about three times the model's 4-bit bytes in memory, for products that no longer
+dequantize per call. One thread of an Intel Xeon with AMX, the 120 layer products of a step: 1
+row 8.8 ms through the kernel against 21.2 through the copy, 3 rows 19.3 against 22.2, 4 rows 22.9
+against 21.3, 8 rows 43.0 against 21.9; packing took the gate/up product at 32 rows from 0.35 to
+0.23 ms and at 512 rows from 1.6 to 1.4 ms.
+
 `QuantizedEmbedding` dequantizes just the rows a step looks up, with dequantize()'s arithmetic.
 """
 
@@ -53,8 +63,10 @@ from engine.model.quantized import QuantizedWeight
 
 DENSE_MIN_ROWS = 64  # from this many rows up, dequantize + torch's GEMM beats the kernel
 FP16_MIN_ROWS = 6  # one thread: from this many rows up, fbgemm's fp16 product beats the kernel
+BF16_MIN_ROWS = 4  # bf16 activations: from this many rows up, torch's bf16 GEMM over the bf16 copy beats the kernel
 FP16_PIECE_ROWS = 2048  # a weight of more than twice this many rows has its fp16 copy in pieces of this many
 KERNEL_CHUNK = 32  # the kernels unpack 32 weights at a time: group sizes must be multiples of it
+_ONEDNN = torch.backends.mkldnn.is_available()  # the bf16 copy is packed for oneDNN where torch has it
 BLOCK_ROWS = 8  # rows interleaved in the kernels' layout
 SPAN = 64  # 4-bit weights per span: 8 words of 8 nibbles
 
@@ -153,6 +165,7 @@ class QuantizedLinear:
         self._ops = kernels() if ops is None else ops
         self._fp16: list[torch.Tensor] | None = None  # fbgemm-packed pieces of the fp16 copy, made on first use
         self._fp16_rows: list[int] = []
+        self._bf16: torch.Tensor | None = None  # the dequantized weight in bf16 (oneDNN-packed), made on first use
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -163,12 +176,16 @@ class QuantizedLinear:
             return self._ops.matmul(x.float().contiguous(), w, self.bias32).to(x.dtype)
         if self.fp16_copy and x.dtype == torch.float32 and rows < linear.FP16_MAX_ROWS:
             return self._fp16_product(x.contiguous())
+        if x.dtype == torch.bfloat16:
+            return self._bf16_product(x)
         dense = self.dequantize().to(x.dtype)
         return F.linear(x, dense, self.bias)
 
     def kernel_rows(self, dtype: torch.dtype) -> int:
         """Inputs in `dtype` of fewer rows than this go through the kernel; larger ones through
-        the fp16 copy or a GEMM."""
+        the fp16 copy, the bf16 copy or a GEMM."""
+        if dtype == torch.bfloat16:
+            return BF16_MIN_ROWS
         return FP16_MIN_ROWS if self.fp16_copy and dtype == torch.float32 else DENSE_MIN_ROWS
 
     @property
@@ -180,6 +197,20 @@ class QuantizedLinear:
     def holds_fp16_copy(self) -> bool:
         """Whether the fp16 copy has been packed."""
         return self._fp16 is not None
+
+    @property
+    def holds_bf16_copy(self) -> bool:
+        """Whether the bf16 copy has been made."""
+        return self._bf16 is not None
+
+    def _bf16_product(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+        if self._bf16 is None:
+            dense = self.dequantize().to(torch.bfloat16)
+            self._bf16 = torch.ops.mkldnn._reorder_linear_weight(dense) if _ONEDNN else dense
+        if _ONEDNN:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._bf16, bias, "none", [], "")
+        return F.linear(x, self._bf16, bias)
 
     def _fp16_product(self, x: torch.Tensor) -> torch.Tensor:
         if self._fp16 is None:

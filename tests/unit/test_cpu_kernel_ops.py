@@ -71,6 +71,35 @@ def test_silu_mul_matches_torch_within_a_few_ulp(variant):
     assert torch.equal(kernels(variant).silu_mul(wide[:, : gate_up.shape[1]]), got)  # rows of a wider tensor
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_in_bf16_the_norm_rotary_and_gating_round_where_torchs_bf16_ops_round(variant):
+    # A bf16 model's ops (engine.model.llama in bf16): the rotary embedding rounds each product and
+    # sum as torch does, so bit for bit; RMSNorm and SwiGLU compute in fp32 before rounding, where
+    # their sum order (RMSNorm) and exp (SwiGLU) may differ from torch's by an fp32 ulp: the bf16
+    # results then differ only where a value sits on a rounding boundary, by one bf16 ulp.
+    gen = torch.Generator().manual_seed(5)
+    ops = kernels(variant)
+    x = (torch.randn(6, 576, generator=gen) * 3).bfloat16()
+    weight = (1 + 0.1 * torch.randn(576, generator=gen)).bfloat16()
+    _assert_within_a_bf16_ulp(ops.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5))
+    gate_up = (torch.randn(6, 2 * 1536, generator=gen) * 4).bfloat16()
+    _assert_within_a_bf16_ulp(ops.silu_mul(gate_up), silu_mul(gate_up))
+    qk = (torch.randn(6, 12, 64, generator=gen)).bfloat16()
+    angles = torch.rand(6, 1, 32, generator=gen) * 100
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    want = apply_rotary(qk, cos, sin)
+    assert torch.equal(ops.rotary(qk, cos, sin), want)
+    with pytest.raises(RuntimeError, match="in x's dtype"):
+        ops.rms_norm(x, weight.float(), 1e-5)
+
+
+def _assert_within_a_bf16_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype == torch.bfloat16
+    ulp = 2.0 ** (torch.floor(torch.log2(want.float().abs().clamp_min(1e-30))) - 7)
+    assert bool(((got.float() - want.float()).abs() <= ulp).all())
+    assert (got != want).float().mean().item() < 0.01  # nearly all the same bits
+
+
 def _paged_batch(seed: int, heads: int = 9, kv_heads: int = 3, head_dim: int = 64, block_size: int = 16):
     """A cache of scattered blocks and a decode batch of 3 sequences (one reaching exactly a block's end)."""
     gen = torch.Generator().manual_seed(seed)
@@ -102,6 +131,23 @@ def test_decode_attention_stores_the_rows_and_matches_the_torch_path(variant, he
     assert torch.equal(alone[0], got[0])  # a sequence's result does not depend on its batch
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_attention_over_bf16_pages_rounds_the_rows_as_torch_and_reads_them_widened(variant):
+    q, k, v, k_cache, v_cache, slots, tables, seq_lens = _paged_batch(4)
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for cache, rows in ((want_k, k), (want_v, v)):
+        cache.view(-1, *rows.shape[1:])[slots] = rows.bfloat16()  # torch's round to nearest-even
+    # The reference reads the same bf16 pages widened to fp32 (exact) and computes in fp32.
+    want = paged_decode_attention(q, want_k.float(), want_v.float(), tables, seq_lens, 0.125)
+    got = kernels(variant).decode_attention(q, k, v, k_cache, v_cache, slots, tables, seq_lens, 0.125)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    # Same bound as over fp32 pages: once widened, both sum the same fp32 values in another order.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels(variant).decode_attention(q, k, v, k_cache, v_cache.float(), slots, tables, seq_lens, 0.125)
+
+
 def _recording_op(calls: list[int]):
     def recording(*args):
         calls.append(args[0].shape[0])
@@ -123,7 +169,7 @@ def test_decode_attention_refuses_a_block_id_outside_the_cache():
         kernels().decode_attention(q, k, v, k_cache, v_cache, slots, tables, seq_lens, 0.125)
 
 
-def test_the_torch_backend_runs_fp32_decode_batches_through_the_op_and_the_rest_through_torch():
+def test_the_torch_backend_runs_fp32_and_bf16_decode_batches_through_the_op_and_the_rest_through_torch():
     q, k, v, k_cache, v_cache, slots, tables, seq_lens = _paged_batch(2)
     calls: list[int] = []
     recording = _recording_op(calls)
@@ -136,8 +182,16 @@ def test_the_torch_backend_runs_fp32_decode_batches_through_the_op_and_the_rest_
     assert torch.equal(fast_k, k_cache) and torch.equal(fast_v, v_cache)
     TorchPagedAttention(dense_decode=recording).forward(q.double(), k.double(), v.double(), k_cache.double(),
                                                         v_cache.double(), meta, 0.125)
-    assert calls == [3]  # not fp32: the torch path
-
+    assert calls == [3]  # not fp32 or bf16: the torch path
+    bf16_k, bf16_v = k_cache.bfloat16(), v_cache.bfloat16()
+    fast_k, fast_v = bf16_k.clone(), bf16_v.clone()
+    args = (q.bfloat16(), k.bfloat16(), v.bfloat16())
+    got = TorchPagedAttention(dense_decode=recording).forward(*args, fast_k, fast_v, meta, 0.125)
+    want = TorchPagedAttention().forward(*args, bf16_k, bf16_v, meta, 0.125)
+    assert calls == [3, 3] and got.dtype == torch.bfloat16
+    assert torch.equal(fast_k, bf16_k) and torch.equal(fast_v, bf16_v)
+    # Both compute in fp32 over the same values; each output is then rounded to bf16 once (2^-8 relative).
+    torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-3)
 
 
 def test_a_head_dim_the_op_cannot_step_through_is_refused_by_it_and_served_by_torch():

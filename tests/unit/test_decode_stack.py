@@ -1,6 +1,6 @@
 """The decode stack (engine.model.decode_stack): a small decode batch's layers as one kernel call
-compute the same bits and write the same pages as the layers one op at a time, and it steps aside
-for every step it does not serve."""
+compute the same bits and write the same pages as the layers one op at a time in fp32, stay as
+close to fp32 as the layers in bf16, and it steps aside for every step it does not serve."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from engine.model.kernels import kernels
 from engine.model.kernels.build import cpu_flags, runnable
 from engine.model.llama import LlamaForCausalLM
 from engine.model.quantized import QuantizedWeight
-from engine.model.quantized_linear import FP16_MIN_ROWS, QuantizedLinear
+from engine.model.quantized_linear import BF16_MIN_ROWS, FP16_MIN_ROWS, QuantizedLinear
 from engine.model.weight_formats import WeightFormat
 from engine.sampling_params import SamplingParams
 
@@ -35,10 +35,13 @@ def _q4_1(rows: int, cols: int, gen: torch.Generator) -> QuantizedWeight:
                            offset=-torch.rand(rows, groups, generator=gen) * 0.15, bits=4, group_size=32)
 
 
-def _random_model(variant: str) -> LlamaForCausalLM:
+def _random_model(variant: str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """The same random weights in either dtype (fp32: with the fp16 copy, as --dtype auto serves it
+    on a CPU without native bf16)."""
     ops = kernels(variant)
     gen = torch.Generator().manual_seed(0)
     model = LlamaForCausalLM(CONFIG, TorchPagedAttention(dense_decode=ops.decode_attention))
+    model.to(dtype=dtype)
     weights = {}
     for name, shape in model._weight_shapes().items():
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
@@ -47,11 +50,13 @@ def _random_model(variant: str) -> LlamaForCausalLM:
             weights[name] = 0.1 * torch.randn(shape, generator=gen)
         else:
             weights[name] = _q4_1(*shape, gen)
-    model.load_weights(weights, WeightFormat("gguf", torch.float32, "cpu", "fp16"))
+    fp32 = dtype == torch.float32
+    model.load_weights(weights, WeightFormat("gguf", dtype, "cpu", "fp16" if fp32 else "plain"))
     for layer in model.layers:  # the products on the same build as the stack, so that both round alike
-        layer.linears = {name: QuantizedLinear(product.source, product.bias, ops, fp16_copy=True)
+        layer.linears = {name: QuantizedLinear(product.source, product.bias, ops, fp16_copy=fp32)
                          for name, product in layer.linears.items()}
-    model.use_kernels(ops.rms_norm, ops.rotary, ops.silu_mul)
+    if fp32:
+        model.use_kernels(ops.rms_norm, ops.rotary, ops.silu_mul)
     model.use_stacked(DecodeStack.build(model, ops))
     return model
 
@@ -95,6 +100,39 @@ def test_the_stack_computes_the_layers_bits_and_writes_the_same_pages(variant, b
         assert torch.equal(k, k_layered) and torch.equal(v, v_layered)
 
 
+@pytest.mark.parametrize("batch", [1, BF16_MIN_ROWS - 1])
+def test_in_bf16_the_stack_stays_as_close_to_fp32_as_the_layers_and_writes_only_the_steps_rows(batch):
+    model = _random_model(VARIANTS[0], torch.bfloat16)
+    stack = model.stacked
+    assert stack is not None and stack.max_rows == BF16_MIN_ROWS - 1
+    reference = _random_model(VARIANTS[0])
+    reference.use_stacked(None)
+    gen = torch.Generator().manual_seed(batch)
+    ids, positions, meta = _decode_batch(batch, gen)
+    caches = [(k.bfloat16(), v.bfloat16()) for k, v in _caches(gen)]
+    stacked_pages = [(k.clone(), v.clone()) for k, v in caches]
+    layered_pages = [(k.clone(), v.clone()) for k, v in caches]
+    with torch.inference_mode():
+        want = reference(ids, positions, [(k.float(), v.float()) for k, v in caches], meta)
+        stacked = model(ids, positions, stacked_pages, meta)
+        model.use_stacked(None)
+        layered = model(ids, positions, layered_pages, meta)
+    # bf16 keeps 8 significant bits: each rounding (the embedding, the pages, the layers' ops in the
+    # layer path, the final norm and the output) moves a value by at most 2^-9 of itself, and a few
+    # of them stay well under 1% of the largest output; a misread page or weight moves it by 10% or more.
+    bound = 0.01 * want.abs().max().item()
+    stack_error = (stacked.float() - want).abs().max().item()
+    assert stacked.dtype == torch.bfloat16 and stack_error < bound
+    assert stack_error <= (layered.float() - want).abs().max().item() * 1.1  # no further from fp32 than the layers
+    written = meta.slot_mapping
+    for (k, v), (k_before, v_before) in zip(stacked_pages, caches, strict=True):
+        for page, before in ((k, k_before), (v, v_before)):
+            rows, rows_before = page.view(-1, *page.shape[2:]).clone(), before.view(-1, *before.shape[2:]).clone()
+            assert not torch.equal(rows[written], rows_before[written])
+            rows[written] = rows_before[written]
+            assert torch.equal(rows, rows_before)  # nothing but this step's rows
+
+
 def test_the_stack_steps_aside_for_batches_prompts_and_per_layer_callbacks():
     model = _random_model(VARIANTS[0])
     stack = model.stacked
@@ -105,6 +143,10 @@ def test_the_stack_steps_aside_for_batches_prompts_and_per_layer_callbacks():
         hidden = model.embed(ids)
         cos, sin = model.rotary(positions)
         assert stack(hidden, cos, sin, caches, meta) is None
+        bf16_stack = _random_model(VARIANTS[0], torch.bfloat16).stacked
+        bf16_caches = [(k.bfloat16(), v.bfloat16()) for k, v in caches]
+        ids, positions, meta = _decode_batch(BF16_MIN_ROWS, gen)  # in bf16 the bf16 copy's size
+        assert bf16_stack(model.embed(ids).bfloat16(), *model.rotary(positions), bf16_caches, meta) is None
         ids, positions, meta = _decode_batch(2, gen)
         prompt = AttentionMetadata(meta.slot_mapping, torch.tensor([0, 2], dtype=torch.int32), meta.seq_lens[:1],
                                    meta.block_tables[:1], (2,), meta.seq_lens_list[:1])

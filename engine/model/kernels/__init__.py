@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class Kernels:
     """One build's ops: the quantized product and the dequantization of a packed weight, the fp16
     product in pieces, RMSNorm and paged decode attention, rotary embedding and SwiGLU's
-    silu(gate)·up (fp32)."""
+    silu(gate)·up (fp32; all but the products take bf16 too)."""
 
     def __init__(self, variant: Variant) -> None:
         torch.ops.load_library(str(library(variant)))
@@ -50,25 +50,29 @@ class Kernels:
         return self._ops.fp16_pieces(x, packed, bias, rows)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm of fp32 x [..., n] by the fp32 weight [n], in transformers' float32 arithmetic."""
+        """RMSNorm of fp32 or bf16 x [..., n] by the weight [n] of its dtype, in transformers' arithmetic
+        (for bf16: normalised in fp32, rounded, times the weight, rounded)."""
         return self._ops.rms_norm(x, weight, eps)
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x fp32 [T, heads, head_dim] (rows contiguous) rotated in place by cos, sin [T, 1, head_dim // 2]
-        and returned: bit for bit what engine.model.rope.apply_rotary returns."""
+        """x fp32 or bf16 [T, heads, head_dim] (rows contiguous) rotated in place by cos, sin
+        [T, 1, head_dim // 2] of its dtype and returned: bit for bit what engine.model.rope.apply_rotary
+        returns."""
         return self._ops.rotary_(x, cos, sin)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) · up for fp32 gate_up [T, 2I] (gate | up, rows contiguous): fp32 [T, I]."""
+        """silu(gate) · up for fp32 or bf16 gate_up [T, 2I] (gate | up, rows contiguous): [T, I] in its
+        dtype (bf16 rounded where torch's bf16 ops round)."""
         return self._ops.silu_mul(gate_up)
 
     def decode_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     ) -> torch.Tensor:
-        """Store k, v [B, num_kv_heads, head_dim] at `slot_mapping` [B] int64 in the dense fp32 pages,
-        then attend q [B, num_heads, head_dim] (one token per sequence) over each sequence's
-        `seq_lens` [B] int32 tokens through `block_tables` [B, max_blocks] int32: fp32 [B, num_heads, head_dim]."""
+        """Store fp32 k, v [B, num_kv_heads, head_dim] at `slot_mapping` [B] int64 in the dense fp32
+        or bf16 pages (rounded to nearest-even in bf16), then attend fp32 q [B, num_heads, head_dim]
+        (one token per sequence) over each sequence's `seq_lens` [B] int32 tokens through
+        `block_tables` [B, max_blocks] int32: fp32 [B, num_heads, head_dim]."""
         return self._ops.decode_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale)
 
     def decode_stack(self, heads: int, kv_heads: int, head_dim: int, eps: float, scale: float) -> torch.ScriptObject:

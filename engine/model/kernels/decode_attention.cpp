@@ -1,5 +1,5 @@
-// Paged decode attention over a dense fp32 KV cache: one query token per sequence, each attending
-// to its whole context, after this step's K/V rows are stored at their slots.
+// Paged decode attention over a dense fp32 or bf16 KV cache: one query token per sequence, each
+// attending to its whole context, after this step's K/V rows are stored at their slots.
 //
 // The torch path (engine/attention/reference.py) gathers every sequence's blocks into a padded
 // copy, builds a visibility mask and runs SDPA; at batch 1 that is a dozen ops a layer whose
@@ -9,11 +9,14 @@
 // (grouped-query attention) share one pass over the block table; a score is eight keys' products
 // reduced together, a weighted sum one pass over the value rows per query head. Softmax is exact
 // in fp32 (all scores, their max, exp, sum, then the weighted sum of values divided by the sum),
-// each sequence alone, so a row's result does not depend on the batch it came in.
+// each sequence alone, so a row's result does not depend on the batch it came in. bf16 pages are
+// widened to fp32 as they are read (exact) and this step's rows rounded to nearest-even as they are
+// stored, as torch's conversion rounds them: half the bytes of fp32 pages to stream.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -39,10 +42,17 @@ constexpr int64_t kMinTasksPerThread = 4;
 // alone left the op waiting on them. With this and the eight-key scores, a decode batch of 32 at
 // 170 positions took 1.6-2.0 ms a layer against 3.0-3.2 before, the pages of 30 layers streaming
 // from memory (one thread, AMD EPYC, back to back).
-inline void prefetch_row(const float* row, int64_t n) {
+template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {
 #if TANDEM_SIMD
-  for (int64_t d = 0; d < n; d += 16) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+  for (int64_t d = 0; d < n; d += 64 / sizeof(T)) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
 #endif
+}
+
+// A page element: fp32, or bf16 as its raw bits (qmatmul_core.h's load widens either).
+inline void store_row(float* to, const float* from, int64_t n) { std::copy(from, from + n, to); }
+inline void store_row(uint16_t* to, const float* from, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) to[d] = c10::BFloat16(from[d]).x;
 }
 
 // Lane i of the result is the sum of acc[i]'s lanes, ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)), in
@@ -67,10 +77,11 @@ inline Vec sum_lanes8(const Vec acc[kKeys]) {
 // each key's row read once and its eight partial sums reduced together (sum_lanes8). A last group
 // of fewer than eight keys repeats the last row and drops the extra scores, so every score is one
 // fixed sequence of operations whatever the context length.
-void scores(const float* query, const float* base, const int64_t* rows, int64_t len, int64_t n, float sc, float* s) {
+template <typename T>
+void scores(const float* query, const T* base, const int64_t* rows, int64_t len, int64_t n, float sc, float* s) {
   const Vec scale = broadcast(&sc);
   for (int64_t j0 = 0; j0 < len; j0 += kKeys) {
-    const float* key[kKeys];
+    const T* key[kKeys];
     for (int64_t i = 0; i < kKeys; ++i) key[i] = base + rows[std::min(j0 + i, len - 1)];
     for (int64_t i = j0 + kAhead; i < std::min(j0 + kAhead + kKeys, len); ++i) prefetch_row(base + rows[i], n);
     Vec acc[kKeys];
@@ -88,7 +99,8 @@ void scores(const float* query, const float* base, const int64_t* rows, int64_t 
 
 // out[0:n] = Σ_j p[j] · rows[j][0:n] / sum, n a multiple of 8: up to 64 dimensions at a time held in
 // registers while the rows stream past once each, in context order.
-void weighted_sum(const float* p, const float* base, const int64_t* rows, int64_t len, float sum, float* out,
+template <typename T>
+void weighted_sum(const float* p, const T* base, const int64_t* rows, int64_t len, float sum, float* out,
                   int64_t n) {
   for (int64_t d0 = 0; d0 < n; d0 += 8 * kDimVecs) {
     const int64_t vecs = std::min(kDimVecs, (n - d0) / 8);
@@ -98,14 +110,14 @@ void weighted_sum(const float* p, const float* base, const int64_t* rows, int64_
       for (int64_t j = 0; j < len; ++j) {
         if (j + kAhead < len) prefetch_row(base + rows[j + kAhead] + d0, 8 * kDimVecs);
         const Vec w = broadcast(p + j);
-        const float* row = base + rows[j] + d0;
+        const T* row = base + rows[j] + d0;
 #pragma GCC unroll 8
         for (int64_t c = 0; c < kDimVecs; ++c) acc[c] = fma(w, load(row + 8 * c), acc[c]);
       }
     } else {
       for (int64_t j = 0; j < len; ++j) {
         const Vec w = broadcast(p + j);
-        const float* row = base + rows[j] + d0;
+        const T* row = base + rows[j] + d0;
         for (int64_t c = 0; c < vecs; ++c) acc[c] = fma(w, load(row + 8 * c), acc[c]);
       }
     }
@@ -133,59 +145,22 @@ void check_float_rows(const at::Tensor& t, const char* name, int64_t heads, int6
               name, " must be float32 [", batch, ", ", heads, ", ", head_dim, "] with contiguous rows");
 }
 
-}  // namespace
-
-namespace TANDEM_OPS {
-
-// Stores k, v [B, KVH, D] at slot_mapping [B], then returns fp32 [B, H, D].
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && k_cache.dim() == 4 &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "caches must be contiguous float32 [num_blocks, block_size, num_kv_heads, head_dim], alike");
-  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2),
-                head_dim = k_cache.size(3), batch = q.size(0), heads = q.dim() == 3 ? q.size(1) : 0;
-  check_float_rows(q, "q", heads, head_dim, batch);
-  check_float_rows(k, "k", kv_heads, head_dim, batch);
-  check_float_rows(v, "v", kv_heads, head_dim, batch);
-  TORCH_CHECK(heads > 0 && heads % kv_heads == 0, "query heads (", heads, ") must be a multiple of KV heads (",
-              kv_heads, ")");
-  TORCH_CHECK(head_dim % 8 == 0, "head_dim must be a multiple of 8, got ", head_dim);
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == batch,
-              "slot_mapping must be contiguous int64 [", batch, "]");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2 &&
-                  block_tables.size(0) == batch,
-              "block_tables must be contiguous int32 [", batch, ", max_blocks]");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == batch,
-              "seq_lens must be contiguous int32 [", batch, "]");
-  const int64_t max_blocks = block_tables.size(1), row = kv_heads * head_dim;
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(slots[b] >= 0 && slots[b] < num_blocks * block_size, "slot ", slots[b], " is outside the cache");
-    TORCH_CHECK(lens[b] > 0 && lens[b] <= max_blocks * block_size, "seq_len ", lens[b], " does not fit the block table");
-    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
-      TORCH_CHECK(tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < num_blocks, "block id ",
-                  tables[b * max_blocks + i], " is outside the cache");
-    }
-  }
-  float* keys = k_cache.data_ptr<float>();
-  float* values = v_cache.data_ptr<float>();
+// Stores this step's k, v rows at their slots, then attends every (sequence, KV head) into out.
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, T* keys, T* values, int64_t kv_heads,
+            int64_t block_size, int64_t max_blocks, const int64_t* slots, const int32_t* tables, const int32_t* lens,
+            float sc, at::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2), row = kv_heads * head_dim;
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < kv_heads; ++h) {
-      const float* kr = k.data_ptr<float>() + b * k.stride(0) + h * k.stride(1);
-      const float* vr = v.data_ptr<float>() + b * v.stride(0) + h * v.stride(1);
-      std::copy(kr, kr + head_dim, keys + slots[b] * row + h * head_dim);
-      std::copy(vr, vr + head_dim, values + slots[b] * row + h * head_dim);
+      store_row(keys + slots[b] * row + h * head_dim, k.data_ptr<float>() + b * k.stride(0) + h * k.stride(1), head_dim);
+      store_row(values + slots[b] * row + h * head_dim, v.data_ptr<float>() + b * v.stride(0) + h * v.stride(1),
+                head_dim);
     }
   }
-  at::Tensor out = at::empty({batch, heads, head_dim}, q.options().memory_format(at::MemoryFormat::Contiguous));
   float* outs = out.data_ptr<float>();
   const float* qs = q.data_ptr<float>();
   const int64_t group = heads / kv_heads, q_seq = q.stride(0), q_head = q.stride(1);
-  const float sc = static_cast<float>(scale);
   at::parallel_for(0, batch * kv_heads, kMinTasksPerThread, [&](int64_t begin, int64_t end) {
     std::vector<float> all_scores;
     std::vector<int64_t> rows;  // where each context position's row of this KV head starts in the pages
@@ -210,6 +185,56 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       }
     }
   });
+}
+
+}  // namespace
+
+namespace TANDEM_OPS {
+
+// Stores fp32 k, v [B, KVH, D] at slot_mapping [B] (rounded to the pages' dtype), then returns fp32 [B, H, D].
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK((k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16) &&
+                  k_cache.is_contiguous() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && v_cache.is_contiguous(),
+              "caches must be contiguous float32 or bfloat16 [num_blocks, block_size, num_kv_heads, head_dim], alike");
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2),
+                head_dim = k_cache.size(3), batch = q.size(0), heads = q.dim() == 3 ? q.size(1) : 0;
+  check_float_rows(q, "q", heads, head_dim, batch);
+  check_float_rows(k, "k", kv_heads, head_dim, batch);
+  check_float_rows(v, "v", kv_heads, head_dim, batch);
+  TORCH_CHECK(heads > 0 && heads % kv_heads == 0, "query heads (", heads, ") must be a multiple of KV heads (",
+              kv_heads, ")");
+  TORCH_CHECK(head_dim % 8 == 0, "head_dim must be a multiple of 8, got ", head_dim);
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == batch,
+              "slot_mapping must be contiguous int64 [", batch, "]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) == batch,
+              "block_tables must be contiguous int32 [", batch, ", max_blocks]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == batch,
+              "seq_lens must be contiguous int32 [", batch, "]");
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(slots[b] >= 0 && slots[b] < num_blocks * block_size, "slot ", slots[b], " is outside the cache");
+    TORCH_CHECK(lens[b] > 0 && lens[b] <= max_blocks * block_size, "seq_len ", lens[b], " does not fit the block table");
+    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
+      TORCH_CHECK(tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < num_blocks, "block id ",
+                  tables[b * max_blocks + i], " is outside the cache");
+    }
+  }
+  at::Tensor out = at::empty({batch, heads, head_dim}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (k_cache.scalar_type() == at::kFloat) {
+    attend(q, k, v, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), kv_heads, block_size, max_blocks, slots,
+           tables, lens, static_cast<float>(scale), out);
+  } else {
+    attend(q, k, v, reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+           reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()), kv_heads, block_size, max_blocks, slots,
+           tables, lens, static_cast<float>(scale), out);
+  }
   return out;
 }
 

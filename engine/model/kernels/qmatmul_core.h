@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -28,8 +29,30 @@ inline Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
 inline Vec broadcast(const float* p) { return {_mm256_broadcast_ss(p)}; }
 inline Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline Vec sub(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline void store(float* p, Vec a) { _mm256_storeu_ps(p, a.v); }
+// Eight bf16 values (raw bits) widened to fp32: exact, a bf16 is an fp32's upper half.
+inline Vec load(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
+}
+// Each lane rounded to bf16 as c10::BFloat16 rounds (nearest even; NaN to the quiet 0x7FC0), as
+// raw bits in the low half of each 32-bit lane.
+inline __m256i bf16_bits(Vec a) {
+  const __m256i bits = _mm256_castps_si256(a.v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+}
+// a rounded to bf16 and widened back: the fp32 value of the bf16 a rounds to.
+inline Vec round_bf16(Vec a) { return {_mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(a), 16))}; }
+inline void store(uint16_t* p, Vec a) {
+  const __m256i bits = bf16_bits(a);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
 
 // ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)), the order the scalar build uses too.
 inline float hsum(Vec a) {
@@ -76,12 +99,39 @@ inline Vec add(Vec a, Vec b) {
   for (int l = 0; l < 8; ++l) a.v[l] += b.v[l];
   return a;
 }
+inline Vec sub(Vec a, Vec b) {
+  for (int l = 0; l < 8; ++l) a.v[l] -= b.v[l];
+  return a;
+}
 inline Vec fma(Vec a, Vec b, Vec c) {
   for (int l = 0; l < 8; ++l) c.v[l] += a.v[l] * b.v[l];
   return c;
 }
 inline void store(float* p, Vec a) {
   for (int l = 0; l < 8; ++l) p[l] = a.v[l];
+}
+inline Vec load(const uint16_t* p) {
+  Vec r;
+  for (int l = 0; l < 8; ++l) {
+    const uint32_t bits = uint32_t(p[l]) << 16;
+    std::memcpy(&r.v[l], &bits, sizeof bits);
+  }
+  return r;
+}
+inline uint16_t bf16_bits(float f) {  // c10::BFloat16's rounding: nearest even, NaN to 0x7FC0
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return f != f ? uint16_t(0x7FC0) : uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+inline Vec round_bf16(Vec a) {
+  for (int l = 0; l < 8; ++l) {
+    const uint32_t bits = uint32_t(bf16_bits(a.v[l])) << 16;
+    std::memcpy(&a.v[l], &bits, sizeof bits);
+  }
+  return a;
+}
+inline void store(uint16_t* p, Vec a) {
+  for (int l = 0; l < 8; ++l) p[l] = bf16_bits(a.v[l]);
 }
 inline float hsum(Vec a) {
   const float s0 = a.v[0] + a.v[4], s1 = a.v[1] + a.v[5], s2 = a.v[2] + a.v[6], s3 = a.v[3] + a.v[7];
