@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from engine.attention.metadata import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.model.quantized import QuantizedWeight
+from engine.model.quantized_linear import QuantizedLinear
 from engine.model.rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
@@ -149,7 +150,10 @@ class LlamaForCausalLM(torch.nn.Module):
         self.stacked = stacked
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] in float32 for the given final hidden states."""
+        """Logits [N, vocab] in float32 for the given final hidden states (a quantized head's kernel
+        output as it computes it, in fp32, whatever the model's dtype)."""
+        if isinstance(self.head, QuantizedLinear):
+            return self.head.fp32(hidden)
         return self.head(hidden).float()
 
     def load_weights(self, weights: Mapping[str, Weight], formats: WeightFormat) -> None:

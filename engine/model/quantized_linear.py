@@ -181,6 +181,16 @@ class QuantizedLinear:
         dense = self.dequantize().to(x.dtype)
         return F.linear(x, dense, self.bias)
 
+    def fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """y in fp32: below the kernel's row limit its own fp32 output, not rounded to x's dtype (an LM
+        head's logits: in bf16, 8 bits, the best two tied exactly at 5 of 32 greedy steps of the shipped
+        model, and greedy then picks by index); otherwise the product's output widened."""
+        w = self.weight
+        if x.shape[0] < self.kernel_rows(x.dtype):
+            rows = x if w.perm is None else x.index_select(1, w.perm)
+            return self._ops.matmul(rows.float().contiguous(), w, self.bias32)
+        return self(x).float()
+
     def kernel_rows(self, dtype: torch.dtype) -> int:
         """Inputs in `dtype` of fewer rows than this go through the kernel; larger ones through
         the fp16 copy, the bf16 copy or a GEMM."""

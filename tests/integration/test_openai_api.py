@@ -23,7 +23,10 @@ from services.client import TandemClient
 from services.common.server import channel_options
 from services.gateway.formats import FORMAT_FIELDS
 
-WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256"]
+# Pinned formats: the tests below compare two ways of asking for the same tokens (greedy against
+# top_k=1), and under `auto` on a CPU with native bf16 the logits are bf16, where the top two often
+# tie exactly (top-k keeps ties, greedy takes the first): fp32 tests the same numbers on any CPU.
+WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256", "--dtype", "float32", "--quantization", "none"]
 TIMEOUT_S = 300.0
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the boiling point of water at sea level?"}]

@@ -178,6 +178,17 @@ def test_bf16_inputs_of_a_few_rows_and_more_go_through_one_kept_bf16_copy(rows):
         assert torch.equal(y, want.bfloat16())
 
 
+def test_an_lm_heads_fp32_output_skips_the_rounding_to_bf16():
+    # Rounded to bf16 the shipped model's best two logits tied exactly at 5 of 32 greedy steps.
+    weight = random_weight(960, 576, "q8_signed")
+    product = QuantizedLinear(weight)
+    few, many = _rows(BF16_MIN_ROWS - 1, 576).bfloat16(), _rows(BF16_MIN_ROWS, 576).bfloat16()
+    logits = product.fp32(few)
+    assert logits.dtype == torch.float32 and torch.equal(logits, QuantizedLinear(weight)(few.float()))
+    assert not torch.equal(logits, logits.bfloat16().float())  # not rounded to bf16
+    assert torch.equal(product.fp32(many), product(many).float())
+
+
 @pytest.mark.skipif(not has_fp16_product(), reason="torch built without fbgemm")
 def test_a_weight_of_many_rows_takes_its_fp16_copy_in_pieces(monkeypatch):
     # fbgemm over the LM head's 49,152 rows at once ran 1.5x slower than in pieces of 2,048.
