@@ -66,7 +66,9 @@ FP16_MIN_ROWS = 6  # one thread: from this many rows up, fbgemm's fp16 product b
 BF16_MIN_ROWS = 4  # bf16 activations: from this many rows up, torch's bf16 GEMM over the bf16 copy beats the kernel
 FP16_PIECE_ROWS = 2048  # a weight of more than twice this many rows has its fp16 copy in pieces of this many
 KERNEL_CHUNK = 32  # the kernels unpack 32 weights at a time: group sizes must be multiples of it
-_ONEDNN = torch.backends.mkldnn.is_available()  # the bf16 copy is packed for oneDNN where torch has it
+# The bf16 copy is packed for oneDNN where its bf16 path runs: it refuses CPUs without AVX-512
+# (BW/VL/DQ) or AVX-NE-CONVERT, such as the AVX2 AMD EPYC, where the copy stays a plain tensor.
+_ONEDNN = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 BLOCK_ROWS = 8  # rows interleaved in the kernels' layout
 SPAN = 64  # 4-bit weights per span: 8 words of 8 nibbles
 
