@@ -26,12 +26,11 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.reference import TorchPagedAttention
-from engine.model.kernels import Kernels
+from engine.model.kernels import KERNEL_DTYPES, Kernels
 from engine.model.llama import LlamaForCausalLM
 from engine.model.quantized_linear import QuantizedLinear
 
 PRODUCTS = ("qkv", "o", "gate_up", "down")  # the order DecodeStack takes a layer's products in
-SERVED_DTYPES = (torch.float32, torch.bfloat16)  # the model's dtype, which is its pages' too
 Caches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -65,7 +64,7 @@ class DecodeStack:
         layers = model.layers
         attention = layers[0].attention
         served = (
-            model.norm.dtype in SERVED_DTYPES
+            model.norm.dtype in KERNEL_DTYPES
             and isinstance(attention, TorchPagedAttention) and attention.dense_decode is not None
             and model.config.head_dim % 8 == 0
             and all(_kernel_product(layer.linears.get(name), ops) for layer in layers for name in PRODUCTS)

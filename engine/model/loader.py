@@ -14,7 +14,7 @@ from engine.config import CpuWeights, ModelConfig
 from engine.model.decode_stack import DecodeStack
 from engine.model.gguf_loader import load_gguf
 from engine.model.hf_loader import load_hf_dir
-from engine.model.kernels import cpu_kernels
+from engine.model.kernels import KERNEL_DTYPES, cpu_kernels
 from engine.model.llama import LlamaForCausalLM
 from engine.model.paths import default_model_path
 from engine.model.quant_config import StoredFormat, check_requested
@@ -91,7 +91,7 @@ def build_model(files: ModelFiles, attention: AttentionBackend, device: str | to
     model.to(dtype=dtype)
     formats = WeightFormat(quantization, dtype, device, cpu_weights)
     model.load_weights(files.weights, formats)
-    ops = cpu_kernels(device) if dtype in (torch.float32, torch.bfloat16) else None
+    ops = cpu_kernels(device) if dtype in KERNEL_DTYPES else None
     if ops is not None:  # one op for each instead of torch's three to eight (121 in a batch-1 step)
         model.use_kernels(ops.rms_norm, ops.rotary, ops.silu_mul)
         model.use_stacked(DecodeStack.build(model, ops))

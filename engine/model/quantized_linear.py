@@ -168,30 +168,31 @@ class QuantizedLinear:
         self._fp16: list[torch.Tensor] | None = None  # fbgemm-packed pieces of the fp16 copy, made on first use
         self._fp16_rows: list[int] = []
         self._bf16: torch.Tensor | None = None  # the dequantized weight in bf16 (oneDNN-packed), made on first use
+        self._bf16_bias: torch.Tensor | None = None  # the bias in bf16, made with it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if w.perm is not None:
-            x = x.index_select(1, w.perm)
-        rows = x.shape[0]
-        if rows < self.kernel_rows(x.dtype):
-            return self._ops.matmul(x.float().contiguous(), w, self.bias32).to(x.dtype)
-        if self.fp16_copy and x.dtype == torch.float32 and rows < linear.FP16_MAX_ROWS:
-            return self._fp16_product(x.contiguous())
-        if x.dtype == torch.bfloat16:
-            return self._bf16_product(x)
-        dense = self.dequantize().to(x.dtype)
-        return F.linear(x, dense, self.bias)
+        return self._product(x, x.dtype)
 
     def fp32(self, x: torch.Tensor) -> torch.Tensor:
         """y in fp32: below the kernel's row limit its own fp32 output, not rounded to x's dtype (an LM
         head's logits: in bf16, 8 bits, the best two tied exactly at 5 of 32 greedy steps of the shipped
         model, and greedy then picks by index); otherwise the product's output widened."""
+        return self._product(x, torch.float32)
+
+    def _product(self, x: torch.Tensor, out: torch.dtype) -> torch.Tensor:
         w = self.weight
-        if x.shape[0] < self.kernel_rows(x.dtype):
-            rows = x if w.perm is None else x.index_select(1, w.perm)
-            return self._ops.matmul(rows.float().contiguous(), w, self.bias32)
-        return self(x).float()
+        if w.perm is not None:
+            x = x.index_select(1, w.perm)
+        rows = x.shape[0]
+        if rows < self.kernel_rows(x.dtype):
+            return self._ops.matmul(x.float().contiguous(), w, self.bias32).to(out)
+        if self.fp16_copy and x.dtype == torch.float32 and rows < linear.FP16_MAX_ROWS:
+            y = self._fp16_product(x.contiguous())
+        elif x.dtype == torch.bfloat16:
+            y = self._bf16_product(x)
+        else:
+            y = F.linear(x, self.dequantize().to(x.dtype), self.bias)
+        return y.to(out)
 
     def kernel_rows(self, dtype: torch.dtype) -> int:
         """Inputs in `dtype` of fewer rows than this go through the kernel; larger ones through
@@ -216,13 +217,13 @@ class QuantizedLinear:
         return self._bf16 is not None
 
     def _bf16_product(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
         if self._bf16 is None:
             dense = self.dequantize().to(torch.bfloat16)
             self._bf16 = torch.ops.mkldnn._reorder_linear_weight(dense) if _ONEDNN else dense
+            self._bf16_bias = None if self.bias is None else self.bias.to(torch.bfloat16)
         if _ONEDNN:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._bf16, bias, "none", [], "")
-        return F.linear(x, self._bf16, bias)
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._bf16, self._bf16_bias, "none", [], "")
+        return F.linear(x, self._bf16, self._bf16_bias)
 
     def _fp16_product(self, x: torch.Tensor) -> torch.Tensor:
         if self._fp16 is None:

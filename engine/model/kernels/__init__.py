@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The activation dtypes the ops other than the products take (those compute in fp32 inside).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 class Kernels:
     """One build's ops: the quantized product and the dequantization of a packed weight, the fp16
     product in pieces, RMSNorm and paged decode attention, rotary embedding and SwiGLU's
