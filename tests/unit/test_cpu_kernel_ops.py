@@ -114,9 +114,11 @@ def _paged_batch(seed: int, heads: int = 9, kv_heads: int = 3, head_dim: int = 6
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("heads", [9, 3])  # grouped-query (3 per KV head) and one query head per KV head
-def test_decode_attention_stores_the_rows_and_matches_the_torch_path(variant, heads):
-    q, k, v, k_cache, v_cache, slots, tables, seq_lens = _paged_batch(0, heads=heads)
+# Query heads per KV head: the op serves groups of 1 to 4 heads with their own register shapes and
+# larger groups in pieces of at most 4 (6 = 4 + 2, 5 = 4 + 1).
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (3, 3), (8, 4), (8, 2), (12, 2), (10, 2)])
+def test_decode_attention_stores_the_rows_and_matches_the_torch_path(variant, heads, kv_heads):
+    q, k, v, k_cache, v_cache, slots, tables, seq_lens = _paged_batch(0, heads=heads, kv_heads=kv_heads)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     for cache, rows in ((want_k, k), (want_v, v)):
         cache.view(-1, *rows.shape[1:])[slots] = rows
