@@ -72,7 +72,8 @@ class Engine:
         # Before loading: a KV format the device's kernels cannot read fails at once.
         cpu_ops = cpu_kernels(config.device)
         attention = select_attention_backend(config.attention_backend, config.device, self.kv_format.codec,
-                                             None if cpu_ops is None else cpu_ops.decode_attention)
+                                             None if cpu_ops is None else cpu_ops.decode_attention,
+                                             None if cpu_ops is None else cpu_ops.prefill_attention)
         if files is None:
             files = load_model_files(config.model, dtype, config.quantization)
         else:

@@ -14,6 +14,10 @@ from engine.kv_cache.codec import DENSE, KVCodec
 # (q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale) -> out: stores a decode
 # batch's K/V and attends, over dense pages (engine.model.kernels' decode_attention).
 DenseDecode = Callable[..., torch.Tensor]
+# (q [T, H, D], k [S, KVH, D], v [S, KVH, D], scale) -> out [T, H, D]: causal attention of a prompt
+# chunk's bf16 queries (the last T of S positions) over bf16 keys and values, head_dim a multiple of 64
+# (engine.model.kernels' prefill_attention).
+DensePrefill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 KERNEL_PAGES = (torch.float32, torch.bfloat16)  # the page dtypes DenseDecode reads
 
 
@@ -78,9 +82,13 @@ def paged_prefill_attention(
 
 def _causal_over_context(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
-    scale: float, codec: KVCodec,
+    scale: float, codec: KVCodec, dense_prefill: DensePrefill | None = None,
 ) -> torch.Tensor:
-    query_len, num_heads, _ = q.shape
+    query_len, num_heads, head_dim = q.shape
+    if dense_prefill is not None and q.dtype == torch.bfloat16 and head_dim % 64 == 0:
+        keys = gather_context(k_cache, block_table, seq_len, codec, q.dtype)
+        values = gather_context(v_cache, block_table, seq_len, codec, q.dtype)
+        return dense_prefill(q, keys, values, scale)
     # [1, heads, len, head_dim]: given 3-d tensors, CPU SDPA takes its unfused path, several times
     # slower than its flash kernel on long prompts (docs/benchmarks.md, "Prefill at par with
     # transformers").
@@ -104,14 +112,17 @@ class TorchPagedAttention:
 
     Given `dense_decode` (the CPU kernels' op, for a dense cache), a pure decode batch over fp32 or
     bf16 pages is that one op, which reads the pages in place, instead of a gather, a mask and SDPA
-    per layer (over bf16 pages it computes in fp32 and rounds its output to bf16 once).
+    per layer (over bf16 pages it computes in fp32 and rounds its output to bf16 once). Given
+    `dense_prefill`, a bf16 prompt chunk over a dense cache attends through it instead of SDPA.
     """
 
     name = "torch"
 
-    def __init__(self, codec: KVCodec = DENSE, dense_decode: DenseDecode | None = None) -> None:
+    def __init__(self, codec: KVCodec = DENSE, dense_decode: DenseDecode | None = None,
+                 dense_prefill: DensePrefill | None = None) -> None:
         self.codec = codec
         self.dense_decode = dense_decode if codec is DENSE else None
+        self.dense_prefill = dense_prefill if codec is DENSE else None
 
     def forward(
         self,
@@ -153,6 +164,6 @@ class TorchPagedAttention:
             if query_len > 1:
                 out[starts[i] : starts[i + 1]] = _causal_over_context(
                     q[starts[i] : starts[i + 1]], k_cache, v_cache, meta.block_tables[i], meta.seq_lens_list[i],
-                    scale, self.codec,
+                    scale, self.codec, self.dense_prefill,
                 )
         return out

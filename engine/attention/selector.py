@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 
 from engine.attention.metadata import AttentionBackend
-from engine.attention.reference import DenseDecode, TorchPagedAttention, paged_decode_attention
+from engine.attention.reference import DenseDecode, DensePrefill, TorchPagedAttention, paged_decode_attention
 from engine.kv_cache.codec import DENSE, FP8_E4M3, KVCodec
 
 logger = logging.getLogger(__name__)
@@ -74,23 +74,24 @@ def _triton_failure(device: str, codec: KVCodec) -> str | None:
 
 def select_attention_backend(
     name: Literal["auto", "torch", "triton"], device: str, codec: KVCodec = DENSE,
-    dense_decode: DenseDecode | None = None,
+    dense_decode: DenseDecode | None = None, dense_prefill: DensePrefill | None = None,
 ) -> AttentionBackend:
     """The backend called `name` for `device`, reading and writing the cache through `codec`; "auto"
     prefers Triton on CUDA when it imports and works (torch reads every KV format on every device).
-    The torch backend runs decode batches over a dense fp32 cache through `dense_decode` when given.
+    The torch backend runs decode batches over a dense cache through `dense_decode` and bf16 prompt
+    chunks through `dense_prefill` when given.
 
     Raises ValueError for an unknown name, for "triton" where its kernels cannot run, and (naming
     kv_cache_dtype) for "triton" with a KV format its kernels cannot read on this device.
     """
     if name == "torch":
-        return TorchPagedAttention(codec, dense_decode)
+        return TorchPagedAttention(codec, dense_decode, dense_prefill)
     if name not in ("auto", "triton"):
         raise ValueError(f"unknown attention backend {name!r}")
     is_cuda = torch.device(device).type == "cuda"
     if name == "auto" and not is_cuda:
         # The interpreter is far slower than torch, so CPU only gets Triton when asked by name.
-        return TorchPagedAttention(codec, dense_decode)
+        return TorchPagedAttention(codec, dense_decode, dense_prefill)
     kv_reason = triton_kv_unsupported_reason(codec, _nvidia_capability(device))
     if kv_reason is not None and name == "triton":
         raise ValueError(f"kv_cache_dtype: {FP8_E4M3.name} has no kernel for attention backend 'triton' on {device} "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,6 +79,16 @@ class Kernels:
         (one token per sequence) over each sequence's `seq_lens` [B] int32 tokens through
         `block_tables` [B, max_blocks] int32: fp32 [B, num_heads, head_dim]."""
         return self._ops.decode_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale)
+
+    @property
+    def prefill_attention(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
+        """Causal attention of a prompt chunk, `op(q, k, v, scale)`: bf16 q [T, H, D] (the last T of S
+        positions, each row's heads contiguous) over bf16 k, v [S, KVH, D], D a multiple of 64: bf16
+        [T, H, D] (prefill_attention.cpp). None where this build has no such op (only the avx512bf16
+        build has) or the CPU has AMX, on whose tiles torch's own flash kernel runs."""
+        if "amx_bf16" in cpu_flags() or not hasattr(self._ops, "prefill_attention"):
+            return None
+        return self._ops.prefill_attention
 
     def decode_stack(self, heads: int, kv_heads: int, head_dim: int, eps: float, scale: float) -> torch.ScriptObject:
         """An empty DecodeStack (decode_stack.cpp) for layers of these shapes, to fill layer by layer:

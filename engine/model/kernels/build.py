@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in ("qmatmul.cpp", "rms_norm.cpp", "decode_attention.cpp", "rotary.cpp",
-                                          "silu_mul.cpp", "fp16_pieces.cpp", "decode_stack.cpp"))
+                                          "silu_mul.cpp", "fp16_pieces.cpp", "decode_stack.cpp",
+                                          "prefill_attention.cpp"))
 HEADERS = (_HERE / "qmatmul_core.h", _HERE / "exp8.h", _HERE / "ops.h")
 BUILD_ROOT_ENV = "TANDEM_KERNELS_DIR"
 _LIBRARY = "qmatmul.so"
@@ -53,7 +54,11 @@ class Variant:
 
 
 # Best first: the first variant whose flags the CPU has is the one served.
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 VARIANTS = (
+    # The AVX2 code with AVX-512's 32 registers, plus the ops only AVX512-BF16 runs (prefill_attention.cpp).
+    Variant("avx512bf16", ("avx2", "fma", "f16c", *_AVX512, "avx512_bf16"),
+            ("-mavx2", "-mfma", "-mf16c", *(f"-m{flag}" for flag in _AVX512), "-mavx512bf16")),
     Variant("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
     Variant("scalar", (), ()),
 )
