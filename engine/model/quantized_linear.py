@@ -40,12 +40,12 @@ an input never holds it.
 With bf16 activations (`--dtype auto` on a CPU with native bf16) inputs of `BF16_MIN_ROWS` rows
 and more, prompts and decode batches alike, go through oneDNN's bf16 GEMM (AMX where the CPU has
 it) over one kept copy of the dequantized weight rounded to bf16 and packed once for oneDNN (as
-vLLM's CPU build packs its weights; plain F.linear re-lays the weight out on every call), made on
-first use: about three times the model's 4-bit bytes in memory, for products that no longer
-dequantize per call. One thread of an Intel Xeon with AMX, the 120 layer products of a step: 1
-row 8.8 ms through the kernel against 21.2 through the copy, 3 rows 19.3 against 22.2, 4 rows 22.9
-against 21.3, 8 rows 43.0 against 21.9; packing took the gate/up product at 32 rows from 0.35 to
-0.23 ms and at 512 rows from 1.6 to 1.4 ms.
+vLLM's CPU build packs its weights; plain F.linear re-lays the weight out on every call), made when
+a bf16 model loads (weight_formats; `make_bf16_copy`): about three times the model's 4-bit bytes in
+memory, for products that no longer dequantize per call. One thread of an Intel Xeon with AMX, the
+120 layer products of a step: 1 row 8.8 ms through the kernel against 21.2 through the copy, 3 rows
+19.3 against 22.2, 4 rows 22.9 against 21.3, 8 rows 43.0 against 21.9; packing took the gate/up
+product at 32 rows from 0.35 to 0.23 ms and at 512 rows from 1.6 to 1.4 ms.
 
 `QuantizedEmbedding` dequantizes just the rows a step looks up, with dequantize()'s arithmetic.
 """
@@ -167,7 +167,7 @@ class QuantizedLinear:
         self._ops = kernels() if ops is None else ops
         self._fp16: list[torch.Tensor] | None = None  # fbgemm-packed pieces of the fp16 copy, made on first use
         self._fp16_rows: list[int] = []
-        self._bf16: torch.Tensor | None = None  # the dequantized weight in bf16 (oneDNN-packed), made on first use
+        self._bf16: torch.Tensor | None = None  # the dequantized weight in bf16 (oneDNN-packed), made by make_bf16_copy
         self._bf16_bias: torch.Tensor | None = None  # the bias in bf16, made with it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -216,11 +216,15 @@ class QuantizedLinear:
         """Whether the bf16 copy has been made."""
         return self._bf16 is not None
 
-    def _bf16_product(self, x: torch.Tensor) -> torch.Tensor:
+    def make_bf16_copy(self) -> None:
+        """Make the bf16 copy that inputs of BF16_MIN_ROWS rows and more go through (once)."""
         if self._bf16 is None:
             dense = self.dequantize().to(torch.bfloat16)
             self._bf16 = torch.ops.mkldnn._reorder_linear_weight(dense) if _ONEDNN else dense
             self._bf16_bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+
+    def _bf16_product(self, x: torch.Tensor) -> torch.Tensor:
+        self.make_bf16_copy()
         if _ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._bf16, self._bf16_bias, "none", [], "")
         return F.linear(x, self._bf16, self._bf16_bias)

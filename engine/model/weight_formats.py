@@ -166,7 +166,12 @@ class WeightFormat:
     def _quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantizedLinear:
         # Larger inputs take fbgemm's fp16 product where float32 weights would be held at fp16.
         fp16_copy = self.cpu_weights == "fp16" and has_fp16_product()
-        return QuantizedLinear(weight, bias, fp16_copy=fp16_copy)
+        product = QuantizedLinear(weight, bias, fp16_copy=fp16_copy)
+        if self.dtype == torch.bfloat16:
+            # Made at load, not on first use: the LM head's copy alone took 0.4 s, which the first step
+            # finishing 4 or more sequences paid in latency (AMD EPYC Zen 5, one thread).
+            product.make_bf16_copy()
+        return product
 
 
 def _same_layout(a: Weight, b: Weight) -> bool:
