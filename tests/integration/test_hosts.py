@@ -331,19 +331,26 @@ def test_a_decode_link_down_while_streaming_migrates_to_the_other_decode_host(wo
 def test_a_corrupted_torch_dist_page_is_caught_and_retried(world, tokenizer, reference):
     prompt = _prompt(tokenizer, "Corrupted across hosts.")
     expected = reference(prompt)
-    before = _routed(world, "torch_dist")
-    for path in world.fault_files.values():
-        path.write_text("corrupt")
-    try:
-        # Both prefill hosts corrupt their first pages: the decode worker's CRC32C check fails
-        # each transfer, and it prefills the prompt itself in the end.
-        assert _token_ids(world, "torch_dist", prompt) == expected
-    finally:
-        for path in world.fault_files.values():
-            path.write_text("")
     prefill = {str(world.mesh.prefill[host].address): 1 for host in PREFILL_HOSTS}
-    assert increase(before, _routed(world, "torch_dist")) == {**prefill, "local": 1}
-    assert "CRC32C mismatch" in world.mesh.gateways["torch_dist"].log_tail(400)  # why each attempt failed
+    # A decode host's channel to a prefill host that the link tests above left stale fails its next call
+    # with a connection reset before any page moves (seen on an AMD EPYC Zen 5: both attempts of a round
+    # failed so); such a round proves nothing about the checksum, so it is run again, at most three times.
+    for _ in range(3):
+        before = _routed(world, "torch_dist")
+        for path in world.fault_files.values():
+            path.write_text("corrupt")
+        try:
+            # Both prefill hosts corrupt their first pages: the decode worker's CRC32C check fails
+            # each transfer, and it prefills the prompt itself in the end.
+            assert _token_ids(world, "torch_dist", prompt) == expected
+        finally:
+            for path in world.fault_files.values():
+                path.write_text("")
+        assert increase(before, _routed(world, "torch_dist")) == {**prefill, "local": 1}
+        if "CRC32C mismatch" in world.mesh.gateways["torch_dist"].log_tail(400):  # why an attempt failed
+            break
+    else:
+        pytest.fail("no attempt in three rounds failed on a CRC32C mismatch")
     _no_leaks(world)
 
 
