@@ -193,11 +193,100 @@ float exp_shifted(float* s, int64_t len, float top) {
   return sum;
 }
 
+#if defined(__AVX512F__)
+// The AVX-512 builds' forms of scores and weighted_sums, for head sizes of a multiple of 16: the same
+// passes over 16 lanes, half the instructions of eight. A score's 16 partial sums are folded to eight
+// (lane l + lane l+8) and then reduced as sum_lanes reduces eight; the weighted sums hold 64 dimensions
+// of every head of the group at once. 32 sequences at 175 positions, one thread of an AMD EPYC Zen 5,
+// 30 layers' pages streaming from memory, builds alternated: 0.54-0.56 ms a layer through eight lanes,
+// 0.45-0.49 through 16 (in cache: 0.31 and 0.26).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // sixteen bf16 values widened to fp32: exact
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline Vec fold(__m512 a) { return {_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1))}; }
+
+template <typename T, int G>
+void scores16(const float* const query[G], const T* base, const int64_t* rows, int64_t len, int64_t n, float sc,
+              float* s, int64_t stride, int64_t ahead) {
+  constexpr int64_t K = GroupShape<G>::kKeys;
+  for (int64_t j0 = 0; j0 < len; j0 += K) {
+    const T* key[K];
+    for (int64_t i = 0; i < K; ++i) key[i] = base + rows[std::min(j0 + i, len - 1)];
+    for (int64_t i = j0 + kAhead; i < std::min(j0 + kAhead + K, len); ++i) prefetch_row(base + rows[i], ahead);
+    __m512 acc[G][K];
+    for (int g = 0; g < G; ++g)
+      for (int64_t i = 0; i < K; ++i) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < n; d += 16) {
+#pragma GCC unroll 8
+      for (int64_t i = 0; i < K; ++i) {
+        const __m512 kv = load16(key[i] + d);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) acc[g][i] = _mm512_fmadd_ps(_mm512_loadu_ps(query[g] + d), kv, acc[g][i]);
+      }
+    }
+    const int64_t m = std::min(K, len - j0);
+    for (int g = 0; g < G; ++g) {
+      Vec folded[K];
+      for (int64_t i = 0; i < K; ++i) folded[i] = fold(acc[g][i]);
+      float lanes[K];
+      sum_lanes<K>(folded, lanes);
+      for (int64_t i = 0; i < m; ++i) s[g * stride + j0 + i] = lanes[i] * sc;
+    }
+  }
+}
+
+template <typename T, int G>
+void weighted_sums16(const float* p, int64_t stride, const T* base, const int64_t* rows, int64_t len,
+                     const float sum[G], float* const out[G], int64_t n, int64_t ahead) {
+  constexpr int64_t V = 4;  // 64 dimensions a pass
+  for (int64_t d0 = 0; d0 < n; d0 += 16 * V) {
+    const int64_t vecs = std::min(V, (n - d0) / 16);
+    __m512 acc[G][V];
+    for (int g = 0; g < G; ++g)
+      for (int64_t c = 0; c < V; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; ++j) {
+      if (d0 == 0 && j + kAhead < len) prefetch_row(base + rows[j + kAhead], ahead);
+      __m512 w[G];
+      for (int g = 0; g < G; ++g) w[g] = _mm512_set1_ps(p[g * stride + j]);
+      const T* row = base + rows[j] + d0;
+      if (vecs == V) {
+#pragma GCC unroll 4
+        for (int64_t c = 0; c < V; ++c) {
+          const __m512 x = load16(row + 16 * c);
+#pragma GCC unroll 4
+          for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(w[g], x, acc[g][c]);
+        }
+      } else {
+        for (int64_t c = 0; c < vecs; ++c) {
+          const __m512 x = load16(row + 16 * c);
+          for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(w[g], x, acc[g][c]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 total = _mm512_set1_ps(sum[g]);
+      for (int64_t c = 0; c < vecs; ++c) _mm512_storeu_ps(out[g] + d0 + 16 * c, _mm512_div_ps(acc[g][c], total));
+    }
+  }
+}
+#endif
+
 // The softmax-weighted sums of G query heads that share a KV head, over len rows of the pages.
 template <typename T, int G>
 void attend_group(const float* const query[G], const T* keys, const T* values, const int64_t* rows, int64_t len,
                   int64_t head_dim, int64_t ahead, float sc, float* s, float* const out[G]) {
+#if defined(__AVX512F__)
+  const bool wide = head_dim % 16 == 0;
+  if (wide) {
+    scores16<T, G>(query, keys, rows, len, head_dim, sc, s, len, ahead);
+  } else {
+    scores<T, G>(query, keys, rows, len, head_dim, sc, s, len, ahead);
+  }
+#else
   scores<T, G>(query, keys, rows, len, head_dim, sc, s, len, ahead);
+#endif
   float sums[G];
   for (int g = 0; g < G; ++g) {
     float* sg = s + g * len;
@@ -205,6 +294,12 @@ void attend_group(const float* const query[G], const T* keys, const T* values, c
     for (int64_t j = 0; j < len; ++j) top = std::max(top, sg[j]);
     sums[g] = exp_shifted(sg, len, top);
   }
+#if defined(__AVX512F__)
+  if (wide) {
+    weighted_sums16<T, G>(s, len, values, rows, len, sums, out, head_dim, ahead);
+    return;
+  }
+#endif
   weighted_sums<T, G>(s, len, values, rows, len, sums, out, head_dim, ahead);
 }
 
