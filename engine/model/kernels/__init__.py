@@ -1,10 +1,12 @@
 """The CPU kernels, loaded for the CPU at hand: the quantized products (qmatmul.cpp), fbgemm's fp16
 product with a weight's pieces on several threads (fp16_pieces.cpp), the ops that cost a
 batch-1 decode step most outside them in torch (rms_norm.cpp, decode_attention.cpp, rotary.cpp,
-silu_mul.cpp), and all of a small decode batch's decoder layers as one call (decode_stack.cpp).
+silu_mul.cpp), all of a small decode batch's decoder layers as one call (decode_stack.cpp), and, in
+the avx512bf16 build only, a bf16 prompt chunk's causal attention (prefill_attention.cpp).
 
-`kernels()` loads the best build this CPU runs ("avx2": AVX2 + FMA + F16C intrinsics; else
-"scalar": plain C++), building it on first use if the Makefile's step has not (engine.model.kernels.build);
+`kernels()` loads the best build this CPU runs ("avx512bf16": the AVX2 code with AVX-512's registers
+plus the AVX512-BF16 ops; else "avx2": AVX2 + FMA + F16C intrinsics; else "scalar": plain C++),
+building it on first use if the Makefile's step has not (engine.model.kernels.build);
 `kernels("scalar")` loads a given one (tests compare both). The ops take a weight already packed
 by engine.model.quantized_linear.PackedWeight. `cpu_kernels(device)` is what the model and the
 attention backend use: the best build on a CPU device, None elsewhere or where none can be built.

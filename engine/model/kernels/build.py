@@ -1,6 +1,7 @@
 """Build the CPU kernels (qmatmul.cpp's quantized products; fp16_pieces.cpp; rms_norm.cpp,
 decode_attention.cpp, rotary.cpp and silu_mul.cpp, the decode step's other hot ops; decode_stack.cpp,
-which calls them all for a decode batch) for the CPU at hand, once, into an ignored folder, as one
+which calls them all for a decode batch; prefill_attention.cpp, compiled to an op only where the
+build targets AVX512-BF16) for the CPU at hand, once, into an ignored folder, as one
 library per variant.
 
 Each variant is the same sources compiled with its own flags and needs the CPU flags its code uses;
