@@ -2,7 +2,8 @@
 product with a weight's pieces on several threads (fp16_pieces.cpp), the ops that cost a
 batch-1 decode step most outside them in torch (rms_norm.cpp, decode_attention.cpp, rotary.cpp,
 silu_mul.cpp), all of a small decode batch's decoder layers as one call (decode_stack.cpp), and, in
-the avx512bf16 build only, a bf16 prompt chunk's causal attention (prefill_attention.cpp).
+the avx512bf16 build only, a bf16 prompt chunk's causal attention (prefill_attention.cpp) and the
+bf16 product over a weight packed as pairs (bf16_gemm.cpp).
 
 `kernels()` loads the best build this CPU runs ("avx512bf16": the AVX2 code with AVX-512's registers
 plus the AVX512-BF16 ops; else "avx2": AVX2 + FMA + F16C intrinsics; else "scalar": plain C++),
@@ -92,6 +93,16 @@ class Kernels:
             return None
         return self._ops.prefill_attention
 
+    @property
+    def bf16_gemm(self) -> Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None, bool], torch.Tensor] | None:
+        """The bf16 product, `op(x, packed, n, bias, fp32_out)`: bf16 x [M, K] (K even, contiguous) times
+        a weight packed by `pack_bf16_pairs`, plus fp32 bias [n] or None: [M, n] in fp32 if fp32_out,
+        else bf16 (bf16_gemm.cpp). None where this build has no such op (only the avx512bf16 build
+        has) or the CPU has AMX, on whose tiles oneDNN's bf16 GEMM runs."""
+        if "amx_bf16" in cpu_flags() or not hasattr(self._ops, "bf16_gemm"):
+            return None
+        return self._ops.bf16_gemm
+
     def decode_stack(self, heads: int, kv_heads: int, head_dim: int, eps: float, scale: float) -> torch.ScriptObject:
         """An empty DecodeStack (decode_stack.cpp) for layers of these shapes, to fill layer by layer:
         `add_layer(input_norm, post_norm)`, then `add_product(packed, scale, offset, bias, bits,
@@ -112,6 +123,18 @@ class Kernels:
         """For the start-up log: the variant and the CPU flags that chose it."""
         needs = f" (CPU flags {' '.join(self.variant.cpu_flags)})" if self.variant.cpu_flags else ""
         return f"{self.variant.name}{needs}"
+
+
+def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] (K even) in bf16_gemm's layout: [ceil(N/16), K/2, 16, 2], panels of 16
+    rows (the last padded with zeros) holding each row's K dimension as pairs."""
+    rows, cols = weight.shape
+    if cols % 2:
+        raise ValueError(f"pack_bf16_pairs: K must be even, got {cols}")
+    panels = -(-rows // 16)
+    padded = torch.zeros(panels * 16, cols, dtype=torch.bfloat16)
+    padded[:rows] = weight
+    return padded.view(panels, 16, cols // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 @functools.cache

@@ -1,7 +1,7 @@
 """Build the CPU kernels (qmatmul.cpp's quantized products; fp16_pieces.cpp; rms_norm.cpp,
 decode_attention.cpp, rotary.cpp and silu_mul.cpp, the decode step's other hot ops; decode_stack.cpp,
-which calls them all for a decode batch; prefill_attention.cpp, compiled to an op only where the
-build targets AVX512-BF16) for the CPU at hand, once, into an ignored folder, as one
+which calls them all for a decode batch; prefill_attention.cpp and bf16_gemm.cpp, compiled to ops
+only where the build targets AVX512-BF16) for the CPU at hand, once, into an ignored folder, as one
 library per variant.
 
 Each variant is the same sources compiled with its own flags and needs the CPU flags its code uses;
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in ("qmatmul.cpp", "rms_norm.cpp", "decode_attention.cpp", "rotary.cpp",
                                           "silu_mul.cpp", "fp16_pieces.cpp", "decode_stack.cpp",
-                                          "prefill_attention.cpp"))
+                                          "prefill_attention.cpp", "bf16_gemm.cpp"))
 HEADERS = (_HERE / "qmatmul_core.h", _HERE / "exp8.h", _HERE / "ops.h")
 BUILD_ROOT_ENV = "TANDEM_KERNELS_DIR"
 _LIBRARY = "qmatmul.so"
@@ -57,7 +57,8 @@ class Variant:
 # Best first: the first variant whose flags the CPU has is the one served.
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 VARIANTS = (
-    # The AVX2 code with AVX-512's 32 registers, plus the ops only AVX512-BF16 runs (prefill_attention.cpp).
+    # The AVX2 code with AVX-512's 32 registers, plus the ops only AVX512-BF16 runs
+    # (prefill_attention.cpp, bf16_gemm.cpp).
     Variant("avx512bf16", ("avx2", "fma", "f16c", *_AVX512, "avx512_bf16"),
             ("-mavx2", "-mfma", "-mf16c", *(f"-m{flag}" for flag in _AVX512), "-mavx512bf16")),
     Variant("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
