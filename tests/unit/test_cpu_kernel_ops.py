@@ -133,19 +133,47 @@ def test_decode_attention_stores_the_rows_and_matches_the_torch_path(variant, he
     assert torch.equal(alone[0], got[0])  # a sequence's result does not depend on its batch
 
 
+def _pairs_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention as the avx512bf16 build computes it over bf16 pages, in fp32 otherwise: the
+    queries and the softmax's exponentials rounded to bf16, the sum they are divided by not."""
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b, length in enumerate(seq_lens.tolist()):
+        blocks = tables[b, : -(-length // block_size)].long()
+        keys, values = (c[blocks].flatten(0, 1)[:length].float().repeat_interleave(group, 1)
+                        for c in (k_cache, v_cache))
+        scores = torch.einsum("hd,thd->ht", q[b].bfloat16().float(), keys) * scale
+        e = torch.exp(scores - scores.amax(1, keepdim=True))
+        out[b] = torch.einsum("ht,thd->hd", e.bfloat16().float(), values) / e.sum(1, keepdim=True)
+    return out
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_decode_attention_over_bf16_pages_rounds_the_rows_as_torch_and_reads_them_widened(variant):
-    q, k, v, k_cache, v_cache, slots, tables, seq_lens = _paged_batch(4)
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_decode_attention_over_bf16_pages_rounds_the_rows_as_torch(variant, head_dim):
+    q, k, v, k_cache, v_cache, slots, tables, seq_lens = _paged_batch(4, head_dim=head_dim)
     k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
     want_k, want_v = k_cache.clone(), v_cache.clone()
     for cache, rows in ((want_k, k), (want_v, v)):
         cache.view(-1, *rows.shape[1:])[slots] = rows.bfloat16()  # torch's round to nearest-even
-    # The reference reads the same bf16 pages widened to fp32 (exact) and computes in fp32.
-    want = paged_decode_attention(q, want_k.float(), want_v.float(), tables, seq_lens, 0.125)
     got = kernels(variant).decode_attention(q, k, v, k_cache, v_cache, slots, tables, seq_lens, 0.125)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
-    # Same bound as over fp32 pages: once widened, both sum the same fp32 values in another order.
+    if variant == "avx512bf16" and head_dim % 32 == 0:
+        # bf16 pairs through vdpbf16ps: products exact, sums in fp32 in another order than the
+        # reference's, so the same 1e-5 bound; a skipped rounding moves outputs by 1e-3 and more.
+        want = _pairs_reference(q, want_k, want_v, tables, seq_lens, 0.125)
+        widened = paged_decode_attention(q, want_k.float(), want_v.float(), tables, seq_lens, 0.125)
+        assert (got - widened).abs().max() > 1e-4
+    else:  # the pages widened to fp32 (exact) and everything in fp32
+        want = paged_decode_attention(q, want_k.float(), want_v.float(), tables, seq_lens, 0.125)
+    # Same bound as over fp32 pages: both sum the same fp32 values in another order.
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    alone = kernels(variant).decode_attention(q[2:], k[2:], v[2:], k_cache, v_cache, slots[2:], tables[2:],
+                                              seq_lens[2:], 0.125)
+    assert torch.equal(alone[0], got[2])  # a sequence's result does not depend on its batch
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels(variant).decode_attention(q, k, v, k_cache, v_cache.float(), slots, tables, seq_lens, 0.125)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         kernels(variant).decode_attention(q, k, v, k_cache, v_cache.float(), slots, tables, seq_lens, 0.125)
 

@@ -21,7 +21,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "exp8.h"
@@ -207,6 +209,18 @@ inline __m512 load16(const uint16_t* p) {  // sixteen bf16 values widened to fp3
 }
 inline Vec fold(__m512 a) { return {_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1))}; }
 
+// s[g·stride + i] = sc · (the sum of acc[g][i]'s 16 lanes) for i < m.
+template <int G, int64_t K>
+inline void store_scores16(const __m512 (&acc)[G][K], int64_t m, float sc, float* s, int64_t stride) {
+  for (int g = 0; g < G; ++g) {
+    Vec folded[K];
+    for (int64_t i = 0; i < K; ++i) folded[i] = fold(acc[g][i]);
+    float lanes[K];
+    sum_lanes<K>(folded, lanes);
+    for (int64_t i = 0; i < m; ++i) s[g * stride + i] = lanes[i] * sc;
+  }
+}
+
 template <typename T, int G>
 void scores16(const float* const query[G], const T* base, const int64_t* rows, int64_t len, int64_t n, float sc,
               float* s, int64_t stride, int64_t ahead) {
@@ -226,14 +240,7 @@ void scores16(const float* const query[G], const T* base, const int64_t* rows, i
         for (int g = 0; g < G; ++g) acc[g][i] = _mm512_fmadd_ps(_mm512_loadu_ps(query[g] + d), kv, acc[g][i]);
       }
     }
-    const int64_t m = std::min(K, len - j0);
-    for (int g = 0; g < G; ++g) {
-      Vec folded[K];
-      for (int64_t i = 0; i < K; ++i) folded[i] = fold(acc[g][i]);
-      float lanes[K];
-      sum_lanes<K>(folded, lanes);
-      for (int64_t i = 0; i < m; ++i) s[g * stride + j0 + i] = lanes[i] * sc;
-    }
+    store_scores16<G, K>(acc, std::min(K, len - j0), sc, s + j0, stride);
   }
 }
 
@@ -273,10 +280,129 @@ void weighted_sums16(const float* p, int64_t stride, const T* base, const int64_
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// bf16 pages in the avx512bf16 build, head sizes of a multiple of 32: the passes multiply bf16 pairs
+// with vdpbf16ps (products exact, sums in fp32) instead of widening every element first. The
+// queries are rounded to bf16 (a bf16 model's queries already are bf16 values) and the weighted sums
+// take the exponentials rounded to bf16 (2^-9 relative), where torch's bf16 attention rounds them;
+// the sum they are divided by stays the fp32 one. 32 sequences at 175 positions, one thread of an
+// AMD EPYC Zen 5, per layer: see docs/benchmarks.md.
+constexpr int64_t kMaxChunks = 8;  // dimensions in chunks of 32: head sizes up to 256
+
+template <int G>
+void scores_bf16(const float* const query[G], const uint16_t* base, const uint16_t* values, const int64_t* rows,
+                 int64_t len, int64_t n, float sc, float* s, int64_t stride, int64_t ahead) {
+  for (int64_t i = 0; i < std::min(kAhead, len); ++i) prefetch_row(base + rows[i], ahead);
+  constexpr int64_t K = GroupShape<G>::kKeys;
+  const int64_t chunks = n / 32;
+  __m512bh q[G][kMaxChunks];
+  for (int g = 0; g < G; ++g)
+    for (int64_t c = 0; c < chunks; ++c)
+      q[g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(query[g] + 32 * c + 16), _mm512_loadu_ps(query[g] + 32 * c));
+  for (int64_t j0 = 0; j0 < len; j0 += K) {
+    const uint16_t* key[K];
+    for (int64_t i = 0; i < K; ++i) key[i] = base + rows[std::min(j0 + i, len - 1)];
+    for (int64_t i = j0 + kAhead; i < std::min(j0 + kAhead + K, len); ++i) prefetch_row(base + rows[i], ahead);
+    // the values the weighted sums read next, so that pass starts on rows already in cache
+    for (int64_t i = j0; i < std::min(j0 + K, len); ++i) prefetch_row(values + rows[i], ahead);
+    __m512 acc[G][K];
+    for (int g = 0; g < G; ++g)
+      for (int64_t i = 0; i < K; ++i) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+#pragma GCC unroll 8
+      for (int64_t i = 0; i < K; ++i) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(key[i] + 32 * c);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], q[g][c], kv);
+      }
+    }
+    store_scores16<G, K>(acc, std::min(K, len - j0), sc, s + j0, stride);
+  }
+}
+
+// p[g·stride + j] = bf16(e[g·stride + j]) for j < len, and 0 at len when len is odd: the weights as
+// pairs of keys.
+template <int G>
+void round_weights(const float* e, int64_t stride, int64_t len, uint16_t* p) {
+  for (int g = 0; g < G; ++g) {
+    const float* from = e + g * stride;
+    uint16_t* to = p + g * stride;
+    int64_t j = 0;
+    for (; j + 16 <= len; j += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(from + j)));
+    for (; j < len; ++j) to[j] = c10::BFloat16(from[j]).x;
+    if (len % 2) to[len] = 0;
+  }
+}
+
+// out[g][0:n] = Σ_j p[g][j] · rows[j][0:n] / sum[g], keys two at a time: the two rows interleaved
+// (vpunpck{l,h}wd) are the pairs vdpbf16ps multiplies by the two weights. Interleaving within 128-bit
+// lanes leaves dimensions 8L..8L+3 of a 32-dimension chunk in the low result's lanes 4L..4L+3 and
+// 8L+4..8L+7 in the high one's: kLow and kHigh put them back in order.
+template <int G>
+void weighted_sums_bf16(const uint16_t* p, int64_t stride, const uint16_t* base, const int64_t* rows, int64_t len,
+                        const float sum[G], float* const out[G], int64_t n, int64_t ahead) {
+  constexpr int64_t V = 2;  // chunks of 32 dimensions a pass
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  for (int64_t d0 = 0; d0 < n; d0 += 32 * V) {
+    const int64_t chunks = std::min(V, (n - d0) / 32);
+    __m512 lo[G][V], hi[G][V];
+    for (int g = 0; g < G; ++g)
+      for (int64_t c = 0; c < V; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j += 2) {
+      if (d0 == 0) {
+        for (int64_t i = j + kAhead; i < std::min(j + kAhead + 2, len); ++i) prefetch_row(base + rows[i], ahead);
+      }
+      __m512bh w[G];
+      for (int g = 0; g < G; ++g) {
+        uint32_t pair;
+        std::memcpy(&pair, p + g * stride + j, sizeof pair);
+        w[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      }
+      const uint16_t* a = base + rows[j] + d0;
+      const uint16_t* b = base + rows[std::min(j + 1, len - 1)] + d0;  // an odd last key pairs with itself, weight 0
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512i x = _mm512_loadu_si512(a + 32 * c), y = _mm512_loadu_si512(b + 32 * c);
+        const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(x, y), high = (__m512bh)_mm512_unpackhi_epi16(x, y);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) {
+          lo[g][c] = _mm512_dpbf16_ps(lo[g][c], w[g], low);
+          hi[g][c] = _mm512_dpbf16_ps(hi[g][c], w[g], high);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 total = _mm512_set1_ps(sum[g]);
+      for (int64_t c = 0; c < chunks; ++c) {
+        float* o = out[g] + d0 + 32 * c;
+        _mm512_storeu_ps(o, _mm512_div_ps(_mm512_permutex2var_ps(lo[g][c], first, hi[g][c]), total));
+        _mm512_storeu_ps(o + 16, _mm512_div_ps(_mm512_permutex2var_ps(lo[g][c], second, hi[g][c]), total));
+      }
+    }
+  }
+}
+#endif
+
 // The softmax-weighted sums of G query heads that share a KV head, over len rows of the pages.
 template <typename T, int G>
 void attend_group(const float* const query[G], const T* keys, const T* values, const int64_t* rows, int64_t len,
-                  int64_t head_dim, int64_t ahead, float sc, float* s, float* const out[G]) {
+                  int64_t head_dim, int64_t ahead, float sc, float* s, uint16_t* pairs, float* const out[G]) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (head_dim % 32 == 0 && head_dim <= 32 * kMaxChunks) {
+      scores_bf16<G>(query, keys, values, rows, len, head_dim, sc, s, len + 1, ahead);
+      float sums[G];
+      for (int g = 0; g < G; ++g) {
+        float* sg = s + g * (len + 1);
+        sums[g] = exp_shifted(sg, len, *std::max_element(sg, sg + len));
+      }
+      round_weights<G>(s, len + 1, len, pairs);
+      weighted_sums_bf16<G>(pairs, len + 1, values, rows, len, sums, out, head_dim, ahead);
+      return;
+    }
+  }
+#endif
 #if defined(__AVX512F__)
   const bool wide = head_dim % 16 == 0;
   if (wide) {
@@ -306,15 +432,16 @@ void attend_group(const float* const query[G], const T* keys, const T* values, c
 // Serves `count` query heads (of one KV head) in pieces of at most kMaxGroup.
 template <typename T>
 void attend_heads(const float* const* query, int64_t count, const T* keys, const T* values, const int64_t* rows,
-                  int64_t len, int64_t head_dim, int64_t ahead, float sc, float* s, float* const* out) {
+                  int64_t len, int64_t head_dim, int64_t ahead, float sc, float* s, uint16_t* pairs,
+                  float* const* out) {
   for (int64_t first = 0; first < count; first += kMaxGroup) {
     const float* const* q = query + first;
     float* const* o = out + first;
     switch (std::min<int64_t>(kMaxGroup, count - first)) {
-      case 1: attend_group<T, 1>(q, keys, values, rows, len, head_dim, ahead, sc, s, o); break;
-      case 2: attend_group<T, 2>(q, keys, values, rows, len, head_dim, ahead, sc, s, o); break;
-      case 3: attend_group<T, 3>(q, keys, values, rows, len, head_dim, ahead, sc, s, o); break;
-      default: attend_group<T, 4>(q, keys, values, rows, len, head_dim, ahead, sc, s, o); break;
+      case 1: attend_group<T, 1>(q, keys, values, rows, len, head_dim, ahead, sc, s, pairs, o); break;
+      case 2: attend_group<T, 2>(q, keys, values, rows, len, head_dim, ahead, sc, s, pairs, o); break;
+      case 3: attend_group<T, 3>(q, keys, values, rows, len, head_dim, ahead, sc, s, pairs, o); break;
+      default: attend_group<T, 4>(q, keys, values, rows, len, head_dim, ahead, sc, s, pairs, o); break;
     }
   }
 }
@@ -343,6 +470,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, T* ke
   const int64_t group = heads / kv_heads, q_seq = q.stride(0), q_head = q.stride(1);
   at::parallel_for(0, batch * kv_heads, kMinTasksPerThread, [&](int64_t begin, int64_t end) {
     std::vector<float> all_scores;
+    std::vector<uint16_t> pairs;  // bf16 pages: the weights rounded to bf16, as pairs of keys
     std::vector<int64_t> rows;  // where each context position's row of this KV head starts in the pages
     std::vector<const float*> query(group);
     std::vector<float*> out_rows(group);
@@ -354,7 +482,9 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, T* ke
         const int64_t first = table[block] * block_size * row + kvh * head_dim;
         for (int64_t offset = 0; offset < block_size && j < len; ++offset, ++j) rows[j] = first + offset * row;
       }
-      all_scores.resize(std::min<int64_t>(group, kMaxGroup) * len);
+      // A head's scores are len + 1 apart: room for the zero weight that pairs an odd last key.
+      all_scores.resize(std::min<int64_t>(group, kMaxGroup) * (len + 1));
+      pairs.resize(all_scores.size());
       for (int64_t g = 0; g < group; ++g) {
         query[g] = qs + b * q_seq + (kvh * group + g) * q_head;
         out_rows[g] = outs + (b * heads + kvh * group + g) * head_dim;
@@ -363,7 +493,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, T* ke
       // scattered blocks, and the next heads' tasks then find their rows cached.
       const int64_t ahead = kvh == 0 ? row : head_dim;
       attend_heads(query.data(), group, keys, values, rows.data(), len, head_dim, ahead, sc, all_scores.data(),
-                   out_rows.data());
+                   pairs.data(), out_rows.data());
     }
   });
 }
