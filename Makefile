@@ -79,6 +79,7 @@ bench: install $(BENCH_STAMP)
 	$(BENCH) gptq_awq
 	$(BENCH) cpu_weights
 	$(BENCH) weight_formats
+	$(BENCH) bf16_products
 	$(BENCH) prompt_fp16
 	$(BENCH) int8_prefill
 	$(BENCH) kv_transfer

@@ -22,7 +22,8 @@ from safetensors import safe_open
 _FP32_BYTES = 4
 
 
-def _best_seconds(run: Callable[[], object], repeats: int) -> float:
+def best_seconds(run: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `run`, after one untimed call."""
     run()  # first touch: page faults and library set-up are not what is being measured
     best = float("inf")
     for _ in range(repeats):
@@ -40,8 +41,8 @@ def streaming_bandwidth(num_bytes: int, repeats: int = 5) -> dict[str, float]:
     matrix = torch.randn(rows, cols)
     vector = torch.randn(cols)
     size = matrix.numel() * _FP32_BYTES
-    matvec = size / _best_seconds(lambda: torch.mv(matrix, vector), repeats)
-    total = size / _best_seconds(matrix.sum, repeats)
+    matvec = size / best_seconds(lambda: torch.mv(matrix, vector), repeats)
+    total = size / best_seconds(matrix.sum, repeats)
     return {"matvec_bytes_per_s": matvec, "sum_bytes_per_s": total, "bytes_per_s": max(matvec, total),
             "tensor_bytes": float(size)}
 
@@ -50,7 +51,7 @@ def gemm_flops(n: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of an n x n x n fp32 matrix product."""
     a = torch.randn(n, n)
     b = torch.randn(n, n)
-    return 2.0 * n**3 / _best_seconds(lambda: a @ b, repeats)
+    return 2.0 * n**3 / best_seconds(lambda: a @ b, repeats)
 
 
 def model_parameter_count(model_dir: str) -> int:

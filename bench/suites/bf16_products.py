@@ -1,0 +1,85 @@
+"""bf16 products on a CPU with AVX512-BF16: the kernels' GEMM over pairs against oneDNN's packed GEMM.
+
+For the shipped model's product shapes (fused qkv, o, fused gate/up and down of one decoder layer,
+30 copies each, and the LM head once, as a decode step reads them: each weight streaming from
+memory, not reused from cache), at each of `--rows` rows: the seconds of one pass over all of them
+through `bf16_gemm` (engine/model/kernels/bf16_gemm.cpp, weights packed by `pack_bf16_pairs`) and
+through `torch.ops.mkldnn._linear_pointwise` over `_reorder_linear_weight`'s copy (what
+QuantizedLinear serves from BF16_GEMM_MAX_ROWS rows up, and everywhere on AMX). The best of
+`--repeat` passes, the two alternated; random bf16 weights of the model's shapes.
+
+    python -m bench bf16_products [--rows 4,8,16,32,64,128,256,2048] [--repeat 5] [--threads 1]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from bench.harness.machine import describe
+from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.throughput.roofline import best_seconds
+from engine.model.kernels import kernels, pack_bf16_pairs
+
+# (output columns, K, copies): the shipped model's per-layer products over 30 layers, and its LM head.
+SHAPES = ((960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1))
+
+
+def measure(rows: Sequence[int], repeat: int) -> list[dict]:
+    """One entry per row count: seconds per pass through each GEMM and their ratio."""
+    gemm = kernels().bf16_gemm
+    assert gemm is not None, "main() checks that the op runs here"
+    gen = torch.Generator().manual_seed(0)
+    weights = [[torch.randn(n, k, generator=gen).bfloat16() for _ in range(copies)] for n, k, copies in SHAPES]
+    pairs = [[pack_bf16_pairs(w) for w in ws] for ws in weights]
+    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w) for w in ws] for ws in weights]
+    del weights
+    entries = []
+    for m in rows:
+        inputs = [torch.randn(m, k, generator=gen).bfloat16() for _, k, _ in SHAPES]
+
+        def ours(m: int = m, inputs: list[torch.Tensor] = inputs) -> None:
+            for (n, _, _), x, ws in zip(SHAPES, inputs, pairs, strict=True):
+                for w in ws:
+                    gemm(x, w, n, None, False)
+
+        def theirs(inputs: list[torch.Tensor] = inputs) -> None:
+            for x, ws in zip(inputs, onednn, strict=True):
+                for w in ws:
+                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+        ours_s, theirs_s = float("inf"), float("inf")
+        for _ in range(2):  # alternated, so a slow spell of the machine falls on both
+            ours_s, theirs_s = min(ours_s, best_seconds(ours, repeat)), min(theirs_s, best_seconds(theirs, repeat))
+        flops = sum(2 * m * n * k * copies for n, k, copies in SHAPES)
+        entries.append({"rows": m, "bf16_gemm_ms": ours_s * 1e3, "onednn_ms": theirs_s * 1e3,
+                        "speedup": theirs_s / ours_s, "bf16_gemm_gflops": flops / ours_s / 1e9,
+                        "onednn_gflops": flops / theirs_s / 1e9})
+        e = entries[-1]
+        print(f"{m:>5} rows: bf16_gemm {e['bf16_gemm_ms']:8.1f} ms ({e['bf16_gemm_gflops']:4.0f} GFLOP/s)   "
+              f"oneDNN {e['onednn_ms']:8.1f} ms ({e['onednn_gflops']:4.0f} GFLOP/s)   {e['speedup']:.2f}x", flush=True)
+    return entries
+
+
+def main(argv: Sequence[str]) -> int:
+    """Print the table; write the results."""
+    parser = suite_parser(__name__, __doc__)
+    parser.add_argument("--rows", default="4,8,16,32,64,128,256,2048")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=str(results_path(__name__)))
+    args = parser.parse_args(argv)
+    if kernels().bf16_gemm is None:
+        print("bf16_products: nothing to compare here: the kernels' bf16 GEMM serves only CPUs with avx512_bf16 "
+              "and without AMX")
+        return 0
+    torch.set_num_threads(args.threads)
+    start = load_average()
+    entries = measure([int(r) for r in args.rows.split(",")], args.repeat)
+    machine = describe()
+    print(f"- {machine['processor']} ({', '.join(machine['isa'])}), {args.threads} thread(s); "
+          f"load average {start} → {load_average()}")
+    write_results(args.out, {"command": command_line(__name__, argv), "machine": machine, "threads": args.threads,
+                             "entries": entries})
+    return 0
