@@ -98,14 +98,15 @@ def test_no_gemm_op_where_the_cpu_has_amx_or_the_build_lacks_it(monkeypatch):
 
 @serves_op
 def test_decode_batches_take_the_op_and_prompts_onednns_gemm():
-    weight, bias = random_weight(960, 576, "q4_offset"), torch.randn(960)
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = random_weight(960, 576, "q4_offset"), torch.randn(960, generator=gen)
     product = QuantizedLinear(weight, bias, ops=kernels(WITH_OP[0]))
     product.make_bf16_copy()
     assert product._pairs is not None
     for rows in (quantized_linear.BF16_MIN_ROWS, 32, BF16_GEMM_MAX_ROWS):
-        x = torch.randn(rows, 576).bfloat16()
+        x = torch.randn(rows, 576, generator=gen).bfloat16()
         assert torch.equal(product(x), product.ops.bf16_gemm(x, product._pairs, 960, product.bias32, False))
-    x = torch.randn(BF16_GEMM_MAX_ROWS + 1, 576).bfloat16()
+    x = torch.randn(BF16_GEMM_MAX_ROWS + 1, 576, generator=gen).bfloat16()
     onednn = torch.nn.functional.linear(x, product.dequantize().bfloat16(), bias.bfloat16())
     # Past the limit the rows go through the oneDNN-packed copy: its output, not the op's.
     assert not torch.equal(product(x), product.ops.bf16_gemm(x, product._pairs, 960, product.bias32, False))

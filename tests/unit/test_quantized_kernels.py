@@ -165,7 +165,7 @@ def test_bf16_inputs_of_a_few_rows_and_more_go_through_one_kept_bf16_copy(monkey
     if packed and not quantized_linear._ONEDNN:
         pytest.skip("oneDNN's bf16 path does not run on this CPU")
     monkeypatch.setattr(quantized_linear, "_ONEDNN", packed)
-    weight, bias = random_weight(960, 576, "q4_offset"), torch.randn(960)
+    weight, bias = random_weight(960, 576, "q4_offset"), torch.randn(960, generator=torch.Generator().manual_seed(1))
     product = QuantizedLinear(weight, bias)
     x = _rows(rows, 576).bfloat16()
     y = product(x)
@@ -173,9 +173,16 @@ def test_bf16_inputs_of_a_few_rows_and_more_go_through_one_kept_bf16_copy(monkey
     assert y.dtype == torch.bfloat16 and product.holds_bf16_copy == takes_copy
     if takes_copy:
         kept = product._bf16
-        want = torch.nn.functional.linear(x, product.dequantize().bfloat16(), bias.bfloat16())
-        # oneDNN's packed GEMM accumulates in fp32 like F.linear; the output's one rounding to bf16
-        # (2^-8 relative) bounds the difference, far below a wrong weight or row (10% and more).
+        w16 = product.dequantize().bfloat16()
+        if product._bf16_gemm is not None and rows <= quantized_linear.BF16_GEMM_MAX_ROWS:
+            # The kernels' GEMM adds the fp32 bias to its fp32 sums: only the output's one rounding
+            # to bf16 (2^-8 relative) separates it from exact arithmetic on the bf16 weight.
+            want = (x.double() @ w16.double().T + bias.double()).bfloat16()
+        else:
+            # oneDNN's packed GEMM (or F.linear) accumulates in fp32 with the bias in bf16; the
+            # output's one rounding to bf16 bounds the difference from F.linear.
+            want = torch.nn.functional.linear(x, w16, bias.bfloat16())
+        # Both far below a wrong weight or row (10% and more).
         torch.testing.assert_close(y, want, rtol=8e-3, atol=1e-2)
         product(x)
         assert product._bf16 is kept  # made once
