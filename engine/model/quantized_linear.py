@@ -46,9 +46,9 @@ plain F.linear re-lays the weight out on every call), whose GEMM runs on AMX til
 has them. On AVX512-BF16 without AMX a second copy is packed as pairs for the kernels' own GEMM
 (bf16_gemm.cpp), which prefetches the weight ahead of the rows and serves inputs of up to
 `BF16_GEMM_MAX_ROWS` rows (decode batches): one thread of an AMD EPYC Zen 5, the model's products
-with weights streaming from memory, 32 rows 25.5 ms against oneDNN's 34.4, 4 rows 11.6 against
-15.3, 64 rows 46.5 against 52.9, 256 rows 187 against 181 and 2,048 rows at 250-360 GFLOP/s
-against oneDNN's 270-390 (prompts stay on oneDNN). Its fp32 output (the LM head's logits) is the
+with weights streaming from memory (`python -m bench bf16_products`), 4 rows 10.6 ms against
+oneDNN's 16.6, 32 rows 24.5 against 34.1, 128 rows 86.8 against 90.2, 256 rows 192 against 174
+and 2,048 rows 1.58 s against 1.42 (prompts stay on oneDNN). Its fp32 output (the LM head's logits) is the
 accumulators', not a bf16 rounding widened. One thread of an Intel Xeon with AMX, the
 120 layer products of a step: 1 row 8.8 ms through the kernel against 21.2 through the copy, 3 rows
 19.3 against 22.2, 4 rows 22.9 against 21.3, 8 rows 43.0 against 21.9; packing took the gate/up

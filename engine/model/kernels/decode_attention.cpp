@@ -195,6 +195,17 @@ float exp_shifted(float* s, int64_t len, float top) {
   return sum;
 }
 
+// Each of G heads' len scores (stride apart) replaced by exp(score − the head's max); sums[g] their sum.
+template <int G>
+void exponentiate(float* s, int64_t stride, int64_t len, float sums[G]) {
+  for (int g = 0; g < G; ++g) {
+    float* sg = s + g * stride;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < len; ++j) top = std::max(top, sg[j]);
+    sums[g] = exp_shifted(sg, len, top);
+  }
+}
+
 #if defined(__AVX512F__)
 // The AVX-512 builds' forms of scores and weighted_sums, for head sizes of a multiple of 16: the same
 // passes over 16 lanes, half the instructions of eight. A score's 16 partial sums are folded to eight
@@ -393,10 +404,7 @@ void attend_group(const float* const query[G], const T* keys, const T* values, c
     if (head_dim % 32 == 0 && head_dim <= 32 * kMaxChunks) {
       scores_bf16<G>(query, keys, values, rows, len, head_dim, sc, s, len + 1, ahead);
       float sums[G];
-      for (int g = 0; g < G; ++g) {
-        float* sg = s + g * (len + 1);
-        sums[g] = exp_shifted(sg, len, *std::max_element(sg, sg + len));
-      }
+      exponentiate<G>(s, len + 1, len, sums);
       round_weights<G>(s, len + 1, len, pairs);
       weighted_sums_bf16<G>(pairs, len + 1, values, rows, len, sums, out, head_dim, ahead);
       return;
@@ -414,12 +422,7 @@ void attend_group(const float* const query[G], const T* keys, const T* values, c
   scores<T, G>(query, keys, rows, len, head_dim, sc, s, len, ahead);
 #endif
   float sums[G];
-  for (int g = 0; g < G; ++g) {
-    float* sg = s + g * len;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < len; ++j) top = std::max(top, sg[j]);
-    sums[g] = exp_shifted(sg, len, top);
-  }
+  exponentiate<G>(s, len, len, sums);
 #if defined(__AVX512F__)
   if (wide) {
     weighted_sums16<T, G>(s, len, values, rows, len, sums, out, head_dim, ahead);
