@@ -43,12 +43,16 @@ dequantized weight rounded to bf16, made when a bf16 model loads (weight_formats
 `make_bf16_copy`): about three times the model's 4-bit bytes in memory, for products that no
 longer dequantize per call. The copy is packed for oneDNN (as vLLM's CPU build packs its weights;
 plain F.linear re-lays the weight out on every call), whose GEMM runs on AMX tiles where the CPU
-has them. On AVX512-BF16 without AMX a second copy is packed as pairs for the kernels' own GEMM
-(bf16_gemm.cpp), which prefetches the weight ahead of the rows and serves inputs of up to
-`BF16_GEMM_MAX_ROWS` rows (decode batches): one thread of an AMD EPYC Zen 5, the model's products
-with weights streaming from memory (`python -m bench bf16_products`), 4 rows 10.6 ms against
-oneDNN's 16.6, 32 rows 24.5 against 34.1, 128 rows 86.8 against 90.2, 256 rows 192 against 174
-and 2,048 rows 1.58 s against 1.42 (prompts stay on oneDNN). Its fp32 output (the LM head's logits) is the
+has them. On AVX512-BF16 without AMX the weight is also packed as pairs for the kernels' own GEMMs
+(bf16_gemm.cpp), which prefetch the weight ahead of the rows; at start-up the engine times the one
+on vdpbf16ps against the one on fp32 FMAs and keeps the faster (engine.model.kernels.bf16_choice).
+An AMD EPYC Zen 5 runs vdpbf16ps at about 430 GFLOP/s a thread and fp32 FMAs at 230, so there
+vdpbf16ps is the one kept (the timing itself has not run on it); it serves inputs of up to 128 rows
+(decode batches), on one thread the model's products with weights streaming from memory (`python -m
+bench bf16_products`): 4 rows 10.6 ms against oneDNN's 16.6, 32 rows 24.5 against 34.1, 128 rows 86.8 against 90.2, 256
+rows 192 against 174 and 2,048 rows 1.58 s against 1.42 (prompts stay on oneDNN). One thread of an
+Intel Xeon with AVX512-BF16 and no AMX keeps the FMAs, which then serve every row count, so no
+oneDNN copy is made (figures in docs/benchmarks.md). Their fp32 output (the LM head's logits) is the
 accumulators', not a bf16 rounding widened. One thread of an Intel Xeon with AMX, the
 120 layer products of a step: 1 row 8.8 ms through the kernel against 21.2 through the copy, 3 rows
 19.3 against 22.2, 4 rows 22.9 against 21.3, 8 rows 43.0 against 21.9; packing took the gate/up
@@ -71,7 +75,6 @@ from engine.model.quantized import QuantizedWeight
 DENSE_MIN_ROWS = 64  # from this many rows up, dequantize + torch's GEMM beats the kernel
 FP16_MIN_ROWS = 6  # one thread: from this many rows up, fbgemm's fp16 product beats the kernel
 BF16_MIN_ROWS = 4  # bf16 activations: from this many rows up, torch's bf16 GEMM over the bf16 copy beats the kernel
-BF16_GEMM_MAX_ROWS = 128  # up to this many rows the kernels' bf16 GEMM beats oneDNN's (where both run)
 FP16_PIECE_ROWS = 2048  # a weight of more than twice this many rows has its fp16 copy in pieces of this many
 KERNEL_CHUNK = 32  # the kernels unpack 32 weights at a time: group sizes must be multiples of it
 # The bf16 copy is packed for oneDNN where its bf16 path runs: it refuses CPUs without AVX-512
@@ -224,22 +227,26 @@ class QuantizedLinear:
     @property
     def holds_bf16_copy(self) -> bool:
         """Whether the bf16 copy has been made."""
-        return self._bf16 is not None
+        return self._bf16 is not None or self._pairs is not None
 
     def make_bf16_copy(self) -> None:
-        """Make the bf16 copy that inputs of BF16_MIN_ROWS rows and more go through (once)."""
-        if self._bf16 is None:
+        """Make the bf16 copies that inputs of BF16_MIN_ROWS rows and more go through (once): the pairs
+        of the kernels' bf16 GEMM where it runs, and oneDNN's (or a plain) copy for the row counts it
+        leaves to torch."""
+        if self._bf16 is None and self._pairs is None:
             dense = self.dequantize().to(torch.bfloat16)
-            gemm = self._ops.bf16_gemm
+            gemm = self._ops.bf16_products
             if gemm is not None and dense.shape[1] % 2 == 0:
                 self._pairs, self._bf16_gemm = pack_bf16_pairs(dense), gemm
-            self._bf16 = torch.ops.mkldnn._reorder_linear_weight(dense) if _ONEDNN else dense
-            self._bf16_bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+            if self._bf16_gemm is None or self._bf16_gemm.max_rows is not None:
+                self._bf16 = torch.ops.mkldnn._reorder_linear_weight(dense) if _ONEDNN else dense
+                self._bf16_bias = None if self.bias is None else self.bias.to(torch.bfloat16)
 
     def _bf16_product(self, x: torch.Tensor, out: torch.dtype) -> torch.Tensor:
         self.make_bf16_copy()
-        if self._bf16_gemm is not None and x.shape[0] <= BF16_GEMM_MAX_ROWS:
-            return self._bf16_gemm(x.contiguous(), self._pairs, self.weight.rows, self.bias32, out == torch.float32)
+        if self._bf16_gemm is not None and self._bf16_gemm.serves(x.shape[0]):
+            return self._bf16_gemm.op(x.contiguous(), self._pairs, self.weight.rows, self.bias32,
+                                      out == torch.float32)
         if _ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._bf16, self._bf16_bias, "none", [], "")
         return F.linear(x, self._bf16, self._bf16_bias)

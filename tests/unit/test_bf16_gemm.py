@@ -11,8 +11,9 @@ import torch
 import engine.model.kernels as kernel_module
 from engine.model import quantized_linear
 from engine.model.kernels import kernels, pack_bf16_pairs
+from engine.model.kernels.bf16_choice import DPBF16_MAX_ROWS, Bf16Gemm, choose_bf16_gemm
 from engine.model.kernels.build import cpu_flags, runnable
-from engine.model.quantized_linear import BF16_GEMM_MAX_ROWS, QuantizedLinear
+from engine.model.quantized_linear import QuantizedLinear
 from tests.unit.test_quantized_kernels import random_weight
 
 WITH_OP = [v.name for v in runnable(cpu_flags()) if v.name == "avx512bf16"]
@@ -52,6 +53,7 @@ def test_packing_puts_sixteen_rows_of_a_panel_side_by_side_as_pairs_of_k():
     (9, 96, 576),  # a full tile and a one-row tile
     (33, 960, 576),  # a decode batch: the shipped model's qkv product
     (130, 576, 1536),  # past one tile row count, the down product's depth
+    (200, 40, 1536),  # rows in two blocks (168 rows of bf16 x at this depth), the last block partial
 ])
 def test_the_product_is_fp32_arithmetic_on_the_bf16_values(rows, cols, depth):
     op = _op()
@@ -96,18 +98,74 @@ def test_no_gemm_op_where_the_cpu_has_amx_or_the_build_lacks_it(monkeypatch):
         assert kernels(WITH_OP[0]).bf16_gemm is None  # oneDNN's GEMM runs on AMX tiles
 
 
-@serves_op
-def test_decode_batches_take_the_op_and_prompts_onednns_gemm():
-    gen = torch.Generator().manual_seed(3)
+def _product_on(monkeypatch, instruction: str, seed: int) -> tuple[QuantizedLinear, torch.Tensor, torch.Generator]:
+    """A 4-bit product with its bf16 copies made, on a kernels build whose start-up timing chose the
+    GEMM of `instruction`; with its bias and the generator to draw inputs from."""
+    ops = kernels(WITH_OP[0])
+    op = ops.bf16_gemm if instruction == "vdpbf16ps" else ops.bf16_gemm_fma
+    chosen = Bf16Gemm(op, instruction, DPBF16_MAX_ROWS if instruction == "vdpbf16ps" else None, (1.0, 1.0))
+    monkeypatch.setitem(ops.__dict__, "bf16_products", chosen)
+    gen = torch.Generator().manual_seed(seed)
     weight, bias = random_weight(960, 576, "q4_offset"), torch.randn(960, generator=gen)
-    product = QuantizedLinear(weight, bias, ops=kernels(WITH_OP[0]))
+    product = QuantizedLinear(weight, bias, ops=ops)
     product.make_bf16_copy()
-    assert product._pairs is not None
-    for rows in (quantized_linear.BF16_MIN_ROWS, 32, BF16_GEMM_MAX_ROWS):
+    return product, bias, gen
+
+
+@serves_op
+def test_with_vdpbf16ps_decode_batches_take_the_op_and_prompts_onednns_gemm(monkeypatch):
+    product, bias, gen = _product_on(monkeypatch, "vdpbf16ps", 3)
+    assert product._pairs is not None and product._bf16 is not None
+    for rows in (quantized_linear.BF16_MIN_ROWS, 32, DPBF16_MAX_ROWS):
         x = torch.randn(rows, 576, generator=gen).bfloat16()
         assert torch.equal(product(x), product.ops.bf16_gemm(x, product._pairs, 960, product.bias32, False))
-    x = torch.randn(BF16_GEMM_MAX_ROWS + 1, 576, generator=gen).bfloat16()
+    x = torch.randn(DPBF16_MAX_ROWS + 1, 576, generator=gen).bfloat16()
     onednn = torch.nn.functional.linear(x, product.dequantize().bfloat16(), bias.bfloat16())
     # Past the limit the rows go through the oneDNN-packed copy: its output, not the op's.
     assert not torch.equal(product(x), product.ops.bf16_gemm(x, product._pairs, 960, product.bias32, False))
     torch.testing.assert_close(product(x), onednn, rtol=8e-3, atol=1e-2)
+
+
+@serves_op
+def test_with_fma_every_row_count_takes_the_op_and_no_onednn_copy_is_made(monkeypatch):
+    product, _, gen = _product_on(monkeypatch, "fma", 4)
+    assert product._pairs is not None and product._bf16 is None and product.holds_bf16_copy
+    for rows in (quantized_linear.BF16_MIN_ROWS, 32, DPBF16_MAX_ROWS + 1, 700):
+        x = torch.randn(rows, 576, generator=gen).bfloat16()
+        assert torch.equal(product(x), product.ops.bf16_gemm_fma(x, product._pairs, 960, product.bias32, False))
+
+
+@needs_op
+@pytest.mark.parametrize(("rows", "depth", "cols"), [(1, 2, 1), (7, 64, 33), (13, 576, 200), (32, 1536, 64),
+                                                     (200, 1536, 40)])  # 200 rows: three blocks of fp32 x
+def test_the_fma_gemm_computes_the_same_products_in_k_order(rows, depth, cols):
+    # Each output is fl(... fma(x1, w1, fma(x0, w0, 0)) ...) in K order: the float64 sum of the same
+    # exact products differs by K roundings of the running sum at most, 2e-3 relative here, where a
+    # wrong half of a pair (the even and odd weights swapped) moves it by the size of the products.
+    x, w, bias = _operands(rows * depth + cols, rows, cols, depth)
+    fma = kernels(WITH_OP[0]).bf16_gemm_fma
+    y = fma(x, pack_bf16_pairs(w), cols, bias, True)
+    exact = x.double() @ w.double().T + bias.double()
+    torch.testing.assert_close(y.double(), exact, rtol=2e-3, atol=2e-3)
+    swapped = w.view(cols, depth // 2, 2).flip(-1).reshape(cols, depth)
+    if depth > 2:
+        assert not torch.allclose(fma(x, pack_bf16_pairs(swapped), cols, bias, True).double(), exact, rtol=2e-3,
+                                  atol=2e-3)
+    # bf16 out: the fp32 result rounded once; a row alone gives the bits it gives in its batch.
+    assert torch.equal(fma(x, pack_bf16_pairs(w), cols, bias, False), y.bfloat16())
+    assert torch.equal(fma(x[-1:].contiguous(), pack_bf16_pairs(w), cols, bias, True), y[-1:])
+
+
+def test_the_faster_gemm_is_chosen_and_only_the_vdpbf16ps_one_is_capped():
+    def slow(x, packed, n, bias, fp32_out):
+        sum(range(20000))  # a few hundred microseconds of Python: far slower than the other
+        return fast(x, packed, n, bias, fp32_out)
+
+    def fast(x, packed, n, bias, fp32_out):
+        return torch.zeros(x.shape[0], n)
+
+    assert choose_bf16_gemm(slow, fast, pack_bf16_pairs).instruction == "fma"
+    assert choose_bf16_gemm(slow, fast, pack_bf16_pairs).max_rows is None
+    chosen = choose_bf16_gemm(fast, slow, pack_bf16_pairs)
+    assert (chosen.instruction, chosen.max_rows, chosen.op) == ("vdpbf16ps", DPBF16_MAX_ROWS, fast)
+    assert chosen.serves(DPBF16_MAX_ROWS) and not chosen.serves(DPBF16_MAX_ROWS + 1)

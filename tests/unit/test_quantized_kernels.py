@@ -172,9 +172,9 @@ def test_bf16_inputs_of_a_few_rows_and_more_go_through_one_kept_bf16_copy(monkey
     takes_copy = rows >= BF16_MIN_ROWS
     assert y.dtype == torch.bfloat16 and product.holds_bf16_copy == takes_copy
     if takes_copy:
-        kept = product._bf16
+        kept = product._bf16, product._pairs
         w16 = product.dequantize().bfloat16()
-        if product._bf16_gemm is not None and rows <= quantized_linear.BF16_GEMM_MAX_ROWS:
+        if product._bf16_gemm is not None and product._bf16_gemm.serves(rows):
             # The kernels' GEMM adds the fp32 bias to its fp32 sums: only the output's one rounding
             # to bf16 (2^-8 relative) separates it from exact arithmetic on the bf16 weight.
             want = (x.double() @ w16.double().T + bias.double()).bfloat16()
@@ -185,7 +185,7 @@ def test_bf16_inputs_of_a_few_rows_and_more_go_through_one_kept_bf16_copy(monkey
         # Both far below a wrong weight or row (10% and more).
         torch.testing.assert_close(y, want, rtol=8e-3, atol=1e-2)
         product(x)
-        assert product._bf16 is kept  # made once
+        assert product._bf16 is kept[0] and product._pairs is kept[1]  # made once
     else:  # the kernel: fp32 inside, the output rounded to bf16 once
         want = product.__class__(weight, bias)(x.float())
         assert torch.equal(y, want.bfloat16())

@@ -1,9 +1,10 @@
 """The CPU kernels, loaded for the CPU at hand: the quantized products (qmatmul.cpp), fbgemm's fp16
 product with a weight's pieces on several threads (fp16_pieces.cpp), the ops that cost a
 batch-1 decode step most outside them in torch (rms_norm.cpp, decode_attention.cpp, rotary.cpp,
-silu_mul.cpp), all of a small decode batch's decoder layers as one call (decode_stack.cpp), and, in
-the avx512bf16 build only, a bf16 prompt chunk's causal attention (prefill_attention.cpp) and the
-bf16 product over a weight packed as pairs (bf16_gemm.cpp).
+silu_mul.cpp), greedy decoding's argmax over the vocabulary (argmax.cpp), all of a small decode
+batch's decoder layers as one call (decode_stack.cpp), and, in the avx512bf16 build only, a bf16
+prompt chunk's causal attention (prefill_attention.cpp) and the bf16 product over a weight packed as
+pairs (bf16_gemm.cpp).
 
 `kernels()` loads the best build this CPU runs ("avx512bf16": the AVX2 code with AVX-512's registers
 plus the AVX512-BF16 ops; else "avx2": AVX2 + FMA + F16C intrinsics; else "scalar": plain C++),
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.model.kernels.bf16_choice import Bf16Gemm, Bf16GemmOp, choose_bf16_gemm
 from engine.model.kernels.build import Variant, cpu_flags, library, runnable, variant_named
 
 if TYPE_CHECKING:
@@ -73,6 +75,11 @@ class Kernels:
         dtype (bf16 rounded where torch's bf16 ops round)."""
         return self._ops.silu_mul(gate_up)
 
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax of fp32 logits [B, V] (columns contiguous): int64 [B], the first of equal
+        maxima and the first NaN where a row has one, as torch.argmax picks."""
+        return self._ops.argmax_rows(logits)
+
     def decode_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
@@ -94,7 +101,7 @@ class Kernels:
         return self._ops.prefill_attention
 
     @property
-    def bf16_gemm(self) -> Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None, bool], torch.Tensor] | None:
+    def bf16_gemm(self) -> Bf16GemmOp | None:
         """The bf16 product, `op(x, packed, n, bias, fp32_out)`: bf16 x [M, K] (K even, contiguous) times
         a weight packed by `pack_bf16_pairs`, plus fp32 bias [n] or None: [M, n] in fp32 if fp32_out,
         else bf16 (bf16_gemm.cpp). None where this build has no such op (only the avx512bf16 build
@@ -102,6 +109,20 @@ class Kernels:
         if "amx_bf16" in cpu_flags() or not hasattr(self._ops, "bf16_gemm"):
             return None
         return self._ops.bf16_gemm
+
+    @property
+    def bf16_gemm_fma(self) -> Bf16GemmOp | None:
+        """The same product as `bf16_gemm`, over the same packed weight, through fp32 FMAs (bf16_gemm.cpp);
+        None where `bf16_gemm` is None."""
+        return None if self.bf16_gemm is None else self._ops.bf16_gemm_fma
+
+    @functools.cached_property
+    def bf16_products(self) -> Bf16Gemm | None:
+        """The faster of the two bf16 GEMMs on this CPU, timed on first use (engine.model.kernels.bf16_choice);
+        None where this build has neither."""
+        if self.bf16_gemm is None or self.bf16_gemm_fma is None:
+            return None
+        return choose_bf16_gemm(self.bf16_gemm, self.bf16_gemm_fma, pack_bf16_pairs)
 
     def decode_stack(self, heads: int, kv_heads: int, head_dim: int, eps: float, scale: float) -> torch.ScriptObject:
         """An empty DecodeStack (decode_stack.cpp) for layers of these shapes, to fill layer by layer:

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in ("qmatmul.cpp", "rms_norm.cpp", "decode_attention.cpp", "rotary.cpp",
                                           "silu_mul.cpp", "fp16_pieces.cpp", "decode_stack.cpp",
-                                          "prefill_attention.cpp", "bf16_gemm.cpp"))
+                                          "prefill_attention.cpp", "bf16_gemm.cpp", "argmax.cpp"))
 HEADERS = (_HERE / "qmatmul_core.h", _HERE / "exp8.h", _HERE / "ops.h")
 BUILD_ROOT_ENV = "TANDEM_KERNELS_DIR"
 _LIBRARY = "qmatmul.so"
