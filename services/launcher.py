@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -57,7 +57,7 @@ class ServerProcess:
 
     def __init__(self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
                  cwd: str | os.PathLike[str] | None = None, stderr: IO[str] | IO[bytes] | None = None,
-                 on_line: Callable[[str], None] | None = None, cpu: int | None = None) -> None:
+                 on_line: Callable[[str], None] | None = None, cpus: Collection[int] | None = None) -> None:
         self.name = name
         self.ready: ReadyLine | None = None
         self._on_line = on_line
@@ -65,8 +65,8 @@ class ServerProcess:
         self.proc = subprocess.Popen(list(argv), cwd=cwd, env=None if env is None else dict(env),
                                      stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1,
                                      process_group=0)
-        if cpu is not None:
-            os.sched_setaffinity(self.proc.pid, {cpu})
+        if cpus is not None:
+            os.sched_setaffinity(self.proc.pid, set(cpus))
         threading.Thread(target=self._read_stdout, name=f"{name}-stdout", daemon=True).start()
 
     def _read_stdout(self) -> None:

