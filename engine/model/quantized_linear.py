@@ -233,7 +233,7 @@ class QuantizedLinear:
         """Make the bf16 copies that inputs of BF16_MIN_ROWS rows and more go through (once): the pairs
         of the kernels' bf16 GEMM where it runs, and oneDNN's (or a plain) copy for the row counts it
         leaves to torch."""
-        if self._bf16 is None and self._pairs is None:
+        if not self.holds_bf16_copy:
             dense = self.dequantize().to(torch.bfloat16)
             gemm = self._ops.bf16_products
             if gemm is not None and dense.shape[1] % 2 == 0:

@@ -120,9 +120,8 @@ class Kernels:
     def bf16_products(self) -> Bf16Gemm | None:
         """The faster of the two bf16 GEMMs on this CPU, timed on first use (engine.model.kernels.bf16_choice);
         None where this build has neither."""
-        if self.bf16_gemm is None or self.bf16_gemm_fma is None:
-            return None
-        return choose_bf16_gemm(self.bf16_gemm, self.bf16_gemm_fma, pack_bf16_pairs)
+        fma = self.bf16_gemm_fma  # None exactly where bf16_gemm is
+        return None if fma is None else choose_bf16_gemm(self.bf16_gemm, fma, pack_bf16_pairs)
 
     def decode_stack(self, heads: int, kv_heads: int, head_dim: int, eps: float, scale: float) -> torch.ScriptObject:
         """An empty DecodeStack (decode_stack.cpp) for layers of these shapes, to fill layer by layer:
