@@ -61,7 +61,8 @@ def test_silu_mul_matches_torch_within_a_few_ulp(variant):
     # The AVX2 build's exp is a polynomial a few ulp from expf (exp8.h), the scalar one std::exp;
     # 1e-6 relative is above that and far below a wrong sign or half swapped (1e-1 and more).
     gen = torch.Generator().manual_seed(3)
-    gate_up = torch.randn(4, 2 * 1536 + 6, generator=gen) * 4  # rows of a width that leaves an 8-lane tail
+    # Halves of 1,547: sixteen lanes to 1,536 (AVX-512), eight to 1,544, then three alone.
+    gate_up = torch.randn(4, 2 * 1547, generator=gen) * 4
     gate_up[0, :12] = torch.tensor([-200.0, -100.0, -88.5, -87.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.5, 100.0, 200.0])
     got = kernels(variant).silu_mul(gate_up)
     torch.testing.assert_close(got, silu_mul(gate_up), rtol=1e-6, atol=1e-30)
@@ -69,6 +70,21 @@ def test_silu_mul_matches_torch_within_a_few_ulp(variant):
     wide = torch.zeros(4, 2 * gate_up.shape[1] + 8)
     wide[:, : gate_up.shape[1]] = gate_up
     assert torch.equal(kernels(variant).silu_mul(wide[:, : gate_up.shape[1]]), got)  # rows of a wider tensor
+
+
+@pytest.mark.skipif(not {"avx512bf16", "avx2"} <= set(VARIANTS), reason="needs a CPU with AVX512-BF16 and AVX2")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sixteen_lanes_gate_bit_for_bit_as_eight(dtype):
+    # exp16 is exp8's arithmetic on sixteen lanes (exp8.h): the AVX-512 build's SwiGLU must equal the
+    # AVX2 build's, specials and the clamped range included.
+    gen = torch.Generator().manual_seed(4)
+    gate_up = torch.randn(5, 2 * 1547, generator=gen) * 30
+    gate_up[0, :8] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 88.4, -88.4, 1e-38, -1e-38])
+    gate_up = gate_up.to(dtype)
+    got = kernels("avx512bf16").silu_mul(gate_up)
+    want = kernels("avx2").silu_mul(gate_up)
+    assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

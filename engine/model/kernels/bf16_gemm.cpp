@@ -37,6 +37,7 @@
 #include <cstring>
 #include <optional>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -51,8 +52,10 @@ struct Output {
   bool fp32;
   int64_t n;
   const float* bias;
+  int64_t first_row = 0;  // y's row that the tiles' row 0 is
 
-  void store(int64_t row, int64_t col, __m512 v) const {
+  void store(int64_t tile_row, int64_t col, __m512 v) const {
+    const int64_t row = first_row + tile_row;
     const int64_t valid = std::min<int64_t>(16, n - col);
     const __mmask16 mask = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
     if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + col));
@@ -152,16 +155,20 @@ const TileTable<float> kFmaTiles = {fma_tiles_of<1>(std::make_integer_sequence<i
 // Row blocks whose x stays in L2 while every column group passes over it; in a block, column groups
 // of kPanels panels spread over the threads, and in each group the block's row tiles in turn. Without
 // them a 2,048-row prompt's x (4.7 MB in fp32 at K = 576) is read from L3 once per group; with them
-// the FMA GEMM at 2,048 rows measured 118-161 against 115-147 GFLOP/s (Intel Xeon, one thread, noisy),
-// and a step of four 512-token prompts in the engine did not measurably change.
-template <typename T>
-void run_tiles(const TileTable<T>& tiles, const T* xs, int64_t m, int64_t k, const uint16_t* ws, int64_t panels,
-               const Output& out) {
+// the FMA GEMM at 2,048 rows measured 118-161 against 115-147 GFLOP/s (Intel Xeon, one thread, noisy).
+// `block_x(first_row, rows)` gives the block's rows of x in the tiles' type: the bf16 rows themselves,
+// or for the FMA tiles the rows widened to fp32 in a buffer that stays in L2. Widening the whole of x
+// up front instead wrote and read back 4-13 MB per product, 5% of a 2,048-token step.
+template <typename T, typename BlockX>
+void run_tiles(const TileTable<T>& tiles, int64_t m, int64_t k, const uint16_t* ws, int64_t panels, Output out,
+               BlockX block_x) {
   const int64_t panel_bytes = k * 16 * static_cast<int64_t>(sizeof(uint16_t));
   const int64_t groups = (panels + kPanels - 1) / kPanels;
   const int64_t block_rows = std::max<int64_t>(kRows, kBlockBytes / (k * int64_t{sizeof(T)}) / kRows * kRows);
   for (int64_t first_row = 0; first_row < m; first_row += block_rows) {
     const int64_t rows_here = std::min(block_rows, m - first_row), row_tiles = (rows_here + kRows - 1) / kRows;
+    const T* xs = block_x(first_row, rows_here);
+    out.first_row = first_row;
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
         const int64_t first = g * kPanels, count = std::min(kPanels, panels - first);
@@ -170,13 +177,24 @@ void run_tiles(const TileTable<T>& tiles, const T* xs, int64_t m, int64_t k, con
         const char* ahead = reinterpret_cast<const char*>(ws) + next * panel_bytes;
         const int64_t total = next_count * panel_bytes / kLine, share = (total + row_tiles - 1) / row_tiles;
         for (int64_t t = 0; t < row_tiles; ++t) {
-          const int64_t m0 = first_row + t * kRows, rows = std::min(kRows, m - m0);
+          const int64_t m0 = t * kRows, rows = std::min(kRows, rows_here - m0);
           const int64_t from = std::min(total, t * share), lines = std::min(share, total - from);
           tiles[count - 1][rows - 1](xs, k, m0, ws, first, out, ahead + from * kLine, lines);
         }
       }
     });
   }
+}
+
+// rows of bf16 x [rows, k] (k even) as fp32 into `to`: each value's bits shifted into the high half.
+void widen_rows(const uint16_t* x, int64_t rows, int64_t k, float* to) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * k, last = end * k; i < last; i += 16) {
+      const __mmask16 mask = last - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (last - i)) - 1);
+      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x + i));
+      _mm512_mask_storeu_ps(to + i, mask, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
+  });
 }
 
 // The checks both ops make; returns y (empty rows unfilled) and the Output that writes it.
@@ -213,10 +231,10 @@ namespace TANDEM_OPS {
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias,
                      bool fp32_out) {
   auto [y, out] = prepare(x, packed, n, bias, fp32_out);
-  if (x.size(0) > 0) {
-    const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    run_tiles(kTiles, xs, x.size(0), x.size(1), weights(packed), packed.size(0), out);
-  }
+  const int64_t k = x.size(1);
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  run_tiles(kTiles, x.size(0), k, weights(packed), packed.size(0), out,
+            [&](int64_t first_row, int64_t) { return xs + first_row * k; });
   return y;
 }
 
@@ -224,10 +242,14 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, c
 at::Tensor bf16_gemm_fma(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                          const std::optional<at::Tensor>& bias, bool fp32_out) {
   auto [y, out] = prepare(x, packed, n, bias, fp32_out);
-  if (x.size(0) > 0) {
-    const at::Tensor wide = x.to(at::kFloat);
-    run_tiles(kFmaTiles, wide.data_ptr<float>(), x.size(0), x.size(1), weights(packed), packed.size(0), out);
-  }
+  const int64_t k = x.size(1);
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  std::vector<float> wide;
+  run_tiles(kFmaTiles, x.size(0), k, weights(packed), packed.size(0), out, [&](int64_t first_row, int64_t rows) {
+    wide.resize(rows * k);
+    widen_rows(xs + first_row * k, rows, k, wide.data());
+    return static_cast<const float*>(wide.data());
+  });
   return y;
 }
 

@@ -99,17 +99,24 @@ void tile_scores(const uint16_t* const q[kTileRows], const uint32_t* kp, int64_t
 }
 
 // p[0:keys] = bf16(exp(s[j] − max)) for j < visible, 0 beyond; returns Σ exp over the visible keys (fp32).
+// Sixteen lanes at a time (exp16), then eight (exp8): the exponentials took 1.8 of a 512-token
+// layer's 6 ms on eight lanes alone (one thread, Intel Xeon).
 float row_softmax(const float* s, int64_t visible, int64_t keys, uint16_t* p) {
-  __m256 tops = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 tops16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t m = 0;
-  for (; m + 8 <= visible; m += 8) tops = _mm256_max_ps(tops, _mm256_loadu_ps(s + m));
-  alignas(32) float lanes8[8];
-  _mm256_store_ps(lanes8, tops);
-  float top = *std::max_element(lanes8, lanes8 + 8);
+  for (; m + 16 <= visible; m += 16) tops16 = _mm512_max_ps(tops16, _mm512_loadu_ps(s + m));
+  float top = _mm512_reduce_max_ps(tops16);
   for (; m < visible; ++m) top = std::max(top, s[m]);
-  const __m256 shift = _mm256_set1_ps(top);
-  __m256 lanes = _mm256_setzero_ps();
+  const __m512 shift16 = _mm512_set1_ps(top);
+  __m512 lanes16 = _mm512_setzero_ps();
   int64_t j = 0;
+  for (; j + 16 <= visible; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), shift16));
+    lanes16 = _mm512_add_ps(lanes16, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 lanes = _mm256_add_ps(_mm512_castps512_ps256(lanes16), _mm512_extractf32x8_ps(lanes16, 1));
   for (; j + 8 <= visible; j += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift));
     lanes = _mm256_add_ps(lanes, e);
