@@ -1,13 +1,21 @@
 """The gateway's Prometheus metrics: vLLM's families as its clients see their requests, plus routing,
 rejections and SLO attainment.
 
+`tandem:worker_routable` is read from the registry at each scrape (`watch_workers`): 1 for a
+worker the router may send requests to, 0 for one it knows but skips (health not SERVING, or no load
+report yet, as while a link between them is down and after, until the channel reconnects).
+
 `GatewayMetrics.registry` is self-contained: the gRPC gateway serves it on `--metrics-port`, and an
 HTTP front end can mount the same registry at `/metrics` (`prometheus_client.make_asgi_app`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from services.observability.metrics import MODEL, RequestMetrics, per_model
 
@@ -32,6 +40,11 @@ class GatewayMetrics(RequestMetrics):
         self._slo = Counter("tandem:slo_requests", "Requests that set a latency objective, by whether it was met.",
                             per_model(["objective", "attained"]), registry=self.registry)
 
+    def watch_workers(self, workers: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
+        """Export `tandem:worker_routable` from `workers()`: (role, address, routable) of each worker
+        the gateway knows, read at every scrape."""
+        self.registry.register(_WorkerStates(self.model_name, workers))
+
     def routed(self, pool: str, worker: str) -> None:
         """Count a request sent to `worker` of `pool` ("prefill" or "decode")."""
         self._routed.labels(self.model_name, pool, worker).inc()
@@ -47,3 +60,19 @@ class GatewayMetrics(RequestMetrics):
     def slo(self, objective: str, attained: bool) -> None:
         """Count a request's latency objective ("ttft" or "tpot") as met or missed."""
         self._slo.labels(self.model_name, objective, "true" if attained else "false").inc()
+
+
+class _WorkerStates(Collector):
+    """`tandem:worker_routable`, one sample a worker, as the registry sees them when scraped."""
+
+    def __init__(self, model_name: str, workers: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
+        self._model_name = model_name
+        self._workers = workers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("tandem:worker_routable",
+                                   "1 while the gateway routes to the worker (health SERVING, load reports "
+                                   "arriving), else 0.", labels=per_model(["role", "worker"]))
+        for role, address, routable in self._workers():
+            family.add_metric([self._model_name, role, address], 1.0 if routable else 0.0)
+        yield family

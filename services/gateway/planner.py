@@ -65,8 +65,8 @@ class Planner:
         now = self._clock()
         workers = self._registry.workers
         arrival = self._arrival_rate(now, [w for w in workers if w.role == "prefill"])
-        prefill = [w.report for w in workers if w.role == "prefill" and w.serving and w.report is not None]
-        decode = [w.report for w in workers if w.role == "decode" and w.serving and w.report is not None]
+        prefill = [w.report for w in workers if w.role == "prefill" and w.routable]
+        decode = [w.report for w in workers if w.role == "decode" and w.routable]
         self.recommended = {
             "prefill": prefill_replicas(prefill_demand(arrival, prefill), self.config) if prefill else None,
             "decode": decode_replicas(decode_demand(decode), self.config) if decode else None,

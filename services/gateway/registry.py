@@ -168,7 +168,7 @@ class WorkerRegistry:
         """Whether a serving, reporting decode-capable worker exists, and a prefill worker where
         the decode-capable ones cannot prefill themselves."""
         def up(roles: tuple[str, ...]) -> bool:
-            return any(w.serving and w.report is not None for w in self._workers.values() if w.role in roles)
+            return any(w.routable for w in self._workers.values() if w.role in roles)
 
         return up(("colocated",)) or (up(("decode",)) and up(("prefill",)))
 

@@ -67,6 +67,11 @@ class RemoteWorker:
         self._tasks: list[asyncio.Task] = []
 
     @property
+    def routable(self) -> bool:
+        """Whether the router may send it requests: its health is SERVING and its load reports arrive."""
+        return self.serving and self.report is not None
+
+    @property
     def in_flight(self) -> int:
         """Requests this gateway is streaming from it."""
         return len(self.decoding)

@@ -282,5 +282,9 @@ def test_metrics_count_a_request(mesh):
     assert not any(name == "tandem:kv_reserved_requests" for name, _ in prefill)
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
         assert gateway[(gauge, frozenset({"model_name": MODEL}.items()))] == 0, gauge
+    # Both workers routable, each under its role.
+    for role in ("prefill", "decode"):
+        labels = frozenset({"model_name": MODEL, "role": role, "worker": mesh[role].address}.items())
+        assert gateway[("tandem:worker_routable", labels)] == 1, role
     # No NVML on this machine: no GPU metrics at all.
     assert not any(name.startswith("tandem:gpu_") for name, _ in (*prefill, *decode))

@@ -94,3 +94,17 @@ def test_a_refused_request_leaves_the_gauges_and_marks_the_span():
     assert _value(metrics, "tandem:request_rejections_total", code="UNAVAILABLE") == 1
     [span] = exporter.get_finished_spans()
     assert not span.status.is_ok and span.attributes["error.type"] == "UNAVAILABLE"
+
+
+def test_worker_routable_is_read_from_the_workers_at_each_scrape():
+    metrics = GatewayMetrics("m")
+    workers = [("prefill", "10.0.0.1:1", True), ("decode", "10.0.0.2:1", False)]
+    metrics.watch_workers(lambda: list(workers))
+    assert _value(metrics, "tandem:worker_routable", role="prefill", worker="10.0.0.1:1") == 1
+    assert metrics.registry.get_sample_value(
+        "tandem:worker_routable", {"model_name": "m", "role": "decode", "worker": "10.0.0.2:1"}) == 0
+    workers[1] = ("decode", "10.0.0.2:1", True)  # its link came back
+    workers.pop(0)  # a worker the gateway forgot is no longer exported
+    assert _value(metrics, "tandem:worker_routable", role="decode", worker="10.0.0.2:1") == 1
+    assert metrics.registry.get_sample_value(
+        "tandem:worker_routable", {"model_name": "m", "role": "prefill", "worker": "10.0.0.1:1"}) is None
