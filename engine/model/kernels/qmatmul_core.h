@@ -70,6 +70,14 @@ inline void unpack4(const uint8_t* p, int64_t half, bool full, Vec w[4]) {
   for (int j = 0; j < 4; ++j) w[j].v = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF << (4 * j))));
 }
 
+#if defined(__AVX512F__)
+// Sixteen bf16 values (raw bits) widened to fp32: exact, as `load` widens eight.
+inline __m512 widen16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
 inline void unpack8(const int8_t* p, Vec w[4]) {
   for (int s = 0; s < 4; ++s) {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * s));

@@ -2,9 +2,10 @@
 // torch computes F.silu(gate) * up: fl(fl(g / fl(1 + exp(−g))) · u). One op instead of a chunk, a
 // silu and a multiply a layer. The AVX2 build computes exp eight lanes at a time (exp8.h), the
 // AVX-512 build sixteen (the same arithmetic lane for lane: a 2,048-token step's 30 calls took 170 ms
-// of 4.7 s on eight lanes, one thread of an Intel Xeon), the scalar build with std::exp. Rows are independent. bf16 rows round where torch's bf16 ops round:
-// fl16(fl16(silu(g)) · u), silu computed in fp32 (so within an ulp of torch's exp, the bf16
-// results are equal but for the rare value on a rounding boundary).
+// of 4.7 s on eight lanes, one thread of an Intel Xeon), the scalar build with std::exp. Rows are
+// independent. bf16 rows round where torch's bf16 ops round: fl16(fl16(silu(g)) · u), silu computed in
+// fp32 (so within an ulp of torch's exp, the bf16 results are equal but for the rare value on a
+// rounding boundary).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,11 +25,6 @@ using namespace tandem_qmm;
 #if defined(__AVX512F__)
 inline __m512 silu16(__m512 g) {
   return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-}
-
-inline __m512 widen16(const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
 // Each lane rounded to bf16 as c10::BFloat16 rounds (as bf16_bits in qmatmul_core.h), in the low half.
@@ -57,7 +53,8 @@ void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
   for (; j < n; ++j) out[j] = (gate[j] / (1.f + std::exp(-gate[j]))) * up[j];
 }
 
-// Widened eight lanes at a time, silu in fp32 rounded to bf16, its product with up rounded again.
+// Widened sixteen or eight lanes at a time, silu in fp32 rounded to bf16, its product with up rounded
+// again.
 void silu_mul_row(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out, int64_t n) {
   int64_t j = 0;
 #if TANDEM_SIMD
