@@ -280,16 +280,19 @@ def test_sigterm_refuses_new_rpcs_lets_the_running_stream_finish_then_exits_zero
         call = stub.Generate(_request(prompts[0], prefill, params), timeout=120)
         chunks = [next(call)]
         decode.proc.terminate()
-        # New calls are refused; one that raced the start of the drain may end CANCELLED instead.
+        # New calls are refused. One that raced the start of the drain may end CANCELLED instead, or
+        # go unanswered until its deadline: gRPC core drops a call that reached it as shutdown began
+        # (grpc/grpc#10418; seen once in CI), hence the short deadline.
+        raced = {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
         codes = []
         deadline = time.monotonic() + DEADLINE_S
         while grpc.StatusCode.UNAVAILABLE not in codes and time.monotonic() < deadline:
             try:
-                stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10)
+                stub.GetLoad(common_pb2.GetLoadRequest(), timeout=2)
             except grpc.RpcError as error:
                 codes.append(error.code())
             time.sleep(0.01)
-        assert codes[-1:] == [grpc.StatusCode.UNAVAILABLE] and set(codes[:-1]) <= {grpc.StatusCode.CANCELLED}
+        assert codes[-1:] == [grpc.StatusCode.UNAVAILABLE] and set(codes[:-1]) <= raced
         chunks += list(call)
         assert decode.proc.wait(60) == 0, decode.log_tail()
     finally:
