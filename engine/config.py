@@ -19,6 +19,10 @@ CpuWeightsOption = Literal["auto", "fp16", "fp32", "plain"]
 # else none; "auto" KV cache dtype: the model's dtype.
 Quantization = Literal["auto", "none", "gguf", "int8", "gptq", "awq"]
 KVCacheDType = Literal["auto", "fp8", "fp8_e4m3", "int8"]
+# Tandem's own: whether the products of integer-group weights quantize their activations to int8
+# (engine.model.int8_activations): "int8" one byte per activation, "int16" 15 bits as two int8 parts;
+# "auto" int8 where a CPU's kernels multiply int8 faster than bf16.
+ActivationQuantization = Literal["auto", "none", "int8", "int16"]
 
 
 def _require(cond: bool, field_name: str, message: str) -> None:
@@ -154,6 +158,7 @@ class EngineConfig:
     cpu_weights: CpuWeightsOption = "auto"
     quantization: Quantization = "auto"  # weight-only: activations stay in `dtype`
     kv_cache_dtype: KVCacheDType = "auto"
+    activation_quantization: ActivationQuantization = "auto"
 
     def __post_init__(self) -> None:
         _require(self.role in ("colocated", "prefill", "decode"), "role", f"unknown role {self.role!r}")
@@ -169,6 +174,9 @@ class EngineConfig:
                  f"unknown format {self.cpu_weights!r} (choose from {', '.join(get_args(CpuWeightsOption))})")
         _require(self.quantization in get_args(Quantization), "quantization",
                  f"unknown method {self.quantization!r} (choose from {', '.join(get_args(Quantization))})")
+        _require(self.activation_quantization in get_args(ActivationQuantization), "activation_quantization",
+                 f"unknown format {self.activation_quantization!r} "
+                 f"(choose from {', '.join(get_args(ActivationQuantization))})")
         _require(self.kv_cache_dtype in get_args(KVCacheDType), "kv_cache_dtype",
                  f"unknown dtype {self.kv_cache_dtype!r} (choose from {', '.join(get_args(KVCacheDType))})")
         if self.max_model_len is not None:

@@ -24,6 +24,7 @@ from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
 from engine.kv_cache.codec import kv_format
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_export import KVExport, KVExports
+from engine.model.int8_activations import PARTS
 from engine.model.kernels import cpu_kernels
 from engine.model.loader import ModelFiles, build_model, load_model_files
 from engine.model.quant_config import check_requested
@@ -89,10 +90,12 @@ class Engine:
                                  files.config.max_position_embeddings)
         block_size = config.cache.block_size
         block_bytes = bytes_per_block(files.config, block_size, self.kv_format)  # checks the format fits the model
-        model = build_model(files, attention, self.device, quantization, self.formats.cpu_weights, dtype)
+        model = build_model(files, attention, self.device, quantization, self.formats.cpu_weights, dtype,
+                            PARTS.get(self.formats.activation_quantization, 0))
         num_blocks = config.cache.num_blocks or max(1, (config.cache.memory_bytes or 0) // block_bytes)
         # The weight format is part of the model: KV computed with other weights is neither reused nor accepted.
-        self.fingerprint = hashlib.sha256(f"{files.config!r}|{dtype}|{quantization}".encode()).digest()
+        weights = f"{dtype}|{quantization}|{self.formats.activation_quantization}"
+        self.fingerprint = hashlib.sha256(f"{files.config!r}|{weights}".encode()).digest()
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint)
         eos = set(self.tokenizer.eos_token_ids) | set(files.config.eos_token_ids)
         self.scheduler = Scheduler(

@@ -8,6 +8,11 @@ AVX512-BF16), else float32. `--cpu-weights auto` then holds float32 weights at f
 decode product when float32 came from `auto` (today's default on such a CPU) and exact when
 `--dtype float32` was asked for, so `--dtype float32 --quantization none` means exact fp32 weights
 and arithmetic.
+
+`--activation-quantization auto` quantizes the inputs of integer-group products to int8 blocks
+(engine.model.int8_activations) where that is the fast path: bfloat16 on a CPU whose kernels build
+has the VNNI GEMM (avx512_bf16 and avx512_vnni) and no AMX (whose bf16 tiles are faster still).
+Elsewhere, and for float weights, activations stay in the dtype.
 """
 
 from __future__ import annotations
@@ -41,13 +46,15 @@ class EngineFormats:
     quantization: str  # the weight format: "none" (weights in `dtype`), or a quantized format
     cpu_weights: CpuWeights  # how float32 products on CPU hold their weights; "plain" everywhere else
     kv_cache_dtype: str  # the KV cache's element dtype ("auto" resolved to `dtype`)
+    activation_quantization: str = "none"  # "int8"/"int16": integer-group products quantize their inputs
     warning: str | None = None  # a format the hardware only emulates
 
     def describe(self) -> str:
         """The start-up line: hardware, dtype and why, weight format, KV cache dtype."""
         held = _CPU_WEIGHTS.get(self.cpu_weights, f"one {self.dtype} copy")
         return (f"{self.hardware}: dtype={self.dtype} ({self.dtype_reason}), quantization={self.quantization}, "
-                f"cpu_weights={self.cpu_weights} ({held}), kv_cache_dtype={self.kv_cache_dtype}")
+                f"cpu_weights={self.cpu_weights} ({held}), kv_cache_dtype={self.kv_cache_dtype}, "
+                f"activation_quantization={self.activation_quantization}")
 
 
 def resolve_formats(config: EngineConfig, hardware: Hardware, quantization: str) -> EngineFormats:
@@ -62,8 +69,26 @@ def resolve_formats(config: EngineConfig, hardware: Hardware, quantization: str)
         quantization=quantization,
         cpu_weights=_cpu_weights(config, choice, hardware),
         kv_cache_dtype=kv_format(config.kv_cache_dtype, choice.dtype).name,
+        activation_quantization=_activation_quantization(config, choice, hardware, quantization),
         warning=choice.warning,
     )
+
+
+def _activation_quantization(config: EngineConfig, choice: DTypeChoice, hardware: Hardware, quantization: str) -> str:
+    asked = config.activation_quantization
+    if asked == "none":
+        return "none"
+    cpu = isinstance(hardware, CpuFeatures)
+    vnni = cpu and hardware.has_avx512_vnni and hardware.has_avx512_bf16 and not hardware.has_amx_bf16
+    if asked == "auto":
+        return "int8" if vnni and choice.dtype == "bfloat16" and quantization != "none" else "none"
+    if quantization == "none":
+        raise ValueError(f"activation_quantization: {asked!r} applies to integer-group weights; --quantization none "
+                         "serves float weights (supported here: auto, none)")
+    if not vnni:
+        raise ValueError(f"activation_quantization: {asked!r} needs a CPU with avx512_bf16 and avx512_vnni and "
+                         f"without amx_bf16; this is {hardware.describe()} (supported here: auto, none)")
+    return asked
 
 
 def choose_dtype(asked: DTypeOption, hardware: Hardware) -> DTypeChoice:

@@ -16,7 +16,7 @@ import torch
 
 CPUINFO = "/proc/cpuinfo"
 # The flags any choice here reads, in the order the start-up line lists them.
-SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16")
 # bf16 before compute capability 8.0 (Ampere) has no tensor-core path.
 GPU_BF16_CAPABILITY = (8, 0)
 
@@ -49,6 +49,7 @@ class CpuFeatures:
     has_avx512f = _flag("avx512f")
     has_avx512_bf16 = _flag("avx512_bf16")
     has_avx512_fp16 = _flag("avx512_fp16")
+    has_avx512_vnni = _flag("avx512_vnni")
     has_amx_bf16 = _flag("amx_bf16")
 
     @property

@@ -78,18 +78,19 @@ def load_model_files(path: str | None, dtype: torch.dtype, quantization: str = "
 
 def build_model(files: ModelFiles, attention: AttentionBackend, device: str | torch.device,
                 quantization: str = "none", cpu_weights: CpuWeights = "plain",
-                dtype: torch.dtype | None = None) -> LlamaForCausalLM:
+                dtype: torch.dtype | None = None, int8_parts: int = 0) -> LlamaForCausalLM:
     """The model on `device`, in `dtype` (None: the files' own; tests share one fp32 load), its
     products built in the given weight format (engine.model.weight_formats) with dense weights
-    prepared as `cpu_weights` says. Serving a checkpoint's own integer groups, a warning names every
-    tensor no kernel takes on this device (served dequantized). On CPU in fp32 and bf16 RMSNorm, the
-    rotary embedding and SwiGLU's gating are the CPU kernels' ops where they build, and small decode
-    batches run as one call (engine.model.decode_stack)."""
+    prepared as `cpu_weights` says and, with `int8_parts`, integer-group products quantizing their
+    inputs to that many int8 parts (engine.model.int8_activations). Serving a checkpoint's own integer
+    groups, a warning names every tensor no kernel takes on this device (served dequantized). On CPU in
+    fp32 and bf16 RMSNorm, the rotary embedding and SwiGLU's gating are the CPU kernels' ops where they
+    build, and small decode batches run as one call (engine.model.decode_stack)."""
     dtype = dtype or files.dtype
     with torch.device(device):
         model = LlamaForCausalLM(files.config, attention)
     model.to(dtype=dtype)
-    formats = WeightFormat(quantization, dtype, device, cpu_weights)
+    formats = WeightFormat(quantization, dtype, device, cpu_weights, int8_parts)
     model.load_weights(files.weights, formats)
     ops = cpu_kernels(device) if dtype in KERNEL_DTYPES else None
     if ops is not None:  # one op for each instead of torch's three to eight (121 in a batch-1 step)

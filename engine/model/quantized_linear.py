@@ -58,6 +58,11 @@ accumulators', not a bf16 rounding widened. One thread of an Intel Xeon with AMX
 19.3 against 22.2, 4 rows 22.9 against 21.3, 8 rows 43.0 against 21.9; packing took the gate/up
 product at 32 rows from 0.35 to 0.23 ms and at 512 rows from 1.6 to 1.4 ms.
 
+With `int8_parts` (`--activation-quantization int8|int16`, the default in bf16 on a CPU with
+AVX512-VNNI and no AMX) inputs of BF16_MIN_ROWS rows and more instead quantize to int8 blocks and
+go through the kernels' int8 GEMM over a byte copy of the values (engine.model.int8_activations); no
+bf16 copy is made then.
+
 `QuantizedEmbedding` dequantizes just the rows a step looks up, with dequantize()'s arithmetic.
 """
 
@@ -69,6 +74,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import linear
+from engine.model.int8_activations import Int8Product
 from engine.model.kernels import Kernels, kernels, pack_bf16_pairs
 from engine.model.quantized import QuantizedWeight
 
@@ -169,13 +175,17 @@ class QuantizedLinear:
     """y = x·Wᵀ (+ b) over a packed QuantizedWeight: the kernel for small inputs, GEMM for large."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, ops: Kernels | None = None,
-                 fp16_copy: bool = False) -> None:
+                 fp16_copy: bool = False, int8_parts: int = 0) -> None:
+        """`int8_parts` 1 or 2: inputs of BF16_MIN_ROWS rows and more are quantized to that many int8
+        parts per activation and multiplied through the kernels' int8 GEMM (engine.model.int8_activations),
+        in any dtype; ValueError where this build has no such GEMM or the weight's groups do not fit it."""
         self.source = weight
         self.weight = PackedWeight.pack(weight)
         self.bias = bias
         self.fp16_copy = fp16_copy
         self.bias32 = None if bias is None else bias.float().contiguous()  # the kernels' bias
         self._ops = kernels() if ops is None else ops
+        self.int8 = Int8Product(weight, self.bias32, self._ops, int8_parts) if int8_parts else None
         self._fp16: list[torch.Tensor] | None = None  # fbgemm-packed pieces of the fp16 copy, made on first use
         self._fp16_rows: list[int] = []
         self._bf16: torch.Tensor | None = None  # the dequantized weight in bf16 (packed), made by make_bf16_copy
@@ -199,6 +209,8 @@ class QuantizedLinear:
         rows = x.shape[0]
         if rows < self.kernel_rows(x.dtype):
             return self._ops.matmul(x.float().contiguous(), w, self.bias32).to(out)
+        if self.int8 is not None:
+            return self.int8(x, out == torch.float32).to(out)
         if self.fp16_copy and x.dtype == torch.float32 and rows < linear.FP16_MAX_ROWS:
             y = self._fp16_product(x.contiguous())
         elif x.dtype == torch.bfloat16:
@@ -209,8 +221,8 @@ class QuantizedLinear:
 
     def kernel_rows(self, dtype: torch.dtype) -> int:
         """Inputs in `dtype` of fewer rows than this go through the kernel; larger ones through
-        the fp16 copy, the bf16 copy or a GEMM."""
-        if dtype == torch.bfloat16:
+        the int8 GEMM, the fp16 copy, the bf16 copy or a GEMM."""
+        if dtype == torch.bfloat16 or self.int8 is not None:
             return BF16_MIN_ROWS
         return FP16_MIN_ROWS if self.fp16_copy and dtype == torch.float32 else DENSE_MIN_ROWS
 

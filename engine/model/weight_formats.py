@@ -29,6 +29,7 @@ import torch
 
 from engine.config import CpuWeights
 from engine.model.int8 import quantize_int8
+from engine.model.int8_activations import packable
 from engine.model.linear import Linear, has_fp16_product
 from engine.model.quantized import QuantizedWeight
 from engine.model.quantized_linear import DenseEmbedding, QuantizedEmbedding, QuantizedLinear, has_kernel
@@ -99,13 +100,14 @@ class WeightFormat:
     """Builds the products and embeddings of one model in one format (see the module docstring)."""
 
     def __init__(self, quantization: str, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 cpu_weights: CpuWeights = "plain") -> None:
+                 cpu_weights: CpuWeights = "plain", int8_parts: int = 0) -> None:
         if quantization not in SERVED:
             raise ValueError(f"quantization: {quantization!r} is not one of {', '.join(SERVED)}")
         self.quantization = quantization
         self.dtype = dtype
         self.device = torch.device(device)
         self.cpu_weights = cpu_weights
+        self.int8_parts = int8_parts  # integer-group products' int8 parts per activation (0: none)
         self.dequantized: list[str] = []  # tensors whose integer groups no kernel takes here, served dense
 
     def product(self, parts: Sequence[tuple[str, Weight]], bias: torch.Tensor | None = None) -> Product:
@@ -166,8 +168,9 @@ class WeightFormat:
     def _quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantizedLinear:
         # Larger inputs take fbgemm's fp16 product where float32 weights would be held at fp16.
         fp16_copy = self.cpu_weights == "fp16" and has_fp16_product()
-        product = QuantizedLinear(weight, bias, fp16_copy=fp16_copy)
-        if self.dtype == torch.bfloat16:
+        parts = self.int8_parts if packable(weight) else 0
+        product = QuantizedLinear(weight, bias, fp16_copy=fp16_copy, int8_parts=parts)
+        if self.dtype == torch.bfloat16 and not parts:
             # Made at load, not on first use: the LM head's copy alone took 0.4 s, which the first step
             # finishing 4 or more sequences paid in latency (AMD EPYC Zen 5, one thread).
             product.make_bf16_copy()

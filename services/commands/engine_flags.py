@@ -6,6 +6,7 @@ import argparse
 from typing import get_args
 
 from engine.config import (
+    ActivationQuantization,
     CacheConfig,
     CpuWeightsOption,
     DTypeOption,
@@ -39,6 +40,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default="auto", choices=get_args(Quantization),
                         help="weight format (weight-only; activations in --dtype); auto: the file's own "
                              "blocks where a kernel serves them, else none")
+    parser.add_argument("--activation-quantization", default="auto", choices=get_args(ActivationQuantization),
+                        help="int8: the products of integer-group weights quantize their inputs to int8 blocks "
+                             "of 32 (as llama.cpp does) for the CPU's VNNI dot products; int16: 15 bits a block "
+                             "as two int8 parts (bf16's accuracy, slower than int8); auto: int8 in bfloat16 on a "
+                             "CPU with avx512_vnni and no AMX, else none")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=get_args(KVCacheDType),
                         help="KV cache element format; auto: the model's dtype")
     parser.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache budget in MiB")
@@ -80,6 +86,7 @@ def engine_config(args: argparse.Namespace, role: Role) -> EngineConfig:
         cpu_weights=args.cpu_weights,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        activation_quantization=args.activation_quantization,
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.kv_cache_blocks,

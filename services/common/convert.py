@@ -192,6 +192,7 @@ def load_report(load: WorkerLoad) -> common_pb2.LoadReport:
         quantization=load.formats.quantization,
         cpu_weights=load.formats.cpu_weights,
         kv_cache_dtype=load.formats.kv_cache_dtype,
+        activation_quantization=load.formats.activation_quantization,
     )
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from tandem.v1 import common_pb2
 
 # The LoadReport fields that name a format, in the order /v1/models lists them.
-FORMAT_FIELDS = ("dtype", "quantization", "cpu_weights", "kv_cache_dtype")
+FORMAT_FIELDS = ("dtype", "quantization", "cpu_weights", "kv_cache_dtype", "activation_quantization")
 
 
 def served_formats(reports: Iterable[common_pb2.LoadReport]) -> dict[str, str | None]:

@@ -260,8 +260,8 @@ def test_mesh_command_serves_then_stops_its_children():
         assert model["id"] == "SmolLM2-135M-Instruct"
         # The engine flags reached both workers, whose load reports told the gateway; quantization
         # auto serves the shipped file's own blocks on a CPU.
-        assert (model["dtype"], model["quantization"], model["cpu_weights"], model["kv_cache_dtype"]) == (
-            "float32", "gguf", "fp16", "float32")
+        assert (model["dtype"], model["quantization"], model["cpu_weights"], model["kv_cache_dtype"],
+                model["activation_quantization"]) == ("float32", "gguf", "fp16", "float32", "none")
         assert any(f"curl http://{http}/v1/chat/completions" in line for line in lines), "".join(lines)
         with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as children:
             child_pids = [int(pid) for pid in children.read().split()]

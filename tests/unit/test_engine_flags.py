@@ -23,7 +23,9 @@ def _config(*flags: str):
 
 def test_formats_default_to_auto_which_the_engine_resolves_and_the_flags_choose_others():
     config = _config()
-    assert (config.dtype, config.cpu_weights, config.quantization, config.kv_cache_dtype) == ("auto",) * 4
+    assert (config.dtype, config.cpu_weights, config.quantization, config.kv_cache_dtype,
+            config.activation_quantization) == ("auto",) * 5
+    assert _config("--activation-quantization", "int16").activation_quantization == "int16"
     assert _config("--dtype", "float32").dtype == "float32"
     assert _config("--dtype", "bfloat16").dtype == "bfloat16"
     assert _config("--cpu-weights", "fp32").cpu_weights == "fp32"
@@ -36,7 +38,7 @@ ENGINE_FLAGS = ["--model", "/m.gguf", "--device", "cuda:1", "--dtype", "float16"
                 "--threads", "2", "--cpu-weights", "plain", "--quantization", "none", "--kv-cache-dtype", "int8",
                 "--kv-cache-mib", "64", "--kv-cache-blocks", "9", "--block-size", "32", "--max-num-seqs", "3",
                 "--max-num-batched-tokens", "100", "--max-prompt-batch-tokens", "0", "--max-model-len", "512",
-                "--no-prefix-caching"]
+                "--no-prefix-caching", "--activation-quantization", "none"]
 
 
 def test_engine_flags_pass_on_as_arguments_that_parse_back_to_the_same_values():

@@ -91,14 +91,43 @@ def test_weights_held_for_a_float32_cpu_product_are_refused_elsewhere_naming_the
         EngineConfig(dtype="fp8")  # type: ignore[arg-type]
 
 
+EMERALD_RAPIDS = CpuFeatures("Intel(R) Xeon(R) Processor", frozenset(
+    f"{AVX2} avx512f avx512bw avx512_bf16 avx512_vnni avx512_fp16".split()))
+
+
+@pytest.mark.parametrize(("hardware", "config", "quantization", "chosen"), [
+    (EMERALD_RAPIDS, {}, "gguf", "int8"),  # VNNI without AMX: int8 dot products outrun bf16 ones
+    (EMERALD_RAPIDS, {}, "none", "none"),  # float weights: nothing to multiply as integers
+    (EMERALD_RAPIDS, {"dtype": "float32"}, "gguf", "none"),  # float32 asked for: exact activations
+    (EMERALD_RAPIDS, {"activation_quantization": "none"}, "gguf", "none"),
+    (EMERALD_RAPIDS, {"activation_quantization": "int8", "dtype": "float32"}, "int8", "int8"),
+    (EMERALD_RAPIDS, {"activation_quantization": "int16"}, "gguf", "int16"),
+    (CpuFeatures("SPR", SAPPHIRE_RAPIDS.flags | {"avx512_vnni"}), {}, "gguf", "none"),  # AMX tiles are faster
+    (COOPER_LAKE, {}, "gguf", "none"),  # no avx512_vnni listed
+    (EPYC, {}, "gguf", "none"),
+], ids=["vnni", "float-weights", "float32", "off", "asked", "int16", "amx", "no-vnni", "avx2"])
+def test_auto_activation_quantization_is_int8_where_vnni_is_the_fast_path(hardware, config, quantization, chosen):
+    assert resolve_formats(EngineConfig(**config), hardware, quantization).activation_quantization == chosen
+
+
+def test_int8_activations_asked_for_where_they_cannot_run_are_refused_naming_the_flag():
+    with pytest.raises(ValueError, match=r"^activation_quantization: 'int8' needs a CPU with avx512_bf16 and "
+                                         r"avx512_vnni and without amx_bf16; this is CPU \"AMD EPYC 7B12\""):
+        resolve_formats(EngineConfig(activation_quantization="int8"), EPYC, "gguf")
+    with pytest.raises(ValueError, match=r"^activation_quantization: 'int8' applies to integer-group weights"):
+        resolve_formats(EngineConfig(activation_quantization="int8"), EMERALD_RAPIDS, "none")
+    with pytest.raises(ValueError, match=r"^activation_quantization: unknown format 'fp8'"):
+        EngineConfig(activation_quantization="fp8")  # type: ignore[arg-type]
+
+
 def test_the_start_up_line_names_hardware_dtype_and_why_weight_and_kv_formats():
     assert _formats(EPYC).describe() == (
         'CPU "AMD EPYC 7B12" [avx2 fma f16c]: dtype=float32 (auto: the CPU has neither amx_bf16 nor '
         "avx512_bf16), quantization=none, cpu_weights=fp16 (rounded to fp16 for fbgemm's product), "
-        "kv_cache_dtype=float32")
+        "kv_cache_dtype=float32, activation_quantization=none")
     assert _formats(H200, device="cuda").describe() == (
         'GPU "NVIDIA H200" [sm_90]: dtype=bfloat16 (auto: the GPU computes bf16), quantization=none, '
-        "cpu_weights=plain (one bfloat16 copy), kv_cache_dtype=bfloat16")
+        "cpu_weights=plain (one bfloat16 copy), kv_cache_dtype=bfloat16, activation_quantization=none")
 
 
 def test_the_engine_resolves_its_formats_once_logs_them_and_converts_loaded_weights(make_engine, caplog):

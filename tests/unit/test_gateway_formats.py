@@ -8,12 +8,14 @@ from services.gateway.formats import served_formats
 
 
 def _report(dtype: str) -> common_pb2.LoadReport:
-    return common_pb2.LoadReport(dtype=dtype, quantization="none", cpu_weights="plain", kv_cache_dtype=dtype)
+    return common_pb2.LoadReport(dtype=dtype, quantization="none", cpu_weights="plain", kv_cache_dtype=dtype,
+                                 activation_quantization="none")
 
 
 def test_workers_that_agree_give_one_value_per_format():
     assert served_formats([_report("bfloat16"), _report("bfloat16")]) == {
-        "dtype": "bfloat16", "quantization": "none", "cpu_weights": "plain", "kv_cache_dtype": "bfloat16"}
+        "dtype": "bfloat16", "quantization": "none", "cpu_weights": "plain", "kv_cache_dtype": "bfloat16",
+        "activation_quantization": "none"}
 
 
 def test_workers_that_differ_give_each_value_once_and_unreported_formats_are_none():

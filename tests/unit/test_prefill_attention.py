@@ -113,7 +113,9 @@ def test_the_op_through_the_torch_backend_matches_sdpa_over_scattered_pages():
 
 
 def test_the_avx512bf16_build_is_served_first_only_where_the_cpu_has_every_flag_it_compiles_for():
-    zen5 = frozenset(["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"])
+    zen5 = frozenset(["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                      "avx512_vnni"])
     assert [v.name for v in runnable(zen5)] == ["avx512bf16", "avx2", "scalar"]
     assert [v.name for v in runnable(zen5 - {"avx512_bf16"})] == ["avx2", "scalar"]
+    assert [v.name for v in runnable(zen5 - {"avx512_vnni"})] == ["avx2", "scalar"]
     assert [v.name for v in runnable(frozenset(["avx2", "fma", "f16c"]))] == ["avx2", "scalar"]

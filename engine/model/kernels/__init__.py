@@ -3,8 +3,8 @@ product with a weight's pieces on several threads (fp16_pieces.cpp), the ops tha
 batch-1 decode step most outside them in torch (rms_norm.cpp, decode_attention.cpp, rotary.cpp,
 silu_mul.cpp), greedy decoding's argmax over the vocabulary (argmax.cpp), all of a small decode
 batch's decoder layers as one call (decode_stack.cpp), and, in the avx512bf16 build only, a bf16
-prompt chunk's causal attention (prefill_attention.cpp) and the bf16 product over a weight packed as
-pairs (bf16_gemm.cpp).
+prompt chunk's causal attention (prefill_attention.cpp), the bf16 product over a weight packed as
+pairs (bf16_gemm.cpp) and the product of integer groups with int8-quantized activations (int8_gemm.cpp).
 
 `kernels()` loads the best build this CPU runs ("avx512bf16": the AVX2 code with AVX-512's registers
 plus the AVX512-BF16 ops; else "avx2": AVX2 + FMA + F16C intrinsics; else "scalar": plain C++),
@@ -115,6 +115,16 @@ class Kernels:
         """The same product as `bf16_gemm`, over the same packed weight, through fp32 FMAs (bf16_gemm.cpp);
         None where `bf16_gemm` is None."""
         return None if self.bf16_gemm is None else self._ops.bf16_gemm_fma
+
+    @property
+    def int8_gemm(self) -> Callable[..., torch.Tensor] | None:
+        """The product with activations quantized to int8 blocks of 32, `op(x, u, d, m, zero, n, bias,
+        fp32_out)` over a weight packed by engine.model.int8_activations (int8_gemm.cpp). None where this
+        build has no such op (only the avx512bf16 build, which needs VNNI, has) or the CPU has AMX, whose
+        bf16 tiles outrun it."""
+        if "amx_bf16" in cpu_flags() or not hasattr(self._ops, "int8_gemm"):
+            return None
+        return self._ops.int8_gemm
 
     @functools.cached_property
     def bf16_products(self) -> Bf16Gemm | None:

@@ -39,34 +39,17 @@
 #include <utility>
 #include <vector>
 
+#include "gemm_tiles.h"
+
 namespace {
+
+using tandem_gemm::kLine;
+using tandem_gemm::Output;
+using tandem_gemm::schedule_tiles;
 
 constexpr int64_t kRows = 8;     // rows of x a register tile holds
 constexpr int64_t kPanels = 3;   // panels of 16 columns a register tile holds
-constexpr int64_t kLine = 64;    // bytes a prefetch brings
 constexpr int64_t kBlockBytes = 512 * 1024;  // x's rows a block holds: a quarter of a 2 MB L2
-
-// Where a tile writes: y's rows of `n` columns, in fp32 or bf16, bias added in fp32.
-struct Output {
-  void* y;
-  bool fp32;
-  int64_t n;
-  const float* bias;
-  int64_t first_row = 0;  // y's row that the tiles' row 0 is
-
-  void store(int64_t tile_row, int64_t col, __m512 v) const {
-    const int64_t row = first_row + tile_row;
-    const int64_t valid = std::min<int64_t>(16, n - col);
-    const __mmask16 mask = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + col));
-    if (fp32) {
-      _mm512_mask_storeu_ps(static_cast<float*>(y) + row * n + col, mask, v);
-    } else {
-      const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);  // round to nearest even, as torch's conversion
-      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + row * n + col, mask, h);
-    }
-  }
-};
 
 // R rows of x from row m0, C panels from panel `panel`, over all K/2 pairs; meanwhile `lines` cache
 // lines from `ahead` are prefetched, spread over the pairs.
@@ -152,8 +135,7 @@ const TileTable<float> kFmaTiles = {fma_tiles_of<1>(std::make_integer_sequence<i
                                     fma_tiles_of<2>(std::make_integer_sequence<int, kRows>{}),
                                     fma_tiles_of<3>(std::make_integer_sequence<int, kRows>{})};
 
-// Row blocks whose x stays in L2 while every column group passes over it; in a block, column groups
-// of kPanels panels spread over the threads, and in each group the block's row tiles in turn. Without
+// Row blocks whose x stays in L2 while every column group passes over it (schedule_tiles). Without
 // them a 2,048-row prompt's x (4.7 MB in fp32 at K = 576) is read from L3 once per group; with them
 // the FMA GEMM at 2,048 rows measured 118-161 against 115-147 GFLOP/s (Intel Xeon, one thread, noisy).
 // `block_x(first_row, rows)` gives the block's rows of x in the tiles' type: the bf16 rows themselves,
@@ -162,28 +144,18 @@ const TileTable<float> kFmaTiles = {fma_tiles_of<1>(std::make_integer_sequence<i
 template <typename T, typename BlockX>
 void run_tiles(const TileTable<T>& tiles, int64_t m, int64_t k, const uint16_t* ws, int64_t panels, Output out,
                BlockX block_x) {
-  const int64_t panel_bytes = k * 16 * static_cast<int64_t>(sizeof(uint16_t));
-  const int64_t groups = (panels + kPanels - 1) / kPanels;
   const int64_t block_rows = std::max<int64_t>(kRows, kBlockBytes / (k * int64_t{sizeof(T)}) / kRows * kRows);
-  for (int64_t first_row = 0; first_row < m; first_row += block_rows) {
-    const int64_t rows_here = std::min(block_rows, m - first_row), row_tiles = (rows_here + kRows - 1) / kRows;
-    const T* xs = block_x(first_row, rows_here);
-    out.first_row = first_row;
-    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t first = g * kPanels, count = std::min(kPanels, panels - first);
-        // The next group's panels are fetched into cache while this group's row tiles compute.
-        const int64_t next = first + count, next_count = std::min(kPanels, std::max<int64_t>(0, panels - next));
-        const char* ahead = reinterpret_cast<const char*>(ws) + next * panel_bytes;
-        const int64_t total = next_count * panel_bytes / kLine, share = (total + row_tiles - 1) / row_tiles;
-        for (int64_t t = 0; t < row_tiles; ++t) {
-          const int64_t m0 = t * kRows, rows = std::min(kRows, rows_here - m0);
-          const int64_t from = std::min(total, t * share), lines = std::min(share, total - from);
-          tiles[count - 1][rows - 1](xs, k, m0, ws, first, out, ahead + from * kLine, lines);
-        }
-      }
-    });
-  }
+  const T* xs = nullptr;
+  schedule_tiles(
+      m, block_rows, kRows, panels, kPanels, k * 16 * static_cast<int64_t>(sizeof(uint16_t)),
+      reinterpret_cast<const char*>(ws),
+      [&](int64_t first_row, int64_t rows) {
+        xs = block_x(first_row, rows);
+        out.first_row = first_row;
+      },
+      [&](int64_t m0, int64_t rows, int64_t first, int64_t count, const char* ahead, int64_t lines) {
+        tiles[count - 1][rows - 1](xs, k, m0, ws, first, out, ahead, lines);
+      });
 }
 
 // rows of bf16 x [rows, k] (k even) as fp32 into `to`: each value's bits shifted into the high half.

@@ -1,8 +1,8 @@
 """Build the CPU kernels (qmatmul.cpp's quantized products; fp16_pieces.cpp; rms_norm.cpp,
 decode_attention.cpp, rotary.cpp and silu_mul.cpp, the decode step's other hot ops; decode_stack.cpp,
-which calls them all for a decode batch; prefill_attention.cpp and bf16_gemm.cpp, compiled to ops
-only where the build targets AVX512-BF16) for the CPU at hand, once, into an ignored folder, as one
-library per variant.
+which calls them all for a decode batch; prefill_attention.cpp, bf16_gemm.cpp and int8_gemm.cpp,
+compiled to ops only where the build targets AVX512-BF16 and VNNI) for the CPU at hand, once, into an
+ignored folder, as one library per variant.
 
 Each variant is the same sources compiled with its own flags and needs the CPU flags its code uses;
 a variant is built only where /proc/cpuinfo lists those flags, never compiled for a CPU without
@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in ("qmatmul.cpp", "rms_norm.cpp", "decode_attention.cpp", "rotary.cpp",
                                           "silu_mul.cpp", "fp16_pieces.cpp", "decode_stack.cpp",
-                                          "prefill_attention.cpp", "bf16_gemm.cpp", "argmax.cpp"))
-HEADERS = (_HERE / "qmatmul_core.h", _HERE / "exp8.h", _HERE / "ops.h")
+                                          "prefill_attention.cpp", "bf16_gemm.cpp", "int8_gemm.cpp", "argmax.cpp"))
+HEADERS = (_HERE / "qmatmul_core.h", _HERE / "exp8.h", _HERE / "ops.h", _HERE / "gemm_tiles.h")
 BUILD_ROOT_ENV = "TANDEM_KERNELS_DIR"
 _LIBRARY = "qmatmul.so"
 
@@ -57,10 +57,10 @@ class Variant:
 # Best first: the first variant whose flags the CPU has is the one served.
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 VARIANTS = (
-    # The AVX2 code with AVX-512's 32 registers, plus the ops only AVX512-BF16 runs
-    # (prefill_attention.cpp, bf16_gemm.cpp).
-    Variant("avx512bf16", ("avx2", "fma", "f16c", *_AVX512, "avx512_bf16"),
-            ("-mavx2", "-mfma", "-mf16c", *(f"-m{flag}" for flag in _AVX512), "-mavx512bf16")),
+    # The AVX2 code with AVX-512's 32 registers, plus the ops only AVX512-BF16 and VNNI run
+    # (prefill_attention.cpp, bf16_gemm.cpp, int8_gemm.cpp); every CPU with AVX512-BF16 has VNNI.
+    Variant("avx512bf16", ("avx2", "fma", "f16c", *_AVX512, "avx512_bf16", "avx512_vnni"),
+            ("-mavx2", "-mfma", "-mf16c", *(f"-m{flag}" for flag in _AVX512), "-mavx512bf16", "-mavx512vnni")),
     Variant("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
     Variant("scalar", (), ()),
 )
