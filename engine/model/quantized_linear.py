@@ -59,7 +59,7 @@ accumulators', not a bf16 rounding widened. One thread of an Intel Xeon with AMX
 product at 32 rows from 0.35 to 0.23 ms and at 512 rows from 1.6 to 1.4 ms.
 
 With `int8_parts` (`--activation-quantization int8|int16`, the default in bf16 on a CPU with
-AVX512-VNNI and no AMX) inputs of BF16_MIN_ROWS rows and more instead quantize to int8 blocks and
+AVX512-VNNI and no AMX) inputs of 2 rows and more (int8_activations.MIN_ROWS) instead quantize to int8 blocks and
 go through the kernels' int8 GEMM over a byte copy of the values (engine.model.int8_activations); no
 bf16 copy is made then.
 
@@ -73,7 +73,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model import linear
+from engine.model import int8_activations, linear
 from engine.model.int8_activations import Int8Product
 from engine.model.kernels import Kernels, kernels, pack_bf16_pairs
 from engine.model.quantized import QuantizedWeight
@@ -176,7 +176,7 @@ class QuantizedLinear:
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, ops: Kernels | None = None,
                  fp16_copy: bool = False, int8_parts: int = 0) -> None:
-        """`int8_parts` 1 or 2: inputs of BF16_MIN_ROWS rows and more are quantized to that many int8
+        """`int8_parts` 1 or 2: inputs of int8_activations.MIN_ROWS rows and more are quantized to that many int8
         parts per activation and multiplied through the kernels' int8 GEMM (engine.model.int8_activations),
         in any dtype; ValueError where this build has no such GEMM or the weight's groups do not fit it."""
         self.source = weight
@@ -222,7 +222,9 @@ class QuantizedLinear:
     def kernel_rows(self, dtype: torch.dtype) -> int:
         """Inputs in `dtype` of fewer rows than this go through the kernel; larger ones through
         the int8 GEMM, the fp16 copy, the bf16 copy or a GEMM."""
-        if dtype == torch.bfloat16 or self.int8 is not None:
+        if self.int8 is not None:
+            return int8_activations.MIN_ROWS
+        if dtype == torch.bfloat16:
             return BF16_MIN_ROWS
         return FP16_MIN_ROWS if self.fp16_copy and dtype == torch.float32 else DENSE_MIN_ROWS
 

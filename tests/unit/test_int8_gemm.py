@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.int8_activations import Int8Product, pack_int8_blocks
+from engine.model.int8_activations import MIN_ROWS, Int8Product, pack_int8_blocks
 from engine.model.kernels import kernels
 from engine.model.kernels.build import cpu_flags, runnable
 from engine.model.quantized import QuantizedWeight
-from engine.model.quantized_linear import BF16_MIN_ROWS, QuantizedLinear
+from engine.model.quantized_linear import QuantizedLinear
 from tests.unit.test_quantized_kernels import FORMATS, random_weight
 
 WITH_OP = [v.name for v in runnable(cpu_flags()) if v.name == "avx512bf16"]
@@ -148,8 +148,8 @@ def test_quantized_linear_takes_the_int8_gemm_from_the_row_count_the_kernel_stop
     weight = random_weight(96, 576, "q4_offset")
     product = QuantizedLinear(weight, int8_parts=1)
     plain = QuantizedLinear(weight)
-    assert product.int8 is not None and product.kernel_rows(torch.float32) == BF16_MIN_ROWS
-    few, many = torch.randn(BF16_MIN_ROWS - 1, 576).bfloat16(), torch.randn(BF16_MIN_ROWS, 576).bfloat16()
+    assert product.int8 is not None and product.kernel_rows(torch.float32) == MIN_ROWS
+    few, many = torch.randn(MIN_ROWS - 1, 576).bfloat16(), torch.randn(MIN_ROWS, 576).bfloat16()
     assert torch.equal(product(few), plain(few))  # the exact kernel below the limit
     assert torch.equal(product.fp32(many), _call(weight, many))
     assert product(many).dtype == torch.bfloat16 and not product.holds_bf16_copy
