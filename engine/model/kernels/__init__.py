@@ -118,7 +118,7 @@ class Kernels:
 
     @property
     def int8_gemm(self) -> Callable[..., torch.Tensor] | None:
-        """The product with activations quantized to int8 blocks of 32, `op(x, u, d, m, zero, n, bias,
+        """The product with activations quantized to int8 blocks of 32, `op(x, parts, u, d, m, zero, n, bias,
         fp32_out)` over a weight packed by engine.model.int8_activations (int8_gemm.cpp). None where this
         build has no such op (only the avx512bf16 build, which needs VNNI, has) or the CPU has AMX, whose
         bf16 tiles outrun it."""

@@ -21,9 +21,10 @@
 //     y = Σ_blocks d · scale · (Σ u·xq − z·Σ xq)  +  Σ_blocks m · fl(scale · Σ xq)
 // where scale is amax/127 or amax/(127·128), the integer sums are exact, and a group of more than 32
 // repeats its scale and offset over its blocks. The offset term takes the quantized x, as llama.cpp's
-// Q8_1 keeps d·Σq for it: Q4_1's offset is about −8·d, so the two terms nearly cancel, and x's exact sum
-// there left the scale term's rounding error uncancelled (perplexity +2.3% against +0.29%). Each output is one fixed sequence of
-// operations (blocks in K order), so a row's result does not depend on the batch it came in.
+// Q8_1 keeps d·Σq for it: Q4_1's offset is about −8·d, so the two terms nearly cancel, and x's exact
+// sum there left the scale term's rounding error uncancelled (perplexity +2.3% against +0.29%). Each
+// output is one fixed sequence of operations (blocks in K order), so a row's result does not depend on
+// the batch it came in.
 //
 // Layout (engine.model.kernels.pack_int8_blocks): u [P][K/4][16][4] uint8, panels of 16 outputs, one
 // 64-byte row per four consecutive K that vpdpbusd multiplies by four broadcast bytes of x; d and m
@@ -47,6 +48,7 @@
 #include <vector>
 
 #include "gemm_tiles.h"
+#include "qmatmul_core.h"
 
 namespace {
 
@@ -59,28 +61,23 @@ constexpr int64_t kRows = 6;     // rows of x a register tile holds
 constexpr int64_t kPanels = 2;   // panels of 16 outputs a register tile holds: 24 accumulators
 constexpr int64_t kBlockBytes = 512 * 1024;  // x's quantized rows a row block holds: a quarter of a 2 MB L2
 
-// x's rows as int8 blocks: per block its parts' 32 values each, the scale, the exact sum of x and the
-// sum of the (combined) values.
+// x's rows as int8 blocks: per block its parts' 32 values each, the scale and the sum of the
+// (combined) values.
 struct QuantizedRows {
   int parts;
   std::vector<int8_t> q;
   std::vector<float> scale;
-  std::vector<float> sum;
   std::vector<int32_t> qsum;
 };
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+inline __m512 load16(const c10::BFloat16* p) { return tandem_qmm::widen16(reinterpret_cast<const uint16_t*>(p)); }
 
 template <typename T>
 void quantize_rows(const T* x, int64_t m, int64_t k, QuantizedRows& out) {
   const int64_t blocks = k / kBlock, parts = out.parts;
   out.q.resize(m * k * parts);
   out.scale.resize(m * blocks);
-  out.sum.resize(m * blocks);
   out.qsum.resize(m * blocks);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin * blocks; i < end * blocks; ++i) {
@@ -104,7 +101,6 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QuantizedRows& out) {
       }
       out.scale[i] = parts == 2 ? top / (127.0f * 128.0f) : top / 127.0f;
       out.qsum[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-      out.sum[i] = out.scale[i] * static_cast<float>(out.qsum[i]);
     }
   });
 }
@@ -166,7 +162,10 @@ void tile(const QuantizedRows& x, int64_t m0, const Weight& w, int64_t panel, co
     if constexpr (OFFSET) {
       for (int c = 0; c < C; ++c) {
         const __m512 mv = _mm512_loadu_ps(w.m + (panel + c) * blocks * 16 + b * 16);
-        for (int r = 0; r < R; ++r) f[r][c] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.sum[(m0 + r) * blocks + b]), f[r][c]);
+        for (int r = 0; r < R; ++r) {
+          const int64_t i = (m0 + r) * blocks + b;  // the quantized block's sum, fl(scale · Σ xq)
+          f[r][c] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.scale[i] * static_cast<float>(x.qsum[i])), f[r][c]);
+        }
       }
     }
   }
@@ -240,7 +239,7 @@ at::Tensor int8_gemm(const at::Tensor& x, int64_t parts, const at::Tensor& u, co
   TORCH_CHECK(parts == 1 || parts == 2, "parts must be 1 or 2, got ", parts);
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
               "bias must be contiguous fp32 [", n, "]");
-  QuantizedRows xq{static_cast<int>(parts), {}, {}, {}, {}};
+  QuantizedRows xq{static_cast<int>(parts), {}, {}, {}};
   if (x.scalar_type() == at::kFloat) {
     quantize_rows(x.data_ptr<float>(), rows, k, xq);
   } else {
