@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from engine.speculative.config import FLAG as SPECULATIVE_FLAG
+from engine.speculative.config import SpeculativeConfig
+
 Role = Literal["colocated", "prefill", "decode"]
 DType = Literal["float32", "bfloat16", "float16"]
 # What --dtype takes: a dtype, or "auto", which the engine resolves from the hardware at start-up.
@@ -159,9 +162,13 @@ class EngineConfig:
     quantization: Quantization = "auto"  # weight-only: activations stay in `dtype`
     kv_cache_dtype: KVCacheDType = "auto"
     activation_quantization: ActivationQuantization = "auto"
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         _require(self.role in ("colocated", "prefill", "decode"), "role", f"unknown role {self.role!r}")
+        if self.speculative is not None and self.role == "prefill":
+            raise ValueError(f"{SPECULATIVE_FLAG}: the prefill role samples only a prompt's first token, so it "
+                             "cannot speculate; give the flag to decode or colocated workers")
         _require(self.dtype in get_args(DTypeOption), "dtype",
                  f"unknown dtype {self.dtype!r} (choose from {', '.join(get_args(DTypeOption))})")
         _require(self.device == "cpu" or self.device.startswith("cuda"), "device", f"unknown device {self.device!r}")

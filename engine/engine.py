@@ -44,6 +44,7 @@ from engine.runner import ModelRunner, SampledToken
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.speculative.ngram import NgramProposer
 from engine.stop_strings import StopStringMatcher
 from engine.tokenizer import Tokenizer
 
@@ -104,6 +105,8 @@ class Engine:
         cache = CacheEngine(files.config, num_blocks, block_size, self.kv_format, self.device)
         self.runner = ModelRunner(model, cache, Sampler(files.config.vocab_size, sorted(eos)), self.device)
         self._exports = KVExports(block_size, files.config.num_layers)
+        spec = config.speculative
+        self._proposer = None if spec is None else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self._text: dict[str, _TextState] = {}
         self.last_step_tokens = StepTokens()
         log.info("engine ready: %s, role=%s, %d KV blocks of %d tokens, kv_cache=%s, attention=%s",
@@ -188,39 +191,80 @@ class Engine:
         As soon as a layer has written this step's KV, the pages of every exported request go to
         its sink, so the prefill role pushes pages while later layers compute.
         """
+        self._propose()
         out = self.scheduler.schedule()
-        decoding = [c for c in out.chunks if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens]
-        self.last_step_tokens = StepTokens(prefill=out.num_tokens - len(decoding), decode=len(decoding),
-                                           decode_context=sum(c.start + 1 for c in decoding))
+        # A decode chunk computes its request's last token (and any drafts after it); draft rows
+        # count as prompt-like tokens, which is what they cost.
+        decoding = [c for c in out.chunks
+                    if c.num_tokens - len(c.draft_token_ids) == 1 and c.start >= c.request.num_prompt_tokens]
+        draft_rows = sum(len(c.draft_token_ids) for c in decoding)
         on_layer_done = None
         if self._exports:
             def on_layer_done(layer: int) -> None:
                 self._exports.layer_done(layer, out.chunks, self.export_kv)
         sampled = self.runner.execute(out, on_layer_done)
-        self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
+        before = {c.request.request_id: c.request.num_output_tokens for c in out.chunks}
+        self.scheduler.update(out, {rid: [token for token, _ in tokens] for rid, tokens in sampled.items()})
         if self.config.role == "prefill":
             for chunk in out.chunks:
                 if chunk.request.request_id in sampled and not chunk.request.is_finished:
                     self.scheduler.finish(chunk.request.request_id, FinishReason.HANDOFF)
         outputs = []
         for chunk in out.chunks:
-            result = sampled.get(chunk.request.request_id)
-            if result is not None:
-                outputs.append(self._postprocess(chunk.request, result))
+            request = chunk.request
+            results = sampled.get(request.request_id)
+            if results is not None:
+                outputs.append(self._postprocess(request, results[: request.num_output_tokens
+                                                                   - before[request.request_id]]))
+        decoding_ids = {c.request.request_id for c in decoding}
+        self.last_step_tokens = StepTokens(
+            prefill=out.num_tokens - len(decoding), decode=len(decoding),
+            decode_context=sum(c.start + 1 for c in decoding), draft=draft_rows,
+            decode_tokens=sum(len(o.new_token_ids) for o in outputs if o.request_id in decoding_ids))
         for output in outputs:
             if output.finished:
                 self._forget(output.request_id)
         return outputs
 
-    def _postprocess(self, request: Request, result: SampledToken) -> RequestOutput:
-        token, logprobs = result
+    def _propose(self) -> None:
+        """Draft tokens for every decoding request, where this engine speculates and the batch is
+        small enough; never more than the request may still generate, less one (the step's own token)."""
+        spec = self.config.speculative
+        if spec is None or self._proposer is None:
+            return
+        running = self.scheduler.running
+        speculates = spec.speculates(len(running))
+        for request in running:
+            request.draft_token_ids = []
+            if not speculates or request.num_computed_tokens != request.num_tokens - 1:
+                continue
+            room = min(request.params.max_tokens - request.num_output_tokens,
+                       request.max_model_len - request.num_tokens) - 1
+            if room > 0:
+                request.draft_token_ids = self._proposer.propose(request.token_ids,
+                                                                 min(spec.num_speculative_tokens, room))
+
+    def _postprocess(self, request: Request, results: Sequence[SampledToken]) -> RequestOutput:
+        """Detokenize the step's new tokens (those the scheduler kept) one by one, as one-token steps
+        would, ending the request at a stop string even inside a run of accepted drafts."""
         text = self._text[request.request_id]
-        new_text, stopped = text.stop.feed(text.detokenizer.push(token))
-        if stopped and not request.is_finished:
-            self.scheduler.finish(request.request_id, FinishReason.STOP)
-        elif request.is_finished and not stopped:
-            new_text += text.stop.feed(text.detokenizer.flush())[0] + text.stop.flush()
-        return self._output(request, (token,), new_text, (logprobs,) if logprobs is not None else ())
+        new_text = ""
+        for index, (token, _) in enumerate(results):
+            piece, stopped = text.stop.feed(text.detokenizer.push(token))
+            new_text += piece
+            if stopped:
+                if index < len(results) - 1:
+                    dropped = len(results) - index - 1
+                    self.scheduler.stop_inside_run(request.request_id, request.num_output_tokens - dropped)
+                    results = results[: index + 1]
+                elif not request.is_finished:
+                    self.scheduler.finish(request.request_id, FinishReason.STOP)
+                break
+        else:
+            if request.is_finished:
+                new_text += text.stop.feed(text.detokenizer.flush())[0] + text.stop.flush()
+        logprobs = tuple(lp for _, lp in results if lp is not None)
+        return self._output(request, tuple(token for token, _ in results), new_text, logprobs)
 
     def _output(
         self, request: Request, tokens: tuple[int, ...], text: str, logprobs: tuple[TokenLogprobs, ...]
@@ -237,6 +281,8 @@ class Engine:
             # A resumed request's prefix hit may reach into its output; usage counts prompt tokens.
             num_cached_tokens=min(request.num_cached_tokens, request.num_prompt_tokens),
             num_output_tokens=request.num_output_tokens,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )
 
     def _forget(self, request_id: str) -> None:
@@ -299,7 +345,7 @@ class Engine:
         request = self.scheduler.start_reserved(request_id, first_token)
         # Every token sampled so far (the prefill side's included) drew once from a seeded generator.
         self.runner.resume_generator(request_id, request.params.seed, draws=request.num_output_tokens)
-        output = self._postprocess(request, (first_token, None))
+        output = self._postprocess(request, [(first_token, None)])
         if output.finished:
             self._forget(request_id)
         return output
@@ -318,5 +364,6 @@ class Engine:
             block_size=self.kv.block_size,
             max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
             num_context_tokens=sum(request.num_tokens for request in self.scheduler.running),
+            spec_decode=self.scheduler.spec_stats.snapshot() if self.config.speculative is not None else None,
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.sampler import TokenLogprobs
+from engine.speculative.stats import SpecDecodeStats
 
 
 @dataclass(frozen=True)
@@ -20,16 +21,21 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    num_draft_tokens: int = 0  # speculative decoding: drafts proposed for this request so far
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass(frozen=True)
 class StepTokens:
-    """What one step computed: prompt (or recomputed) tokens and single decode tokens, and the
-    context tokens those decode tokens attended to."""
+    """What one step computed: prompt (or recomputed) tokens and single decode tokens, the context
+    tokens those decode tokens attended to, and with speculation the drafts verified and the tokens
+    gained."""
 
-    prefill: int = 0
+    prefill: int = 0  # draft rows included: they cost what prompt tokens cost
     decode: int = 0
     decode_context: int = 0
+    draft: int = 0  # speculative decoding: draft tokens the decoding sequences verified
+    decode_tokens: int = 0  # tokens the decoding sequences gained (decode, or more with drafts)
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class EngineStats:
     block_size: int  # tokens per KV block
     max_num_batched_tokens: int  # the scheduler's token budget per step (a prompt's chunk size)
     num_context_tokens: int = 0  # tokens of context the running requests attend to
+    spec_decode: SpecDecodeStats | None = None  # totals so far, where the engine speculates
 
 
 @dataclass(frozen=True)

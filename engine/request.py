@@ -45,6 +45,10 @@ class Request:
     finish_reason: FinishReason | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Speculative decoding: tokens proposed to follow token_ids, verified by the next step.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # proposed over the request's life
+    num_accepted_tokens: int = 0  # of those, verified and kept
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -80,3 +84,8 @@ class Request:
         self.token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output after its first `num_output_tokens` tokens (a stop string that ended
+        the request inside a run of verified tokens)."""
+        del self.token_ids[self.num_prompt_tokens + num_output_tokens :]

@@ -10,7 +10,8 @@ from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.cache_engine import CacheEngine
 from engine.model.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRequestState, TokenLogprobs
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.speculative.verify import num_accepted
 
 SampledToken = tuple[int, TokenLogprobs | None]
 
@@ -28,8 +29,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None
-    ) -> dict[str, SampledToken]:
-        """Run one step; return the sampled token of every chunk that reached its request's end."""
+    ) -> dict[str, list[SampledToken]]:
+        """Run one step; return the new tokens of every chunk that reached its request's end: one
+        sampled token, or for a chunk with drafts the accepted drafts and the token after them
+        (engine.speculative.verify)."""
         if out.is_empty:
             return {}
         input_ids, positions, meta, sample_rows = self._prepare(out)
@@ -38,17 +41,34 @@ class ModelRunner:
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        states = [
-            SamplingRequestState(
-                params=c.request.params,
-                prompt_token_ids=c.request.prompt_token_ids,
-                output_token_ids=c.request.output_token_ids,
-                generator=self._generator_for(c.request.request_id, c.request.params.seed),
-            )
-            for c in sampling
+        states = [state for c in sampling for state in self._row_states(c)]
+        rewind = {c.request.request_id: self._generators[c.request.request_id].get_state() for c in sampling
+                  if c.draft_token_ids and c.request.request_id in self._generators}
+        results = iter(self.sampler.sample(logits, states))
+        new_tokens: dict[str, list[SampledToken]] = {}
+        for chunk in sampling:
+            rows = [next(results) for _ in range(chunk.num_sampled_rows)]
+            kept = rows[: num_accepted(chunk.draft_token_ids, [token for token, _ in rows]) + 1]
+            request_id = chunk.request.request_id
+            if request_id in rewind and len(kept) < len(rows):
+                # The rejected positions' draws were never used: leave the generator as if only the
+                # kept tokens had drawn, so the request's next token draws what it would without drafts.
+                generator = self._generators[request_id]
+                generator.set_state(rewind[request_id])
+                self.sampler.advance(generator, len(kept))
+            new_tokens[request_id] = kept
+        return new_tokens
+
+    def _row_states(self, chunk: ScheduledChunk) -> list[SamplingRequestState]:
+        """One sampling state per sampled row; row i sees the first i drafts as output already."""
+        request = chunk.request
+        generator = self._generator_for(request.request_id, request.params.seed)
+        output = request.output_token_ids
+        return [
+            SamplingRequestState(params=request.params, prompt_token_ids=request.prompt_token_ids,
+                                 output_token_ids=output + list(chunk.draft_token_ids[:i]), generator=generator)
+            for i in range(chunk.num_sampled_rows)
         ]
-        results = self.sampler.sample(logits, states)
-        return {c.request.request_id: result for c, result in zip(sampling, results, strict=True)}
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         block_size = self.cache.block_size
@@ -60,15 +80,16 @@ class ModelRunner:
         sample_rows: list[int] = []
         for chunk in out.chunks:
             end = chunk.start + chunk.num_tokens
-            token_ids.extend(chunk.request.token_ids[chunk.start : end])
+            known = chunk.request.token_ids
+            token_ids.extend(known[chunk.start : end] if not chunk.draft_token_ids
+                             else (known + list(chunk.draft_token_ids))[chunk.start : end])
             table = chunk.block_table
             for pos in range(chunk.start, end):
                 positions.append(pos)
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
             query_start.append(query_start[-1] + chunk.num_tokens)
             seq_lens.append(end)
-            if chunk.samples:
-                sample_rows.append(query_start[-1] - 1)
+            sample_rows.extend(range(query_start[-1] - chunk.num_sampled_rows, query_start[-1]))
         width = max(len(c.block_table) for c in out.chunks)
         tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in out.chunks]
         meta = AttentionMetadata(

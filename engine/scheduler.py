@@ -8,12 +8,13 @@ work. A decode step is simply a request one token behind its target. Imports no 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
+from engine.speculative.stats import SpecDecodeStats
 
 
 @dataclass(frozen=True)
@@ -24,12 +25,20 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     block_table: tuple[int, ...]
+    # Speculative decoding: the last len(draft_token_ids) of the num_tokens positions hold these
+    # proposed tokens (not yet in request.token_ids), each position's logits verifying the next.
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the request's known tokens, so its last
-        position's logits give the next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        position's logits give the next token (and a draft's positions verify the drafts)."""
+        return self.start + self.num_tokens - len(self.draft_token_ids) == self.request.num_tokens
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows whose logits are sampled: one per draft token plus the one after them."""
+        return len(self.draft_token_ids) + 1 if self.samples else 0
 
 
 @dataclass
@@ -73,6 +82,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every request that holds state here
         self.total_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
 
     # ---- admission -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -126,9 +136,12 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, out, scheduled_ids):
+            drafts = self._allocate_drafts(request, num_new, budget)
+            if drafts:
+                num_new += len(drafts)
+            elif not self._allocate_or_preempt(request, num_new, out, scheduled_ids):
                 continue  # the request itself was preempted; running shrank under us
-            out.chunks.append(self._chunk(request, num_new))
+            out.chunks.append(self._chunk(request, num_new, drafts))
             scheduled_ids.add(request.request_id)
             budget -= num_new
             index += 1
@@ -141,6 +154,17 @@ class Scheduler:
         if num_new > budget and not self.config.enable_chunked_prefill:
             return 0
         return min(num_new, budget)
+
+    def _allocate_drafts(self, request: Request, num_new: int, budget: int) -> tuple[int, ...]:
+        """Take the request's proposed drafts into this step if it is decoding and the budget and
+        free blocks allow them all (drafts never preempt anything); () otherwise."""
+        drafts, request.draft_token_ids = request.draft_token_ids, []
+        if not drafts or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
+            return ()
+        drafts = drafts[: budget - 1]
+        if not drafts or not self.kv.allocate_slots(request.request_id, request.num_tokens + len(drafts)):
+            return ()
+        return tuple(drafts)
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, out: SchedulerOutput, scheduled_ids: set[str]
@@ -196,17 +220,21 @@ class Scheduler:
     def _cached_prefix(self, request: Request) -> tuple[list[int], int]:
         return self.kv.find_cached_prefix(request.token_ids)
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         return ScheduledChunk(
             request=request,
             start=request.num_computed_tokens,
             num_tokens=num_new,
             block_table=tuple(self.kv.block_table(request.request_id)),
+            draft_token_ids=drafts,
         )
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> list[Request]:
         """Advance computed counts, record sampled tokens and finish requests that stop on a token.
 
+        `sampled` holds each sampling request's new tokens: one, or after a draft the accepted
+        drafts and the token after them. Tokens after a stop are dropped, and so is the KV of
+        rejected drafts (a block that held only rejected ones is freed; none is ever hashed).
         Returns the requests that finished in this step.
         """
         finished: list[Request] = []
@@ -214,17 +242,39 @@ class Scheduler:
             request = chunk.request
             if request.is_finished:
                 continue
-            request.num_computed_tokens += chunk.num_tokens
+            tokens = sampled.get(request.request_id, ())
+            reason = None
+            for token in tokens:
+                request.append_output(token)
+                reason = self._stop_reason(request, token)
+                if reason is not None:
+                    break
+            drafts = len(chunk.draft_token_ids)
+            accepted = max(0, len(tokens) - 1) if drafts else 0
+            if drafts:
+                self.spec_stats.record(drafts, accepted)
+                request.num_draft_tokens += drafts
+                request.num_accepted_tokens += accepted
+            computed = chunk.start + chunk.num_tokens - drafts + accepted
+            request.num_computed_tokens = min(computed, request.num_tokens)
+            if accepted < drafts:
+                self.kv.trim(request.request_id, request.num_computed_tokens)
             self.kv.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.append_output(token)
-            reason = self._stop_reason(request, token)
             if reason is not None:
                 self.finish(request.request_id, reason)
                 finished.append(request)
         return finished
+
+    def stop_inside_run(self, request_id: str, num_output_tokens: int) -> None:
+        """A stop string ended the request at output token `num_output_tokens`, before the last of
+        the tokens its step accepted: drop the rest and finish with STOP, as a step that had
+        produced one token at a time would have."""
+        request = self.requests[request_id]
+        request.truncate_output(num_output_tokens)
+        if request.is_finished:
+            request.finish_reason = FinishReason.STOP
+        else:
+            self.finish(request_id, FinishReason.STOP)
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.params

@@ -151,6 +151,21 @@ class KVCacheManager:
             self._pool.register(request.table[index], block_hash)
             request.hashes.append(block_hash)
 
+    def trim(self, request_id: str, num_total_tokens: int) -> None:
+        """Shrink the request's table to cover `num_total_tokens` tokens, freeing the blocks past
+        them (speculative decoding: slots of rejected drafts). Only unhashed blocks can go: hashed
+        ones hold computed tokens, which are never taken back."""
+        request = self._requests[request_id]
+        if num_total_tokens > request.num_tokens:
+            raise ValueError(f"request {request_id!r} cannot trim from {request.num_tokens} "
+                             f"to {num_total_tokens} tokens")
+        keep = blocks_for(num_total_tokens, self._block_size)
+        if keep < len(request.hashes):
+            raise ValueError(f"request {request_id!r}: trimming to {num_total_tokens} tokens would drop hashed blocks")
+        self._pool.decref(reversed(request.table[keep:]))
+        del request.table[keep:]
+        request.num_tokens = num_total_tokens
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks, tail first so shared heads stay cached longest; unknown ids are ignored."""
         request = self._requests.pop(request_id, None)

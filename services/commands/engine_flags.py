@@ -16,6 +16,7 @@ from engine.config import (
     Role,
     SchedulerConfig,
 )
+from engine.speculative.config import SpeculativeConfig
 
 # One prompt of a few hundred tokens keeps a CPU core busy, so batching a second one into its step
 # only delays the first one's first token (`python -m bench prompt_batching`; docs/benchmarks.md). A GPU
@@ -57,16 +58,24 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              f"0: no limit (default: {CPU_PROMPT_BATCH_TOKENS} on CPU, none on GPU)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="speculative decoding on decode and colocated workers, in vLLM's keys: "
+                             '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                             '"prompt_lookup_max": 4, "disable_by_batch_size": 4}\' (those are the defaults '
+                             "of the keys left out); off when not given")
 
 
-def engine_flag_args(args: argparse.Namespace) -> list[str]:
+def engine_flag_args(args: argparse.Namespace, role: Role) -> list[str]:
     """The engine flags of `args` that differ from their defaults, as command-line arguments: what a
-    command that starts engine processes (`tandem mesh`) passes on to them. Every engine flag is
-    named after its attribute (`--kv-cache-mib` sets `kv_cache_mib`)."""
+    command that starts engine processes (`tandem mesh`) passes on to those of `role` (a prefill
+    worker gets no --speculative-config: it would refuse it). Every engine flag is named after its
+    attribute (`--kv-cache-mib` sets `kv_cache_mib`)."""
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_flags(parser)
     argv: list[str] = []
     for name, default in vars(parser.parse_args([])).items():
+        if role == "prefill" and name == "speculative_config":
+            continue
         value = getattr(args, name)
         if value != default:
             flag = "--" + name.replace("_", "-")
@@ -87,6 +96,7 @@ def engine_config(args: argparse.Namespace, role: Role) -> EngineConfig:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         activation_quantization=args.activation_quantization,
+        speculative=None if args.speculative_config is None else SpeculativeConfig.from_json(args.speculative_config),
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.kv_cache_blocks,

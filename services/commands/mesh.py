@@ -84,12 +84,13 @@ def _start(args: argparse.Namespace, children: list[ServerProcess], stop: thread
     """Start the two workers together (their model loads overlap), then the gateway on the
     addresses they report; the gateway's gRPC and HTTP addresses once all are ready."""
     base = ["--log-level", args.log_level]
-    engine = ["--host", args.host, "--kv-checksum", args.kv_checksum, *engine_flag_args(args)]
+    common = ["--host", args.host, "--kv-checksum", args.kv_checksum]
     # A worker asked for port 0 binds a free port itself and names it in its ready line: a port
     # picked here and bound later by the child could be taken by another process in between.
-    children.append(_child("prefill", [*base, "prefill", *engine, "--port", str(args.prefill_port),
-                                       *_free_metrics_port(args.prefill_port)]))
-    children.append(_child("decode", [*base, "decode", *engine, "--port", str(args.decode_port),
+    children.append(_child("prefill", [*base, "prefill", *common, *engine_flag_args(args, "prefill"),
+                                       "--port", str(args.prefill_port), *_free_metrics_port(args.prefill_port)]))
+    children.append(_child("decode", [*base, "decode", *common, *engine_flag_args(args, "decode"),
+                                      "--port", str(args.decode_port),
                                       "--kv-backend", args.kv_backend, *_free_metrics_port(args.decode_port)]))
     prefill, decode = (ready.grpc for ready in _wait_ready(children, time.monotonic() + args.startup_timeout, stop))
     # The gateway reports ready once it sees a serving worker in each pool.

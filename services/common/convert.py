@@ -199,9 +199,15 @@ def load_report(load: WorkerLoad) -> common_pb2.LoadReport:
 def step_model_to_proto(model: StepModel) -> common_pb2.StepModel:
     """A fitted step model as sent in load reports."""
     return common_pb2.StepModel(base_s=model.base_s, per_prompt_token_s=model.per_prompt_token_s,
-                                per_sequence_s=model.per_sequence_s, per_context_token_s=model.per_context_token_s)
+                                per_sequence_s=model.per_sequence_s, per_context_token_s=model.per_context_token_s,
+                                draft_rows_per_sequence=model.draft_rows_per_sequence,
+                                tokens_per_decode_step=model.tokens_per_decode_step,
+                                speculation_max_batch=model.speculation_max_batch)
 
 
 def step_model_from_proto(message: common_pb2.StepModel) -> StepModel:
     """A reported step model."""
-    return StepModel(message.base_s, message.per_prompt_token_s, message.per_sequence_s, message.per_context_token_s)
+    return StepModel(message.base_s, message.per_prompt_token_s, message.per_sequence_s, message.per_context_token_s,
+                     draft_rows_per_sequence=message.draft_rows_per_sequence,
+                     tokens_per_decode_step=message.tokens_per_decode_step or 1.0,
+                     speculation_max_batch=message.speculation_max_batch)

@@ -56,7 +56,8 @@ class EngineLoop:
         """`fit` is the step model to refine with every step (a new one if None)."""
         self.engine = engine
         self.rates = StepRates()
-        self.step_model = fit or StepModelFit()
+        spec = engine.config.speculative
+        self.step_model = fit or StepModelFit(spec.disable_by_batch_size or 0 if spec is not None else 0)
         self._commands: deque[tuple[Command[Any], Future[Any]]] = deque()
         self._wake = threading.Condition()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
@@ -192,6 +193,7 @@ class EngineLoop:
         seconds = time.perf_counter() - started
         self.rates.record(tokens.prefill, tokens.decode, seconds)
         self.step_model.record(tokens.prefill, tokens.decode, tokens.decode_context, seconds)
+        self.step_model.record_speculation(tokens.decode, tokens.draft, tokens.decode_tokens)
         for output in outputs:
             self._deliver(output.request_id, output)
 

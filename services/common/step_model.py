@@ -19,6 +19,8 @@ from dataclasses import dataclass
 _FEATURES = 4
 # Per-step forgetting: a step's weight halves after about 350 newer steps.
 _FORGET = 0.998
+# Acceptance moves with the workload, so its averages follow faster: a step's weight halves after 35 steps.
+_FORGET_SPECULATION = 0.98
 # Prior precision: pulls coefficients that steps never exercised (e.g. prompt tokens on a pure
 # decode worker) toward zero instead of leaving them undetermined. Small next to any real sample.
 _PRIOR = 1e-6
@@ -32,8 +34,15 @@ class StepModel:
     per_prompt_token_s: float = 0.0
     per_sequence_s: float = 0.0
     per_context_token_s: float = 0.0
+    # Speculative decoding, measured over the steps that verified drafts: draft rows a decoding
+    # sequence adds to a step (computed like prompt tokens), and the tokens it gains per step (1
+    # without speculation); a batch of `speculation_max_batch` sequences or more drafts nothing
+    # (the engine's disable_by_batch_size; 0: no limit).
+    draft_rows_per_sequence: float = 0.0
+    tokens_per_decode_step: float = 1.0
+    speculation_max_batch: int = 0
 
-    def step_s(self, prompt_tokens: int = 0, sequences: int = 0, context_tokens: int = 0) -> float:
+    def step_s(self, prompt_tokens: float = 0, sequences: int = 0, context_tokens: int = 0) -> float:
         """One step computing `prompt_tokens` of prompt beside `sequences` decoding sequences."""
         return (self.base_s + self.per_prompt_token_s * prompt_tokens + self.per_sequence_s * sequences
                 + self.per_context_token_s * context_tokens)
@@ -45,6 +54,14 @@ class StepModel:
         steps = -(-prompt_tokens // max(1, chunk_tokens))
         return steps * self.step_s(0, sequences, context_tokens) + self.per_prompt_token_s * prompt_tokens
 
+    def token_s(self, sequences: int, context_tokens: int) -> float:
+        """Seconds per output token of each sequence decoding in a batch of `sequences`: one step,
+        its drafts included, over the tokens a sequence gains in it."""
+        if self.speculation_max_batch and sequences >= self.speculation_max_batch:
+            return self.step_s(0, sequences, context_tokens)
+        step = self.step_s(self.draft_rows_per_sequence * sequences, sequences, context_tokens)
+        return step / max(1.0, self.tokens_per_decode_step)
+
     @property
     def known(self) -> bool:
         """Whether any step was measured yet."""
@@ -54,7 +71,10 @@ class StepModel:
 class StepModelFit:
     """Recursive least squares over (prompt tokens, sequences, context tokens) -> step seconds."""
 
-    def __init__(self) -> None:
+    def __init__(self, speculation_max_batch: int = 0) -> None:
+        self._speculation_max_batch = speculation_max_batch
+        self._draft_rows = 0.0  # moving averages over speculating steps, per decoding sequence
+        self._tokens = 1.0
         # Sufficient statistics: the weighted Gram matrix X'X and X'y.
         self._xtx = [[_PRIOR if i == j else 0.0 for j in range(_FEATURES)] for i in range(_FEATURES)]
         self._xty = [0.0] * _FEATURES
@@ -73,6 +93,16 @@ class StepModelFit:
         self.samples += 1
         self._model = self._solve()
 
+    def record_speculation(self, sequences: int, draft_rows: int, tokens: int) -> None:
+        """Account one step in which `sequences` decoding sequences verified `draft_rows` drafts
+        between them and gained `tokens` tokens."""
+        if sequences <= 0 or draft_rows <= 0:
+            return
+        weight = 1 - _FORGET_SPECULATION
+        self._draft_rows += weight * (draft_rows / sequences - self._draft_rows)
+        self._tokens += weight * (tokens / sequences - self._tokens)
+        self._model = self._solve()
+
     @property
     def model(self) -> StepModel:
         """The current fit (zeros until the first step)."""
@@ -80,7 +110,8 @@ class StepModelFit:
 
     def _solve(self) -> StepModel:
         coefficients = _solve_nonnegative(self._xtx, self._xty)
-        return StepModel(*coefficients)
+        return StepModel(*coefficients, draft_rows_per_sequence=self._draft_rows, tokens_per_decode_step=self._tokens,
+                         speculation_max_batch=self._speculation_max_batch)
 
 
 def _solve_nonnegative(a: list[list[float]], b: list[float]) -> list[float]:

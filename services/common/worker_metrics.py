@@ -8,11 +8,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.commands import GetStats
 from engine.outputs import EngineStats
+from engine.speculative.stats import SpecDecodeStats
 from services.common.engine_loop import EngineLoop
 from services.observability.gpu import gpu_collector
 from services.observability.metrics import TRANSFER_BUCKETS, RequestMetrics, per_model
@@ -53,6 +54,29 @@ class EngineStateCollector(Collector):
             family = GaugeMetricFamily(name, documentation, labels=per_model())
             family.add_metric(labels, value)
             yield family
+        spec = self._loop.engine.config.speculative
+        if stats.spec_decode is not None and spec is not None:
+            yield from _spec_decode_counters(stats.spec_decode, spec.num_speculative_tokens, labels)
+
+
+def _spec_decode_counters(stats: SpecDecodeStats, num_speculative_tokens: int, labels: list[str]) -> Iterator[Metric]:
+    """vLLM's spec_decode counter families, from the engine's running totals."""
+    counters = [
+        ("vllm:spec_decode_num_drafts", "Drafts verified (one per request per speculating step).", stats.num_drafts),
+        ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", stats.num_draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.num_accepted_tokens),
+    ]
+    for name, documentation, value in counters:
+        family = CounterMetricFamily(name, documentation, labels=per_model())
+        family.add_metric(labels, value)
+        yield family
+    per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                       "Drafts whose token at this position was accepted.",
+                                       labels=per_model(["position"]))
+    accepted = stats.accepted_per_position
+    for position in range(max(num_speculative_tokens, len(accepted))):
+        per_position.add_metric([*labels, str(position)], accepted[position] if position < len(accepted) else 0)
+    yield per_position
 
 
 class WorkerMetrics(RequestMetrics):

@@ -75,3 +75,9 @@ class DecodeRecorder:
                 "tandem.tpot_s": progress.tpot_s(output.num_output_tokens - progress.resumed_tokens),
                 "tandem.e2e_s": progress.last_token_at - progress.arrived_at,
             })
+            if output.num_draft_tokens:
+                set_attributes({
+                    "tandem.spec_decode.draft_tokens": output.num_draft_tokens,
+                    "tandem.spec_decode.accepted_tokens": output.num_accepted_tokens,
+                    "tandem.spec_decode.acceptance_rate": output.num_accepted_tokens / output.num_draft_tokens,
+                })

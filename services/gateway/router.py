@@ -199,9 +199,10 @@ def _uncached(request: RouteRequest, worker: WorkerView) -> int:
 
 
 def _tpot(request: RouteRequest, decode: WorkerView) -> float:
-    """One decode step of the batch with this request added, halfway through its output."""
+    """Time per output token in the batch with this request added, halfway through its output
+    (one step, over the tokens a step gains where the worker speculates)."""
     context = decode.context_tokens + request.prompt_tokens + request.max_tokens // 2
-    return decode.step_model.step_s(0, decode.sequences + 1, context)
+    return decode.step_model.token_s(decode.sequences + 1, context)
 
 
 def _disaggregated_ttft(request: RouteRequest, prefill: WorkerView) -> float:

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from parity_prompts import CHAT, PLAIN, parity_prompt_ids, travel_diary
+from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS
 
 from bench.harness.leak_check import assert_no_leaks, load_report
@@ -32,6 +33,7 @@ WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256", *PINNED_FLAGS]
 DEADLINE_S = 60.0  # generous bound for conditions polled below; no test asserts elapsed time
 RPC_TIMEOUT_S = 300.0
 GREEDY = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+SPECULATION = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None})
 
 
 def _start_all(arg_lists: list[list[str]]) -> list[WorkerProcess]:
@@ -65,7 +67,8 @@ def _stop(workers: list[WorkerProcess]) -> None:
 @pytest.fixture(scope="module")
 def mesh():
     prefill = [_worker_args("prefill") for _ in range(2)]
-    decode = [_worker_args("decode") for _ in range(2)]
+    # The second decode worker speculates, so requests routed to it check that greedy output is the same.
+    decode = [_worker_args("decode"), _worker_args("decode", "--speculative-config", SPECULATION)]
     *workers, gateway = _start_all([*prefill, *decode, _gateway_args(prefill, decode)])
     yield Mesh(workers[:2], workers[2:], gateway)
     _stop([gateway, *workers])
@@ -129,10 +132,20 @@ def test_concurrent_requests_spread_over_workers(mesh, client, tokenizer, refere
                                  ignore_eos=True, timeout=RPC_TIMEOUT_S)
         return _token_ids(stream)
 
+    drafts_before = _verified_drafts(mesh.decode[1])
     got = _concurrently(run, list(range(32)))
     assert got == reference(prompts, params)
     after = [load_report(worker).finished_requests for worker in mesh.workers]
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+    assert _verified_drafts(mesh.decode[1]) > drafts_before  # the speculating worker did speculate
+
+
+def _verified_drafts(worker: WorkerProcess) -> float:
+    """vllm:spec_decode_num_drafts_total from a worker's /metrics."""
+    with urllib.request.urlopen(f"http://{worker.metrics_address}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "vllm:spec_decode_num_drafts_total")
 
 
 @pytest.mark.parametrize("read_chunks", [0, 2], ids=["during-prefill", "mid-stream"])

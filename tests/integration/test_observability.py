@@ -23,6 +23,8 @@ NUM_LAYERS = 30  # SmolLM2-135M
 SPANS_TIMEOUT_S = 60.0  # generous bound for the exporters' batches to arrive; no test asserts timing
 RPC_TIMEOUT_S = 300.0
 WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "64"]
+# The decode worker speculates (n-gram drafts, whatever the batch).
+SPECULATION = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}
 # Every span one request must leave, by service.
 EXPECTED = {
     "tandem-gateway": {"/tandem.v1.Gateway/Generate", "route", "/tandem.v1.Decode/Generate"},
@@ -51,7 +53,8 @@ def mesh(receiver):
     prefill_port, decode_port = free_port(), free_port()
     args = [
         ["prefill", "--port", str(prefill_port), *WORKER_FLAGS],
-        ["decode", "--port", str(decode_port), "--kv-backend", "grpc", *WORKER_FLAGS],
+        ["decode", "--port", str(decode_port), "--kv-backend", "grpc", *WORKER_FLAGS,
+         "--speculative-config", json.dumps(SPECULATION)],
         ["gateway", "--port", "0", "--http-port", "0", "--prefill", f"127.0.0.1:{prefill_port}",
          "--decode", f"127.0.0.1:{decode_port}", "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"],
     ]
@@ -288,3 +291,28 @@ def test_metrics_count_a_request(mesh):
         assert gateway[("tandem:worker_routable", labels)] == 1, role
     # No NVML on this machine: no GPU metrics at all.
     assert not any(name.startswith("tandem:gpu_") for name, _ in (*prefill, *decode))
+
+
+def test_speculation_is_counted_and_traced(mesh, receiver):
+    before = _scrape(mesh["decode"])
+    request_id = f"copied-{uuid.uuid4().hex[:8]}"
+    passage = "The quick brown fox jumps over the lazy dog, and the dog sleeps on in the warm afternoon sun."
+    request = gateway_pb2.GenerateRequest(
+        request_id=request_id, text=f"Repeat exactly: {passage}\nRepeated: {passage[:20]}",
+        sampling=common_pb2.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    with grpc.insecure_channel(mesh["gateway"].address, options=channel_options()) as channel:
+        chunks = list(gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=RPC_TIMEOUT_S))
+    assert sum(len(response.chunk.token_ids) for response in chunks) == 16
+    after = _scrape(mesh["decode"])
+    drafts = _delta(before, after, "vllm:spec_decode_num_drafts_total")
+    draft_tokens = _delta(before, after, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = _delta(before, after, "vllm:spec_decode_num_accepted_tokens_total")
+    assert 0 < drafts <= draft_tokens <= 3 * drafts and 0 < accepted <= draft_tokens
+    per_position = [_delta(before, after, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+                    for i in range(3)]
+    assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
+
+    decode = _one(_request_trace(receiver, request_id), "tandem-decode", "/tandem.v1.Decode/Generate", server=True)
+    attributes = decode.attributes
+    assert attributes["tandem.spec_decode.draft_tokens"] >= attributes["tandem.spec_decode.accepted_tokens"] > 0
+    assert 0 < attributes["tandem.spec_decode.acceptance_rate"] <= 1

@@ -20,6 +20,8 @@ from services.common.convert import (
     load_report,
     sampling_params_from_proto,
     sampling_params_to_proto,
+    step_model_from_proto,
+    step_model_to_proto,
     timings_from_proto,
     timings_to_proto,
     token_chunk,
@@ -177,3 +179,13 @@ def test_the_timings_record_and_its_proto_have_the_same_fields():
     assert record == [field.name for field in common_pb2.Timings.DESCRIPTOR.fields]
     timings = Timings(*(0.5 + i for i in range(len(record))))
     assert timings_from_proto(timings_to_proto(timings)) == timings
+
+
+def test_step_model_round_trips_with_its_speculation_figures():
+    model = StepModel(0.05, 0.004, 0.002, 1e-5, draft_rows_per_sequence=3.5, tokens_per_decode_step=2.25,
+                      speculation_max_batch=4)
+    assert step_model_from_proto(step_model_to_proto(model)) == model
+    # A report from a worker that predates speculation: one token a step.
+    old = step_model_to_proto(StepModel(0.05))
+    old.ClearField("tokens_per_decode_step")
+    assert step_model_from_proto(old).tokens_per_decode_step == 1.0

@@ -38,14 +38,28 @@ ENGINE_FLAGS = ["--model", "/m.gguf", "--device", "cuda:1", "--dtype", "float16"
                 "--threads", "2", "--cpu-weights", "plain", "--quantization", "none", "--kv-cache-dtype", "int8",
                 "--kv-cache-mib", "64", "--kv-cache-blocks", "9", "--block-size", "32", "--max-num-seqs", "3",
                 "--max-num-batched-tokens", "100", "--max-prompt-batch-tokens", "0", "--max-model-len", "512",
-                "--no-prefix-caching", "--activation-quantization", "none"]
+                "--no-prefix-caching", "--activation-quantization", "none",
+                "--speculative-config", '{"num_speculative_tokens": 3}']
 
 
 def test_engine_flags_pass_on_as_arguments_that_parse_back_to_the_same_values():
     args = _parser().parse_args(ENGINE_FLAGS)
-    assert vars(_parser().parse_args(engine_flag_args(args))) == vars(args)
-    assert engine_flag_args(_parser().parse_args(["--dtype", "float32"])) == ["--dtype", "float32"]
-    assert engine_flag_args(_parser().parse_args([])) == []
+    assert vars(_parser().parse_args(engine_flag_args(args, "decode"))) == vars(args)
+    assert engine_flag_args(_parser().parse_args(["--dtype", "float32"]), "decode") == ["--dtype", "float32"]
+    assert engine_flag_args(_parser().parse_args([]), "colocated") == []
+    # A prefill worker would refuse to speculate, so it is not told to.
+    prefill = _parser().parse_args(engine_flag_args(args, "prefill"))
+    assert prefill.speculative_config is None and prefill.kv_cache_mib == 64
+
+
+def test_speculative_config_flag():
+    assert _config().speculative is None
+    spec = _config("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 6}').speculative
+    assert spec is not None and spec.num_speculative_tokens == 6 and spec.prompt_lookup_max == 4
+    with pytest.raises(ValueError, match="--speculative-config: num_speculative_tokens: must be in"):
+        _config("--speculative-config", '{"num_speculative_tokens": 0}')
+    with pytest.raises(ValueError, match="--speculative-config: the prefill role"):
+        engine_config(_parser().parse_args(["--speculative-config", "{}"]), "prefill")
 
 
 def test_every_engine_flag_is_named_after_its_attribute_so_it_passes_on():

@@ -11,6 +11,7 @@ import pytest
 
 from engine import commands
 from engine.commands import Abort, AddRequest, Command, GetStats, ImportPages, Release, Reserve, StartDecode
+from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from services.common.engine_loop import EngineLoop
 
@@ -30,6 +31,7 @@ EXPECTED = {
 class _RecordingEngine:
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple, str]] = []
+        self.config = EngineConfig()
 
     def has_unfinished(self) -> bool:
         return False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from services.common.step_model import StepModel
@@ -173,3 +175,13 @@ def test_when_no_way_meets_the_slo_the_prefill_worker_stays_the_least_bad_over_a
     decision = route(request(), workers, policy=RoutingPolicy(remote_ttft_share=share))
     assert not decision.meets_slo and decision.prefill == "p1"
     assert any(reason.startswith("local prefill on d1") for reason in decision.reasons)
+
+
+def test_a_speculating_decode_worker_is_predicted_by_its_tokens_per_step() -> None:
+    # Three draft rows a sequence, 2.5 tokens gained a step: a busier step, fewer of them per token.
+    speculating = dataclasses.replace(CPU, draft_rows_per_sequence=3.0, tokens_per_decode_step=2.5)
+    fast = dataclasses.replace(decode("d2", sequences=2), step_model=speculating)
+    decision = route(request(), [prefill("p1"), decode("d1", sequences=2), fast])
+    assert decision.decode == "d2"
+    context = 600 + 256 + 32
+    assert decision.tpot_s == pytest.approx(CPU.step_s(9, 3, context) / 2.5)

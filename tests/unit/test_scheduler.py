@@ -27,7 +27,7 @@ def _sched(num_blocks: int = 64, budget: int = 32, chunked: bool = True, max_seq
 
 def _run_step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    sampled = {c.request.request_id: token for c in out.chunks if c.samples}
+    sampled = {c.request.request_id: [token] for c in out.chunks if c.samples}
     return out, s.update(out, sampled)
 
 
@@ -50,7 +50,7 @@ def test_token_budget_chunks_the_last_prefill():
     out = s.schedule()
     assert _layout(out) == [("a", 0, 10), ("b", 0, 20), ("c", 0, 2)]
     assert [c.samples for c in out.chunks] == [True, True, False]
-    s.update(out, {"a": 1, "b": 1})
+    s.update(out, {"a": [1], "b": [1]})
     out = s.schedule()
     # Decodes first (one token each), then the rest of c's prompt within the budget.
     assert _layout(out) == [("a", 10, 1), ("b", 20, 1), ("c", 2, 28)]

@@ -59,3 +59,20 @@ def test_chunked_prefill_pays_one_step_base_per_chunk() -> None:
     assert model.prefill_s(0, 64) == 0.0
     # 200 tokens in chunks of 64: 4 steps, each beside 3 decoding sequences.
     assert model.prefill_s(200, 64, sequences=3) == pytest.approx(4 * (0.05 + 3 * 0.002) + 200 * 0.004)
+
+
+def test_speculating_steps_teach_the_time_per_token() -> None:
+    fit = StepModelFit(speculation_max_batch=4)
+    for _ in range(300):
+        # Two sequences, four draft rows each, three tokens gained each: the steps cost the drafts.
+        fit.record(8, 2, 400, TRUE.step_s(8, 2, 400))
+        fit.record_speculation(2, 8, 6)
+        fit.record(0, 6, 1200, TRUE.step_s(0, 6, 1200))  # a batch too large to speculate
+        fit.record_speculation(6, 0, 6)
+    model = fit.model
+    assert model.draft_rows_per_sequence == pytest.approx(4.0, rel=0.01)
+    assert model.tokens_per_decode_step == pytest.approx(3.0, rel=0.01)
+    assert model.token_s(2, 400) == pytest.approx(TRUE.step_s(8, 2, 400) / 3, rel=0.05)
+    assert model.token_s(6, 1200) == pytest.approx(TRUE.step_s(0, 6, 1200), rel=0.05)  # no drafts at 4 and up
+    # Without speculation a token takes one step.
+    assert TRUE.token_s(3, 100) == TRUE.step_s(0, 3, 100)

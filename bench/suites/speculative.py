@@ -1,0 +1,138 @@
+"""Issue 17's speed ratios: n-gram speculative decoding against Tandem's default (no speculation),
+same engine formats, same run, alternately.
+
+- batch 1 on the input-grounded workload (bench/texts/input-grounded-prompts.json: copying tasks
+  over Jargon File passages, chat-rendered): decode tok/s of each request (its output tokens after
+  the first over the time after the first), the sum over the sum; target >= 2x;
+- batch 1 on chat prompts (the goodput benchmark's ShareGPT workload), the same figure: what
+  speculation does where outputs copy little;
+- the concurrency curve, 1 to 32 requests in flight (closed loop) on the input-grounded prompts at
+  the shipped `disable_by_batch_size`: output tok/s; target never below 0.95x.
+
+Acceptance per workload (accepted / drafted tokens, and per draft position) comes with each row.
+In-process engines on `--threads` torch threads, greedy, max_tokens 128 (ignore_eos off: outputs
+end where the model stops), prefix caching off.
+
+    python -m bench speculative [--threads 1] [--config JSON] [--concurrency 1,2,4,8,16,32] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from bench.harness.machine import describe
+from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.harness.workload import build_workload
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import Engine
+from engine.model.loader import load_model_files
+from engine.sampling_params import SamplingParams
+from engine.speculative.config import SpeculativeConfig
+from services.common.malloc_arenas import limit_malloc_arenas
+
+PROMPTS = Path(__file__).resolve().parents[1] / "texts" / "input-grounded-prompts.json"
+MAX_TOKENS = 128
+
+
+def input_grounded(engine: Engine) -> list[list[int]]:
+    """The committed copying tasks, chat-rendered."""
+    data = json.loads(PROMPTS.read_text(encoding="utf-8"))
+    return [engine.tokenizer.encode_chat([{"role": "user", "content": f"{p['task']}\n\n{p['passage']}"}])
+            for p in data["prompts"]]
+
+
+def chat(engine: Engine, count: int) -> list[list[int]]:
+    """ShareGPT-style chat prompts of the goodput workload."""
+    tokenizer = engine.tokenizer
+    workload = build_workload(count, 0, lambda text: tokenizer.encode(text, add_special_tokens=False),
+                              tokenizer.decode)
+    return [tokenizer.encode_chat([{"role": "user", "content": r.prompt}]) for r in workload.requests]
+
+
+def closed_loop(engine: Engine, prompts: list[list[int]], concurrency: int) -> dict:
+    """Every prompt once, `concurrency` in flight; output tok/s overall and decode tok/s per request."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    stats = engine.scheduler.spec_stats
+    before = stats.snapshot()
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    tokens: dict[str, int] = {}
+    added = 0
+    start = time.perf_counter()
+    while added < len(prompts) or engine.has_unfinished():
+        while added < len(prompts) and engine.scheduler.num_running + engine.scheduler.num_waiting < concurrency:
+            engine.add_request(f"r{added}", prompts[added], params)
+            added += 1
+        for output in engine.step():
+            now = time.perf_counter()
+            first.setdefault(output.request_id, now)
+            last[output.request_id] = now
+            tokens[output.request_id] = output.num_output_tokens
+    elapsed = time.perf_counter() - start
+    decode_tokens = sum(n - 1 for n in tokens.values())
+    decode_s = sum(last[r] - first[r] for r in tokens)
+    return {"output_tok_s": sum(tokens.values()) / elapsed, "decode_tok_s": decode_tokens / decode_s,
+            "output_tokens": sum(tokens.values()), "drafts": stats.num_drafts - before.num_drafts,
+            "draft_tokens": stats.num_draft_tokens - before.num_draft_tokens,
+            "accepted_tokens": stats.num_accepted_tokens - before.num_accepted_tokens,
+            "accepted_per_position": [n - (before.accepted_per_position[i] if i < len(before.accepted_per_position)
+                                           else 0) for i, n in enumerate(stats.accepted_per_position)]}
+
+
+def main(argv: Sequence[str]) -> int:
+    """Both engines on each case, alternately; the tables and the results."""
+    parser = suite_parser(__name__, __doc__)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--config", default="{}", help="--speculative-config of the speculating engine")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32")
+    parser.add_argument("--chat-prompts", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default=str(results_path(__name__)))
+    args = parser.parse_args(argv)
+    limit_malloc_arenas()
+    torch.set_num_threads(args.threads)
+    spec = SpeculativeConfig.from_json(args.config)
+    files = load_model_files(None, torch.float32)
+    cache = CacheConfig(enable_prefix_caching=False)
+    engines = {"default": Engine(EngineConfig(cache=cache), files=files),
+               "ngram": Engine(EngineConfig(cache=cache, speculative=spec), files=files)}
+    grounded = input_grounded(engines["default"])
+    cases = [("batch-1 input-grounded", grounded, 1), ("batch-1 chat", chat(engines["default"], args.chat_prompts), 1)]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    # The curve: enough requests that every level runs full for most of its time.
+    cases += [(f"c{c} input-grounded", (grounded * -(-max(2 * c, 12) // len(grounded)))[: max(2 * c, 12)], c)
+              for c in levels if c > 1]
+    for engine in engines.values():  # warm-up
+        closed_loop(engine, grounded[:1], 1)
+    runs: dict[str, dict[str, list[dict]]] = {name: {system: [] for system in engines} for name, _, _ in cases}
+    for name, prompts, concurrency in cases:
+        for repeat in range(args.repeats):
+            for system, engine in engines.items():
+                result = closed_loop(engine, prompts, concurrency)
+                runs[name][system].append(result)
+                print(f"[speculative] {name} run {repeat + 1} {system}: output {result['output_tok_s']:.1f} tok/s, "
+                      f"decode {result['decode_tok_s']:.1f} tok/s, accepted {result['accepted_tokens']}/"
+                      f"{result['draft_tokens']}", flush=True)
+    machine = describe()
+    print(f"\n{machine['processor']} ({', '.join(machine['isa'])}), {args.threads} thread(s); "
+          f"{engines['default'].formats.describe()}; speculative config {spec}\n")
+    print("| case | default tok/s | ngram tok/s | ratio | acceptance |")
+    print("|---|---:|---:|---:|---:|")
+    for name, _, concurrency in cases:
+        key = "decode_tok_s" if concurrency == 1 else "output_tok_s"
+        base = statistics.median(r[key] for r in runs[name]["default"])
+        ours = statistics.median(r[key] for r in runs[name]["ngram"])
+        drafted = sum(r["draft_tokens"] for r in runs[name]["ngram"])
+        accepted = sum(r["accepted_tokens"] for r in runs[name]["ngram"])
+        rate = f"{accepted / drafted:.0%} of {drafted}" if drafted else "no drafts"
+        print(f"| {name} ({key.split('_')[0]}) | {base:.1f} | {ours:.1f} | {ours / base:.2f}x | {rate} |")
+    write_results(args.out, {"command": command_line(__name__, argv), "machine": machine, "load": load_average(),
+                             "threads": args.threads, "formats": engines["default"].formats.describe(),
+                             "speculative": vars(spec), "runs": runs})
+    return 0

@@ -1,0 +1,75 @@
+"""`--speculative-config`: which proposer drafts tokens and how many, in vLLM's JSON keys."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Literal, get_args
+
+SpeculativeMethod = Literal["ngram"]
+
+# Verifying k drafts computes k + 1 rows per request; past this the rows cost more than a CPU step
+# saves (a draft after 8 accepted ones is rarely right), and vLLM's users rarely go beyond it.
+MAX_SPECULATIVE_TOKENS = 16
+FLAG = "--speculative-config"
+
+
+def _require(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{FLAG}: {key}: {message}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How a decoding engine speculates.
+
+    `method` "ngram" (prompt lookup): the continuation of the longest n-gram, of between
+    `prompt_lookup_min` and `prompt_lookup_max` tokens, that ends the request's tokens and occurred
+    earlier in them (prompt or output), the most recent occurrence first. `disable_by_batch_size`: a
+    step with this many running requests or more proposes nothing (a large batch already fills the
+    machine, so extra verification rows would only slow it); None never disables.
+    """
+
+    method: SpeculativeMethod = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = 4
+
+    def __post_init__(self) -> None:
+        _require(self.method in get_args(SpeculativeMethod), "method",
+                 f"unknown method {self.method!r} (choose from {', '.join(get_args(SpeculativeMethod))})")
+        _require(1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS, "num_speculative_tokens",
+                 f"must be in [1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}")
+        _require(self.prompt_lookup_min >= 1, "prompt_lookup_min", f"must be >= 1, got {self.prompt_lookup_min}")
+        _require(self.prompt_lookup_max >= self.prompt_lookup_min, "prompt_lookup_max",
+                 f"must be >= prompt_lookup_min={self.prompt_lookup_min}, got {self.prompt_lookup_max}")
+        if self.disable_by_batch_size is not None:
+            _require(self.disable_by_batch_size >= 2, "disable_by_batch_size",
+                     f"must be >= 2 (or null), got {self.disable_by_batch_size}")
+
+    def speculates(self, num_running: int) -> bool:
+        """Whether a step with `num_running` running requests proposes drafts."""
+        return self.disable_by_batch_size is None or num_running < self.disable_by_batch_size
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parse the flag's JSON object; ValueError naming the flag and the key for anything wrong."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{FLAG}: not JSON: {error}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{FLAG}: must be a JSON object, got {type(raw).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(raw.keys() - known)
+        if unknown:
+            raise ValueError(f"{FLAG}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        for key, value in raw.items():
+            expected = str if key == "method" else int
+            if value is None and key == "disable_by_batch_size":
+                continue
+            if not isinstance(value, expected) or isinstance(value, bool):
+                raise ValueError(f"{FLAG}: {key}: must be {'a string' if expected is str else 'an integer'}, "
+                                 f"got {value!r}")
+        return cls(**raw)

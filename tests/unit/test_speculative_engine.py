@@ -1,0 +1,252 @@
+"""Speculative decoding through the engine: output identical to decoding without it (greedy and
+seeded sampling), stops and logprobs as without it, KV accounted after rejections, aborts and
+preemption, the prefix cache free of unverified tokens, and the sampled rule's distribution."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from reference import check_against
+
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import Engine
+from engine.kv_cache.block_hash import hash_block
+from engine.outputs import RequestOutput
+from engine.resume import Resumed
+from engine.sampling_params import SamplingParams
+from engine.speculative.config import SpeculativeConfig
+
+SPEC = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=None)
+PASSAGE = ("The river Thames flows through southern England, including London. It is the longest river entirely "
+           "in England and the second longest in the United Kingdom, after the Severn. The river rises at Thames "
+           "Head in Gloucestershire and flows into the North Sea near Tilbury, Essex and Gravesend, Kent, via the "
+           "Thames Estuary.")
+
+
+@pytest.fixture(scope="module")
+def engines(make_engine):
+    """(without speculation, with it) on the same weights and formats."""
+    return make_engine(), make_engine(speculative=SPEC)
+
+
+def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]],
+         resumed: dict[str, Resumed] | None = None) -> dict[str, list[RequestOutput]]:
+    """Every request's outputs, all submitted together; the KV bookkeeping is checked every step."""
+    outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params, (resumed or {}).get(rid))
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs[output.request_id].append(output)
+        engine.kv.check_invariants()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    return outputs
+
+
+def _tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+def _prompts(tokenizer) -> dict[str, list[int]]:
+    return {
+        "copy": tokenizer.encode_chat([{"role": "user", "content": f"Repeat this passage exactly:\n\n{PASSAGE}"}]),
+        "chat": tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}]),
+        "plain": tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return"),
+        "long": tokenizer.encode(" ".join([PASSAGE] * 6) + " In summary,"),
+    }
+
+
+def test_greedy_output_is_identical_in_a_mixed_batch(engines, tokenizer):
+    plain, spec = engines
+    prompts = _prompts(tokenizer)
+    params = SamplingParams(max_tokens=48, temperature=0.0, logprobs=2)
+    requests = {name: (ids, params) for name, ids in prompts.items()}
+    # A request that cannot draft (no recurring n-gram in a two-token prompt) shares the batch.
+    requests["short"] = (tokenizer.encode("Hello")[:2], params)
+    reference, ours = _run(plain, requests), _run(spec, requests)
+    names = sorted(requests)
+    margins = [[lp.top[0][1] - lp.top[1][1] for o in reference[n] for lp in o.logprobs] for n in names]
+    check_against([_tokens(ours[n]) for n in names], [_tokens(reference[n]) for n in names], margins, "greedy")
+    for name in names:
+        assert [lp.token_id for o in ours[name] for lp in o.logprobs] == _tokens(ours[name])
+        if _tokens(ours[name]) == _tokens(reference[name]):
+            ours_lp = torch.tensor([lp.logprob for o in ours[name] for lp in o.logprobs])
+            ref_lp = torch.tensor([lp.logprob for o in reference[name] for lp in o.logprobs])
+            torch.testing.assert_close(ours_lp, ref_lp, atol=2e-3, rtol=0)
+            assert "".join(o.new_text for o in ours[name]) == "".join(o.new_text for o in reference[name])
+        assert ours[name][-1].finish_reason == reference[name][-1].finish_reason
+    copied = ours["copy"][-1]
+    assert copied.num_accepted_tokens > 0.5 * copied.num_draft_tokens > 0
+    assert len(ours["copy"]) < len(reference["copy"]) / 2  # fewer steps than tokens
+
+
+def test_stops_and_penalties_behave_as_without_speculation(engines, tokenizer):
+    plain, spec = engines
+    ids = _prompts(tokenizer)["copy"]
+    reference = _run(plain, {"probe": (ids, SamplingParams(max_tokens=40, temperature=0.0))})["probe"]
+    text = "".join(o.new_text for o in reference)
+    stop_word = text.split()[12]  # well inside the copied run
+    stop_token = _tokens(reference)[20]
+    cases = {
+        "stop-string": SamplingParams(max_tokens=40, temperature=0.0, stop=(stop_word,)),
+        "stop-token": SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(stop_token,)),
+        "max-tokens": SamplingParams(max_tokens=17, temperature=0.0),
+        "min-tokens": SamplingParams(max_tokens=40, min_tokens=30, temperature=0.0, stop_token_ids=(stop_token,)),
+        "penalties": SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5),
+    }
+    requests = {name: (ids, params) for name, params in cases.items()}
+    reference, ours = _run(plain, requests), _run(spec, requests)
+    for name in cases:
+        assert _tokens(ours[name]) == _tokens(reference[name]), name
+        assert "".join(o.new_text for o in ours[name]) == "".join(o.new_text for o in reference[name]), name
+        assert (ours[name][-1].finish_reason, ours[name][-1].num_output_tokens) == (
+            reference[name][-1].finish_reason, reference[name][-1].num_output_tokens), name
+    assert ours["stop-string"][-1].num_accepted_tokens > 0
+
+
+def test_seeded_sampling_draws_the_same_tokens(engines, tokenizer):
+    plain, spec = engines
+    ids = _prompts(tokenizer)["copy"]
+    requests = {f"seed-{seed}": (ids, SamplingParams(max_tokens=32, temperature=0.7, top_p=0.95, seed=seed))
+                for seed in range(6)}
+    reference, ours = _run(plain, requests), _run(spec, requests)
+    for rid in requests:
+        assert _tokens(ours[rid]) == _tokens(reference[rid]), rid
+    assert sum(o[-1].num_accepted_tokens for o in ours.values()) > 0
+
+
+def test_resumed_requests_continue_identically(engines, tokenizer):
+    """What a migration does: another engine continues after output already delivered."""
+    plain, spec = engines
+    ids = _prompts(tokenizer)["copy"]
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    whole = _tokens(_run(plain, {"whole": (ids, params)})["whole"])
+    seeded = SamplingParams(max_tokens=40, temperature=0.8, seed=7)
+    whole_seeded = _tokens(_run(spec, {"whole": (ids, seeded)})["whole"])
+    resumed = _run(spec, {"greedy": (ids, params), "seeded": (ids, seeded)},
+                   {"greedy": Resumed(tuple(whole[:13])), "seeded": Resumed(tuple(whole_seeded[:13]))})
+    assert whole[:13] + _tokens(resumed["greedy"]) == whole
+    assert whole_seeded[:13] + _tokens(resumed["seeded"]) == whole_seeded
+
+
+def test_aborts_and_preemption_leak_no_block_and_cache_only_verified_tokens(make_engine, tokenizer):
+    # Room for about two of the four requests at a time: the rest are preempted and recomputed.
+    engine = make_engine(speculative=SPEC, cache=CacheConfig(num_blocks=24, memory_bytes=None))
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    # Distinct prompts of about 8 blocks each (so no prefix is shared), 11 with their output.
+    requests = {f"copy-{i}": (tokenizer.encode_chat([{"role": "user", "content": f"{verb}:\n\n{PASSAGE}"}]), params)
+                for i, verb in enumerate(("Repeat", "Copy", "Echo", "Restate"))}
+    for rid, (prompt, p) in requests.items():
+        engine.add_request(rid, prompt, p)
+    finished: dict[str, list[int]] = {rid: list(prompt) for rid, (prompt, _) in requests.items()}
+    aborted = False
+    while engine.has_unfinished():
+        for output in engine.step():
+            finished[output.request_id] += output.new_token_ids
+        engine.kv.check_invariants()
+        if not aborted and engine.scheduler.spec_stats.num_drafts > 2:
+            assert engine.abort("copy-3")  # between verification steps, its drafts' slots held
+            aborted = True
+    assert aborted and engine.scheduler.total_preemptions > 0
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    # Every hashed block holds a prefix of some request's verified tokens.
+    block = engine.kv.block_size
+    verified = set()
+    for tokens in finished.values():
+        parent = None
+        for start in range(0, len(tokens) - block + 1, block):
+            parent = hash_block(parent, tokens[start:start + block], engine.fingerprint)
+            verified.add(parent)
+    cached = {engine.kv._pool.block_hash(b) for b in range(engine.kv.num_blocks)} - {None}
+    assert cached and cached <= verified
+
+
+# ---- the sampled rule's distribution on a tiny model -------------------------------------------
+VOCAB = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tmp_path_factory):
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import LlamaConfig
+    from unit.test_model_hf import save_random_model
+
+    directory: Path = tmp_path_factory.mktemp("tiny")
+    save_random_model(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                  initializer_range=1.0, tie_word_embeddings=False), directory)
+    backend = BackendTokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t11"}))
+    formats = {"dtype": "float32", "quantization": "none", "cpu_weights": "fp32"}
+    config = {"model": str(directory), **formats, "cache": CacheConfig(num_blocks=512, memory_bytes=None)}
+    plain = Engine(EngineConfig(**config))
+    # One-token n-grams: in a vocabulary of 12 the last token nearly always recurs, so most steps draft.
+    spec = Engine(EngineConfig(**config, speculative=SpeculativeConfig(prompt_lookup_min=1,
+                                                                       disable_by_batch_size=None)))
+    # A prompt that holds the model's own greedy continuation of its last tokens, so that drafts are
+    # often among the likely tokens and both outcomes of verification occur.
+    head = [1, 2, 3]
+    greedy = _run(plain, {"g": (head, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))})["g"]
+    return plain, spec, head + _tokens(greedy) + head
+
+
+def _exact_joint(engine: Engine, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(the whole output) under top-k sampling, from the model's own next-token distributions."""
+    def next_probs(context: list[int]) -> dict[int, float]:
+        engine.add_request("p", context, SamplingParams(max_tokens=1, temperature=0.0, logprobs=VOCAB))
+        (output,) = [o for o in engine.step() if o.request_id == "p"]
+        top = sorted(output.logprobs[0].top, key=lambda t: -t[1])[: params.top_k]
+        weights = torch.tensor([lp for _, lp in top]).div(params.temperature).softmax(0).tolist()
+        return {token: w for (token, _), w in zip(top, weights, strict=True)}
+
+    joint = {(): 1.0}
+    for _ in range(params.max_tokens):
+        joint = {(*seq, t): p * q for seq, p in joint.items() for t, q in next_probs(prompt + list(seq)).items()}
+    return joint
+
+
+def _chi2_critical(df: int, z: float = 3.0902) -> float:
+    """The chi-square quantile for a false alarm rate of 1e-3 (z is the normal's), by Wilson and
+    Hilferty's approximation (within 1% from 3 degrees of freedom)."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_sampled_tokens_follow_the_targets_distribution(tiny_engines):
+    """Chi-square of 4,000 unseeded draws of four tokens (top-k 2: at most 16 outcomes) against their
+    exact distribution, outcomes expected fewer than 5 times pooled into one cell; false alarm 1e-3."""
+    plain, spec, prompt = tiny_engines
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=2, ignore_eos=True)
+    expected = _exact_joint(plain, prompt, params)
+    total, batch = 4000, 80
+    counts: Counter[tuple[int, ...]] = Counter()
+    for first in range(0, total, batch):
+        outputs = _run(spec, {f"r{first + i}": (prompt, params) for i in range(batch)})
+        counts.update(tuple(_tokens(o)) for o in outputs.values())
+    assert set(counts) <= set(expected)
+    cells = [(counts[c], total * p) for c, p in expected.items() if total * p >= 5]
+    rare = [(counts[c], total * p) for c, p in expected.items() if total * p < 5]
+    if rare:
+        cells.append((sum(n for n, _ in rare), sum(e for _, e in rare)))
+    chi2 = sum((n - e) ** 2 / e for n, e in cells)
+    assert len(cells) >= 4
+    print(f"chi-square {chi2:.2f} over {len(cells)} cells, critical {_chi2_critical(len(cells) - 1):.2f}; "
+          f"{spec.scheduler.spec_stats}")
+    assert chi2 < _chi2_critical(len(cells) - 1), (chi2, counts, expected)
+    stats = spec.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both outcomes were exercised
+
+
+def test_seeded_draws_match_on_the_tiny_model(tiny_engines):
+    plain, spec, prompt = tiny_engines
+    requests = {f"s{seed}": (prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True))
+                for seed in range(40)}
+    reference, ours = _run(plain, requests), _run(spec, requests)
+    assert {rid: _tokens(o) for rid, o in ours.items()} == {rid: _tokens(o) for rid, o in reference.items()}
