@@ -59,9 +59,9 @@ accumulators', not a bf16 rounding widened. One thread of an Intel Xeon with AMX
 product at 32 rows from 0.35 to 0.23 ms and at 512 rows from 1.6 to 1.4 ms.
 
 With `int8_parts` (`--activation-quantization int8|int16`, the default in bf16 on a CPU with
-AVX512-VNNI and no AMX) inputs of 2 rows and more (int8_activations.MIN_ROWS) instead quantize to int8 blocks and
-go through the kernels' int8 GEMM over a byte copy of the values (engine.model.int8_activations); no
-bf16 copy is made then.
+AVX512-VNNI and no AMX) inputs of 2 rows and more (int8_activations.MIN_ROWS) instead quantize to int8
+blocks and go through the kernels' int8 GEMM over a copy of the values (bytes, or nibbles for 4-bit
+values; engine.model.int8_activations); no bf16 copy is made then.
 
 `QuantizedEmbedding` dequantizes just the rows a step looks up, with dequantize()'s arithmetic.
 """

@@ -60,8 +60,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="speculative decoding on decode and colocated workers, in vLLM's keys: "
-                             '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-                             '"prompt_lookup_max": 4, "disable_by_batch_size": 4}\' (those are the defaults '
+                             '\'{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, '
+                             '"prompt_lookup_max": 4, "disable_by_batch_size": 8}\' (those are the defaults '
                              "of the keys left out); off when not given")
 
 

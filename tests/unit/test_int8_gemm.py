@@ -6,6 +6,8 @@ in the build for CPUs with AVX512-BF16 and VNNI; elsewhere the tests that call i
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -79,6 +81,32 @@ def test_packing_puts_sixteen_outputs_side_by_side_four_inputs_at_a_time():
         pack_int8_blocks(QuantizedWeight(q=q[:, :32], scale=torch.ones(18, 2), offset=None, bits=8, group_size=16))
 
 
+def test_four_bit_values_pack_as_nibbles_two_rows_of_a_block_a_byte():
+    q = torch.arange(18 * 64, dtype=torch.int32).remainder(13).to(torch.uint8).view(18, 64)
+    weight = QuantizedWeight(q=q, scale=torch.rand(18, 1), offset=torch.rand(18, 1), bits=4, group_size=64)
+    packed, wide = pack_int8_blocks(weight), pack_int8_blocks(dataclasses.replace(weight, bits=8))
+    assert packed.nibbles and not wide.nibbles and packed.u.shape == (2, 8, 16, 4)
+    # Block b's rows 4b + h hold the byte layout's rows 8b + h (low) and 8b + h + 4 (high).
+    for b, h in ((0, 0), (0, 3), (1, 2)):
+        assert torch.equal(packed.u[:, 4 * b + h] & 15, wide.u[:, 8 * b + h])
+        assert torch.equal(packed.u[:, 4 * b + h] >> 4, wide.u[:, 8 * b + h + 4])
+    signed = QuantizedWeight(q=torch.tensor([[-8, -1, 0, 7] * 8], dtype=torch.int8), scale=torch.ones(1, 1),
+                             offset=None, bits=4, group_size=32)
+    shifted = pack_int8_blocks(signed)
+    assert shifted.zero == 8 and shifted.u[0, 0, 0].tolist() == [0 | 0 << 4, 7 | 7 << 4, 8 | 8 << 4, 15 | 15 << 4]
+
+
+@needs_op
+def test_nibbles_and_bytes_give_the_same_bits():
+    weight = random_weight(40, 576, "q4_offset", seed=3)
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+    packed, wide = pack_int8_blocks(weight), pack_int8_blocks(dataclasses.replace(weight, bits=8))
+    assert packed.nibbles
+    for parts in (1, 2):
+        results = [_op()(x, parts, b.u, b.d, b.m, b.zero, b.rows, None, True) for b in (packed, wide)]
+        assert torch.equal(*results)
+
+
 @needs_op
 @pytest.mark.parametrize("parts", [1, 2])
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -128,7 +156,7 @@ def test_bad_operands_are_refused_with_the_reason():
         _op()(torch.zeros(2, 48), 1, b.u, b.d, b.m, 0, 16, None, True)
     with pytest.raises(RuntimeError, match=r"n=17 does not match 1 panels of 16"):
         _op()(torch.zeros(2, 64), 1, b.u, b.d, b.m, 0, 17, None, True)
-    with pytest.raises(RuntimeError, match="zero must be 0 or 128"):
+    with pytest.raises(RuntimeError, match="zero must be 0, 8 or 128"):
         _op()(torch.zeros(2, 64), 1, b.u, b.d, b.m, 1, 16, None, True)
     with pytest.raises(RuntimeError, match="parts must be 1 or 2"):
         _op()(torch.zeros(2, 64), 3, b.u, b.d, b.m, 0, 16, None, True)

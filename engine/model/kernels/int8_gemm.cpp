@@ -17,7 +17,8 @@
 // instead of 7 for twice the byte products (each part one vpdpbusd pass; the first pass's sums are
 // shifted left by 7 before the second adds to them, so the sums stay exact in int32).
 // Weights: u = q (unsigned groups) or q + 128 (signed ones: vpdpbusd takes the weight as the unsigned
-// operand), so that w = d·(u − z) + m per 32-block with z = 0 or 128. Then, per row and output,
+// operand; q + 8 for signed 4-bit ones), so that w = d·(u − z) + m per 32-block with z = 0, 8 or 128.
+// Then, per row and output,
 //     y = Σ_blocks d · scale · (Σ u·xq − z·Σ xq)  +  Σ_blocks m · fl(scale · Σ xq)
 // where scale is amax/127 or amax/(127·128), the integer sums are exact, and a group of more than 32
 // repeats its scale and offset over its blocks. The offset term takes the quantized x, as llama.cpp's
@@ -26,9 +27,12 @@
 // output is one fixed sequence of operations (blocks in K order), so a row's result does not depend on
 // the batch it came in.
 //
-// Layout (engine.model.kernels.pack_int8_blocks): u [P][K/4][16][4] uint8, panels of 16 outputs, one
-// 64-byte row per four consecutive K that vpdpbusd multiplies by four broadcast bytes of x; d and m
-// [P][K/32][16] fp32.
+// Layout (engine.model.int8_activations.pack_int8_blocks): u [P][K/4][16][4] uint8, panels of 16
+// outputs, one 64-byte row per four consecutive K that vpdpbusd multiplies by four broadcast bytes of
+// x; d and m [P][K/32][16] fp32. Values of 4 bits (u < 16) may come as nibbles, u [P][K/8][16][4]:
+// row h of a block's four holds its rows h (low nibbles) and h + 4 (high nibbles) of the byte layout.
+// The weight's bytes are then half as many, which is what a product of a few rows waits for (it
+// streams the weight from memory once for all its rows); a mask and a shift unpack them.
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 
@@ -111,14 +115,17 @@ struct Weight {
   const float* m;  // nullptr: no offsets
   int32_t zero;
   int64_t k;
+  bool nibbles;  // u holds two 4-bit values a byte
+
+  int64_t panel_bytes() const { return nibbles ? k * 8 : k * 16; }
 };
 
 // R rows of x from row m0, C panels from panel `panel`, over all K; meanwhile `lines` cache lines
 // from `ahead` (the next panels) are prefetched, spread over the blocks.
-template <int R, int C, bool OFFSET, bool ZERO, int PARTS>
+template <int R, int C, bool OFFSET, bool ZERO, int PARTS, bool NIBBLES>
 void tile(const QuantizedRows& x, int64_t m0, const Weight& w, int64_t panel, const Output& out, const char* ahead,
           int64_t lines) {
-  const int64_t k = w.k, blocks = k / kBlock, stride = k * 16;
+  const int64_t k = w.k, blocks = k / kBlock, stride = w.panel_bytes();
   const uint8_t* u = w.u + panel * stride;
   const float* d = w.d + panel * blocks * 16;
   const int8_t* xq = x.q.data() + m0 * k * PARTS;
@@ -136,15 +143,37 @@ void tile(const QuantizedRows& x, int64_t m0, const Weight& w, int64_t panel, co
         for (int r = 0; r < R; ++r)
           for (int c = 0; c < C; ++c) acc[r][c] = _mm512_slli_epi32(acc[r][c], 7);
       }
+      if constexpr (NIBBLES) {
+        const __m512i low = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+        for (int64_t h = 0; h < kBlock / 8; ++h) {
+          __m512i lo[C], hi[C];
+          for (int c = 0; c < C; ++c) {
+            const __m512i v = _mm512_loadu_si512(u + c * stride + (b * 4 + h) * 64);
+            lo[c] = _mm512_and_si512(v, low);
+            hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          }
+          for (int r = 0; r < R; ++r) {
+            const int8_t* from = xq + (r * blocks + b) * kBlock * PARTS + part * kBlock;
+            int32_t first, second;
+            std::memcpy(&first, from + h * 4, sizeof first);
+            std::memcpy(&second, from + (h + 4) * 4, sizeof second);
+            const __m512i x1 = _mm512_set1_epi32(first), x2 = _mm512_set1_epi32(second);
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], lo[c], x1);
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], hi[c], x2);
+          }
+        }
+      } else {
 #pragma GCC unroll 8
-      for (int64_t g = 0; g < kBlock / 4; ++g) {
-        __m512i wv[C];
-        for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(u + c * stride + (b * 8 + g) * 64);
-        for (int r = 0; r < R; ++r) {
-          int32_t four;
-          std::memcpy(&four, xq + (r * blocks + b) * kBlock * PARTS + part * kBlock + g * 4, sizeof four);
-          const __m512i xv = _mm512_set1_epi32(four);
-          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv[c], xv);
+        for (int64_t g = 0; g < kBlock / 4; ++g) {
+          __m512i wv[C];
+          for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(u + c * stride + (b * 8 + g) * 64);
+          for (int r = 0; r < R; ++r) {
+            int32_t four;
+            std::memcpy(&four, xq + (r * blocks + b) * kBlock * PARTS + part * kBlock + g * 4, sizeof four);
+            const __m512i xv = _mm512_set1_epi32(four);
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv[c], xv);
+          }
         }
       }
     }
@@ -176,35 +205,37 @@ void tile(const QuantizedRows& x, int64_t m0, const Weight& w, int64_t panel, co
 using TileFn = void (*)(const QuantizedRows&, int64_t, const Weight&, int64_t, const Output&, const char*, int64_t);
 using TileTable = std::array<std::array<TileFn, kRows>, kPanels>;
 
-template <bool OFFSET, bool ZERO, int PARTS, int C, int... R>
+template <bool OFFSET, bool ZERO, int PARTS, bool NIBBLES, int C, int... R>
 constexpr std::array<TileFn, sizeof...(R)> row_tiles(std::integer_sequence<int, R...>) {
-  return {&tile<R + 1, C, OFFSET, ZERO, PARTS>...};
+  return {&tile<R + 1, C, OFFSET, ZERO, PARTS, NIBBLES>...};
 }
 
 // [c - 1][r - 1]: the tile of r rows and c panels.
-template <bool OFFSET, bool ZERO, int PARTS, int... C>
+template <bool OFFSET, bool ZERO, int PARTS, bool NIBBLES, int... C>
 constexpr TileTable table(std::integer_sequence<int, C...>) {
-  return {row_tiles<OFFSET, ZERO, PARTS, C + 1>(std::make_integer_sequence<int, kRows>{})...};
+  return {row_tiles<OFFSET, ZERO, PARTS, NIBBLES, C + 1>(std::make_integer_sequence<int, kRows>{})...};
 }
 
-template <int PARTS>
+template <int PARTS, bool NIBBLES>
 constexpr std::array<TileTable, 4> tables() {
   constexpr auto panels = std::make_integer_sequence<int, kPanels>{};
-  return {table<false, false, PARTS>(panels), table<true, false, PARTS>(panels), table<false, true, PARTS>(panels),
-          table<true, true, PARTS>(panels)};
+  return {table<false, false, PARTS, NIBBLES>(panels), table<true, false, PARTS, NIBBLES>(panels),
+          table<false, true, PARTS, NIBBLES>(panels), table<true, true, PARTS, NIBBLES>(panels)};
 }
 
-// [parts - 1][offsets + 2·(zero ≠ 0)]
-const std::array<std::array<TileTable, 4>, 2> kTables = {tables<1>(), tables<2>()};
+// [nibbles][parts - 1][offsets + 2·(zero ≠ 0)]
+const std::array<std::array<std::array<TileTable, 4>, 2>, 2> kTables = {
+    std::array<std::array<TileTable, 4>, 2>{tables<1, false>(), tables<2, false>()},
+    std::array<std::array<TileTable, 4>, 2>{tables<1, true>(), tables<2, true>()}};
 
 // Row blocks whose quantized x stays in L2 while every column group passes over it, as bf16_gemm.cpp
 // runs its tiles (schedule_tiles).
 void run_tiles(const QuantizedRows& x, int64_t m, const Weight& w, int64_t panels, const Output& out) {
-  const TileTable& tiles = kTables[x.parts - 1][(w.m != nullptr) + 2 * (w.zero != 0)];
+  const TileTable& tiles = kTables[w.nibbles][x.parts - 1][(w.m != nullptr) + 2 * (w.zero != 0)];
   const int64_t block_rows = std::max<int64_t>(kRows, kBlockBytes / (w.k * x.parts) / kRows * kRows);
   int64_t block_start = 0;
   schedule_tiles(
-      m, block_rows, kRows, panels, kPanels, w.k * 16, reinterpret_cast<const char*>(w.u),
+      m, block_rows, kRows, panels, kPanels, w.panel_bytes(), reinterpret_cast<const char*>(w.u),
       [&](int64_t first_row, int64_t) { block_start = first_row; },
       [&](int64_t m0, int64_t rows, int64_t first, int64_t count, const char* ahead, int64_t lines) {
         tiles[count - 1][rows - 1](x, block_start + m0, w, first, out, ahead, lines);
@@ -216,8 +247,9 @@ void run_tiles(const QuantizedRows& x, int64_t m, const Weight& w, int64_t panel
 namespace TANDEM_OPS {
 
 // x fp32 or bf16 [M, K] (K a multiple of 32, rows contiguous), quantized in `parts` (1 or 2) int8
-// parts, times the weight packed as u uint8 [P, K/4, 16, 4], d and m (or None) fp32 [P, K/32, 16],
-// z = 0 or 128, of n ≤ 16·P outputs, plus fp32 bias [n] if given: [M, n] in fp32 if fp32_out, else bf16.
+// parts, times the weight packed as u uint8 [P, K/4, 16, 4] (or its nibbles [P, K/8, 16, 4]), d and m
+// (or None) fp32 [P, K/32, 16], z = 0, 8 (signed 4-bit values) or 128, of n ≤ 16·P outputs, plus fp32
+// bias [n] if given: [M, n] in fp32 if fp32_out, else bf16.
 at::Tensor int8_gemm(const at::Tensor& x, int64_t parts, const at::Tensor& u, const at::Tensor& d,
                      const std::optional<at::Tensor>& m, int64_t zero, int64_t n, const std::optional<at::Tensor>& bias,
                      bool fp32_out) {
@@ -225,9 +257,10 @@ at::Tensor int8_gemm(const at::Tensor& x, int64_t parts, const at::Tensor& u, co
               "x must be contiguous fp32 or bf16 [M, K]");
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k > 0 && k % kBlock == 0, "K must be a positive multiple of 32, got ", k);
-  TORCH_CHECK(u.scalar_type() == at::kByte && u.is_contiguous() && u.dim() == 4 && u.size(1) == k / 4 &&
-                  u.size(2) == 16 && u.size(3) == 4,
-              "u must be contiguous uint8 [P, ", k / 4, ", 16, 4]");
+  TORCH_CHECK(u.scalar_type() == at::kByte && u.is_contiguous() && u.dim() == 4 &&
+                  (u.size(1) == k / 4 || u.size(1) == k / 8) && u.size(2) == 16 && u.size(3) == 4,
+              "u must be contiguous uint8 [P, ", k / 4, " (or ", k / 8, " nibbles), 16, 4]");
+  const bool nibbles = u.size(1) == k / 8;
   const int64_t panels = u.size(0);
   TORCH_CHECK(n > 16 * (panels - 1) && n <= 16 * panels, "n=", n, " does not match ", panels, " panels of 16");
   const std::vector<int64_t> groups{panels, k / kBlock, 16};
@@ -235,7 +268,7 @@ at::Tensor int8_gemm(const at::Tensor& x, int64_t parts, const at::Tensor& u, co
               "d must be contiguous fp32 [", panels, ", ", k / kBlock, ", 16]");
   TORCH_CHECK(!m.has_value() || (m->scalar_type() == at::kFloat && m->is_contiguous() && m->sizes() == groups),
               "m must be contiguous fp32 [", panels, ", ", k / kBlock, ", 16]");
-  TORCH_CHECK(zero == 0 || zero == 128, "zero must be 0 or 128, got ", zero);
+  TORCH_CHECK(zero == 0 || zero == 8 || zero == 128, "zero must be 0, 8 or 128, got ", zero);
   TORCH_CHECK(parts == 1 || parts == 2, "parts must be 1 or 2, got ", parts);
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
               "bias must be contiguous fp32 [", n, "]");
@@ -248,7 +281,7 @@ at::Tensor int8_gemm(const at::Tensor& x, int64_t parts, const at::Tensor& u, co
   at::Tensor y = at::empty({rows, n}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
   const Output out{y.data_ptr(), fp32_out, n, bias.has_value() ? bias->data_ptr<float>() : nullptr};
   const Weight w{u.data_ptr<uint8_t>(), d.data_ptr<float>(), m.has_value() ? m->data_ptr<float>() : nullptr,
-                 static_cast<int32_t>(zero), k};
+                 static_cast<int32_t>(zero), k, nibbles};
   run_tiles(xq, rows, w, panels, out);
   return y;
 }
