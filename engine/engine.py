@@ -44,7 +44,7 @@ from engine.runner import ModelRunner, SampledToken
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.speculative.ngram import NgramProposer
+from engine.speculative.drafter import Drafter
 from engine.stop_strings import StopStringMatcher
 from engine.tokenizer import Tokenizer
 
@@ -105,10 +105,9 @@ class Engine:
         cache = CacheEngine(files.config, num_blocks, block_size, self.kv_format, self.device)
         self.runner = ModelRunner(model, cache, Sampler(files.config.vocab_size, sorted(eos)), self.device)
         self._exports = KVExports(block_size, files.config.num_layers)
-        spec = config.speculative
-        self._proposer = None if spec is None else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self._text: dict[str, _TextState] = {}
         self.last_step_tokens = StepTokens()
+        self._drafter = None if config.speculative is None else Drafter.build(config.speculative, self)
         log.info("engine ready: %s, role=%s, %d KV blocks of %d tokens, kv_cache=%s, attention=%s",
                  files.config.name, config.role, num_blocks, block_size, self.kv_format.name, attention.name)
 
@@ -191,7 +190,8 @@ class Engine:
         As soon as a layer has written this step's KV, the pages of every exported request go to
         its sink, so the prefill role pushes pages while later layers compute.
         """
-        self._propose()
+        if self._drafter is not None:
+            self._drafter.draft(self.scheduler.running)
         out = self.scheduler.schedule()
         # A decode chunk computes its request's last token (and any drafts after it); draft rows
         # count as prompt-like tokens, which is what they cost.
@@ -225,24 +225,6 @@ class Engine:
             if output.finished:
                 self._forget(output.request_id)
         return outputs
-
-    def _propose(self) -> None:
-        """Draft tokens for every decoding request, where this engine speculates and the batch is
-        small enough; never more than the request may still generate, less one (the step's own token)."""
-        spec = self.config.speculative
-        if spec is None or self._proposer is None:
-            return
-        running = self.scheduler.running
-        speculates = spec.speculates(len(running))
-        for request in running:
-            request.draft_token_ids = []
-            if not speculates or request.num_computed_tokens != request.num_tokens - 1:
-                continue
-            room = min(request.params.max_tokens - request.num_output_tokens,
-                       request.max_model_len - request.num_tokens) - 1
-            if room > 0:
-                request.draft_token_ids = self._proposer.propose(request.token_ids,
-                                                                 min(spec.num_speculative_tokens, room))
 
     def _postprocess(self, request: Request, results: Sequence[SampledToken]) -> RequestOutput:
         """Detokenize the step's new tokens (those the scheduler kept) one by one, as one-token steps

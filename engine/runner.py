@@ -8,6 +8,8 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.cache_engine import CacheEngine
+from engine.model.decode_stack import DecodeStack
+from engine.model.kernels import cpu_kernels
 from engine.model.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRequestState, TokenLogprobs
 from engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -121,6 +123,18 @@ class ModelRunner:
         generator = self._generator_for(request_id, seed)
         if generator is not None:
             self.sampler.advance(generator, draws)
+
+    def keep_first_layers(self, num_layers: int) -> None:
+        """Run only the model's first `num_layers` layers before its final norm and head (an early-exit
+        draft); their KV pages alone are kept."""
+        model = self.model
+        if not 1 <= num_layers <= len(model.layers):
+            raise ValueError(f"draft_layers: must be in [1, {len(model.layers)}], got {num_layers}")
+        model.layers = model.layers[:num_layers]
+        self.cache.kv_caches = self.cache.kv_caches[:num_layers]
+        if model.stacked is not None:
+            ops = cpu_kernels(self.device)
+            model.use_stacked(None if ops is None else DecodeStack.build(model, ops))
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state once the request is gone."""

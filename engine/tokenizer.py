@@ -157,6 +157,11 @@ class Tokenizer:
         """Token ids of the rendered conversation; the template already wrote any BOS it wants."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
+    def same_vocabulary(self, other: Tokenizer) -> bool:
+        """Whether `other` maps every token to the same id (added tokens included)."""
+        return self.vocab_size == other.vocab_size and \
+            self._backend.get_vocab(with_added_tokens=True) == other._backend.get_vocab(with_added_tokens=True)
+
     def id_to_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token stands for; a token may hold only part of a multi-byte character."""
         token = self._backend.id_to_token(token_id)

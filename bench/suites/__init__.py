@@ -17,7 +17,8 @@ SUITES = (
     "engine_throughput", "speed", "decode_overhead", "fidelity", "cpu_weights", "weight_formats", "bf16_products",
     "int8_prefill",
     "gptq_awq", "prompt_fp16", "kv_transfer", "mesh_overhead", "links", "routing_overhead", "tracing_overhead",
-    "goodput", "speculative", "prompt_batching", "planner_sim", "cancel_storm", "overload", "soak", "hf_export",
+    "goodput", "speculative", "draft_models",
+    "prompt_batching", "planner_sim", "cancel_storm", "overload", "soak", "hf_export",
 )
 
 

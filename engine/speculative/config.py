@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-SpeculativeMethod = Literal["ngram"]
+SpeculativeMethod = Literal["ngram", "draft_model"]
+DraftQuantization = Literal["auto", "none", "gguf", "int8", "gptq", "awq"]  # engine.config.Quantization
 
 # Verifying k drafts computes k + 1 rows per request; past this the rows cost more than a CPU step
 # saves (a draft after 8 accepted ones is rarely right), and vLLM's users rarely go beyond it.
@@ -25,9 +26,13 @@ class SpeculativeConfig:
 
     `method` "ngram" (prompt lookup): the continuation of the longest n-gram, of between
     `prompt_lookup_min` and `prompt_lookup_max` tokens, that ends the request's tokens and occurred
-    earlier in them (prompt or output), the most recent occurrence first. `disable_by_batch_size`: a
-    step with this many running requests or more proposes nothing (a large batch already fills the
-    machine, so extra verification rows would only slow it); None never disables.
+    earlier in them (prompt or output), the most recent occurrence first. "draft_model": a second,
+    cheaper model's greedy tokens (engine.speculative.draft_model): `model`, a path with the target's
+    vocabulary (None: the target's own file, a self-draft), loaded in `quantization` (vLLM's key;
+    "auto": the file's own blocks where a kernel serves them), and with `draft_layers` (Tandem's key)
+    only its first that many layers before its final norm and LM head (early exit; None: all).
+    `disable_by_batch_size`: a step with this many running requests or more proposes nothing (a large
+    batch already fills the machine, so extra verification rows would only slow it); None never disables.
     """
 
     method: SpeculativeMethod = "ngram"
@@ -39,6 +44,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = 8
+    model: str | None = None
+    quantization: DraftQuantization = "auto"
+    draft_layers: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.method in get_args(SpeculativeMethod), "method",
@@ -48,6 +56,13 @@ class SpeculativeConfig:
         _require(self.prompt_lookup_min >= 1, "prompt_lookup_min", f"must be >= 1, got {self.prompt_lookup_min}")
         _require(self.prompt_lookup_max >= self.prompt_lookup_min, "prompt_lookup_max",
                  f"must be >= prompt_lookup_min={self.prompt_lookup_min}, got {self.prompt_lookup_max}")
+        _require(self.quantization in get_args(DraftQuantization), "quantization",
+                 f"unknown method {self.quantization!r} (choose from {', '.join(get_args(DraftQuantization))})")
+        if self.method != "draft_model":
+            for key in ("model", "draft_layers"):
+                _require(getattr(self, key) is None, key, f"applies to method draft_model, not {self.method}")
+        if self.draft_layers is not None:
+            _require(self.draft_layers >= 1, "draft_layers", f"must be >= 1, got {self.draft_layers}")
         if self.disable_by_batch_size is not None:
             _require(self.disable_by_batch_size >= 2, "disable_by_batch_size",
                      f"must be >= 2 (or null), got {self.disable_by_batch_size}")
@@ -70,8 +85,8 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"{FLAG}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
         for key, value in raw.items():
-            expected = str if key == "method" else int
-            if value is None and key == "disable_by_batch_size":
+            expected = str if key in ("method", "model", "quantization") else int
+            if value is None and key in ("disable_by_batch_size", "model", "draft_layers"):
                 continue
             if not isinstance(value, expected) or isinstance(value, bool):
                 raise ValueError(f"{FLAG}: {key}: must be {'a string' if expected is str else 'an integer'}, "

@@ -10,6 +10,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
+from engine.speculative.proposer import DraftRequest
+
 _ITEM = array("I").itemsize  # bytes per token id in the search buffer
 
 
@@ -22,6 +24,10 @@ class NgramProposer:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n = min_n
         self.max_n = max_n
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """Each request's drafts, from its own tokens alone."""
+        return [self.propose(request.token_ids, request.num_tokens) for request in requests]
 
     def propose(self, token_ids: Sequence[int], num_tokens: int) -> list[int]:
         """Up to `num_tokens` draft tokens to follow `token_ids`; empty when no n-gram recurs."""

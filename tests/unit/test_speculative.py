@@ -185,3 +185,15 @@ def test_a_stop_inside_an_accepted_run_drops_the_tokens_after_it():
     s.stop_inside_run("a", 2)
     assert request.output_token_ids == [1, 2] and request.finish_reason is FinishReason.STOP
     assert s.kv.num_requests == 0
+
+
+def test_draft_model_keys():
+    config = SpeculativeConfig.from_json('{"method": "draft_model", "model": "/m", "quantization": "gguf", '
+                                         '"draft_layers": 10, "num_speculative_tokens": 3}')
+    assert (config.model, config.quantization, config.draft_layers) == ("/m", "gguf", 10)
+    assert SpeculativeConfig.from_json('{"method": "draft_model"}').model is None  # a self-draft
+    for text, key in (('{"model": "/m"}', "model"), ('{"draft_layers": 3}', "draft_layers"),
+                      ('{"method": "draft_model", "draft_layers": 0}', "draft_layers"),
+                      ('{"method": "draft_model", "quantization": "fp4"}', "quantization")):
+        with pytest.raises(ValueError, match=f"--speculative-config: {key}"):
+            SpeculativeConfig.from_json(text)

@@ -195,7 +195,7 @@ def tiny_engines(tmp_path_factory):
     # often among the likely tokens and both outcomes of verification occur.
     head = [1, 2, 3]
     greedy = _run(plain, {"g": (head, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))})["g"]
-    return plain, spec, head + _tokens(greedy) + head
+    return plain, spec, head + _tokens(greedy) + head, config
 
 
 def _exact_joint(engine: Engine, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
@@ -222,7 +222,7 @@ def _chi2_critical(df: int, z: float = 3.0902) -> float:
 def test_sampled_tokens_follow_the_targets_distribution(tiny_engines):
     """Chi-square of 4,000 unseeded draws of four tokens (top-k 2: at most 16 outcomes) against their
     exact distribution, outcomes expected fewer than 5 times pooled into one cell; false alarm 1e-3."""
-    plain, spec, prompt = tiny_engines
+    plain, spec, prompt, _ = tiny_engines
     params = SamplingParams(max_tokens=4, temperature=1.0, top_k=2, ignore_eos=True)
     expected = _exact_joint(plain, prompt, params)
     total, batch = 4000, 80
@@ -245,8 +245,61 @@ def test_sampled_tokens_follow_the_targets_distribution(tiny_engines):
 
 
 def test_seeded_draws_match_on_the_tiny_model(tiny_engines):
-    plain, spec, prompt = tiny_engines
+    plain, spec, prompt, _ = tiny_engines
     requests = {f"s{seed}": (prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True))
                 for seed in range(40)}
     reference, ours = _run(plain, requests), _run(spec, requests)
     assert {rid: _tokens(o) for rid, o in ours.items()} == {rid: _tokens(o) for rid, o in reference.items()}
+
+
+# ---- a draft model -------------------------------------------------------------------------------
+DRAFT = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, disable_by_batch_size=None)
+
+
+def test_a_self_draft_changes_no_token_and_holds_no_block(tiny_engines):
+    """The tiny model drafting for itself in the formats `auto` picks (bf16 here where the CPU has it)."""
+    plain, _, prompt, config = tiny_engines
+    spec = Engine(EngineConfig(**config, speculative=DRAFT))
+    requests = {f"g{i}": (prompt[i:], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+                for i in range(4)}
+    requests |= {f"s{seed}": (prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True))
+                 for seed in range(8)}
+    reference, ours = _run(plain, requests), _run(spec, requests)
+    assert {rid: _tokens(o) for rid, o in ours.items()} == {rid: _tokens(o) for rid, o in reference.items()}
+    stats = spec.scheduler.spec_stats
+    assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens > 0
+    draft = spec._drafter.proposer.draft  # type: ignore[union-attr]
+    assert draft.kv.num_requests == 0 and draft.kv.num_free_blocks == draft.kv.num_blocks
+
+
+def test_a_draft_with_another_vocabulary_or_too_many_layers_is_refused(tiny_engines, tmp_path):
+    from transformers import LlamaConfig
+    from unit.test_model_hf import save_random_model
+
+    _, _, _, config = tiny_engines
+    other = tmp_path / "other"
+    save_random_model(LlamaConfig(vocab_size=VOCAB + 4, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64), other)
+    (other / "tokenizer.json").write_text((Path(config["model"]) / "tokenizer.json").read_text())
+    with pytest.raises(ValueError, match=r"--speculative-config: model: .*vocabulary \(16 tokens\) is not the target"):
+        Engine(EngineConfig(**config, speculative=SpeculativeConfig(method="draft_model", model=str(other))))
+    with pytest.raises(ValueError, match="--speculative-config: draft_layers: must be in \\[1, 2\\]"):
+        Engine(EngineConfig(**config, speculative=SpeculativeConfig(method="draft_model", draft_layers=3)))
+    early = Engine(EngineConfig(**config, speculative=SpeculativeConfig(method="draft_model", draft_layers=1)))
+    assert len(early._drafter.proposer.draft.runner.model.layers) == 1  # type: ignore[union-attr]
+
+
+def test_the_shipped_model_drafts_for_itself_in_its_own_4_bit_blocks(engines, make_engine, tokenizer):
+    """A float32 target with its GGUF file's own 4-bit blocks as the draft: the same greedy tokens."""
+    plain, _ = engines
+    spec = make_engine(speculative=DRAFT)
+    prompts = _prompts(tokenizer)
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
+    requests = {name: (prompts[name], params) for name in ("chat", "plain")}
+    reference, ours = _run(plain, requests), _run(spec, requests)
+    names = sorted(requests)
+    margins = [[lp.top[0][1] - lp.top[1][1] for o in reference[n] for lp in o.logprobs] for n in names]
+    check_against([_tokens(ours[n]) for n in names], [_tokens(reference[n]) for n in names], margins, "self-draft")
+    draft = spec._drafter.proposer.draft  # type: ignore[union-attr]
+    assert draft.formats.quantization == "gguf"
+    assert spec.scheduler.spec_stats.num_accepted_tokens > 0.5 * spec.scheduler.spec_stats.num_draft_tokens

@@ -1,0 +1,25 @@
+"""What the engine asks of a proposer: drafts for a batch of decoding requests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One decoding request to draft for: its tokens so far and how many drafts it may take."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    num_tokens: int
+
+
+class Proposer(Protocol):
+    """Drafts tokens; the target verifies them (engine.speculative.verify), so a proposer is never
+    wrong, only more or less often accepted."""
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """Each request's drafts (at most its num_tokens; none is fine), in order."""
+        ...
