@@ -4,7 +4,9 @@ same target without speculation, for a float32 target (exact weights) and the de
 Proposers: a self-draft (the target's own GGUF file in the formats `auto` picks: its 4-bit blocks,
 bf16 activations where the CPU has them), early exits of that draft after its first N layers, and
 n-gram lookup for comparison. Each row: decode tok/s (output tokens after the first over the time
-after the first, summed over the prompts), the ratio to the same target alone, and the acceptance.
+after the first, summed over the prompts), the ratio to the same target alone, the acceptance, and
+the median gap from the first token to the second: the step where the draft first computes the
+prompt's KV itself (on a decode worker: the price of not shipping the draft's KV too).
 In-process engines on `--threads` torch threads, greedy, max_tokens 128, prefix caching off.
 
     python -m bench draft_models [--threads 1] [--prompts 6] [--repeats 2] [--layers 10,20]
@@ -74,8 +76,8 @@ def main(argv: Sequence[str]) -> int:
     print(f"\n{machine['processor']} ({', '.join(machine['isa'])}), {args.threads} thread(s)")
     for target in TARGETS:
         print(f"- {target} target: {formats[target]}")
-    print("\n| target | proposer | decode tok/s | vs the target alone | acceptance |")
-    print("|---|---|---:|---:|---:|")
+    print("\n| target | proposer | decode tok/s | vs the target alone | acceptance | 1st→2nd token ms |")
+    print("|---|---|---:|---:|---:|---:|")
     for target, by_name in runs.items():
         base = statistics.median(r["decode_tok_s"] for r in by_name["none"])
         for name, results in by_name.items():
@@ -83,7 +85,8 @@ def main(argv: Sequence[str]) -> int:
             drafted = sum(r["draft_tokens"] for r in results)
             accepted = sum(r["accepted_tokens"] for r in results)
             rate = f"{accepted / drafted:.0%} of {drafted}" if drafted else "-"
-            print(f"| {target} | {name} | {speed:.1f} | {speed / base:.2f}x | {rate} |")
+            gap = statistics.median(r["second_token_ms"] for r in results)
+            print(f"| {target} | {name} | {speed:.1f} | {speed / base:.2f}x | {rate} | {gap:.0f} |")
     write_results(args.out, {"command": command_line(__name__, argv), "machine": machine, "load": load_average(),
                              "threads": args.threads, "formats": formats,
                              "configs": {name: vars(spec) if spec else None for name, spec in configs.items()},

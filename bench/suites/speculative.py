@@ -56,12 +56,15 @@ def chat(engine: Engine, count: int) -> list[list[int]]:
 
 
 def closed_loop(engine: Engine, prompts: list[list[int]], concurrency: int) -> dict:
-    """Every prompt once, `concurrency` in flight; output tok/s overall and decode tok/s per request."""
+    """Every prompt once, `concurrency` in flight; output tok/s overall, decode tok/s per request, and the
+    median gap from each request's first token to its second (the step where a draft model first
+    computes the request's prompt)."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     stats = engine.scheduler.spec_stats
     before = stats.snapshot()
     first: dict[str, float] = {}
     last: dict[str, float] = {}
+    second: dict[str, float] = {}
     tokens: dict[str, int] = {}
     added = 0
     start = time.perf_counter()
@@ -73,12 +76,16 @@ def closed_loop(engine: Engine, prompts: list[list[int]], concurrency: int) -> d
             now = time.perf_counter()
             first.setdefault(output.request_id, now)
             last[output.request_id] = now
+            if output.num_output_tokens > 1:
+                second.setdefault(output.request_id, now)
             tokens[output.request_id] = output.num_output_tokens
     elapsed = time.perf_counter() - start
     decode_tokens = sum(n - 1 for n in tokens.values())
     decode_s = sum(last[r] - first[r] for r in tokens)
     return {"output_tok_s": sum(tokens.values()) / elapsed, "decode_tok_s": decode_tokens / decode_s,
-            "output_tokens": sum(tokens.values()), "drafts": stats.num_drafts - before.num_drafts,
+            "output_tokens": sum(tokens.values()),
+            "second_token_ms": 1e3 * statistics.median(second[r] - first[r] for r in second) if second else None,
+            "drafts": stats.num_drafts - before.num_drafts,
             "draft_tokens": stats.num_draft_tokens - before.num_draft_tokens,
             "accepted_tokens": stats.num_accepted_tokens - before.num_accepted_tokens,
             "accepted_per_position": [n - (before.accepted_per_position[i] if i < len(before.accepted_per_position)

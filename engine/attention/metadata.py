@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -39,6 +40,20 @@ class AttentionMetadata:
     def max_seq_len(self) -> int:
         """Longest context in the batch."""
         return max(self.seq_lens_list)
+
+    @cached_property
+    def per_query_row(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_tables [T, max_blocks], seq_lens [T]) with one entry per query row, as if each row
+        were a decode row of its own: row j of a sequence's n sees its context up to itself, the
+        first seq_len - n + j + 1 tokens. Computed once per pass (every layer asks)."""
+        if self.max_query_len == 1:
+            return self.block_tables, self.seq_lens
+        lens = [seq_len - n + j + 1 for n, seq_len in zip(self.query_lens_list, self.seq_lens_list, strict=True)
+                for j in range(n)]
+        owners = torch.repeat_interleave(torch.arange(self.num_seqs, device=self.block_tables.device),
+                                          torch.tensor(self.query_lens_list, device=self.block_tables.device))
+        return (self.block_tables[owners].contiguous(),
+                torch.tensor(lens, dtype=self.seq_lens.dtype, device=self.seq_lens.device))
 
 
 class AttentionBackend(Protocol):

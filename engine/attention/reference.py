@@ -19,6 +19,12 @@ DenseDecode = Callable[..., torch.Tensor]
 # (engine.model.kernels' prefill_attention).
 DensePrefill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 KERNEL_PAGES = (torch.float32, torch.bfloat16)  # the page dtypes DenseDecode reads
+# Queries of at most this many rows per sequence (a speculative verification: up to 16 drafts and
+# the token before them) attend through DenseDecode, each row as a decode row over its own prefix:
+# it reads the pages in place, where the prompt path first gathers the whole context per layer,
+# which for a few rows costs more than the attention itself (docs/benchmarks.md, "Speculative
+# decoding").
+SHORT_QUERY = 17
 
 
 def gather_context(
@@ -110,9 +116,10 @@ class TorchPagedAttention:
     """The torch backend: batched decode rows, a per-sequence loop for prefill rows; pages are
     written and read through `codec` (scaled ones are decoded to the queries' dtype as they are read).
 
-    Given `dense_decode` (the CPU kernels' op, for a dense cache), a pure decode batch over fp32 or
-    bf16 pages is that one op, which reads the pages in place, instead of a gather, a mask and SDPA
-    per layer (over bf16 pages it computes in fp32 and rounds its output to bf16 once). Given
+    Given `dense_decode` (the CPU kernels' op, for a dense cache), a batch of short queries (decode
+    rows, speculative verifications: SHORT_QUERY) over fp32 or bf16 pages is that one op, which
+    reads the pages in place, instead of a gather, a mask and SDPA per layer (over bf16 pages it
+    computes in fp32 and rounds its output to bf16 once). Given
     `dense_prefill`, a bf16 prompt chunk over a dense cache attends through it instead of SDPA.
     """
 
@@ -135,11 +142,13 @@ class TorchPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         """See `AttentionBackend.forward`."""
-        if (self.dense_decode is not None and meta.max_query_len == 1 and k_cache.dtype in KERNEL_PAGES
+        if (self.dense_decode is not None and meta.max_query_len <= SHORT_QUERY and k_cache.dtype in KERNEL_PAGES
                 and q.shape[-1] % 8 == 0):  # the op steps 8 dimensions
+            # It stores every row's K/V before any row attends, so a row may see the rows before it.
             # It computes in fp32 and rounds this step's rows to the pages' dtype, as codec.write does.
+            block_tables, seq_lens = meta.per_query_row
             out = self.dense_decode(q.float(), k.float(), v.float(), k_cache, v_cache, meta.slot_mapping,
-                                    meta.block_tables, meta.seq_lens, scale)
+                                    block_tables, seq_lens, scale)
             return out.to(q.dtype)
         self.codec.write(k_cache, v_cache, meta.slot_mapping, k, v)
         if meta.max_query_len == 1:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.reference import TorchPagedAttention, paged_decode_attention
+from engine.attention.reference import SHORT_QUERY, TorchPagedAttention, paged_decode_attention
 from engine.model.kernels import kernels
 from engine.model.kernels.build import cpu_flags, runnable
 from engine.model.llama import rms_norm, silu_mul
@@ -252,3 +252,40 @@ def test_a_head_dim_the_op_cannot_step_through_is_refused_by_it_and_served_by_to
     want = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.125)
     assert calls == []
     assert torch.equal(got, want)
+
+
+def test_short_chunks_attend_through_the_op_each_row_over_its_own_prefix():
+    # A speculative verification (drafts after the last token) is a chunk of a few rows: the op
+    # serves it as one decode row per query row, row j of n seeing the first seq_len - n + j + 1
+    # positions; a longer chunk is a prompt's and takes the prompt path.
+    gen = torch.Generator().manual_seed(4)
+    block_size, blocks = 16, 12
+    k_cache, v_cache = torch.randn(2, blocks, block_size, 3, 64, generator=gen).unbind(0)
+    query_lens, seq_lens = (5, 1, SHORT_QUERY), (37, 20, 40)
+    tables = torch.tensor([[7, 2, 9, 0], [4, 3, 0, 0], [11, 5, 6, 0]], dtype=torch.int32)
+    slots = torch.tensor([int(tables[b, p // block_size]) * block_size + p % block_size
+                          for b, (n, s) in enumerate(zip(query_lens, seq_lens, strict=True)) for p in range(s - n, s)])
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, 9, 64, generator=gen)
+    k, v = torch.randn(2, tokens, 3, 64, generator=gen).unbind(0)
+    starts = torch.tensor([0, 5, 6, tokens], dtype=torch.int32)
+    meta = AttentionMetadata(slot_mapping=slots, query_start_loc=starts,
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+                             query_lens_list=query_lens, seq_lens_list=seq_lens)
+    calls: list[int] = []
+    fast_k, fast_v = k_cache.clone(), v_cache.clone()
+    got = TorchPagedAttention(dense_decode=_recording_op(calls)).forward(q, k, v, fast_k, fast_v, meta, 0.125)
+    want = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    assert calls == [tokens]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fast_k, k_cache) and torch.equal(fast_v, v_cache)
+    rows = torch.randn(SHORT_QUERY + 1, 9, 64, generator=gen)
+    kv = torch.randn(SHORT_QUERY + 1, 3, 64, generator=gen)
+    longer = AttentionMetadata(
+        slot_mapping=torch.tensor([int(tables[2, p // block_size]) * block_size + p % block_size
+                                   for p in range(2, SHORT_QUERY + 3)]),
+        query_start_loc=torch.tensor([0, SHORT_QUERY + 1], dtype=torch.int32),
+        seq_lens=torch.tensor([SHORT_QUERY + 3], dtype=torch.int32), block_tables=tables[2:].contiguous(),
+        query_lens_list=(SHORT_QUERY + 1,), seq_lens_list=(SHORT_QUERY + 3,))
+    TorchPagedAttention(dense_decode=_recording_op(calls)).forward(rows, kv, kv, k_cache, v_cache, longer, 0.125)
+    assert calls == [tokens]  # a prompt-sized chunk: not the op
