@@ -49,6 +49,7 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # proposed over the request's life
     num_accepted_tokens: int = 0  # of those, verified and kept
+    recent_kept: float | None = None  # running mean of drafts kept per verification (engine.speculative.gate)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

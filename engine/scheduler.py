@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from engine.config import SchedulerConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
+from engine.speculative.gate import record_verification
 from engine.speculative.stats import SpecDecodeStats
 
 
@@ -255,6 +256,7 @@ class Scheduler:
                 self.spec_stats.record(drafts, accepted)
                 request.num_draft_tokens += drafts
                 request.num_accepted_tokens += accepted
+                record_verification(request, accepted)
             computed = chunk.start + chunk.num_tokens - drafts + accepted
             request.num_computed_tokens = min(computed, request.num_tokens)
             if accepted < drafts:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from engine.request import Request
 from engine.speculative.config import FLAG, SpeculativeConfig
 from engine.speculative.draft_model import DraftModelProposer, check_vocabulary, draft_engine_config
+from engine.speculative.gate import may_draft
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.proposer import DraftRequest, Proposer
 
@@ -44,7 +45,7 @@ class Drafter:
         speculates = self.spec.speculates(len(running))
         for request in running:
             request.draft_token_ids = []
-            if not speculates or request.num_computed_tokens != request.num_tokens - 1:
+            if not speculates or request.num_computed_tokens != request.num_tokens - 1 or not may_draft(request):
                 continue
             room = min(request.params.max_tokens - request.num_output_tokens,
                        request.max_model_len - request.num_tokens) - 1

@@ -4,42 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from disaggregated import run_disaggregated
 from parity_prompts import parity_prompt_ids
 
 from engine.config import CacheConfig
-from engine.engine import Engine
 from engine.offline import generate
 from engine.outputs import KVReservation, NoKVRoom, TooLargeForKV
 from engine.sampling_params import SamplingParams
-
-
-def _disaggregated(
-    prefill: Engine, decode: Engine, prompts: list[list[int]], params: SamplingParams
-) -> list[list[int]]:
-    """Drive the request path by hand: reserve on D, prefill on P, ship every layer, decode on D."""
-    tokens: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        request_id = f"r{i}"
-        reservation = decode.reserve(request_id, prompt, params)
-        assert isinstance(reservation, KVReservation)
-        prefill.add_request(request_id, prompt, params)
-        first = None
-        while first is None:
-            for output in prefill.step():
-                assert output.request_id == request_id and output.finished
-                first = output
-        assert first.finish_reason in ("handoff", "stop", "length")
-        skip = reservation.num_cached_tokens // reservation.block_size
-        for layer in range(prefill.model_config.num_layers):
-            k, v = prefill.export_kv(request_id, layer, first_block=skip)
-            decode.import_kv(request_id, layer, reservation.blocks_to_fill, k, v)
-        prefill.release(request_id)
-        started = decode.start_decode(request_id, first.new_token_ids[0])
-        tokens[request_id] = list(started.new_token_ids)
-    while decode.has_unfinished():
-        for output in decode.step():
-            tokens[output.request_id].extend(output.new_token_ids)
-    return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize(
@@ -55,7 +26,7 @@ def test_prefill_export_import_decode_equals_colocated(make_engine, tokenizer, p
     colocated = generate(make_engine(), prompts, params)
     prefill = make_engine(role="prefill")
     decode = make_engine(role="decode")
-    assert _disaggregated(prefill, decode, prompts, params) == [c.token_ids for c in colocated]
+    assert run_disaggregated(prefill, decode, prompts, params) == [c.token_ids for c in colocated]
     # Nothing is left behind on either side once the requests are done.
     assert prefill.kv.usage == 0 and decode.kv.usage == 0
     assert not prefill.scheduler.requests and not decode.scheduler.requests
@@ -71,7 +42,7 @@ def test_quantized_pages_carry_their_scales_to_the_decode_engine(make_engine, to
     prefill, decode = make_engine(role="prefill", **fixed), make_engine(role="decode", **fixed)
     pages = prefill.runner.cache.kv_caches[0][0]  # what export_kv copies blocks of
     assert pages.dtype == torch.uint8 and pages.shape[1:] == (16, 3, 68)  # 64 codes and a float32 scale a row
-    assert _disaggregated(prefill, decode, prompts, params) == [c.token_ids for c in colocated]
+    assert run_disaggregated(prefill, decode, prompts, params) == [c.token_ids for c in colocated]
     assert decode.kv.usage == 0
 
 
@@ -80,12 +51,12 @@ def test_decode_side_prefix_hit_ships_only_the_rest(make_engine, tokenizer):
     prompt = parity_prompt_ids(tokenizer)[3]  # the ~1,000-token prompt
     prefill = make_engine(role="prefill")
     decode = make_engine(role="decode")
-    first_pass = _disaggregated(prefill, decode, [prompt], params)
+    first_pass = run_disaggregated(prefill, decode, [prompt], params)
     reservation = decode.reserve("again", prompt, params)
     assert isinstance(reservation, KVReservation) and reservation.num_cached_tokens >= 1000
     assert len(reservation.blocks_to_fill) < len(reservation.block_ids)
     decode.abort("again")
-    assert _disaggregated(prefill, decode, [prompt], params) == first_pass
+    assert run_disaggregated(prefill, decode, [prompt], params) == first_pass
     assert decode.kv.usage == 0
 
 

@@ -13,6 +13,8 @@ from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.speculative.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from engine.speculative.drafter import Drafter
+from engine.speculative.gate import KEEP_TO_DRAFT, PROBE_CREDIT, RECENT_WEIGHT, may_draft, record_verification
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.verify import num_accepted
 
@@ -197,3 +199,36 @@ def test_draft_model_keys():
                       ('{"method": "draft_model", "quantization": "fp4"}', "quantization")):
         with pytest.raises(ValueError, match=f"--speculative-config: {key}"):
             SpeculativeConfig.from_json(text)
+
+
+def test_a_request_whose_drafts_keep_nothing_goes_silent_then_probes_again():
+    request = Request("a", [5, 6, 7], SamplingParams(max_tokens=8), 1024)
+    assert may_draft(request)  # no verification yet
+    record_verification(request, 0)
+    silent = 0
+    while not may_draft(request):
+        silent += 1
+    # Silent until the probe credit brings the mean back to a token a verification.
+    assert silent == pytest.approx(KEEP_TO_DRAFT / PROBE_CREDIT, abs=1)
+    mean = request.recent_kept
+    for kept in (4, 0, 3):
+        record_verification(request, kept)
+        mean = (1 - RECENT_WEIGHT) * mean + RECENT_WEIGHT * kept
+    assert request.recent_kept == pytest.approx(mean)
+    assert may_draft(request)
+    record_verification(request, 0)
+    record_verification(request, 0)
+    assert not may_draft(request)  # two failures in a row silence it
+
+
+def test_the_drafter_skips_a_silent_request():
+    s = _scheduler()
+    request = Request("a", [7, 8, 9, 7, 8], SamplingParams(max_tokens=32), 1024)
+    s.add(request)
+    s.update(s.schedule(), {"a": [9]})  # 7 8 9 7 8 9: the last token recurs
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1), NgramProposer(1, 1))
+    drafter.draft(s.running)
+    assert request.draft_token_ids == [7, 8, 9]
+    request.recent_kept = 0.0
+    drafter.draft(s.running)
+    assert request.draft_token_ids == []

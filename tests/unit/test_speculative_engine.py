@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from disaggregated import run_disaggregated
 from reference import check_against
 
 from engine.config import CacheConfig, EngineConfig
@@ -303,3 +304,20 @@ def test_the_shipped_model_drafts_for_itself_in_its_own_4_bit_blocks(engines, ma
     draft = spec._drafter.proposer.draft  # type: ignore[union-attr]
     assert draft.formats.quantization == "gguf"
     assert spec.scheduler.spec_stats.num_accepted_tokens > 0.5 * spec.scheduler.spec_stats.num_draft_tokens
+
+
+def test_a_decode_engine_drafts_on_pages_a_prefill_engine_shipped(engines, make_engine, tokenizer):
+    """The disaggregated design with a draft model: the target's prompt KV comes from the prefill
+    engine, the draft computes its own on the decode side; greedy tokens as colocated without drafts."""
+    plain, _ = engines
+    prompts = _prompts(tokenizer)
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
+    names = ("chat", "copy")
+    reference = _run(plain, {name: (prompts[name], params) for name in names})
+    decode = make_engine(role="decode", speculative=DRAFT)
+    ours = run_disaggregated(make_engine(role="prefill"), decode, [prompts[name] for name in names], params)
+    margins = [[lp.top[0][1] - lp.top[1][1] for o in reference[n] for lp in o.logprobs] for n in names]
+    check_against(ours, [_tokens(reference[n]) for n in names], margins, "self-draft on a decode engine")
+    assert decode.scheduler.spec_stats.num_accepted_tokens > 0
+    draft = decode._drafter.proposer.draft  # type: ignore[union-attr]
+    assert decode.kv.usage == 0 and draft.kv.num_free_blocks == draft.kv.num_blocks
