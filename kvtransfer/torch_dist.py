@@ -10,10 +10,11 @@ cut after pairing. Gloo also listens for its pair connection, on the same host.
 
 Messages are raw tensors: a fixed int64 header, then for pages the K and V bytes of each page run
 it lists, as uint8 (so every dtype, bfloat16 included, travels the same way; gloo's send/recv does
-handle bfloat16 too). A PAGES header carries the CRC32C of all the bytes that follow it, which the
-receiver checks before writing any of them; on NCCL (pages on the GPU) it carries none, since
-computing one would copy every page to the host. Pairing is also the checksum handshake: each side
-puts its `--kv-checksum` in the store, and a gloo pair checksums unless both are off
+handle bfloat16 too). A PAGES header carries a checksum of all the bytes that follow it, which the
+receiver checks before writing any of them (`payload_checksum`): CRC32C on gloo, whose pages are on
+the CPU; on NCCL, whose pages stay on the GPU, the device sums of kvtransfer.device_checksum, since
+a CRC32C would copy every page to the host. Pairing is also the checksum handshake: each side puts
+its `--kv-checksum` in the store, and a pair checksums unless both are off
 (kvtransfer.descriptor.checksum_agreed); its receiver then refuses pages that come without one.
 
 Gloo facts this relies on (measured with torch 2.13):
@@ -25,8 +26,9 @@ Gloo facts this relies on (measured with torch 2.13):
 - a process that exits while a thread is blocked in a gloo wait aborts (std::terminate), so both
   sides' `close()` ends their pairs and joins the threads.
 
-NCCL (dist_backend "nccl", tensors on the current CUDA device) goes through the same code but is
-unverified: no machine here has two GPUs, and NCCL refuses two ranks on one GPU.
+NCCL (dist_backend "nccl", tensors on the current CUDA device) goes through the same code; its pairs
+have not run end to end here: no machine here has two GPUs, and NCCL refuses two ranks on one GPU
+(the device sums were checked on a GPU: tests/unit/test_device_checksum.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from enum import IntEnum
 
@@ -43,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer.descriptor import checksum_agreed
+from kvtransfer.device_checksum import device_checksum, device_checksum_tensor
 
 MAGIC = 0x4B56_5041_4745_5332  # "KVPAGES2"
 # Between transfers a pair may sit idle for any time; its header recv must not expire.
@@ -88,9 +91,10 @@ class Header:
     kind: Kind
     transfer_id: int = 0
     runs: tuple[PageRun, ...] = ()
-    checksum: int | None = None  # CRC32C of the bytes that follow (see payload_checksum); None: unchecked
+    checksum: int | None = None  # of the bytes that follow (see payload_checksum); None: unchecked
 
     SIZE = 5 + 4 * MAX_RUNS
+    CHECKSUM_INDEX = 4  # of the checksum in the int64 values sent
 
     def __post_init__(self) -> None:
         if len(self.runs) > MAX_RUNS:
@@ -124,11 +128,33 @@ _NO_CHECKSUM = -1  # a CRC32C is never negative
 
 
 def payload_checksum(tensors: list[torch.Tensor]) -> int:
-    """CRC32C of the bytes of flat uint8 CPU tensors, one after the other."""
+    """The checksum of the bytes of flat uint8 tensors, one after the other, all on one device:
+    CRC32C on the CPU; on a GPU the device sums (kvtransfer.device_checksum), so that no page is
+    copied to the host to be checked. Never negative (a header's "none" is -1)."""
+    if tensors and tensors[0].device.type != "cpu":
+        return device_checksum(tensors)
     checksum = 0
     for tensor in tensors:
         checksum = google_crc32c.extend(checksum, tensor.numpy())
     return checksum
+
+
+def pages_header(header: Header, payload: list[torch.Tensor], device: torch.device, checksum: bool) -> torch.Tensor:
+    """The header tensor of a message on `device`; a PAGES one carries the payload's checksum when
+    the pair agreed on one. On a GPU the checksum is written into the header there (a sender never
+    waits for the device: the send is enqueued behind the reduction)."""
+    if header.kind is not Kind.PAGES or not checksum:
+        return header.tensor().to(device)
+    if device.type == "cpu":
+        return replace(header, checksum=payload_checksum(payload)).tensor()
+    tensor = header.tensor().to(device)
+    tensor[Header.CHECKSUM_INDEX] = device_checksum_tensor(payload)
+    return tensor
+
+
+def checksum_name(device: torch.device) -> str:
+    """What `payload_checksum` computes for pages on `device`, for error messages."""
+    return "CRC32C" if device.type == "cpu" else "device checksum"
 
 
 class _DetachableStore(dist.Store):
@@ -164,7 +190,8 @@ class PairGroup:
     """A two-rank group seen from one side; raises RuntimeError when the pair breaks."""
 
     def __init__(self, group: dist.ProcessGroup, peer_rank: int, device: torch.device, checksum: bool) -> None:
-        """`checksum`: whether PAGES messages carry a CRC32C, as both sides agreed when pairing."""
+        """`checksum`: whether PAGES messages carry a checksum (`payload_checksum`), as both sides
+        agreed when pairing."""
         self._group = group
         self._peer = peer_rank
         self.device = device
@@ -261,7 +288,7 @@ def _setting(checksum: bool) -> bytes:
 
 def _new_group(store: dist.Store, rank: int, dist_backend: str, local_host: str, timeout: timedelta,
                checksum: bool) -> PairGroup:
-    """The pair's group; it checksums as agreed on gloo, never on NCCL (see the module)."""
+    """The pair's group, checksumming its pages as agreed (CRC32C on gloo, device sums on NCCL)."""
     peer = SENDER_RANK if rank == RECEIVER_RANK else RECEIVER_RANK
     if dist_backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
@@ -274,7 +301,7 @@ def _new_group(store: dist.Store, rank: int, dist_backend: str, local_host: str,
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = IDLE_TIMEOUT  # NCCL's watchdog would otherwise kill an idle pair
         device = torch.device("cuda", torch.cuda.current_device())
-        return PairGroup(dist.ProcessGroupNCCL(store, rank, 2, options), peer, device, False)
+        return PairGroup(dist.ProcessGroupNCCL(store, rank, 2, options), peer, device, checksum)
     raise ValueError(f"dist_backend: expected gloo or nccl, got {dist_backend!r}")
 
 

@@ -14,7 +14,7 @@ import torch
 
 from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget, WriteBlocks
 from kvtransfer.pending import PendingTransfers
-from kvtransfer.torch_dist import IDLE_TIMEOUT, Header, Kind, PairGroup, Rendezvous, payload_checksum
+from kvtransfer.torch_dist import IDLE_TIMEOUT, Header, Kind, PairGroup, Rendezvous, checksum_name, payload_checksum
 
 log = logging.getLogger(__name__)
 
@@ -112,11 +112,12 @@ class _ReceivingPair:
         if header.checksum is None and group.checksum:
             self._pending.fail(header.transfer_id, TransferError(
                 f"transfer {header.transfer_id}: the pages of layers {layers} from {self.peer} came without the "
-                "CRC32C this pair agreed on"))
+                f"{checksum_name(group.device)} this pair agreed on"))
             return
         if header.checksum is not None and payload_checksum(buffers) != header.checksum:
             self._pending.fail(header.transfer_id, TransferError(
-                f"transfer {header.transfer_id}: CRC32C mismatch in the pages of layers {layers} from {self.peer}"))
+                f"transfer {header.transfer_id}: {checksum_name(group.device)} mismatch in the pages of layers "
+                f"{layers} from {self.peer}"))
             return
         for i, run in enumerate(header.runs):
             self._pending.write(header.transfer_id, run.layer, run.first_block, run.num_blocks,

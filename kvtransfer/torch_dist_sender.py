@@ -9,7 +9,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -26,7 +26,7 @@ from kvtransfer.torch_dist import (
     PageRun,
     PairGroup,
     join,
-    payload_checksum,
+    pages_header,
     raw_bytes,
 )
 
@@ -107,13 +107,11 @@ class _InFlight:
     @classmethod
     def post(cls, group: PairGroup, sender: TorchDistSender, message: _Message) -> _InFlight:
         payload = [raw_bytes(tensor, group.device) for pages in message.pages for tensor in pages]
-        header = message.header
-        if header.kind is Kind.PAGES and group.checksum:
-            header = replace(header, checksum=payload_checksum(payload))
+        header = pages_header(message.header, payload, group.device, group.checksum)
         if message.corrupt:
             flip_bit(payload[0])
-        tensors = [header.tensor().to(group.device), *payload]
-        return cls(sender, header, tensors, [group.post_send(tensor) for tensor in tensors])
+        tensors = [header, *payload]
+        return cls(sender, message.header, tensors, [group.post_send(tensor) for tensor in tensors])
 
     def complete(self, timeout: timedelta) -> None:
         """Wait until the message left; account for it; settle its transfer after END."""

@@ -8,8 +8,8 @@ import argparse
 def add_kv_checksum_flag(parser: argparse.ArgumentParser) -> None:
     """Add `--kv-checksum on|off` (default on)."""
     parser.add_argument("--kv-checksum", default="on", choices=["on", "off"],
-                        help="CRC32C on KV pages (gRPC and gloo; NCCL carries none). off skips it only for "
-                             "peers that are off too: a checksum is used unless both ends say off")
+                        help="a checksum on KV pages (CRC32C on gRPC and gloo, device sums on NCCL). off "
+                             "skips it only for peers that are off too: a checksum is used unless both ends say off")
 
 
 def kv_checksum(args: argparse.Namespace) -> bool:

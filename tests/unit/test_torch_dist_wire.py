@@ -7,7 +7,8 @@ import google_crc32c
 import pytest
 import torch
 
-from kvtransfer.torch_dist import MAX_RUNS, Header, Kind, PageRun, payload_checksum
+from kvtransfer.device_checksum import device_checksum
+from kvtransfer.torch_dist import MAX_RUNS, Header, Kind, PageRun, checksum_name, pages_header, payload_checksum
 from kvtransfer.torch_dist_sender import _Message
 
 
@@ -66,8 +67,33 @@ def test_header_carries_the_payload_checksum_and_its_absence() -> None:
     assert checksum == google_crc32c.value(bytes(range(16)) + bytes([3] * 8))
     checked = Header(Kind.PAGES, 5, (PageRun(0, 0, 1, 16),), checksum)
     assert Header.parse(checked.tensor()) == checked
-    unchecked = Header(Kind.PAGES, 5, (PageRun(0, 0, 1, 16),))  # NCCL: pages on the GPU go unchecked
+    unchecked = Header(Kind.PAGES, 5, (PageRun(0, 0, 1, 16),))  # both ends --kv-checksum off
     assert Header.parse(unchecked.tensor()).checksum is None
+    largest = Header(Kind.PAGES, 5, (PageRun(0, 0, 1, 16),), 2**63 - 1)  # the device sums' range
+    assert Header.parse(largest.tensor()) == largest
+    assert checksum_name(torch.device("cpu")) == "CRC32C"
+
+
+def test_a_pages_header_carries_the_checksum_only_when_the_pair_agreed() -> None:
+    payload = [torch.arange(16, dtype=torch.uint8)]
+    pages = Header(Kind.PAGES, 5, (PageRun(0, 0, 1, 16),))
+    cpu = torch.device("cpu")
+    assert Header.parse(pages_header(pages, payload, cpu, True)).checksum == payload_checksum(payload)
+    assert Header.parse(pages_header(pages, payload, cpu, False)).checksum is None
+    assert Header.parse(pages_header(Header(Kind.END, 5), [], cpu, True)).checksum is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run on the device machine)")
+def test_pages_on_a_gpu_carry_the_device_sums_computed_there() -> None:
+    payload = [torch.arange(256, dtype=torch.uint8), torch.full((100,), 7, dtype=torch.uint8)]
+    on_gpu = [tensor.cuda() for tensor in payload]
+    checksum = payload_checksum(on_gpu)
+    assert checksum == device_checksum(payload) != payload_checksum(payload)
+    assert checksum_name(on_gpu[0].device) == "device checksum"
+    header = pages_header(Header(Kind.PAGES, 5, (PageRun(0, 0, 1, 178),)), on_gpu, on_gpu[0].device, True)
+    assert header.is_cuda and Header.parse(header).checksum == checksum
+    on_gpu[1][99] ^= 1
+    assert payload_checksum(on_gpu) != checksum
 
 
 def test_payload_checksum_changes_with_any_flipped_bit() -> None:
