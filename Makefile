@@ -83,7 +83,9 @@ bench: install $(BENCH_STAMP)
 	$(BENCH) prompt_fp16
 	$(BENCH) int8_prefill
 	$(BENCH) kv_transfer
+	$(BENCH) device_checksum
 	$(BENCH) mesh_overhead
+	$(BENCH) links || [ $$? -eq 2 ]  # 2: no network namespaces here (needs root), said on stderr
 	$(BENCH) tracing_overhead
 	$(BENCH) routing_overhead
 	$(BENCH) planner_sim

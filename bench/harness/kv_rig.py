@@ -93,16 +93,17 @@ class Cache:
         copy_rows(self.v[layer], index, v)
 
 
-def serve_grpc(layout: KVLayout = LAYOUT, checksum: bool = True) -> tuple[GrpcReceiver, Callable[[], None]]:
-    """A grpc.aio server with the KVTransfer service on its own thread, its receiver's
-    `--kv-checksum` `checksum`; (receiver, stop)."""
+def serve_grpc(layout: KVLayout = LAYOUT, checksum: bool = True,
+               host: str = "127.0.0.1") -> tuple[GrpcReceiver, Callable[[], None]]:
+    """A grpc.aio server with the KVTransfer service on its own thread, on an ephemeral port of
+    `host`, its receiver's `--kv-checksum` `checksum`; (receiver, stop)."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
     async def start() -> tuple[GrpcReceiver, grpc.aio.Server]:
         server = grpc.aio.server()
-        port = server.add_insecure_port("127.0.0.1:0")
-        receiver = GrpcReceiver(f"127.0.0.1:{port}", timeout=60.0, checksum=checksum)
+        port = server.add_insecure_port(f"{host}:0")
+        receiver = GrpcReceiver(f"{host}:{port}", timeout=60.0, checksum=checksum)
         kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(layout, receiver), server)
         await server.start()
         return receiver, server
