@@ -109,6 +109,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.head: Product = _not_loaded
         self.final_norm: Norm = rms_norm
         self.stacked: Stacked | None = None  # all the layers in one call, where set (use_stacked)
+        self.gather_logits: Product | None = None  # a tensor-parallel rank's join of the vocabulary's parts
 
     def forward(
         self,
@@ -149,12 +150,16 @@ class LlamaForCausalLM(torch.nn.Module):
         the same arithmetic as the layers with the CPU kernels, without a torch call per op)."""
         self.stacked = stacked
 
+    def use_logits_gather(self, gather: Product) -> None:
+        """Join the logits of this rank's part of the vocabulary with the other ranks' (tensor
+        parallelism: engine.parallel.collectives)."""
+        self.gather_logits = gather
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 for the given final hidden states (a quantized head's kernel
         output as it computes it, in fp32, whatever the model's dtype)."""
-        if isinstance(self.head, QuantizedLinear):
-            return self.head.fp32(hidden)
-        return self.head(hidden).float()
+        logits = self.head.fp32(hidden) if isinstance(self.head, QuantizedLinear) else self.head(hidden).float()
+        return logits if self.gather_logits is None else self.gather_logits(logits)
 
     def load_weights(self, weights: Mapping[str, Weight], formats: WeightFormat) -> None:
         """Fill the parameters from HF-named tensors and build the embedding and products in `formats`.

@@ -1,0 +1,89 @@
+"""A rank's model made whole by collectives: the partial sums of the row-parallel products are
+all-reduced, the vocabulary-parallel embedding looks up only its own rows and all-reduces, and the
+LM head's logits are gathered from every rank (engine.parallel.shard split the weights).
+
+Each wrapper is a product (a callable on a [T, features] tensor), so the model's code does not
+change; `parallelize` puts them in place on a model built from a rank's shard. The fused decode
+stack (engine.model.decode_stack) runs a whole step without them, so it is turned off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ModelConfig
+from engine.model.llama import LlamaForCausalLM
+from engine.parallel.layout import TensorParallelLayout
+
+Product = Callable[[torch.Tensor], torch.Tensor]
+
+
+class AllReduced:
+    """A row-parallel product: this rank's partial sum, then the sum over the ranks."""
+
+    def __init__(self, product: Product, group: dist.ProcessGroup) -> None:
+        self.product = product
+        self.group = group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.product(x)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+class VocabParallelEmbedding:
+    """The lookup of token ids whose rows this rank holds ([start, start + rows)); every other id's
+    row is zero here and comes from its own rank through the all-reduce (one non-zero term each, so
+    the sum is exact)."""
+
+    def __init__(self, embed: Product, start: int, rows: int, group: dist.ProcessGroup) -> None:
+        self.embed = embed
+        self.start = start
+        self.rows = rows
+        self.group = group
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.rows)
+        out = self.embed(torch.where(mine, local, 0))
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+class GatheredLogits:
+    """Every rank's logits for its part of the vocabulary, joined in rank order (all ranks get them).
+    The parts may differ by one token (engine.parallel.layout): each is padded to the largest for the
+    gather, which needs equal sizes, and trimmed after."""
+
+    def __init__(self, shares: list[int], group: dist.ProcessGroup) -> None:
+        self.shares = shares
+        self.group = group
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        width = max(self.shares)
+        padded = torch.nn.functional.pad(logits, (0, width - logits.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in self.shares]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([part[..., :share] for part, share in zip(parts, self.shares, strict=True)], dim=-1)
+
+
+def parallelize(model: LlamaForCausalLM, layout: TensorParallelLayout, config: ModelConfig,
+                group: dist.ProcessGroup) -> LlamaForCausalLM:
+    """Make `model`, built from rank `layout.rank`'s shard of the model `config` describes
+    (engine.parallel.shard), compute what the whole model computes, together with the other ranks of
+    `group`. Size 1 leaves it as it is."""
+    if layout.size == 1:
+        return model
+    for layer in model.layers:
+        layer.linears["o"] = AllReduced(layer.linears["o"], group)
+        layer.linears["down"] = AllReduced(layer.linears["down"], group)
+    vocabulary = layout.vocabulary(config)
+    model.embed = VocabParallelEmbedding(model.embed, vocabulary.start, len(vocabulary), group)
+    shares = [len(TensorParallelLayout(layout.size, rank).vocabulary(config)) for rank in range(layout.size)]
+    model.use_logits_gather(GatheredLogits(shares, group))
+    model.use_stacked(None)
+    return model

@@ -1,0 +1,90 @@
+"""One rank's part of a model's HF-named weights (engine.parallel.layout says which part).
+
+Column-parallel products (the QKV and gate/up products, the embedding and the LM head) keep the
+rows of their outputs that the rank computes; row-parallel ones (the attention output and the MLP's
+down projection) keep the columns of their inputs, so each rank's output is a partial sum that one
+all-reduce completes. Integer-group weights (engine.model.quantized) split the same way: a row split
+keeps whole groups, a column split must fall on a group boundary (refused by name otherwise), and a
+GPTQ act-order weight, whose columns are a permutation of the input features, is refused under a
+column split rather than regrouped. Norm weights are replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+import torch
+
+from engine.config import ModelConfig
+from engine.model.loader import ModelFiles
+from engine.model.quantized import QuantizedWeight
+from engine.parallel.layout import TensorParallelLayout
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+def _feature_range(heads: range, head_dim: int) -> range:
+    return range(heads.start * head_dim, heads.stop * head_dim)
+
+
+def _own(part: torch.Tensor) -> torch.Tensor:
+    """A slice in storage of its own, so the whole tensor it came from can be freed."""
+    return part.clone(memory_format=torch.contiguous_format)
+
+
+def rows(name: str, weight: Weight, keep: range) -> Weight:
+    """The output rows `keep` of `weight` (a bias: its entries); `name` for the same signature as
+    `columns`."""
+    if isinstance(weight, QuantizedWeight):
+        offset = None if weight.offset is None else _own(weight.offset[keep.start:keep.stop])
+        return replace(weight, q=_own(weight.q[keep.start:keep.stop]), scale=_own(weight.scale[keep.start:keep.stop]),
+                       offset=offset)
+    return _own(weight[keep.start:keep.stop])
+
+
+def columns(name: str, weight: Weight, keep: range) -> Weight:
+    """The input columns `keep` of `weight`; ValueError naming the tensor when they would cut its
+    integer groups or it is act-ordered."""
+    if not isinstance(weight, QuantizedWeight):
+        return _own(weight[:, keep.start:keep.stop])
+    if weight.perm is not None:
+        raise ValueError(f"{name}: a GPTQ act-order weight cannot be split by its input features "
+                         "(tensor parallelism splits this product's columns); use a checkpoint without desc_act")
+    group = weight.group_size
+    if keep.start % group or len(keep) % group:
+        raise ValueError(f"{name}: splitting its {weight.shape[1]} input features at {keep.start}..{keep.stop} "
+                         f"would cut its groups of {group}")
+    first, last = keep.start // group, keep.stop // group
+    offset = None if weight.offset is None else _own(weight.offset[:, first:last])
+    return replace(weight, q=_own(weight.q[:, keep.start:keep.stop]), scale=_own(weight.scale[:, first:last]),
+                   offset=offset)
+
+
+def shard_weights(weights: Mapping[str, Weight], config: ModelConfig,
+                  layout: TensorParallelLayout) -> dict[str, Weight]:
+    """Rank `layout.rank`'s tensors, under the same names, shaped for `layout.shard_config(config)`."""
+    layout.check(config)
+    q = _feature_range(layout.query_heads(config), config.head_dim)
+    kv = _feature_range(layout.kv_heads(config), config.head_dim)
+    inter, vocab = layout.intermediate(config), layout.vocabulary(config)
+    split = {
+        "q_proj.weight": (rows, q), "q_proj.bias": (rows, q),
+        "k_proj.weight": (rows, kv), "k_proj.bias": (rows, kv),
+        "v_proj.weight": (rows, kv), "v_proj.bias": (rows, kv),
+        "o_proj.weight": (columns, q),
+        "gate_proj.weight": (rows, inter), "up_proj.weight": (rows, inter),
+        "down_proj.weight": (columns, inter),
+        "embed_tokens.weight": (rows, vocab), "lm_head.weight": (rows, vocab),
+    }
+    shard: dict[str, Weight] = {}
+    for name, weight in weights.items():
+        rule = split.get(".".join(name.split(".")[-2:]))
+        shard[name] = weight if rule is None else rule[0](name, weight, rule[1])
+    return shard
+
+
+def shard_files(files: ModelFiles, layout: TensorParallelLayout) -> ModelFiles:
+    """`files` as rank `layout.rank` holds them: its part of the weights, the config of its shape."""
+    return replace(files, config=layout.shard_config(files.config),
+                   weights=shard_weights(files.weights, files.config, layout))
