@@ -163,9 +163,17 @@ class EngineConfig:
     kv_cache_dtype: KVCacheDType = "auto"
     activation_quantization: ActivationQuantization = "auto"
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # Ranks (processes) the model is split across, Megatron-style (engine.parallel); each holds its
+    # shard of the weights and of the KV cache, `cache` being each rank's budget.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _require(self.role in ("colocated", "prefill", "decode"), "role", f"unknown role {self.role!r}")
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size",
+                 f"must be at least 1, got {self.tensor_parallel_size}")
+        _require(self.tensor_parallel_size == 1 or self.role == "colocated", "tensor_parallel_size",
+                 f"{self.tensor_parallel_size} ranks serve the colocated role only: prefill and decode workers "
+                 "would exchange KV between layouts, which this build does not do yet")
         if self.speculative is not None and self.role == "prefill":
             raise ValueError(f"{SPECULATIVE_FLAG}: the prefill role samples only a prompt's first token, so it "
                              "cannot speculate; give the flag to decode or colocated workers")

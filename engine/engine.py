@@ -13,22 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.selector import select_attention_backend
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.dtypes import TORCH_DTYPES
-from engine.formats import choose_dtype, resolve_formats
-from engine.hardware import probe
+from engine.engine_model import load_engine_model
 from engine.kv_cache.blocks import blocks_for
-from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
-from engine.kv_cache.codec import kv_format
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_export import KVExport, KVExports
-from engine.model.int8_activations import PARTS
-from engine.model.kernels import cpu_kernels
-from engine.model.loader import ModelFiles, build_model, load_model_files
-from engine.model.quant_config import check_requested
-from engine.model.weight_formats import choose_quantization
+from engine.model.loader import ModelFiles
 from engine.outputs import (
     EngineStats,
     KVReservation,
@@ -38,6 +29,8 @@ from engine.outputs import (
     StepTokens,
     TooLargeForKV,
 )
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.layout import TensorParallelLayout
 from engine.request import FinishReason, Request, RequestStatus
 from engine.resume import Resumed, check_resumable, replay_text
 from engine.runner import ModelRunner, SampledToken
@@ -66,50 +59,46 @@ class Engine:
         has no kernel for (on this device), or a combination of formats that cannot run."""
         self.config = config
         self.device = torch.device(config.device)
-        # What it computes in, resolved from the hardware once (engine.formats).
-        hardware = probe(config.device)
-        dtype_name = choose_dtype(config.dtype, hardware).dtype
-        dtype = TORCH_DTYPES[dtype_name]
-        self.kv_format = kv_format(config.kv_cache_dtype, dtype_name)
-        # Before loading: a KV format the device's kernels cannot read fails at once.
-        cpu_ops = cpu_kernels(config.device)
-        attention = select_attention_backend(config.attention_backend, config.device, self.kv_format.codec,
-                                             None if cpu_ops is None else cpu_ops.decode_attention,
-                                             None if cpu_ops is None else cpu_ops.prefill_attention)
-        if files is None:
-            files = load_model_files(config.model, dtype, config.quantization)
-        else:
-            check_requested(config.quantization, files.stored_format, files.source)
-        quantization = choose_quantization(config.quantization, files.quantized_as, config.device)
-        self.formats = resolve_formats(config, hardware, quantization)
+        size = config.tensor_parallel_size
+        # The other ranks of a tensor-parallel engine start loading beside this one (engine.parallel).
+        self._parallel = TensorParallelGroup(config) if size > 1 else None
+        try:
+            loaded = load_engine_model(config, files, TensorParallelLayout(size, 0),
+                                       None if self._parallel is None else self._parallel.group, self.device)
+            if self._parallel is not None:
+                self._parallel.ready()
+        except BaseException:
+            if self._parallel is not None:
+                self._parallel.close(ready=False)
+            raise
+        self.kv_format = loaded.kv_format
+        self.formats = loaded.formats
         log.info("engine formats: %s", self.formats.describe())
         if self.formats.warning is not None:
             log.warning("%s", self.formats.warning)
-        self.model_config = files.config
-        self.tokenizer = Tokenizer.from_path(files.source)
-        self.max_model_len = min(config.max_model_len or files.config.max_position_embeddings,
-                                 files.config.max_position_embeddings)
-        block_size = config.cache.block_size
-        block_bytes = bytes_per_block(files.config, block_size, self.kv_format)  # checks the format fits the model
-        model = build_model(files, attention, self.device, quantization, self.formats.cpu_weights, dtype,
-                            PARTS.get(self.formats.activation_quantization, 0))
-        num_blocks = config.cache.num_blocks or max(1, (config.cache.memory_bytes or 0) // block_bytes)
+        self.model_config = loaded.config
+        self.tokenizer = Tokenizer.from_path(loaded.source)
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        num_blocks, block_size = loaded.cache.num_blocks, config.cache.block_size
         # The weight format is part of the model: KV computed with other weights is neither reused nor accepted.
-        weights = f"{dtype}|{quantization}|{self.formats.activation_quantization}"
-        self.fingerprint = hashlib.sha256(f"{files.config!r}|{weights}".encode()).digest()
+        weights = f"{loaded.dtype}|{loaded.quantization}|{self.formats.activation_quantization}"
+        self.fingerprint = hashlib.sha256(f"{loaded.config!r}|{weights}".encode()).digest()
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint)
-        eos = set(self.tokenizer.eos_token_ids) | set(files.config.eos_token_ids)
+        eos = set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)
         self.scheduler = Scheduler(
             config.scheduler, self.kv, eos_token_ids=eos, keep_finished_kv=config.role == "prefill"
         )
-        cache = CacheEngine(files.config, num_blocks, block_size, self.kv_format, self.device)
-        self.runner = ModelRunner(model, cache, Sampler(files.config.vocab_size, sorted(eos)), self.device)
-        self._exports = KVExports(block_size, files.config.num_layers)
+        sampler = Sampler(loaded.config.vocab_size, sorted(eos))
+        plans = None if self._parallel is None else self._parallel.send
+        self.runner = ModelRunner(loaded.model, loaded.cache, sampler, self.device, plans)
+        self._exports = KVExports(block_size, loaded.config.num_layers)
         self._text: dict[str, _TextState] = {}
         self.last_step_tokens = StepTokens()
         self._drafter = None if config.speculative is None else Drafter.build(config.speculative, self)
-        log.info("engine ready: %s, role=%s, %d KV blocks of %d tokens, kv_cache=%s, attention=%s",
-                 files.config.name, config.role, num_blocks, block_size, self.kv_format.name, attention.name)
+        log.info("engine ready: %s, role=%s, tensor_parallel_size=%d, %d KV blocks of %d tokens%s, kv_cache=%s, "
+                 "attention=%s", loaded.config.name, config.role, size, num_blocks, block_size,
+                 " on each rank" if size > 1 else "", self.kv_format.name, loaded.attention)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -331,6 +320,17 @@ class Engine:
         if output.finished:
             self._forget(request_id)
         return output
+
+    def lost_rank(self) -> str | None:
+        """Which other rank of a tensor-parallel engine has exited, if one has: the engine cannot
+        compute without it."""
+        return None if self._parallel is None else self._parallel.lost_rank()
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do at size 1)."""
+        if self._parallel is not None:
+            self._parallel.close()
+            self._parallel = None
 
     # ---- load ------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -11,6 +11,7 @@ from engine.kv_cache.cache_engine import CacheEngine
 from engine.model.decode_stack import DecodeStack
 from engine.model.kernels import cpu_kernels
 from engine.model.llama import LlamaForCausalLM
+from engine.parallel.step_plan import StepPlan
 from engine.sampler import Sampler, SamplingRequestState, TokenLogprobs
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.speculative.verify import num_accepted
@@ -21,11 +22,15 @@ SampledToken = tuple[int, TokenLogprobs | None]
 class ModelRunner:
     """Owns the model, the KV cache tensors, the sampler and each seeded request's generator."""
 
-    def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, sampler: Sampler, device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, sampler: Sampler, device: torch.device,
+                 plans: Callable[[StepPlan], None] | None = None) -> None:
+        """`plans` hands each step's inputs to the other ranks of a tensor-parallel engine before this
+        rank runs it (engine.parallel.step_plan)."""
         self.model = model
         self.cache = cache
         self.sampler = sampler
         self.device = device
+        self._plans = plans
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -38,6 +43,8 @@ class ModelRunner:
         if out.is_empty:
             return {}
         input_ids, positions, meta, sample_rows = self._prepare(out)
+        if self._plans is not None:
+            self._plans(StepPlan(input_ids, positions, meta, sample_rows))
         hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done)
         sampling = [c for c in out.chunks if c.samples]
         if not sampling:

@@ -41,13 +41,13 @@ class GreedyRun:
     logits: torch.Tensor  # [prompt + steps - 1, vocab]: the prompt's and each decode step's
 
 
-def _meta(start: int, end: int, num_blocks: int) -> AttentionMetadata:
-    table = torch.arange(num_blocks, dtype=torch.int32)
-    positions = torch.arange(start, end)
+def _meta(start: int, end: int, num_blocks: int, device: torch.device) -> AttentionMetadata:
+    table = torch.arange(num_blocks, dtype=torch.int32, device=device)
+    positions = torch.arange(start, end, device=device)
     return AttentionMetadata(
         slot_mapping=table[positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE,
-        query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
-        seq_lens=torch.tensor([end], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, end - start], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([end], dtype=torch.int32, device=device),
         block_tables=table[None, :],
         query_lens_list=(end - start,),
         seq_lens_list=(end,),
@@ -56,17 +56,20 @@ def _meta(start: int, end: int, num_blocks: int) -> AttentionMetadata:
 
 @torch.inference_mode()
 def greedy(model: LlamaForCausalLM, prompt: list[int], steps: int) -> GreedyRun:
-    """The prompt in two chunks, then `steps` greedy tokens one step at a time."""
+    """The prompt in two chunks, then `steps` greedy tokens one step at a time, on the model's device
+    and in its dtype."""
     config = model.config
+    device, dtype = model.norm.device, model.norm.dtype
     total = len(prompt) + steps
     num_blocks = -(-total // BLOCK_SIZE)
     shape = (num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
+    caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+              for _ in range(config.num_layers)]
     tokens, margins, rows = list(prompt), [], []
     bounds = [0, len(prompt) // 2, len(prompt)]
     for start, end in itertools.pairwise(bounds):
-        hidden = model(torch.tensor(tokens[start:end]), torch.arange(start, end), caches,
-                       _meta(start, end, num_blocks))
+        hidden = model(torch.tensor(tokens[start:end], device=device), torch.arange(start, end, device=device),
+                       caches, _meta(start, end, num_blocks, device))
         rows.append(model.compute_logits(hidden))
     for _ in range(steps):
         last = rows[-1][-1]
@@ -74,9 +77,10 @@ def greedy(model: LlamaForCausalLM, prompt: list[int], steps: int) -> GreedyRun:
         margins.append(float(top2[0] - top2[1]))
         tokens.append(int(last.argmax()))
         at = len(tokens) - 1
-        hidden = model(torch.tensor(tokens[at:]), torch.tensor([at]), caches, _meta(at, at + 1, num_blocks))
+        hidden = model(torch.tensor(tokens[at:], device=device), torch.tensor([at], device=device), caches,
+                       _meta(at, at + 1, num_blocks, device))
         rows.append(model.compute_logits(hidden))
-    return GreedyRun(tokens[len(prompt):], margins, torch.cat(rows)[:-1])
+    return GreedyRun(tokens[len(prompt):], margins, torch.cat(rows)[:-1].cpu())
 
 
 def load(checkpoint: Checkpoint, layout: TensorParallelLayout) -> tuple[LlamaForCausalLM, ModelConfig]:

@@ -30,7 +30,7 @@ class AllReduced:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self.product(x)
-        dist.all_reduce(out, group=self.group)
+        self.group.allreduce([out]).wait()
         return out
 
 
@@ -50,7 +50,7 @@ class VocabParallelEmbedding:
         mine = (local >= 0) & (local < self.rows)
         out = self.embed(torch.where(mine, local, 0))
         out = out * mine.unsqueeze(-1).to(out.dtype)
-        dist.all_reduce(out, group=self.group)
+        self.group.allreduce([out]).wait()
         return out
 
 
@@ -67,7 +67,7 @@ class GatheredLogits:
         width = max(self.shares)
         padded = torch.nn.functional.pad(logits, (0, width - logits.shape[-1])).contiguous()
         parts = [torch.empty_like(padded) for _ in self.shares]
-        dist.all_gather(parts, padded, group=self.group)
+        self.group.allgather([parts], [padded]).wait()
         return torch.cat([part[..., :share] for part, share in zip(parts, self.shares, strict=True)], dim=-1)
 
 

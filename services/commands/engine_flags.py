@@ -58,6 +58,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              f"0: no limit (default: {CPU_PROMPT_BATCH_TOKENS} on CPU, none on GPU)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="processes the model is split across (its heads, MLP features and vocabulary), "
+                             "each holding its shard of the weights and a KV cache of --kv-cache-mib; colocated "
+                             "workers only")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="speculative decoding on decode and colocated workers, in vLLM's keys: "
                              '\'{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, '
@@ -97,6 +101,7 @@ def engine_config(args: argparse.Namespace, role: Role) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         activation_quantization=args.activation_quantization,
         speculative=None if args.speculative_config is None else SpeculativeConfig.from_json(args.speculative_config),
+        tensor_parallel_size=args.tensor_parallel_size,
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.kv_cache_blocks,

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -52,9 +52,13 @@ class StepRates:
 class EngineLoop:
     """The engine thread plus the asyncio-facing API of one worker."""
 
-    def __init__(self, engine: Engine, fit: StepModelFit | None = None) -> None:
-        """`fit` is the step model to refine with every step (a new one if None)."""
+    def __init__(self, engine: Engine, fit: StepModelFit | None = None,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
+        """`fit` is the step model to refine with every step (a new one if None). `on_fatal(reason)`
+        runs once if the engine can never step again (a tensor-parallel rank is gone): the worker
+        must stop serving."""
         self.engine = engine
+        self._on_fatal = on_fatal
         self.rates = StepRates()
         spec = engine.config.speculative
         self.step_model = fit or StepModelFit(spec.disable_by_batch_size or 0 if spec is not None else 0)
@@ -188,6 +192,13 @@ class EngineLoop:
                 engine.abort(request_id)
             for request_id in list(self._streams):
                 self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
+            lost = engine.lost_rank()
+            if lost is not None:
+                log.critical("the engine cannot step again: %s", lost)
+                with self._wake:
+                    self._stopping = True
+                if self._on_fatal is not None:
+                    self._on_fatal(lost)
             return
         tokens = engine.last_step_tokens
         seconds = time.perf_counter() - started

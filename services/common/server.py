@@ -174,6 +174,16 @@ class RoleServer:
         self.metrics_address: str | None = None
         self._names: list[str] = []
         self._listeners: list[Listener] = []
+        self._stop = asyncio.Event()  # set by a signal or by `fail`
+        self._loop = asyncio.get_running_loop()
+        self._failure: str | None = None
+
+    def fail(self, reason: str) -> None:
+        """Stop serving for good because the worker can no longer compute (callable from any
+        thread): health NOT_SERVING, the drain, then `run` returns exit code 1."""
+        log.critical("%s: stopping: %s", self.role, reason)
+        self._failure = reason
+        self._loop.call_soon_threadsafe(self._stop.set)
 
     @property
     def address(self) -> str:
@@ -195,7 +205,8 @@ class RoleServer:
         load: Callable[[], Awaitable[None]] | None = None,
         close: Callable[[], Awaitable[None]] | None = None,
     ) -> int:
-        """Serve until SIGTERM/SIGINT and return the exit code: 0 after a drain, 1 if `load` failed.
+        """Serve until SIGTERM/SIGINT and return the exit code: 0 after a drain, 1 if `load` failed or
+        `fail` was called.
 
         `load` runs after the port is bound and the server started (so health answers NOT_SERVING
         while it runs); `close` runs after the drain, once no RPC is left.
@@ -211,7 +222,7 @@ class RoleServer:
             self.port = self.grpc.add_insecure_port(bind)
         else:
             self.port = self.grpc.add_secure_port(bind, self._credentials)
-        stop = asyncio.Event()
+        stop = self._stop
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -225,6 +236,7 @@ class RoleServer:
             print(f"tandem {self.role} ready grpc={self.address}{metrics}{listening}", flush=True)
             log.info("%s: serving on %s", self.role, self.address)
             await stop.wait()
+            code = 0 if self._failure is None else 1
         elif not stop.is_set():
             code = 1
         await self._drain(health)

@@ -69,5 +69,6 @@ class RoleWorker:
         )
 
     async def close(self) -> None:
-        """Stop the engine thread (after the server drained)."""
+        """Stop the engine thread (after the server drained), then the engine's other ranks."""
         await asyncio.to_thread(self.loop.stop)
+        await asyncio.to_thread(self.loop.engine.close)

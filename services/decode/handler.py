@@ -151,7 +151,7 @@ async def serve(
         advertised = f"{advertise_host}:{server.port}"
         receiver = make_receiver(kv_backend, kv_host, advertised, timeout=kv_timeout, device=config.device,
                                  checksum=kv_checksum)
-        worker = DecodeWorker(server.address, engine, server.draining, receiver, kv_timeout)
+        worker = DecodeWorker(server.address, engine, server.draining, receiver, kv_timeout, on_fatal=server.fail)
         await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
         kv_transfer.servicer = KVTransferServicer(worker.layout, receiver if kv_backend == "grpc" else None)
         worker.loop.start()

@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -61,9 +61,11 @@ class DecodeWorker(RoleWorker):
     """A decode engine plus the receiver its prompts' KV pages arrive through."""
 
     def __init__(
-        self, address: str, engine: Engine, draining: asyncio.Event, receiver: KVReceiver, kv_timeout: float
+        self, address: str, engine: Engine, draining: asyncio.Event, receiver: KVReceiver, kv_timeout: float,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
-        super().__init__(engine.config.role, address, EngineLoop(engine), draining)
+        """`on_fatal(reason)`: the engine can never step again (services.common.engine_loop)."""
+        super().__init__(engine.config.role, address, EngineLoop(engine, on_fatal=on_fatal), draining)
         self.receiver = receiver
         self.layout = KVLayout.of_engine(engine)
         self.kv_timeout = kv_timeout

@@ -6,6 +6,7 @@ model computes: the shipped model at 3 ranks, and random models of other shapes 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,14 @@ import torch
 from transformers import LlamaConfig
 
 from engine.attention.reference import TorchPagedAttention
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import Engine
 from engine.model.loader import build_model, load_model_files
 from engine.model.quantized import QuantizedWeight
+from engine.offline import generate
 from engine.parallel.layout import TensorParallelLayout
 from engine.parallel.shard import columns, rows, shard_weights
+from engine.sampling_params import SamplingParams
 from tests.reference import check_against
 from tests.tensor_parallel_ranks import Checkpoint, greedy, greedy_on_ranks
 from tests.unit.test_model_hf import save_random_model
@@ -98,3 +103,31 @@ def test_random_models_split_by_heads_and_with_replicated_kv_heads_decode_as_one
     split = greedy_on_ranks(size, checkpoint, prompt, 6, str(tmp_path / "rank0.pt"))
     assert (split.logits - whole.logits).abs().max().item() < 1e-4
     check_against([split.token_ids], [whole.token_ids], [whole.margins], f"{heads}/{kv_heads} heads at TP {size}")
+
+
+def _margins(completion) -> list[float]:
+    return [top[0][1] - top[1][1] for top in (logprob.top for logprob in completion.logprobs)]
+
+
+def test_a_three_rank_engine_decodes_a_continuous_batch_as_a_one_process_engine(model_files):
+    config = EngineConfig(dtype="float32", quantization="none", cpu_weights="fp32", cache=CacheConfig(num_blocks=48))
+    prompts = [PROMPT, [*PROMPT[:9], 42, 43], list(range(100, 160))]
+    params = [SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=2) for tokens in (12, 5, 9)]
+    whole = generate(Engine(config, files=model_files), prompts, params)
+    engine = Engine(replace(config, tensor_parallel_size=3), files=model_files)
+    followers = list(engine._parallel.followers)  # the test checks they are gone after close()
+    try:
+        split = generate(engine, prompts, params)
+        assert engine.stats().num_running == 0
+    finally:
+        engine.close()
+    assert all(not process.is_alive() for process in followers)
+    check_against([c.token_ids for c in split], [c.token_ids for c in whole], [_margins(c) for c in whole],
+                  "engine at TP 3")
+
+
+def test_sizes_the_model_or_the_role_cannot_take_are_refused_at_start_up(model_files):
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 ranks serve the colocated role only"):
+        EngineConfig(role="decode", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide the 9 query heads"):
+        Engine(EngineConfig(dtype="float32", tensor_parallel_size=2), files=model_files)

@@ -1,0 +1,75 @@
+"""What one engine computes with, resolved and loaded: its formats, its model and its KV cache
+tensors. A tensor-parallel engine's every rank loads one, each holding its shard (engine.parallel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.selector import select_attention_backend
+from engine.config import EngineConfig, ModelConfig
+from engine.dtypes import TORCH_DTYPES
+from engine.formats import EngineFormats, choose_dtype, resolve_formats
+from engine.hardware import probe
+from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
+from engine.kv_cache.codec import KVFormat, kv_format
+from engine.model.int8_activations import PARTS
+from engine.model.kernels import cpu_kernels
+from engine.model.llama import LlamaForCausalLM
+from engine.model.loader import ModelFiles, build_model, load_model_files
+from engine.model.quant_config import check_requested
+from engine.model.weight_formats import choose_quantization
+from engine.parallel.collectives import parallelize
+from engine.parallel.layout import TensorParallelLayout
+from engine.parallel.shard import shard_files
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """One rank's model and KV cache tensors, and what they were resolved to."""
+
+    config: ModelConfig  # the whole model's
+    source: str  # the checkpoint's path
+    dtype: torch.dtype
+    quantization: str  # the weight format served
+    formats: EngineFormats
+    kv_format: KVFormat
+    model: LlamaForCausalLM
+    cache: CacheEngine
+    attention: str  # the attention backend's name
+
+
+def load_engine_model(config: EngineConfig, files: ModelFiles | None, layout: TensorParallelLayout,
+                      group: object | None, device: torch.device) -> EngineModel:
+    """Resolve `config`'s formats on `device`, load the model (or use already loaded `files`) and
+    keep rank `layout.rank`'s shard, made whole with the other ranks of `group` (a process group;
+    None at size 1). ValueError naming the field for a format the device has no kernel for, or a
+    tensor-parallel size the model cannot split."""
+    hardware = probe(config.device)
+    dtype_name = choose_dtype(config.dtype, hardware).dtype
+    dtype = TORCH_DTYPES[dtype_name]
+    kv = kv_format(config.kv_cache_dtype, dtype_name)
+    # Before loading: a KV format the device's kernels cannot read fails at once.
+    cpu_ops = cpu_kernels(config.device)
+    attention = select_attention_backend(config.attention_backend, config.device, kv.codec,
+                                         None if cpu_ops is None else cpu_ops.decode_attention,
+                                         None if cpu_ops is None else cpu_ops.prefill_attention)
+    if files is None:
+        files = load_model_files(config.model, dtype, config.quantization)
+    else:
+        check_requested(config.quantization, files.stored_format, files.source)
+    quantization = choose_quantization(config.quantization, files.quantized_as, config.device)
+    formats = resolve_formats(config, hardware, quantization)
+    shard = files if layout.size == 1 else shard_files(files, layout)
+    block_size = config.cache.block_size
+    block_bytes = bytes_per_block(shard.config, block_size, kv)  # checks the format fits the model
+    model = build_model(shard, attention, device, quantization, formats.cpu_weights, dtype,
+                        PARTS.get(formats.activation_quantization, 0))
+    if group is not None:
+        parallelize(model, layout, files.config, group)
+    # --kv-cache-mib is each rank's budget: every rank holds the same number of blocks of its heads.
+    num_blocks = config.cache.num_blocks or max(1, (config.cache.memory_bytes or 0) // block_bytes)
+    cache = CacheEngine(shard.config, num_blocks, block_size, kv, device)
+    return EngineModel(files.config, files.source, dtype, quantization, formats, kv, model, cache, attention.name)
