@@ -86,6 +86,7 @@ bench: install $(BENCH_STAMP)
 	$(BENCH) device_checksum
 	$(BENCH) mesh_overhead
 	$(BENCH) links || [ $$? -eq 2 ]  # 2: no network namespaces here (needs root), said on stderr
+	$(BENCH) tensor_parallel
 	$(BENCH) tracing_overhead
 	$(BENCH) routing_overhead
 	$(BENCH) planner_sim

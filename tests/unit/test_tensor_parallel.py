@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from bench.harness.greedy import Checkpoint, greedy, greedy_on_ranks
 from engine.attention.reference import TorchPagedAttention
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
@@ -23,7 +24,6 @@ from engine.parallel.layout import TensorParallelLayout
 from engine.parallel.shard import columns, rows, shard_weights
 from engine.sampling_params import SamplingParams
 from tests.reference import check_against
-from tests.tensor_parallel_ranks import Checkpoint, greedy, greedy_on_ranks
 from tests.unit.test_model_hf import save_random_model
 
 PROMPT = [1, 504, 3458, 314, 260, 4649, 282, 4760, 30, 378, 1112, 2273, 1597, 28, 357, 2600, 253]

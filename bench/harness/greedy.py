@@ -1,6 +1,7 @@
-"""Greedy decoding of one prompt by a model split across real processes (gloo), for the tensor
-parallelism tests: each rank loads the checkpoint, keeps its shard, and decodes together with the
-others; rank 0 writes the tokens, the top-2 margins and the logits."""
+"""Greedy decoding of one prompt straight through a model (no engine), alone or split across real
+processes (gloo), for the tensor parallelism tests and the tensor_parallel suite: each rank loads
+the checkpoint, keeps its shard, and decodes together with the others; rank 0 writes the tokens,
+the top-2 margins and the logits."""
 
 from __future__ import annotations
 
