@@ -60,6 +60,8 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device)
         size = config.tensor_parallel_size
+        if files is not None:  # a size the model cannot take is refused before any rank starts
+            TensorParallelLayout(size, 0).check(files.config)
         # The other ranks of a tensor-parallel engine start loading beside this one (engine.parallel).
         self._parallel = TensorParallelGroup(config) if size > 1 else None
         try:

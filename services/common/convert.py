@@ -193,6 +193,7 @@ def load_report(load: WorkerLoad) -> common_pb2.LoadReport:
         cpu_weights=load.formats.cpu_weights,
         kv_cache_dtype=load.formats.kv_cache_dtype,
         activation_quantization=load.formats.activation_quantization,
+        tensor_parallel_size=load.tensor_parallel_size,
     )
 
 

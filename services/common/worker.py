@@ -28,6 +28,7 @@ class WorkerLoad:
     finished_requests: int
     kv_delivery_wait_s: float
     formats: EngineFormats  # what the engine computes in, fixed at its start-up
+    tensor_parallel_size: int  # ranks the model is split across
 
 
 class RoleWorker:
@@ -66,6 +67,7 @@ class RoleWorker:
             finished_requests=self.inflight.finished,
             kv_delivery_wait_s=self.kv_delivery_wait_s,
             formats=self.formats,
+            tensor_parallel_size=self.loop.engine.config.tensor_parallel_size,
         )
 
     async def close(self) -> None:

@@ -46,6 +46,8 @@ class EngineStateCollector(Collector):
             ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", stats.kv_usage),
             ("tandem:prefill_queued_tokens", "Prompt tokens waiting to be computed (the prefill pool's "
              "scaling signal).", stats.num_waiting_tokens),
+            ("tandem:tensor_parallel_size", "Ranks the worker's model is split across (tensor parallelism).",
+             self._loop.engine.config.tensor_parallel_size),
         ]
         if self._reserved_requests is not None:
             gauges.append(("tandem:kv_reserved_requests", "Requests whose KV is reserved here and still arriving.",

@@ -76,7 +76,7 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
         context: grpc.aio.ServicerContext,
         progress: DecodeProgress,
     ) -> None:
-        recorder = DecodeRecorder(self.metrics, progress)
+        recorder = DecodeRecorder(self.metrics, progress, worker.loop.engine.config.tensor_parallel_size)
         if request.prefill_address:
             prefill = self.prefills.peer(request.prefill_address)
             outputs = worker.generate(request_id, request.prompt_token_ids, params, prefill, progress, resumed)

@@ -12,9 +12,11 @@ from services.observability.spans import add_event, add_span, set_attributes, tr
 class DecodeRecorder:
     """Feed it every output of one request (`output`), then call `trace` once it ended, however."""
 
-    def __init__(self, metrics: WorkerMetrics, progress: DecodeProgress) -> None:
+    def __init__(self, metrics: WorkerMetrics, progress: DecodeProgress, tensor_parallel_size: int = 1) -> None:
+        """`tensor_parallel_size`: the ranks the worker's model is split across, for the trace."""
         self._metrics = metrics
         self._progress = progress
+        self._tensor_parallel_size = tensor_parallel_size
         self._finished: RequestOutput | None = None
 
     def output(self, output: RequestOutput, now: float) -> None:
@@ -43,6 +45,7 @@ class DecodeRecorder:
         if not tracing_active():
             return
         progress = self._progress
+        set_attributes({"tandem.tensor_parallel_size": self._tensor_parallel_size})
         reserved = progress.began(DecodeStage.RESERVED)
         if reserved is not None:
             add_span("decode.reserve", progress.arrived_at, reserved,

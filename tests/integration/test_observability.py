@@ -122,6 +122,7 @@ def test_one_trace_across_gateway_prefill_and_decode(mesh, receiver):
     assert pushed.parent_span_id == push.span_id
     for name in ("decode.reserve", "decode.kv_wait", "decode.batch_join"):
         assert _one(spans, "tandem-decode", name).parent_span_id == decode.span_id
+    assert decode.attributes["tandem.tensor_parallel_size"] == 1
     for name in ("prefill.queue", "prefill.compute", "kv.transfer"):
         assert _one(spans, "tandem-prefill", name).parent_span_id == prefill.span_id
     assert _one(spans, "tandem-gateway", "route").parent_span_id == gateway.span_id
@@ -282,6 +283,8 @@ def test_metrics_count_a_request(mesh):
                       "tandem:prefill_queued_tokens"):
             assert worker[(gauge, frozenset({"model_name": MODEL}.items()))] == 0, gauge
     assert decode[("tandem:kv_reserved_requests", frozenset({"model_name": MODEL}.items()))] == 0
+    for worker in (prefill, decode):
+        assert worker[("tandem:tensor_parallel_size", frozenset({"model_name": MODEL}.items()))] == 1
     assert not any(name == "tandem:kv_reserved_requests" for name, _ in prefill)
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
         assert gateway[(gauge, frozenset({"model_name": MODEL}.items()))] == 0, gauge

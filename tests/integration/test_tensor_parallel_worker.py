@@ -10,13 +10,15 @@ import re
 import signal
 import subprocess
 import time
+import urllib.request
 from dataclasses import replace
 
 import grpc
 import pytest
 from parity_prompts import parity_prompt_ids
+from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS, check_against
-from tandem.v1 import decode_pb2, decode_pb2_grpc
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 from bench.harness.worker import WorkerProcess, start_worker
 from engine.offline import generate
@@ -66,6 +68,15 @@ def test_greedy_tokens_equal_the_one_process_engine(worker, prompts, make_engine
     ours = [_generate(worker, prompt) for prompt in prompts]
     check_against(ours, [c.token_ids for c in reference], margins, "colocated worker at TP 3")
     assert len(_ranks(worker)) == 2
+
+
+def test_the_load_report_and_the_metrics_say_the_size(worker):
+    with grpc.insecure_channel(worker.address, options=channel_options()) as channel:
+        report = decode_pb2_grpc.DecodeStub(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=30)
+    assert report.tensor_parallel_size == 3
+    with urllib.request.urlopen(f"http://{worker.metrics_address}/metrics", timeout=30) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    assert [sample.value for sample in families["tandem:tensor_parallel_size"].samples] == [3]
 
 
 def test_a_killed_rank_takes_the_worker_down_with_its_other_ranks(worker, prompts):

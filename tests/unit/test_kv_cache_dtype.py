@@ -126,7 +126,7 @@ def test_peers_with_different_kv_dtypes_have_layouts_that_name_it(engines):
 
 
 def test_fp8_with_triton_on_a_gpu_without_fp8_fails_before_loading_naming_the_flag(monkeypatch):
-    from engine import engine as engine_module
+    from engine import engine_model as engine_module
     from engine.attention import selector
     from engine.hardware import GpuFeatures
 
