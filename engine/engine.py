@@ -60,12 +60,13 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device)
         size = config.tensor_parallel_size
+        layout = TensorParallelLayout(size, 0)
         if files is not None:  # a size the model cannot take is refused before any rank starts
-            TensorParallelLayout(size, 0).check(files.config)
+            layout.check(files.config)
         # The other ranks of a tensor-parallel engine start loading beside this one (engine.parallel).
         self._parallel = TensorParallelGroup(config) if size > 1 else None
         try:
-            loaded = load_engine_model(config, files, TensorParallelLayout(size, 0),
+            loaded = load_engine_model(config, files, layout,
                                        None if self._parallel is None else self._parallel.group, self.device)
             if self._parallel is not None:
                 self._parallel.ready()

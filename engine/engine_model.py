@@ -62,7 +62,7 @@ def load_engine_model(config: EngineConfig, files: ModelFiles | None, layout: Te
         check_requested(config.quantization, files.stored_format, files.source)
     quantization = choose_quantization(config.quantization, files.quantized_as, config.device)
     formats = resolve_formats(config, hardware, quantization)
-    shard = files if layout.size == 1 else shard_files(files, layout)
+    shard = shard_files(files, layout)
     block_size = config.cache.block_size
     block_bytes = bytes_per_block(shard.config, block_size, kv)  # checks the format fits the model
     model = build_model(shard, attention, device, quantization, formats.cpu_weights, dtype,

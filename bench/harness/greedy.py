@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.harness.ports import free_port
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.reference import TorchPagedAttention
 from engine.config import ModelConfig
@@ -84,11 +84,13 @@ def greedy(model: LlamaForCausalLM, prompt: list[int], steps: int) -> GreedyRun:
     return GreedyRun(tokens[len(prompt):], margins, torch.cat(rows)[:-1].cpu())
 
 
-def load(checkpoint: Checkpoint, layout: TensorParallelLayout) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Rank `layout.rank`'s model, built from its shard, and the whole model's config."""
-    files = load_model_files(checkpoint.path, torch.float32, checkpoint.quantization)
-    return build_model(shard_files(files, layout), TorchPagedAttention(), "cpu", checkpoint.quantization,
-                       checkpoint.cpu_weights), files.config
+def load(checkpoint: Checkpoint, layout: TensorParallelLayout, device: str = "cpu",
+         dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Rank `layout.rank`'s model, built from its shard on `device` in `dtype`, and the whole model's
+    config."""
+    files = load_model_files(checkpoint.path, dtype, checkpoint.quantization)
+    return build_model(shard_files(files, layout), TorchPagedAttention(), device, checkpoint.quantization,
+                       checkpoint.cpu_weights, dtype), files.config
 
 
 def _rank(rank: int, size: int, port: int, checkpoint: Checkpoint, prompt: list[int], steps: int,
@@ -107,10 +109,7 @@ def _rank(rank: int, size: int, port: int, checkpoint: Checkpoint, prompt: list[
 
 def greedy_on_ranks(size: int, checkpoint: Checkpoint, prompt: list[int], steps: int, out: str) -> GreedyRun:
     """`greedy` by `size` processes, each holding its shard; what rank 0 saw."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_rank, args=(size, port, checkpoint, prompt, steps, out), nprocs=size, join=True,
+    mp.start_processes(_rank, args=(size, free_port(), checkpoint, prompt, steps, out), nprocs=size, join=True,
                        start_method="spawn")
     return torch.load(out, weights_only=False)

@@ -23,7 +23,6 @@ Writes bench/results/tensor_parallel.json (a --quick run's under bench/results/s
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.harness.paths import REPO
+from bench.harness.ports import free_port
 from bench.harness.suite import command_line, results_path, suite_parser, write_results
 
 CACHE = REPO / "bench" / ".cache"
@@ -61,11 +61,9 @@ def model_for(size: int) -> Path:
 
 def _rank(rank: int, size: int, port: int, model: str, device: str, dtype: torch.dtype, prompt: list[int],
           steps: int, out: str) -> None:
-    from engine.attention.reference import TorchPagedAttention
-    from engine.model.loader import build_model, load_model_files
+    from bench.harness.greedy import Checkpoint, load
     from engine.parallel.collectives import parallelize
     from engine.parallel.layout import TensorParallelLayout
-    from engine.parallel.shard import shard_files
 
     torch.set_num_threads(1)
     if device == "cpu":
@@ -75,12 +73,10 @@ def _rank(rank: int, size: int, port: int, model: str, device: str, dtype: torch
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
         group = dist.group.WORLD
     layout = TensorParallelLayout(size, rank)
-    files = load_model_files(model, dtype, "none")
-    built = build_model(files if size == 1 else shard_files(files, layout), TorchPagedAttention(), device, "none",
-                        "plain", dtype)
+    built, config = load(Checkpoint(model, "none", "plain"), layout, device, dtype)
     if group is not None:
-        parallelize(built, layout, files.config, group)
-    _time(built, rank, group, files.config.hidden_size, device, dtype, prompt, steps, files.config.num_layers, out)
+        parallelize(built, layout, config, group)
+    _time(built, rank, group, config.hidden_size, device, dtype, prompt, steps, config.num_layers, out)
 
 
 def _time(model, rank: int, group, hidden: int, device: str, dtype: torch.dtype, prompt: list[int], steps: int,
@@ -115,11 +111,8 @@ def _time(model, rank: int, group, hidden: int, device: str, dtype: torch.dtype,
 def run_ranks(size: int, model: str, device: str, dtype: torch.dtype, prompt: list[int], steps: int,
               out: str) -> dict:
     """One layout's figures, from rank 0."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.start_processes(_rank, args=(size, port, model, device, dtype, prompt, steps, out), nprocs=size, join=True,
-                       start_method="spawn")
+    mp.start_processes(_rank, args=(size, free_port(), model, device, dtype, prompt, steps, out), nprocs=size,
+                       join=True, start_method="spawn")
     return torch.load(out, weights_only=False)
 
 

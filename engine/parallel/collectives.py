@@ -64,8 +64,8 @@ class GatheredLogits:
         self.group = group
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        width = max(self.shares)
-        padded = torch.nn.functional.pad(logits, (0, width - logits.shape[-1])).contiguous()
+        short = max(self.shares) - logits.shape[-1]
+        padded = (torch.nn.functional.pad(logits, (0, short)) if short else logits).contiguous()
         parts = [torch.empty_like(padded) for _ in self.shares]
         self.group.allgather([parts], [padded]).wait()
         return torch.cat([part[..., :share] for part, share in zip(parts, self.shares, strict=True)], dim=-1)

@@ -18,10 +18,11 @@ log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def follow(config: EngineConfig, rank: int, port: int) -> None:
-    """A follower process's whole life (started by engine.parallel.group)."""
+def follow(config: EngineConfig, rank: int, port: int, threads: int) -> None:
+    """A follower process's whole life (started by engine.parallel.group), computing on as many
+    threads as rank 0 (`--threads`)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(threads)
     device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)

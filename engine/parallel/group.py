@@ -58,7 +58,7 @@ class TensorParallelGroup:
         size = config.tensor_parallel_size
         self._store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=_JOIN_TIMEOUT, wait_for_workers=False)
         context = multiprocessing.get_context("spawn")
-        self.followers = [context.Process(target=follow, args=(config, rank, self._store.port),
+        self.followers = [context.Process(target=follow, args=(config, rank, self._store.port, torch.get_num_threads()),
                                           name=f"tensor-parallel-rank-{rank}", daemon=True)
                           for rank in range(1, size)]
         for process in self.followers:

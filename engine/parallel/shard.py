@@ -85,6 +85,9 @@ def shard_weights(weights: Mapping[str, Weight], config: ModelConfig,
 
 
 def shard_files(files: ModelFiles, layout: TensorParallelLayout) -> ModelFiles:
-    """`files` as rank `layout.rank` holds them: its part of the weights, the config of its shape."""
+    """`files` as rank `layout.rank` holds them: its part of the weights, the config of its shape
+    (at size 1, `files` itself)."""
+    if layout.size == 1:
+        return files
     return replace(files, config=layout.shard_config(files.config),
                    weights=shard_weights(files.weights, files.config, layout))

@@ -222,8 +222,7 @@ class RoleServer:
             self.port = self.grpc.add_insecure_port(bind)
         else:
             self.port = self.grpc.add_secure_port(bind, self._credentials)
-        stop = self._stop
-        loop = asyncio.get_running_loop()
+        stop, loop = self._stop, self._loop
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await self.grpc.start()
