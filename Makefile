@@ -87,6 +87,7 @@ bench: install $(BENCH_STAMP)
 	$(BENCH) mesh_overhead
 	$(BENCH) links || [ $$? -eq 2 ]  # 2: no network namespaces here (needs root), said on stderr
 	$(BENCH) tensor_parallel
+	$(BENCH) kv_relay
 	$(BENCH) tracing_overhead
 	$(BENCH) routing_overhead
 	$(BENCH) planner_sim

@@ -171,9 +171,6 @@ class EngineConfig:
         _require(self.role in ("colocated", "prefill", "decode"), "role", f"unknown role {self.role!r}")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size",
                  f"must be at least 1, got {self.tensor_parallel_size}")
-        _require(self.tensor_parallel_size == 1 or self.role == "colocated", "tensor_parallel_size",
-                 f"{self.tensor_parallel_size} ranks serve the colocated role only: prefill and decode workers "
-                 "would exchange KV between layouts, which this build does not do yet")
         if self.speculative is not None and self.role == "prefill":
             raise ValueError(f"{SPECULATIVE_FLAG}: the prefill role samples only a prompt's first token, so it "
                              "cannot speculate; give the flag to decode or colocated workers")

@@ -6,8 +6,10 @@ incremental detokenization and stop strings here).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,7 +32,9 @@ from engine.outputs import (
     TooLargeForKV,
 )
 from engine.parallel.group import TensorParallelGroup
+from engine.parallel.kv_heads import kv_head_ranges
 from engine.parallel.layout import TensorParallelLayout
+from engine.parallel.step_plan import EXPORT, IMPORT, PagesPlan
 from engine.request import FinishReason, Request, RequestStatus
 from engine.resume import Resumed, check_resumable, replay_text
 from engine.runner import ModelRunner, SampledToken
@@ -65,11 +69,14 @@ class Engine:
             layout.check(files.config)
         # The other ranks of a tensor-parallel engine start loading beside this one (engine.parallel).
         self._parallel = TensorParallelGroup(config) if size > 1 else None
+        # The other ranks run what rank 0 sends in the order it sends it: a step (its plan and every
+        # collective of its forward pass) and a move of pages from another thread never interleave.
+        self._ranks_busy: contextlib.AbstractContextManager = threading.Lock() if size > 1 else contextlib.nullcontext()
         try:
             loaded = load_engine_model(config, files, layout,
                                        None if self._parallel is None else self._parallel.group, self.device)
             if self._parallel is not None:
-                self._parallel.ready()
+                self._parallel.ready(loaded.config)
         except BaseException:
             if self._parallel is not None:
                 self._parallel.close(ready=False)
@@ -190,11 +197,16 @@ class Engine:
         decoding = [c for c in out.chunks
                     if c.num_tokens - len(c.draft_token_ids) == 1 and c.start >= c.request.num_prompt_tokens]
         draft_rows = sum(len(c.draft_token_ids) for c in decoding)
-        on_layer_done = None
+        on_layer_done, exported = None, []
         if self._exports:
+            ranges = self._exports.ranges(out.chunks)
+            exported = [block for r in ranges for block in self.kv.block_table(r.request_id)[r.first:r.end]]
+
             def on_layer_done(layer: int) -> None:
-                self._exports.layer_done(layer, out.chunks, self.export_kv)
-        sampled = self.runner.execute(out, on_layer_done)
+                pages = self._whole_pages(layer, exported, in_step=True) if exported else None
+                self._exports.layer_done(layer, ranges, pages)
+        with self._ranks_busy:
+            sampled = self.runner.execute(out, on_layer_done, exported)
         before = {c.request.request_id: c.request.num_output_tokens for c in out.chunks}
         self.scheduler.update(out, {rid: [token for token, _ in tokens] for rid, tokens in sampled.items()})
         if self.config.role == "prefill":
@@ -276,9 +288,21 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of one layer's K and V for the request's blocks [first_block, end_block) (the
         receiver may already hold a prefix): two [n, *page shape] tensors in the cache's format
-        (a quantized one's scales inside its pages, engine.kv_cache.codec).
-        Safe inside a layer hook: the blocks of the running step are allocated already."""
-        return self.runner.cache.gather_blocks(layer, self.kv_block_ids(request_id)[first_block:end_block])
+        (a quantized one's scales inside its pages, engine.kv_cache.codec), of all the model's KV
+        heads whatever the tensor-parallel size. Not inside a step."""
+        return self._whole_pages(layer, self.kv_block_ids(request_id)[first_block:end_block], in_step=False)
+
+    def _whole_pages(self, layer: int, block_ids: Sequence[int], in_step: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Some blocks' pages of one layer, of all KV heads: at tensor-parallel size > 1 joined from
+        every rank (which, inside a step, gather the blocks its plan named after each layer)."""
+        k, v = self.runner.cache.gather_blocks(layer, block_ids)
+        if self._parallel is None:
+            return k, v
+        if in_step:
+            return self._parallel.kv_heads.gather(k, v)
+        with self._ranks_busy:
+            self._parallel.send(PagesPlan(EXPORT, layer, list(block_ids)))
+            return self._parallel.kv_heads.gather(k, v)
 
     def release(self, request_id: str) -> None:
         """Free a request's KV once exported (prefill role); full blocks stay in the prefix cache."""
@@ -305,13 +329,30 @@ class Engine:
     def import_kv(
         self, request_id: str, layer: int, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Write received KV blocks of one layer into a reservation's blocks."""
+        """Write received KV blocks of one layer (pages of all the model's KV heads) into a
+        reservation's blocks; at tensor-parallel size > 1 each rank takes the heads it holds."""
         request = self.scheduler.requests.get(request_id)
         if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
             raise KeyError(f"request {request_id!r} has no KV reservation")
         if not set(block_ids) <= set(self.kv.block_table(request_id)):
             raise ValueError(f"block_ids: not all of {list(block_ids)} belong to request {request_id!r}")
+        if self._parallel is not None and block_ids:
+            k, v = self._pages_for_ranks(len(block_ids), k, v)
+            with self._ranks_busy:  # pages land on a receiver's thread, maybe while a step runs
+                self._parallel.send(PagesPlan(IMPORT, layer, list(block_ids)))
+                k, v = self._parallel.kv_heads.scatter(k, v)
         self.runner.cache.scatter_blocks(layer, block_ids, k, v)
+
+    def _pages_for_ranks(self, blocks: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages of all KV heads checked (before any rank sees them) and in the cache's dtype."""
+        config, cache = self.model_config, self.runner.cache.kv_caches[0][0]
+        page = tuple(self.kv_format.page_shape(self.kv.block_size, config.num_kv_heads, config.head_dim))
+        if tuple(k.shape) != (blocks, *page) or v.shape != k.shape:
+            raise ValueError(f"kv blocks: expected [{blocks}, {', '.join(map(str, page))}], "
+                             f"got k {list(k.shape)} and v {list(v.shape)}")
+        if cache.dtype == torch.uint8 and not k.dtype == v.dtype == torch.uint8:
+            raise ValueError(f"kv blocks: this cache holds uint8 pages (codes and scales), got {k.dtype} and {v.dtype}")
+        return k.to(cache.device, cache.dtype), v.to(cache.device, cache.dtype)
 
     def start_decode(self, request_id: str, first_token: int) -> RequestOutput:
         """The prompt's KV is complete: join the running batch after the prefill side's first token
@@ -323,6 +364,11 @@ class Engine:
         if output.finished:
             self._forget(request_id)
         return output
+
+    @property
+    def kv_head_ranges(self) -> list[range]:
+        """The KV heads each tensor-parallel rank's cache holds, in rank order."""
+        return kv_head_ranges(self.model_config, self.config.tensor_parallel_size)
 
     def lost_rank(self) -> str | None:
         """Which other rank of a tensor-parallel engine has exited, if one has: the engine cannot

@@ -8,7 +8,7 @@ blocks; the sink sees destination indices (0 is the first block the receiver lac
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,8 +61,13 @@ class _Progress:
     next_block: int  # first block never sent
 
 
-# (request id, layer, first block, end block) -> copies of that layer's K and V for those blocks
-Gather = Callable[[str, int, int, int], tuple[torch.Tensor, torch.Tensor]]
+@dataclass(frozen=True)
+class ExportRange:
+    """The blocks [first, end) of a request (this engine's block indices) a step's layers export."""
+
+    request_id: str
+    first: int
+    end: int
 
 
 class KVExports:
@@ -85,20 +90,35 @@ class KVExports:
         """Stop exporting: no page of the request reaches its sink after this."""
         self._progress.pop(request_id, None)
 
-    def layer_done(self, layer: int, chunks: Sequence[ScheduledChunk], gather: Gather) -> None:
-        """Hand each exported request of the step the pages `layer` wrote for it."""
+    def ranges(self, chunks: Sequence[ScheduledChunk]) -> list[ExportRange]:
+        """The blocks each exported request of a step gets after every layer (empty when the step
+        writes only blocks its receiver holds); the same for every layer of the step."""
+        ranges = []
         for chunk in chunks:
             progress = self._progress.get(chunk.request.request_id)
-            if progress is None:
+            if progress is not None:
+                ranges.append(ExportRange(chunk.request.request_id, *self._pages_written(chunk, progress)))
+        return ranges
+
+    def layer_done(self, layer: int, ranges: Sequence[ExportRange],
+                   pages: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Hand each of a step's exported requests the pages `layer` wrote for it: `pages` are the K
+        and V of every range's blocks, in the ranges' order (None when no range has a block)."""
+        offset = 0
+        for export in ranges:
+            progress = self._progress.get(export.request_id)
+            count = max(0, export.end - export.first)
+            if progress is None:  # dropped during the step
+                offset += count
                 continue
-            first, end = self._pages_written(chunk, progress)
-            pages = None
-            if first < end:
-                k, v = gather(chunk.request.request_id, layer, first, end)
-                pages = LayerPages(layer, first - progress.skip, k, v)
-            progress.export.sink.layer_done(layer, pages)
+            layer_pages = None
+            if count and pages is not None:
+                k, v = (part.narrow(0, offset, count) for part in pages)
+                layer_pages = LayerPages(layer, export.first - progress.skip, k, v)
+            offset += count
+            progress.export.sink.layer_done(layer, layer_pages)
             if layer == self._last_layer:
-                progress.next_block = max(progress.next_block, end)
+                progress.next_block = max(progress.next_block, export.end)
 
     def _pages_written(self, chunk: ScheduledChunk, progress: _Progress) -> tuple[int, int]:
         # The chunk wrote tokens [start, start + num_tokens). Its first block may be one an earlier

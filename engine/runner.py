@@ -35,16 +35,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None
+        self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None,
+        export_blocks: Sequence[int] = (),
     ) -> dict[str, list[SampledToken]]:
         """Run one step; return the new tokens of every chunk that reached its request's end: one
         sampled token, or for a chunk with drafts the accepted drafts and the token after them
-        (engine.speculative.verify)."""
+        (engine.speculative.verify). `export_blocks`: the blocks whose pages `on_layer_done` gathers,
+        which the other ranks of a tensor-parallel engine gather beside it."""
         if out.is_empty:
             return {}
         input_ids, positions, meta, sample_rows = self._prepare(out)
         if self._plans is not None:
-            self._plans(StepPlan(input_ids, positions, meta, sample_rows))
+            self._plans(StepPlan(input_ids, positions, meta, sample_rows, list(export_blocks)))
         hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done)
         sampling = [c for c in out.chunks if c.samples]
         if not sampling:

@@ -47,7 +47,8 @@ class _PageFormat(Protocol):
 
 class PagedEngine(Protocol):
     """What `KVLayout.of_engine` reads of an engine (engine.engine.Engine is one): its model's
-    shape, the fingerprint of its weights and dtype, its KV format and its KV cache's block size."""
+    shape, the fingerprint of its weights and dtype, its KV format, its KV cache's block size and
+    the KV heads each of its tensor-parallel ranks holds."""
 
     @property
     def model_config(self) -> _ModelShape: ...
@@ -57,6 +58,8 @@ class PagedEngine(Protocol):
     def kv_format(self) -> _PageFormat: ...
     @property
     def kv(self) -> _BlockTables: ...
+    @property
+    def kv_head_ranges(self) -> Sequence[range]: ...
 
 
 class TransferError(Exception):
@@ -84,10 +87,21 @@ class KVLayout:
     head_dim: int
     dtype: str
     block_size: int
+    # The worker's tensor-parallel size and each rank's KV heads [start, end) (() for one rank
+    # holding all). They may differ between peers: pages travel with all the heads (engine.parallel.kv_heads).
+    tensor_parallel_size: int = 1
+    kv_head_ranges: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in KV_FORMATS:
             raise ValueError(f"dtype: unknown KV dtype {self.dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be at least 1, got {self.tensor_parallel_size}")
+        if not self.kv_head_ranges:
+            object.__setattr__(self, "kv_head_ranges", ((0, self.num_kv_heads),) * self.tensor_parallel_size)
+        if len(self.kv_head_ranges) != self.tensor_parallel_size:
+            raise ValueError(f"kv_head_ranges: {len(self.kv_head_ranges)} ranges for "
+                             f"{self.tensor_parallel_size} ranks")
         # ValueError from a quantized format for a head_dim its scales cannot follow.
         KV_FORMATS[self.dtype].page_shape(self.block_size, self.num_kv_heads, self.head_dim)
 
@@ -95,6 +109,7 @@ class KVLayout:
     def of_engine(cls, engine: PagedEngine) -> KVLayout:
         """The layout of an engine's paged KV cache."""
         config = engine.model_config
+        ranges = engine.kv_head_ranges
         return cls(
             model=f"{config.name}:{engine.fingerprint.hex()[:16]}",
             num_layers=config.num_layers,
@@ -102,6 +117,8 @@ class KVLayout:
             head_dim=config.head_dim,
             dtype=engine.kv_format.name,
             block_size=engine.kv.block_size,
+            tensor_parallel_size=len(ranges),
+            kv_head_ranges=tuple((heads.start, heads.stop) for heads in ranges),
         )
 
     @property
@@ -121,22 +138,49 @@ class KVLayout:
         return KV_FORMATS[self.dtype].page_bytes(self.block_size, self.num_kv_heads, self.head_dim)
 
     def mismatch(self, other: KVLayout) -> str | None:
-        """None if both layouts are equal, else every differing field, e.g. "block_size: 16 here, 32 there"."""
+        """None if pages of one layout can go to the other, else why not, naming every field: one
+        of the pages' fields differs ("block_size: 16 here, 32 there"), or either side's ranks leave
+        a KV head out. The tensor-parallel sizes may differ."""
         diffs = [
-            f"{f.name}: {getattr(self, f.name)} here, {getattr(other, f.name)} there"
-            for f in fields(self)
-            if getattr(self, f.name) != getattr(other, f.name)
+            f"{name}: {getattr(self, name)} here, {getattr(other, name)} there"
+            for name in _PAGE_FIELDS
+            if getattr(self, name) != getattr(other, name)
         ]
+        for side, layout in (("here", self), ("there", other)) if not diffs else ():
+            held = {head for start, end in layout.kv_head_ranges for head in range(start, end)}
+            if held != set(range(layout.num_kv_heads)):
+                diffs.append(f"kv_head_ranges: the {layout.tensor_parallel_size} ranks {side} hold KV heads "
+                             f"{sorted(held)}, not each of the {layout.num_kv_heads}")
         return "; ".join(diffs) or None
+
+    def describe(self) -> str:
+        """The ranks and the heads each holds, e.g. "TP 3 (KV heads 0:1 | 1:2 | 2:3)"."""
+        heads = " | ".join(f"{start}:{end}" for start, end in self.kv_head_ranges)
+        return f"TP {self.tensor_parallel_size} (KV heads {heads})"
+
+    def route_to(self, receiver: KVLayout) -> str:
+        """How pages of this layout reach `receiver`'s ranks, for the log of a new pairing."""
+        return (f"{self.describe()} -> {receiver.describe()}: pages of all {self.num_kv_heads} KV heads, "
+                "joined on the sender's rank 0 and split on the receiver's")
 
     def to_proto(self) -> kvtransfer_pb2.KVLayout:
         """The wire form."""
-        return kvtransfer_pb2.KVLayout(**{f.name: getattr(self, f.name) for f in fields(self)})
+        msg = kvtransfer_pb2.KVLayout(**{name: getattr(self, name) for name in _PAGE_FIELDS},
+                                      tensor_parallel_size=self.tensor_parallel_size)
+        msg.kv_head_ranges.extend(kvtransfer_pb2.KVHeadRange(start=start, end=end)
+                                  for start, end in self.kv_head_ranges)
+        return msg
 
     @classmethod
     def from_proto(cls, msg: kvtransfer_pb2.KVLayout) -> KVLayout:
         """Read the wire form; ValueError naming the field if it is invalid."""
-        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+        return cls(**{name: getattr(msg, name) for name in _PAGE_FIELDS},
+                   tensor_parallel_size=msg.tensor_parallel_size or 1,
+                   kv_head_ranges=tuple((r.start, r.end) for r in msg.kv_head_ranges))
+
+
+# The fields that say what a page on the wire holds: equal on both sides of a transfer.
+_PAGE_FIELDS = tuple(f.name for f in fields(KVLayout) if f.name not in ("tensor_parallel_size", "kv_head_ranges"))
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ prefill server's event loop never blocks on the network.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -19,6 +20,8 @@ from tandem.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from kvtransfer.descriptor import KVLayout, LayoutTransferError, TransferError, TransferTarget, check_pages
 from kvtransfer.faults import Fault, TransferFault, flip_bit
 from kvtransfer.grpc_stream import MAX_PIECE_BYTES
+
+log = logging.getLogger(__name__)
 
 _END = object()  # queue the last chunk
 _STOP = object()  # end the request stream now (aborted, or the call ended)
@@ -165,6 +168,8 @@ class GrpcSenders:
             kept = self._channels.setdefault(key, _Channel(channel, stub, checksum))
         if kept.channel is not channel:  # another thread handshook first
             channel.close()
+        else:
+            log.info("KV channel to %s: %s", address, self._layout.route_to(layout))
         return kept.stub, checksum
 
     def _ask_again(self, key: tuple[str, KVLayout]) -> None:

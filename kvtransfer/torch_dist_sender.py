@@ -277,6 +277,7 @@ class TorchDistSenders:
                 if reason is not None:
                     raise LayoutTransferError(target.address, reason)
                 pair = self._pairs[_pair_key(target)] = _SendingPair(target, self._timeout, self._device, self)
+                log.info("KV pair with %s: %s", target.address, self._layout.route_to(target.layout))
         # Pairing gives up by itself after the timeout; the margin covers thread start-up.
         if not pair.ready.wait(2 * self._timeout):
             raise TransferError(f"pairing with the KV receiver at {target.address} did not finish")

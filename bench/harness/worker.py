@@ -9,7 +9,9 @@ a log file of its own (kept only when it exits uncleanly), its addresses come fr
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -68,11 +70,31 @@ class WorkerProcess:
             self.log_path.unlink(missing_ok=True)
         return code
 
+    def tensor_parallel_ranks(self) -> list[int]:
+        """The pids of the worker's other tensor-parallel ranks: its child processes started by
+        multiprocessing's spawn (not its resource tracker)."""
+        found = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        ranks = []
+        for pid in map(int, found.split()):
+            with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if b"spawn_main" in cmdline.read():
+                    ranks.append(pid)
+        return ranks
+
     def log_tail(self, lines: int = 40) -> str:
         """The end of the process's stderr (empty once a clean stop removed the log)."""
         if not self.log_path.exists():
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def start_worker(

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.harness.machine import cpu_model
 from bench.harness.paths import REPO
 from bench.harness.ports import free_port
 from bench.harness.suite import command_line, results_path, suite_parser, write_results
@@ -142,7 +143,7 @@ def main(argv: Sequence[str]) -> int:
     one = run_ranks(1, model, args.device, dtype, prompt, args.steps, out)
     split = run_ranks(size, model, args.device, dtype, prompt, args.steps, out)
     results = {"command": command_line(__name__, argv), "settings": vars(args), "size": size, "model": model,
-               "dtype": str(dtype), "cpu": _cpu_name()}
+               "dtype": str(dtype), "cpu": cpu_model()}
     print(f"{args.prompt}-token prompt, {args.steps} greedy steps, {dtype}, {args.device} ({results['cpu']})\n")
     print("| layout | prompt (ms) | decode step (ms) | all-reduce alone (µs) | collectives a step |")
     print("|---|---:|---:|---:|---:|")
@@ -170,9 +171,3 @@ def main(argv: Sequence[str]) -> int:
     write_results(results_path(__name__, args.quick), results)
     return 0
 
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.harness import torch_packed
+from bench.harness.machine import cpu_model
 from bench.harness.model_quality import document_windows, first_difference, perplexity
 from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
 from engine.config import CacheConfig, EngineConfig
@@ -224,7 +225,7 @@ def main(argv: Sequence[str]) -> int:
     rows, batches = [int(r) for r in args.rows.split(",")], [int(b) for b in args.batch.split(",")]
     files = load_model_files(None, torch.float32)
     cpu = f"{platform.processor() or platform.machine()}, kernels {kernels().describe()}"
-    print(f"CPU: {_cpu_name()} ({cpu}), {args.threads} thread(s), load average {load_average()}")
+    print(f"CPU: {cpu_model()} ({cpu}), {args.threads} thread(s), load average {load_average()}")
     products = measure_products(files, rows, args.repeat)
     _print_products(products)
     exactness = torch_packed_exactness(files)
@@ -241,15 +242,8 @@ def main(argv: Sequence[str]) -> int:
             figures["first_difference"] = [first_difference(r, o)
                                            for r, o in zip(reference, figures.pop("greedy"), strict=True)]
         _print_engines(engines, batches, args.prefill_tokens)
-    write_results(args.out, {"command": command_line(__name__, argv), "cpu": _cpu_name(), "threads": args.threads,
+    write_results(args.out, {"command": command_line(__name__, argv), "cpu": cpu_model(), "threads": args.threads,
                              "products": products, "torch_packed_exactness": exactness,
                              "engines": engines})
     return 0
 
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as file:
-            return next(line.split(":", 1)[1].strip() for line in file if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()

@@ -1,18 +1,22 @@
 """Ranks 1.. of a tensor-parallel engine: load this rank's shard of the model and its KV cache,
-then run every forward pass rank 0's step plans describe, taking part in the collectives, until a
-STOP plan or the group breaks. Only rank 0 schedules and samples."""
+then run every forward pass rank 0's step plans describe, taking part in the collectives, and move
+the pages rank 0 exports or imports (engine.parallel.kv_heads), until a STOP plan or the group
+breaks. Only rank 0 schedules and samples."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from engine.config import EngineConfig
 from engine.engine_model import load_engine_model
+from engine.kv_cache.cache_engine import CacheEngine
 from engine.parallel.group import join_group, rank_device
+from engine.parallel.kv_heads import RankKVHeads
 from engine.parallel.layout import TensorParallelLayout
-from engine.parallel.step_plan import receive_plan
+from engine.parallel.step_plan import EXPORT, PagesPlan, StepPlan, receive_plan
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +33,31 @@ def follow(config: EngineConfig, rank: int, port: int, threads: int) -> None:
     group = join_group(port, rank, config.tensor_parallel_size, device)
     loaded = load_engine_model(config, None, TensorParallelLayout(config.tensor_parallel_size, rank), group, device)
     group.barrier().wait()
-    model, caches = loaded.model, loaded.cache.kv_caches
+    model, cache = loaded.model, loaded.cache
+    heads = RankKVHeads(loaded.config, config.tensor_parallel_size, group)
     try:
         while (plan := receive_plan(group, device)) is not None:
-            hidden = model(plan.input_ids, plan.positions, caches, plan.meta)
+            if isinstance(plan, PagesPlan):
+                _move_pages(plan, cache, heads)
+                continue
+            hidden = model(plan.input_ids, plan.positions, cache.kv_caches, plan.meta, _exporter(plan, cache, heads))
             if plan.sample_rows:
                 model.compute_logits(hidden[torch.tensor(plan.sample_rows, device=device)])
     except RuntimeError as error:  # rank 0 or another rank is gone: nothing left to follow
         log.error("tensor-parallel rank %d stops: %s", rank, error)
+
+
+def _exporter(plan: StepPlan, cache: CacheEngine, heads: RankKVHeads) -> Callable[[int], None] | None:
+    """The layer hook that hands rank 0 this rank's heads of the step's exported blocks."""
+    if not plan.export_blocks:
+        return None
+    return lambda layer: heads.send(*cache.gather_blocks(layer, plan.export_blocks))
+
+
+def _move_pages(plan: PagesPlan, cache: CacheEngine, heads: RankKVHeads) -> None:
+    if plan.kind == EXPORT:
+        heads.send(*cache.gather_blocks(plan.layer, plan.block_ids))
+        return
+    k_cache = cache.kv_caches[plan.layer][0]
+    k, v = heads.receive(k_cache.shape[1:], len(plan.block_ids), k_cache.dtype, k_cache.device)
+    cache.scatter_blocks(plan.layer, plan.block_ids, k, v)

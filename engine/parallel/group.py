@@ -17,8 +17,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
-from engine.parallel.step_plan import StepPlan, send_plan
+from engine.config import EngineConfig, ModelConfig
+from engine.parallel.kv_heads import RankKVHeads
+from engine.parallel.step_plan import PagesPlan, StepPlan, send_plan
 
 # Between steps a follower waits for the next plan for as long as the worker is idle.
 IDLE_TIMEOUT = timedelta(days=365)
@@ -65,12 +66,13 @@ class TensorParallelGroup:
             process.start()
         self.group = join_group(self._store.port, 0, size, rank_device(config, 0), self._store)
 
-    def ready(self) -> None:
-        """Wait until every rank has loaded its shard; RuntimeError if one could not."""
+    def ready(self, model: ModelConfig) -> None:
+        """Wait until every rank has loaded its shard of `model`; RuntimeError if one could not."""
         self.group.barrier().wait()
+        self.kv_heads = RankKVHeads(model, len(self.followers) + 1, self.group)
 
-    def send(self, plan: StepPlan) -> None:
-        """Have every other rank run `plan`'s forward pass beside this one."""
+    def send(self, plan: StepPlan | PagesPlan) -> None:
+        """Have every other rank run `plan` (a forward pass, or moving pages) beside this one."""
         send_plan(self.group, plan)
 
     def lost_rank(self) -> str | None:

@@ -60,8 +60,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="processes the model is split across (its heads, MLP features and vocabulary), "
-                             "each holding its shard of the weights and a KV cache of --kv-cache-mib; colocated "
-                             "workers only")
+                             "each holding its shard of the weights and a KV cache of --kv-cache-mib; prefill "
+                             "and decode workers of different sizes exchange KV")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="speculative decoding on decode and colocated workers, in vLLM's keys: "
                              '\'{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, '

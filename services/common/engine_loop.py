@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _EMA = 0.2  # weight of the newest step in the moving averages below
+_RANK_CHECK_S = 1.0  # how often an idle tensor-parallel engine's loop checks its other ranks
 
 
 class StepRates:
@@ -96,7 +97,13 @@ class EngineLoop:
 
     def import_pages(self, command: ImportPages) -> None:
         """Write received pages now, on the calling thread (see ImportPages for why that is safe)."""
-        self._dispatch(command)
+        try:
+            self._dispatch(command)
+        except Exception:
+            if self._lost_rank() is not None:  # the engine thread takes the worker down
+                with self._wake:
+                    self._wake.notify_all()
+            raise
 
     # ---- streams ----------------------------------------------------------------------------
     def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | Exception]:
@@ -139,15 +146,22 @@ class EngineLoop:
     # ---- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        # A tensor-parallel rank may die while the worker is idle, or while pages are imported on a
+        # receiver's thread: look now and then, not only when a step fails.
+        watch = _RANK_CHECK_S if engine.config.tensor_parallel_size > 1 else None
         while True:
             with self._wake:
-                while not self._stopping and not self._commands and not engine.has_unfinished():
-                    self._wake.wait()
+                while not (self._stopping or self._commands or engine.has_unfinished()
+                           or self._lost_rank() is not None):
+                    self._wake.wait(watch)
                 if self._stopping:
                     self._fail_pending()
                     return
                 commands = list(self._commands)
                 self._commands.clear()
+            if (lost := self._lost_rank()) is not None:
+                self._fail(RuntimeError(lost), "a tensor-parallel rank is gone")
+                continue
             for command, future in commands:
                 self._execute(command, future)
             if engine.has_unfinished():
@@ -160,6 +174,9 @@ class EngineLoop:
             future.set_result(self._dispatch(command))
         except BaseException as exc:  # handed to the awaiting caller, whatever it is
             future.set_exception(exc)
+            # Moving pages between tensor-parallel ranks fails when one is gone: nothing can run then.
+            if self._lost_rank() is not None:
+                self._fail(exc, "engine command failed with a tensor-parallel rank gone")
 
     def _dispatch(self, command: Command[Any]) -> object:
         engine = self.engine
@@ -186,19 +203,7 @@ class EngineLoop:
         try:
             outputs = engine.step()
         except Exception as exc:
-            # A failed step must not strand its requests: abort them all and tell their readers.
-            log.exception("engine step failed; aborting every request it held")
-            for request_id in list(engine.scheduler.requests):
-                engine.abort(request_id)
-            for request_id in list(self._streams):
-                self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
-            lost = engine.lost_rank()
-            if lost is not None:
-                log.critical("the engine cannot step again: %s", lost)
-                with self._wake:
-                    self._stopping = True
-                if self._on_fatal is not None:
-                    self._on_fatal(lost)
+            self._fail(exc, "engine step failed")
             return
         tokens = engine.last_step_tokens
         seconds = time.perf_counter() - started
@@ -207,6 +212,27 @@ class EngineLoop:
         self.step_model.record_speculation(tokens.decode, tokens.draft, tokens.decode_tokens)
         for output in outputs:
             self._deliver(output.request_id, output)
+
+    def _lost_rank(self) -> str | None:
+        """Which other rank of a tensor-parallel engine is gone, if one is (never at size 1)."""
+        return self.engine.lost_rank() if self.engine.config.tensor_parallel_size > 1 else None
+
+    def _fail(self, exc: BaseException, what: str) -> None:
+        """A step (or a command) failed: no request may be stranded, so abort them all and tell
+        their readers; with a tensor-parallel rank gone the engine can never step again, so stop."""
+        engine = self.engine
+        log.exception("%s; aborting every request the engine held", what, exc_info=exc)
+        for request_id in list(engine.scheduler.requests):
+            engine.abort(request_id)
+        for request_id in list(self._streams):
+            self._deliver(request_id, RuntimeError(f"{what}: {exc}"))
+        lost = self._lost_rank()
+        if lost is not None:
+            log.critical("the engine cannot step again: %s", lost)
+            with self._wake:
+                self._stopping = True
+            if self._on_fatal is not None:
+                self._on_fatal(lost)
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         target = self._streams.get(request_id)

@@ -102,7 +102,7 @@ async def serve(
         senders = KVSenderPool(layout, timeout=transfer_timeout, device=config.device,
                                connect=lambda address: open_sync_channel(address, tls, limits),
                                host=advertise_host, checksum=kv_checksum)
-        worker = PrefillWorker(server.address, engine, server.draining, senders, transfer_timeout)
+        worker = PrefillWorker(server.address, engine, server.draining, senders, transfer_timeout, on_fatal=server.fail)
         await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
         worker.loop.start()
         metrics.watch_engine(worker.loop)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.commands import Abort, AddRequest, Release
@@ -70,9 +70,11 @@ class PrefillWorker(RoleWorker):
         draining: asyncio.Event,
         senders: KVSenderPool,
         transfer_timeout: float,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
-        """`senders`: the connections to decode workers' KV receivers (they check the layout when they pair)."""
-        super().__init__("prefill", address, EngineLoop(engine), draining)
+        """`senders`: the connections to decode workers' KV receivers (they check the layout when they
+        pair). `on_fatal(reason)`: the engine can never step again (services.common.engine_loop)."""
+        super().__init__("prefill", address, EngineLoop(engine, on_fatal=on_fatal), draining)
         self.senders = senders
         self.transfer_timeout = transfer_timeout
         self._delivery_wait_s = 0.0

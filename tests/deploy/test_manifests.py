@@ -184,12 +184,15 @@ def test_scaled_objects_target_their_pool(overlay):
             assert all(trigger["type"] == "prometheus" for trigger in obj["spec"]["triggers"])
 
 
-def test_gpu_overlay_puts_workers_on_gpus_in_bf16():
+def test_gpu_overlay_puts_workers_on_gpus_in_bf16_the_decode_pool_at_tensor_parallel_size_3():
     objects = _render("gpu")
-    for pool in POOLS:
+    for pool, size in (("prefill", 1), ("decode", 3)):
         (deployment,) = _find(objects, "Deployment", pool)
         container = _container(deployment)
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        # One pod is one worker: a GPU for each of its ranks.
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == size
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == size
+        assert int(_flag(container, "tensor-parallel-size") or 1) == size
         assert _flag(container, "device") == "cuda" and _flag(container, "dtype") == "bfloat16"
         assert any(env["name"].startswith("NCCL_") for env in container["env"])
         assert deployment["spec"]["template"]["spec"]["tolerations"]

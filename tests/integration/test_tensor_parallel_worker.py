@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import time
 import urllib.request
 from dataclasses import replace
@@ -20,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS, check_against
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
-from bench.harness.worker import WorkerProcess, start_worker
+from bench.harness.worker import WorkerProcess, running, start_worker
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
 from services.common.convert import sampling_params_to_proto
@@ -51,23 +50,12 @@ def _generate(worker: WorkerProcess, prompt: list[int], params: SamplingParams =
         return [t for chunk in stub.Generate(request, timeout=120) for t in chunk.token_ids]
 
 
-def _ranks(worker: WorkerProcess) -> list[int]:
-    """The worker's child processes that are its other ranks (not multiprocessing's resource tracker)."""
-    found = subprocess.run(["pgrep", "-P", str(worker.proc.pid)], capture_output=True, text=True).stdout
-    ranks = []
-    for pid in map(int, found.split()):
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            if b"spawn_main" in cmdline.read():
-                ranks.append(pid)
-    return ranks
-
-
 def test_greedy_tokens_equal_the_one_process_engine(worker, prompts, make_engine):
     reference = generate(make_engine(), prompts, replace(GREEDY, logprobs=2))
     margins = [[top[0][1] - top[1][1] for top in (lp.top for lp in c.logprobs)] for c in reference]
     ours = [_generate(worker, prompt) for prompt in prompts]
     check_against(ours, [c.token_ids for c in reference], margins, "colocated worker at TP 3")
-    assert len(_ranks(worker)) == 2
+    assert len(worker.tensor_parallel_ranks()) == 2
 
 
 def test_the_load_report_and_the_metrics_say_the_size(worker):
@@ -80,22 +68,14 @@ def test_the_load_report_and_the_metrics_say_the_size(worker):
 
 
 def test_a_killed_rank_takes_the_worker_down_with_its_other_ranks(worker, prompts):
-    ranks = _ranks(worker)
+    ranks = worker.tensor_parallel_ranks()
     os.kill(ranks[-1], signal.SIGKILL)
     with pytest.raises(grpc.RpcError):
         _generate(worker, prompts[0])
     assert worker.proc.wait(DEADLINE_S) == 1, worker.log_tail()
     assert re.search(r"tensor-parallel rank [12] exited with code -9", worker.log_tail(200))
     deadline = time.monotonic() + DEADLINE_S
-    while any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in ranks) and time.monotonic() < deadline:
+    while any(running(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in ranks)
+    assert not any(running(pid) for pid in ranks)
 
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

@@ -15,9 +15,10 @@ from kvtransfer.descriptor import KVLayout, TransferTarget, check_pages
 
 LAYOUT = KVLayout("SmolLM2:0123456789abcdef", 30, 3, 64, "float32", 16)
 OTHER = KVLayout("Llama:fedcba9876543210", 32, 8, 128, "bfloat16", 32)
+PAGE_FIELDS = [f.name for f in fields(KVLayout)][:6]  # what a page holds; the tensor-parallel fields follow
 
 
-@pytest.mark.parametrize("name", [f.name for f in fields(KVLayout)])
+@pytest.mark.parametrize("name", PAGE_FIELDS)
 def test_mismatch_names_the_one_differing_field(name: str) -> None:
     changed = replace(LAYOUT, **{name: getattr(OTHER, name)})
     assert LAYOUT.mismatch(changed) == f"{name}: {getattr(LAYOUT, name)} here, {getattr(OTHER, name)} there"
@@ -26,11 +27,29 @@ def test_mismatch_names_the_one_differing_field(name: str) -> None:
 def test_mismatch_names_every_differing_field() -> None:
     report = LAYOUT.mismatch(OTHER)
     assert report is not None
-    assert [part.split(":")[0] for part in report.split("; ")] == [f.name for f in fields(KVLayout)]
+    assert [part.split(":")[0] for part in report.split("; ")] == PAGE_FIELDS
 
 
 def test_equal_layouts_match() -> None:
     assert LAYOUT.mismatch(replace(LAYOUT)) is None
+
+
+def test_layouts_of_different_tensor_parallel_sizes_pair_and_a_rank_split_leaving_a_head_out_is_refused() -> None:
+    split = replace(LAYOUT, tensor_parallel_size=3, kv_head_ranges=((0, 1), (1, 2), (2, 3)))
+    replicated = replace(LAYOUT, tensor_parallel_size=9, kv_head_ranges=tuple((h, h + 1) for h in (0, 0, 0, 1, 1, 1,
+                                                                                                   2, 2, 2)))
+    assert LAYOUT.mismatch(split) is None and split.mismatch(replicated) is None
+    assert split.describe() == "TP 3 (KV heads 0:1 | 1:2 | 2:3)"
+    holey = replace(LAYOUT, tensor_parallel_size=2, kv_head_ranges=((0, 1), (2, 3)))
+    assert LAYOUT.mismatch(holey) == "kv_head_ranges: the 2 ranks there hold KV heads [0, 2], not each of the 3"
+    with pytest.raises(ValueError, match="kv_head_ranges: 2 ranges for 3 ranks"):
+        replace(LAYOUT, tensor_parallel_size=3, kv_head_ranges=((0, 1), (1, 3)))
+
+
+def test_a_layout_without_tensor_parallel_fields_reads_as_one_rank_holding_every_head() -> None:
+    wire = kvtransfer_pb2.KVLayout(model=LAYOUT.model, num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32",
+                                   block_size=16)
+    assert KVLayout.from_proto(wire) == LAYOUT and LAYOUT.kv_head_ranges == ((0, 3),)
 
 
 def test_unknown_dtype_is_refused() -> None:
@@ -38,9 +57,11 @@ def test_unknown_dtype_is_refused() -> None:
         replace(LAYOUT, dtype="int4")
 
 
-def test_layout_round_trips_through_protobuf() -> None:
-    wire = LAYOUT.to_proto().SerializeToString()
-    assert KVLayout.from_proto(kvtransfer_pb2.KVLayout.FromString(wire)) == LAYOUT
+@pytest.mark.parametrize("layout", [LAYOUT, replace(LAYOUT, tensor_parallel_size=3, kv_head_ranges=((0, 1), (1, 2),
+                                                                                                   (2, 3)))])
+def test_layout_round_trips_through_protobuf(layout: KVLayout) -> None:
+    wire = layout.to_proto().SerializeToString()
+    assert KVLayout.from_proto(kvtransfer_pb2.KVLayout.FromString(wire)) == layout
 
 
 @pytest.mark.parametrize(("kv_cache_dtype", "dtype"), [("auto", "bfloat16"), ("fp8", "fp8_e4m3"), ("int8", "int8")])
@@ -48,8 +69,9 @@ def test_layout_of_engine_names_model_fingerprint_and_kv_format(kv_cache_dtype: 
     config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=8, name="Tiny")
     engine = SimpleNamespace(model_config=config, fingerprint=bytes(range(32)),
-                             kv_format=kv_format(kv_cache_dtype, "bfloat16"), kv=SimpleNamespace(block_size=16))
-    assert KVLayout.of_engine(engine) == KVLayout("Tiny:0001020304050607", 2, 2, 8, dtype, 16)
+                             kv_format=kv_format(kv_cache_dtype, "bfloat16"), kv=SimpleNamespace(block_size=16),
+                             kv_head_ranges=[range(0, 1), range(1, 2)])
+    assert KVLayout.of_engine(engine) == KVLayout("Tiny:0001020304050607", 2, 2, 8, dtype, 16, 2, ((0, 1), (1, 2)))
 
 
 def test_a_quantized_layout_pages_rows_of_codes_and_scales() -> None:

@@ -22,21 +22,18 @@ class _Sink:
         self.calls.append((layer, None, 0) if pages is None else (layer, pages.first_block, pages.k.shape[0]))
 
 
-def _gather(asked: list[tuple[int, int, int]]):
-    def gather(request_id: str, layer: int, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        asked.append((layer, first, end))
-        pages = torch.zeros(end - first, BLOCK, 1, 2)
-        return pages, pages.clone()
-    return gather
-
-
 def _chunk(request: Request, start: int, num_tokens: int) -> ScheduledChunk:
     return ScheduledChunk(request, start, num_tokens, block_table=tuple(range(8)))
 
 
 def _step(exports: KVExports, chunk: ScheduledChunk, asked: list[tuple[int, int, int]]) -> None:
+    """One step of `chunk` through every layer; `asked` records the blocks each layer gathered."""
+    ranges = exports.ranges([chunk])
+    blocks = sum(max(0, r.end - r.first) for r in ranges)
     for layer in range(LAYERS):
-        exports.layer_done(layer, [chunk], _gather(asked))
+        asked.extend((layer, r.first, r.end) for r in ranges if r.end > r.first)
+        pages = torch.zeros(blocks, BLOCK, 1, 2)
+        exports.layer_done(layer, ranges, (pages, pages.clone()) if blocks else None)
 
 
 def test_chunks_send_the_blocks_they_wrote_again_when_partly_filled_and_skip_the_receivers_prefix():

@@ -48,6 +48,17 @@ def save_random_model(hf_config: PretrainedConfig, directory: Path) -> torch.nn.
     return reference
 
 
+def save_word_tokenizer(directory: Path, vocab: int) -> None:
+    """A tokenizer.json of `vocab` words "t0".."t{vocab-1}", so an engine can serve a random model."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    backend = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    backend.save(str(directory / "tokenizer.json"))
+
+
 def single_sequence_meta(start: int, end: int) -> AttentionMetadata:
     """Metadata for tokens [start, end) of one sequence laid out over blocks 7, 6, 5, ... (not in order)."""
     block_table = torch.arange(NUM_BLOCKS - 1, -1, -1, dtype=torch.int32)

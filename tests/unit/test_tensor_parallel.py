@@ -126,8 +126,8 @@ def test_a_three_rank_engine_decodes_a_continuous_batch_as_a_one_process_engine(
                   "engine at TP 3")
 
 
-def test_sizes_the_model_or_the_role_cannot_take_are_refused_at_start_up(model_files):
-    with pytest.raises(ValueError, match="tensor_parallel_size: 3 ranks serve the colocated role only"):
-        EngineConfig(role="decode", tensor_parallel_size=3)
+def test_sizes_the_model_cannot_take_are_refused_at_start_up(model_files):
+    with pytest.raises(ValueError, match="tensor_parallel_size: must be at least 1, got 0"):
+        EngineConfig(role="decode", tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide the 9 query heads"):
         Engine(EngineConfig(dtype="float32", tensor_parallel_size=2), files=model_files)

@@ -1,0 +1,160 @@
+"""Prefill and decode workers of different tensor-parallel sizes as real processes (each TP 3 worker
+and its two other ranks, gloo): prefill TP 3 -> decode TP 1 and prefill TP 1 -> decode TP 3 over
+both KV backends decode as the one-process engine does, prefix caching included; a cancel mid-transfer
+and a killed rank leave no block held on either side. Blocks belong to each worker's rank 0 (its
+other ranks hold pages of the same block ids, never blocks of their own), so a worker's load report
+covers every rank."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+from parity_prompts import parity_prompt_ids
+from reference import PINNED_FLAGS, check_against
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+from bench.harness.worker import WorkerProcess, running, start_worker
+from engine.config import SchedulerConfig
+from engine.offline import generate
+from engine.sampling_params import SamplingParams
+from services.common.convert import sampling_params_to_proto
+from services.common.server import channel_options
+
+CHUNK_TOKENS = "200"  # prefill in chunks that end mid-block: a partly filled block's pages go twice
+COMMON = ["--port", "0", "--threads", "1", "--kv-cache-mib", "64", *PINNED_FLAGS]
+DEADLINE_S = 120.0  # generous bound for the polls below; no test asserts elapsed time
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+BACKENDS = ["grpc", "torch_dist"]
+_killed: set[int] = set()  # pids of workers a test took down on purpose (they exit 1)
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[dict[str, WorkerProcess]]:
+    """Every worker of the module, started at once (their loads overlap): prefill_tp3, prefill_tp1,
+    and decode_tp1 / decode_tp3 on each backend ("decode_tp3_grpc")."""
+    roles = {"prefill_tp3": ("prefill", 3), "prefill_tp1": ("prefill", 1)}
+    roles |= {f"decode_tp{size}_{backend}": ("decode", size, "--kv-backend", backend)
+              for size in (1, 3) for backend in BACKENDS}
+    started = {name: start_worker([role, *COMMON, "--max-num-batched-tokens", CHUNK_TOKENS,
+                                   "--tensor-parallel-size", str(size), *flags], wait=False)
+               for name, (role, size, *flags) in roles.items()}
+    try:
+        for worker in started.values():
+            worker.wait_ready()
+        yield started
+    finally:
+        codes = {name: (worker.stop(), worker.proc.pid in _killed) for name, worker in started.items()}
+    assert all(code == (1 if killed else 0) for code, killed in codes.values()), codes
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    ids = parity_prompt_ids(tokenizer)
+    return [ids[0], ids[4]]
+
+
+@pytest.fixture(scope="module")
+def reference(make_engine, prompts) -> tuple[list[list[int]], list[list[float]]]:
+    engine = make_engine(scheduler=SchedulerConfig(max_num_batched_tokens=int(CHUNK_TOKENS)))
+    completions = generate(engine, prompts, SamplingParams(**{**GREEDY.__dict__, "logprobs": 2}))
+    return ([c.token_ids for c in completions],
+            [[top[0][1] - top[1][1] for top in (lp.top for lp in c.logprobs)] for c in completions])
+
+
+def _load(worker: WorkerProcess) -> common_pb2.LoadReport:
+    stub_type = decode_pb2_grpc.DecodeStub if worker.args[0] == "decode" else prefill_pb2_grpc.PrefillStub
+    with grpc.insecure_channel(worker.address, options=channel_options()) as channel:
+        return stub_type(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=30)
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _no_blocks_used(*workers: WorkerProcess) -> None:
+    _until(lambda: not any(_load(w).used_kv_blocks for w in workers), "blocks still held")
+
+
+def _call(decode: WorkerProcess, prefill: WorkerProcess, prompt: list[int], params: SamplingParams):
+    channel = grpc.insecure_channel(decode.address, options=channel_options())
+    request = decode_pb2.DecodeRequest(prompt_token_ids=prompt, sampling=sampling_params_to_proto(params),
+                                       prefill_address=prefill.address)
+    return decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=300)
+
+
+def _decodes_as_one_process(prefill: WorkerProcess, decode: WorkerProcess, prompts, reference, what: str) -> None:
+    expected, margins = reference
+    # Twice: the second time both sides hit their prefix caches (per rank), so fewer pages move.
+    for attempt in range(2):
+        chunks = [list(_call(decode, prefill, prompt, GREEDY)) for prompt in prompts]
+        ours = [[t for c in stream for t in c.token_ids] for stream in chunks]
+        check_against(ours, expected, margins, f"{what}, attempt {attempt}")
+        assert attempt == 0 or chunks[1][-1].usage.cached_tokens >= 16
+    _no_blocks_used(prefill, decode)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_tp3_to_decode_tp1_decodes_as_one_process(workers, backend, prompts, reference):
+    prefill, decode = workers["prefill_tp3"], workers[f"decode_tp1_{backend}"]
+    _decodes_as_one_process(prefill, decode, prompts, reference, f"prefill TP 3 -> decode TP 1 over {backend}")
+    assert (_load(prefill).tensor_parallel_size, _load(decode).tensor_parallel_size) == (3, 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_tp1_to_decode_tp3_decodes_as_one_process(workers, backend, prompts, reference):
+    prefill, decode = workers["prefill_tp1"], workers[f"decode_tp3_{backend}"]
+    _decodes_as_one_process(prefill, decode, prompts, reference, f"prefill TP 1 -> decode TP 3 over {backend}")
+
+
+def _cancel_mid_transfer(prefill: WorkerProcess, decode: WorkerProcess, prompt: list[int]) -> None:
+    call = _call(decode, prefill, prompt, LONG)
+    # A fresh ~1,000-token prompt takes several 200-token steps, each pushing its pages.
+    _until(lambda: _load(prefill).running_requests > 0, "the prefill never started")
+    call.cancel()
+    _no_blocks_used(prefill, decode)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cancel_mid_transfer_between_layouts_frees_every_block(workers, backend, tokenizer):
+    diary = parity_prompt_ids(tokenizer)[3]
+    shift = BACKENDS.index(backend)  # fresh prompts: no prefix-cache hit shortens the transfer
+    _cancel_mid_transfer(workers["prefill_tp3"], workers[f"decode_tp1_{backend}"], [t + 1 + shift for t in diary])
+    _cancel_mid_transfer(workers["prefill_tp1"], workers[f"decode_tp3_{backend}"], [t + 3 + shift for t in diary])
+
+
+def _kill_a_rank_mid_transfer(victim: WorkerProcess, prefill: WorkerProcess, decode: WorkerProcess,
+                              prompt: list[int]) -> None:
+    ranks = victim.tensor_parallel_ranks()
+    assert len(ranks) == 2
+    call = _call(decode, prefill, prompt, LONG)
+    _until(lambda: _load(prefill).running_requests > 0, "the prefill never started")
+    _killed.add(victim.proc.pid)
+    os.kill(ranks[-1], signal.SIGKILL)
+    with contextlib.suppress(grpc.RpcError):  # the request fails, or its decode worker prefills it itself
+        list(call)
+    assert victim.proc.wait(DEADLINE_S) == 1, victim.log_tail()
+    _until(lambda: not any(running(pid) for pid in ranks), "a rank outlived its worker")
+    survivor = decode if victim is prefill else prefill
+    _no_blocks_used(survivor)
+
+
+# Last in the module: these take their TP 3 workers down. torch_dist, where a stuck pair could hang.
+def test_a_killed_prefill_rank_leaves_no_block_held_on_the_decode_side(workers, tokenizer):
+    prefill = workers["prefill_tp3"]
+    _kill_a_rank_mid_transfer(prefill, prefill, workers["decode_tp1_torch_dist"],
+                              [t + 5 for t in parity_prompt_ids(tokenizer)[3]])
+
+
+def test_a_killed_decode_rank_leaves_no_block_held_on_the_prefill_side(workers, tokenizer):
+    decode = workers["decode_tp3_torch_dist"]
+    _kill_a_rank_mid_transfer(decode, workers["prefill_tp1"], decode, [t + 6 for t in parity_prompt_ids(tokenizer)[3]])
