@@ -4,7 +4,8 @@ tensors. A tensor-parallel engine's every rank loads one, each holding its shard
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,7 +24,7 @@ from engine.model.quant_config import check_requested
 from engine.model.weight_formats import choose_quantization
 from engine.parallel.collectives import parallelize
 from engine.parallel.layout import TensorParallelLayout
-from engine.parallel.shard import shard_files
+from engine.parallel.shard import shard_files, shard_tensor
 
 
 @dataclass(frozen=True)
@@ -56,13 +57,15 @@ def load_engine_model(config: EngineConfig, files: ModelFiles | None, layout: Te
     attention = select_attention_backend(config.attention_backend, config.device, kv.codec,
                                          None if cpu_ops is None else cpu_ops.decode_attention,
                                          None if cpu_ops is None else cpu_ops.prefill_attention)
-    if files is None:
-        files = load_model_files(config.model, dtype, config.quantization)
+    if files is None:  # each rank reads only its shard: the whole model is never in one process
+        keep = None if layout.size == 1 else functools.partial(shard_tensor, layout)
+        files = load_model_files(config.model, dtype, config.quantization, keep)
+        shard = files if layout.size == 1 else replace(files, config=layout.shard_config(files.config))
     else:
         check_requested(config.quantization, files.stored_format, files.source)
+        shard = shard_files(files, layout)
     quantization = choose_quantization(config.quantization, files.quantized_as, config.device)
     formats = resolve_formats(config, hardware, quantization)
-    shard = shard_files(files, layout)
     block_size = config.cache.block_size
     block_bytes = bytes_per_block(shard.config, block_size, kv)  # checks the format fits the model
     model = build_model(shard, attention, device, quantization, formats.cpu_weights, dtype,

@@ -13,7 +13,7 @@ from gguf.quants import dequantize
 
 from engine.config import ModelConfig, RopeScaling
 from engine.model.gguf_blocks import FLOAT_TYPES, as_quantized, permute_rows
-from engine.model.quantized import QuantizedWeight
+from engine.model.quantized import KeepWeight, QuantizedWeight, Weight
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -35,11 +35,12 @@ _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _MISSING = object()
 
 
-def load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight],
-                                                       dict[str, str]]:
+def load_gguf(path: str, dtype: torch.dtype, keep: KeepWeight | None = None) -> tuple[
+        ModelConfig, dict[str, torch.Tensor | QuantizedWeight], dict[str, str]]:
     """Config from the llama.* / tokenizer.ggml.* metadata; every tensor under its HF name, as a
-    QuantizedWeight for the block types gguf_blocks maps, else dequantized to `dtype`; and the
-    tensors stored in other block types (HF name -> block type), which no kernel serves."""
+    QuantizedWeight for the block types gguf_blocks maps, else dequantized to `dtype` (with `keep`,
+    the part of it `keep(config, name, tensor)` returns, taken before the next tensor is read); and
+    the tensors stored in other block types (HF name -> block type), which no kernel serves."""
     reader = GGUFReader(path)
     tensor_names = {tensor.name for tensor in reader.tensors}
     config = _config_from_metadata(reader, tied=("output.weight" not in tensor_names), path=path)
@@ -51,15 +52,17 @@ def load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, tor
         name = hf_tensor_name(tensor.name)
         heads = _rope_heads(tensor.name, config)
         blocks = as_quantized(tensor.data, tensor.tensor_type, shape) if len(shape) == 2 else None  # type: ignore[arg-type]
+        weight: Weight
         if blocks is not None:
-            weights[name] = blocks if heads is None else permute_rows(blocks, _rope_row_order(shape[0], heads))
-            continue
-        if tensor.tensor_type not in FLOAT_TYPES:
-            dequantized[name] = tensor.tensor_type.name
-        array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        if heads is not None:
-            array = array[_rope_row_order(shape[0], heads)]
-        weights[name] = _to_tensor(array, dtype)
+            weight = blocks if heads is None else permute_rows(blocks, _rope_row_order(shape[0], heads))
+        else:
+            if tensor.tensor_type not in FLOAT_TYPES:
+                dequantized[name] = tensor.tensor_type.name
+            array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+            if heads is not None:
+                array = array[_rope_row_order(shape[0], heads)]
+            weight = _to_tensor(array, dtype)
+        weights[name] = weight if keep is None else keep(config, name, weight)
     return config, weights, dequantized
 
 

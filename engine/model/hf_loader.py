@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from engine.config import ModelConfig, RopeScaling
 from engine.model.gptq_awq import take_quantized
 from engine.model.quant_config import CheckpointQuantization, check_requested, read_checkpoint_quantization
-from engine.model.quantized import QuantizedWeight
+from engine.model.quantized import KeepWeight, QuantizedWeight
 
 _ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
@@ -32,10 +32,13 @@ class HFCheckpoint:
     quantization: CheckpointQuantization | None
 
 
-def load_hf_dir(path: str, dtype: torch.dtype, requested: str = "auto") -> HFCheckpoint:
+def load_hf_dir(path: str, dtype: torch.dtype, requested: str = "auto", keep: KeepWeight | None = None) -> HFCheckpoint:
     """Config from config.json, then every safetensors tensor. ValueError naming the flag if
     `requested` (--quantization) contradicts the checkpoint's quantization_config (checked before
-    any tensor is read), or naming the tensor or field the checkpoint gets wrong."""
+    any tensor is read), or naming the tensor or field the checkpoint gets wrong. With `keep`, each
+    tensor is the part of it `keep(config, name, tensor)` returns: a float checkpoint's taken as it
+    is read (the whole model is never held), a GPTQ/AWQ one's once its packed layers are unpacked
+    (they are read whole: their integer groups are a quarter of the float size)."""
     with open(os.path.join(path, "config.json"), encoding="utf-8") as file:
         raw = json.load(file)
     config = config_from_hf(raw, name=os.path.basename(os.path.normpath(path)))
@@ -43,8 +46,16 @@ def load_hf_dir(path: str, dtype: torch.dtype, requested: str = "auto") -> HFChe
     check_requested(requested, "float" if quantization is None else quantization.method, path)
     tensors: dict[str, torch.Tensor] = {}
     for shard in _safetensors_files(path):
-        tensors.update(load_file(shard))
+        with safe_open(shard, framework="pt") as file:
+            for name in file.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
+                tensor = file.get_tensor(name)
+                if keep is not None and quantization is None:
+                    tensor = keep(config, name, tensor.to(dtype))
+                tensors[name] = tensor
     quantized = {} if quantization is None else take_quantized(tensors, quantization)
+    if keep is not None and quantization is not None:
+        quantized = {name: keep(config, name, weight) for name, weight in quantized.items()}
+        tensors = {name: keep(config, name, tensor.to(dtype)) for name, tensor in tensors.items()}
     weights = {name: tensor.to(dtype) for name, tensor in tensors.items()}
     # Old Llama checkpoints carry RoPE buffers; tied checkpoints may still store the head (transformers
     # ignores it and ties), so neither is a weight this model has.

@@ -18,7 +18,7 @@ from engine.model.kernels import KERNEL_DTYPES, cpu_kernels
 from engine.model.llama import LlamaForCausalLM
 from engine.model.paths import default_model_path
 from engine.model.quant_config import StoredFormat, check_requested
-from engine.model.quantized import QuantizedWeight
+from engine.model.quantized import KeepWeight, QuantizedWeight
 from engine.model.weight_formats import OWN_GROUPS, WeightFormat
 
 log = logging.getLogger(__name__)
@@ -55,19 +55,21 @@ class ModelFiles:
         return {name: weight for name, weight in self.weights.items() if isinstance(weight, QuantizedWeight)}
 
 
-def load_model_files(path: str | None, dtype: torch.dtype, quantization: str = "auto") -> ModelFiles:
+def load_model_files(path: str | None, dtype: torch.dtype, quantization: str = "auto",
+                     keep: KeepWeight | None = None) -> ModelFiles:
     """Read a .gguf file or an HF directory (config.json + *.safetensors); None means the shipped model.
     ValueError naming the flag, before the tensors are read, if `quantization` (--quantization) does
-    not fit what the checkpoint holds."""
+    not fit what the checkpoint holds. `keep` takes each tensor as it is read and returns the part to
+    hold (a tensor-parallel rank's shard: engine.parallel.shard), so the whole model is never held."""
     source = default_model_path() if path is None else path
     if os.path.isdir(source):
-        checkpoint = load_hf_dir(source, dtype, quantization)
+        checkpoint = load_hf_dir(source, dtype, quantization, keep)
         method = None if checkpoint.quantization is None else checkpoint.quantization.method
         return ModelFiles(config=checkpoint.config, weights={**checkpoint.weights, **checkpoint.quantized},
                           source=source, kind="hf", dtype=dtype, quantized_as=method)
     if os.path.isfile(source) and source.endswith(".gguf"):
         check_requested(quantization, "gguf", source)
-        config, gguf_weights, dequantized = load_gguf(source, dtype)
+        config, gguf_weights, dequantized = load_gguf(source, dtype, keep)
         stored = "gguf" if any(isinstance(w, QuantizedWeight) for w in gguf_weights.values()) else None
         return ModelFiles(config=config, weights=gguf_weights, source=source, kind="gguf", dtype=dtype,
                           quantized_as=stored, dequantized=dequantized)

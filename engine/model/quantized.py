@@ -13,9 +13,14 @@ is input feature perm[k].
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -63,3 +68,9 @@ class QuantizedWeight:
         ordered = torch.empty_like(weight)
         ordered[:, self.perm] = weight
         return ordered
+
+
+Weight = torch.Tensor | QuantizedWeight
+# (the model's config, a tensor's HF name, the tensor as read) -> the part of it to hold
+# (a tensor-parallel rank's shard: engine.parallel.shard.shard_tensor)
+KeepWeight = Callable[["ModelConfig", str, Weight], Weight]

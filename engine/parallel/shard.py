@@ -18,10 +18,8 @@ import torch
 
 from engine.config import ModelConfig
 from engine.model.loader import ModelFiles
-from engine.model.quantized import QuantizedWeight
+from engine.model.quantized import QuantizedWeight, Weight
 from engine.parallel.layout import TensorParallelLayout
-
-Weight = torch.Tensor | QuantizedWeight
 
 
 def _feature_range(heads: range, head_dim: int) -> range:
@@ -61,27 +59,38 @@ def columns(name: str, weight: Weight, keep: range) -> Weight:
                    offset=offset)
 
 
+# The product each tensor belongs to (by its last two name parts): how it splits, and by what.
+_SPLITS = {
+    "q_proj.weight": (rows, "q"), "q_proj.bias": (rows, "q"),
+    "k_proj.weight": (rows, "kv"), "k_proj.bias": (rows, "kv"),
+    "v_proj.weight": (rows, "kv"), "v_proj.bias": (rows, "kv"),
+    "o_proj.weight": (columns, "q"),
+    "gate_proj.weight": (rows, "inter"), "up_proj.weight": (rows, "inter"),
+    "down_proj.weight": (columns, "inter"),
+    "embed_tokens.weight": (rows, "vocab"), "lm_head.weight": (rows, "vocab"),
+}
+
+
+def shard_tensor(layout: TensorParallelLayout, config: ModelConfig, name: str, weight: Weight) -> Weight:
+    """Rank `layout.rank`'s part of one tensor of `config`'s model (norms: the whole tensor). A
+    loader calls it on each tensor as it reads it (engine.model.loader), so a rank never holds the
+    whole model. ValueError naming the numbers for a size the model cannot take."""
+    layout.check(config)
+    rule = _SPLITS.get(".".join(name.split(".")[-2:]))
+    if rule is None:
+        return weight
+    cut, part = rule
+    head_dim = config.head_dim
+    keep = {"q": _feature_range(layout.query_heads(config), head_dim),
+            "kv": _feature_range(layout.kv_heads(config), head_dim),
+            "inter": layout.intermediate(config), "vocab": layout.vocabulary(config)}[part]
+    return cut(name, weight, keep)
+
+
 def shard_weights(weights: Mapping[str, Weight], config: ModelConfig,
                   layout: TensorParallelLayout) -> dict[str, Weight]:
     """Rank `layout.rank`'s tensors, under the same names, shaped for `layout.shard_config(config)`."""
-    layout.check(config)
-    q = _feature_range(layout.query_heads(config), config.head_dim)
-    kv = _feature_range(layout.kv_heads(config), config.head_dim)
-    inter, vocab = layout.intermediate(config), layout.vocabulary(config)
-    split = {
-        "q_proj.weight": (rows, q), "q_proj.bias": (rows, q),
-        "k_proj.weight": (rows, kv), "k_proj.bias": (rows, kv),
-        "v_proj.weight": (rows, kv), "v_proj.bias": (rows, kv),
-        "o_proj.weight": (columns, q),
-        "gate_proj.weight": (rows, inter), "up_proj.weight": (rows, inter),
-        "down_proj.weight": (columns, inter),
-        "embed_tokens.weight": (rows, vocab), "lm_head.weight": (rows, vocab),
-    }
-    shard: dict[str, Weight] = {}
-    for name, weight in weights.items():
-        rule = split.get(".".join(name.split(".")[-2:]))
-        shard[name] = weight if rule is None else rule[0](name, weight, rule[1])
-    return shard
+    return {name: shard_tensor(layout, config, name, weight) for name, weight in weights.items()}
 
 
 def shard_files(files: ModelFiles, layout: TensorParallelLayout) -> ModelFiles:

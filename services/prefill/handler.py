@@ -49,7 +49,7 @@ class PrefillServicer(WorkerRpcs[PrefillWorker], prefill_pb2_grpc.PrefillService
             )
         except Exception as exc:
             await abort_with(context, exc)
-        record_prefill(result, self.metrics)
+        record_prefill(result, self.metrics, worker.loop.engine.config.tensor_parallel_size)
         return _response(result)
 
 

@@ -7,9 +7,9 @@ from services.observability.spans import add_span, set_attributes, tracing_activ
 from services.prefill.worker import PrefillResult
 
 
-def record_prefill(result: PrefillResult, metrics: WorkerMetrics) -> None:
+def record_prefill(result: PrefillResult, metrics: WorkerMetrics, tensor_parallel_size: int = 1) -> None:
     """Metrics of one delivered prefill, and (when traced) its queue, compute and transfer spans as
-    children of the Prefill RPC's span."""
+    children of the Prefill RPC's span, which says the ranks the worker's model is split across."""
     output = result.output
     prompt_tokens, cached_tokens = output.num_prompt_tokens, output.num_cached_tokens
     metrics.prompt_tokens.inc(prompt_tokens)
@@ -24,6 +24,7 @@ def record_prefill(result: PrefillResult, metrics: WorkerMetrics) -> None:
         "tandem.prefill.queue_s": result.queue_s,
         "tandem.prefill.compute_s": result.compute_s,
         "tandem.kv.transfer_s": result.transfer_s,
+        "tandem.tensor_parallel_size": tensor_parallel_size,
     })
     add_span("prefill.queue", result.added_at, result.started_at, {"tandem.queue_s": result.queue_s})
     add_span("prefill.compute", result.started_at, result.done_at, {

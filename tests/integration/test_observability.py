@@ -122,7 +122,7 @@ def test_one_trace_across_gateway_prefill_and_decode(mesh, receiver):
     assert pushed.parent_span_id == push.span_id
     for name in ("decode.reserve", "decode.kv_wait", "decode.batch_join"):
         assert _one(spans, "tandem-decode", name).parent_span_id == decode.span_id
-    assert decode.attributes["tandem.tensor_parallel_size"] == 1
+    assert decode.attributes["tandem.tensor_parallel_size"] == prefill.attributes["tandem.tensor_parallel_size"] == 1
     for name in ("prefill.queue", "prefill.compute", "kv.transfer"):
         assert _one(spans, "tandem-prefill", name).parent_span_id == prefill.span_id
     assert _one(spans, "tandem-gateway", "route").parent_span_id == gateway.span_id

@@ -5,6 +5,7 @@ model computes: the shipped model at 3 ranks, and random models of other shapes 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +22,7 @@ from engine.model.loader import build_model, load_model_files
 from engine.model.quantized import QuantizedWeight
 from engine.offline import generate
 from engine.parallel.layout import TensorParallelLayout
-from engine.parallel.shard import columns, rows, shard_weights
+from engine.parallel.shard import columns, rows, shard_tensor, shard_weights
 from engine.sampling_params import SamplingParams
 from tests.reference import check_against
 from tests.unit.test_model_hf import save_random_model
@@ -131,3 +132,28 @@ def test_sizes_the_model_cannot_take_are_refused_at_start_up(model_files):
         EngineConfig(role="decode", tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide the 9 query heads"):
         Engine(EngineConfig(dtype="float32", tensor_parallel_size=2), files=model_files)
+
+
+@pytest.mark.parametrize("kind", ["gguf", "hf"])
+def test_a_rank_reads_only_its_shard_and_holds_what_sharding_the_whole_model_gives(kind, model_files, tmp_path):
+    layout = TensorParallelLayout(3, 1)
+    if kind == "gguf":
+        path, whole = None, model_files
+    else:
+        path = str(tmp_path)
+        save_random_model(LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=3, head_dim=8,
+                                      max_position_embeddings=64, tie_word_embeddings=False), tmp_path)
+        whole = load_model_files(path, torch.float32, "none")
+    read = load_model_files(path, torch.float32, "auto" if kind == "gguf" else "none",
+                            keep=functools.partial(shard_tensor, layout))
+    expected = shard_weights(whole.weights, whole.config, layout)
+    assert read.config == whole.config and read.weights.keys() == expected.keys()
+    for name, weight in expected.items():
+        got = read.weights[name]
+        if isinstance(weight, QuantizedWeight):
+            assert torch.equal(got.q, weight.q) and torch.equal(got.scale, weight.scale), name
+        else:
+            assert torch.equal(got, weight), name
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide the 9 query heads"):
+        load_model_files(None, torch.float32, keep=functools.partial(shard_tensor, TensorParallelLayout(2, 0)))
