@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_model import load_engine_model
 from engine.kv_cache.blocks import blocks_for
+from engine.kv_cache.cache_engine import check_pages
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_export import KVExport, KVExports
 from engine.model.loader import ModelFiles
@@ -347,11 +348,7 @@ class Engine:
         """Pages of all KV heads checked (before any rank sees them) and in the cache's dtype."""
         config, cache = self.model_config, self.runner.cache.kv_caches[0][0]
         page = tuple(self.kv_format.page_shape(self.kv.block_size, config.num_kv_heads, config.head_dim))
-        if tuple(k.shape) != (blocks, *page) or v.shape != k.shape:
-            raise ValueError(f"kv blocks: expected [{blocks}, {', '.join(map(str, page))}], "
-                             f"got k {list(k.shape)} and v {list(v.shape)}")
-        if cache.dtype == torch.uint8 and not k.dtype == v.dtype == torch.uint8:
-            raise ValueError(f"kv blocks: this cache holds uint8 pages (codes and scales), got {k.dtype} and {v.dtype}")
+        check_pages(k, v, blocks, page, cache.dtype)
         return k.to(cache.device, cache.dtype), v.to(cache.device, cache.dtype)
 
     def start_decode(self, request_id: str, first_token: int) -> RequestOutput:

@@ -106,11 +106,8 @@ class KVExports:
         and V of every range's blocks, in the ranges' order (None when no range has a block)."""
         offset = 0
         for export in ranges:
-            progress = self._progress.get(export.request_id)
+            progress = self._progress[export.request_id]
             count = max(0, export.end - export.first)
-            if progress is None:  # dropped during the step
-                offset += count
-                continue
             layer_pages = None
             if count and pages is not None:
                 k, v = (part.narrow(0, offset, count) for part in pages)

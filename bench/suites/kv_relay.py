@@ -89,7 +89,8 @@ def measure_import(engine: Engine, prompts: list[list[int]]) -> dict[str, float]
         if index:
             times.append(time.perf_counter() - start)
         engine.abort(f"d{index}")
-    return {"import_s": sum(times) / len(times), "bytes": 2 * config.num_layers * pages.nbytes}
+    return {"import_s": sum(times) / len(times), "bytes": 2 * config.num_layers * pages.nbytes,
+            "layers": config.num_layers}
 
 
 def _engine(role: str, size: int, prompt: int) -> Engine:
@@ -125,7 +126,7 @@ def main(argv: Sequence[str]) -> int:
             results[f"decode_tp{size}"] = measure_import(engine, prompts[: args.repeats + 1])
         finally:
             engine.close()
-    layers = 30
+    layers = results["decode_tp1"]["layers"]
     print(f"{args.prompt}-token prompts, fp32 KV, {results['cpu']}; means of {args.repeats}\n")
     print("| side | TP | step not exported (ms) | step exported (ms) | export's cost (ms) | per layer (ms) "
           "| import, all layers (ms) | per layer (ms) |")

@@ -41,6 +41,17 @@ def copy_rows(cache: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> N
     cache.index_copy_(0, index, rows)
 
 
+def check_pages(k: torch.Tensor, v: torch.Tensor, blocks: int, page_shape: tuple[int, ...],
+                cache_dtype: torch.dtype) -> None:
+    """ValueError unless `k` and `v` are `blocks` pages of `page_shape` a cache of `cache_dtype` takes."""
+    if tuple(k.shape) != (blocks, *page_shape) or v.shape != k.shape:
+        raise ValueError(f"kv blocks: expected [{blocks}, {', '.join(map(str, page_shape))}], "
+                         f"got k {list(k.shape)} and v {list(v.shape)}")
+    if cache_dtype == torch.uint8 and not k.dtype == v.dtype == torch.uint8:
+        # Values converted to uint8 would pass for codes: a quantized cache takes its own pages only.
+        raise ValueError(f"kv blocks: this cache holds uint8 pages (codes and scales), got {k.dtype} and {v.dtype}")
+
+
 class CacheEngine:
     """Per-layer K and V tensors of shape [num_blocks, *page shape]: [num_blocks, block_size,
     num_kv_heads, head_dim] for values, head_dim + 4 bytes per row for a quantized format
@@ -72,14 +83,7 @@ class CacheEngine:
     def scatter_blocks(self, layer: int, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write received blocks of one layer into the given block ids."""
         k_cache, v_cache = self.kv_caches[layer]
-        if k.shape[1:] != k_cache.shape[1:] or v.shape != k.shape or k.shape[0] != len(block_ids):
-            raise ValueError(
-                f"kv blocks: expected [{len(block_ids)}, {', '.join(map(str, k_cache.shape[1:]))}], "
-                f"got k {list(k.shape)} and v {list(v.shape)}"
-            )
-        if k_cache.dtype == torch.uint8 and not k.dtype == v.dtype == torch.uint8:
-            # Values converted to uint8 would pass for codes: a quantized cache takes its own pages only.
-            raise ValueError(f"kv blocks: this cache holds uint8 pages (codes and scales), got {k.dtype} and {v.dtype}")
+        check_pages(k, v, len(block_ids), tuple(k_cache.shape[1:]), k_cache.dtype)
         index = torch.tensor(list(block_ids), device=k_cache.device, dtype=torch.long)
         copy_rows(k_cache, index, k.to(device=k_cache.device, dtype=k_cache.dtype))
         copy_rows(v_cache, index, v.to(device=v_cache.device, dtype=v_cache.dtype))

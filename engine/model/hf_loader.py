@@ -53,10 +53,10 @@ def load_hf_dir(path: str, dtype: torch.dtype, requested: str = "auto", keep: Ke
                     tensor = keep(config, name, tensor.to(dtype))
                 tensors[name] = tensor
     quantized = {} if quantization is None else take_quantized(tensors, quantization)
-    if keep is not None and quantization is not None:
-        quantized = {name: keep(config, name, weight) for name, weight in quantized.items()}
-        tensors = {name: keep(config, name, tensor.to(dtype)) for name, tensor in tensors.items()}
     weights = {name: tensor.to(dtype) for name, tensor in tensors.items()}
+    if keep is not None and quantization is not None:  # packed layers are cut once unpacked
+        quantized = {name: keep(config, name, weight) for name, weight in quantized.items()}
+        weights = {name: keep(config, name, weight) for name, weight in weights.items()}
     # Old Llama checkpoints carry RoPE buffers; tied checkpoints may still store the head (transformers
     # ignores it and ties), so neither is a weight this model has.
     for name in [n for n in weights if n.endswith("rotary_emb.inv_freq")]:

@@ -18,14 +18,14 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ModelConfig
-from engine.parallel.layout import kv_heads_of_rank
+from engine.parallel.layout import TensorParallelLayout
 
 _HEADS = 2  # the head dimension of a [n, block_size, heads, row] page
 
 
 def kv_head_ranges(config: ModelConfig, size: int) -> list[range]:
     """The KV heads each rank of a `size`-rank engine of `config`'s model holds, in rank order."""
-    return [kv_heads_of_rank(config.num_kv_heads, size, rank) for rank in range(size)]
+    return [TensorParallelLayout(size, rank).kv_heads(config) for rank in range(size)]
 
 
 class RankKVHeads:

@@ -20,16 +20,6 @@ from engine.config import ModelConfig
 FEATURE_GRANULE = 32  # intermediate features per indivisible unit of a split: GGUF's and GPTQ's usual group
 
 
-def kv_heads_of_rank(num_kv_heads: int, size: int, rank: int) -> range:
-    """The KV heads rank `rank` of `size` holds: an even share, or with more ranks than heads the one
-    head its query heads read (each head replicated on size / num_kv_heads ranks)."""
-    if size <= num_kv_heads:
-        share = num_kv_heads // size
-        return range(rank * share, (rank + 1) * share)
-    head = rank * num_kv_heads // size
-    return range(head, head + 1)
-
-
 @dataclass(frozen=True)
 class TensorParallelLayout:
     """Rank `rank` of `size` ranks."""
@@ -76,7 +66,10 @@ class TensorParallelLayout:
     def kv_heads(self, config: ModelConfig) -> range:
         """The KV heads this rank holds: its share, or the one head its query heads read when the
         heads are replicated."""
-        return kv_heads_of_rank(config.num_kv_heads, self.size, self.rank)
+        if self.size <= config.num_kv_heads:
+            return self._range(config.num_kv_heads)
+        head = self.rank * config.num_kv_heads // self.size
+        return range(head, head + 1)
 
     def intermediate(self, config: ModelConfig) -> range:
         """The MLP's intermediate features this rank computes."""

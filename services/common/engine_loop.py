@@ -150,16 +150,18 @@ class EngineLoop:
         # receiver's thread: look now and then, not only when a step fails.
         watch = _RANK_CHECK_S if engine.config.tensor_parallel_size > 1 else None
         while True:
+            lost = None
             with self._wake:
-                while not (self._stopping or self._commands or engine.has_unfinished()
-                           or self._lost_rank() is not None):
+                while not (self._stopping or self._commands or engine.has_unfinished()):
+                    if (lost := self._lost_rank()) is not None:
+                        break
                     self._wake.wait(watch)
                 if self._stopping:
                     self._fail_pending()
                     return
                 commands = list(self._commands)
                 self._commands.clear()
-            if (lost := self._lost_rank()) is not None:
+            if lost is not None:
                 self._fail(RuntimeError(lost), "a tensor-parallel rank is gone")
                 continue
             for command, future in commands:
