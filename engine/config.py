@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from engine.model.paths import served_model_id
 from engine.speculative.config import FLAG as SPECULATIVE_FLAG
 from engine.speculative.config import SpeculativeConfig
 
@@ -166,6 +167,15 @@ class EngineConfig:
     # Ranks (processes) the model is split across, Megatron-style (engine.parallel); each holds its
     # shard of the weights and of the KV cache, `cache` being each rank's budget.
     tensor_parallel_size: int = 1
+    # What the worker serves the weights as (vLLM's served_model_name; None: the file's name up to
+    # its first dot), and which of the model repository's versions they are ("" outside one).
+    served_model_name: str | None = None
+    model_version: str = ""
+
+    @property
+    def served_name(self) -> str:
+        """The model name load reports, metrics and traces carry."""
+        return self.served_model_name or served_model_id(self.model)
 
     def __post_init__(self) -> None:
         _require(self.role in ("colocated", "prefill", "decode"), "role", f"unknown role {self.role!r}")

@@ -28,10 +28,13 @@ __all__ = ["Chunk", "ChunkStream", "ModelInfo", "TandemClient", "Timings", "Toke
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """A served model: the name to pass as `model`, and its context length in tokens."""
+    """A served model version: the model's name, its context length in tokens, and (in a deployment
+    with a model repository) the version, which `model="NAME@VERSION"` asks for exactly."""
 
     id: str
     max_model_len: int
+    version: str = ""
+    state: str = ""  # "serving", "loading" or "draining"
 
 
 class TandemClient:
@@ -70,6 +73,7 @@ class TandemClient:
         ttft_ms: int = 0,
         tpot_ms: int = 0,
         priority: int = 0,
+        user: str = "",
         **sampling: object,
     ) -> ChunkStream:
         """Stream a completion of exactly one of: text, token ids, or chat messages.
@@ -77,7 +81,8 @@ class TandemClient:
         `sampling` takes the fields of tandem.v1.SamplingParams (max_tokens, temperature, top_p,
         seed, stop, ignore_eos, ...); None leaves a field unset. `ttft_ms` and `tpot_ms` are the
         request's latency objectives (0: the gateway's defaults); a higher `priority` is served
-        first when requests must wait. The request starts at once.
+        first when requests must wait; `user` names the caller (a model's A/B split gives one user one
+        version). The request starts at once.
         """
         given = [value is not None for value in (prompt, token_ids, messages)]
         if sum(given) != 1:
@@ -87,6 +92,7 @@ class TandemClient:
             model=model,
             slo=common_pb2.Slo(ttft_ms=ttft_ms, tpot_ms=tpot_ms),
             priority=priority,
+            user=user,
             sampling=common_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
         )
         if prompt is not None:
@@ -106,7 +112,8 @@ class TandemClient:
     def list_models(self, timeout: float | None = None) -> list[ModelInfo]:
         """The models the deployment serves."""
         response = self._stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=timeout, metadata=self._metadata)
-        return [ModelInfo(id=m.id, max_model_len=m.max_model_len) for m in response.models]
+        return [ModelInfo(id=m.id, max_model_len=m.max_model_len, version=m.version, state=m.state)
+                for m in response.models]
 
     def close(self) -> None:
         """Close the connection; streams still open are cancelled."""
@@ -131,6 +138,11 @@ class ChunkStream(Iterator[Chunk]):
 
     def __next__(self) -> Chunk:
         return _chunk(next(self._call))
+
+    def model_version(self) -> str:
+        """The model version that served the request (NAME@VERSION, or the model's name), from the
+        call's trailers: known once the stream has ended."""
+        return dict(self._call.trailing_metadata() or ()).get("tandem-model-version", "")
 
     def cancel(self) -> None:
         """Cancel the request (a no-op once it has ended)."""

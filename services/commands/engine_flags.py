@@ -17,6 +17,7 @@ from engine.config import (
     SchedulerConfig,
 )
 from engine.speculative.config import SpeculativeConfig
+from services.repository.config import ModelVersion, load_repository
 
 # One prompt of a few hundred tokens keeps a CPU core busy, so batching a second one into its step
 # only delays the first one's first token (`python -m bench prompt_batching`; docs/benchmarks.md). A GPU
@@ -27,6 +28,13 @@ CPU_PROMPT_BATCH_TOKENS = 256
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Model, device, cache and batching flags."""
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the shipped SmolLM2-135M)")
+    parser.add_argument("--model-repository", default=None, metavar="TOML",
+                        help="the deployment's model repository (services/repository): the worker serves "
+                             "the version --model-version or --pool names, in that version's formats")
+    parser.add_argument("--model-version", default=None, metavar="NAME@VERSION",
+                        help="with --model-repository: the version to serve")
+    parser.add_argument("--pool", default=None,
+                        help="with --model-repository: serve the version the repository assigns to this pool")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default="auto", choices=get_args(DTypeOption),
                         help="activations and arithmetic; auto (resolved at start-up, which the engine's log "
@@ -88,9 +96,18 @@ def engine_flag_args(args: argparse.Namespace, role: Role) -> list[str]:
 
 
 def engine_config(args: argparse.Namespace, role: Role) -> EngineConfig:
-    """The EngineConfig those flags describe."""
+    """The EngineConfig those flags describe (with --model-repository, the named version's model and
+    formats in place of --model, --dtype, --quantization, --kv-cache-dtype and --max-model-len)."""
+    version = repository_version(args)
+    if version is not None:
+        args = argparse.Namespace(**{**vars(args), "model": version.weights, "dtype": version.dtype,
+                                     "quantization": version.quantization,
+                                     "kv_cache_dtype": version.kv_cache_dtype,
+                                     "max_model_len": version.max_model_len or args.max_model_len})
     return EngineConfig(
         model=args.model,
+        served_model_name=version.model if version is not None else None,
+        model_version=version.name if version is not None else "",
         role=role,
         dtype=args.dtype,
         device=args.device,
@@ -111,6 +128,26 @@ def engine_config(args: argparse.Namespace, role: Role) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_prompt_batch_tokens=_prompt_batch_tokens(args)),
     )
+
+
+def repository_version(args: argparse.Namespace) -> ModelVersion | None:
+    """The repository's version this worker serves (None without --model-repository); ValueError
+    naming the flag that is missing or at odds."""
+    if args.model_repository is None:
+        if args.model_version is not None or args.pool is not None:
+            raise ValueError("--model-version/--pool: name the versions' file with --model-repository")
+        return None
+    if args.model is not None:
+        raise ValueError("--model: the repository's version names the model; give one or the other")
+    if (args.model_version is None) == (args.pool is None):
+        raise ValueError("--model-repository: give exactly one of --model-version NAME@VERSION and --pool NAME")
+    repository = load_repository(args.model_repository)
+    if args.model_version is not None:
+        try:
+            return repository.find(args.model_version)
+        except ValueError as error:
+            raise ValueError(f"--model-version: {error}") from None
+    return repository.for_pool(args.pool)
 
 
 def _prompt_batch_tokens(args: argparse.Namespace) -> int | None:

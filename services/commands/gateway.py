@@ -11,14 +11,17 @@ if TYPE_CHECKING:
     from services.common.grpc_limits import GrpcLimits
     from services.common.tls import TlsConfig
     from services.gateway.api_keys import ApiKeys
+    from services.gateway.catalog import ModelCatalog
     from services.gateway.limits import RequestLimits
     from services.gateway.registry import WorkerRegistry
+    from services.repository.config import ModelRepository
 
 from services.commands.address_flags import add_address_flags
 from services.commands.gateway_cluster import add_cluster_flags
 from services.commands.limit_flags import add_grpc_limit_flags, add_request_limit_flags, grpc_limits, request_limits
 from services.commands.security_flags import add_api_key_flags, add_tls_flags, tls_config
 from services.gateway.router import RoutingPolicy
+from services.repository.config import load_repository
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     gateway.add_argument("--model", default=None,
                          help="GGUF file or HF directory, for the tokenizer and the model's name "
                               "(default: the shipped SmolLM2-135M)")
+    gateway.add_argument("--model-repository", default=None, metavar="TOML",
+                         help="serve every model and version of this repository (services/repository), "
+                              "each on the workers that report it, instead of --model")
     gateway.add_argument("--max-model-len", type=int, default=None,
                          help="longest prompt plus output (default: the model's context length)")
     gateway.add_argument("--grace-period", type=float, default=30.0,
@@ -117,12 +123,17 @@ def run(args: argparse.Namespace) -> int:
     limits = grpc_limits(args)
     requests = request_limits(args)
     keys = load_api_keys(args.api_key_file)
+    repository = None
+    if args.model_repository is not None:
+        if args.model is not None:
+            raise ValueError("--model: the repository names the models; give one or the other")
+        repository = load_repository(args.model_repository)
     warn_if_exposed("gateway", args.host, tls, authenticated=keys is not None)
 
     async def serve() -> int:
         # Built on the running loop: its gRPC channels belong to it.
         registry = WorkerRegistry(**pools, default_slo=slo, tls=tls, limits=limits, policy=policy)
-        return await _serve(args, registry, tls, keys, limits, requests)
+        return await _serve(args, registry, tls, keys, limits, requests, repository)
 
     tracing = setup_tracing("gateway")
     try:
@@ -133,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsConfig | None,
-                 keys: ApiKeys | None, limits: GrpcLimits, requests: RequestLimits) -> int:
+                 keys: ApiKeys | None, limits: GrpcLimits, requests: RequestLimits,
+                 repository: ModelRepository | None) -> int:
     import asyncio
 
     from tandem.v1 import gateway_pb2, gateway_pb2_grpc
@@ -146,13 +158,12 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
     from services.gateway.handler import GatewayServicer
     from services.gateway.metrics import GatewayMetrics
     from services.gateway.migration import MigrationPolicy
-    from services.gateway.model import ServedModel
     from services.gateway.openai_api.app import create_app
     from services.gateway.service import GatewayService
     from services.observability.tracing import traced_http
 
     # The model's name labels the metrics; it is known without reading the model file.
-    metrics = GatewayMetrics(served_model_id(args.model))
+    metrics = GatewayMetrics(repository.models[0].name if repository is not None else served_model_id(args.model))
     metrics.watch_workers(lambda: [(w.role, w.address, w.routable) for w in registry.workers])
     service = GatewayService(registry, metrics, args.max_queued_requests, limits=requests,
                              migration=MigrationPolicy(args.max_migrations))
@@ -175,7 +186,7 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
             discovery.start()
         if planner is not None:
             planner.start()
-        service.model = await asyncio.to_thread(ServedModel.load, args.model, args.max_model_len)
+        service.catalog = await asyncio.to_thread(_catalog, args, repository)
         # Ready means routable, so that workers and gateway can start together; requests sent
         # while a pool has no serving worker get UNAVAILABLE.
         if not await registry.wait_routable(args.wait_for_workers):
@@ -189,3 +200,13 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
         await registry.close()
 
     return await server.run(load, close)
+
+
+def _catalog(args: argparse.Namespace, repository: ModelRepository | None) -> ModelCatalog:
+    """The models the gateway serves: the repository's every version, or --model alone."""
+    from services.gateway.catalog import ModelCatalog
+    from services.gateway.model import ServedModel
+
+    if repository is not None:
+        return ModelCatalog.load(repository, args.max_model_len)
+    return ModelCatalog.single(ServedModel.load(args.model, args.max_model_len))

@@ -1,7 +1,9 @@
 """`tandem mesh`: a whole deployment on one machine, what `make run` starts.
 
 A gateway, one prefill and one decode worker run as separate processes, exactly as they would
-on separate machines (the engine flags, `--dtype` and the rest, go to both workers); this command
+on separate machines (the engine flags, `--dtype` and the rest, go to both workers); with
+`--model-repository`, one prefill and one decode worker for each version it lists (ports counted
+up from the given ones), each loading its version, behind one gateway serving them all. This command
 starts them, shows one request streamed through them, says how to call the gateway (gRPC, or the
 OpenAI-compatible HTTP API), and stops them all on Ctrl-C or SIGTERM.
 """
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 from services.commands.engine_flags import add_engine_flags, engine_flag_args
 from services.commands.kv_flags import add_kv_checksum_flag
 from services.launcher import ReadyLine, ServerProcess, tandem_command
+from services.repository.config import load_repository
 
 _DEMO_PROMPT = "Explain in two sentences why LLM inference splits prefill and decode."
 
@@ -85,22 +88,44 @@ def _start(args: argparse.Namespace, children: list[ServerProcess], stop: thread
     addresses they report; the gateway's gRPC and HTTP addresses once all are ready."""
     base = ["--log-level", args.log_level]
     common = ["--host", args.host, "--kv-checksum", args.kv_checksum]
-    # A worker asked for port 0 binds a free port itself and names it in its ready line: a port
-    # picked here and bound later by the child could be taken by another process in between.
-    children.append(_child("prefill", [*base, "prefill", *common, *engine_flag_args(args, "prefill"),
-                                       "--port", str(args.prefill_port), *_free_metrics_port(args.prefill_port)]))
-    children.append(_child("decode", [*base, "decode", *common, *engine_flag_args(args, "decode"),
-                                      "--port", str(args.decode_port),
-                                      "--kv-backend", args.kv_backend, *_free_metrics_port(args.decode_port)]))
-    prefill, decode = (ready.grpc for ready in _wait_ready(children, time.monotonic() + args.startup_timeout, stop))
+    for index, version in enumerate(_versions(args)):
+        named = ["--model-version", version] if version else []
+        suffix = f" {version}" if version else ""
+        # A worker asked for port 0 binds a free port itself and names it in its ready line: a port
+        # picked here and bound later by the child could be taken by another process in between.
+        prefill_port = args.prefill_port + index if args.prefill_port else 0
+        decode_port = args.decode_port + index if args.decode_port else 0
+        children.append(_child(f"prefill{suffix}", [*base, "prefill", *common, *engine_flag_args(args, "prefill"),
+                                                    *named, "--port", str(prefill_port),
+                                                    *_free_metrics_port(prefill_port)]))
+        children.append(_child(f"decode{suffix}", [*base, "decode", *common, *engine_flag_args(args, "decode"),
+                                                   *named, "--port", str(decode_port), "--kv-backend",
+                                                   args.kv_backend, *_free_metrics_port(decode_port)]))
+    workers = [ready.grpc for ready in _wait_ready(children, time.monotonic() + args.startup_timeout, stop)]
+    prefill, decode = ",".join(workers[0::2]), ",".join(workers[1::2])
     # The gateway reports ready once it sees a serving worker in each pool.
     model = [*(["--model", args.model] if args.model else []),
+             *(["--model-repository", args.model_repository] if args.model_repository else []),
              *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])]
     children.append(_child("gateway", [*base, "gateway", "--host", args.host, *model, "--port", str(args.gateway_port),
                                        "--http-port", str(args.http_port), "--prefill", prefill, "--decode", decode,
                                        "--wait-for-workers", str(args.startup_timeout)]))
     gateway = _wait_ready(children, time.monotonic() + args.startup_timeout, stop)[-1]
     return gateway.grpc, str(gateway.http)
+
+
+def _versions(args: argparse.Namespace) -> list[str]:
+    """NAME@VERSION of each version the mesh serves; [""] (one pair, no version) without a repository."""
+    if args.model_repository is None:
+        return [""]
+    if args.model_version is not None or args.pool is not None:
+        raise MeshError("--model-version/--pool: the mesh serves every version of --model-repository")
+    if args.model is not None:
+        raise MeshError("--model: the repository names the models; give one or the other")
+    try:
+        return [version.key for version in load_repository(args.model_repository).versions]
+    except ValueError as error:
+        raise MeshError(str(error)) from error
 
 
 def _free_metrics_port(port: int) -> list[str]:

@@ -29,6 +29,8 @@ class WorkerLoad:
     kv_delivery_wait_s: float
     formats: EngineFormats  # what the engine computes in, fixed at its start-up
     tensor_parallel_size: int  # ranks the model is split across
+    model_name: str  # the served model's name
+    model_version: str  # its version in the model repository ("" outside one)
 
 
 class RoleWorker:
@@ -68,6 +70,8 @@ class RoleWorker:
             kv_delivery_wait_s=self.kv_delivery_wait_s,
             formats=self.formats,
             tensor_parallel_size=self.loop.engine.config.tensor_parallel_size,
+            model_name=self.loop.engine.config.served_name,
+            model_version=self.loop.engine.config.model_version,
         )
 
     async def close(self) -> None:

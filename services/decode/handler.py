@@ -13,7 +13,6 @@ from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvtransfer_pb2, k
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model.paths import served_model_id
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
 from kvtransfer.descriptor import split_address
@@ -137,7 +136,7 @@ async def serve(
     warn_if_worker_exposed(config.role, host, tls)
     server = RoleServer(config.role, host, port, grace_period, tls.server_credentials() if tls else None,
                         limits=limits, advertise_host=advertise_host)
-    metrics = WorkerMetrics(served_model_id(config.model))
+    metrics = WorkerMetrics(config.served_name)
     server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
     servicer = DecodeServicer(metrics, tls, limits)
     kv_transfer = LateKVTransfer()

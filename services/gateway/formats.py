@@ -1,5 +1,5 @@
-"""The number formats the served model runs in, as the workers' load reports say: what `/v1/models`
-shows beside each model (the gateway loads no weights, so it learns them from the workers)."""
+"""The number formats the served models run in, as the workers' load reports say: what `/v1/models`
+shows beside each model version (the gateway loads no weights, so it learns them from the workers)."""
 
 from __future__ import annotations
 

@@ -21,6 +21,9 @@ from services.gateway.request import (
 )
 from services.gateway.service import GatewayService
 
+# Names the model version that served a Generate call (NAME@VERSION, or the model's name).
+MODEL_VERSION_TRAILER = "tandem-model-version"
+
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """tandem.v1.Gateway over a GatewayService."""
@@ -32,12 +35,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.ListModelsResponse:
         try:
-            model = self.service.served_model()
+            listings = self.service.models()
         except StatusError as error:
             await abort_with(context, error)
-        return gateway_pb2.ListModelsResponse(
-            models=[gateway_pb2.Model(id=model.id, max_model_len=model.max_model_len)]
-        )
+        return gateway_pb2.ListModelsResponse(models=[
+            gateway_pb2.Model(id=listing.id, max_model_len=listing.max_model_len, version=listing.version,
+                              state=listing.state, dtype=listing.formats["dtype"] or "",
+                              quantization=listing.formats["quantization"] or "",
+                              kv_cache_dtype=listing.formats["kv_cache_dtype"] or "")
+            for listing in listings
+        ])
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -50,7 +57,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self.service.refused(request.request_id, "INVALID_ARGUMENT", str(error))
             await abort_with(context, error)
         try:
-            async for chunk in self.service.generate(core_request, deadline):
+            target = self.service.resolve(core_request.model, core_request.user or None)
+            context.set_trailing_metadata(((MODEL_VERSION_TRAILER, target.fingerprint),))
+            async for chunk in self.service.generate(core_request, deadline, target):
                 yield gateway_pb2.GenerateResponse(request_id=chunk.request_id, chunk=chunk_to_proto(chunk))
         except (StatusError, ValueError) as error:
             await abort_with(context, error)
@@ -70,6 +79,7 @@ def generate_request_from_proto(msg: gateway_pb2.GenerateRequest) -> GenerateReq
         request_id=msg.request_id,
         slo=slo,
         priority=msg.priority,
+        user=msg.user,
     )
 
 

@@ -174,8 +174,9 @@ class WorkerRegistry:
 
     # ---- placing requests ------------------------------------------------------------------------
     def route_request(self, prompt_token_ids: Sequence[int], max_tokens: int,
-                      slo: SloTargets | None = None) -> RouteRequest:
-        """A request as the router sees it, with the prefix each worker likely holds."""
+                      slo: SloTargets | None = None, workers_key: str | None = None) -> RouteRequest:
+        """A request as the router sees it, with the prefix each worker likely holds; only workers
+        reporting `workers_key` (NAME@VERSION; None: any) may serve it."""
         cached: dict[str, int] = {}
         hashes_by_size: dict[int, list[bytes]] = {}
         for worker in self._workers.values():
@@ -187,12 +188,13 @@ class WorkerRegistry:
             if tokens:
                 cached[worker.address] = tokens
         return RouteRequest(len(prompt_token_ids), max_tokens, slo or self.default_slo, cached,
-                            tuple(prompt_token_ids))
+                            tuple(prompt_token_ids), workers_key)
 
     def decide(self, request: RouteRequest, idle: bool = False, exclude: frozenset[str] = frozenset()) -> Decision:
         """The router's decision over the workers' current views (or idle ones); NoWorkerError if
         no worker could take it."""
-        views = [view for w in self._workers.values() if w.address not in exclude and (view := w.view(idle))]
+        views = [view for w in self._workers.values()
+                 if w.address not in exclude and request.workers_key in (None, w.serves) and (view := w.view(idle))]
         return route(request, views, next(self._turns), self._policy)
 
     def claim(self, request: RouteRequest, decision: Decision) -> Placement:

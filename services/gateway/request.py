@@ -69,7 +69,8 @@ class GenerateRequest:
     """One completion to generate: the prompt, how to sample it, and its objectives.
 
     `model` empty means the served model; `request_id` empty means the gateway makes one.
-    `priority`: higher is served first when requests must wait.
+    `priority`: higher is served first when requests must wait. `user` names the caller for a
+    model's A/B split (sticky per user; empty: drawn per request).
     """
 
     prompt: Prompt
@@ -78,3 +79,4 @@ class GenerateRequest:
     request_id: str = ""
     slo: RequestedSlo = field(default_factory=RequestedSlo)
     priority: int = 0
+    user: str = ""

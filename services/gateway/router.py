@@ -114,6 +114,10 @@ class RouteRequest:
     cached_tokens: Mapping[str, int] = field(default_factory=dict)
     # The prompt itself, for the gateway's prefix bookkeeping (the rules use only the counts).
     token_ids: tuple[int, ...] = ()
+    # NAME@VERSION of the model version the request is for: the registry offers the rules only the
+    # workers reporting it, so a prefill worker is paired only with a decode worker of that version.
+    # None: any worker (a gateway of one model).
+    workers_key: str | None = None
 
 
 @dataclass(frozen=True)

@@ -17,17 +17,18 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
 from services.common.chunk import Chunk
 from services.common.errors import StatusError
 from services.gateway.admission import Admission, Rejected
+from services.gateway.catalog import ModelCatalog, Target, UnknownModel
 from services.gateway.formats import served_formats
 from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import MigrationPolicy, StreamProgress
-from services.gateway.model import ServedModel
 from services.gateway.registry import Placement, WorkerRegistry
 from services.gateway.request import GenerateRequest
 from services.gateway.router import NoWorkerError, SloTargets
@@ -38,6 +39,17 @@ log = logging.getLogger(__name__)
 
 # Refusals that leave the request untouched, so the next decode worker may take it.
 _RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+
+
+@dataclass(frozen=True)
+class ModelListing:
+    """One served model version as /v1/models and ListModels show it."""
+
+    id: str
+    version: str  # "" for a gateway of one model
+    max_model_len: int
+    state: str  # "serving", "loading" or "draining"
+    formats: dict[str, str | None]  # services.gateway.formats
 
 
 class GatewayService:
@@ -54,22 +66,40 @@ class GatewayService:
         self.migration = migration or MigrationPolicy()
         self.admission: Admission[Placement] = Admission(registry, max_queued)
         registry.on_change(self.admission.changed)
-        self.model: ServedModel | None = None
+        self.catalog: ModelCatalog | None = None
         self._capture_content = capture_content()
 
-    def served_model(self) -> ServedModel:
-        """The model; StatusError UNAVAILABLE while it is still loading."""
-        if self.model is None:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, "the gateway is still loading its model")
-        return self.model
+    def served_catalog(self) -> ModelCatalog:
+        """The models served; StatusError UNAVAILABLE while they are still loading."""
+        if self.catalog is None:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "the gateway is still loading its models")
+        return self.catalog
 
-    def served_formats(self) -> dict[str, str | None]:
-        """The formats the workers serve the model in (services.gateway.formats)."""
-        return served_formats(worker.report for worker in self.registry.workers if worker.report is not None)
+    def resolve(self, requested: str, caller: str | None = None) -> Target:
+        """The version a request's `model` names for this caller (services.gateway.catalog);
+        StatusError NOT_FOUND naming what is not served, UNAVAILABLE while loading."""
+        try:
+            return self.served_catalog().resolve(requested, caller)
+        except UnknownModel as error:
+            raise StatusError(grpc.StatusCode.NOT_FOUND, str(error)) from error
+
+    def models(self) -> list[ModelListing]:
+        """Every model version served, with its state and formats, as the model lists show them."""
+        listings = []
+        for entry in self.served_catalog().entries:
+            key = entry.version.key if entry.version is not None else None
+            workers = [worker for worker in self.registry.workers
+                       if worker.report is not None and key in (None, worker.serves)]
+            state = ("serving" if any(worker.routable for worker in workers)
+                     else "draining" if workers else "loading")
+            listings.append(ModelListing(entry.model.id, entry.version.name if entry.version is not None else "",
+                                         entry.model.max_model_len, state,
+                                         served_formats(worker.report for worker in workers)))
+        return listings
 
     def ready(self) -> bool:
         """Whether requests can be served now: the model is loaded and the workers can take requests."""
-        return self.model is not None and self.registry.routable()
+        return self.catalog is not None and self.registry.routable()
 
     def refused(self, request_id: str, code: str, message: str) -> None:
         """An API edge refused a request before it reached `generate` (its body did not convert):
@@ -83,11 +113,11 @@ class GatewayService:
                    request.slo.tpot_ms / 1000 if request.slo.tpot_ms else default.tpot_s)
 
     async def place(self, request: GenerateRequest, prompt: list[int], slo: SloTargets, arrived_at: float,
-                    exclude: frozenset[str] = frozenset()) -> Placement:
-        """Where the request runs, once admission lets it in (see services.gateway.admission).
-        StatusError RESOURCE_EXHAUSTED (with a retry-after hint) when refused, UNAVAILABLE when no
-        worker could take it at all."""
-        route_request = self.registry.route_request(prompt, request.sampling.max_tokens, slo)
+                    exclude: frozenset[str] = frozenset(), workers_key: str | None = None) -> Placement:
+        """Where the request runs, once admission lets it in (see services.gateway.admission), on
+        workers reporting `workers_key` (NAME@VERSION; None: any). StatusError RESOURCE_EXHAUSTED
+        (with a retry-after hint) when refused, UNAVAILABLE when no worker could take it at all."""
+        route_request = self.registry.route_request(prompt, request.sampling.max_tokens, slo, workers_key)
         try:
             if exclude:  # a retry after a refusal: no queueing, the best other worker now
                 return self.registry.claim(route_request, self.registry.decide(route_request, exclude=exclude))
@@ -98,10 +128,13 @@ class GatewayService:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(rejected),
                               retry_after_s=rejected.retry_after_s) from rejected
 
-    async def generate(self, request: GenerateRequest, deadline: float | None = None) -> AsyncIterator[Chunk]:
+    async def generate(self, request: GenerateRequest, deadline: float | None = None,
+                       target: Target | None = None) -> AsyncIterator[Chunk]:
         """Stream the request's chunks; the last one carries finish reason, usage and timings.
 
         `deadline` is a `time.monotonic()` instant the workers must finish by (None: no limit).
+        `target` is the version it runs on, when the API edge resolved it already (None: resolved
+        here from the request's `model` and `user`).
         Raises StatusError: UNAVAILABLE (loading, no serving worker, every worker unavailable),
         NOT_FOUND (another model), INVALID_ARGUMENT (the prompt, or a limit), RESOURCE_EXHAUSTED (refused by
         admission, or every decode worker full), or a worker's own code when it fails after the
@@ -114,7 +147,8 @@ class GatewayService:
         try:
             # aclosing: a consumer that stops early (client gone) must close the inner stream at once,
             # which cancels the request on its workers; left to the garbage collector it would not.
-            async with contextlib.aclosing(self._generate(request, request_id, deadline, observation)) as chunks:
+            async with contextlib.aclosing(self._generate(request, request_id, deadline, observation,
+                                                          target)) as chunks:
                 async for chunk in chunks:
                     observation.streamed(chunk)
                     yield chunk
@@ -131,12 +165,11 @@ class GatewayService:
             observation.close()
 
     async def _generate(self, request: GenerateRequest, request_id: str, deadline: float | None,
-                        observation: RequestObservation) -> AsyncIterator[Chunk]:
+                        observation: RequestObservation, target: Target | None) -> AsyncIterator[Chunk]:
         arrived_at = time.monotonic()
-        model = self.served_model()
-        if request.model and request.model != model.id:
-            raise StatusError(grpc.StatusCode.NOT_FOUND,
-                              f"model {request.model!r} is not served here; the model is {model.id!r}")
+        target = target or self.resolve(request.model, request.user or None)
+        observation.resolved(target.fingerprint)
+        model = target.model
         try:
             prompt = list(model.checked_prompt(request.prompt).ids)
             self.limits.check(len(prompt), request.sampling.max_tokens, model.max_model_len)
@@ -151,7 +184,8 @@ class GatewayService:
         while True:
             try:
                 with observation.routing() as route:
-                    placement = await self.place(request, progress.context(prompt), slo, arrived_at, refused)
+                    placement = await self.place(request, progress.context(prompt), slo, arrived_at, refused,
+                                                 target.workers_key)
                     observation.placed(route, placement.decision, slo)
             except StatusError:
                 if not refusals:

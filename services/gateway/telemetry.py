@@ -57,6 +57,7 @@ class RequestObservation:
         # deployment's logs show how well its step models predict (a bias misroutes and refuses).
         self._predicted: tuple[float, float] | None = None
         self._placed_after = 0.0  # arrival to the latest placement: tokenizing and admission's wait
+        self._model_version = ""  # NAME@VERSION that serves it, once resolved
         metrics.waiting.inc()
         if self._traced:
             self._span.set_attributes({
@@ -64,6 +65,13 @@ class RequestObservation:
                 "gen_ai.request.model": metrics.model_name,
                 "tandem.request_id": request_id,
             })
+
+    def resolved(self, model_version: str) -> None:
+        """The request runs on this model version (NAME@VERSION, or the model's name without a
+        repository): the A/B split's choice, on the span and in the finish log."""
+        self._model_version = model_version
+        if self._traced:
+            self._span.set_attribute("tandem.model_version", model_version)
 
     def accepted(self, prompt_tokens: int, params: SamplingParams) -> None:
         """The prompt is tokenized and the sampling parameters valid."""
@@ -198,7 +206,8 @@ class RequestObservation:
         worker = {name: round(value, 6) for name, value in dataclasses.asdict(timings).items()
                   if name not in _GATEWAY_TIMINGS}
         record: dict[str, Any] = {
-            "request_id": self._request_id, "trace_id": self._trace_id(), "finish_reason": reason,
+            "request_id": self._request_id, "trace_id": self._trace_id(), "model_version": self._model_version,
+            "finish_reason": reason,
             "prompt_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
             "cached_tokens": usage.cached_tokens, "ttft_s": round(ttft, 6), "tpot_s": round(tpot, 6),
             "e2e_s": round(e2e, 6), **worker, "decode_s": round(max(0.0, timings.e2e_s - timings.ttft_s), 6),

@@ -72,6 +72,13 @@ class RemoteWorker:
         return self.serving and self.report is not None
 
     @property
+    def serves(self) -> str | None:
+        """NAME@VERSION of the model version its load reports name; None before its first report."""
+        if self.report is None:
+            return None
+        return f"{self.report.model_name}@{self.report.model_version}"
+
+    @property
     def in_flight(self) -> int:
         """Requests this gateway is streaming from it."""
         return len(self.decoding)

@@ -9,7 +9,6 @@ from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model.paths import served_model_id
 from engine.resume import Resumed
 from kvtransfer.descriptor import KVLayout, TransferTarget
 from kvtransfer.sender import KVSenderPool
@@ -90,7 +89,7 @@ async def serve(
     warn_if_worker_exposed("prefill", host, tls)
     server = RoleServer("prefill", host, port, grace_period, tls.server_credentials() if tls else None,
                         limits=limits, advertise_host=advertise_host)
-    metrics = WorkerMetrics(served_model_id(config.model))
+    metrics = WorkerMetrics(config.served_name)
     server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
     servicer = PrefillServicer(metrics)
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer,

@@ -39,7 +39,8 @@ ENGINE_FLAGS = ["--model", "/m.gguf", "--device", "cuda:1", "--dtype", "float16"
                 "--kv-cache-mib", "64", "--kv-cache-blocks", "9", "--block-size", "32", "--max-num-seqs", "3",
                 "--max-num-batched-tokens", "100", "--max-prompt-batch-tokens", "0", "--max-model-len", "512",
                 "--no-prefix-caching", "--activation-quantization", "none",
-                "--speculative-config", '{"num_speculative_tokens": 3}', "--tensor-parallel-size", "3"]
+                "--speculative-config", '{"num_speculative_tokens": 3}', "--tensor-parallel-size", "3",
+                "--model-repository", "/r.toml", "--model-version", "m@v", "--pool", "p"]
 
 
 def test_engine_flags_pass_on_as_arguments_that_parse_back_to_the_same_values():

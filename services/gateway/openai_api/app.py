@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -25,6 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from services.common.errors import StatusError
+from services.gateway.catalog import Target
 from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from services.gateway.model import ServedModel
 from services.gateway.openai_api.errors import ApiError, api_error, bad_request
@@ -43,6 +46,10 @@ from services.gateway.request import CheckedPrompt, GenerateRequest, Prompt
 from services.gateway.service import GatewayService
 
 log = logging.getLogger(__name__)
+
+# Names the model version that served a reply (NAME@VERSION, or the model's name), as the body's
+# system_fingerprint does.
+MODEL_VERSION_HEADER = "x-tandem-model-version"
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 T = TypeVar("T")
@@ -93,60 +100,69 @@ class OpenAIApi:
 
     async def _completions(self, request: Request) -> Response:
         body = CompletionBody.model_validate_json(await read_json_body(request, self.max_body_bytes))
-        model = self._model(body, request.url.path)
+        target = self._target(body, request.url.path)
+        model = target.model
         prompts = [_checked(model, prompt, "prompt") for prompt in completion_prompts(body)]
         reply_id = f"cmpl-{uuid.uuid4().hex}"
         requests = completion_requests(body, prompts, reply_id)
-        reply = CompletionFormat(reply_id, model.id, int(time.time()), model.tokenizer, body.logprobs is not None)
-        return await _reply(self.service, request, body, requests, reply)
+        reply = CompletionFormat(reply_id, target.answered_as, int(time.time()), model.tokenizer,
+                                 body.logprobs is not None, target.fingerprint)
+        return await _reply(self.service, request, body, requests, reply, target)
 
     async def _chat_completions(self, request: Request) -> Response:
         body = ChatBody.model_validate_json(await read_json_body(request, self.max_body_bytes))
-        model = self._model(body, request.url.path)
+        target = self._target(body, request.url.path)
+        model = target.model
         prompt = _checked(model, chat_prompt(body), "messages")
         reply_id = f"chatcmpl-{uuid.uuid4().hex}"
         requests = chat_requests(body, prompt, self.service.limits.total_tokens(model.max_model_len), reply_id)
-        reply = ChatFormat(reply_id, model.id, int(time.time()), model.tokenizer, body.logprobs)
-        return await _reply(self.service, request, body, requests, reply)
+        reply = ChatFormat(reply_id, target.answered_as, int(time.time()), model.tokenizer, body.logprobs,
+                           target.fingerprint)
+        return await _reply(self.service, request, body, requests, reply, target)
 
     async def _models(self, request: Request) -> Response:
-        model = self.service.served_model()
+        # OpenAI's shape, one entry a version: `id` is what a request's `model` takes for exactly
+        # that version (NAME@VERSION in a repository), `root` the model's name.
         return JSONResponse({"object": "list", "data": [{
-            "id": model.id, "object": "model", "created": 0, "owned_by": "tandem", "root": model.id,
-            "max_model_len": model.max_model_len, **self.service.served_formats(),
-        }]})
+            "id": f"{listing.id}@{listing.version}" if listing.version else listing.id, "object": "model",
+            "created": 0, "owned_by": "tandem", "root": listing.id, "version": listing.version or None,
+            "state": listing.state, "max_model_len": listing.max_model_len, **listing.formats,
+        } for listing in self.service.models()]})
 
     async def health(self, request: Request) -> Response:
         """200 once the model is loaded and each pool has a serving worker; 503 before."""
         return Response(status_code=200 if self.service.ready() else 503)
 
-    def _model(self, body: SamplingBody, path: str) -> ServedModel:
-        """The served model, once the body is known to ask for it; unknown fields are logged."""
+    def _target(self, body: SamplingBody, path: str) -> Target:
+        """The model version the body's `model` names for its caller; unknown fields are logged."""
         unknown = unknown_fields(body)
         if unknown:
             log.warning("%s: ignoring unknown fields: %s", path, ", ".join(unknown))
-        model = self.service.served_model()
-        if body.model and body.model != model.id:
-            raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{model.id}`.",
-                           "NotFoundError", "model")
-        return model
+        try:
+            return self.service.resolve(body.model or "", body.user)
+        except StatusError as error:
+            if error.code == grpc.StatusCode.NOT_FOUND:
+                raise ApiError(404, error.message, "NotFoundError", "model") from error
+            raise
 
 
 async def _reply(
     service: GatewayService, request: Request, body: SamplingBody, requests: Sequence[GenerateRequest],
-    reply: ReplyFormat,
+    reply: ReplyFormat, target: Target,
 ) -> Response:
-    """Run the requests and answer with JSON, or with events once every request has started.
-    A client that disconnects before that cancels them."""
-    fan = FanOut(service, requests)
+    """Run the requests on `target` and answer with JSON, or with events once every request has
+    started. A client that disconnects before that cancels them."""
+    fan = FanOut(service, requests, target)
     streaming = False
+    headers = {MODEL_VERSION_HEADER: target.fingerprint}
     try:
         if body.stream:
             await _unless_disconnected(request, fan.started())
             streaming = True
             return StreamingResponse(_events(fan, reply, len(requests), body.n, body.include_usage),
-                                     media_type="text/event-stream")
-        return JSONResponse(await _unless_disconnected(request, _complete(fan, reply, len(requests), body.n)))
+                                     media_type="text/event-stream", headers=headers)
+        return JSONResponse(await _unless_disconnected(request, _complete(fan, reply, len(requests), body.n)),
+                            headers=headers)
     finally:
         if not streaming:
             await fan.close()

@@ -124,6 +124,7 @@ def _requests(
             request_id=f"{request_id}-{index * body.n + choice}",
             slo=slo,
             priority=body.priority,
+            user=body.user or "",
         )
         for index, prompt in enumerate(prompts)
         for choice in range(body.n)

@@ -38,8 +38,10 @@ class ReplyFormat(ABC):
     """How one endpoint words its replies, streaming and not."""
 
     def __init__(self, object_: str, reply_id: str, model: str, created: int, tokenizer: Tokenizer,
-                 logprobs: bool) -> None:
-        self._head = {"id": reply_id, "object": object_, "created": created, "model": model}
+                 logprobs: bool, fingerprint: str) -> None:
+        # `model` is what the client asked for; `fingerprint` names the version that served it.
+        self._head = {"id": reply_id, "object": object_, "created": created, "model": model,
+                      "system_fingerprint": fingerprint}
         self._tokenizer = tokenizer
         self._logprobs = logprobs
 
@@ -63,8 +65,9 @@ class ReplyFormat(ABC):
 class CompletionFormat(ReplyFormat):
     """/v1/completions replies (object "text_completion" whether streamed or not, as OpenAI does)."""
 
-    def __init__(self, reply_id: str, model: str, created: int, tokenizer: Tokenizer, logprobs: bool) -> None:
-        super().__init__("text_completion", reply_id, model, created, tokenizer, logprobs)
+    def __init__(self, reply_id: str, model: str, created: int, tokenizer: Tokenizer, logprobs: bool,
+                 fingerprint: str) -> None:
+        super().__init__("text_completion", reply_id, model, created, tokenizer, logprobs, fingerprint)
         self._offsets: dict[int, int] = {}  # per choice: text length streamed so far, for text_offset
 
     def delta(self, index: int, chunk: Chunk) -> dict[str, Any]:
@@ -93,8 +96,9 @@ class CompletionFormat(ReplyFormat):
 class ChatFormat(ReplyFormat):
     """/v1/chat/completions replies: "chat.completion", or "chat.completion.chunk" events."""
 
-    def __init__(self, reply_id: str, model: str, created: int, tokenizer: Tokenizer, logprobs: bool) -> None:
-        super().__init__("chat.completion.chunk", reply_id, model, created, tokenizer, logprobs)
+    def __init__(self, reply_id: str, model: str, created: int, tokenizer: Tokenizer, logprobs: bool,
+                 fingerprint: str) -> None:
+        super().__init__("chat.completion.chunk", reply_id, model, created, tokenizer, logprobs, fingerprint)
 
     def opening(self, choices: int) -> list[dict[str, Any]]:
         # Each choice's stream starts by naming the speaker, as OpenAI's does.

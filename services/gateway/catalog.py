@@ -1,0 +1,101 @@
+"""The models a gateway serves, and which one a request's `model` names.
+
+Either one model (`--model`: any worker serves it, as before model repositories) or a model
+repository's every version (`--model-repository`), each with its own tokenizer, chat template and
+context length. A request names `NAME` (the repository's split picks the version, sticky per
+caller: services.repository.split), `NAME@VERSION` (exactly that one), or nothing (the first model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.gateway.model import ServedModel
+from services.repository.config import ModelRepository, ModelVersion, RepositoryModel
+from services.repository.split import choose_version
+
+
+class UnknownModel(LookupError):
+    """A request named a model or version this gateway does not serve (NOT_FOUND / 404)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a request runs on: the version's tokenizer and limits, the name to answer with, and the
+    workers that may serve it."""
+
+    model: ServedModel
+    answered_as: str  # the `model` the reply carries: what the client asked for, or the model's name
+    version: str  # the repository's version ("" for a gateway of one model)
+    workers_key: str | None  # NAME@VERSION its workers report; None: any worker
+
+    @property
+    def fingerprint(self) -> str:
+        """What names the served version to the client (system_fingerprint, a header, a trailer)."""
+        return f"{self.model.id}@{self.version}" if self.version else self.model.id
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """One version as /v1/models and ListModels list it."""
+
+    model: ServedModel
+    version: ModelVersion | None  # None for a gateway of one model
+
+    @property
+    def key(self) -> str:
+        return self.version.key if self.version is not None else self.model.id
+
+
+class ModelCatalog:
+    """Every version the gateway serves, loaded (tokenizers read) at start-up."""
+
+    def __init__(self, entries: list[CatalogEntry], repository: ModelRepository | None = None) -> None:
+        self.entries = entries
+        self.repository = repository
+        self._by_key = {entry.key: entry for entry in entries}
+
+    @classmethod
+    def single(cls, model: ServedModel) -> ModelCatalog:
+        """A gateway of one model, served by whichever workers it routes to."""
+        return cls([CatalogEntry(model, None)])
+
+    @classmethod
+    def load(cls, repository: ModelRepository, max_model_len: int | None = None) -> ModelCatalog:
+        """Every version of the repository (tokenizer and context length read from its file)."""
+        entries = []
+        for version in repository.versions:
+            served = ServedModel.load(version.weights, version.max_model_len or max_model_len)
+            entries.append(CatalogEntry(ServedModel(version.model, served.max_model_len, served.tokenizer), version))
+        return cls(entries, repository)
+
+    @property
+    def default_name(self) -> str:
+        """The model a request that names none gets."""
+        return self.entries[0].model.id
+
+    def resolve(self, requested: str, caller: str | None = None) -> Target:
+        """The version `requested` names for this caller (`caller`: the OpenAI `user`, else the API
+        key's name; None draws per request); UnknownModel naming what is not served."""
+        name, at, version_name = (requested or self.default_name).partition("@")
+        answered_as = requested or self.default_name
+        if self.repository is None:
+            model = self.entries[0].model
+            if name != model.id or at:
+                raise UnknownModel(f"The model `{requested}` does not exist; this server serves `{model.id}`.")
+            return Target(model, answered_as, "", None)
+        repository_model = self.repository.model(name)
+        if repository_model is None:
+            raise UnknownModel(f"The model `{requested}` does not exist; this server serves "
+                               f"{', '.join(f'`{m.name}`' for m in self.repository.models)}.")
+        version = self._version(repository_model, version_name, at, caller)
+        return Target(self._by_key[version.key].model, answered_as, version.name, version.key)
+
+    def _version(self, model: RepositoryModel, version_name: str, at: str, caller: str | None) -> ModelVersion:
+        if not at:
+            return choose_version(model, caller)
+        version = model.version(version_name)
+        if version is None:
+            raise UnknownModel(f"The model `{model.name}` has no version `{version_name}` (versions: "
+                               f"{', '.join(v.name for v in model.versions)}).")
+        return version
