@@ -58,7 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                               "(default: the shipped SmolLM2-135M)")
     gateway.add_argument("--model-repository", default=None, metavar="TOML",
                          help="serve every model and version of this repository (services/repository), "
-                              "each on the workers that report it, instead of --model")
+                              "each on the workers that report it, instead of --model; the file is watched "
+                              "and a change (versions, splits) takes effect for the requests after it")
     gateway.add_argument("--max-model-len", type=int, default=None,
                          help="longest prompt plus output (default: the model's context length)")
     gateway.add_argument("--grace-period", type=float, default=30.0,
@@ -159,6 +160,7 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
     from services.gateway.metrics import GatewayMetrics
     from services.gateway.migration import MigrationPolicy
     from services.gateway.openai_api.app import create_app
+    from services.gateway.repository_watch import RepositoryWatch
     from services.gateway.service import GatewayService
     from services.observability.tracing import traced_http
 
@@ -168,6 +170,7 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
     service = GatewayService(registry, metrics, args.max_queued_requests, limits=requests,
                              migration=MigrationPolicy(args.max_migrations))
     discovery, planner = cluster_services(args, registry)
+    watch = RepositoryWatch(args.model_repository, service, args.max_model_len) if repository is not None else None
     # Clients authenticate with API keys, not certificates: the client API asks for none.
     credentials = tls.server_credentials(client_auth=False) if tls is not None else None
     interceptors = [ApiKeyInterceptor(keys)] if keys is not None else []
@@ -187,12 +190,16 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
         if planner is not None:
             planner.start()
         service.catalog = await asyncio.to_thread(_catalog, args, repository)
+        if watch is not None:
+            watch.start()
         # Ready means routable, so that workers and gateway can start together; requests sent
         # while a pool has no serving worker get UNAVAILABLE.
         if not await registry.wait_routable(args.wait_for_workers):
             log.warning("no serving worker in some pool after %.0f s; ready anyway", args.wait_for_workers)
 
     async def close() -> None:
+        if watch is not None:
+            await watch.stop()
         if discovery is not None:
             discovery.stop()
         if planner is not None:

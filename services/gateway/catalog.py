@@ -61,13 +61,29 @@ class ModelCatalog:
         return cls([CatalogEntry(model, None)])
 
     @classmethod
-    def load(cls, repository: ModelRepository, max_model_len: int | None = None) -> ModelCatalog:
-        """Every version of the repository (tokenizer and context length read from its file)."""
+    def load(cls, repository: ModelRepository, max_model_len: int | None = None,
+             previous: ModelCatalog | None = None) -> ModelCatalog:
+        """Every version of the repository (tokenizer and context length read from its file, or
+        taken from `previous` for a version it holds unchanged)."""
+        kept = {entry.version: entry for entry in previous.entries} if previous is not None else {}
         entries = []
         for version in repository.versions:
+            if version in kept:
+                entries.append(kept[version])
+                continue
             served = ServedModel.load(version.weights, version.max_model_len or max_model_len)
             entries.append(CatalogEntry(ServedModel(version.model, served.max_model_len, served.tokenizer), version))
         return cls(entries, repository)
+
+    def describe(self) -> str:
+        """One line: each version and its share of its name's traffic."""
+        if self.repository is None:
+            return self.default_name
+        return "; ".join(
+            f"{model.name}: " + ", ".join(f"{version.name} {weight}%" for version, weight in model.weights)
+            + (f" (also {', '.join(v.name for v in model.versions if v not in dict(model.weights))})"
+               if len(model.weights) < len(model.versions) else "")
+            for model in self.repository.models)
 
     @property
     def default_name(self) -> str:

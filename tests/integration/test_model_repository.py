@@ -6,8 +6,11 @@ version runs only on its own workers; start-up refuses a bad repository by name.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -45,7 +48,9 @@ def mesh(repository_file):
                      wait=False),
         start_worker(["worker", "--port", str(ports["colocated"]), *FLAGS, *repo, "--model-version", "smollm2@fp32"],
                      wait=False),
-        start_worker(["gateway", "--port", "0", "--http-port", "0", *repo,
+        # Objectives no loaded two-core machine misses: admission must not refuse what this tests.
+        start_worker(["gateway", "--port", "0", "--http-port", "0", *repo, "--ttft-slo-ms", "600000",
+                      "--tpot-slo-ms", "600000",
                       "--prefill", f"127.0.0.1:{ports['prefill']}", "--decode", f"127.0.0.1:{ports['decode']}",
                       "--colocated", f"127.0.0.1:{ports['colocated']}"], wait=False),
     ]
@@ -69,8 +74,8 @@ def _http(gateway, path: str, body: dict | None = None) -> tuple[int, dict, dict
         return error.code, dict(error.headers), json.loads(error.read())
 
 
-def _complete(gateway, model: str, user: str | None = None) -> tuple[int, dict, dict]:
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+def _complete(gateway, model: str, user: str | None = None, max_tokens: int = 4) -> tuple[int, dict, dict]:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     if user is not None:
         body["user"] = user
     return _http(gateway, "/v1/completions", body)
@@ -137,6 +142,95 @@ def test_an_unknown_model_or_version_is_not_found_by_name(mesh):
     with TandemClient(str(gateway.address)) as client, pytest.raises(grpc.RpcError) as raised:
         list(client.generate(PROMPT, model="smollm2@int8", max_tokens=1, timeout=TIMEOUT_S))
     assert raised.value.code() == grpc.StatusCode.NOT_FOUND and "int8" in raised.value.details()
+
+
+class _Load:
+    """Clients sending requests for the model's name, one after another, until stopped: what each
+    reply said, and every failure."""
+
+    def __init__(self, gateway, clients: int = 2) -> None:
+        self.served: list[tuple[str, str, int]] = []  # (version, finish_reason, completion tokens)
+        self.failures: list[str] = []
+        self._gateway = gateway
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run) for _ in range(clients)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                status, _, reply = _complete(self._gateway, "smollm2", max_tokens=6)
+            except OSError as error:
+                self.failures.append(repr(error))
+                continue
+            if status != 200:
+                self.failures.append(json.dumps(reply))
+                continue
+            [choice] = reply["choices"]
+            usage = reply["usage"]
+            self.served.append((reply["system_fingerprint"], choice["finish_reason"], usage["completion_tokens"]))
+
+    def wait_for(self, version: str, replies: int = 3) -> None:
+        """Until the latest `replies` replies all came from `version`."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (len(self.served) >= replies and {v for v, _, _ in self.served[-replies:]} == {version}):
+            assert time.monotonic() < deadline, f"traffic never moved to {version}: {self.served[-5:]}"
+            assert not self.failures, self.failures
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+
+def _rewrite(path: str, text: str) -> None:
+    # As a ConfigMap update lands: the whole file replaced at once.
+    with open(path + ".new", "w") as file:
+        file.write(text)
+    os.replace(path + ".new", path)
+
+
+def test_a_version_swapped_in_and_out_under_load_fails_no_request(mesh, repository_file):
+    """The split moves to fp32 in the file, the q4 workers drain and stop, new q4 workers start and
+    the split moves back (the same steps roll a new version out or an old one back): under steady
+    load no request fails or ends short."""
+    prefill, decode, _, gateway = mesh
+    load = _Load(gateway)
+    try:
+        _rewrite(repository_file, two_versions("q4 = 0, fp32 = 100"))
+        load.wait_for("smollm2@fp32")
+        for worker in (prefill, decode):
+            assert worker.stop() == 0, worker.log_tail()  # SIGTERM: a drain of what they hold
+        mesh[0], mesh[1] = (start_worker(worker.args) for worker in (prefill, decode))
+        deadline = time.monotonic() + TIMEOUT_S
+        while _complete(gateway, "smollm2@q4")[0] != 200:  # until the gateway routes to the new pair
+            assert time.monotonic() < deadline, "the new q4 workers never served"
+            time.sleep(0.5)
+        _rewrite(repository_file, two_versions("q4 = 100, fp32 = 0"))
+        load.wait_for("smollm2@q4")
+    finally:
+        load.stop()
+        _rewrite(repository_file, REPOSITORY)
+    assert not load.failures, load.failures
+    assert {(reason, tokens) for _, reason, tokens in load.served} == {("length", 6)}
+    assert {version for version, _, _ in load.served} == {"smollm2@q4", "smollm2@fp32"}
+
+
+def test_a_repository_change_that_does_not_validate_leaves_the_previous_one_serving(mesh, repository_file):
+    *_, gateway = mesh
+    _rewrite(repository_file, REPOSITORY.replace("fp32 = 50", "fp32 = 70"))
+    try:
+        deadline = time.monotonic() + 10
+        while "split: the weights must sum to 100" not in gateway.log_tail(200):
+            assert time.monotonic() < deadline, gateway.log_tail()
+            time.sleep(0.2)
+        status, _, listing = _http(gateway, "/v1/models")
+        assert status == 200 and {entry["id"] for entry in listing["data"]} == {"smollm2@q4", "smollm2@fp32"}
+        assert _complete(gateway, "smollm2@fp32")[0] == 200
+    finally:
+        _rewrite(repository_file, REPOSITORY)
 
 
 @pytest.mark.parametrize(("command", "message"), [
