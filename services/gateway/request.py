@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from services.gateway.caller import Caller
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ class GenerateRequest:
     """One completion to generate: the prompt, how to sample it, and its objectives.
 
     `model` empty means the served model; `request_id` empty means the gateway makes one.
-    `priority`: higher is served first when requests must wait.
+    `priority`: higher is served first when requests must wait. `caller`: the API key it came with
+    (None where the gateway asks for none), whose rate limits it is charged to.
     """
 
     prompt: Prompt
@@ -78,3 +80,4 @@ class GenerateRequest:
     request_id: str = ""
     slo: RequestedSlo = field(default_factory=RequestedSlo)
     priority: int = 0
+    caller: Caller | None = None

@@ -1,12 +1,12 @@
 """The gateway's core, the same for every client API (gRPC, OpenAI-compatible HTTP).
 
-`GatewayService.generate` validates and tokenizes a request, has admission place it (the SLO
-router's choice, at once or after a bounded wait), and streams the chosen decode worker's chunks,
-moving on to the next best placement while workers refuse or fail the request before its first
-token: without the decode worker that refused it, or without the prefill worker that the decode
-worker blames (then the same decode worker may serve it, prefilling itself when no prefill worker
-is left). A request whose decode worker fails mid-stream resumes on another one
-(services.gateway.migration).
+`GatewayService.generate` validates and tokenizes a request, charges it to its caller's rate limits
+(services.gateway.rate_limits), has admission place it (the SLO router's choice, at once or after a
+bounded wait), and streams the chosen decode worker's chunks, moving on to the next best placement
+while workers refuse or fail the request before its first token: without the decode worker that
+refused it, or without the prefill worker that the decode worker blames (then the same decode worker
+may serve it, prefilling itself when no prefill worker is left). A request whose decode worker fails
+mid-stream resumes on another one (services.gateway.migration).
 Failures are `StatusError`s carrying a gRPC status code; each API maps them to its own errors.
 """
 
@@ -28,6 +28,7 @@ from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import MigrationPolicy, StreamProgress
 from services.gateway.model import ServedModel
+from services.gateway.rate_limits import Charge, RateLimited, RateLimiter
 from services.gateway.registry import Placement, WorkerRegistry
 from services.gateway.request import GenerateRequest
 from services.gateway.router import NoWorkerError, SloTargets
@@ -44,13 +45,16 @@ class GatewayService:
     """Requests in, chunks out, over a worker registry; `model` is set once loaded."""
 
     def __init__(self, registry: WorkerRegistry, metrics: GatewayMetrics, max_queued: int = 256,
-                 limits: RequestLimits = DEFAULT_REQUEST_LIMITS, migration: MigrationPolicy | None = None) -> None:
+                 limits: RequestLimits = DEFAULT_REQUEST_LIMITS, migration: MigrationPolicy | None = None,
+                 rate_limits: RateLimiter | None = None) -> None:
         """`max_queued`: requests that may wait for capacity at once (beyond it they are refused);
         `limits`: the longest prompt and prompt plus output a request may have; `migration`: how
-        often a request may move on when its decode worker fails mid-stream (None: the default policy)."""
+        often a request may move on when its decode worker fails mid-stream (None: the default policy);
+        `rate_limits`: the buckets of the callers' keys (None: fresh ones on the monotonic clock)."""
         self.registry = registry
         self.metrics = metrics
         self.limits = limits
+        self.rate_limits = rate_limits or RateLimiter()
         self.migration = migration or MigrationPolicy()
         self.admission: Admission[Placement] = Admission(registry, max_queued)
         registry.on_change(self.admission.changed)
@@ -104,17 +108,23 @@ class GatewayService:
         `deadline` is a `time.monotonic()` instant the workers must finish by (None: no limit).
         Raises StatusError: UNAVAILABLE (loading, no serving worker, every worker unavailable),
         NOT_FOUND (another model), INVALID_ARGUMENT (the prompt, or a limit), RESOURCE_EXHAUSTED (refused by
-        admission, or every decode worker full), or a worker's own code when it fails after the
-        first token and the request cannot move on (services.gateway.migration). Every validation
-        error comes before the first chunk. The request is traced and counted
-        (services.gateway.telemetry) however it ends.
+        the caller's rate limits or by admission, with a retry-after hint, or every decode worker
+        full), or a worker's own code when it fails after the first token and the request cannot
+        move on (services.gateway.migration). Every validation error comes before the first chunk.
+        The request is traced and counted (services.gateway.telemetry), and settled with the
+        caller's rate limits with the tokens it used, however it ends.
         """
+        arrived_at = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
         observation = RequestObservation(self.metrics, request_id, request, self._capture_content)
+        charge: Charge | None = None
         try:
+            prompt = self._accepted(request, observation)
+            charge = self._charged(request, len(prompt))
             # aclosing: a consumer that stops early (client gone) must close the inner stream at once,
             # which cancels the request on its workers; left to the garbage collector it would not.
-            async with contextlib.aclosing(self._generate(request, request_id, deadline, observation)) as chunks:
+            async with contextlib.aclosing(
+                    self._generate(request, request_id, prompt, arrived_at, deadline, observation)) as chunks:
                 async for chunk in chunks:
                     observation.streamed(chunk)
                     yield chunk
@@ -129,10 +139,11 @@ class GatewayService:
             raise
         finally:
             observation.close()
+            if charge is not None:
+                charge.settle(observation.used_tokens)
 
-    async def _generate(self, request: GenerateRequest, request_id: str, deadline: float | None,
-                        observation: RequestObservation) -> AsyncIterator[Chunk]:
-        arrived_at = time.monotonic()
+    def _accepted(self, request: GenerateRequest, observation: RequestObservation) -> list[int]:
+        """The request's prompt as token ids, once the request is known to be servable."""
         model = self.served_model()
         if request.model and request.model != model.id:
             raise StatusError(grpc.StatusCode.NOT_FOUND,
@@ -143,6 +154,20 @@ class GatewayService:
         except ValueError as error:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
         observation.accepted(len(prompt), request.sampling)
+        return prompt
+
+    def _charged(self, request: GenerateRequest, prompt_tokens: int) -> Charge:
+        """The request's charge to its caller's rate limits: its prompt and max_tokens, settled when
+        it ends. StatusError RESOURCE_EXHAUSTED, with when to retry, when the limits refuse it."""
+        try:
+            return self.rate_limits.admit(request.caller, prompt_tokens + request.sampling.max_tokens)
+        except RateLimited as limited:
+            self.metrics.key_rate_limited(request.caller.name if request.caller is not None else "")
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(limited),
+                              retry_after_s=limited.retry_after_s) from limited
+
+    async def _generate(self, request: GenerateRequest, request_id: str, prompt: list[int], arrived_at: float,
+                        deadline: float | None, observation: RequestObservation) -> AsyncIterator[Chunk]:
         slo = self.slo(request)
 
         progress = StreamProgress(self.migration)

@@ -9,6 +9,7 @@ Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent ev
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -25,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from services.gateway.api_keys import current_caller
 from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from services.gateway.model import ServedModel
 from services.gateway.openai_api.errors import ApiError, api_error, bad_request
@@ -136,9 +138,11 @@ async def _reply(
     service: GatewayService, request: Request, body: SamplingBody, requests: Sequence[GenerateRequest],
     reply: ReplyFormat,
 ) -> Response:
-    """Run the requests and answer with JSON, or with events once every request has started.
-    A client that disconnects before that cancels them."""
-    fan = FanOut(service, requests)
+    """Run the requests, as the caller's (each choice counts as a request against its key's
+    limits), and answer with JSON, or with events once every request has started. A client that
+    disconnects before that cancels them."""
+    caller = current_caller()
+    fan = FanOut(service, [dataclasses.replace(one, caller=caller) for one in requests])
     streaming = False
     try:
         if body.stream:
