@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from services.common.tls import warn_if_exposed
-    from services.gateway.api_keys import load_api_keys
+    from services.gateway.key_file import load_api_keys
     from services.gateway.registry import WorkerRegistry
     from services.gateway.router import SloTargets
     from services.observability.tracing import setup_tracing
@@ -180,7 +180,7 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
                gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name)
     app = traced_http(create_app(service, requests))
     if keys is not None:
-        app = ApiKeyMiddleware(app, keys, metrics_auth=args.metrics_auth == "on")
+        app = ApiKeyMiddleware(app, keys, metrics_auth=args.metrics_auth == "on", rate_limits=service.rate_limits)
     server.listen(HttpListener(app, args.host, args.http_port, tls.uvicorn_kwargs() if tls is not None else {}))
 
     async def load() -> None:

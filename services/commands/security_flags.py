@@ -41,7 +41,9 @@ def tls_config(args: argparse.Namespace) -> TlsConfig | None:
 def add_api_key_flags(parser: argparse.ArgumentParser) -> None:
     """The gateway's `--api-key-file` and `--metrics-auth` (see services.gateway.api_keys)."""
     parser.add_argument("--api-key-file", type=Path, default=None,
-                        help="file of API keys, one a line, that clients must send as `Authorization: "
-                             "Bearer <key>` (also from TANDEM_API_KEYS, comma-separated; none: no check)")
+                        help="file of the API keys clients must send as `Authorization: Bearer <key>`: "
+                             "TOML [[key]] tables (name, secret or secret_env, requests_per_minute, "
+                             "tokens_per_minute, admin) or one key a line (also from TANDEM_API_KEYS, "
+                             "comma-separated; none: no check); see docs/security.md")
     parser.add_argument("--metrics-auth", default="off", choices=["on", "off"],
                         help="whether GET /metrics of the HTTP API needs an API key too")

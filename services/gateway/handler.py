@@ -10,6 +10,8 @@ from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 from services.common.convert import chunk_to_proto, sampling_params_from_proto
 from services.common.errors import StatusError, abort_with
+from services.gateway.api_keys import current_caller
+from services.gateway.caller import Caller
 from services.gateway.request import (
     ChatMessage,
     ChatPrompt,
@@ -52,12 +54,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            core_request = generate_request_from_proto(request)
+            core_request = generate_request_from_proto(request, current_caller())
         except ValueError as error:
             self.service.refused(request.request_id, "INVALID_ARGUMENT", str(error))
             await abort_with(context, error)
         try:
-            target = self.service.resolve(core_request.model, core_request.user or None)
+            target = self.service.target_for(core_request)
             context.set_trailing_metadata(((MODEL_VERSION_TRAILER, target.fingerprint),))
             async for chunk in self.service.generate(core_request, deadline, target):
                 yield gateway_pb2.GenerateResponse(request_id=chunk.request_id, chunk=chunk_to_proto(chunk))
@@ -65,8 +67,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await abort_with(context, error)
 
 
-def generate_request_from_proto(msg: gateway_pb2.GenerateRequest) -> GenerateRequest:
-    """The core's request for a GenerateRequest; ValueError naming the field when it is unusable."""
+def generate_request_from_proto(msg: gateway_pb2.GenerateRequest, caller: Caller | None = None) -> GenerateRequest:
+    """The core's request for a GenerateRequest sent with `caller`'s key; ValueError naming the
+    field when it is unusable."""
     try:
         sampling = sampling_params_from_proto(msg.sampling)
     except ValueError as error:
@@ -80,6 +83,7 @@ def generate_request_from_proto(msg: gateway_pb2.GenerateRequest) -> GenerateReq
         slo=slo,
         priority=msg.priority,
         user=msg.user,
+        caller=caller,
     )
 
 

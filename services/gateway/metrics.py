@@ -1,6 +1,9 @@
 """The gateway's Prometheus metrics: vLLM's families as its clients see their requests, plus routing,
 rejections and SLO attainment.
 
+`tandem:key_*` account requests and tokens by the API key's configured name (services.gateway.caller;
+"" without a key), never its secret.
+
 `tandem:worker_routable` is read from the registry at each scrape (`watch_workers`): 1 for a
 worker the router may send requests to, 0 for one it knows but skips (health not SERVING, or no load
 report yet, as while a link between them is down and after, until the channel reconnects).
@@ -36,6 +39,18 @@ class GatewayMetrics(RequestMetrics):
         self._migrated = Counter("tandem:request_migrations",
                                  "Requests resumed on another decode worker after theirs failed mid-stream.",
                                  MODEL, registry=self.registry).labels(model_name)
+        # Usage by API key name (services.gateway.caller), "" for requests without a key: the keys are
+        # configured, so the label's values are few.
+        self._key_requests = Counter("tandem:key_requests", "Requests, by the API key they came with.",
+                                     per_model(["key"]), registry=self.registry)
+        self._key_prompt_tokens = Counter("tandem:key_prompt_tokens",
+                                          "Prompt tokens used (charged to its rate limits), by API key.",
+                                          per_model(["key"]), registry=self.registry)
+        self._key_generation_tokens = Counter("tandem:key_generation_tokens",
+                                              "Generated tokens used (charged to its rate limits), by API key.",
+                                              per_model(["key"]), registry=self.registry)
+        self._key_rate_limited = Counter("tandem:key_rate_limited", "Requests refused by their API key's rate limits.",
+                                         per_model(["key"]), registry=self.registry)
         # Attainment = rate(attained="true") / rate(all), per objective.
         self._slo = Counter("tandem:slo_requests", "Requests that set a latency objective, by whether it was met.",
                             per_model(["objective", "attained"]), registry=self.registry)
@@ -56,6 +71,19 @@ class GatewayMetrics(RequestMetrics):
     def rejected(self, code: str) -> None:
         """Count a request that ended with this gRPC status code (its name)."""
         self._rejected.labels(self.model_name, code).inc()
+
+    def key_request(self, key: str) -> None:
+        """Count a request that came with the key named `key` ("": none)."""
+        self._key_requests.labels(self.model_name, key).inc()
+
+    def key_usage(self, key: str, prompt_tokens: int, generation_tokens: int) -> None:
+        """Account the tokens a request of the key named `key` ("": none) used."""
+        self._key_prompt_tokens.labels(self.model_name, key).inc(prompt_tokens)
+        self._key_generation_tokens.labels(self.model_name, key).inc(generation_tokens)
+
+    def key_rate_limited(self, key: str) -> None:
+        """Count a request that its key's rate limits refused."""
+        self._key_rate_limited.labels(self.model_name, key).inc()
 
     def slo(self, objective: str, attained: bool) -> None:
         """Count a request's latency objective ("ttft" or "tpot") as met or missed."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from services.gateway.caller import Caller
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ class GenerateRequest:
 
     `model` empty means the served model; `request_id` empty means the gateway makes one.
     `priority`: higher is served first when requests must wait. `user` names the caller for a
-    model's A/B split (sticky per user; empty: drawn per request).
+    model's A/B split (sticky per user, else per API key; neither: drawn per request). `caller`: the
+    API key it came with (None where the gateway asks for none), whose rate limits it is charged to.
     """
 
     prompt: Prompt
@@ -80,3 +82,4 @@ class GenerateRequest:
     slo: RequestedSlo = field(default_factory=RequestedSlo)
     priority: int = 0
     user: str = ""
+    caller: Caller | None = None

@@ -1,12 +1,12 @@
 """The gateway's core, the same for every client API (gRPC, OpenAI-compatible HTTP).
 
-`GatewayService.generate` validates and tokenizes a request, has admission place it (the SLO
-router's choice, at once or after a bounded wait), and streams the chosen decode worker's chunks,
-moving on to the next best placement while workers refuse or fail the request before its first
-token: without the decode worker that refused it, or without the prefill worker that the decode
-worker blames (then the same decode worker may serve it, prefilling itself when no prefill worker
-is left). A request whose decode worker fails mid-stream resumes on another one
-(services.gateway.migration).
+`GatewayService.generate` validates and tokenizes a request, charges it to its caller's rate limits
+(services.gateway.rate_limits), has admission place it (the SLO router's choice, at once or after a
+bounded wait), and streams the chosen decode worker's chunks, moving on to the next best placement
+while workers refuse or fail the request before its first token: without the decode worker that
+refused it, or without the prefill worker that the decode worker blames (then the same decode worker
+may serve it, prefilling itself when no prefill worker is left). A request whose decode worker fails
+mid-stream resumes on another one (services.gateway.migration).
 Failures are `StatusError`s carrying a gRPC status code; each API maps them to its own errors.
 """
 
@@ -29,6 +29,7 @@ from services.gateway.formats import served_formats
 from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import MigrationPolicy, StreamProgress
+from services.gateway.rate_limits import Charge, RateLimited, RateLimiter
 from services.gateway.registry import Placement, WorkerRegistry
 from services.gateway.request import GenerateRequest
 from services.gateway.router import NoWorkerError, SloTargets
@@ -53,16 +54,19 @@ class ModelListing:
 
 
 class GatewayService:
-    """Requests in, chunks out, over a worker registry; `model` is set once loaded."""
+    """Requests in, chunks out, over a worker registry; `catalog` is set once loaded."""
 
     def __init__(self, registry: WorkerRegistry, metrics: GatewayMetrics, max_queued: int = 256,
-                 limits: RequestLimits = DEFAULT_REQUEST_LIMITS, migration: MigrationPolicy | None = None) -> None:
+                 limits: RequestLimits = DEFAULT_REQUEST_LIMITS, migration: MigrationPolicy | None = None,
+                 rate_limits: RateLimiter | None = None) -> None:
         """`max_queued`: requests that may wait for capacity at once (beyond it they are refused);
         `limits`: the longest prompt and prompt plus output a request may have; `migration`: how
-        often a request may move on when its decode worker fails mid-stream (None: the default policy)."""
+        often a request may move on when its decode worker fails mid-stream (None: the default policy);
+        `rate_limits`: the buckets of the callers' keys (None: fresh ones on the monotonic clock)."""
         self.registry = registry
         self.metrics = metrics
         self.limits = limits
+        self.rate_limits = rate_limits or RateLimiter()
         self.migration = migration or MigrationPolicy()
         self.admission: Admission[Placement] = Admission(registry, max_queued)
         registry.on_change(self.admission.changed)
@@ -96,6 +100,11 @@ class GatewayService:
                                          entry.model.max_model_len, state,
                                          served_formats(worker.report for worker in workers)))
         return listings
+
+    def target_for(self, request: GenerateRequest) -> Target:
+        """The version the request's `model` names for its caller: its `user`, else its API key's
+        name (services.gateway.catalog); StatusError as `resolve`."""
+        return self.resolve(request.model, request.user or (request.caller.name if request.caller else None))
 
     def ready(self) -> bool:
         """Whether requests can be served now: the model is loaded and the workers can take requests."""
@@ -133,22 +142,31 @@ class GatewayService:
         """Stream the request's chunks; the last one carries finish reason, usage and timings.
 
         `deadline` is a `time.monotonic()` instant the workers must finish by (None: no limit).
-        `target` is the version it runs on, when the API edge resolved it already (None: resolved
-        here from the request's `model` and `user`).
+        `target` is the model version it runs on, when the API edge resolved it already (None:
+        resolved here from the request's `model`, for its `user` or else its API key's name).
         Raises StatusError: UNAVAILABLE (loading, no serving worker, every worker unavailable),
-        NOT_FOUND (another model), INVALID_ARGUMENT (the prompt, or a limit), RESOURCE_EXHAUSTED (refused by
-        admission, or every decode worker full), or a worker's own code when it fails after the
-        first token and the request cannot move on (services.gateway.migration). Every validation
-        error comes before the first chunk. The request is traced and counted
-        (services.gateway.telemetry) however it ends.
+        NOT_FOUND (a model or version not served), INVALID_ARGUMENT (the prompt, or a limit),
+        RESOURCE_EXHAUSTED (refused by the caller's rate limits or by admission, with a retry-after
+        hint, or every decode worker full), or a worker's own code when it fails after the first
+        token and the request cannot move on (services.gateway.migration). Every validation error
+        comes before the first chunk.
+        The request is traced and counted (services.gateway.telemetry), and settled with the
+        caller's rate limits with the tokens it used, however it ends.
         """
+        arrived_at = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
         observation = RequestObservation(self.metrics, request_id, request, self._capture_content)
+        charge: Charge | None = None
         try:
+            target = target or self.target_for(request)
+            observation.resolved(target.fingerprint)
+            prompt = self._accepted(request, target, observation)
+            charge = self._charged(request, len(prompt))
             # aclosing: a consumer that stops early (client gone) must close the inner stream at once,
             # which cancels the request on its workers; left to the garbage collector it would not.
-            async with contextlib.aclosing(self._generate(request, request_id, deadline, observation,
-                                                          target)) as chunks:
+            async with contextlib.aclosing(
+                    self._generate(request, request_id, prompt, arrived_at, deadline, observation,
+                                   target.workers_key)) as chunks:
                 async for chunk in chunks:
                     observation.streamed(chunk)
                     yield chunk
@@ -163,12 +181,12 @@ class GatewayService:
             raise
         finally:
             observation.close()
+            if charge is not None:
+                charge.settle(observation.used_tokens)
 
-    async def _generate(self, request: GenerateRequest, request_id: str, deadline: float | None,
-                        observation: RequestObservation, target: Target | None) -> AsyncIterator[Chunk]:
-        arrived_at = time.monotonic()
-        target = target or self.resolve(request.model, request.user or None)
-        observation.resolved(target.fingerprint)
+    def _accepted(self, request: GenerateRequest, target: Target, observation: RequestObservation) -> list[int]:
+        """The request's prompt as token ids for its model version, once the request is known to be
+        servable."""
         model = target.model
         try:
             prompt = list(model.checked_prompt(request.prompt).ids)
@@ -176,6 +194,21 @@ class GatewayService:
         except ValueError as error:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
         observation.accepted(len(prompt), request.sampling)
+        return prompt
+
+    def _charged(self, request: GenerateRequest, prompt_tokens: int) -> Charge:
+        """The request's charge to its caller's rate limits: its prompt and max_tokens, settled when
+        it ends. StatusError RESOURCE_EXHAUSTED, with when to retry, when the limits refuse it."""
+        try:
+            return self.rate_limits.admit(request.caller, prompt_tokens + request.sampling.max_tokens)
+        except RateLimited as limited:
+            self.metrics.key_rate_limited(request.caller.name if request.caller is not None else "")
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(limited),
+                              retry_after_s=limited.retry_after_s) from limited
+
+    async def _generate(self, request: GenerateRequest, request_id: str, prompt: list[int], arrived_at: float,
+                        deadline: float | None, observation: RequestObservation,
+                        workers_key: str | None) -> AsyncIterator[Chunk]:
         slo = self.slo(request)
 
         progress = StreamProgress(self.migration)
@@ -185,7 +218,7 @@ class GatewayService:
             try:
                 with observation.routing() as route:
                     placement = await self.place(request, progress.context(prompt), slo, arrived_at, refused,
-                                                 target.workers_key)
+                                                 workers_key)
                     observation.placed(route, placement.decision, slo)
             except StatusError:
                 if not refusals:

@@ -58,7 +58,11 @@ class RequestObservation:
         self._predicted: tuple[float, float] | None = None
         self._placed_after = 0.0  # arrival to the latest placement: tokenizing and admission's wait
         self._model_version = ""  # NAME@VERSION that serves it, once resolved
+        self._key = request.caller.name if request.caller is not None else ""
+        self._prompt_tokens = 0
+        self._used = (0, 0)  # (prompt, completion) tokens the client has had so far
         metrics.waiting.inc()
+        metrics.key_request(self._key)
         if self._traced:
             self._span.set_attributes({
                 "gen_ai.operation.name": "chat" if isinstance(request.prompt, ChatPrompt) else "text_completion",
@@ -75,6 +79,7 @@ class RequestObservation:
 
     def accepted(self, prompt_tokens: int, params: SamplingParams) -> None:
         """The prompt is tokenized and the sampling parameters valid."""
+        self._prompt_tokens = prompt_tokens
         if not self._traced:
             return
         self._span.set_attributes({
@@ -154,6 +159,10 @@ class RequestObservation:
         """A chunk went to the client."""
         now = time.perf_counter()
         metrics = self._metrics
+        # The first chunk means the prompt was computed; the last one's usage has the whole count.
+        usage = chunk.usage
+        self._used = (usage.prompt_tokens, usage.completion_tokens) if usage is not None else (
+            self._prompt_tokens, self._used[1] + len(chunk.token_ids))
         if chunk.token_ids:
             if self._first_at is None:
                 self._first_at = now
@@ -174,8 +183,15 @@ class RequestObservation:
         set_error(code, message, self._span)
         log.info("request %s failed: %s: %s", self._request_id, code, message)
 
+    @property
+    def used_tokens(self) -> int:
+        """The tokens the request used, as its key's usage and rate limits count them: its prompt's
+        once a chunk came back (a request refused before that used none), and those generated."""
+        return sum(self._used)
+
     def close(self) -> None:
-        """Leave the in-flight gauges (whatever happened)."""
+        """Leave the in-flight gauges and account the key's usage (whatever happened)."""
+        self._metrics.key_usage(self._key, *self._used)
         if self._waiting:
             self._metrics.waiting.dec()
         if self._running:

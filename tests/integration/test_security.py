@@ -1,7 +1,9 @@
 """Security end to end with real processes: a prefill and a decode worker (gRPC KV backend) and a
 gateway, every internal link mutual TLS with certificates from a test CA, the client API over TLS
 and behind API keys. Workers refuse peers without a certificate from the CA; the gateway refuses
-calls without a key (UNAUTHENTICATED / 401) and serves those with one; health needs no key."""
+calls without a key (UNAUTHENTICATED / 401) and serves those with one; health needs no key. Keys
+come from TANDEM_API_KEYS and a TOML key file whose keys have rate limits (OpenAI's x-ratelimit-*
+headers, 429 / RESOURCE_EXHAUSTED once spent) and their usage on /metrics."""
 
 from __future__ import annotations
 
@@ -29,6 +31,26 @@ Mesh = dict[str, WorkerProcess]
 Pki = dict[str, Path]
 
 API_KEY = "test-key-7f3a"
+# Each key serves one test. A key of 1 token a minute is in debt for minutes after one request
+# (charged 1 token at admission, settled with its prompt and output), so its next one is refused
+# however slowly the machine runs.
+KEY_FILE = """
+[[key]]
+name = "metered"
+secret = "sk-metered"
+requests_per_minute = 1000
+tokens_per_minute = 100000
+
+[[key]]
+name = "tight-http"
+secret = "sk-tight-http"
+tokens_per_minute = 1
+
+[[key]]
+name = "tight-grpc"
+secret = "sk-tight-grpc"
+tokens_per_minute = 1
+"""
 TIMEOUT_S = 300.0
 WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "64"]
 
@@ -49,14 +71,16 @@ def _tls_flags(pki: dict[str, Path], name: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def mesh(pki: dict[str, Path]):
+def mesh(pki: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    key_file = tmp_path_factory.mktemp("keys") / "keys.toml"
+    key_file.write_text(KEY_FILE)
     prefill_port, decode_port = free_port(), free_port()
     arg_lists = [
         ["prefill", "--port", str(prefill_port), *WORKER_FLAGS, *_tls_flags(pki, "prefill")],
         ["decode", "--port", str(decode_port), "--kv-backend", "grpc", *WORKER_FLAGS, *_tls_flags(pki, "decode")],
         ["gateway", "--port", "0", "--http-port", "0", "--prefill", f"127.0.0.1:{prefill_port}",
          "--decode", f"127.0.0.1:{decode_port}", "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000",
-         "--metrics-auth", "on", *_tls_flags(pki, "gateway")],
+         "--metrics-auth", "on", "--api-key-file", str(key_file), *_tls_flags(pki, "gateway")],
     ]
     processes = [start_worker(args, wait=False, env={"TANDEM_API_KEYS": f"other-key,{API_KEY}"})
                  for args in arg_lists]
@@ -107,6 +131,59 @@ def _http(mesh: Mesh, pki: Pki, path: str, key: str | None) -> tuple[int, bytes]
             return response.status, response.read()
     except urllib.error.HTTPError as error:
         return error.code, error.read()
+
+
+def _complete(mesh: Mesh, pki: Pki, key: str) -> tuple[int, dict[str, str], dict]:
+    """POST /v1/completions with `key`: status, headers (lower-case names) and JSON body."""
+    context = ssl.create_default_context(cafile=str(pki["ca"]))
+    body = json.dumps({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}).encode()
+    request = urllib.request.Request(f"https://{mesh['gateway'].http_address}/v1/completions", body,
+                                     {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S, context=context) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, {k.lower(): v for k, v in error.headers.items()}, json.loads(error.read())
+
+
+def test_a_limited_key_is_told_its_limits_and_its_usage_is_counted(mesh: Mesh, pki: Pki) -> None:
+    status, headers, body = _complete(mesh, pki, "sk-metered")
+    assert status == 200, body
+    assert (headers["x-ratelimit-limit-requests"], headers["x-ratelimit-limit-tokens"]) == ("1000", "100000")
+    assert 0 < int(headers["x-ratelimit-remaining-requests"]) <= 1000
+    assert 0 < int(headers["x-ratelimit-remaining-tokens"]) <= 100000
+    assert headers["x-ratelimit-reset-tokens"].endswith("s")
+    metrics = _http(mesh, pki, "/metrics", API_KEY)[1].decode()
+
+    def sample(family: str) -> float:
+        (line,) = [line for line in metrics.splitlines() if line.startswith(f'{family}{{key="metered",')]
+        return float(line.rsplit(" ", 1)[1])
+
+    assert sample("tandem:key_requests_total") == 1
+    assert sample("tandem:key_prompt_tokens_total") == body["usage"]["prompt_tokens"]
+    assert sample("tandem:key_generation_tokens_total") == body["usage"]["completion_tokens"] == 4
+    assert "sk-metered" not in metrics
+
+
+def test_an_http_caller_over_its_tokens_a_minute_gets_429(mesh: Mesh, pki: Pki) -> None:
+    assert _complete(mesh, pki, "sk-tight-http")[0] == 200  # a full bucket lets one request in
+    status, headers, body = _complete(mesh, pki, "sk-tight-http")
+    assert status == 429 and body["error"]["type"] == "RateLimitError", body
+    assert "'tight-http'" in body["error"]["message"]
+    # In debt by its prompt and output: minutes to wait, not seconds.
+    assert int(headers["retry-after"]) > 60
+    assert (headers["x-ratelimit-limit-tokens"], headers["x-ratelimit-remaining-tokens"]) == ("1", "0")
+    assert "x-ratelimit-limit-requests" not in headers
+
+
+def test_a_grpc_caller_over_its_limit_gets_resource_exhausted(mesh: Mesh, pki: Pki) -> None:
+    with TandemClient(str(mesh["gateway"].address), api_key="sk-tight-grpc", ca_file=pki["ca"]) as client:
+        assert list(client.generate("The capital of France is", max_tokens=4, timeout=TIMEOUT_S))[-1].usage
+        with pytest.raises(grpc.RpcError) as refused:
+            list(client.generate("The capital of France is", max_tokens=4, timeout=TIMEOUT_S))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "'tight-grpc'" in refused.value.details()
+    assert int(dict(refused.value.trailing_metadata())["retry-after"]) > 60
 
 
 def test_the_http_api_asks_for_a_key_but_not_for_health(mesh: Mesh, pki: Pki) -> None:

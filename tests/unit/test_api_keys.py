@@ -1,11 +1,11 @@
-"""API keys at the gateway: parsing, the constant-time check, the gRPC interceptor on a real
+"""API keys at the gateway: the constant-time check naming the key, the gRPC interceptor on a real
 grpc.aio server on loopback (health exempt, everything else UNAUTHENTICATED without a key), and the
-HTTP middleware (health exempt, /metrics as configured)."""
+HTTP middleware (health exempt, /metrics as configured; the caller handed to the app, and the
+x-ratelimit-* headers of a limited one). Reading key files: test_key_file.py."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import grpc
 import pytest
@@ -17,44 +17,32 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from services.gateway.api_keys import ApiKeyInterceptor, ApiKeyMiddleware, ApiKeys, load_api_keys
+from services.gateway.api_keys import ApiKey, ApiKeyInterceptor, ApiKeyMiddleware, ApiKeys, current_caller
+from services.gateway.caller import Caller, KeyLimits
+from services.gateway.rate_limits import RateLimiter
 
 
-def test_keys_come_from_the_file_and_the_environment(tmp_path: Path) -> None:
-    key_file = tmp_path / "keys"
-    key_file.write_text("# team A\nalpha-key\n\n  beta-key  \n")
-    keys = load_api_keys(key_file, {"TANDEM_API_KEYS": "gamma-key, alpha-key,"})
-    assert keys == ApiKeys((b"alpha-key", b"beta-key", b"gamma-key"))
-    assert load_api_keys(None, {}) is None
-    assert load_api_keys(None, {"TANDEM_API_KEYS": "solo"}) == ApiKeys((b"solo",))
+def _keys(*secrets: str) -> ApiKeys:
+    return ApiKeys(tuple(ApiKey(Caller(f"key-{number}"), secret.encode()) for number, secret in
+                         enumerate(secrets, 1)))
 
 
-def test_a_bad_key_source_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="--api-key-file"):
-        load_api_keys(tmp_path / "missing", {})
-    empty = tmp_path / "empty"
-    empty.write_text("# nothing yet\n")
-    with pytest.raises(ValueError, match="holds no key"):
-        load_api_keys(empty, {})
-    with pytest.raises(ValueError, match="whitespace"):
-        ApiKeys((b"two words",))
-
-
-def test_only_a_bearer_of_a_known_key_is_accepted() -> None:
-    keys = ApiKeys((b"alpha-key", b"beta-key"))
-    assert keys.accepts("Bearer beta-key")
-    assert keys.accepts("bearer alpha-key")
-    assert not keys.accepts("Bearer alpha")
-    assert not keys.accepts("Bearer alpha-key-and-more")
-    assert not keys.accepts("Basic alpha-key")
-    assert not keys.accepts("alpha-key")
-    assert not keys.accepts(None)
+def test_only_a_bearer_of_a_known_key_is_identified_and_as_which() -> None:
+    keys = _keys("alpha-key", "beta-key")
+    assert keys.identify("Bearer beta-key") == Caller("key-2")
+    assert keys.identify("bearer alpha-key") == Caller("key-1")
+    for refused in ("Bearer alpha", "Bearer alpha-key-and-more", "Basic alpha-key", "alpha-key", None):
+        assert keys.identify(refused) is None
     assert "alpha" not in repr(keys)
+    with pytest.raises(ValueError, match="whitespace"):
+        _keys("two words")
+    with pytest.raises(ValueError, match="no key given"):
+        ApiKeys(())
 
 
 async def _calls(metadata: tuple[tuple[str, str], ...]) -> tuple[grpc.StatusCode, grpc.StatusCode]:
     """(health Check, reflection's streaming ListServices) codes on a server behind the interceptor."""
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(ApiKeys((b"alpha-key",)))])
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(_keys("alpha-key"))])
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     reflection.enable_server_reflection([reflection.SERVICE_NAME], server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -95,7 +83,7 @@ def _http_statuses(metrics_auth: bool, headers: dict[str, str]) -> dict[str, int
         return PlainTextResponse("ok")
 
     app = Starlette(routes=[Route(path, ok) for path in ("/health", "/metrics", "/v1/models")])
-    guarded = ApiKeyMiddleware(app, ApiKeys((b"alpha-key",)), metrics_auth=metrics_auth)
+    guarded = ApiKeyMiddleware(app, _keys("alpha-key"), metrics_auth=metrics_auth)
     with TestClient(guarded) as client:
         return {path: client.get(path, headers=headers).status_code for path in ("/health", "/metrics", "/v1/models")}
 
@@ -105,3 +93,28 @@ def test_the_middleware_exempts_health_and_metrics_as_configured() -> None:
     assert _http_statuses(True, {}) == {"/health": 200, "/metrics": 401, "/v1/models": 401}
     assert _http_statuses(True, {"Authorization": "Bearer alpha-key"}) == {"/health": 200, "/metrics": 200,
                                                                           "/v1/models": 200}
+
+
+def test_the_middleware_hands_the_app_its_caller_and_tells_a_limited_one_its_limits() -> None:
+    limiter = RateLimiter(lambda: 0.0)  # time stands still: only the app's own charge shows
+
+    async def whoami(request: Request) -> PlainTextResponse:
+        caller = current_caller()
+        assert caller is not None
+        limiter.admit(caller, 10)
+        return PlainTextResponse(caller.name)
+
+    keys = ApiKeys((ApiKey(Caller("team-a", KeyLimits(requests_per_minute=5)), b"alpha-key"),
+                    ApiKey(Caller("team-b"), b"beta-key")))
+    app = ApiKeyMiddleware(Starlette(routes=[Route("/v1/whoami", whoami)]), keys, metrics_auth=False,
+                           rate_limits=limiter)
+    with TestClient(app) as client:
+        limited = client.get("/v1/whoami", headers={"Authorization": "Bearer alpha-key"})
+        unlimited = client.get("/v1/whoami", headers={"Authorization": "Bearer beta-key"})
+    assert limited.text == "team-a"
+    assert (limited.headers["x-ratelimit-limit-requests"], limited.headers["x-ratelimit-remaining-requests"],
+            limited.headers["x-ratelimit-reset-requests"]) == ("5", "4", "12s")
+    assert "x-ratelimit-limit-tokens" not in limited.headers
+    assert unlimited.text == "team-b"
+    assert not [name for name in unlimited.headers if name.startswith("x-ratelimit-")]
+    assert current_caller() is None  # nothing leaks out of a request

@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from engine.sampling_params import SamplingParams
 from services.common.chunk import Chunk, Timings, Usage
+from services.gateway.caller import Caller
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.request import ChatMessage, ChatPrompt, GenerateRequest
 from services.gateway.router import Decision, SloTargets
@@ -108,3 +109,31 @@ def test_worker_routable_is_read_from_the_workers_at_each_scrape():
     assert _value(metrics, "tandem:worker_routable", role="decode", worker="10.0.0.2:1") == 1
     assert metrics.registry.get_sample_value(
         "tandem:worker_routable", {"model_name": "m", "role": "prefill", "worker": "10.0.0.1:1"}) is None
+
+
+def test_a_request_is_charged_what_it_used_and_counted_by_its_key():
+    metrics = GatewayMetrics("m")
+    keyed = GenerateRequest(ChatPrompt((ChatMessage("user", "Hi"),)), caller=Caller("team-a"))
+    # Ended before any chunk (refused, or its worker failed first): nothing used.
+    refused = RequestObservation(metrics, "r1", keyed, False)
+    refused.accepted(5, SamplingParams(max_tokens=3))
+    refused.close()
+    assert refused.used_tokens == 0
+    # Cut off after two tokens: its prompt was computed, and two tokens generated.
+    cut = RequestObservation(metrics, "r2", keyed, False)
+    cut.accepted(5, SamplingParams(max_tokens=3))
+    cut.streamed(_chunk([7, 8], "Hi"))
+    cut.close()
+    assert cut.used_tokens == 7
+    # Finished: the last chunk's usage is the count.
+    finished = RequestObservation(metrics, "r3", _chat(), False)
+    finished.accepted(5, SamplingParams(max_tokens=3))
+    for chunk in (_chunk([7], "Hi"), _chunk([8, 9], " you", finish="length")):
+        finished.streamed(chunk)
+    finished.close()
+    assert finished.used_tokens == 8
+    assert _value(metrics, "tandem:key_requests_total", key="team-a") == 2
+    assert _value(metrics, "tandem:key_prompt_tokens_total", key="team-a") == 5
+    assert _value(metrics, "tandem:key_generation_tokens_total", key="team-a") == 2
+    assert (_value(metrics, "tandem:key_prompt_tokens_total", key=""),
+            _value(metrics, "tandem:key_generation_tokens_total", key="")) == (5, 3)

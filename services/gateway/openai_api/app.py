@@ -9,6 +9,7 @@ Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent ev
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -27,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.common.errors import StatusError
+from services.gateway.api_keys import current_caller
 from services.gateway.catalog import Target
 from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from services.gateway.model import ServedModel
@@ -139,7 +141,8 @@ class OpenAIApi:
         if unknown:
             log.warning("%s: ignoring unknown fields: %s", path, ", ".join(unknown))
         try:
-            return self.service.resolve(body.model or "", body.user)
+            caller = current_caller()
+            return self.service.resolve(body.model or "", body.user or (caller.name if caller is not None else None))
         except StatusError as error:
             if error.code == grpc.StatusCode.NOT_FOUND:
                 raise ApiError(404, error.message, "NotFoundError", "model") from error
@@ -150,9 +153,11 @@ async def _reply(
     service: GatewayService, request: Request, body: SamplingBody, requests: Sequence[GenerateRequest],
     reply: ReplyFormat, target: Target,
 ) -> Response:
-    """Run the requests on `target` and answer with JSON, or with events once every request has
-    started. A client that disconnects before that cancels them."""
-    fan = FanOut(service, requests, target)
+    """Run the requests on `target`, as the caller's (each choice counts as a request against its
+    key's limits), and answer with JSON, or with events once every request has started. A client
+    that disconnects before that cancels them."""
+    caller = current_caller()
+    fan = FanOut(service, [dataclasses.replace(one, caller=caller) for one in requests], target)
     streaming = False
     headers = {MODEL_VERSION_HEADER: target.fingerprint}
     try:

@@ -3,16 +3,21 @@
 uvicorn (h11) serves one request at a time per HTTP/1.1 connection, so the HTTP counterpart of
 gRPC's streams per connection is a bound on the requests the whole server has in flight: the
 requests beyond it get 429 at once, before their body is read.
+
+Per-key rate limits (services.gateway.rate_limits) are told to HTTP callers in OpenAI's
+x-ratelimit-* headers (`rate_limit_headers`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.gateway.openai_api.errors import ApiError, bad_request
+from services.gateway.rate_limits import KeyStatus
 
 
 async def read_json_body(request: Request, max_bytes: int) -> bytes:
@@ -64,3 +69,26 @@ class ConcurrencyLimit:
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
+
+
+def rate_limit_headers(status: KeyStatus) -> list[tuple[bytes, bytes]]:
+    """OpenAI's x-ratelimit-* headers for a key's limits (services.gateway.rate_limits), those of
+    the limits it has: the per-minute limit, what is left, and when the bucket is full again."""
+    headers = []
+    for kind, limit in (("requests", status.requests), ("tokens", status.tokens)):
+        if limit is not None:
+            headers += [(f"x-ratelimit-limit-{kind}".encode(), str(limit.limit).encode()),
+                        (f"x-ratelimit-remaining-{kind}".encode(), str(limit.remaining).encode()),
+                        (f"x-ratelimit-reset-{kind}".encode(), duration(limit.reset_s).encode())]
+    return headers
+
+
+def duration(seconds: float) -> str:
+    """A wait as OpenAI writes it in x-ratelimit-reset-*: "250ms" below a second, else whole seconds
+    rounded up, "45s" or "6m0s"."""
+    if seconds <= 0:
+        return "0s"
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    minutes, whole = divmod(math.ceil(seconds), 60)
+    return f"{minutes}m{whole}s" if minutes else f"{whole}s"
