@@ -8,6 +8,7 @@ caller: services.repository.split), `NAME@VERSION` (exactly that one), or nothin
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from services.gateway.model import ServedModel
@@ -74,6 +75,17 @@ class ModelCatalog:
             served = ServedModel.load(version.weights, version.max_model_len or max_model_len)
             entries.append(CatalogEntry(ServedModel(version.model, served.max_model_len, served.tokenizer), version))
         return cls(entries, repository)
+
+    def with_split(self, name: str, split: dict[str, int]) -> ModelCatalog:
+        """This catalog with model `name`'s split replaced; UnknownModel for a model it lacks,
+        ValueError (naming the field) for a split the repository refuses."""
+        model = self.repository.model(name) if self.repository is not None else None
+        if self.repository is None or model is None:
+            raise UnknownModel(f"The model `{name}` has no split here; a split needs --model-repository "
+                               "and one of its models.")
+        changed = dataclasses.replace(model, split=tuple(split.items()))
+        models = tuple(changed if m.name == name else m for m in self.repository.models)
+        return ModelCatalog(self.entries, dataclasses.replace(self.repository, models=models))
 
     def describe(self) -> str:
         """One line: each version and its share of its name's traffic."""

@@ -27,6 +27,17 @@ from services.repository.split import choose_version
 
 REPOSITORY = two_versions()
 FLAGS = ["--threads", "1", "--kv-cache-mib", "64"]
+APP_KEY, ADMIN_KEY = "sk-app-key", "sk-admin-key"
+KEYS = f"""
+[[key]]
+name = "app"
+secret = "{APP_KEY}"
+
+[[key]]
+name = "ops"
+secret = "{ADMIN_KEY}"
+admin = true
+"""
 TIMEOUT_S = 120
 PROMPT = "The capital of France is"
 
@@ -39,9 +50,11 @@ def repository_file(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def mesh(repository_file):
+def mesh(repository_file, tmp_path_factory):
     ports = {name: free_port() for name in ("prefill", "decode", "colocated")}
     repo = ["--model-repository", repository_file]
+    keys = tmp_path_factory.mktemp("keys") / "keys.toml"
+    keys.write_text(KEYS)
     processes = [
         start_worker(["prefill", "--port", str(ports["prefill"]), *FLAGS, *repo, "--pool", "smollm2-q4"], wait=False),
         start_worker(["decode", "--port", str(ports["decode"]), *FLAGS, *repo, "--model-version", "smollm2@q4"],
@@ -50,7 +63,7 @@ def mesh(repository_file):
                      wait=False),
         # Objectives no loaded two-core machine misses: admission must not refuse what this tests.
         start_worker(["gateway", "--port", "0", "--http-port", "0", *repo, "--ttft-slo-ms", "600000",
-                      "--tpot-slo-ms", "600000",
+                      "--tpot-slo-ms", "600000", "--api-key-file", str(keys),
                       "--prefill", f"127.0.0.1:{ports['prefill']}", "--decode", f"127.0.0.1:{ports['decode']}",
                       "--colocated", f"127.0.0.1:{ports['colocated']}"], wait=False),
     ]
@@ -63,10 +76,11 @@ def mesh(repository_file):
             process.stop(timeout=30)
 
 
-def _http(gateway, path: str, body: dict | None = None) -> tuple[int, dict, dict]:
+def _http(gateway, path: str, body: dict | None = None, key: str = APP_KEY,
+          method: str | None = None) -> tuple[int, dict, dict]:
     request = urllib.request.Request(f"http://{gateway.http_address}{path}",
-                                     data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     data=None if body is None else json.dumps(body).encode(), method=method,
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
             return response.status, dict(response.headers), json.loads(response.read())
@@ -90,7 +104,7 @@ def test_models_lists_every_version_with_its_state_and_formats(mesh):
     assert all(entry["root"] == "smollm2" and entry["state"] == "serving" for entry in models.values())
     assert (models["smollm2@fp32"]["dtype"], models["smollm2@fp32"]["quantization"]) == ("float32", "none")
     assert models["smollm2@q4"]["quantization"] != "none"
-    with TandemClient(str(gateway.address)) as client:
+    with TandemClient(str(gateway.address), api_key=APP_KEY) as client:
         assert {(info.id, info.version, info.state) for info in client.list_models(timeout=TIMEOUT_S)} == {
             ("smollm2", "q4", "serving"), ("smollm2", "fp32", "serving")}
 
@@ -109,7 +123,7 @@ def test_a_version_runs_only_on_its_own_workers_and_the_reply_names_it(mesh):
     status, headers, reply = _complete(gateway, "smollm2@q4")
     assert status == 200 and headers["x-tandem-model-version"] == "smollm2@q4"
     assert [load_report(worker).finished_requests for worker in (prefill, decode)] == [after[0] + 1, after[1] + 1]
-    with TandemClient(str(gateway.address)) as client:
+    with TandemClient(str(gateway.address), api_key=APP_KEY) as client:
         stream = client.generate(PROMPT, model="smollm2@fp32", max_tokens=2, temperature=0.0, timeout=TIMEOUT_S)
         assert "".join(chunk.text for chunk in stream)
         assert stream.model_version() == "smollm2@fp32"
@@ -127,7 +141,7 @@ def test_the_split_is_sticky_per_user(mesh, repository_file):
             assert status == 200 and reply["model"] == "smollm2"  # the name the client asked for
             served.add(reply["system_fingerprint"])
         assert served == {f"smollm2@{version}"}
-    with TandemClient(str(gateway.address)) as client:
+    with TandemClient(str(gateway.address), api_key=APP_KEY) as client:
         stream = client.generate(PROMPT, model="smollm2", user=users["fp32"], max_tokens=1, timeout=TIMEOUT_S)
         list(stream)
         assert stream.model_version() == "smollm2@fp32"
@@ -139,9 +153,33 @@ def test_an_unknown_model_or_version_is_not_found_by_name(mesh):
     assert status == 404 and "`llama` does not exist" in reply["error"]["message"]
     status, _, reply = _complete(gateway, "smollm2@int8")
     assert status == 404 and "has no version `int8`" in reply["error"]["message"]
-    with TandemClient(str(gateway.address)) as client, pytest.raises(grpc.RpcError) as raised:
+    with TandemClient(str(gateway.address), api_key=APP_KEY) as client, pytest.raises(grpc.RpcError) as raised:
         list(client.generate(PROMPT, model="smollm2@int8", max_tokens=1, timeout=TIMEOUT_S))
     assert raised.value.code() == grpc.StatusCode.NOT_FOUND and "int8" in raised.value.details()
+
+
+def _split(gateway, split: dict, key: str = ADMIN_KEY, model: str = "smollm2") -> tuple[int, dict]:
+    status, _, reply = _http(gateway, f"/v1/admin/models/{model}/split", {"split": split}, key, "PUT")
+    return status, reply
+
+
+def test_an_admin_key_moves_a_split_at_run_time(mesh, repository_file):
+    *_, gateway = mesh
+    model = load_repository(repository_file).model("smollm2")
+    user = next(f"user-{i}" for i in range(40) if choose_version(model, f"user-{i}").name == "q4")
+    status, reply = _split(gateway, {"q4": 0, "fp32": 100}, key=APP_KEY)
+    assert status == 403 and "admin" in reply["error"]["message"]
+    assert _split(gateway, {"q4": 10, "fp32": 10})[0] == 400
+    unknown = _split(gateway, {"q4": 50, "int8": 50})[1]["error"]["message"]
+    assert unknown.startswith("model 'smollm2': split: no version 'int8'")
+    assert _split(gateway, {"q4": 100}, model="llama")[0] == 404
+    assert _complete(gateway, "smollm2", user)[2]["system_fingerprint"] == "smollm2@q4"
+    try:
+        assert _split(gateway, {"q4": 0, "fp32": 100}) == (200, {"model": "smollm2", "split": {"q4": 0, "fp32": 100}})
+        assert _complete(gateway, "smollm2", user)[2]["system_fingerprint"] == "smollm2@fp32"
+    finally:
+        assert _split(gateway, {"q4": 50, "fp32": 50})[0] == 200
+    assert _complete(gateway, "smollm2", user)[2]["system_fingerprint"] == "smollm2@q4"
 
 
 class _Load:

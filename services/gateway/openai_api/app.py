@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API as a Starlette app over the gateway's core.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
-`stream`), GET /v1/models, GET /health (200 once requests can be served, else 503), GET /metrics
-(Prometheus text format). Limits (services.gateway.limits): bodies beyond `max_body_bytes` get
-413, requests beyond `max_concurrent_requests` in flight get 429 (see http_limits.py).
+`stream`), GET /v1/models, PUT /v1/admin/models/{name}/split (admin.py), GET /health (200 once
+requests can be served, else 503), GET /metrics (Prometheus text format). Limits
+(services.gateway.limits): bodies beyond `max_body_bytes` get 413, requests beyond
+`max_concurrent_requests` in flight get 429 (see http_limits.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from services.gateway.api_keys import current_caller
 from services.gateway.catalog import Target
 from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from services.gateway.model import ServedModel
+from services.gateway.openai_api.admin import put_split
 from services.gateway.openai_api.errors import ApiError, api_error, bad_request
 from services.gateway.openai_api.fanout import FanOut
 from services.gateway.openai_api.http_limits import ConcurrencyLimit, read_json_body
@@ -69,6 +71,8 @@ def create_app(service: GatewayService, limits: RequestLimits = DEFAULT_REQUEST_
             Route("/v1/completions", api.completions, methods=["POST"]),
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
             Route("/v1/models", api.models, methods=["GET"]),
+            Route("/v1/admin/models/{name}/split", _answering_errors(functools.partial(put_split, service)),
+                  methods=["PUT"]),
             Route("/health", api.health, methods=["GET"]),
             Route("/metrics", functools.partial(metrics, service.metrics.registry), methods=["GET"]),
         ],

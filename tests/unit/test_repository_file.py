@@ -147,3 +147,20 @@ def test_a_worker_takes_its_versions_model_and_formats_from_the_repository(tmp_p
     ]:
         with pytest.raises(ValueError, match=message):
             engine_config(_flags(*argv), "decode")
+
+
+def test_a_split_set_at_run_time_is_checked_as_the_file_would_be(tokenizer, tmp_path):
+    from services.gateway.catalog import CatalogEntry
+
+    repository = load_repository(_write(tmp_path, GOOD))
+    catalog = ModelCatalog([CatalogEntry(ServedModel("smollm2", 1024, tokenizer), version)
+                            for version in repository.versions], repository)
+    moved = catalog.with_split("smollm2", {"q4": 0, "fp32": 100})
+    assert moved.resolve("smollm2", "anyone").version == "fp32"
+    assert catalog.resolve("smollm2", "anyone").workers_key is not None  # the original is unchanged
+    with pytest.raises(ValueError, match="must sum to 100"):
+        catalog.with_split("smollm2", {"q4": 10})
+    with pytest.raises(UnknownModel):
+        catalog.with_split("llama", {"q4": 100})
+    with pytest.raises(UnknownModel):
+        ModelCatalog.single(ServedModel("smollm2", 1024, tokenizer)).with_split("smollm2", {"q4": 100})
