@@ -175,7 +175,9 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
             discovery.start()
         if planner is not None:
             planner.start()
-        service.model = await asyncio.to_thread(ServedModel.load, args.model, args.max_model_len)
+        model = await asyncio.to_thread(ServedModel.load, args.model, args.max_model_len)
+        metrics.model_loaded(model.max_model_len)
+        service.model = model
         # Ready means routable, so that workers and gateway can start together; requests sent
         # while a pool has no serving worker get UNAVAILABLE.
         if not await registry.wait_routable(args.wait_for_workers):

@@ -23,6 +23,7 @@ import grpc
 from services.common.chunk import Chunk
 from services.common.errors import StatusError
 from services.gateway.admission import Admission, Rejected
+from services.gateway.choices import ChoiceGroup
 from services.gateway.formats import served_formats
 from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from services.gateway.metrics import GatewayMetrics
@@ -98,10 +99,12 @@ class GatewayService:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(rejected),
                               retry_after_s=rejected.retry_after_s) from rejected
 
-    async def generate(self, request: GenerateRequest, deadline: float | None = None) -> AsyncIterator[Chunk]:
+    async def generate(self, request: GenerateRequest, deadline: float | None = None,
+                       group: ChoiceGroup | None = None) -> AsyncIterator[Chunk]:
         """Stream the request's chunks; the last one carries finish reason, usage and timings.
 
-        `deadline` is a `time.monotonic()` instant the workers must finish by (None: no limit).
+        `deadline` is a `time.monotonic()` instant the workers must finish by (None: no limit);
+        `group`: the choices of one prompt the request is one of (None: the prompt's only one).
         Raises StatusError: UNAVAILABLE (loading, no serving worker, every worker unavailable),
         NOT_FOUND (another model), INVALID_ARGUMENT (the prompt, or a limit), RESOURCE_EXHAUSTED (refused by
         admission, or every decode worker full), or a worker's own code when it fails after the
@@ -110,7 +113,7 @@ class GatewayService:
         (services.gateway.telemetry) however it ends.
         """
         request_id = request.request_id or uuid.uuid4().hex
-        observation = RequestObservation(self.metrics, request_id, request, self._capture_content)
+        observation = RequestObservation(self.metrics, request_id, request, self._capture_content, group)
         try:
             # aclosing: a consumer that stops early (client gone) must close the inner stream at once,
             # which cancels the request on its workers; left to the garbage collector it would not.

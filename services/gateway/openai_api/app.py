@@ -138,7 +138,7 @@ async def _reply(
 ) -> Response:
     """Run the requests and answer with JSON, or with events once every request has started.
     A client that disconnects before that cancels them."""
-    fan = FanOut(service, requests)
+    fan = FanOut(service, requests, body.n)
     streaming = False
     try:
         if body.stream:

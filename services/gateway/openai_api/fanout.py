@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 from services.common.chunk import Chunk
+from services.gateway.choices import ChoiceGroup
 from services.gateway.request import GenerateRequest
 from services.gateway.service import GatewayService
 
@@ -21,11 +22,13 @@ class FanOut:
     cancels whatever still runs.
     """
 
-    def __init__(self, service: GatewayService, requests: Sequence[GenerateRequest]) -> None:
+    def __init__(self, service: GatewayService, requests: Sequence[GenerateRequest], n: int = 1) -> None:
+        """`requests`: `n` choices of each prompt, prompt-major."""
         self._queue: asyncio.Queue[_Event] = asyncio.Queue()
         self._held: list[tuple[int, Chunk]] = []
         self._running = len(requests)
-        self._tasks = [asyncio.create_task(self._run(service, index, request))
+        groups = [ChoiceGroup(service.metrics, n) for _ in range(0, len(requests), n)]
+        self._tasks = [asyncio.create_task(self._run(service, index, request, groups[index // n]))
                        for index, request in enumerate(requests)]
 
     async def __aenter__(self) -> FanOut:
@@ -67,9 +70,9 @@ class FanOut:
             self._running -= 1
         return None
 
-    async def _run(self, service: GatewayService, index: int, request: GenerateRequest) -> None:
+    async def _run(self, service: GatewayService, index: int, request: GenerateRequest, group: ChoiceGroup) -> None:
         try:
-            async for chunk in service.generate(request):
+            async for chunk in service.generate(request, group=group):
                 self._queue.put_nowait((index, chunk, None))
             self._queue.put_nowait((index, None, None))
         except Exception as error:  # handed to the reader, who answers it as an API error
