@@ -103,8 +103,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 class ApiKeyMiddleware:
-    """ASGI middleware answering 401 to HTTP requests without a valid key, except health's (and
-    /metrics' unless `metrics_auth`)."""
+    """ASGI middleware answering 401 to HTTP requests and WebSocket handshakes without a valid key,
+    except health's (and /metrics' unless `metrics_auth`)."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeys, metrics_auth: bool) -> None:
         self._app = app
@@ -112,7 +112,7 @@ class ApiKeyMiddleware:
         self._exempt = _HTTP_EXEMPT if metrics_auth else _HTTP_EXEMPT | {"/metrics"}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self._exempt:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in self._exempt:
             await self._app(scope, receive, send)
             return
         headers = {name.lower(): value for name, value in scope["headers"]}

@@ -1,20 +1,20 @@
 """The OpenAI-compatible HTTP API as a Starlette app over the gateway's core.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
-`stream`), GET /v1/models, GET /health (200 once requests can be served, else 503), GET /metrics
-(Prometheus text format). Limits (services.gateway.limits): bodies beyond `max_body_bytes` get
-413, requests beyond `max_concurrent_requests` in flight get 429 (see http_limits.py).
+`stream`), their WebSocket twins /v1/completions/ws and /v1/chat/completions/ws (websocket.py),
+GET /v1/models, GET /health (200 once requests can be served, else 503), GET /metrics (Prometheus
+text format). Limits (services.gateway.limits): bodies beyond `max_body_bytes` get 413, requests
+beyond `max_concurrent_requests` in flight get 429 (see http_limits.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from services.gateway.model import ServedModel
@@ -37,9 +37,11 @@ from services.gateway.openai_api.params import (
     completion_requests,
     unknown_fields,
 )
-from services.gateway.openai_api.responses import ChatFormat, Choice, CompletionFormat, ReplyFormat, usage_body
+from services.gateway.openai_api.responses import ChatFormat, Choice, CompletionFormat, usage_body
 from services.gateway.openai_api.schema import ChatBody, CompletionBody, SamplingBody
-from services.gateway.request import CheckedPrompt, GenerateRequest, Prompt
+from services.gateway.openai_api.streaming import Job, event_json, reply_events
+from services.gateway.openai_api.websocket import CompletionSocket
+from services.gateway.request import CheckedPrompt, Prompt
 from services.gateway.service import GatewayService
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,8 @@ T = TypeVar("T")
 def create_app(service: GatewayService, limits: RequestLimits = DEFAULT_REQUEST_LIMITS) -> Starlette:
     """The HTTP API over `service`, within `limits`' body size and requests in flight."""
     api = OpenAIApi(service, limits.max_body_bytes)
+    completions_ws = CompletionSocket(service, api.completion_job, limits.max_body_bytes)
+    chat_ws = CompletionSocket(service, api.chat_job, limits.max_body_bytes)
 
     def refused(message: str) -> None:
         service.refused(uuid.uuid4().hex, "RESOURCE_EXHAUSTED", message)
@@ -59,6 +63,8 @@ def create_app(service: GatewayService, limits: RequestLimits = DEFAULT_REQUEST_
         routes=[
             Route("/v1/completions", api.completions, methods=["POST"]),
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+            WebSocketRoute("/v1/completions/ws", completions_ws.serve),
+            WebSocketRoute("/v1/chat/completions/ws", chat_ws.serve),
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/health", api.health, methods=["GET"]),
             Route("/metrics", functools.partial(metrics, service.metrics.registry), methods=["GET"]),
@@ -91,23 +97,33 @@ class OpenAIApi:
         self.chat_completions = _answering_errors(self._chat_completions)
         self.models = _answering_errors(self._models)
 
-    async def _completions(self, request: Request) -> Response:
-        body = CompletionBody.model_validate_json(await read_json_body(request, self.max_body_bytes))
-        model = self._model(body, request.url.path)
+    def completion_job(self, raw: bytes, path: str) -> Job:
+        """The job of a /v1/completions body (`path`: where it came, for the log); what the API
+        answers a bad body with is raised."""
+        body = CompletionBody.model_validate_json(raw)
+        model = self._model(body, path)
         prompts = [_checked(model, prompt, "prompt") for prompt in completion_prompts(body)]
         reply_id = f"cmpl-{uuid.uuid4().hex}"
-        requests = completion_requests(body, prompts, reply_id)
         reply = CompletionFormat(reply_id, model.id, int(time.time()), model.tokenizer, body.logprobs is not None)
-        return await _reply(self.service, request, body, requests, reply)
+        return Job(body, completion_requests(body, prompts, reply_id), reply)
 
-    async def _chat_completions(self, request: Request) -> Response:
-        body = ChatBody.model_validate_json(await read_json_body(request, self.max_body_bytes))
-        model = self._model(body, request.url.path)
+    def chat_job(self, raw: bytes, path: str) -> Job:
+        """The job of a /v1/chat/completions body, as `completion_job`."""
+        body = ChatBody.model_validate_json(raw)
+        model = self._model(body, path)
         prompt = _checked(model, chat_prompt(body), "messages")
         reply_id = f"chatcmpl-{uuid.uuid4().hex}"
         requests = chat_requests(body, prompt, self.service.limits.total_tokens(model.max_model_len), reply_id)
         reply = ChatFormat(reply_id, model.id, int(time.time()), model.tokenizer, body.logprobs)
-        return await _reply(self.service, request, body, requests, reply)
+        return Job(body, requests, reply)
+
+    async def _completions(self, request: Request) -> Response:
+        raw = await read_json_body(request, self.max_body_bytes)
+        return await _reply(self.service, request, self.completion_job(raw, request.url.path))
+
+    async def _chat_completions(self, request: Request) -> Response:
+        raw = await read_json_body(request, self.max_body_bytes)
+        return await _reply(self.service, request, self.chat_job(raw, request.url.path))
 
     async def _models(self, request: Request) -> Response:
         model = self.service.served_model()
@@ -132,33 +148,29 @@ class OpenAIApi:
         return model
 
 
-async def _reply(
-    service: GatewayService, request: Request, body: SamplingBody, requests: Sequence[GenerateRequest],
-    reply: ReplyFormat,
-) -> Response:
-    """Run the requests and answer with JSON, or with events once every request has started.
+async def _reply(service: GatewayService, request: Request, job: Job) -> Response:
+    """Run the job's requests and answer with JSON, or with events once every request has started.
     A client that disconnects before that cancels them."""
-    fan = FanOut(service, requests, body.n)
+    fan = FanOut(service, job.requests, job.body.n)
     streaming = False
     try:
-        if body.stream:
+        if job.body.stream:
             await _unless_disconnected(request, fan.started())
             streaming = True
-            return StreamingResponse(_events(fan, reply, len(requests), body.n, body.include_usage),
-                                     media_type="text/event-stream")
-        return JSONResponse(await _unless_disconnected(request, _complete(fan, reply, len(requests), body.n)))
+            return StreamingResponse(_events(fan, job), media_type="text/event-stream")
+        return JSONResponse(await _unless_disconnected(request, _complete(fan, job)))
     finally:
         if not streaming:
             await fan.close()
 
 
-async def _complete(fan: FanOut, reply: ReplyFormat, choices: int, n: int) -> dict[str, Any]:
+async def _complete(fan: FanOut, job: Job) -> dict[str, Any]:
     """The non-streaming reply body, once every request has finished."""
-    accumulated = [Choice() for _ in range(choices)]
+    accumulated = [Choice() for _ in job.requests]
     async for index, chunk in fan.chunks():
         accumulated[index].add(chunk)
     usages = [choice.usage for choice in accumulated if choice.usage is not None]
-    return reply.complete(accumulated, usage_body(usages, n))
+    return job.reply.complete(accumulated, usage_body(usages, job.body.n))
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -184,21 +196,12 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _events(fan: FanOut, reply: ReplyFormat, choices: int, n: int, include_usage: bool) -> AsyncIterator[str]:
+async def _events(fan: FanOut, job: Job) -> AsyncIterator[str]:
     """The server-sent events of a streamed reply, ending `data: [DONE]`; a failure after the
     first event is sent as an error event."""
-    usages = {}
     try:
-        for event in reply.opening(choices):
+        async for event in reply_events(fan, job, job.body.include_usage):
             yield _event(event)
-        async for index, chunk in fan.chunks():
-            if chunk.usage is not None:
-                usages[index] = chunk.usage
-            # Tokens held back (a partial character or a possible stop string) send nothing yet.
-            if chunk.text or chunk.logprobs or chunk.finish_reason:
-                yield _event(reply.delta(index, chunk))
-        if include_usage:
-            yield _event(reply.usage(usage_body([usages[index] for index in sorted(usages)], n)))
     except Exception as error:
         yield _event(api_error(error).body())
     finally:
@@ -207,7 +210,7 @@ async def _events(fan: FanOut, reply: ReplyFormat, choices: int, n: int, include
 
 
 def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {event_json(data)}\n\n"
 
 
 def _checked(model: ServedModel, prompt: Prompt, field: str) -> CheckedPrompt:
