@@ -393,5 +393,6 @@ class Engine:
             max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
             num_context_tokens=sum(request.num_tokens for request in self.scheduler.running),
             spec_decode=self.scheduler.spec_stats.snapshot() if self.config.speculative is not None else None,
+            num_preemptions=self.scheduler.total_preemptions,
         )
 

@@ -53,6 +53,7 @@ class EngineStats:
     max_num_batched_tokens: int  # the scheduler's token budget per step (a prompt's chunk size)
     num_context_tokens: int = 0  # tokens of context the running requests attend to
     spec_decode: SpecDecodeStats | None = None  # totals so far, where the engine speculates
+    num_preemptions: int = 0  # requests preempted so far (their KV dropped, to recompute later)
 
 
 @dataclass(frozen=True)

@@ -190,6 +190,7 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
         if planner is not None:
             planner.start()
         service.catalog = await asyncio.to_thread(_catalog, args, repository)
+        metrics.model_loaded(max(entry.model.max_model_len for entry in service.catalog.entries))
         if watch is not None:
             watch.start()
         # Ready means routable, so that workers and gateway can start together; requests sent

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from engine.commands import Abort, AddRequest, Command, GetStats, ImportPages, Release, Reserve, StartDecode
 from engine.engine import Engine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, StepTokens
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
 from services.common.step_model import StepModelFit
@@ -67,6 +67,7 @@ class EngineLoop:
         self._wake = threading.Condition()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
         self._stopping = False
+        self._step_observers: list[Callable[[StepTokens], None]] = []
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -79,6 +80,10 @@ class EngineLoop:
             self._stopping = True
             self._wake.notify()
         self._thread.join(timeout)
+
+    def observe_steps(self, observer: Callable[[StepTokens], None]) -> None:
+        """Call `observer` with what each step computed, on the engine thread, after the step."""
+        self._step_observers.append(observer)
 
     # ---- commands ---------------------------------------------------------------------------
     def submit(self, command: Command[T]) -> Future[T]:
@@ -212,6 +217,8 @@ class EngineLoop:
         self.rates.record(tokens.prefill, tokens.decode, seconds)
         self.step_model.record(tokens.prefill, tokens.decode, tokens.decode_context, seconds)
         self.step_model.record_speculation(tokens.decode, tokens.draft, tokens.decode_tokens)
+        for observer in self._step_observers:
+            observer(tokens)
         for output in outputs:
             self._deliver(output.request_id, output)
 

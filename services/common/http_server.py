@@ -36,7 +36,10 @@ class HttpListener:
         """`ssl`: uvicorn.Config's ssl_* arguments to serve HTTPS (see services.common.tls)."""
         self.host = host
         self.port = port
-        config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, **(ssl or {}))
+        # WebSockets through wsproto, which answers a refused handshake with the app's own HTTP
+        # response (an API key's 401, a 429), as the HTTP routes answer.
+        config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, ws="wsproto",
+                                **(ssl or {}))
         self._server = _Server(config)
         self._task: asyncio.Task | None = None
 

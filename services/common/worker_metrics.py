@@ -12,11 +12,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.commands import GetStats
-from engine.outputs import EngineStats
+from engine.outputs import EngineStats, StepTokens
 from engine.speculative.stats import SpecDecodeStats
 from services.common.engine_loop import EngineLoop
 from services.observability.gpu import gpu_collector
-from services.observability.metrics import TRANSFER_BUCKETS, RequestMetrics, per_model
+from services.observability.metrics import ITERATION_TOKENS_BUCKETS, TRANSFER_BUCKETS, RequestMetrics, per_model
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,10 @@ class EngineStateCollector(Collector):
             family = GaugeMetricFamily(name, documentation, labels=per_model())
             family.add_metric(labels, value)
             yield family
+        preemptions = CounterMetricFamily("vllm:num_preemptions", "Requests preempted (their KV dropped, to "
+                                          "recompute later) to make room for others.", labels=per_model())
+        preemptions.add_metric(labels, stats.num_preemptions)
+        yield preemptions
         spec = self._loop.engine.config.speculative
         if stats.spec_decode is not None and spec is not None:
             yield from _spec_decode_counters(stats.spec_decode, spec.num_speculative_tokens, labels)
@@ -91,6 +95,9 @@ class WorkerMetrics(RequestMetrics):
         self._kv_seconds = Histogram("tandem:kv_transfer_seconds",
                                      "From a request's first pushed layer until the receiver had every page.",
                                      per_model(["backend"]), registry=self.registry, buckets=TRANSFER_BUCKETS)
+        self._iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens computed per engine step.",
+                                           per_model(), registry=self.registry,
+                                           buckets=ITERATION_TOKENS_BUCKETS).labels(model_name)
         gpus = gpu_collector(model_name)
         if gpus is not None:
             self.registry.register(gpus)
@@ -99,6 +106,11 @@ class WorkerMetrics(RequestMetrics):
         """Export the engine's load from now on (once the engine is loaded), and on a decode worker
         the requests whose KV is still arriving."""
         self.registry.register(EngineStateCollector(loop, self.model_name, reserved_requests))
+        loop.observe_steps(self._step)
+
+    def _step(self, tokens: StepTokens) -> None:
+        # The step's batch in tokens: prompt chunks, decode tokens and the drafts they verified.
+        self._iteration_tokens.observe(tokens.prefill + tokens.decode)
 
     def kv_transfer(self, backend: str, num_bytes: int, seconds: float) -> None:
         """Account one request's delivered KV transfer."""

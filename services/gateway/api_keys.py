@@ -120,9 +120,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 class ApiKeyMiddleware:
-    """ASGI middleware answering 401 to HTTP requests without a valid key, except health's (and
-    /metrics' unless `metrics_auth`). A response to a caller with limits carries OpenAI's
-    x-ratelimit-* headers, from `rate_limits` as they stand when it starts."""
+    """ASGI middleware answering 401 to HTTP requests and WebSocket handshakes without a valid key,
+    except health's (and /metrics' unless `metrics_auth`). A response to a caller with limits
+    carries OpenAI's x-ratelimit-* headers, from `rate_limits` as they stand when it starts."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeys, metrics_auth: bool, rate_limits: RateLimiter | None = None) -> None:
         self._app = app
@@ -131,7 +131,7 @@ class ApiKeyMiddleware:
         self._rate_limits = rate_limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self._exempt:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in self._exempt:
             await self._app(scope, receive, send)
             return
         headers = {name.lower(): value for name, value in scope["headers"]}

@@ -8,6 +8,9 @@ rejections and SLO attainment.
 worker the router may send requests to, 0 for one it knows but skips (health not SERVING, or no load
 report yet, as while a link between them is down and after, until the channel reconnects).
 
+vLLM's per-request phases and shapes are the gateway's (the workers see only their part of a request):
+`services.gateway.telemetry` says what each is measured from.
+
 `GatewayMetrics.registry` is self-contained: the gRPC gateway serves it on `--metrics-port`, and an
 HTTP front end can mount the same registry at `/metrics` (`prometheus_client.make_asgi_app`).
 """
@@ -16,11 +19,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from services.observability.metrics import MODEL, RequestMetrics, per_model
+from services.observability.metrics import (
+    ITL_BUCKETS,
+    MODEL,
+    PARAMS_N_BUCKETS,
+    REQUEST_BUCKETS,
+    RequestMetrics,
+    one_two_five_buckets,
+    per_model,
+)
 
 
 class GatewayMetrics(RequestMetrics):
@@ -54,6 +65,45 @@ class GatewayMetrics(RequestMetrics):
         # Attainment = rate(attained="true") / rate(all), per objective.
         self._slo = Counter("tandem:slo_requests", "Requests that set a latency objective, by whether it was met.",
                             per_model(["objective", "attained"]), registry=self.registry)
+        self._prefill_time = self._histogram("vllm:request_prefill_time_seconds",
+                                             "Time spent in the PREFILL phase of a request.", REQUEST_BUCKETS)
+        self._decode_time = self._histogram("vllm:request_decode_time_seconds",
+                                            "Time spent in the DECODE phase of a request.", REQUEST_BUCKETS)
+        self._inference_time = self._histogram("vllm:request_inference_time_seconds",
+                                               "Time spent in the PREFILL and DECODE phases of a request.",
+                                               REQUEST_BUCKETS)
+        self._time_per_output_token = self._histogram("vllm:request_time_per_output_token_seconds",
+                                                      "A request's decode time per output token after the first.",
+                                                      ITL_BUCKETS)
+        self._params_n = self._histogram("vllm:request_params_n", "The n request parameter.", PARAMS_N_BUCKETS)
+        self._lengths: _RequestLengths | None = None
+
+    def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, documentation, per_model(), registry=self.registry,
+                         buckets=buckets).labels(self.model_name)
+
+    def model_loaded(self, max_model_len: int) -> None:
+        """Export the token-count histograms from now on: their buckets, as vLLM's, go up to the
+        model's context length, which is known only once the model is loaded."""
+        self._lengths = _RequestLengths(self._histogram, max_model_len)
+
+    def request_finished(self, prompt_tokens: int, generation_tokens: int, max_tokens: int, prefill_s: float,
+                         decode_s: float, time_per_output_token_s: float) -> None:
+        """Account one finished request's token counts, max_tokens and phases (inference = prefill + decode)."""
+        self._prefill_time.observe(prefill_s)
+        self._decode_time.observe(decode_s)
+        self._inference_time.observe(prefill_s + decode_s)
+        self._time_per_output_token.observe(time_per_output_token_s)
+        if self._lengths is not None:
+            self._lengths.prompt_tokens.observe(prompt_tokens)
+            self._lengths.generation_tokens.observe(generation_tokens)
+            self._lengths.max_tokens.observe(max_tokens)
+
+    def choices_finished(self, n: int, max_generation_tokens: int) -> None:
+        """Account the `n` choices of one prompt once all finished, the longest with this many tokens."""
+        self._params_n.observe(n)
+        if self._lengths is not None:
+            self._lengths.max_generation_tokens.observe(max_generation_tokens)
 
     def watch_workers(self, workers: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
         """Export `tandem:worker_routable` from `workers()`: (role, address, routable) of each worker
@@ -88,6 +138,19 @@ class GatewayMetrics(RequestMetrics):
     def slo(self, objective: str, attained: bool) -> None:
         """Count a request's latency objective ("ttft" or "tpot") as met or missed."""
         self._slo.labels(self.model_name, objective, "true" if attained else "false").inc()
+
+
+class _RequestLengths:
+    """vLLM's token-count histograms, bucketed 1, 2, 5, 10, ... up to the context length."""
+
+    def __init__(self, histogram: Callable[[str, str, tuple[float, ...]], Histogram], max_model_len: int) -> None:
+        buckets = one_two_five_buckets(max_model_len)
+        self.prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens of a finished request.", buckets)
+        self.generation_tokens = histogram("vllm:request_generation_tokens",
+                                           "Tokens generated for a finished request.", buckets)
+        self.max_tokens = histogram("vllm:request_params_max_tokens", "The max_tokens request parameter.", buckets)
+        self.max_generation_tokens = histogram("vllm:request_max_num_generation_tokens",
+                                               "Tokens generated by the longest of a prompt's n choices.", buckets)
 
 
 class _WorkerStates(Collector):

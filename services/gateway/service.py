@@ -25,6 +25,7 @@ from services.common.chunk import Chunk
 from services.common.errors import StatusError
 from services.gateway.admission import Admission, Rejected
 from services.gateway.catalog import ModelCatalog, Target, UnknownModel
+from services.gateway.choices import ChoiceGroup
 from services.gateway.formats import served_formats
 from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from services.gateway.metrics import GatewayMetrics
@@ -138,12 +139,13 @@ class GatewayService:
                               retry_after_s=rejected.retry_after_s) from rejected
 
     async def generate(self, request: GenerateRequest, deadline: float | None = None,
-                       target: Target | None = None) -> AsyncIterator[Chunk]:
+                       target: Target | None = None, group: ChoiceGroup | None = None) -> AsyncIterator[Chunk]:
         """Stream the request's chunks; the last one carries finish reason, usage and timings.
 
         `deadline` is a `time.monotonic()` instant the workers must finish by (None: no limit).
         `target` is the model version it runs on, when the API edge resolved it already (None:
-        resolved here from the request's `model`, for its `user` or else its API key's name).
+        resolved here from the request's `model`, for its `user` or else its API key's name);
+        `group`: the choices of one prompt the request is one of (None: the prompt's only one).
         Raises StatusError: UNAVAILABLE (loading, no serving worker, every worker unavailable),
         NOT_FOUND (a model or version not served), INVALID_ARGUMENT (the prompt, or a limit),
         RESOURCE_EXHAUSTED (refused by the caller's rate limits or by admission, with a retry-after
@@ -155,7 +157,7 @@ class GatewayService:
         """
         arrived_at = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
-        observation = RequestObservation(self.metrics, request_id, request, self._capture_content)
+        observation = RequestObservation(self.metrics, request_id, request, self._capture_content, group)
         charge: Charge | None = None
         try:
             target = target or self.target_for(request)

@@ -22,6 +22,7 @@ from opentelemetry.util.types import AttributeValue
 
 from engine.sampling_params import SamplingParams
 from services.common.chunk import Chunk
+from services.gateway.choices import ChoiceGroup
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.request import ChatPrompt, GenerateRequest, TextPrompt
 from services.gateway.router import Decision, SloTargets
@@ -38,8 +39,10 @@ class RequestObservation:
     `close` once it ended however it ended."""
 
     def __init__(self, metrics: GatewayMetrics, request_id: str, request: GenerateRequest,
-                 capture_content: bool) -> None:
+                 capture_content: bool, group: ChoiceGroup | None = None) -> None:
+        """`group`: the choices of the prompt this request is one of (None: it is the only one)."""
         self._metrics = metrics
+        self._group = group or ChoiceGroup(metrics)
         self._request_id = request_id
         self._request = request
         self._capture = capture_content
@@ -215,6 +218,12 @@ class RequestObservation:
             metrics.slo("ttft", ttft <= self._slo.ttft_s)
             metrics.slo("tpot", tpot <= self._slo.tpot_s)
         timings = chunk.timings
+        # vLLM's phases: prefill is the prompt's compute and, disaggregated, the wait for its KV (the
+        # queues before are not in it); decode runs from the first token to the last, as the client saw them.
+        metrics.request_finished(usage.prompt_tokens, usage.completion_tokens, self._request.sampling.max_tokens,
+                                 timings.prefill_compute_s + timings.kv_wait_s,
+                                 now - self._first_at if self._first_at is not None else 0.0, tpot)
+        self._group.finished(usage.completion_tokens)
         # Every worker timing under its own name (so a new one is logged with no change here), except
         # ttft, tpot and e2e, which are the gateway's own; the worker's TTFT is worker_ttft_s.
         # TTFT's parts: placed_s at the gateway, then worker_ttft_s at the decode worker, which is

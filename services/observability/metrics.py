@@ -22,6 +22,9 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+# The `n` request parameter, and the tokens one engine step computed.
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # KV transfers of one prompt: milliseconds on one machine, more across a network.
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -31,6 +34,19 @@ MODEL = ("model_name",)
 def per_model(labels: Sequence[str] = ()) -> tuple[str, ...]:
     """Label names of a family: `model_name` first, then `labels`."""
     return (*MODEL, *labels)
+
+
+def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value`: vLLM's buckets for a request's token counts, whose
+    top is the model's context length."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class RequestMetrics:

@@ -34,6 +34,21 @@ EXPECTED = {
                        "/tandem.v1.KVTransfer/Push"},
 }
 
+# Every series vLLM's own Grafana dashboard queries (each with model_name="$model_name"): its
+# examples/observability/prometheus_grafana/grafana.json (formerly under examples/online_serving/) on vLLM's
+# main branch after vllm-project/vllm#55283, as docs.vllm.ai/en/latest published it on 2026-09-23.
+DASHBOARD_HISTOGRAMS = (
+    "vllm:e2e_request_latency_seconds", "vllm:inter_token_latency_seconds",
+    "vllm:request_time_per_output_token_seconds", "vllm:time_to_first_token_seconds",
+    "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_max_num_generation_tokens",
+)
+DASHBOARD_SERIES = (
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_requests_running",
+    "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:request_success_total",
+    *(f"{name}{suffix}" for name in DASHBOARD_HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")),
+)
+
 
 @pytest.fixture(scope="module")
 def receiver():
@@ -277,6 +292,20 @@ def test_metrics_count_a_request(mesh):
     assert _delta(before["gateway"], gateway, "tandem:request_rejections_total", code="INVALID_ARGUMENT") == 1
     assert _delta(before["gateway"], gateway, "tandem:slo_requests_total", objective="ttft", attained="true") == 1
     assert _delta(before["gateway"], gateway, "tandem:slo_requests_total", objective="tpot", attained="false") == 1
+    # vLLM's per-request shapes and phases, at the gateway (one completion: n is 1).
+    assert _delta(before["gateway"], gateway, "vllm:request_prompt_tokens_sum") == usage.prompt_tokens
+    for histogram in ("vllm:request_generation_tokens", "vllm:request_params_max_tokens",
+                      "vllm:request_max_num_generation_tokens"):
+        assert _delta(before["gateway"], gateway, f"{histogram}_sum") == 6, histogram
+    assert _delta(before["gateway"], gateway, "vllm:request_params_n_sum") == 1
+    for phase in ("prefill", "decode", "inference"):
+        assert _delta(before["gateway"], gateway, f"vllm:request_{phase}_time_seconds_count") == 1, phase
+    assert _delta(before["gateway"], gateway, "vllm:request_time_per_output_token_seconds_count") == 1
+    # Each worker's engine steps: the decode worker computed at least the 5 tokens after the first.
+    for worker in ("prefill", "decode"):
+        assert _delta(before[worker], after[worker], "vllm:iteration_tokens_total_count") > 0, worker
+        assert after[worker][("vllm:num_preemptions_total", frozenset({"model_name": MODEL}.items()))] == 0, worker
+    assert _delta(before["decode"], decode, "vllm:iteration_tokens_total_sum") >= 5
     # Engine state, read when scraped: nothing runs now.
     for worker in (prefill, decode):
         for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
@@ -294,6 +323,24 @@ def test_metrics_count_a_request(mesh):
         assert gateway[("tandem:worker_routable", labels)] == 1, role
     # No NVML on this machine: no GPU metrics at all.
     assert not any(name.startswith("tandem:gpu_") for name, _ in (*prefill, *decode))
+
+
+def test_every_series_of_vllms_dashboard_is_served(mesh):
+    before = _scrape(mesh["gateway"])
+    # Over HTTP, two choices of one prompt: vLLM's parent request, counted once with n=2.
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3, "n": 2, "seed": 1}).encode()
+    http = urllib.request.Request(f"http://{mesh['gateway'].http_address}/v1/completions", data=body,
+                                  headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(http, timeout=RPC_TIMEOUT_S) as response:
+        assert len(json.load(response)["choices"]) == 2
+    scraped = [_scrape(mesh[role]) for role in ("gateway", "prefill", "decode")]
+    served = {name for samples in scraped for name, labels in samples if ("model_name", MODEL) in labels}
+    assert [name for name in DASHBOARD_SERIES if name not in served] == []
+    gateway = scraped[0]
+    assert _delta(before, gateway, "vllm:request_params_n_count") == 1
+    assert _delta(before, gateway, "vllm:request_params_n_sum") == 2
+    assert _delta(before, gateway, "vllm:request_max_num_generation_tokens_count") == 1
+    assert _delta(before, gateway, "vllm:request_prompt_tokens_count") == 2
 
 
 def test_speculation_is_counted_and_traced(mesh, receiver):

@@ -1,10 +1,12 @@
 """The gateway's OpenAI-compatible HTTP API through the official `openai` SDK, against a real mesh
-(gateway, prefill and decode processes on loopback); greedy output is compared with the gRPC API's."""
+(gateway, prefill and decode processes on loopback); greedy output is compared with the gRPC API's.
+Its WebSocket endpoints through a real WebSocket client (`websocket-client`), against the SSE stream."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import struct
 import time
 import urllib.error
 import urllib.request
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 import openai
 import pytest
+import websocket
 from parity_prompts import travel_diary
 from tandem.v1 import common_pb2, decode_pb2_grpc
 
@@ -319,8 +322,10 @@ def _decode_load(worker: WorkerProcess) -> common_pb2.LoadReport:
 
 
 def _wait_idle(worker: WorkerProcess) -> None:
+    """Until nothing runs, waits or is reserved on the worker, and no request holds a KV block."""
     deadline = time.monotonic() + DEADLINE_S
-    while (load := _decode_load(worker)).running_requests + load.waiting_requests + load.reserved_requests:
+    while (load := _decode_load(worker)).running_requests + load.waiting_requests + load.reserved_requests \
+            + load.used_kv_blocks:
         assert time.monotonic() < deadline, load
         time.sleep(0.2)
 
@@ -341,3 +346,72 @@ def test_a_client_that_goes_away_cancels_its_request(mesh, model_id, stream):
         assert connection.getresponse().readline().startswith(b"data: ")
     connection.close()
     _wait_idle(mesh.decode)
+
+
+def _sse_events(gateway: WorkerProcess, path: str, body: dict) -> list[dict]:
+    status, _, raw = _post(gateway, path, json.dumps({**body, "stream": True}).encode())
+    assert status == 200
+    blocks = [block.removeprefix("data: ") for block in raw.decode().split("\n\n") if block]
+    assert blocks[-1] == "[DONE]"
+    return [json.loads(block) for block in blocks[:-1]]
+
+
+def _ws_connect(gateway: WorkerProcess, path: str) -> websocket.WebSocket:
+    return websocket.create_connection(f"ws://{gateway.http_address}{path}/ws", timeout=TIMEOUT_S)
+
+
+def _ws_until_closed(connection: websocket.WebSocket) -> tuple[list[dict], int]:
+    """The server's messages until it closes the connection, and its close code."""
+    messages = []
+    while True:
+        opcode, data = connection.recv_data()
+        if opcode == websocket.ABNF.OPCODE_CLOSE:
+            connection.close()
+            return messages, struct.unpack("!H", data[:2])[0]
+        messages.append(json.loads(data))
+
+
+def _without_ids(events: list[dict]) -> list[dict]:
+    # Each reply has its own id and creation time; the rest must match event for event.
+    return [{name: value for name, value in event.items() if name not in ("id", "created")} for event in events]
+
+
+@pytest.mark.parametrize("path, request_fields", [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/chat/completions", {"messages": CHAT}),
+], ids=["completions", "chat"])
+def test_websocket_streams_the_sse_events_then_usage_and_done(gateway, model_id, path, request_fields):
+    body = {"model": model_id, **request_fields, "max_tokens": 8, "temperature": 0.0}
+    expected = _sse_events(gateway, path, {**body, "stream_options": {"include_usage": True}})
+    connection = _ws_connect(gateway, path)
+    connection.send(json.dumps(body))
+    messages, code = _ws_until_closed(connection)
+    *events, done = messages
+    assert _without_ids(events) == _without_ids(expected)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 8
+    assert (done, code) == ({"type": "done"}, 1000)
+
+
+def test_websocket_cancel_ends_the_request_on_the_workers(mesh, model_id):
+    _wait_idle(mesh.decode)
+    connection = _ws_connect(mesh.gateway, "/v1/completions")
+    # Thousands of tokens (minutes here): the worker is idle within the deadline only if it was cancelled.
+    connection.send(json.dumps({"model": model_id, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True}))
+    assert json.loads(connection.recv())["choices"][0]["text"]  # streaming: running on the decode worker
+    assert _decode_load(mesh.decode).running_requests == 1
+    connection.send(json.dumps({"type": "cancel"}))
+    messages, code = _ws_until_closed(connection)
+    assert (messages[-1], code) == ({"type": "cancelled"}, 1000)
+    _wait_idle(mesh.decode)
+
+
+@pytest.mark.parametrize("message, param", [
+    ('{"prompt": "Hi", "temperature": 500}', "temperature"),
+    ("not json", None),
+], ids=["bad-value", "not-json"])
+def test_websocket_bad_body_is_an_error_message_and_close_1008(gateway, message, param):
+    connection = _ws_connect(gateway, "/v1/completions")
+    connection.send(message)
+    [error], code = _ws_until_closed(connection)
+    assert code == 1008
+    assert (error["error"]["code"], error["error"]["type"], error["error"]["param"]) == (400, "BadRequestError", param)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import websocket
 from certs import TestCa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -197,6 +198,23 @@ def test_the_http_api_asks_for_a_key_but_not_for_health(mesh: Mesh, pki: Pki) ->
     # --metrics-auth on: the metrics need a key too.
     assert _http(mesh, pki, "/metrics", None)[0] == 401
     assert _http(mesh, pki, "/metrics", API_KEY)[0] == 200
+
+
+def test_the_websocket_handshake_asks_for_a_key(mesh: Mesh, pki: Pki) -> None:
+    url = f"wss://{mesh['gateway'].http_address}/v1/completions/ws"
+    tls = {"ca_certs": str(pki["ca"])}
+    for key in (None, "wrong-key"):
+        header = [f"Authorization: Bearer {key}"] if key else []
+        with pytest.raises(websocket.WebSocketBadStatusException) as refused:
+            websocket.create_connection(url, timeout=TIMEOUT_S, sslopt=tls, header=header)
+        assert refused.value.status_code == 401
+        assert json.loads(refused.value.resp_body)["error"]["type"] == "AuthenticationError"
+    connection = websocket.create_connection(url, timeout=TIMEOUT_S, sslopt=tls,
+                                             header=[f"Authorization: Bearer {API_KEY}"])
+    connection.send(json.dumps({"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0.0}))
+    messages = [json.loads(message) for message in iter(connection.recv, "")]
+    connection.close()
+    assert messages[-1] == {"type": "done"} and messages[-2]["usage"]["completion_tokens"] == 2
 
 
 def test_grpc_health_needs_no_key(mesh: Mesh, pki: Pki) -> None:

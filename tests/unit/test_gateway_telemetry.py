@@ -14,10 +14,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from engine.sampling_params import SamplingParams
 from services.common.chunk import Chunk, Timings, Usage
 from services.gateway.caller import Caller
+from services.gateway.choices import ChoiceGroup
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.request import ChatMessage, ChatPrompt, GenerateRequest
 from services.gateway.router import Decision, SloTargets
 from services.gateway.telemetry import RequestObservation
+from services.observability.metrics import one_two_five_buckets
 
 
 def _chat() -> GenerateRequest:
@@ -40,6 +42,7 @@ def test_one_request_on_its_span_and_in_the_metrics(capture, caplog):
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     metrics = GatewayMetrics("m")
+    metrics.model_loaded(64)
     caplog.set_level(logging.INFO, logger="services.gateway.telemetry")
     with provider.get_tracer("test").start_as_current_span("request"):
         observation = RequestObservation(metrics, "r1", _chat(), capture)
@@ -56,6 +59,17 @@ def test_one_request_on_its_span_and_in_the_metrics(capture, caplog):
     assert _value(metrics, "vllm:generation_tokens_total") == 3
     assert _value(metrics, "vllm:inter_token_latency_seconds_count") == 2
     assert _value(metrics, "tandem:routing_decisions_total", pool="prefill", worker="prefill:1") == 1
+    # vLLM's per-request shapes and phases: prefill is the prompt's compute plus the KV wait (0.08 + 0.001).
+    assert _value(metrics, "vllm:request_prompt_tokens_bucket", le="5.0") == 1
+    assert _value(metrics, "vllm:request_prompt_tokens_bucket", le="2.0") == 0
+    assert _value(metrics, "vllm:request_generation_tokens_sum") == 3
+    assert _value(metrics, "vllm:request_params_max_tokens_sum") == 16
+    assert _value(metrics, "vllm:request_params_n_sum") == 1
+    assert _value(metrics, "vllm:request_max_num_generation_tokens_sum") == 3
+    assert _value(metrics, "vllm:request_prefill_time_seconds_sum") == pytest.approx(0.081)
+    decode_s = _value(metrics, "vllm:request_decode_time_seconds_sum")
+    assert _value(metrics, "vllm:request_inference_time_seconds_sum") == pytest.approx(0.081 + decode_s)
+    assert _value(metrics, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(decode_s / 2)
     # The finish log line names where the request ran, so a benchmark's logs show how many prompts
     # a decode worker prefilled itself ("local"), and the router's predictions beside what happened.
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request finished ")]
@@ -137,3 +151,21 @@ def test_a_request_is_charged_what_it_used_and_counted_by_its_key():
     assert _value(metrics, "tandem:key_generation_tokens_total", key="team-a") == 2
     assert (_value(metrics, "tandem:key_prompt_tokens_total", key=""),
             _value(metrics, "tandem:key_generation_tokens_total", key="")) == (5, 3)
+
+
+def test_a_prompts_choices_are_counted_once_all_finished():
+    metrics = GatewayMetrics("m")
+    metrics.model_loaded(64)
+    group = ChoiceGroup(metrics, 3)
+    for tokens in (4, 9):
+        group.finished(tokens)
+    assert _value(metrics, "vllm:request_params_n_count") == 0
+    group.finished(2)
+    assert _value(metrics, "vllm:request_params_n_sum") == 3
+    assert _value(metrics, "vllm:request_max_num_generation_tokens_sum") == 9
+    assert _value(metrics, "vllm:request_params_n_bucket", le="2.0") == 0
+
+
+def test_token_buckets_go_up_to_the_context_length_as_vllms():
+    assert one_two_five_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert one_two_five_buckets(8192)[-3:] == (1000, 2000, 5000)

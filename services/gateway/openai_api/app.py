@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP API as a Starlette app over the gateway's core.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
-`stream`), GET /v1/models, PUT /v1/admin/models/{name}/split (admin.py), GET /health (200 once
-requests can be served, else 503), GET /metrics (Prometheus text format). Limits
-(services.gateway.limits): bodies beyond `max_body_bytes` get 413, requests beyond
-`max_concurrent_requests` in flight get 429 (see http_limits.py).
+`stream`), their WebSocket twins /v1/completions/ws and /v1/chat/completions/ws (websocket.py),
+GET /v1/models, PUT /v1/admin/models/{name}/split (admin.py), GET /health (200 once requests can
+be served, else 503), GET /metrics (Prometheus text format). Limits (services.gateway.limits):
+bodies beyond `max_body_bytes` get 413, requests beyond `max_concurrent_requests` in flight get
+429 (see http_limits.py).
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from services.common.errors import StatusError
 from services.gateway.api_keys import current_caller
@@ -44,8 +44,10 @@ from services.gateway.openai_api.params import (
     completion_requests,
     unknown_fields,
 )
-from services.gateway.openai_api.responses import ChatFormat, Choice, CompletionFormat, ReplyFormat, usage_body
+from services.gateway.openai_api.responses import ChatFormat, Choice, CompletionFormat, usage_body
 from services.gateway.openai_api.schema import ChatBody, CompletionBody, SamplingBody
+from services.gateway.openai_api.streaming import Job, event_json, reply_events
+from services.gateway.openai_api.websocket import CompletionSocket
 from services.gateway.request import CheckedPrompt, GenerateRequest, Prompt
 from services.gateway.service import GatewayService
 
@@ -62,6 +64,8 @@ T = TypeVar("T")
 def create_app(service: GatewayService, limits: RequestLimits = DEFAULT_REQUEST_LIMITS) -> Starlette:
     """The HTTP API over `service`, within `limits`' body size and requests in flight."""
     api = OpenAIApi(service, limits.max_body_bytes)
+    completions_ws = CompletionSocket(service, api.completion_job, limits.max_body_bytes)
+    chat_ws = CompletionSocket(service, api.chat_job, limits.max_body_bytes)
 
     def refused(message: str) -> None:
         service.refused(uuid.uuid4().hex, "RESOURCE_EXHAUSTED", message)
@@ -70,6 +74,8 @@ def create_app(service: GatewayService, limits: RequestLimits = DEFAULT_REQUEST_
         routes=[
             Route("/v1/completions", api.completions, methods=["POST"]),
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+            WebSocketRoute("/v1/completions/ws", completions_ws.serve),
+            WebSocketRoute("/v1/chat/completions/ws", chat_ws.serve),
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/v1/admin/models/{name}/split", _answering_errors(functools.partial(put_split, service)),
                   methods=["PUT"]),
@@ -104,27 +110,37 @@ class OpenAIApi:
         self.chat_completions = _answering_errors(self._chat_completions)
         self.models = _answering_errors(self._models)
 
-    async def _completions(self, request: Request) -> Response:
-        body = CompletionBody.model_validate_json(await read_json_body(request, self.max_body_bytes))
-        target = self._target(body, request.url.path)
+    def completion_job(self, raw: bytes, path: str) -> Job:
+        """The job of a /v1/completions body (`path`: where it came, for the log); what the API
+        answers a bad body with is raised."""
+        body = CompletionBody.model_validate_json(raw)
+        target = self._target(body, path)
         model = target.model
         prompts = [_checked(model, prompt, "prompt") for prompt in completion_prompts(body)]
         reply_id = f"cmpl-{uuid.uuid4().hex}"
-        requests = completion_requests(body, prompts, reply_id)
         reply = CompletionFormat(reply_id, target.answered_as, int(time.time()), model.tokenizer,
                                  body.logprobs is not None, target.fingerprint)
-        return await _reply(self.service, request, body, requests, reply, target)
+        return Job(body, _callers(completion_requests(body, prompts, reply_id)), reply, target)
 
-    async def _chat_completions(self, request: Request) -> Response:
-        body = ChatBody.model_validate_json(await read_json_body(request, self.max_body_bytes))
-        target = self._target(body, request.url.path)
+    def chat_job(self, raw: bytes, path: str) -> Job:
+        """The job of a /v1/chat/completions body, as `completion_job`."""
+        body = ChatBody.model_validate_json(raw)
+        target = self._target(body, path)
         model = target.model
         prompt = _checked(model, chat_prompt(body), "messages")
         reply_id = f"chatcmpl-{uuid.uuid4().hex}"
         requests = chat_requests(body, prompt, self.service.limits.total_tokens(model.max_model_len), reply_id)
         reply = ChatFormat(reply_id, target.answered_as, int(time.time()), model.tokenizer, body.logprobs,
                            target.fingerprint)
-        return await _reply(self.service, request, body, requests, reply, target)
+        return Job(body, _callers(requests), reply, target)
+
+    async def _completions(self, request: Request) -> Response:
+        raw = await read_json_body(request, self.max_body_bytes)
+        return await _reply(self.service, request, self.completion_job(raw, request.url.path))
+
+    async def _chat_completions(self, request: Request) -> Response:
+        raw = await read_json_body(request, self.max_body_bytes)
+        return await _reply(self.service, request, self.chat_job(raw, request.url.path))
 
     async def _models(self, request: Request) -> Response:
         # OpenAI's shape, one entry a version: `id` is what a request's `model` takes for exactly
@@ -153,37 +169,30 @@ class OpenAIApi:
             raise
 
 
-async def _reply(
-    service: GatewayService, request: Request, body: SamplingBody, requests: Sequence[GenerateRequest],
-    reply: ReplyFormat, target: Target,
-) -> Response:
-    """Run the requests on `target`, as the caller's (each choice counts as a request against its
-    key's limits), and answer with JSON, or with events once every request has started. A client
-    that disconnects before that cancels them."""
-    caller = current_caller()
-    fan = FanOut(service, [dataclasses.replace(one, caller=caller) for one in requests], target)
+async def _reply(service: GatewayService, request: Request, job: Job) -> Response:
+    """Run the job's requests on its model version and answer with JSON, or with events once every
+    request has started. A client that disconnects before that cancels them."""
+    fan = FanOut(service, job.requests, job.target, job.body.n)
     streaming = False
-    headers = {MODEL_VERSION_HEADER: target.fingerprint}
+    headers = {MODEL_VERSION_HEADER: job.target.fingerprint}
     try:
-        if body.stream:
+        if job.body.stream:
             await _unless_disconnected(request, fan.started())
             streaming = True
-            return StreamingResponse(_events(fan, reply, len(requests), body.n, body.include_usage),
-                                     media_type="text/event-stream", headers=headers)
-        return JSONResponse(await _unless_disconnected(request, _complete(fan, reply, len(requests), body.n)),
-                            headers=headers)
+            return StreamingResponse(_events(fan, job), media_type="text/event-stream", headers=headers)
+        return JSONResponse(await _unless_disconnected(request, _complete(fan, job)), headers=headers)
     finally:
         if not streaming:
             await fan.close()
 
 
-async def _complete(fan: FanOut, reply: ReplyFormat, choices: int, n: int) -> dict[str, Any]:
+async def _complete(fan: FanOut, job: Job) -> dict[str, Any]:
     """The non-streaming reply body, once every request has finished."""
-    accumulated = [Choice() for _ in range(choices)]
+    accumulated = [Choice() for _ in job.requests]
     async for index, chunk in fan.chunks():
         accumulated[index].add(chunk)
     usages = [choice.usage for choice in accumulated if choice.usage is not None]
-    return reply.complete(accumulated, usage_body(usages, n))
+    return job.reply.complete(accumulated, usage_body(usages, job.body.n))
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -209,21 +218,12 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _events(fan: FanOut, reply: ReplyFormat, choices: int, n: int, include_usage: bool) -> AsyncIterator[str]:
+async def _events(fan: FanOut, job: Job) -> AsyncIterator[str]:
     """The server-sent events of a streamed reply, ending `data: [DONE]`; a failure after the
     first event is sent as an error event."""
-    usages = {}
     try:
-        for event in reply.opening(choices):
+        async for event in reply_events(fan, job, job.body.include_usage):
             yield _event(event)
-        async for index, chunk in fan.chunks():
-            if chunk.usage is not None:
-                usages[index] = chunk.usage
-            # Tokens held back (a partial character or a possible stop string) send nothing yet.
-            if chunk.text or chunk.logprobs or chunk.finish_reason:
-                yield _event(reply.delta(index, chunk))
-        if include_usage:
-            yield _event(reply.usage(usage_body([usages[index] for index in sorted(usages)], n)))
     except Exception as error:
         yield _event(api_error(error).body())
     finally:
@@ -232,7 +232,14 @@ async def _events(fan: FanOut, reply: ReplyFormat, choices: int, n: int, include
 
 
 def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {event_json(data)}\n\n"
+
+
+def _callers(requests: list[GenerateRequest]) -> list[GenerateRequest]:
+    """The requests as the caller's whose key the request came with: each choice counts as a request
+    against the key's limits."""
+    caller = current_caller()
+    return [dataclasses.replace(one, caller=caller) for one in requests]
 
 
 def _checked(model: ServedModel, prompt: Prompt, field: str) -> CheckedPrompt:

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from services.common.chunk import Chunk
 from services.gateway.catalog import Target
+from services.gateway.choices import ChoiceGroup
 from services.gateway.request import GenerateRequest
 from services.gateway.service import GatewayService
 
@@ -22,12 +23,15 @@ class FanOut:
     cancels whatever still runs.
     """
 
-    def __init__(self, service: GatewayService, requests: Sequence[GenerateRequest], target: Target) -> None:
-        """Every request runs on `target`, the one version the body's `model` resolved to."""
+    def __init__(self, service: GatewayService, requests: Sequence[GenerateRequest], target: Target,
+                 n: int = 1) -> None:
+        """`requests`: `n` choices of each prompt, prompt-major, all run on `target`, the one
+        version the body's `model` resolved to."""
         self._queue: asyncio.Queue[_Event] = asyncio.Queue()
         self._held: list[tuple[int, Chunk]] = []
         self._running = len(requests)
-        self._tasks = [asyncio.create_task(self._run(service, index, request, target))
+        groups = [ChoiceGroup(service.metrics, n) for _ in range(0, len(requests), n)]
+        self._tasks = [asyncio.create_task(self._run(service, index, request, target, groups[index // n]))
                        for index, request in enumerate(requests)]
 
     async def __aenter__(self) -> FanOut:
@@ -69,9 +73,10 @@ class FanOut:
             self._running -= 1
         return None
 
-    async def _run(self, service: GatewayService, index: int, request: GenerateRequest, target: Target) -> None:
+    async def _run(self, service: GatewayService, index: int, request: GenerateRequest, target: Target,
+                   group: ChoiceGroup) -> None:
         try:
-            async for chunk in service.generate(request, target=target):
+            async for chunk in service.generate(request, target=target, group=group):
                 self._queue.put_nowait((index, chunk, None))
             self._queue.put_nowait((index, None, None))
         except Exception as error:  # handed to the reader, who answers it as an API error

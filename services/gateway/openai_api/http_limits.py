@@ -31,22 +31,24 @@ async def read_json_body(request: Request, max_bytes: int) -> bytes:
             raise bad_request(f"Content-Type: must be application/json, got {content_type[:64]!r}", "Content-Type")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(max_bytes)
+        raise too_large(max_bytes)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > max_bytes:
-            raise _too_large(max_bytes)
+            raise too_large(max_bytes)
     return bytes(body)
 
 
-def _too_large(max_bytes: int) -> ApiError:
+def too_large(max_bytes: int) -> ApiError:
+    """The 413 of a body larger than `max_bytes`."""
     return ApiError(413, f"the body exceeds the limit of {max_bytes} bytes (max_body_bytes)", "BadRequestError")
 
 
 class ConcurrencyLimit:
     """ASGI middleware: at most `limit` requests under /v1/ in flight (a streamed reply counts until
-    its last event); those beyond get 429 with a Retry-After hint, and `on_refused` hears of them."""
+    its last event, a WebSocket until it closes); those beyond get 429 with a Retry-After hint (a
+    WebSocket's on its handshake), and `on_refused` hears of them."""
 
     def __init__(self, app: ASGIApp, limit: int, on_refused: Callable[[str], None] = lambda message: None) -> None:
         self.app = app
@@ -55,7 +57,7 @@ class ConcurrencyLimit:
         self.in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] not in ("http", "websocket") or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.limit:
