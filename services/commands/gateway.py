@@ -166,7 +166,7 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
 
     # The model's name labels the metrics; it is known without reading the model file.
     metrics = GatewayMetrics(repository.models[0].name if repository is not None else served_model_id(args.model))
-    metrics.watch_workers(lambda: [(w.role, w.address, w.routable) for w in registry.workers])
+    metrics.watch_workers(lambda: [(w.role, w.address, w.routable, w.serves) for w in registry.workers])
     service = GatewayService(registry, metrics, args.max_queued_requests, limits=requests,
                              migration=MigrationPolicy(args.max_migrations))
     discovery, planner = cluster_services(args, registry)

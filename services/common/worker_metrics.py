@@ -28,9 +28,9 @@ class EngineStateCollector(Collector):
     """Gauges of the engine's load, read on the engine thread between steps when scraped (so an
     unscraped worker pays nothing for them)."""
 
-    def __init__(self, loop: EngineLoop, model_name: str, reserved_requests: Callable[[], int] | None) -> None:
+    def __init__(self, loop: EngineLoop, model: tuple[str, str], reserved_requests: Callable[[], int] | None) -> None:
         self._loop = loop
-        self._model_name = model_name
+        self._model = model
         self._reserved_requests = reserved_requests
 
     def collect(self) -> Iterator[Metric]:
@@ -39,7 +39,7 @@ class EngineStateCollector(Collector):
         except (RuntimeError, FutureTimeout) as error:  # stopping, or a step that does not end
             log.info("metrics: engine stats unavailable: %s", error)
             return
-        labels = [self._model_name]
+        labels = list(self._model)
         gauges = [
             ("vllm:num_requests_running", "Requests in the running batch.", stats.num_running),
             ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
@@ -88,8 +88,8 @@ def _spec_decode_counters(stats: SpecDecodeStats, num_speculative_tokens: int, l
 class WorkerMetrics(RequestMetrics):
     """Everything a prefill or decode worker exports; `registry` is what its /metrics serves."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
-        super().__init__(registry or CollectorRegistry(), model_name)
+    def __init__(self, model_name: str, model_version: str = "", registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry or CollectorRegistry(), model_name, model_version)
         self._kv_bytes = Counter("tandem:kv_transfer_bytes", "KV cache bytes pushed to decode workers.",
                                  per_model(["backend"]), registry=self.registry)
         self._kv_seconds = Histogram("tandem:kv_transfer_seconds",
@@ -97,15 +97,15 @@ class WorkerMetrics(RequestMetrics):
                                      per_model(["backend"]), registry=self.registry, buckets=TRANSFER_BUCKETS)
         self._iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens computed per engine step.",
                                            per_model(), registry=self.registry,
-                                           buckets=ITERATION_TOKENS_BUCKETS).labels(model_name)
-        gpus = gpu_collector(model_name)
+                                           buckets=ITERATION_TOKENS_BUCKETS).labels(*self.model)
+        gpus = gpu_collector(self.model)
         if gpus is not None:
             self.registry.register(gpus)
 
     def watch_engine(self, loop: EngineLoop, reserved_requests: Callable[[], int] | None = None) -> None:
         """Export the engine's load from now on (once the engine is loaded), and on a decode worker
         the requests whose KV is still arriving."""
-        self.registry.register(EngineStateCollector(loop, self.model_name, reserved_requests))
+        self.registry.register(EngineStateCollector(loop, self.model, reserved_requests))
         loop.observe_steps(self._step)
 
     def _step(self, tokens: StepTokens) -> None:
@@ -114,5 +114,5 @@ class WorkerMetrics(RequestMetrics):
 
     def kv_transfer(self, backend: str, num_bytes: int, seconds: float) -> None:
         """Account one request's delivered KV transfer."""
-        self._kv_bytes.labels(self.model_name, backend).inc(num_bytes)
-        self._kv_seconds.labels(self.model_name, backend).observe(seconds)
+        self._kv_bytes.labels(*self.model, backend).inc(num_bytes)
+        self._kv_seconds.labels(*self.model, backend).observe(seconds)

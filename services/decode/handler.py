@@ -136,7 +136,7 @@ async def serve(
     warn_if_worker_exposed(config.role, host, tls)
     server = RoleServer(config.role, host, port, grace_period, tls.server_credentials() if tls else None,
                         limits=limits, advertise_host=advertise_host)
-    metrics = WorkerMetrics(config.served_name)
+    metrics = WorkerMetrics(config.served_name, config.model_version)
     server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
     servicer = DecodeServicer(metrics, tls, limits)
     kv_transfer = LateKVTransfer()

@@ -38,18 +38,19 @@ class GatewayMetrics(RequestMetrics):
     """Every metric the gateway exports."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
-        super().__init__(registry or CollectorRegistry(), model_name)
-        self.running = Gauge("vllm:num_requests_running", "Requests streaming from a worker through the gateway.",
-                             MODEL, registry=self.registry).labels(model_name)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests at the gateway not yet sent to a worker.",
-                             MODEL, registry=self.registry).labels(model_name)
+        """`model_name`: the labels of what is not yet a model version's (the first model's name)."""
+        self.registry = registry = registry or CollectorRegistry()
+        self._running = Gauge("vllm:num_requests_running", "Requests streaming from a worker through the gateway.",
+                              MODEL, registry=registry)
+        self._waiting = Gauge("vllm:num_requests_waiting", "Requests at the gateway not yet sent to a worker.",
+                              MODEL, registry=registry)
         self._routed = Counter("tandem:routing_decisions", "Requests sent to a worker (retries included).",
                                per_model(["pool", "worker"]), registry=self.registry)
         self._rejected = Counter("tandem:request_rejections", "Requests that ended with an error status, by code.",
                                  per_model(["code"]), registry=self.registry)
         self._migrated = Counter("tandem:request_migrations",
                                  "Requests resumed on another decode worker after theirs failed mid-stream.",
-                                 MODEL, registry=self.registry).labels(model_name)
+                                 MODEL, registry=registry)
         # Usage by API key name (services.gateway.caller), "" for requests without a key: the keys are
         # configured, so the label's values are few.
         self._key_requests = Counter("tandem:key_requests", "Requests, by the API key they came with.",
@@ -76,68 +77,74 @@ class GatewayMetrics(RequestMetrics):
                                                       "A request's decode time per output token after the first.",
                                                       ITL_BUCKETS)
         self._params_n = self._histogram("vllm:request_params_n", "The n request parameter.", PARAMS_N_BUCKETS)
-        self._lengths: _RequestLengths | None = None
+        self._length_families: _RequestLengths | None = None
+        super().__init__(registry, model_name)
+
+    def _bind(self, model_name: str, model_version: str) -> None:
+        super()._bind(model_name, model_version)
+        self.running = self._running.labels(*self.model)
+        self.waiting = self._waiting.labels(*self.model)
 
     def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
-        return Histogram(name, documentation, per_model(), registry=self.registry,
-                         buckets=buckets).labels(self.model_name)
+        return Histogram(name, documentation, per_model(), registry=self.registry, buckets=buckets)
 
     def model_loaded(self, max_model_len: int) -> None:
         """Export the token-count histograms from now on: their buckets, as vLLM's, go up to the
-        model's context length, which is known only once the model is loaded."""
-        self._lengths = _RequestLengths(self._histogram, max_model_len)
+        (longest served) model's context length, which is known only once the models are loaded."""
+        self._length_families = _RequestLengths(self._histogram, max_model_len)
 
     def request_finished(self, prompt_tokens: int, generation_tokens: int, max_tokens: int, prefill_s: float,
                          decode_s: float, time_per_output_token_s: float) -> None:
         """Account one finished request's token counts, max_tokens and phases (inference = prefill + decode)."""
-        self._prefill_time.observe(prefill_s)
-        self._decode_time.observe(decode_s)
-        self._inference_time.observe(prefill_s + decode_s)
-        self._time_per_output_token.observe(time_per_output_token_s)
-        if self._lengths is not None:
-            self._lengths.prompt_tokens.observe(prompt_tokens)
-            self._lengths.generation_tokens.observe(generation_tokens)
-            self._lengths.max_tokens.observe(max_tokens)
+        self._prefill_time.labels(*self.model).observe(prefill_s)
+        self._decode_time.labels(*self.model).observe(decode_s)
+        self._inference_time.labels(*self.model).observe(prefill_s + decode_s)
+        self._time_per_output_token.labels(*self.model).observe(time_per_output_token_s)
+        if self._length_families is not None:
+            lengths = self._length_families
+            lengths.prompt_tokens.labels(*self.model).observe(prompt_tokens)
+            lengths.generation_tokens.labels(*self.model).observe(generation_tokens)
+            lengths.max_tokens.labels(*self.model).observe(max_tokens)
 
     def choices_finished(self, n: int, max_generation_tokens: int) -> None:
         """Account the `n` choices of one prompt once all finished, the longest with this many tokens."""
-        self._params_n.observe(n)
-        if self._lengths is not None:
-            self._lengths.max_generation_tokens.observe(max_generation_tokens)
+        self._params_n.labels(*self.model).observe(n)
+        if self._length_families is not None:
+            self._length_families.max_generation_tokens.labels(*self.model).observe(max_generation_tokens)
 
-    def watch_workers(self, workers: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
-        """Export `tandem:worker_routable` from `workers()`: (role, address, routable) of each worker
-        the gateway knows, read at every scrape."""
+    def watch_workers(self, workers: Callable[[], Iterable[tuple[str, str, bool, str | None]]]) -> None:
+        """Export `tandem:worker_routable` from `workers()`: (role, address, routable, the NAME@VERSION
+        its reports name or None before one came) of each worker the gateway knows, read at every scrape."""
         self.registry.register(_WorkerStates(self.model_name, workers))
 
     def routed(self, pool: str, worker: str) -> None:
         """Count a request sent to `worker` of `pool` ("prefill" or "decode")."""
-        self._routed.labels(self.model_name, pool, worker).inc()
+        self._routed.labels(*self.model, pool, worker).inc()
 
     def migrated(self) -> None:
         """Count a request moved to another decode worker mid-stream."""
-        self._migrated.inc()
+        self._migrated.labels(*self.model).inc()
 
     def rejected(self, code: str) -> None:
         """Count a request that ended with this gRPC status code (its name)."""
-        self._rejected.labels(self.model_name, code).inc()
+        self._rejected.labels(*self.model, code).inc()
 
     def key_request(self, key: str) -> None:
         """Count a request that came with the key named `key` ("": none)."""
-        self._key_requests.labels(self.model_name, key).inc()
+        self._key_requests.labels(*self.model, key).inc()
 
     def key_usage(self, key: str, prompt_tokens: int, generation_tokens: int) -> None:
         """Account the tokens a request of the key named `key` ("": none) used."""
-        self._key_prompt_tokens.labels(self.model_name, key).inc(prompt_tokens)
-        self._key_generation_tokens.labels(self.model_name, key).inc(generation_tokens)
+        self._key_prompt_tokens.labels(*self.model, key).inc(prompt_tokens)
+        self._key_generation_tokens.labels(*self.model, key).inc(generation_tokens)
 
     def key_rate_limited(self, key: str) -> None:
         """Count a request that its key's rate limits refused."""
-        self._key_rate_limited.labels(self.model_name, key).inc()
+        self._key_rate_limited.labels(*self.model, key).inc()
 
     def slo(self, objective: str, attained: bool) -> None:
         """Count a request's latency objective ("ttft" or "tpot") as met or missed."""
-        self._slo.labels(self.model_name, objective, "true" if attained else "false").inc()
+        self._slo.labels(*self.model, objective, "true" if attained else "false").inc()
 
 
 class _RequestLengths:
@@ -156,7 +163,7 @@ class _RequestLengths:
 class _WorkerStates(Collector):
     """`tandem:worker_routable`, one sample a worker, as the registry sees them when scraped."""
 
-    def __init__(self, model_name: str, workers: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
+    def __init__(self, model_name: str, workers: Callable[[], Iterable[tuple[str, str, bool, str | None]]]) -> None:
         self._model_name = model_name
         self._workers = workers
 
@@ -164,6 +171,8 @@ class _WorkerStates(Collector):
         family = GaugeMetricFamily("tandem:worker_routable",
                                    "1 while the gateway routes to the worker (health SERVING, load reports "
                                    "arriving), else 0.", labels=per_model(["role", "worker"]))
-        for role, address, routable in self._workers():
-            family.add_metric([self._model_name, role, address], 1.0 if routable else 0.0)
+        for role, address, routable, serves in self._workers():
+            # A worker's own report names its model; before one came it counts as the gateway's first.
+            name, _, version = serves.partition("@") if serves is not None else (self._model_name, "", "")
+            family.add_metric([name, version, role, address], 1.0 if routable else 0.0)
         yield family

@@ -161,7 +161,7 @@ class GatewayService:
         charge: Charge | None = None
         try:
             target = target or self.target_for(request)
-            observation.resolved(target.fingerprint)
+            observation.resolved(target)
             prompt = self._accepted(request, target, observation)
             charge = self._charged(request, len(prompt))
             # aclosing: a consumer that stops early (client gone) must close the inner stream at once,

@@ -22,6 +22,7 @@ from opentelemetry.util.types import AttributeValue
 
 from engine.sampling_params import SamplingParams
 from services.common.chunk import Chunk
+from services.gateway.catalog import Target
 from services.gateway.choices import ChoiceGroup
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.request import ChatPrompt, GenerateRequest, TextPrompt
@@ -41,8 +42,9 @@ class RequestObservation:
     def __init__(self, metrics: GatewayMetrics, request_id: str, request: GenerateRequest,
                  capture_content: bool, group: ChoiceGroup | None = None) -> None:
         """`group`: the choices of the prompt this request is one of (None: it is the only one)."""
+        # The gateway's metrics until the request's model version is known, then bound to its labels.
         self._metrics = metrics
-        self._group = group or ChoiceGroup(metrics)
+        self._group = group
         self._request_id = request_id
         self._request = request
         self._capture = capture_content
@@ -53,7 +55,8 @@ class RequestObservation:
         self._last_at = 0.0
         self._output: list[str] = []
         self._running = False
-        self._waiting = True
+        self._waiting = False
+        self._resolved = False
         self._slo: SloTargets | None = None
         self._workers = ("", "")  # (decode, prefill) of the latest attempt, for the finish log line
         # The router's predictions for the latest placement, logged beside what happened, so a
@@ -64,21 +67,24 @@ class RequestObservation:
         self._key = request.caller.name if request.caller is not None else ""
         self._prompt_tokens = 0
         self._used = (0, 0)  # (prompt, completion) tokens the client has had so far
-        metrics.waiting.inc()
-        metrics.key_request(self._key)
         if self._traced:
             self._span.set_attributes({
                 "gen_ai.operation.name": "chat" if isinstance(request.prompt, ChatPrompt) else "text_completion",
-                "gen_ai.request.model": metrics.model_name,
+                "gen_ai.request.model": request.model or metrics.model_name,
                 "tandem.request_id": request_id,
             })
 
-    def resolved(self, model_version: str) -> None:
-        """The request runs on this model version (NAME@VERSION, or the model's name without a
-        repository): the A/B split's choice, on the span and in the finish log."""
-        self._model_version = model_version
+    def resolved(self, target: Target) -> None:
+        """The request runs on this model version (the A/B split's choice): on the span, in the finish
+        log, and the labels of its metrics from now on; it now waits for a worker."""
+        self._model_version = target.fingerprint
+        self._metrics = self._metrics.labelled(target.model.id, target.version)
+        self._group = self._group or ChoiceGroup(self._metrics)
+        self._resolved = self._waiting = True
+        self._metrics.waiting.inc()
+        self._metrics.key_request(self._key)
         if self._traced:
-            self._span.set_attribute("tandem.model_version", model_version)
+            self._span.set_attribute("tandem.model_version", target.fingerprint)
 
     def accepted(self, prompt_tokens: int, params: SamplingParams) -> None:
         """The prompt is tokenized and the sampling parameters valid."""
@@ -194,7 +200,8 @@ class RequestObservation:
 
     def close(self) -> None:
         """Leave the in-flight gauges and account the key's usage (whatever happened)."""
-        self._metrics.key_usage(self._key, *self._used)
+        if self._resolved:
+            self._metrics.key_usage(self._key, *self._used)
         if self._waiting:
             self._metrics.waiting.dec()
         if self._running:
@@ -223,7 +230,8 @@ class RequestObservation:
         metrics.request_finished(usage.prompt_tokens, usage.completion_tokens, self._request.sampling.max_tokens,
                                  timings.prefill_compute_s + timings.kv_wait_s,
                                  now - self._first_at if self._first_at is not None else 0.0, tpot)
-        self._group.finished(usage.completion_tokens)
+        if self._group is not None:
+            self._group.finished(usage.completion_tokens)
         # Every worker timing under its own name (so a new one is logged with no change here), except
         # ttft, tpot and e2e, which are the gateway's own; the worker's TTFT is worker_ttft_s.
         # TTFT's parts: placed_s at the gateway, then worker_ttft_s at the decode worker, which is

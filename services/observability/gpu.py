@@ -22,10 +22,10 @@ _LABELS = per_model(["gpu"])
 class GpuCollector:
     """Per-device utilisation, memory bandwidth utilisation, memory used/total and power."""
 
-    def __init__(self, nvml: Any, model_name: str) -> None:
-        """`nvml` is the initialised `pynvml` module."""
+    def __init__(self, nvml: Any, model: tuple[str, str]) -> None:
+        """`nvml` is the initialised `pynvml` module; `model` the name and version the worker serves."""
         self._nvml = nvml
-        self._model_name = model_name
+        self._model = model
         self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
 
     @property
@@ -46,7 +46,7 @@ class GpuCollector:
             )
         }
         for index, handle in enumerate(self._handles):
-            labels = [self._model_name, str(index)]
+            labels = [*self._model, str(index)]
             rates = self._read(self._nvml.nvmlDeviceGetUtilizationRates, handle)
             if rates is not None:
                 families["tandem:gpu_utilization_ratio"].add_metric(labels, rates.gpu / 100)
@@ -69,13 +69,13 @@ class GpuCollector:
             return None
 
 
-def gpu_collector(model_name: str) -> GpuCollector | None:
+def gpu_collector(model: tuple[str, str]) -> GpuCollector | None:
     """A collector over every GPU NVML sees, or None (logged once) where NVML is unavailable."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        collector = GpuCollector(pynvml, model_name)
+        collector = GpuCollector(pynvml, model)
     except Exception as error:  # ImportError, NVMLError (no library, no driver) or a broken install
         log.info("NVML unavailable (%s: %s); no GPU metrics", type(error).__name__, error)
         return None

@@ -1,15 +1,18 @@
 """Prometheus metrics every Tandem process shares: vLLM's per-request families, and their HTTP server.
 
 Names follow vLLM where vLLM has the metric (so its dashboards and the Gateway API Inference
-Extension read ours), `tandem:` otherwise; every family carries a `model_name` label. Each process
+Extension read ours), `tandem:` otherwise; every family carries `model_name` and `model_version`
+labels. Each process
 keeps its own `CollectorRegistry` rather than the global one, so tests and embedders can hold
 several, and the gateway's can be mounted on an HTTP app (`prometheus_client.make_asgi_app`).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Sequence
+from typing import Self
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
@@ -28,11 +31,13 @@ ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 # KV transfers of one prompt: milliseconds on one machine, more across a network.
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
-MODEL = ("model_name",)
+# Every family's first labels: the model's name (vLLM's label) and, in a deployment with a model
+# repository, the version ("" without one), so that an A/B split's versions compare side by side.
+MODEL = ("model_name", "model_version")
 
 
 def per_model(labels: Sequence[str] = ()) -> tuple[str, ...]:
-    """Label names of a family: `model_name` first, then `labels`."""
+    """Label names of a family: `model_name` and `model_version` first, then `labels`."""
     return (*MODEL, *labels)
 
 
@@ -50,34 +55,59 @@ def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
 
 
 class RequestMetrics:
-    """vLLM's per-request families, as one process (gateway or worker) measures its requests."""
+    """vLLM's per-request families, as one process (gateway or worker) measures its requests, bound
+    to one model version's labels; `labelled` gives the same families bound to another's."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str, model_version: str = "") -> None:
         self.registry = registry
-        self.model_name = model_name
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", MODEL,
-                              registry=registry, buckets=TTFT_BUCKETS).labels(model_name)
-        self.inter_token = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", MODEL,
-                                     registry=registry, buckets=ITL_BUCKETS).labels(model_name)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", MODEL,
-                             registry=registry, buckets=REQUEST_BUCKETS).labels(model_name)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time a request waited to be scheduled.",
-                                    MODEL, registry=registry, buckets=REQUEST_BUCKETS).labels(model_name)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", MODEL,
-                                     registry=registry).labels(model_name)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", MODEL,
-                                         registry=registry).labels(model_name)
+        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", MODEL,
+                               registry=registry, buckets=TTFT_BUCKETS)
+        self._inter_token = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", MODEL,
+                                      registry=registry, buckets=ITL_BUCKETS)
+        self._e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", MODEL,
+                              registry=registry, buckets=REQUEST_BUCKETS)
+        self._queue_time = Histogram("vllm:request_queue_time_seconds", "Time a request waited to be scheduled.",
+                                     MODEL, registry=registry, buckets=REQUEST_BUCKETS)
+        self._prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", MODEL,
+                                      registry=registry)
+        self._generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", MODEL, registry=registry)
         self._success = Counter("vllm:request_success", "Requests that finished, by why.",
                                 per_model(["finished_reason"]), registry=registry)
         # Hit rate = rate(hits) / rate(queries), both in prompt tokens, as vLLM counts them.
-        self.prefix_cache_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                            MODEL, registry=registry).labels(model_name)
-        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                                         MODEL, registry=registry).labels(model_name)
+        self._prefix_cache_queries = Counter("vllm:prefix_cache_queries",
+                                             "Prompt tokens looked up in the prefix cache.", MODEL, registry=registry)
+        self._prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                                          MODEL, registry=registry)
+        self._views: dict[tuple[str, str], Self] = {}
+        self._bind(model_name, model_version)
+
+    def _bind(self, model_name: str, model_version: str) -> None:
+        """Bind every family to this model version's labels (a subclass binds its own families too)."""
+        self.model = (model_name, model_version)
+        self.model_name = model_name
+        self.ttft = self._ttft.labels(*self.model)
+        self.inter_token = self._inter_token.labels(*self.model)
+        self.e2e = self._e2e.labels(*self.model)
+        self.queue_time = self._queue_time.labels(*self.model)
+        self.prompt_tokens = self._prompt_tokens.labels(*self.model)
+        self.generation_tokens = self._generation_tokens.labels(*self.model)
+        self.prefix_cache_queries = self._prefix_cache_queries.labels(*self.model)
+        self.prefix_cache_hits = self._prefix_cache_hits.labels(*self.model)
+
+    def labelled(self, model_name: str, model_version: str) -> Self:
+        """The same families (one registry) bound to another model version's labels."""
+        key = (model_name, model_version)
+        if key == self.model:
+            return self
+        if key not in self._views:
+            view = copy.copy(self)
+            view._bind(model_name, model_version)
+            self._views[key] = view
+        return self._views[key]
 
     def succeeded(self, finished_reason: str) -> None:
         """Count a request that finished ("stop", "length" or "abort")."""
-        self._success.labels(self.model_name, finished_reason).inc()
+        self._success.labels(*self.model, finished_reason).inc()
 
     def prefix_cache(self, prompt_tokens: int, cached_tokens: int) -> None:
         """Account one prompt's lookup in the prefix cache."""

@@ -89,7 +89,7 @@ async def serve(
     warn_if_worker_exposed("prefill", host, tls)
     server = RoleServer("prefill", host, port, grace_period, tls.server_credentials() if tls else None,
                         limits=limits, advertise_host=advertise_host)
-    metrics = WorkerMetrics(config.served_name)
+    metrics = WorkerMetrics(config.served_name, config.model_version)
     server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
     servicer = PrefillServicer(metrics)
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer,

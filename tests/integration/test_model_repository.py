@@ -129,6 +129,28 @@ def test_a_version_runs_only_on_its_own_workers_and_the_reply_names_it(mesh):
         assert stream.model_version() == "smollm2@fp32"
 
 
+def _series(address: str, family: str, **labels: str) -> float:
+    """The sum of `family`'s samples carrying these labels, from a /metrics page."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=TIMEOUT_S) as response:
+        lines = response.read().decode().splitlines()
+    wanted = [f'{name}="{value}"' for name, value in labels.items()]
+    return sum(float(line.rpartition(" ")[2]) for line in lines
+               if line.startswith(family + "{") and all(pair in line for pair in wanted))
+
+
+def test_the_metrics_name_the_version_that_served(mesh):
+    _, decode, colocated, gateway = mesh
+    fp32 = {"model_name": "smollm2", "model_version": "fp32"}
+    before = _series(str(gateway.http_address), "vllm:request_success_total", **fp32)
+    assert _complete(gateway, "smollm2@fp32")[0] == 200
+    assert _series(str(gateway.http_address), "vllm:request_success_total", **fp32) == before + 1
+    assert _series(str(colocated.metrics_address), "vllm:request_success_total", **fp32) >= 1
+    assert _series(str(decode.metrics_address), "vllm:request_success_total", model_version="fp32") == 0
+    # A worker labels everything with the version it serves.
+    assert _series(str(decode.metrics_address), "tandem:tensor_parallel_size", model_name="smollm2",
+                   model_version="q4") == 1
+
+
 def test_the_split_is_sticky_per_user(mesh, repository_file):
     *_, gateway = mesh
     model = load_repository(repository_file).model("smollm2")

@@ -19,6 +19,8 @@ from bench.harness.worker import WorkerProcess, start_worker
 from services.common.server import channel_options
 
 MODEL = "SmolLM2-135M-Instruct"
+# The labels of a model served without a repository: its name, and no version.
+SERVED = frozenset({"model_name": MODEL, "model_version": ""}.items())
 NUM_LAYERS = 30  # SmolLM2-135M
 SPANS_TIMEOUT_S = 60.0  # generous bound for the exporters' batches to arrive; no test asserts timing
 RPC_TIMEOUT_S = 300.0
@@ -262,7 +264,7 @@ def _scrape(worker: WorkerProcess) -> dict[tuple[str, frozenset], float]:
 
 
 def _delta(before: dict, after: dict, name: str, **labels: str) -> float:
-    key = (name, frozenset({"model_name": MODEL, **labels}.items()))
+    key = (name, frozenset({"model_name": MODEL, "model_version": "", **labels}.items()))
     return after[key] - before.get(key, 0.0)
 
 
@@ -304,22 +306,22 @@ def test_metrics_count_a_request(mesh):
     # Each worker's engine steps: the decode worker computed at least the 5 tokens after the first.
     for worker in ("prefill", "decode"):
         assert _delta(before[worker], after[worker], "vllm:iteration_tokens_total_count") > 0, worker
-        assert after[worker][("vllm:num_preemptions_total", frozenset({"model_name": MODEL}.items()))] == 0, worker
+        assert after[worker][("vllm:num_preemptions_total", SERVED)] == 0, worker
     assert _delta(before["decode"], decode, "vllm:iteration_tokens_total_sum") >= 5
     # Engine state, read when scraped: nothing runs now.
     for worker in (prefill, decode):
         for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                       "tandem:prefill_queued_tokens"):
-            assert worker[(gauge, frozenset({"model_name": MODEL}.items()))] == 0, gauge
-    assert decode[("tandem:kv_reserved_requests", frozenset({"model_name": MODEL}.items()))] == 0
+            assert worker[(gauge, SERVED)] == 0, gauge
+    assert decode[("tandem:kv_reserved_requests", SERVED)] == 0
     for worker in (prefill, decode):
-        assert worker[("tandem:tensor_parallel_size", frozenset({"model_name": MODEL}.items()))] == 1
+        assert worker[("tandem:tensor_parallel_size", SERVED)] == 1
     assert not any(name == "tandem:kv_reserved_requests" for name, _ in prefill)
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-        assert gateway[(gauge, frozenset({"model_name": MODEL}.items()))] == 0, gauge
+        assert gateway[(gauge, SERVED)] == 0, gauge
     # Both workers routable, each under its role.
     for role in ("prefill", "decode"):
-        labels = frozenset({"model_name": MODEL, "role": role, "worker": mesh[role].address}.items())
+        labels = SERVED | {("role", role), ("worker", mesh[role].address)}
         assert gateway[("tandem:worker_routable", labels)] == 1, role
     # No NVML on this machine: no GPU metrics at all.
     assert not any(name.startswith("tandem:gpu_") for name, _ in (*prefill, *decode))

@@ -63,7 +63,7 @@ def gateway(tmp_path: Path, tokenizer) -> tuple[GatewayService, ApiKeys, FakeClo
 
 
 def _sample(metrics: str, family: str, key: str) -> float:
-    prefix = f'{family}{{key="{key}",model_name="smollm2"}} '
+    prefix = f'{family}{{key="{key}",model_name="smollm2",model_version=""}} '
     return next(float(line[len(prefix):]) for line in metrics.splitlines() if line.startswith(prefix))
 
 

@@ -78,7 +78,8 @@ def test_a_migration_is_on_the_span_in_the_metrics_and_in_the_log(caplog):
         observation = RequestObservation(metrics, "r1", GenerateRequest(TextPrompt("Hi"), request_id="r1"), False)
         observation.migrated("decode:1", "UNAVAILABLE", "Socket closed", 12, 1)
         observation.close()
-    assert metrics.registry.get_sample_value("tandem:request_migrations_total", {"model_name": "m"}) == 1
+    assert metrics.registry.get_sample_value("tandem:request_migrations_total",
+                                            {"model_name": "m", "model_version": ""}) == 1
     [span] = exporter.get_finished_spans()
     [event] = span.events
     assert event.name == "migrated" and dict(event.attributes) == {

@@ -14,8 +14,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from engine.sampling_params import SamplingParams
 from services.common.chunk import Chunk, Timings, Usage
 from services.gateway.caller import Caller
+from services.gateway.catalog import Target
 from services.gateway.choices import ChoiceGroup
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.model import ServedModel
 from services.gateway.request import ChatMessage, ChatPrompt, GenerateRequest
 from services.gateway.router import Decision, SloTargets
 from services.gateway.telemetry import RequestObservation
@@ -33,11 +35,15 @@ def _chunk(token_ids: list[int], text: str, finish: str | None = None) -> Chunk:
 
 
 def _value(metrics: GatewayMetrics, name: str, **labels: str) -> float:
-    return metrics.registry.get_sample_value(name, {"model_name": "m", **labels}) or 0.0
+    return metrics.registry.get_sample_value(name, {"model_name": "m", "model_version": "", **labels}) or 0.0
+
+
+def _target(tokenizer, name: str = "m", version: str = "") -> Target:
+    return Target(ServedModel(name, 64, tokenizer), name, version, f"{name}@{version}" if version else None)
 
 
 @pytest.mark.parametrize("capture", [False, True], ids=["default", "capture-content"])
-def test_one_request_on_its_span_and_in_the_metrics(capture, caplog):
+def test_one_request_on_its_span_and_in_the_metrics(capture, caplog, tokenizer):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -46,6 +52,7 @@ def test_one_request_on_its_span_and_in_the_metrics(capture, caplog):
     caplog.set_level(logging.INFO, logger="services.gateway.telemetry")
     with provider.get_tracer("test").start_as_current_span("request"):
         observation = RequestObservation(metrics, "r1", _chat(), capture)
+        observation.resolved(_target(tokenizer))
         assert _value(metrics, "vllm:num_requests_waiting") == 1
         observation.accepted(5, SamplingParams(max_tokens=3, temperature=0.5, top_p=0.9))
         observation.placed({}, Decision("decode:1", "prefill:1", 0.25, 0.04, True, 0.5), SloTargets(2.0, 0.1))
@@ -113,34 +120,41 @@ def test_a_refused_request_leaves_the_gauges_and_marks_the_span():
 
 def test_worker_routable_is_read_from_the_workers_at_each_scrape():
     metrics = GatewayMetrics("m")
-    workers = [("prefill", "10.0.0.1:1", True), ("decode", "10.0.0.2:1", False)]
+    # The decode worker reports its model version; the prefill worker has not reported yet.
+    workers = [("prefill", "10.0.0.1:1", True, None), ("decode", "10.0.0.2:1", False, "big@v2")]
     metrics.watch_workers(lambda: list(workers))
     assert _value(metrics, "tandem:worker_routable", role="prefill", worker="10.0.0.1:1") == 1
     assert metrics.registry.get_sample_value(
-        "tandem:worker_routable", {"model_name": "m", "role": "decode", "worker": "10.0.0.2:1"}) == 0
-    workers[1] = ("decode", "10.0.0.2:1", True)  # its link came back
+        "tandem:worker_routable", {"model_name": "big", "model_version": "v2", "role": "decode",
+                                   "worker": "10.0.0.2:1"}) == 0
+    workers[1] = ("decode", "10.0.0.2:1", True, "big@v2")  # its link came back
     workers.pop(0)  # a worker the gateway forgot is no longer exported
-    assert _value(metrics, "tandem:worker_routable", role="decode", worker="10.0.0.2:1") == 1
+    assert _value(metrics, "tandem:worker_routable", model_name="big", model_version="v2", role="decode",
+                  worker="10.0.0.2:1") == 1
     assert metrics.registry.get_sample_value(
-        "tandem:worker_routable", {"model_name": "m", "role": "prefill", "worker": "10.0.0.1:1"}) is None
+        "tandem:worker_routable", {"model_name": "m", "model_version": "", "role": "prefill",
+                                   "worker": "10.0.0.1:1"}) is None
 
 
-def test_a_request_is_charged_what_it_used_and_counted_by_its_key():
+def test_a_request_is_charged_what_it_used_and_counted_by_its_key(tokenizer):
     metrics = GatewayMetrics("m")
     keyed = GenerateRequest(ChatPrompt((ChatMessage("user", "Hi"),)), caller=Caller("team-a"))
     # Ended before any chunk (refused, or its worker failed first): nothing used.
     refused = RequestObservation(metrics, "r1", keyed, False)
+    refused.resolved(_target(tokenizer))
     refused.accepted(5, SamplingParams(max_tokens=3))
     refused.close()
     assert refused.used_tokens == 0
     # Cut off after two tokens: its prompt was computed, and two tokens generated.
     cut = RequestObservation(metrics, "r2", keyed, False)
+    cut.resolved(_target(tokenizer))
     cut.accepted(5, SamplingParams(max_tokens=3))
     cut.streamed(_chunk([7, 8], "Hi"))
     cut.close()
     assert cut.used_tokens == 7
     # Finished: the last chunk's usage is the count.
     finished = RequestObservation(metrics, "r3", _chat(), False)
+    finished.resolved(_target(tokenizer))
     finished.accepted(5, SamplingParams(max_tokens=3))
     for chunk in (_chunk([7], "Hi"), _chunk([8, 9], " you", finish="length")):
         finished.streamed(chunk)
@@ -169,3 +183,24 @@ def test_a_prompts_choices_are_counted_once_all_finished():
 def test_token_buckets_go_up_to_the_context_length_as_vllms():
     assert one_two_five_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
     assert one_two_five_buckets(8192)[-3:] == (1000, 2000, 5000)
+
+
+def test_a_request_is_counted_under_the_model_version_that_served_it(tokenizer):
+    metrics = GatewayMetrics("m")
+    metrics.model_loaded(64)
+    unknown = RequestObservation(metrics, "r0", _chat(), False)
+    unknown.failed("NOT_FOUND", "no such model")  # never resolved: the gateway's own labels
+    unknown.close()
+    observation = RequestObservation(metrics, "r1", _chat(), False)
+    observation.resolved(_target(tokenizer, "smollm2", "q4"))
+    assert _value(metrics, "vllm:num_requests_waiting", model_name="smollm2", model_version="q4") == 1
+    observation.dispatched(0, "decode:1", "local")
+    for chunk in (_chunk([7], "Hi"), _chunk([8, 9], " you", finish="length")):
+        observation.streamed(chunk)
+    observation.close()
+    version = {"model_name": "smollm2", "model_version": "q4"}
+    assert _value(metrics, "vllm:request_success_total", finished_reason="length", **version) == 1
+    assert _value(metrics, "vllm:request_params_n_count", **version) == 1
+    assert _value(metrics, "vllm:num_requests_running", **version) == 0
+    assert _value(metrics, "vllm:request_success_total", finished_reason="length") == 0
+    assert _value(metrics, "tandem:request_rejections_total", code="NOT_FOUND") == 1
