@@ -153,6 +153,12 @@ class KVLayout:
                              f"{sorted(held)}, not each of the {layout.num_kv_heads}")
         return "; ".join(diffs) or None
 
+    @property
+    def page_fingerprint(self) -> str:
+        """The fields pages must share, as one string: two complete layouts exchange pages exactly
+        when theirs are equal (what a worker reports, for the gateway to pair by)."""
+        return "|".join(str(getattr(self, name)) for name in _PAGE_FIELDS)
+
     def describe(self) -> str:
         """The ranks and the heads each holds, e.g. "TP 3 (KV heads 0:1 | 1:2 | 2:3)"."""
         heads = " | ".join(f"{start}:{end}" for start, end in self.kv_head_ranges)

@@ -196,6 +196,7 @@ def load_report(load: WorkerLoad) -> common_pb2.LoadReport:
         tensor_parallel_size=load.tensor_parallel_size,
         model_name=load.model_name,
         model_version=load.model_version,
+        kv_layout=load.kv_layout,
     )
 
 

@@ -7,11 +7,27 @@ import asyncio
 from dataclasses import dataclass
 
 from engine.commands import GetStats
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.formats import EngineFormats
 from engine.outputs import EngineStats
+from kvtransfer.descriptor import KVLayout
 from services.common.engine_loop import EngineLoop
 from services.common.inflight import InflightRequests
 from services.common.step_model import StepModel
+
+
+def load_engine(config: EngineConfig) -> Engine:
+    """The worker's engine. A model repository's version that does not load (a missing or unreadable
+    file, weights whose shapes do not match their architecture) is named in the error, so that the
+    worker's start-up failure says which entry of the repository to fix."""
+    try:
+        return Engine(config)
+    except (OSError, ValueError) as error:
+        if not config.model_version:
+            raise
+        raise ValueError(f"model repository version {config.served_name}@{config.model_version} "
+                         f"({config.model}) does not load: {error}") from error
 
 
 @dataclass(frozen=True)
@@ -31,6 +47,7 @@ class WorkerLoad:
     tensor_parallel_size: int  # ranks the model is split across
     model_name: str  # the served model's name
     model_version: str  # its version in the model repository ("" outside one)
+    kv_layout: str  # what its KV pages mean (KVLayout.page_fingerprint)
 
 
 class RoleWorker:
@@ -41,6 +58,7 @@ class RoleWorker:
         self.worker_id = f"{role}@{address}"
         self.loop = loop
         self.formats = loop.engine.formats  # immutable: safe to read off the engine thread
+        self.kv_layout = KVLayout.of_engine(loop.engine).page_fingerprint
         self.draining = draining
         self.inflight = InflightRequests()
 
@@ -72,6 +90,7 @@ class RoleWorker:
             tensor_parallel_size=self.loop.engine.config.tensor_parallel_size,
             model_name=self.loop.engine.config.served_name,
             model_version=self.loop.engine.config.model_version,
+            kv_layout=self.kv_layout,
         )
 
     async def close(self) -> None:

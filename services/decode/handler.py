@@ -12,7 +12,6 @@ import grpc
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvtransfer_pb2, kvtransfer_pb2_grpc
 
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
 from kvtransfer.descriptor import split_address
@@ -24,6 +23,7 @@ from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
 from services.common.tls import TlsConfig, warn_if_worker_exposed
+from services.common.worker import load_engine
 from services.common.worker_metrics import WorkerMetrics
 from services.common.worker_rpcs import WorkerRpcs, loaded
 from services.decode.prefill_client import PrefillClients
@@ -146,7 +146,7 @@ async def serve(
                kvtransfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
 
     async def load() -> None:
-        engine = await asyncio.to_thread(Engine, config)
+        engine = await asyncio.to_thread(load_engine, config)
         advertised = f"{advertise_host}:{server.port}"
         receiver = make_receiver(kv_backend, kv_host, advertised, timeout=kv_timeout, device=config.device,
                                  checksum=kv_checksum)

@@ -100,6 +100,10 @@ class WorkerView:
     # The least stall, in seconds, that any request decoding here can absorb and still meet its
     # TPOT objective (services.gateway.tpot_slack); 0 when unknown.
     tpot_slack_s: float = 0.0
+    # What its KV pages mean (kvtransfer.descriptor.KVLayout.page_fingerprint): a prefill worker is
+    # paired only with a decode worker whose pages mean the same; "" (a worker that predates it)
+    # pairs with any, leaving the refusal to the KV handshake.
+    kv_layout: str = ""
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,8 @@ def route(request: RouteRequest, workers: Sequence[WorkerView], turn: int = 0,
         # is tried) or, once admission waited, has room again.
         penalty = 0.0 if _fits(request, decode) else NO_ROOM_PENALTY
         tpot = _tpot(request, decode)
-        for p_index, prefill in enumerate(_rotated(prefillers, turn)):
+        pairs = [prefill for prefill in prefillers if _pairs(prefill, decode)]
+        for p_index, prefill in enumerate(_rotated(pairs, turn)):
             ttft = _disaggregated_ttft(request, prefill)
             decision = _decision(request, decode, prefill, ttft, tpot, penalty)
             options.append(((False, decision.cost, decode.sequences, prefill.queued_prompt_tokens,
@@ -160,7 +165,7 @@ def route(request: RouteRequest, workers: Sequence[WorkerView], turn: int = 0,
         ttft, mixed_step = _local_ttft(request, decode)
         disturbed = tpot if _absorbed(request, decode, policy.tpot_slack_share) else max(tpot, mixed_step)
         decision = _decision(request, decode, None, ttft, disturbed, penalty)
-        options.append(((decode.role == "decode" and bool(prefillers), decision.cost, decode.sequences,
+        options.append(((decode.role == "decode" and bool(pairs), decision.cost, decode.sequences,
                          decode.queued_prompt_tokens, d_index), decision))
     relaxed = not any(d.meets_slo and d.prefill is not None and d.ttft_s <= comfortable for _, d in options)
     options.sort(key=lambda option: _rank(option, relaxed))
@@ -183,6 +188,11 @@ def _rank(option: tuple[tuple[bool, float, int, int, int], Decision], relaxed: b
         conditional = conditional and not relaxed
         return (False, conditional, sequences, cost, queue, index)
     return (True, conditional, 0, cost, sequences, queue, index)
+
+
+def _pairs(prefill: WorkerView, decode: WorkerView) -> bool:
+    """Whether the prefill worker's KV pages mean what the decode worker's do (either unknown: yes)."""
+    return not prefill.kv_layout or not decode.kv_layout or prefill.kv_layout == decode.kv_layout
 
 
 def _rotated(workers: list[WorkerView], turn: int) -> list[WorkerView]:

@@ -140,7 +140,7 @@ class RemoteWorker:
             return WorkerView(self.address, self.role, self.serving, free_kv_blocks=report.total_kv_blocks,
                               block_size=report.block_size, step_model=step_model_from_proto(report.step_model),
                               chunk_tokens=report.max_num_batched_tokens or 2048,
-                              kv_delivery_wait_s=report.kv_delivery_wait_s)
+                              kv_delivery_wait_s=report.kv_delivery_wait_s, kv_layout=report.kv_layout)
         reported = report.running_requests + report.waiting_requests + report.reserved_requests
         sequences = max(reported, self.in_flight)
         context_tokens = max(report.context_tokens, self.pending_context_tokens)
@@ -158,6 +158,7 @@ class RemoteWorker:
             chunk_tokens=report.max_num_batched_tokens or 2048,
             kv_delivery_wait_s=report.kv_delivery_wait_s,
             tpot_slack_s=self._tpot_slack_s(reported, step_model.step_s(0, sequences, context_tokens)),
+            kv_layout=report.kv_layout,
         )
 
     def _tpot_slack_s(self, reported_sequences: int, step_s: float) -> float:

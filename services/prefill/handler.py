@@ -8,7 +8,6 @@ import grpc
 from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.resume import Resumed
 from kvtransfer.descriptor import KVLayout, TransferTarget
 from kvtransfer.sender import KVSenderPool
@@ -18,6 +17,7 @@ from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
 from services.common.tls import TlsConfig, open_sync_channel, warn_if_worker_exposed
+from services.common.worker import load_engine
 from services.common.worker_metrics import WorkerMetrics
 from services.common.worker_rpcs import WorkerRpcs
 from services.observability.metrics import serve_metrics
@@ -96,7 +96,7 @@ async def serve(
                prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
 
     async def load() -> None:
-        engine = await asyncio.to_thread(Engine, config)
+        engine = await asyncio.to_thread(load_engine, config)
         layout = KVLayout.of_engine(engine)
         senders = KVSenderPool(layout, timeout=transfer_timeout, device=config.device,
                                connect=lambda address: open_sync_channel(address, tls, limits),

@@ -111,6 +111,8 @@ def test_models_lists_every_version_with_its_state_and_formats(mesh):
 
 def test_a_version_runs_only_on_its_own_workers_and_the_reply_names_it(mesh):
     prefill, decode, colocated, gateway = mesh
+    # The pair of a version reports the same KV page layout, which the gateway pairs by.
+    assert load_report(prefill).kv_layout == load_report(decode).kv_layout != ""
     before = [load_report(worker).finished_requests for worker in (prefill, decode, colocated)]
     for _ in range(2):
         status, headers, reply = _complete(gateway, "smollm2@fp32")

@@ -46,6 +46,14 @@ def test_layouts_of_different_tensor_parallel_sizes_pair_and_a_rank_split_leavin
         replace(LAYOUT, tensor_parallel_size=3, kv_head_ranges=((0, 1), (1, 3)))
 
 
+def test_the_page_fingerprint_is_equal_exactly_when_pages_can_go_either_way() -> None:
+    split = replace(LAYOUT, tensor_parallel_size=3, kv_head_ranges=((0, 1), (1, 2), (2, 3)))
+    assert split.page_fingerprint == LAYOUT.page_fingerprint
+    for name, value in (("dtype", "int8"), ("block_size", 32), ("model", "SmolLM2:fedcba9876543210")):
+        other = replace(LAYOUT, **{name: value})
+        assert other.page_fingerprint != LAYOUT.page_fingerprint and LAYOUT.mismatch(other) is not None
+
+
 def test_a_layout_without_tensor_parallel_fields_reads_as_one_rank_holding_every_head() -> None:
     wire = kvtransfer_pb2.KVLayout(model=LAYOUT.model, num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32",
                                    block_size=16)

@@ -164,3 +164,22 @@ def test_a_split_set_at_run_time_is_checked_as_the_file_would_be(tokenizer, tmp_
         catalog.with_split("llama", {"q4": 100})
     with pytest.raises(UnknownModel):
         ModelCatalog.single(ServedModel("smollm2", 1024, tokenizer)).with_split("smollm2", {"q4": 100})
+
+
+def test_a_version_whose_weights_do_not_match_their_architecture_is_refused_by_name(tmp_path):
+    import json
+
+    from test_model_hf import CONFIGS, VOCAB, save_random_model, save_word_tokenizer
+
+    from services.common.worker import load_engine
+
+    weights = tmp_path / "bad"
+    save_random_model(CONFIGS["llama_gqa_tied"](), weights)
+    save_word_tokenizer(weights, VOCAB)
+    config = json.loads((weights / "config.json").read_text())
+    (weights / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))  # the MLP is 112 wide
+    repository = _write(tmp_path, '[[model]]\nname = "m"\n[[model.version]]\nname = "bad"\npath = "bad"\n')
+    engine_config_ = engine_config(_flags("--model-repository", repository, "--model-version", "m@bad",
+                                          "--dtype", "float32"), "colocated")
+    with pytest.raises(ValueError, match=r"model repository version m@bad \(.*bad\) does not load: .*mlp"):
+        load_engine(engine_config_)

@@ -185,3 +185,16 @@ def test_a_speculating_decode_worker_is_predicted_by_its_tokens_per_step() -> No
     assert decision.decode == "d2"
     context = 600 + 256 + 32
     assert decision.tpot_s == pytest.approx(CPU.step_s(9, 3, context) / 2.5)
+
+
+def test_a_prefill_worker_is_paired_only_with_a_decode_worker_whose_pages_mean_the_same() -> None:
+    bf16, int8 = "m:ab|30|3|64|bfloat16|16", "m:ab|30|3|64|int8|16"
+    workers = [dataclasses.replace(prefill("p1"), kv_layout=bf16), dataclasses.replace(decode("d1"), kv_layout=int8),
+               dataclasses.replace(prefill("p2", queued=100), kv_layout=int8)]
+    decision = route(request(), workers)
+    assert (decision.prefill, decision.decode) == ("p2", "d1")  # the busier one, but the one that pairs
+    assert not any(reason.startswith("prefill p1") for reason in decision.reasons)
+    # With no prefill worker of its layout, the decode worker computes the prompt itself.
+    assert route(request(), workers[:2]).prefill is None
+    # A worker that reports no layout pairs with any (the KV handshake still checks).
+    assert route(request(), [prefill("p1"), workers[1]]).prefill == "p1"
