@@ -139,10 +139,14 @@ class ChunkStream(Iterator[Chunk]):
     def __next__(self) -> Chunk:
         return _chunk(next(self._call))
 
+    def trailers(self) -> dict[str, str]:
+        """The call's trailing metadata (known once the stream has ended): the model version that
+        served it, and for a key with rate limits OpenAI's x-ratelimit-* fields."""
+        return dict(self._call.trailing_metadata() or ())
+
     def model_version(self) -> str:
-        """The model version that served the request (NAME@VERSION, or the model's name), from the
-        call's trailers: known once the stream has ended."""
-        return dict(self._call.trailing_metadata() or ()).get("tandem-model-version", "")
+        """The model version that served the request (NAME@VERSION, or the model's name)."""
+        return self.trailers().get("tandem-model-version", "")
 
     def cancel(self) -> None:
         """Cancel the request (a no-op once it has ended)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from typing import NoReturn
 
 import grpc
@@ -63,18 +64,19 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
-    """End the RPC with the status `exc` maps to."""
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException,
+                     trailers: Sequence[tuple[str, str]] = ()) -> NoReturn:
+    """End the RPC with the status `exc` maps to, and these `trailers` besides its own."""
     code, message = status_of(exc)
     set_error(code.name, message)
     if code is grpc.StatusCode.INTERNAL:
         log.error("internal error", exc_info=exc)
-    trailers: list[tuple[str, str]] = []
+    sent = list(trailers)
     if isinstance(exc, StatusError) and exc.retry_after_s is not None:
-        trailers.append(("retry-after", str(math.ceil(exc.retry_after_s))))
+        sent.append(("retry-after", str(math.ceil(exc.retry_after_s))))
     if isinstance(exc, StatusError | WorkerError) and exc.failed_prefill is not None:
-        trailers.append((FAILED_PREFILL_KEY, exc.failed_prefill))
-    await context.abort(code, message, trailing_metadata=tuple(trailers))
+        sent.append((FAILED_PREFILL_KEY, exc.failed_prefill))
+    await context.abort(code, message, trailing_metadata=tuple(sent))
     raise AssertionError("context.abort returned")  # it always raises; this tells type checkers
 
 

@@ -58,13 +58,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except ValueError as error:
             self.service.refused(request.request_id, "INVALID_ARGUMENT", str(error))
             await abort_with(context, error)
+        trailers: list[tuple[str, str]] = []
         try:
             target = self.service.target_for(core_request)
-            context.set_trailing_metadata(((MODEL_VERSION_TRAILER, target.fingerprint),))
+            trailers.append((MODEL_VERSION_TRAILER, target.fingerprint))
             async for chunk in self.service.generate(core_request, deadline, target):
                 yield gateway_pb2.GenerateResponse(request_id=chunk.request_id, chunk=chunk_to_proto(chunk))
         except (StatusError, ValueError) as error:
-            await abort_with(context, error)
+            await abort_with(context, error, [*trailers, *self._rate_limits(core_request)])
+        context.set_trailing_metadata((*trailers, *self._rate_limits(core_request)))
+
+    def _rate_limits(self, request: GenerateRequest) -> list[tuple[str, str]]:
+        """OpenAI's x-ratelimit-* fields for the request's key as its limits stand now (none for a
+        key without limits), sent as trailers as the HTTP API sends them as headers."""
+        status = self.service.rate_limits.status(request.caller)
+        return status.fields() if status is not None else []
 
 
 def generate_request_from_proto(msg: gateway_pb2.GenerateRequest, caller: Caller | None = None) -> GenerateRequest:

@@ -40,6 +40,28 @@ class KeyStatus:
     requests: LimitStatus | None
     tokens: LimitStatus | None
 
+    def fields(self) -> list[tuple[str, str]]:
+        """OpenAI's x-ratelimit-* fields for the limits the key has: the per-minute limit, what is
+        left, and when the bucket is full again (HTTP headers, gRPC trailers)."""
+        fields = []
+        for kind, limit in (("requests", self.requests), ("tokens", self.tokens)):
+            if limit is not None:
+                fields += [(f"x-ratelimit-limit-{kind}", str(limit.limit)),
+                           (f"x-ratelimit-remaining-{kind}", str(limit.remaining)),
+                           (f"x-ratelimit-reset-{kind}", duration(limit.reset_s))]
+        return fields
+
+
+def duration(seconds: float) -> str:
+    """A wait as OpenAI writes it in x-ratelimit-reset-*: "250ms" below a second, else whole seconds
+    rounded up, "45s" or "6m0s"."""
+    if seconds <= 0:
+        return "0s"
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    minutes, whole = divmod(math.ceil(seconds), 60)
+    return f"{minutes}m{whole}s" if minutes else f"{whole}s"
+
 
 class RateLimited(Exception):
     """A request refused by its key's limits; `retry_after_s` until it would be let in."""

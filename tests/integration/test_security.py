@@ -179,12 +179,18 @@ def test_an_http_caller_over_its_tokens_a_minute_gets_429(mesh: Mesh, pki: Pki) 
 
 def test_a_grpc_caller_over_its_limit_gets_resource_exhausted(mesh: Mesh, pki: Pki) -> None:
     with TandemClient(str(mesh["gateway"].address), api_key="sk-tight-grpc", ca_file=pki["ca"]) as client:
-        assert list(client.generate("The capital of France is", max_tokens=4, timeout=TIMEOUT_S))[-1].usage
+        stream = client.generate("The capital of France is", max_tokens=4, timeout=TIMEOUT_S)
+        assert list(stream)[-1].usage
+        # Its limits come back as trailers, as the HTTP API sends them as headers.
+        trailers = stream.trailers()
+        assert (trailers["x-ratelimit-limit-tokens"], trailers["x-ratelimit-remaining-tokens"]) == ("1", "0")
+        assert "x-ratelimit-limit-requests" not in trailers
         with pytest.raises(grpc.RpcError) as refused:
             list(client.generate("The capital of France is", max_tokens=4, timeout=TIMEOUT_S))
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "'tight-grpc'" in refused.value.details()
-    assert int(dict(refused.value.trailing_metadata())["retry-after"]) > 60
+    refusal_trailers = dict(refused.value.trailing_metadata())
+    assert int(refusal_trailers["retry-after"]) > 60 and refusal_trailers["x-ratelimit-remaining-tokens"] == "0"
 
 
 def test_the_http_api_asks_for_a_key_but_not_for_health(mesh: Mesh, pki: Pki) -> None:

@@ -105,8 +105,10 @@ def test_an_http_caller_over_its_limit_gets_429_with_when_to_retry(gateway) -> N
     assert _sample(metrics, "tandem:key_prompt_tokens_total", "tight") == 0
 
 
-async def _generate_codes(service: GatewayService, keys: ApiKeys, secrets: list[str]) -> list[tuple[str, str | None]]:
-    """(status code name, retry-after trailer) of a Generate call with each secret, in turn."""
+async def _generate_codes(service: GatewayService, keys: ApiKeys,
+                         secrets: list[str]) -> list[tuple[str, str | None, str | None]]:
+    """(status code name, retry-after trailer, x-ratelimit-remaining-requests trailer) of a Generate
+    call with each secret, in turn."""
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)])
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -124,7 +126,8 @@ async def _generate_codes(service: GatewayService, keys: ApiKeys, secrets: list[
                         pass
                 except grpc.aio.AioRpcError as error:
                     trailers = dict(error.trailing_metadata() or ())
-                    answers.append((error.code().name, trailers.get("retry-after")))
+                    answers.append((error.code().name, trailers.get("retry-after"),
+                                    trailers.get("x-ratelimit-remaining-requests")))
     finally:
         await server.stop(None)
     return answers
@@ -133,5 +136,6 @@ async def _generate_codes(service: GatewayService, keys: ApiKeys, secrets: list[
 def test_a_grpc_caller_over_its_limit_gets_resource_exhausted_with_a_retry_after_trailer(gateway) -> None:
     service, keys, _ = gateway
     answers = asyncio.run(_generate_codes(service, keys, ["sk-tight", "sk-tight", "sk-free", "sk-free"]))
-    assert answers == [("UNAVAILABLE", None), ("RESOURCE_EXHAUSTED", "60"), ("UNAVAILABLE", None),
-                       ("UNAVAILABLE", None)]
+    # The limited key's answers carry its limits as trailers, as HTTP answers carry them as headers.
+    assert answers == [("UNAVAILABLE", None, "0"), ("RESOURCE_EXHAUSTED", "60", "0"), ("UNAVAILABLE", None, None),
+                       ("UNAVAILABLE", None, None)]

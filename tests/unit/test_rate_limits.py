@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from services.gateway.caller import Caller, KeyLimits
-from services.gateway.openai_api.http_limits import duration, rate_limit_headers
-from services.gateway.rate_limits import KeyStatus, LimitStatus, RateLimited, RateLimiter
+from services.gateway.openai_api.http_limits import rate_limit_headers
+from services.gateway.rate_limits import KeyStatus, LimitStatus, RateLimited, RateLimiter, duration
 
 
 class FakeClock:

@@ -10,7 +10,6 @@ x-ratelimit-* headers (`rate_limit_headers`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from starlette.requests import Request
@@ -74,23 +73,5 @@ class ConcurrencyLimit:
 
 
 def rate_limit_headers(status: KeyStatus) -> list[tuple[bytes, bytes]]:
-    """OpenAI's x-ratelimit-* headers for a key's limits (services.gateway.rate_limits), those of
-    the limits it has: the per-minute limit, what is left, and when the bucket is full again."""
-    headers = []
-    for kind, limit in (("requests", status.requests), ("tokens", status.tokens)):
-        if limit is not None:
-            headers += [(f"x-ratelimit-limit-{kind}".encode(), str(limit.limit).encode()),
-                        (f"x-ratelimit-remaining-{kind}".encode(), str(limit.remaining).encode()),
-                        (f"x-ratelimit-reset-{kind}".encode(), duration(limit.reset_s).encode())]
-    return headers
-
-
-def duration(seconds: float) -> str:
-    """A wait as OpenAI writes it in x-ratelimit-reset-*: "250ms" below a second, else whole seconds
-    rounded up, "45s" or "6m0s"."""
-    if seconds <= 0:
-        return "0s"
-    if seconds < 1:
-        return f"{math.ceil(seconds * 1000)}ms"
-    minutes, whole = divmod(math.ceil(seconds), 60)
-    return f"{minutes}m{whole}s" if minutes else f"{whole}s"
+    """OpenAI's x-ratelimit-* headers for a key's limits (services.gateway.rate_limits)."""
+    return [(name.encode(), value.encode()) for name, value in status.fields()]
