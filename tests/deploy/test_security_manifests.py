@@ -65,7 +65,14 @@ def test_the_tls_gateway_is_probed_over_https(tmp_path: Path) -> None:
         assert _container(deployment)[probe]["httpGet"] == {"scheme": "HTTPS", "path": "/health", "port": 8000}
 
 
-def test_the_api_keys_component_reads_the_keys_from_a_secret(tmp_path: Path) -> None:
-    (deployment,) = _find(render_with_components(tmp_path, "tls", "api-keys"), "Deployment", "gateway")
-    (keys,) = [env for env in _container(deployment)["env"] if env["name"] == "TANDEM_API_KEYS"]
-    assert keys["valueFrom"]["secretKeyRef"] == {"name": "tandem-api-keys", "key": "keys"}
+def test_the_api_keys_component_reads_the_key_file_from_a_secret(tmp_path: Path) -> None:
+    for components in (("api-keys",), ("tls", "api-keys")):
+        (deployment,) = _find(render_with_components(tmp_path, *components), "Deployment", "gateway")
+        container = _container(deployment)
+        assert "--api-key-file=/etc/tandem/api-keys/keys.toml" in container["args"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "api-keys"]
+        assert (mount["mountPath"], mount["readOnly"]) == ("/etc/tandem/api-keys", True)
+        volumes = {volume["name"]: volume for volume in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["api-keys"]["secret"]["secretName"] == "tandem-api-keys"
+        # Beside the TLS volume, not instead of it.
+        assert ("tls" in components) == any(name != "api-keys" for name in volumes)
