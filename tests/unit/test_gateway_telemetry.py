@@ -204,3 +204,18 @@ def test_a_request_is_counted_under_the_model_version_that_served_it(tokenizer):
     assert _value(metrics, "vllm:num_requests_running", **version) == 0
     assert _value(metrics, "vllm:request_success_total", finished_reason="length") == 0
     assert _value(metrics, "tandem:request_rejections_total", code="NOT_FOUND") == 1
+
+
+def test_a_versions_series_exist_before_their_first_event():
+    # A dashboard (or a test taking a baseline) reads them before any migration or request.
+    metrics = GatewayMetrics("m")
+    metrics.model_loaded(64)
+    assert metrics.registry.get_sample_value("tandem:request_migrations_total",
+                                             {"model_name": "m", "model_version": ""}) == 0
+    assert metrics.registry.get_sample_value("vllm:request_prompt_tokens_count",
+                                             {"model_name": "m", "model_version": ""}) == 0
+    assert metrics.registry.get_sample_value("vllm:request_prefill_time_seconds_count",
+                                             {"model_name": "m", "model_version": ""}) == 0
+    metrics.labelled("smollm2", "q4")
+    assert metrics.registry.get_sample_value("tandem:request_migrations_total",
+                                             {"model_name": "smollm2", "model_version": "q4"}) == 0
