@@ -58,7 +58,9 @@ def _gateway(prefill: list[str], decode: list[str], *flags: str) -> list[str]:
 @pytest.fixture(scope="module")
 def mesh():
     prefill, decode = _worker("prefill", *WORKER_FLAGS), _worker("decode", *WORKER_FLAGS)
-    tiny = _worker("decode", "--threads", "1", "--kv-cache-blocks", "4")
+    # The prefill worker's formats, so that the router pairs them (it pairs only workers whose KV
+    # pages mean the same): the request then meets the 4-block cache at its reservation.
+    tiny = _worker("decode", *WORKER_FLAGS[:2], *WORKER_FLAGS[4:], "--kv-cache-blocks", "4")
     arg_lists = [prefill, decode, tiny, _gateway(prefill, decode), _gateway(prefill, tiny)]
     processes = [start_worker(args, wait=False) for args in arg_lists]
     processes.append(start_worker(_gateway(_worker("prefill"), _worker("decode"), "--wait-for-workers", "0"),

@@ -143,7 +143,7 @@ def test_the_fma_gemm_computes_the_same_products_in_k_order(rows, depth, cols):
     # exact products differs by K roundings of the running sum at most, 2e-3 relative here, where a
     # wrong half of a pair (the even and odd weights swapped) moves it by the size of the products.
     x, w, bias = _operands(rows * depth + cols, rows, cols, depth)
-    fma = kernels(WITH_OP[0]).bf16_gemm_fma
+    fma = kernels(WITH_OP[0])._ops.bf16_gemm_fma  # the build's op, which runs on AMX CPUs too
     y = fma(x, pack_bf16_pairs(w), cols, bias, True)
     exact = x.double() @ w.double().T + bias.double()
     torch.testing.assert_close(y.double(), exact, rtol=2e-3, atol=2e-3)
