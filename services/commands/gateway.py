@@ -169,7 +169,9 @@ async def _serve(args: argparse.Namespace, registry: WorkerRegistry, tls: TlsCon
     metrics.watch_workers(lambda: [(w.role, w.address, w.routable, w.serves) for w in registry.workers])
     service = GatewayService(registry, metrics, args.max_queued_requests, limits=requests,
                              migration=MigrationPolicy(args.max_migrations))
-    discovery, planner = cluster_services(args, registry)
+    discovery, planner = cluster_services(args, registry, per_version=repository is not None)
+    if planner is not None:
+        metrics.watch_planner(lambda: planner.recommended)
     watch = RepositoryWatch(args.model_repository, service, args.max_model_len) if repository is not None else None
     # Clients authenticate with API keys, not certificates: the client API asks for none.
     credentials = tls.server_credentials(client_auth=False) if tls is not None else None

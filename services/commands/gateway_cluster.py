@@ -14,6 +14,7 @@ from services.gateway.planner_rules import PlannerConfig, PoolBounds
 
 if TYPE_CHECKING:
     from services.gateway.discovery import KubernetesDiscovery
+    from services.gateway.kube import Pool
     from services.gateway.planner import Planner
     from services.gateway.registry import WorkerRegistry
 
@@ -34,6 +35,10 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--planner", default="recommend", choices=["off", "recommend", "apply"],
                         help="recommend: compute each pool's replicas; apply: also set them on the "
                              "Deployments (one gateway replica at a time, through a Lease)")
+    parser.add_argument("--planner-deployment", action="append", default=[], metavar="NAME@VERSION:ROLE=DEPLOYMENT",
+                        help="with --model-repository and --planner apply: the Deployment holding a version's "
+                             "prefill or decode pool (repeat for each); a version's pool named by none is "
+                             "only recommended. Without a repository the pools are --k8s-prefill/--k8s-decode")
     parser.add_argument("--planner-queue-drain-s", type=float, default=120.0,
                         help="seconds within which the planner sizes the prefill pool to drain its queue "
                              "(about how long a new replica takes to be ready)")
@@ -75,9 +80,32 @@ def planner_config(args: argparse.Namespace) -> PlannerConfig:
     )
 
 
-def cluster_services(args: argparse.Namespace,
-                     registry: WorkerRegistry) -> tuple[KubernetesDiscovery | None, Planner | None]:
-    """Discovery (None for static lists) and the planner (None when off) for `registry`."""
+def pool_deployments(args: argparse.Namespace, per_version: bool) -> dict[Pool, str]:
+    """The Deployment of each pool the planner may scale: with a model repository (`per_version`),
+    the versions' pools named by --planner-deployment; without one, the one model's pools
+    (--k8s-prefill, --k8s-decode). ValueError naming the flag."""
+    if not per_version:
+        if args.planner_deployment:
+            raise ValueError("--planner-deployment: names a model version's pools, which needs --model-repository")
+        return {(None, "prefill"): args.k8s_prefill, (None, "decode"): args.k8s_decode}
+    deployments: dict[Pool, str] = {}
+    for value in args.planner_deployment:
+        pool, _, deployment = value.partition("=")
+        version, _, role = pool.rpartition(":")
+        name, at, version_name = version.partition("@")
+        if not (name and at and version_name and deployment) or role not in ("prefill", "decode"):
+            raise ValueError(f"--planner-deployment: {value!r} is not NAME@VERSION:ROLE=DEPLOYMENT "
+                             "(ROLE prefill or decode)")
+        if (version, role) in deployments:
+            raise ValueError(f"--planner-deployment: {version}'s {role} pool is named twice")
+        deployments[version, role] = deployment
+    return deployments
+
+
+def cluster_services(args: argparse.Namespace, registry: WorkerRegistry,
+                     per_version: bool) -> tuple[KubernetesDiscovery | None, Planner | None]:
+    """Discovery (None for static lists) and the planner (None when off) for `registry`; with
+    `per_version` (a model repository) the planner sizes each version's pools apart."""
     from kubernetes import client
 
     from services.gateway.discovery import KubernetesDiscovery
@@ -85,6 +113,7 @@ def cluster_services(args: argparse.Namespace,
     from services.gateway.planner import Planner
 
     config = planner_config(args)
+    deployments = pool_deployments(args, per_version)
     pools = {"prefill": args.k8s_prefill, "decode": args.k8s_decode}
     needs_api = args.discovery == "kubernetes" or args.planner == "apply"
     api = api_client() if needs_api else None
@@ -95,8 +124,9 @@ def cluster_services(args: argparse.Namespace,
     if args.planner == "off":
         return discovery, None
     if args.planner == "recommend":
-        return discovery, Planner(registry, config)
+        return discovery, Planner(registry, config, per_version=per_version)
     # The lease outlives a few plans, so that a busy leader keeps it and a dead one is soon replaced.
     election = LeaseElection(client.CoordinationV1Api(api), namespace, _LEASE_NAME, socket.gethostname(),
                              duration_s=max(15, round(3 * config.interval_s)))
-    return discovery, Planner(registry, config, DeploymentScale(client.AppsV1Api(api), namespace, pools), election)
+    scale = DeploymentScale(client.AppsV1Api(api), namespace, deployments)
+    return discovery, Planner(registry, config, scale, election, per_version=per_version)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from kubernetes import client, config
@@ -16,6 +16,10 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from services.gateway.router import Role
+
+# A pool the planner sizes: the model version its workers serve (NAME@VERSION; None for a gateway of
+# one model, whose workers form one group) and its role.
+Pool = tuple[str | None, Role]
 
 _NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 _NOT_FOUND = 404
@@ -44,20 +48,25 @@ def current_namespace() -> str:
 class DeploymentScale:
     """Read and set the replicas of the pools' Deployments through their `scale` subresource."""
 
-    def __init__(self, api: client.AppsV1Api, namespace: str, deployments: dict[Role, str]) -> None:
+    def __init__(self, api: client.AppsV1Api, namespace: str, deployments: Mapping[Pool, str]) -> None:
+        """`deployments`: the Deployment holding each pool that may be scaled; other pools are not."""
         self._api = api
         self._namespace = namespace
-        self._deployments = deployments
+        self._deployments = dict(deployments)
 
-    def replicas(self, role: Role) -> int:
+    def holds(self, pool: Pool) -> bool:
+        """Whether a Deployment is known to hold `pool`."""
+        return pool in self._deployments
+
+    def replicas(self, pool: Pool) -> int:
         """The pool's desired replica count as the Deployment holds it now."""
-        scale = self._api.read_namespaced_deployment_scale(self._deployments[role], self._namespace)
+        scale = self._api.read_namespaced_deployment_scale(self._deployments[pool], self._namespace)
         return scale.spec.replicas or 0
 
-    def set_replicas(self, role: Role, replicas: int) -> None:
+    def set_replicas(self, pool: Pool, replicas: int) -> None:
         """Ask for `replicas` pods in the pool."""
         self._api.patch_namespaced_deployment_scale(
-            self._deployments[role], self._namespace, {"spec": {"replicas": replicas}}
+            self._deployments[pool], self._namespace, {"spec": {"replicas": replicas}}
         )
 
 

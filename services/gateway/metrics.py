@@ -8,6 +8,10 @@ rejections and SLO attainment.
 worker the router may send requests to, 0 for one it knows but skips (health not SERVING, or no load
 report yet, as while a link between them is down and after, until the channel reconnects).
 
+`tandem:planner_recommended_replicas{role}` is read from the planner at each scrape
+(`watch_planner`): the replicas it recommends for each model version's pool of each role, absent
+while a pool cannot be measured.
+
 vLLM's per-request phases and shapes are the gateway's (the workers see only their part of a request):
 `services.gateway.telemetry` says what each is measured from.
 
@@ -17,7 +21,7 @@ HTTP front end can mount the same registry at `/metrics` (`prometheus_client.mak
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -128,6 +132,11 @@ class GatewayMetrics(RequestMetrics):
         its reports name or None before one came) of each worker the gateway knows, read at every scrape."""
         self.registry.register(_WorkerStates(self.model_name, workers))
 
+    def watch_planner(self, recommended: Callable[[], Mapping[tuple[str | None, str], int | None]]) -> None:
+        """Export `tandem:planner_recommended_replicas` from `recommended()`: the planner's replicas
+        by (NAME@VERSION, or None for a gateway of one model; role), read at every scrape."""
+        self.registry.register(_PlannerRecommendations(self.model_name, recommended))
+
     def routed(self, pool: str, worker: str) -> None:
         """Count a request sent to `worker` of `pool` ("prefill" or "decode")."""
         self._routed.labels(*self.model, pool, worker).inc()
@@ -189,6 +198,33 @@ class _WorkerStates(Collector):
                                    "arriving), else 0.", labels=per_model(["role", "worker"]))
         for role, address, routable, serves in self._workers():
             # A worker's own report names its model; before one came it counts as the gateway's first.
-            name, _, version = serves.partition("@") if serves is not None else (self._model_name, "", "")
-            family.add_metric([name, version, role, address], 1.0 if routable else 0.0)
+            family.add_metric([*_model_labels(self._model_name, serves), role, address], 1.0 if routable else 0.0)
         yield family
+
+
+class _PlannerRecommendations(Collector):
+    """`tandem:planner_recommended_replicas`, one sample a measured pool, as the planner last planned."""
+
+    def __init__(self, model_name: str,
+                 recommended: Callable[[], Mapping[tuple[str | None, str], int | None]]) -> None:
+        self._model_name = model_name
+        self._recommended = recommended
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("tandem:planner_recommended_replicas",
+                                   "Replicas the gateway's planner recommends for a model version's pool.",
+                                   labels=per_model(["role"]))
+        for (version, role), replicas in self._recommended().items():
+            # A pool not yet measurable has no number; a 0 would read as "scale it away".
+            if replicas is not None:
+                family.add_metric([*_model_labels(self._model_name, version), role], float(replicas))
+        yield family
+
+
+def _model_labels(model_name: str, serves: str | None) -> tuple[str, str]:
+    """(model_name, model_version) of NAME@VERSION; `model_name` and "" for None (the gateway's one
+    model, or a worker yet to report)."""
+    if serves is None:
+        return model_name, ""
+    name, _, version = serves.partition("@")
+    return name, version

@@ -1,9 +1,13 @@
 """The planner: each interval, the replicas each pool needs for the demand the gateway sees.
 
-`recommend` mode only keeps the numbers (`recommended`, for metrics and HPA/KEDA users); `apply`
-mode also sets them on the pool Deployments through the `scale` subresource, from one gateway
-replica at a time (the holder of a Lease). The rules are in `planner_rules`; this module turns
-the registry's load reports into their inputs.
+A pool is one model version's workers of one role: with a model repository each version (a canary,
+say) runs on its own Deployments, so it is sized from its own workers' reports and the prompt
+tokens routed to it; a gateway of one model has one group of workers.
+
+`recommend` mode only keeps the numbers (`recommended`, exported as
+`tandem:planner_recommended_replicas`); `apply` mode also sets them on the pools' Deployments
+through the `scale` subresource, from one gateway replica at a time (the holder of a Lease). The
+rules are in `planner_rules`; this module turns the registry's load reports into their inputs.
 
 The prompt-token arrival rate is what this gateway routed. With several gateway replicas each sees
 its share, so the leader underestimates the rate; the queued-tokens term, which comes from the
@@ -16,11 +20,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from statistics import fmean
 from typing import Literal
 
-from services.gateway.kube import DeploymentScale, LeaseElection
+from services.gateway.kube import DeploymentScale, LeaseElection, Pool
 from services.gateway.planner_rules import (
     DecodeDemand,
     PlannerConfig,
@@ -40,38 +45,48 @@ ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
 class Planner:
-    """Recommended replicas per pool, from the registry's load reports; set on the cluster when
-    given a `DeploymentScale` and a `LeaseElection` (apply mode)."""
+    """Recommended replicas per pool (model version and role), from the registry's load reports;
+    set on the cluster when given a `DeploymentScale` and a `LeaseElection` (apply mode)."""
 
     def __init__(self, registry: WorkerRegistry, config: PlannerConfig,
                  scale: DeploymentScale | None = None, election: LeaseElection | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, per_version: bool = False) -> None:
+        """`per_version`: the gateway serves a model repository, so the workers are grouped by the
+        version their reports name; otherwise they are one group, version None."""
         if (scale is None) != (election is None):
             raise ValueError("apply mode needs both the Deployments' scale and a leader election")
         self.config = config
-        self.recommended: dict[Role, int | None] = dict.fromkeys(ROLES)
+        self.recommended: dict[Pool, int | None] = {}
         self.leading = False
         self._registry = registry
         self._scale = scale
         self._election = election
         self._clock = clock
-        self._decisions = {role: ScaleDecision(config.scale_down_window_s, config.cooldown_s) for role in ROLES}
+        self._per_version = per_version
+        self._decisions: dict[Pool, ScaleDecision] = {}
+        self._unscaled: set[Pool] = set()  # pools without a Deployment, logged once each
         self._sent: dict[RemoteWorker, int] = {}
         self._sampled_at: float | None = None
         self._task: asyncio.Task | None = None
 
-    def recommend(self) -> dict[Role, int | None]:
-        """Sample the registry now; the replicas each pool needs (None until it can be measured)."""
+    def recommend(self) -> dict[Pool, int | None]:
+        """Sample the registry now; the replicas each version's pools need (None until measured)."""
         now = self._clock()
-        workers = self._registry.workers
-        arrival = self._arrival_rate(now, [w for w in workers if w.role == "prefill"])
-        prefill = [w.report for w in workers if w.role == "prefill" and w.routable]
-        decode = [w.report for w in workers if w.role == "decode" and w.routable]
-        self.recommended = {
-            "prefill": prefill_replicas(prefill_demand(arrival, prefill), self.config) if prefill else None,
-            "decode": decode_replicas(decode_demand(decode), self.config) if decode else None,
-        }
-        return self.recommended
+        groups: dict[str | None, list[RemoteWorker]] = defaultdict(list)
+        for worker in self._registry.workers:
+            # A worker that never reported names no version yet (and is not routed to).
+            if worker.role in ROLES and (not self._per_version or worker.serves is not None):
+                groups[worker.serves if self._per_version else None].append(worker)
+        arrivals = self._arrival_rates(now, groups)
+        recommended: dict[Pool, int | None] = {}
+        for version, workers in groups.items():
+            prefill = [w.report for w in workers if w.role == "prefill" and w.routable]
+            decode = [w.report for w in workers if w.role == "decode" and w.routable]
+            recommended[version, "prefill"] = (
+                prefill_replicas(prefill_demand(arrivals[version], prefill), self.config) if prefill else None)
+            recommended[version, "decode"] = decode_replicas(decode_demand(decode), self.config) if decode else None
+        self.recommended = recommended
+        return recommended
 
     def apply(self) -> None:
         """Lead (or not) and set each pool's replicas as decided; blocking Kubernetes calls."""
@@ -80,14 +95,22 @@ class Planner:
         if not self.leading:
             return
         now = self._clock()
-        for role, recommended in self.recommended.items():
+        for pool, recommended in self.recommended.items():
             if recommended is None:
                 continue
-            current = self._scale.replicas(role)
-            target = self._decisions[role].decide(now, recommended, current)
+            if not self._scale.holds(pool):
+                if pool not in self._unscaled:
+                    self._unscaled.add(pool)
+                    log.warning("planner: no Deployment named for the %s pool: recommended only", _name(pool))
+                continue
+            current = self._scale.replicas(pool)
+            decision = self._decisions.setdefault(
+                pool, ScaleDecision(self.config.scale_down_window_s, self.config.cooldown_s))
+            target = decision.decide(now, recommended, current)
             if target != current:
-                log.info("planner: %s pool %d -> %d replicas (recommended %d)", role, current, target, recommended)
-                self._scale.set_replicas(role, target)
+                log.info("planner: %s pool %d -> %d replicas (recommended %d)", _name(pool), current, target,
+                         recommended)
+                self._scale.set_replicas(pool, target)
 
     def start(self) -> None:
         """Plan every interval on the running event loop until `stop`."""
@@ -110,13 +133,25 @@ class Planner:
                 except Exception as error:  # the API may be briefly unreachable: plan again next interval
                     log.warning("planner: could not apply %s: %s", self.recommended, error)
 
-    def _arrival_rate(self, now: float, prefill_workers: Sequence[RemoteWorker]) -> float:
-        """Prompt tokens per second this gateway sent the prefill pool since the last sample."""
-        sent = {worker: worker.prompt_tokens_sent for worker in prefill_workers}
-        routed = sum(count - self._sent.get(worker, 0) for worker, count in sent.items())
+    def _arrival_rates(self, now: float, groups: dict[str | None, list[RemoteWorker]]) -> dict[str | None, float]:
+        """Prompt tokens per second this gateway sent each version's prefill pool since the last sample."""
         elapsed = None if self._sampled_at is None else now - self._sampled_at
+        sent: dict[RemoteWorker, int] = {}
+        rates: dict[str | None, float] = {}
+        for version, workers in groups.items():
+            routed = 0
+            for worker in workers:
+                if worker.role == "prefill":
+                    sent[worker] = worker.prompt_tokens_sent
+                    routed += worker.prompt_tokens_sent - self._sent.get(worker, 0)
+            rates[version] = routed / elapsed if elapsed else 0.0
         self._sent, self._sampled_at = sent, now
-        return routed / elapsed if elapsed else 0.0
+        return rates
+
+
+def _name(pool: Pool) -> str:
+    version, role = pool
+    return f"{version} {role}" if version is not None else role
 
 
 def prefill_demand(arrival_tokens_per_s: float, reports: Sequence) -> PrefillDemand:

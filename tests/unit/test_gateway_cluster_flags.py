@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.cli import build_parser, main
-from services.commands.gateway_cluster import parse_bounds, planner_config
+from services.commands.gateway_cluster import parse_bounds, planner_config, pool_deployments
 from services.gateway.planner_rules import PlannerConfig, PoolBounds
 
 
@@ -36,3 +36,24 @@ def test_static_discovery_needs_both_lists_and_kubernetes_discovery_takes_none(c
     assert "--prefill" in capsys.readouterr().err
     assert main(["gateway", "--discovery", "kubernetes", "--prefill", "h:1"]) == 2
     assert "--discovery kubernetes" in capsys.readouterr().err
+
+
+def test_a_model_versions_pools_are_named_by_planner_deployment_flags():
+    def args(*flags: str):
+        return build_parser().parse_args(["gateway", "--prefill", "h:1", "--decode", "h:2", *flags])
+
+    # One model: its pools are the --k8s-prefill/--k8s-decode Deployments, as before versions.
+    assert pool_deployments(args("--k8s-decode", "dec"), per_version=False) == {
+        (None, "prefill"): "tandem-prefill", (None, "decode"): "dec"}
+    canary = args("--planner-deployment", "smollm2@q4:prefill=tandem-prefill",
+                  "--planner-deployment", "smollm2@fp32:decode=tandem-decode-fp32")
+    assert pool_deployments(canary, per_version=True) == {
+        ("smollm2@q4", "prefill"): "tandem-prefill", ("smollm2@fp32", "decode"): "tandem-decode-fp32"}
+    with pytest.raises(ValueError, match="needs --model-repository"):
+        pool_deployments(canary, per_version=False)
+    for bad in ("smollm2:prefill=d", "smollm2@q4:colocated=d", "smollm2@q4:prefill=", "@q4:decode=d"):
+        with pytest.raises(ValueError, match="--planner-deployment"):
+            pool_deployments(args("--planner-deployment", bad), per_version=True)
+    twice = args(*["--planner-deployment", "m@v:decode=a"] * 2)
+    with pytest.raises(ValueError, match="named twice"):
+        pool_deployments(twice, per_version=True)

@@ -136,6 +136,22 @@ def test_worker_routable_is_read_from_the_workers_at_each_scrape():
                                    "worker": "10.0.0.1:1"}) is None
 
 
+def test_planner_recommendations_are_read_at_each_scrape_labelled_by_model_version():
+    metrics = GatewayMetrics("m")
+    recommended: dict[tuple[str | None, str], int | None] = {("big@v2", "prefill"): 3, ("big@v3", "prefill"): 1,
+                                                             ("big@v3", "decode"): None}
+    metrics.watch_planner(lambda: recommended)
+    assert _value(metrics, "tandem:planner_recommended_replicas", model_name="big", model_version="v2",
+                  role="prefill") == 3
+    assert _value(metrics, "tandem:planner_recommended_replicas", model_name="big", model_version="v3",
+                  role="prefill") == 1
+    assert metrics.registry.get_sample_value("tandem:planner_recommended_replicas", {
+        "model_name": "big", "model_version": "v3", "role": "decode"}) is None, "not measurable: no sample"
+    # A gateway of one model: its pools carry the gateway's model name and no version.
+    recommended = {(None, "decode"): 2}
+    assert _value(metrics, "tandem:planner_recommended_replicas", role="decode") == 2
+
+
 def test_a_request_is_charged_what_it_used_and_counted_by_its_key(tokenizer):
     metrics = GatewayMetrics("m")
     keyed = GenerateRequest(ChatPrompt((ChatMessage("user", "Hi"),)), caller=Caller("team-a"))

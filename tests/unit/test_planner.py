@@ -1,5 +1,5 @@
-"""The planner over a registry's load reports, and apply mode's Kubernetes calls: the Deployments'
-scale subresource and leader election through a Lease.
+"""The planner over a registry's load reports, one model's pools or each model version's, and apply
+mode's Kubernetes calls: the Deployments' scale subresource and leader election through a Lease.
 
 No Kubernetes API server can run here: apply mode drives the real `kubernetes` client against
 `fake_kube_api.FakeKubeApi`, a local HTTP server implementing those endpoints. The workers are
@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 
 import pytest
 from fake_kube_api import FakeKubeApi
 from kubernetes import client
 from tandem.v1 import common_pb2
 
-from services.gateway.kube import DeploymentScale, LeaseElection
+from services.gateway.kube import DeploymentScale, LeaseElection, Pool
 from services.gateway.planner import Planner, decode_demand, prefill_demand
 from services.gateway.planner_rules import PlannerConfig, PoolBounds
 from services.gateway.registry import WorkerRegistry
 
 CONFIG = PlannerConfig(queue_drain_s=1.0, tpot_s=0.1, target_utilisation=0.8, kv_target_utilisation=0.8,
                        prefill=PoolBounds(1, 6), decode=PoolBounds(1, 6), scale_down_window_s=0, cooldown_s=0)
-DEPLOYMENTS = {"prefill": "tandem-prefill", "decode": "tandem-decode"}
+DEPLOYMENTS = {(None, "prefill"): "tandem-prefill", (None, "decode"): "tandem-decode"}
+Q4, FP32 = "smollm2@q4", "smollm2@fp32"
 
 
 class Clock:
@@ -65,18 +67,63 @@ def test_recommendations_follow_the_routed_prompt_tokens_and_the_reports():
         _, decode = registry.workers
         # First sample: no rate yet; the queue alone needs 400 / 500 -> 1 replica.
         # Decode: 900 blocks / (1000 x 0.8) -> 2.
-        assert planner.recommend() == {"prefill": 1, "decode": 2}
+        assert planner.recommend() == {(None, "prefill"): 1, (None, "decode"): 2}
         # 10 s during which the gateway routes 20,000 prompt tokens: 2000 tokens/s + the queue's 400.
         for i in range(20):
             request = registry.route_request(list(range(1000 * i, 1000 * (i + 1))), max_tokens=16)
             registry.claim(request, registry.decide(request)).release()
         clock.now += 10
-        assert planner.recommend() == {"prefill": 6, "decode": 2}  # 4 + 0.6 x sqrt(4) + 400 / 500 = 6
+        assert planner.recommend() == {(None, "prefill"): 6, (None, "decode"): 2}  # 4 + 0.6 x sqrt(4) + 400 / 500
         clock.now += 10
-        assert planner.recommend()["prefill"] == 1, "nothing routed since"
+        assert planner.recommend()[None, "prefill"] == 1, "nothing routed since"
         # A worker that stops serving is not counted; a pool without any has no recommendation.
         decode.serving = False
-        assert planner.recommend()["decode"] is None
+        assert planner.recommend()[None, "decode"] is None
+        await registry.close()
+
+    asyncio.run(scenario())
+
+
+def versioned_registry() -> WorkerRegistry:
+    """A repository's two versions on their own workers: q4 with an idle prefill worker (500 tokens/s)
+    and a decode worker holding 900 of its 1000 KV blocks; the fp32 canary with 1000 prompt tokens
+    queued on its slower prefill worker (250 tokens/s) and 100 KV blocks used."""
+    registry = WorkerRegistry(prefill=["10.0.0.1:50061", "10.0.0.2:50061"],
+                              decode=["10.0.1.1:50071", "10.0.1.2:50071"])
+    q4_prefill, fp32_prefill, q4_decode, fp32_decode = registry.workers
+    for worker, (name, version) in zip(registry.workers, [Q4.split("@"), FP32.split("@")] * 2, strict=True):
+        worker.serving = True
+        worker.report = common_pb2.LoadReport(role=worker.role, model_name=name, model_version=version,
+                                               total_kv_blocks=1000, free_kv_blocks=1000, block_size=16)
+    q4_prefill.report.prefill_tokens_per_s = 500.0
+    fp32_prefill.report.MergeFrom(common_pb2.LoadReport(prefill_tokens_per_s=250.0, queued_prompt_tokens=1000))
+    q4_decode.report.MergeFrom(common_pb2.LoadReport(running_requests=8, used_kv_blocks=900, tpot_s=0.02))
+    fp32_decode.report.MergeFrom(common_pb2.LoadReport(running_requests=1, used_kv_blocks=100, tpot_s=0.02))
+    for decode in (q4_decode, fp32_decode):
+        decode.report.free_kv_blocks = 1000 - decode.report.used_kv_blocks
+    return registry
+
+
+def test_each_model_versions_pools_are_sized_from_its_own_workers_and_routed_tokens():
+    async def scenario() -> None:
+        clock = Clock()
+        registry = versioned_registry()
+        planner = Planner(registry, CONFIG, clock=clock, per_version=True)
+        # q4: nothing queued -> 1 prefill replica; 900 / (1000 x 0.8) -> 2 decode. fp32: its queue
+        # needs 1000 / 1 s / 250 -> 4 prefill replicas; 100 blocks -> 1 decode.
+        assert planner.recommend() == {(Q4, "prefill"): 1, (Q4, "decode"): 2,
+                                       (FP32, "prefill"): 4, (FP32, "decode"): 1}
+        # 10,000 prompt tokens routed to q4 over 10 s: 1000 tokens/s, a load of 2 q4 replicas; fp32
+        # got none, so its count is its queue's alone.
+        for i in range(10):
+            request = registry.route_request(list(range(1000 * i, 1000 * (i + 1))), max_tokens=16, workers_key=Q4)
+            registry.claim(request, registry.decide(request)).release()
+        clock.now += 10
+        recommended = planner.recommend()
+        assert (recommended[Q4, "prefill"], recommended[FP32, "prefill"]) == (3, 4)  # 2 + 0.6 x sqrt(2) -> 3
+        # Without a repository the same workers are one model's pools: both versions' loads add up.
+        # (Prefill: 1000 queued tokens at the mean 375 tokens/s -> 3; decode: 1000 blocks used / 800 -> 2.)
+        assert Planner(registry, CONFIG, clock=clock).recommend() == {(None, "prefill"): 3, (None, "decode"): 2}
         await registry.close()
 
     asyncio.run(scenario())
@@ -114,12 +161,13 @@ def api():
 
 
 def planner_of(api: FakeKubeApi, registry: WorkerRegistry, identity: str, lease_s: int = 30,
-               wall_clock: WallClock | None = None) -> Planner:
+               wall_clock: WallClock | None = None, deployments: dict[Pool, str] | None = None) -> Planner:
+    """An apply-mode planner over `api`; with `deployments`, of a model repository's versions."""
     api_client = client.ApiClient(api.configuration())
-    scale = DeploymentScale(client.AppsV1Api(api_client), "tandem", DEPLOYMENTS)
+    scale = DeploymentScale(client.AppsV1Api(api_client), "tandem", deployments or DEPLOYMENTS)
     election = LeaseElection(client.CoordinationV1Api(api_client), "tandem", "tandem-planner", identity, lease_s,
                              wall_clock or WallClock())
-    return Planner(registry, CONFIG, scale, election, clock=Clock())
+    return Planner(registry, CONFIG, scale, election, clock=Clock(), per_version=deployments is not None)
 
 
 def test_apply_sets_the_scale_of_each_pool_from_the_leader_only(api):
@@ -136,6 +184,31 @@ def test_apply_sets_the_scale_of_each_pool_from_the_leader_only(api):
         # Already at the recommended counts: nothing more is patched.
         await asyncio.to_thread(first.apply)
         assert len(api.patches) == 2 and first.leading
+        await registry.close()
+
+    asyncio.run(scenario())
+
+
+def test_apply_scales_each_versions_own_deployments_and_leaves_an_unnamed_version_alone(api, caplog):
+    """Each version's pools on their own Deployments, as the canary overlay ships them; the fp32
+    decode pool is named by no flag, so it is only recommended. No Kubernetes API server can run
+    here: the real client scales the Deployments of `FakeKubeApi`, which stands in for one."""
+    api.replicas.update({"tandem-prefill-fp32": 1})
+    deployments = {(Q4, "prefill"): "tandem-prefill", (Q4, "decode"): "tandem-decode",
+                   (FP32, "prefill"): "tandem-prefill-fp32"}
+
+    async def scenario() -> None:
+        registry = versioned_registry()
+        registry.workers[3].report.used_kv_blocks = 900  # fp32 decode: 900 / 800 -> 2, but not scaled
+        planner = planner_of(api, registry, "gateway-a", deployments=deployments)
+        planner.recommend()
+        with caplog.at_level(logging.INFO, logger="services.gateway.planner"):
+            await asyncio.to_thread(planner.apply)
+            await asyncio.to_thread(planner.apply)
+        assert sorted(api.patches) == [("tandem-decode", 2), ("tandem-prefill-fp32", 4)]
+        assert api.replicas == {"tandem-prefill": 1, "tandem-decode": 2, "tandem-prefill-fp32": 4}
+        unscaled = [record.getMessage() for record in caplog.records if "recommended only" in record.getMessage()]
+        assert unscaled == [f"planner: no Deployment named for the {FP32} decode pool: recommended only"]
         await registry.close()
 
     asyncio.run(scenario())
