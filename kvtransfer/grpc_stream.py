@@ -122,9 +122,8 @@ class _PageAssembly:
 class _Push:
     """The receiving state of one Push call."""
 
-    def __init__(self, pending: PendingTransfers, layout: KVLayout, checksum: bool) -> None:
+    def __init__(self, pending: PendingTransfers, checksum: bool) -> None:
         self._pending = pending
-        self._layout = layout
         self._checksum = checksum  # every piece must carry a CRC32C
         self.transfer_id: int | None = None
         self._assembly: _PageAssembly | None = None
@@ -137,8 +136,8 @@ class _Push:
         elif tid != self.transfer_id:
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                            f"chunk of transfer {tid} in the push of {self.transfer_id}")
-        blocks = self._pending.blocks_expected(tid)
-        if blocks is None:
+        expected = self._pending.expected(tid)
+        if expected is None:
             raise _Refusal(grpc.StatusCode.NOT_FOUND if self._assembly is None else grpc.StatusCode.ABORTED,
                            f"transfer {tid} is not expected here (unknown, cancelled, failed or timed out)")
         if not chunk.HasField("crc32c"):
@@ -149,7 +148,7 @@ class _Push:
         elif google_crc32c.value(chunk.data) != chunk.crc32c:
             raise _Refusal(grpc.StatusCode.DATA_LOSS, f"transfer {tid}: CRC32C mismatch in layer {chunk.layer}, "
                                                       f"{'KV'[min(chunk.kv, 1)]} bytes at offset {chunk.offset}")
-        self._assembly = self._assembly or _PageAssembly(self._layout, blocks)
+        self._assembly = self._assembly or _PageAssembly(expected[1], expected[0])
         if chunk.data or not chunk.last:
             try:
                 pages = self._assembly.add(chunk)
@@ -172,10 +171,14 @@ class _Push:
 
 class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer):
     """grpc.aio KVTransfer service of a decode worker: layout checks for any backend, and pushed
-    pages for a GrpcReceiver (other receivers refuse Push)."""
+    pages for a GrpcReceiver (other receivers refuse Push).
+
+    `layouts` are those it accepts: the worker's, and during a hot swap in its process also the
+    retiring version's (services.decode.model_swap sets them); a mismatch is told against the first.
+    """
 
     def __init__(self, layout: KVLayout, receiver: KVReceiver | None) -> None:
-        self._layout = layout
+        self.layouts: tuple[KVLayout, ...] = (layout,)
         self._receiver = receiver if isinstance(receiver, GrpcReceiver) else None
 
     async def Handshake(
@@ -183,15 +186,18 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer):
     ) -> kvtransfer_pb2.HandshakeResponse:
         """Accept the caller's layout if it equals ours, else name the differing fields; decide
         whether the caller's pieces carry a CRC32C (checksum_agreed)."""
+        layout = self.layouts[0]
         try:
-            reason = self._layout.mismatch(KVLayout.from_proto(request.layout))
+            theirs = KVLayout.from_proto(request.layout)
+            layout = next((ours for ours in self.layouts if ours.mismatch(theirs) is None), layout)
+            reason = layout.mismatch(theirs)
         except ValueError as e:
             reason = str(e)
         # A worker that receives no KV over grpc takes no pieces: the safe answer costs nothing.
         required = self._receiver is None or self._receiver.checksum
         checksum = checksum_agreed(required, not request.checksum_off)
         return kvtransfer_pb2.HandshakeResponse(
-            accepted=reason is None, reason=reason or "", layout=self._layout.to_proto(), checksum_off=not checksum
+            accepted=reason is None, reason=reason or "", layout=layout.to_proto(), checksum_off=not checksum
         )
 
     async def Push(
@@ -201,7 +207,7 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer):
         FAILED_PRECONDITION on a piece without CRC32C when this receiver requires one."""
         if self._receiver is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker does not receive KV over grpc")
-        push = _Push(self._receiver.pending, self._layout, self._receiver.checksum)
+        push = _Push(self._receiver.pending, self._receiver.checksum)
         try:
             async for chunk in request_iterator:
                 received = await push.handle(chunk)

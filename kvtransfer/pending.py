@@ -71,11 +71,12 @@ class PendingTransfers:
             heapq.heappush(self._deadlines, (time.monotonic() + self.timeout, transfer_id))
             self._lock.notify()
 
-    def blocks_expected(self, transfer_id: int) -> int | None:
-        """How many destination blocks an open transfer has; None once it is not open (or unknown)."""
+    def expected(self, transfer_id: int) -> tuple[int, KVLayout] | None:
+        """How many destination blocks an open transfer has, and the layout its pages have; None once
+        it is not open (or unknown)."""
         with self._lock:
             transfer = self._transfers.get(transfer_id)
-            return None if transfer is None else len(transfer.block_ids)
+            return None if transfer is None else (len(transfer.block_ids), transfer.layout)
 
     def completion(self, transfer_id: int) -> Future[int]:
         """The transfer's future (bytes received, or TransferError); KeyError if never expected."""

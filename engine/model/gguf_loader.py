@@ -42,8 +42,7 @@ def load_gguf(path: str, dtype: torch.dtype, keep: KeepWeight | None = None) -> 
     the part of it `keep(config, name, tensor)` returns, taken before the next tensor is read); and
     the tensors stored in other block types (HF name -> block type), which no kernel serves."""
     reader = GGUFReader(path)
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    config = _config_from_metadata(reader, tied=("output.weight" not in tensor_names), path=path)
+    config = gguf_model_config(reader, path)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     dequantized: dict[str, str] = {}
     for tensor in reader.tensors:
@@ -125,7 +124,10 @@ class _Metadata:
         return None if value is None else int(str(value))
 
 
-def _config_from_metadata(reader: GGUFReader, tied: bool, path: str) -> ModelConfig:
+def gguf_model_config(reader: GGUFReader, path: str) -> ModelConfig:
+    """The model's config from the llama.* / tokenizer.ggml.* metadata (no tensor is read); ValueError
+    naming what this engine cannot serve."""
+    tied = "output.weight" not in {tensor.name for tensor in reader.tensors}
     meta = _Metadata(reader, path)
     architecture = meta.get("general.architecture")
     if architecture != "llama":

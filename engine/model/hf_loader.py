@@ -45,7 +45,7 @@ def load_hf_dir(path: str, dtype: torch.dtype, requested: str = "auto", keep: Ke
     quantization = read_checkpoint_quantization(raw, path)
     check_requested(requested, "float" if quantization is None else quantization.method, path)
     tensors: dict[str, torch.Tensor] = {}
-    for shard in _safetensors_files(path):
+    for shard in safetensors_files(path):
         with safe_open(shard, framework="pt") as file:
             for name in file.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
                 tensor = file.get_tensor(name)
@@ -81,7 +81,8 @@ def _drop_zero_biases(weights: dict[str, torch.Tensor], quantized: dict[str, Qua
             del weights[f"{prefix}.bias"]
 
 
-def _safetensors_files(path: str) -> list[str]:
+def safetensors_files(path: str) -> list[str]:
+    """The weight files of an HF directory (a sharded one's from its index); ValueError when none."""
     index_path = os.path.join(path, _SHARD_INDEX)
     if os.path.exists(index_path):
         with open(index_path, encoding="utf-8") as file:

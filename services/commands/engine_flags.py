@@ -95,10 +95,11 @@ def engine_flag_args(args: argparse.Namespace, role: Role) -> list[str]:
     return argv
 
 
-def engine_config(args: argparse.Namespace, role: Role) -> EngineConfig:
+def engine_config(args: argparse.Namespace, role: Role, version: ModelVersion | None = None) -> EngineConfig:
     """The EngineConfig those flags describe (with --model-repository, the named version's model and
-    formats in place of --model, --dtype, --quantization, --kv-cache-dtype and --max-model-len)."""
-    version = repository_version(args)
+    formats in place of --model, --dtype, --quantization, --kv-cache-dtype and --max-model-len; with
+    `version`, that one's: a hot swap's)."""
+    version = version or repository_version(args)
     if version is not None:
         args = argparse.Namespace(**{**vars(args), "model": version.weights, "dtype": version.dtype,
                                      "quantization": version.quantization,

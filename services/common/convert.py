@@ -197,6 +197,7 @@ def load_report(load: WorkerLoad) -> common_pb2.LoadReport:
         model_name=load.model_name,
         model_version=load.model_version,
         kv_layout=load.kv_layout,
+        retiring_versions=load.retiring_versions,
     )
 
 

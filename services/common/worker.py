@@ -48,6 +48,7 @@ class WorkerLoad:
     model_name: str  # the served model's name
     model_version: str  # its version in the model repository ("" outside one)
     kv_layout: str  # what its KV pages mean (KVLayout.page_fingerprint)
+    retiring_versions: tuple[str, ...] = ()  # NAME@VERSION still served after a hot swap (decode side)
 
 
 class RoleWorker:
@@ -63,6 +64,12 @@ class RoleWorker:
         self.inflight = InflightRequests()
 
     @property
+    def version_key(self) -> str:
+        """NAME@VERSION of the model version its engine serves."""
+        config = self.loop.engine.config
+        return f"{config.served_name}@{config.model_version}"
+
+    @property
     def reserved_requests(self) -> int:
         """Requests whose KV is reserved here and still arriving (only the decode role has any)."""
         return 0
@@ -72,8 +79,9 @@ class RoleWorker:
         """Recent wait for KV delivery after a first token (only the prefill role has one)."""
         return 0.0
 
-    async def load(self) -> WorkerLoad:
-        """This worker's load now (the engine's stats are read on its thread, between steps)."""
+    async def load(self, retiring_versions: tuple[str, ...] = ()) -> WorkerLoad:
+        """This worker's load now (the engine's stats are read on its thread, between steps), naming
+        the `retiring_versions` its process still serves beside it."""
         stats = await self.loop.call(GetStats())
         rates = self.loop.rates
         return WorkerLoad(
@@ -91,6 +99,7 @@ class RoleWorker:
             model_name=self.loop.engine.config.served_name,
             model_version=self.loop.engine.config.model_version,
             kv_layout=self.kv_layout,
+            retiring_versions=retiring_versions,
         )
 
     async def close(self) -> None:

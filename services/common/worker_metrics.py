@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -24,45 +25,65 @@ log = logging.getLogger(__name__)
 _STATS_TIMEOUT_S = 5.0
 
 
-class EngineStateCollector(Collector):
-    """Gauges of the engine's load, read on the engine thread between steps when scraped (so an
-    unscraped worker pays nothing for them)."""
+@dataclass(frozen=True)
+class WatchedEngine:
+    """An engine whose load a worker exports, with its model version's labels."""
 
-    def __init__(self, loop: EngineLoop, model: tuple[str, str], reserved_requests: Callable[[], int] | None) -> None:
-        self._loop = loop
-        self._model = model
-        self._reserved_requests = reserved_requests
+    loop: EngineLoop
+    model: tuple[str, str]
+    reserved_requests: Callable[[], int] | None
+
+
+class EngineStateCollector(Collector):
+    """Gauges of the engines' load, read on each engine's thread between steps when scraped (so an
+    unscraped worker pays nothing for them): one engine, or two while a hot swap retires one, each
+    family once with a series per model version."""
+
+    def __init__(self) -> None:
+        self.engines: list[WatchedEngine] = []
 
     def collect(self) -> Iterator[Metric]:
-        try:
-            stats: EngineStats = self._loop.submit(GetStats()).result(_STATS_TIMEOUT_S)
-        except (RuntimeError, FutureTimeout) as error:  # stopping, or a step that does not end
-            log.info("metrics: engine stats unavailable: %s", error)
-            return
-        labels = list(self._model)
-        gauges = [
-            ("vllm:num_requests_running", "Requests in the running batch.", stats.num_running),
-            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
-            ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", stats.kv_usage),
-            ("tandem:prefill_queued_tokens", "Prompt tokens waiting to be computed (the prefill pool's "
-             "scaling signal).", stats.num_waiting_tokens),
-            ("tandem:tensor_parallel_size", "Ranks the worker's model is split across (tensor parallelism).",
-             self._loop.engine.config.tensor_parallel_size),
-        ]
-        if self._reserved_requests is not None:
-            gauges.append(("tandem:kv_reserved_requests", "Requests whose KV is reserved here and still arriving.",
-                           self._reserved_requests()))
-        for name, documentation, value in gauges:
-            family = GaugeMetricFamily(name, documentation, labels=per_model())
-            family.add_metric(labels, value)
-            yield family
-        preemptions = CounterMetricFamily("vllm:num_preemptions", "Requests preempted (their KV dropped, to "
-                                          "recompute later) to make room for others.", labels=per_model())
-        preemptions.add_metric(labels, stats.num_preemptions)
-        yield preemptions
-        spec = self._loop.engine.config.speculative
-        if stats.spec_decode is not None and spec is not None:
-            yield from _spec_decode_counters(stats.spec_decode, spec.num_speculative_tokens, labels)
+        families: dict[str, Metric] = {}
+        for engine in list(self.engines):
+            for family in _engine_families(engine):
+                if family.name in families:
+                    families[family.name].samples += family.samples
+                else:
+                    families[family.name] = family
+        yield from families.values()
+
+
+def _engine_families(engine: WatchedEngine) -> Iterator[Metric]:
+    loop = engine.loop
+    try:
+        stats: EngineStats = loop.submit(GetStats()).result(_STATS_TIMEOUT_S)
+    except (RuntimeError, FutureTimeout) as error:  # stopping, or a step that does not end
+        log.info("metrics: engine stats unavailable: %s", error)
+        return
+    labels = list(engine.model)
+    gauges = [
+        ("vllm:num_requests_running", "Requests in the running batch.", stats.num_running),
+        ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+        ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", stats.kv_usage),
+        ("tandem:prefill_queued_tokens", "Prompt tokens waiting to be computed (the prefill pool's "
+         "scaling signal).", stats.num_waiting_tokens),
+        ("tandem:tensor_parallel_size", "Ranks the worker's model is split across (tensor parallelism).",
+         loop.engine.config.tensor_parallel_size),
+    ]
+    if engine.reserved_requests is not None:
+        gauges.append(("tandem:kv_reserved_requests", "Requests whose KV is reserved here and still arriving.",
+                       engine.reserved_requests()))
+    for name, documentation, value in gauges:
+        family = GaugeMetricFamily(name, documentation, labels=per_model())
+        family.add_metric(labels, value)
+        yield family
+    preemptions = CounterMetricFamily("vllm:num_preemptions", "Requests preempted (their KV dropped, to "
+                                      "recompute later) to make room for others.", labels=per_model())
+    preemptions.add_metric(labels, stats.num_preemptions)
+    yield preemptions
+    spec = loop.engine.config.speculative
+    if stats.spec_decode is not None and spec is not None:
+        yield from _spec_decode_counters(stats.spec_decode, spec.num_speculative_tokens, labels)
 
 
 def _spec_decode_counters(stats: SpecDecodeStats, num_speculative_tokens: int, labels: list[str]) -> Iterator[Metric]:
@@ -89,24 +110,36 @@ class WorkerMetrics(RequestMetrics):
     """Everything a prefill or decode worker exports; `registry` is what its /metrics serves."""
 
     def __init__(self, model_name: str, model_version: str = "", registry: CollectorRegistry | None = None) -> None:
-        super().__init__(registry or CollectorRegistry(), model_name, model_version)
+        registry = registry or CollectorRegistry()
         self._kv_bytes = Counter("tandem:kv_transfer_bytes", "KV cache bytes pushed to decode workers.",
-                                 per_model(["backend"]), registry=self.registry)
+                                 per_model(["backend"]), registry=registry)
         self._kv_seconds = Histogram("tandem:kv_transfer_seconds",
                                      "From a request's first pushed layer until the receiver had every page.",
-                                     per_model(["backend"]), registry=self.registry, buckets=TRANSFER_BUCKETS)
-        self._iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens computed per engine step.",
-                                           per_model(), registry=self.registry,
-                                           buckets=ITERATION_TOKENS_BUCKETS).labels(*self.model)
+                                     per_model(["backend"]), registry=registry, buckets=TRANSFER_BUCKETS)
+        self._iteration_tokens_family = Histogram("vllm:iteration_tokens_total", "Tokens computed per engine step.",
+                                                  per_model(), registry=registry, buckets=ITERATION_TOKENS_BUCKETS)
+        super().__init__(registry, model_name, model_version)
+        self._engines = EngineStateCollector()
+        self.registry.register(self._engines)
         gpus = gpu_collector(self.model)
         if gpus is not None:
             self.registry.register(gpus)
 
+    def _bind(self, model_name: str, model_version: str) -> None:
+        super()._bind(model_name, model_version)
+        self._iteration_tokens = self._iteration_tokens_family.labels(*self.model)
+
     def watch_engine(self, loop: EngineLoop, reserved_requests: Callable[[], int] | None = None) -> None:
-        """Export the engine's load from now on (once the engine is loaded), and on a decode worker
-        the requests whose KV is still arriving."""
-        self.registry.register(EngineStateCollector(loop, self.model, reserved_requests))
-        loop.observe_steps(self._step)
+        """Export the engine's load, labelled with its model version, from now on (once the engine is
+        loaded), and on a decode worker the requests whose KV is still arriving."""
+        config = loop.engine.config
+        view = self.labelled(config.served_name, config.model_version)
+        self._engines.engines.append(WatchedEngine(loop, view.model, reserved_requests))
+        loop.observe_steps(view._step)
+
+    def unwatch(self, loop: EngineLoop) -> None:
+        """Stop exporting an unloaded engine's load (a version a hot swap retired)."""
+        self._engines.engines = [engine for engine in self._engines.engines if engine.loop is not loop]
 
     def _step(self, tokens: StepTokens) -> None:
         # The step's batch in tokens: prompt chunks, decode tokens and the drafts they verified.

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvtransfer_pb2, kvtransfer_pb2_grpc
@@ -21,16 +21,18 @@ from services.common.convert import sampling_params_from_proto, token_chunk
 from services.common.errors import abort_with
 from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.server import RoleServer
-from services.common.startup_profile import profile_engine
 from services.common.tls import TlsConfig, warn_if_worker_exposed
 from services.common.worker import load_engine
 from services.common.worker_metrics import WorkerMetrics
 from services.common.worker_rpcs import WorkerRpcs, loaded
+from services.decode.model_swap import ModelSwap, SwapSettings
 from services.decode.prefill_client import PrefillClients
 from services.decode.progress import DecodeProgress
+from services.decode.served_engines import ServedEngines
 from services.decode.telemetry import DecodeRecorder
 from services.decode.worker import DecodeWorker
 from services.observability.metrics import serve_metrics
+from services.repository.config import ModelVersion
 
 
 class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
@@ -40,13 +42,15 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
                  limits: GrpcLimits = DEFAULT_GRPC_LIMITS) -> None:
         self.prefills = PrefillClients(tls, limits)
         self.metrics = metrics
+        self.engines = ServedEngines(self, metrics)
 
     async def Generate(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.TokenChunk]:
         arrived_at = time.perf_counter()
-        worker = await self.ready(context)
+        await self.ready(context)
         try:
+            worker = self.engines.serving(request.model)
             params = sampling_params_from_proto(request.sampling)
             if request.prefill_address:
                 # Malformed, it is bad input here rather than a failed name lookup later.
@@ -75,8 +79,12 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
         context: grpc.aio.ServicerContext,
         progress: DecodeProgress,
     ) -> None:
-        recorder = DecodeRecorder(self.metrics, progress, worker.loop.engine.config.tensor_parallel_size)
-        if request.prefill_address:
+        config = worker.loop.engine.config
+        recorder = DecodeRecorder(self.metrics.labelled(config.served_name, config.model_version), progress,
+                                  config.tensor_parallel_size)
+        # A retiring version's prompt is computed here: the gateway pairs prefill workers with this
+        # worker's current version only.
+        if request.prefill_address and worker is self.worker:
             prefill = self.prefills.peer(request.prefill_address)
             outputs = worker.generate(request_id, request.prompt_token_ids, params, prefill, progress, resumed)
         else:
@@ -127,12 +135,16 @@ async def serve(
     tls: TlsConfig | None = None,
     limits: GrpcLimits = DEFAULT_GRPC_LIMITS,
     kv_checksum: bool = True,
+    swap: SwapSettings | None = None,
+    configure: Callable[[ModelVersion], EngineConfig] | None = None,
 ) -> int:
     """Run a decode (or colocated: `config.role`) worker until SIGTERM/SIGINT; returns the exit code.
     Prefill workers reach its gRPC KV receiver at `advertise_host` (the server may listen on a
     wildcard address). With `tls`, its server and its channels to prefill workers use (mutual) TLS;
     `limits` bound the messages and streams of both. `kv_checksum` False (`--kv-checksum off`) takes
-    pages without CRC32C from prefill workers that are off too; True requires it on every page."""
+    pages without CRC32C from prefill workers that are off too; True requires it on every page.
+    With `swap`, the worker follows its pool's version in the repository file, loading a version
+    `configure` describes beside the serving one (services.decode.model_swap)."""
     warn_if_worker_exposed(config.role, host, tls)
     server = RoleServer(config.role, host, port, grace_period, tls.server_credentials() if tls else None,
                         limits=limits, advertise_host=advertise_host)
@@ -140,6 +152,7 @@ async def serve(
     server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
     servicer = DecodeServicer(metrics, tls, limits)
     kv_transfer = LateKVTransfer()
+    swaps: list[ModelSwap] = []
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, servicer,
                decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name)
     server.add(kvtransfer_pb2_grpc.add_KVTransferServicer_to_server, kv_transfer,
@@ -151,15 +164,18 @@ async def serve(
         receiver = make_receiver(kv_backend, kv_host, advertised, timeout=kv_timeout, device=config.device,
                                  checksum=kv_checksum)
         worker = DecodeWorker(server.address, engine, server.draining, receiver, kv_timeout, on_fatal=server.fail)
-        await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
-        kv_transfer.servicer = KVTransferServicer(worker.layout, receiver if kv_backend == "grpc" else None)
-        worker.loop.start()
-        metrics.watch_engine(worker.loop, lambda: worker.reserved_requests)
-        servicer.worker = worker
+        await servicer.engines.start(worker)
+        kv_transfer.servicer = servicer.engines.kv_transfer = KVTransferServicer(
+            worker.layout, receiver if kv_backend == "grpc" else None)
+        servicer.engines.promote(worker)
+        if swap is not None and configure is not None:
+            swaps.append(ModelSwap(swap, servicer.engines, configure))
+            swaps[0].start()
 
     async def close() -> None:
-        if servicer.worker is not None:
-            await servicer.worker.close()
+        for model_swap in swaps:
+            await model_swap.stop()
+        await servicer.engines.close()
         await servicer.prefills.close()
 
     return await server.run(load, close)

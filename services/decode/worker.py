@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -62,15 +62,24 @@ class DecodeWorker(RoleWorker):
 
     def __init__(
         self, address: str, engine: Engine, draining: asyncio.Event, receiver: KVReceiver, kv_timeout: float,
-        on_fatal: Callable[[str], None] | None = None,
+        on_fatal: Callable[[str], None] | None = None, transfer_ids: Iterator[int] | None = None,
     ) -> None:
-        """`on_fatal(reason)`: the engine can never step again (services.common.engine_loop)."""
+        """`on_fatal(reason)`: the engine can never step again (services.common.engine_loop).
+        `transfer_ids`: the receiver's transfer numbering, when another worker shares the receiver."""
         super().__init__(engine.config.role, address, EngineLoop(engine, on_fatal=on_fatal), draining)
         self.receiver = receiver
         self.layout = KVLayout.of_engine(engine)
         self.kv_timeout = kv_timeout
-        self._transfer_ids = itertools.count(1)
+        self._address = address
+        self._on_fatal = on_fatal
+        self._transfer_ids = transfer_ids or itertools.count(1)
         self._waiting_for_kv = 0
+
+    def successor(self, engine: Engine) -> DecodeWorker:
+        """A worker for another engine (a hot swap's new version) taking KV through the same receiver,
+        beside this one; its loop is not started yet."""
+        return DecodeWorker(self._address, engine, self.draining, self.receiver, self.kv_timeout,
+                            self._on_fatal, self._transfer_ids)
 
     @property
     def reserved_requests(self) -> int:
@@ -195,10 +204,11 @@ class DecodeWorker(RoleWorker):
         await asyncio.to_thread(self.receiver.cancel, transfer_id)
         await self.loop.call(Abort(request_id))
 
-    async def close(self) -> None:
-        """Stop the engine thread, then the receiver."""
+    async def close(self, receiver: bool = True) -> None:
+        """Stop the engine thread, then (unless a successor shares it) the receiver."""
         await super().close()
-        await asyncio.to_thread(self.receiver.close)
+        if receiver:
+            await asyncio.to_thread(self.receiver.close)
 
 
 def _reservation(result: ReserveResult) -> KVReservation:

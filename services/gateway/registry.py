@@ -194,7 +194,7 @@ class WorkerRegistry:
         """The router's decision over the workers' current views (or idle ones); NoWorkerError if
         no worker could take it."""
         views = [view for w in self._workers.values()
-                 if w.address not in exclude and request.workers_key in (None, w.serves) and (view := w.view(idle))]
+                 if w.address not in exclude and w.offers(request.workers_key) and (view := w.view(idle))]
         return route(request, views, next(self._turns), self._policy)
 
     def claim(self, request: RouteRequest, decision: Decision) -> Placement:

@@ -1,22 +1,21 @@
 """The gateway follows its model repository file: a change to it (a new version, a new split, a
 version removed) takes effect without a restart, for the requests that arrive after it.
 
-The file is polled (its size and modification time, once a second: no inotify in containers whose
-ConfigMap volumes swap a symlink), re-read and validated whole; a file that does not validate, or a
-new version whose tokenizer cannot be read, leaves the previous repository serving and is logged
-with why. Requests already placed keep their version: a split moved to a new version drains the
-old one as its requests finish.
+The file is polled (services.repository.file_stamp, once a second), re-read and validated whole;
+a file that does not validate, or a new version whose tokenizer cannot be read, leaves the previous
+repository serving and is logged with why. Requests already placed keep their version: a split
+moved to a new version drains the old one as its requests finish.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 from services.gateway.catalog import ModelCatalog
 from services.gateway.service import GatewayService
 from services.repository.config import load_repository
+from services.repository.file_stamp import FileStamp
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ class RepositoryWatch:
         self._service = service
         self._max_model_len = max_model_len
         self._interval_s = interval_s
-        self._seen = self._stamp()
+        self._stamp = FileStamp(path)
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -54,20 +53,11 @@ class RepositoryWatch:
         self._service.catalog = catalog
         log.info("model repository %s reloaded: %s", self._path, catalog.describe())
 
-    def _stamp(self) -> tuple[int, int] | None:
-        try:
-            status = os.stat(self._path)
-        except OSError:
-            return None
-        return status.st_mtime_ns, status.st_size
-
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self._interval_s)
-            stamp = self._stamp()
-            if stamp == self._seen or stamp is None or self._service.catalog is None:
+            if self._service.catalog is None or not self._stamp.changed():
                 continue
-            self._seen = stamp
             try:
                 await self.reload()
             except ValueError as error:

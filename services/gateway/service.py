@@ -93,9 +93,9 @@ class GatewayService:
         listings = []
         for entry in self.served_catalog().entries:
             key = entry.version.key if entry.version is not None else None
-            workers = [worker for worker in self.registry.workers
-                       if worker.report is not None and key in (None, worker.serves)]
-            state = ("serving" if any(worker.routable for worker in workers)
+            workers = [worker for worker in self.registry.workers if worker.report is not None and worker.offers(key)]
+            # A version only retiring workers hold (a hot swap in their processes) is on its way out.
+            state = ("serving" if any(worker.routable and key in (None, worker.serves) for worker in workers)
                      else "draining" if workers else "loading")
             listings.append(ModelListing(entry.model.id, entry.version.name if entry.version is not None else "",
                                          entry.model.max_model_len, state,
@@ -234,7 +234,7 @@ class GatewayService:
                       "; ".join(decision.reasons[:1]))
             timeout = None if deadline is None else deadline - time.monotonic()
             stream = placement.decode.generate(request_id, worker_request_id, prompt, request.sampling,
-                                               decision.prefill or "", timeout, progress.resumed())
+                                               decision.prefill or "", timeout, progress.resumed(), workers_key)
             streamed = False
             try:
                 async for chunk in stream:

@@ -78,6 +78,12 @@ class RemoteWorker:
             return None
         return f"{self.report.model_name}@{self.report.model_version}"
 
+    def offers(self, version_key: str | None) -> bool:
+        """Whether it may serve a request routed for NAME@VERSION (None: any version): the version it
+        serves, or one a hot swap in its process retires and still holds (LoadReport)."""
+        return version_key is None or (self.report is not None and (
+            version_key == self.serves or version_key in self.report.retiring_versions))
+
     @property
     def in_flight(self) -> int:
         """Requests this gateway is streaming from it."""
@@ -103,12 +109,13 @@ class RemoteWorker:
         prefill_address: str,
         timeout: float | None,
         resumed: Resumed | None = None,
+        version_key: str | None = None,
     ) -> AsyncIterator[Chunk]:
         """Decode or colocated role: run a request here with its prompt (and, `resumed`, the output
         its client already has) computed by `prefill_address` (empty: by this worker), yielding
-        its chunks (labelled `request_id`). The worker's refusal or failure is a StatusError with
-        its gRPC code (and the prefill worker it blames, if any); leaving the stream early cancels
-        the request on the worker."""
+        its chunks (labelled `request_id`), on the model version `version_key` (None: the one it
+        serves). The worker's refusal or failure is a StatusError with its gRPC code (and the prefill
+        worker it blames, if any); leaving the stream early cancels the request on the worker."""
         call = self.stub.Generate(
             decode_pb2.DecodeRequest(
                 request_id=worker_request_id,
@@ -117,6 +124,7 @@ class RemoteWorker:
                 prefill_address=prefill_address,
                 output_token_ids=resumed.output_token_ids if resumed is not None else (),
                 output_text_length=(resumed.text_length or 0) if resumed is not None else 0,
+                model=version_key or "",
             ),
             timeout=timeout,
         )

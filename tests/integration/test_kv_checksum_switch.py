@@ -107,7 +107,7 @@ def test_a_grpc_receiver_that_requires_checksums_refuses_a_piece_without_one() -
         assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
         with pytest.raises(TransferError, match="without CRC32C"):
             server.receiver.completion(98).result(20)
-        assert server.receiver.pending.blocks_expected(98) is None  # the transfer let its blocks go
+        assert server.receiver.pending.expected(98) is None  # the transfer let its blocks go
     finally:
         server.receiver.close()
         server.stop()

@@ -5,6 +5,7 @@ version runs only on its own workers; start-up refuses a bad repository by name.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -59,8 +60,9 @@ def mesh(repository_file, tmp_path_factory):
         start_worker(["prefill", "--port", str(ports["prefill"]), *FLAGS, *repo, "--pool", "smollm2-q4"], wait=False),
         start_worker(["decode", "--port", str(ports["decode"]), *FLAGS, *repo, "--model-version", "smollm2@q4"],
                      wait=False),
-        start_worker(["worker", "--port", str(ports["colocated"]), *FLAGS, *repo, "--model-version", "smollm2@fp32"],
-                     wait=False),
+        # Given its version by pool, the colocated worker follows the file: a hot swap in its process.
+        start_worker(["worker", "--port", str(ports["colocated"]), *FLAGS, *repo, "--pool", "smollm2-fp32",
+                      "--memory-limit-mib", "8192"], wait=False),
         # Objectives no loaded two-core machine misses: admission must not refuse what this tests.
         start_worker(["gateway", "--port", "0", "--http-port", "0", *repo, "--ttft-slo-ms", "600000",
                       "--tpot-slo-ms", "600000", "--api-key-file", str(keys),
@@ -211,10 +213,11 @@ class _Load:
     reply said, and every failure."""
 
     def __init__(self, gateway, clients: int = 2) -> None:
-        self.served: list[tuple[str, str, int]] = []  # (version, finish_reason, completion tokens)
+        self.served: list[tuple[str, str, int, str]] = []  # (version, finish_reason, completion tokens, text)
         self.failures: list[str] = []
         self._gateway = gateway
         self._stop = threading.Event()
+        self._users = itertools.count()
         self._threads = [threading.Thread(target=self._run) for _ in range(clients)]
         for thread in self._threads:
             thread.start()
@@ -222,7 +225,8 @@ class _Load:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                status, _, reply = _complete(self._gateway, "smollm2", max_tokens=6)
+                # A new user each time: the split's sticky choice spreads the requests over the versions.
+                status, _, reply = _complete(self._gateway, "smollm2", f"user-{next(self._users)}", max_tokens=6)
             except OSError as error:
                 self.failures.append(repr(error))
                 continue
@@ -231,12 +235,13 @@ class _Load:
                 continue
             [choice] = reply["choices"]
             usage = reply["usage"]
-            self.served.append((reply["system_fingerprint"], choice["finish_reason"], usage["completion_tokens"]))
+            self.served.append((reply["system_fingerprint"], choice["finish_reason"], usage["completion_tokens"],
+                                choice["text"]))
 
     def wait_for(self, version: str, replies: int = 3) -> None:
         """Until the latest `replies` replies all came from `version`."""
         deadline = time.monotonic() + TIMEOUT_S
-        while not (len(self.served) >= replies and {v for v, _, _ in self.served[-replies:]} == {version}):
+        while not (len(self.served) >= replies and {v for v, *_ in self.served[-replies:]} == {version}):
             assert time.monotonic() < deadline, f"traffic never moved to {version}: {self.served[-5:]}"
             assert not self.failures, self.failures
             time.sleep(0.2)
@@ -276,8 +281,55 @@ def test_a_version_swapped_in_and_out_under_load_fails_no_request(mesh, reposito
         load.stop()
         _rewrite(repository_file, REPOSITORY)
     assert not load.failures, load.failures
-    assert {(reason, tokens) for _, reason, tokens in load.served} == {("length", 6)}
-    assert {version for version, _, _ in load.served} == {"smollm2@q4", "smollm2@fp32"}
+    assert {(reason, tokens) for _, reason, tokens, _ in load.served} == {("length", 6)}
+    assert {version for version, *_ in load.served} == {"smollm2@q4", "smollm2@fp32"}
+
+
+def _wait_for_versions(worker, serving: str, retiring: list[str]) -> None:
+    """Until the worker's load reports say it serves `serving` and still holds `retiring` (a version
+    leaves the list when it is unloaded)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        report = load_report(worker)
+        if (report.model_version, list(report.retiring_versions)) == (serving, retiring):
+            return
+        assert time.monotonic() < deadline, (report.model_version, report.retiring_versions, worker.log_tail())
+        time.sleep(0.3)
+
+
+def test_a_version_swapped_inside_the_colocated_workers_process_fails_no_request(mesh, repository_file):
+    """The file assigns the colocated worker's pool an int8 version: it loads beside fp32 and both are
+    served; the split moves to int8 and fp32 is unloaded; then the same two edits roll back. Under
+    steady load no request fails, and each version answers as it always does (greedy)."""
+    *_, colocated, gateway = mesh
+    int8 = '[[model.version]]\nname = "int8"\npath = "shipped"\nquantization = "int8"\npool = "{pool}"\n'
+    both = two_versions(fp32_extra='pool = "standby"') + int8.format(pool="smollm2-fp32")
+    load = _Load(gateway)
+    try:
+        _rewrite(repository_file, both)
+        _wait_for_versions(colocated, "int8", ["smollm2@fp32"])
+        deadline = time.monotonic() + TIMEOUT_S
+        while (states := {entry["id"]: entry["state"] for entry in _http(gateway, "/v1/models")[2]["data"]}) != {
+                "smollm2@q4": "serving", "smollm2@int8": "serving", "smollm2@fp32": "draining"}:
+            assert time.monotonic() < deadline, states  # fp32 is held only as a retiring version
+            time.sleep(0.2)
+        _rewrite(repository_file, both.replace("fp32 = 50", "int8 = 50"))
+        _wait_for_versions(colocated, "int8", [])
+        assert _complete(gateway, "smollm2@int8")[0] == 200
+        _rewrite(repository_file, two_versions("q4 = 50, int8 = 50") + int8.format(pool="standby"))
+        _wait_for_versions(colocated, "fp32", ["smollm2@int8"])
+        _rewrite(repository_file, REPOSITORY)
+        _wait_for_versions(colocated, "fp32", [])
+    finally:
+        load.stop()
+        _rewrite(repository_file, REPOSITORY)
+    assert not load.failures, load.failures
+    texts: dict[str, set[str]] = {}
+    for version, reason, tokens, text in load.served:
+        assert (reason, tokens) == ("length", 6)
+        texts.setdefault(version, set()).add(text)
+    assert set(texts) >= {"smollm2@q4", "smollm2@fp32", "smollm2@int8"}, texts
+    assert all(len(answers) == 1 for answers in texts.values()), texts
 
 
 def test_a_repository_change_that_does_not_validate_leaves_the_previous_one_serving(mesh, repository_file):
