@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from math import prod
 
 import torch
-from gguf import GGUFReader
 
 from engine.config import EngineConfig
 from engine.formats import choose_dtype
 from engine.hardware import probe
 from engine.kv_cache.cache_engine import bytes_per_block
 from engine.kv_cache.codec import kv_format
+from engine.model.gguf_file import gguf_reader
 from engine.model.gguf_loader import gguf_model_config
 from engine.model.hf_loader import config_from_hf, safetensors_files
 from engine.model.paths import default_model_path
@@ -70,7 +70,7 @@ def predict_footprint(config: EngineConfig) -> Footprint:
         stored_as = None if quantization is None else quantization.method
         tensors = _safetensors_tensors(path)
     else:
-        reader = GGUFReader(path)
+        reader = gguf_reader(path)
         model = gguf_model_config(reader, path)
         stored_as = "gguf"
         tensors = _Tensors(sum(int(t.n_elements) for t in reader.tensors), sum(int(t.n_bytes) for t in reader.tensors))

@@ -13,11 +13,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader, TokenType
+from gguf import TokenType
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.chat_template import ChatTemplate
+from engine.model.gguf_file import gguf_reader
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ def _byte_level_pre_tokenizer(pre: str, add_prefix_space: bool) -> pre_tokenizer
 
 
 def _load_gguf(path: Path) -> Tokenizer:
-    reader = GGUFReader(path)
+    reader = gguf_reader(path)
 
     def field(key: str, default: Any = None) -> Any:
         found = reader.get_field(key)

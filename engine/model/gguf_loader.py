@@ -13,6 +13,7 @@ from gguf.quants import dequantize
 
 from engine.config import ModelConfig, RopeScaling
 from engine.model.gguf_blocks import FLOAT_TYPES, as_quantized, permute_rows
+from engine.model.gguf_file import gguf_reader
 from engine.model.quantized import KeepWeight, QuantizedWeight, Weight
 
 _GLOBAL_NAMES = {
@@ -41,7 +42,7 @@ def load_gguf(path: str, dtype: torch.dtype, keep: KeepWeight | None = None) -> 
     QuantizedWeight for the block types gguf_blocks maps, else dequantized to `dtype` (with `keep`,
     the part of it `keep(config, name, tensor)` returns, taken before the next tensor is read); and
     the tensors stored in other block types (HF name -> block type), which no kernel serves."""
-    reader = GGUFReader(path)
+    reader = gguf_reader(path)
     config = gguf_model_config(reader, path)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     dequantized: dict[str, str] = {}

@@ -66,9 +66,9 @@ def _context_length(source: str) -> int:
     if os.path.isdir(source):
         with open(os.path.join(source, "config.json"), encoding="utf-8") as config:
             return int(json.load(config)["max_position_embeddings"])
-    from gguf import GGUFReader
+    from engine.model.gguf_file import gguf_reader
 
-    reader = GGUFReader(source)
+    reader = gguf_reader(source)
     architecture = reader.get_field("general.architecture")
     length = reader.get_field(f"{architecture.contents()}.context_length") if architecture else None
     if length is None:
