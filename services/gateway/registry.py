@@ -180,10 +180,11 @@ class WorkerRegistry:
         cached: dict[str, int] = {}
         hashes_by_size: dict[int, list[bytes]] = {}
         for worker in self._workers.values():
-            if worker.report is None:
-                continue  # not routed to
+            # Not routed to, or another version's (decide never offers it this request).
+            if worker.report is None or workers_key not in (None, worker.serves):
+                continue
             block_size = worker.report.block_size
-            hashes = hashes_by_size.setdefault(block_size, prompt_block_hashes(prompt_token_ids, block_size))
+            hashes = _block_hashes(hashes_by_size, prompt_token_ids, block_size)
             tokens = self.prefix_index.cached_tokens(worker.address, hashes, block_size)
             if tokens:
                 cached[worker.address] = tokens
@@ -209,13 +210,22 @@ class WorkerRegistry:
             if report is None or not request.token_ids:
                 continue
             block_size = report.block_size
-            hashes = hashes_by_size.setdefault(block_size, prompt_block_hashes(request.token_ids, block_size))
+            hashes = _block_hashes(hashes_by_size, request.token_ids, block_size)
             self.prefix_index.record(worker.address, hashes, report.total_kv_blocks)
         return Placement(decision, decode, prefill, request, self._changed)
 
     def _changed(self) -> None:
         for listener in self._listeners:
             listener()
+
+
+def _block_hashes(by_size: dict[int, list[bytes]], token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The prompt's block hashes at `block_size`, computed once per size (`by_size` keeps them):
+    hashing a long prompt costs far more than a prefix lookup, and the workers share a size."""
+    hashes = by_size.get(block_size)
+    if hashes is None:
+        hashes = by_size[block_size] = prompt_block_hashes(token_ids, block_size)
+    return hashes
 
 
 __all__ = ["NoWorkerError", "Placement", "WorkerRegistry"]

@@ -17,10 +17,10 @@ import urllib.request
 
 import grpc
 import pytest
-from repository_files import two_versions
 
 from bench.harness.leak_check import load_report
 from bench.harness.ports import free_port
+from bench.harness.repository_files import two_versions
 from bench.harness.worker import start_worker
 from services.client import TandemClient
 from services.repository.config import load_repository

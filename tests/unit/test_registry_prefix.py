@@ -1,0 +1,55 @@
+"""The registry's prefix bookkeeping per request: which workers' cached prefixes a request is
+offered, and that its prompt is hashed once per block size however many workers there are."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from tandem.v1 import common_pb2
+
+from engine.kv_cache.block_hash import prompt_block_hashes
+from services.gateway import registry as registry_module
+from services.gateway.registry import WorkerRegistry
+
+PROMPT = list(range(1000, 1064))  # 4 blocks of 16
+
+
+def _registry(versions: list[str]) -> WorkerRegistry:
+    """One prefill worker per version of model "m", each holding the whole prompt's prefix."""
+    registry = WorkerRegistry(prefill=[f"10.0.2.{i}:50061" for i in range(len(versions))])
+    for worker, version in zip(registry.workers, versions, strict=True):
+        worker.serving = True
+        worker.report = common_pb2.LoadReport(role="prefill", block_size=16, total_kv_blocks=100,
+                                              free_kv_blocks=100, model_name="m", model_version=version)
+        registry.prefix_index.record(worker.address, prompt_block_hashes(PROMPT, 16), 100)
+    return registry
+
+
+def test_a_request_for_a_version_is_offered_only_its_own_workers_cached_prefixes() -> None:
+    async def scenario() -> None:
+        registry = _registry(["a", "b", "a"])
+        assert registry.route_request(PROMPT, 8, workers_key="m@a").cached_tokens == {
+            "10.0.2.0:50061": 64, "10.0.2.2:50061": 64}
+        assert len(registry.route_request(PROMPT, 8).cached_tokens) == 3  # a gateway of one model: any
+        await registry.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_prompt_is_hashed_once_per_block_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def counted(token_ids, block_size):
+        calls.append(block_size)
+        return prompt_block_hashes(token_ids, block_size)
+
+    monkeypatch.setattr(registry_module, "prompt_block_hashes", counted)
+
+    async def scenario() -> None:
+        registry = _registry(["a"] * 8)
+        registry.route_request(PROMPT, 8)
+        assert calls == [16]
+        await registry.close()
+
+    asyncio.run(scenario())
