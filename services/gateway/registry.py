@@ -181,7 +181,7 @@ class WorkerRegistry:
         hashes_by_size: dict[int, list[bytes]] = {}
         for worker in self._workers.values():
             # Not routed to, or another version's (decide never offers it this request).
-            if worker.report is None or workers_key not in (None, worker.serves):
+            if worker.report is None or not worker.offers(workers_key):
                 continue
             block_size = worker.report.block_size
             hashes = _block_hashes(hashes_by_size, prompt_token_ids, block_size)
