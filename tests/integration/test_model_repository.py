@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -72,6 +74,11 @@ def mesh(repository_file, tmp_path_factory):
     try:
         for process in processes:
             process.wait_ready()
+        # The gateway serves once one version's workers report; the tests need every version's.
+        deadline = time.monotonic() + TIMEOUT_S
+        while {entry["state"] for entry in _http(processes[-1], "/v1/models")[2]["data"]} != {"serving"}:
+            assert time.monotonic() < deadline, processes[-1].log_tail()
+            time.sleep(0.2)
         yield processes
     finally:
         for process in reversed(processes):
@@ -187,6 +194,30 @@ def test_an_unknown_model_or_version_is_not_found_by_name(mesh):
 def _split(gateway, split: dict, key: str = ADMIN_KEY, model: str = "smollm2") -> tuple[int, dict]:
     status, _, reply = _http(gateway, f"/v1/admin/models/{model}/split", {"split": split}, key, "PUT")
     return status, reply
+
+
+def test_an_80_20_split_serves_each_version_its_share_of_users_within_a_binomial_bound(mesh):
+    """200 users through the mesh at 80/20: the q4 share lies within 4 standard deviations of 160,
+    and a user asking again gets the version it got."""
+    *_, gateway = mesh
+    users = [f"split-user-{index}" for index in range(200)]
+
+    def served(user: str) -> str:
+        status, _, reply = _complete(gateway, "smollm2", user, max_tokens=1)
+        assert status == 200, reply
+        return reply["system_fingerprint"]
+
+    assert _split(gateway, {"q4": 80, "fp32": 20})[0] == 200
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            first = dict(zip(users, pool.map(served, users), strict=True))
+            again = dict(zip(users[:20], pool.map(served, users[:20]), strict=True))
+    finally:
+        assert _split(gateway, {"q4": 50, "fp32": 50})[0] == 200
+    q4 = sum(version == "smollm2@q4" for version in first.values())
+    assert abs(q4 - 160) <= 4 * math.sqrt(200 * 0.8 * 0.2), q4
+    assert set(first.values()) == {"smollm2@q4", "smollm2@fp32"}
+    assert again == {user: first[user] for user in users[:20]}
 
 
 def test_an_admin_key_moves_a_split_at_run_time(mesh, repository_file):
