@@ -17,13 +17,18 @@ back to back:
    swap ends when q4 serves the load again;
 4. after: --after-s seconds at 50 / 50.
 
+With --in-process the colocated worker swaps in its own process instead (services.decode.model_swap:
+it takes its version by pool, under a memory limit): the file assigns its pool an int8 version, which
+loads beside fp32 (both served); the split moves from fp32 to int8 and fp32 is unloaded; then the
+same two edits back to fp32. No process restarts.
+
 A request counts in the phase it started in, and in the step of a swap it started in (those rows
 show where a swap costs); TTFT and TPOT are measured at the client. Failed (an error) and short
 (fewer than --max-tokens tokens) requests are counted. The gateway's objectives are out of reach of
 refusal, as in the integration test: this measures latency, not admission.
 Targets: no failed or short request; swap p99 within 1.5x of steady.
 
-    python -m bench hot_swap [--steady-s 90] [--swaps 3] [--after-s 30] [--clients 2] [--quick]
+    python -m bench hot_swap [--steady-s 90] [--swaps 3] [--after-s 30] [--clients 2] [--in-process] [--quick]
 
 Writes bench/results/hot_swap.json (a --quick run's under bench/results/smoke/); exits 1 when a
 request failed or came short, or a process exited uncleanly.
@@ -40,6 +45,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.harness.leak_check import load_report
 from bench.harness.load_clients import random_tokens
 from bench.harness.metrics import percentiles
 from bench.harness.ports import free_port
@@ -49,7 +55,8 @@ from bench.harness.verdict import finish
 from bench.harness.version_load import Sample, VersionLoad
 from bench.harness.worker import WorkerProcess, start_worker
 
-MODEL, Q4, FP32 = "smollm2", "smollm2@q4", "smollm2@fp32"
+MODEL, Q4, FP32, INT8 = "smollm2", "smollm2@q4", "smollm2@fp32", "smollm2@int8"
+COLOCATED_POOL = "smollm2-fp32"
 FLAGS = ("--threads", "1", "--kv-cache-mib", "64")
 P99_TARGET = 1.5
 RELOAD_S = 2.0  # the gateway polls the file once a second: replies started this long after a rewrite see it
@@ -64,6 +71,13 @@ def repository(q4_percent: int) -> str:
     return two_versions(f"q4 = {q4_percent}, fp32 = {100 - q4_percent}", name=MODEL)
 
 
+def int8_beside(split: str, int8_pool: str, fp32_pool: str) -> str:
+    """The file with an int8 version as well, each version of the colocated pool's pair on the pool
+    named."""
+    int8 = f'[[model.version]]\nname = "int8"\npath = "shipped"\nquantization = "int8"\npool = "{int8_pool}"\n'
+    return two_versions(split, f'pool = "{fp32_pool}"', name=MODEL) + int8
+
+
 def rewrite(path: Path, text: str) -> None:
     """Replace the file at once, as a ConfigMap update lands: the gateway never reads half of it."""
     staged = path.with_suffix(".new")
@@ -71,14 +85,17 @@ def rewrite(path: Path, text: str) -> None:
     os.replace(staged, path)
 
 
-def start(path: Path) -> dict[str, WorkerProcess]:
-    """The mesh's processes by name (the gateway last), once every one is serving."""
+def start(path: Path, in_process: bool) -> dict[str, WorkerProcess]:
+    """The mesh's processes by name (the gateway last), once every one is serving; `in_process`: the
+    colocated worker follows its pool's version in the file."""
     ports = {name: free_port() for name in ("prefill", "decode", "colocated")}
     repo = ["--model-repository", str(path)]
     arg_lists = {
         "prefill": ["prefill", "--port", str(ports["prefill"]), *FLAGS, *repo, "--model-version", Q4],
         "decode": ["decode", "--port", str(ports["decode"]), *FLAGS, *repo, "--model-version", Q4],
-        "colocated": ["worker", "--port", str(ports["colocated"]), *FLAGS, *repo, "--model-version", FP32],
+        "colocated": ["worker", "--port", str(ports["colocated"]), *FLAGS, *repo,
+                      *(("--pool", COLOCATED_POOL, "--memory-limit-mib", "8192") if in_process
+                        else ("--model-version", FP32))],
         "gateway": ["gateway", "--port", "0", "--http-port", "0", *repo, "--ttft-slo-ms", "600000",
                     "--tpot-slo-ms", "600000", *(f"--{name}=127.0.0.1:{port}" for name, port in ports.items())],
     }
@@ -129,6 +146,36 @@ def swap(processes: dict[str, WorkerProcess], path: Path, load: VersionLoad) -> 
     return windows, codes, probes
 
 
+def swap_in_process(processes: dict[str, WorkerProcess], path: Path, load: VersionLoad) -> list[Window]:
+    """fp32 -> int8 -> fp32 inside the colocated worker's process (--in-process); each step's window."""
+    windows: list[Window] = []
+    begun = time.monotonic()
+
+    def step(name: str, serving: str, retiring: list[str], served: str | None = None) -> None:
+        nonlocal begun
+        deadline = time.monotonic() + TIMEOUT_S
+        while (report := load_report(processes["colocated"])).model_version != serving or list(
+                report.retiring_versions) != retiring:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: the colocated worker never reported {serving} {retiring}")
+            time.sleep(0.2)
+        if served is not None:
+            load.wait_for(begun + RELOAD_S, lambda replies: sum(s.version == served for s in replies) >= SETTLED,
+                          f"{served} serving the load", TIMEOUT_S)
+        windows.append((name, begun, time.monotonic()))
+        begun = time.monotonic()
+
+    rewrite(path, int8_beside("q4 = 50, fp32 = 50", COLOCATED_POOL, "standby"))
+    step("loading int8", "int8", [FP32])
+    rewrite(path, int8_beside("q4 = 50, int8 = 50", COLOCATED_POOL, "standby"))
+    step("moving to int8", "int8", [], INT8)
+    rewrite(path, int8_beside("q4 = 50, int8 = 50", "standby", COLOCATED_POOL))
+    step("loading fp32", "fp32", [INT8])
+    rewrite(path, repository(50))
+    step("moving back", "fp32", [], FP32)
+    return windows
+
+
 def summary(samples: Sequence[Sample], windows: Sequence[Window], max_tokens: int) -> dict:
     """The counts of the requests started in `windows`, and their completed ones' TTFT and TPOT
     percentiles (ms)."""
@@ -158,7 +205,7 @@ def run(args: argparse.Namespace) -> tuple[list[Sample], dict[str, list[Window]]
     with tempfile.TemporaryDirectory(prefix="tandem-hot-swap-") as folder:
         path = Path(folder) / "models.toml"
         path.write_text(repository(50))
-        processes = start(path)
+        processes = start(path, args.in_process)
         try:
             load = VersionLoad(str(processes["gateway"].address), MODEL, args.clients, args.prompt_tokens,
                                args.max_tokens)
@@ -168,7 +215,10 @@ def run(args: argparse.Namespace) -> tuple[list[Sample], dict[str, list[Window]]
                 time.sleep(args.steady_s)
                 phases["steady"] = [("steady", begun, time.monotonic())]
                 for number in range(args.swaps):
-                    windows, stopped, refused = swap(processes, path, load)
+                    if args.in_process:
+                        windows, stopped, refused = swap_in_process(processes, path, load), {}, 0
+                    else:
+                        windows, stopped, refused = swap(processes, path, load)
                     phases.setdefault("swap", []).append(("swap", windows[0][1], windows[-1][2]))
                     for window in windows:
                         phases.setdefault(f"  {window[0]}", []).append(window)
@@ -194,6 +244,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--steady-s", type=float, default=90.0, help="seconds of the steady phase")
     parser.add_argument("--swaps", type=int, default=3, help="swaps, back to back (more requests in the swap phase)")
     parser.add_argument("--after-s", type=float, default=30.0, help="seconds of the phase after the swaps")
+    parser.add_argument("--in-process", action="store_true",
+                        help="swap inside the colocated worker's process (fp32 -> int8 -> fp32), no restart")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 3 s warm-up, 10 s steady, one swap, 5 s "
                         "after; results under results/smoke/")
     args = parser.parse_args(argv)
