@@ -6,8 +6,9 @@ file assigns the worker's pool another version, the worker:
 1. predicts what the new version will hold (engine.footprint: its weights in the format it will
    serve them in, and its KV cache) and refuses, with a log line naming both sizes and the limit, if
    that beside what the process holds now exceeds `--memory-limit-mib` (or no limit was given);
-2. loads it beside the version serving (a version that fails to load is logged with why and the old
-   one keeps serving), profiles it and makes it the one new requests get: its load reports name it,
+2. loads it beside the version serving, on a thread at the lowest CPU priority so that the serving
+   version keeps the cores (a version that fails to load is logged with why and the old one keeps
+   serving), profiles it and makes it the one new requests get: its load reports name it,
    and the old version among `retiring_versions`, so the gateway may still route the old one here;
 3. unloads the old version once the repository has routed no traffic to it (its split weight is 0,
    or the file no longer lists it) for `retire_after_s` and its last request has finished.
@@ -20,12 +21,16 @@ back; while the old version is still loaded, going back to it loads nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.footprint import Footprint, predict_footprint, resident_bytes
 from services.common.worker import load_engine
 from services.decode.served_engines import ServedEngines
@@ -35,6 +40,7 @@ from services.repository.file_stamp import FileStamp
 log = logging.getLogger(__name__)
 
 _MIB = 1024 * 1024
+_BACKGROUND_NICE = 19  # the loading thread's niceness: the least CPU share Linux gives
 
 
 @dataclass(frozen=True)
@@ -152,7 +158,7 @@ class ModelSwap:
         log.info("pool %s: loading %s beside %s (about %.0f MiB)", self._settings.pool, version.key, serving,
                  footprint.total_bytes / _MIB)
         try:
-            engine = await asyncio.to_thread(load_engine, config)
+            engine = await _in_background(load_engine, config)
         except Exception as error:  # whatever the new weights do, the old version keeps serving
             log.error("hot swap of pool %s to %s failed, %s keeps serving: %s", self._settings.pool, version.key,
                       serving, error)
@@ -178,3 +184,32 @@ class ModelSwap:
                 self._unrouted_since.pop(key, None)
                 log.info("pool %s: %s unloaded (%.0f MiB resident)", self._settings.pool, key,
                          resident_bytes() / _MIB)
+
+
+async def _in_background(load: Callable[[EngineConfig], Engine], config: EngineConfig) -> Engine:
+    """`load(config)` on a thread of its own at the lowest CPU priority (Linux nices threads one by
+    one), so that reading and converting the new weights yields the cores to the version serving."""
+    done: asyncio.Future[Engine] = asyncio.get_running_loop().create_future()
+    loop = asyncio.get_running_loop()
+
+    def run() -> None:
+        with contextlib.suppress(OSError):  # not Linux, or not permitted: load at normal priority
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
+        try:
+            engine = load(config)
+        except BaseException as error:  # handed to the awaiting coroutine
+            loop.call_soon_threadsafe(_settle, done, None, error)
+        else:
+            loop.call_soon_threadsafe(_settle, done, engine, None)
+
+    threading.Thread(target=run, name="model-swap-load", daemon=True).start()
+    return await done
+
+
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
