@@ -314,6 +314,9 @@ def test_a_version_swapped_in_and_out_under_load_fails_no_request(mesh, reposito
     assert not load.failures, load.failures
     assert {(reason, tokens) for _, reason, tokens, _ in load.served} == {("length", 6)}
     assert {version for version, *_ in load.served} == {"smollm2@q4", "smollm2@fp32"}
+    # Greedy: each version answers as it always does, restarted workers included.
+    texts = {version: {text for v, *_, text in load.served if v == version} for version, *_ in load.served}
+    assert all(len(answers) == 1 for answers in texts.values()), texts
 
 
 def _wait_for_versions(worker, serving: str, retiring: list[str]) -> None:
