@@ -8,7 +8,7 @@ beside them and is covered by measuring the process as it is, not predicted:
 - weights: each tensor's elements at the served format's size: the checkpoint's own bytes where the
   integer groups are served as stored ("gguf", "gptq", "awq"), one byte an element for "int8", the
   dtype's size for float weights ("none"). The headers (GGUF's tensor table, safetensors' JSON)
-  give the counts without reading the data;
+  give the counts without reading the data (a safetensors checkpoint's own bytes are its files');
 - the KV cache: its memory budget, or its explicit block count times a block's bytes.
 """
 
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from dataclasses import dataclass
 from math import prod
 
 import torch
+from safetensors import safe_open
 
 from engine.config import EngineConfig
 from engine.formats import choose_dtype
@@ -33,9 +33,6 @@ from engine.model.hf_loader import config_from_hf, safetensors_files
 from engine.model.paths import default_model_path
 from engine.model.quant_config import read_checkpoint_quantization
 from engine.model.weight_formats import OWN_GROUPS, choose_quantization
-
-_SAFETENSORS_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                      "BOOL": 1}
 
 
 @dataclass(frozen=True)
@@ -54,7 +51,7 @@ class Footprint:
 @dataclass(frozen=True)
 class _Tensors:
     elements: int  # every tensor's elements
-    stored_bytes: int  # as the checkpoint holds them
+    stored_bytes: int  # as the checkpoint holds them (a safetensors file's header included)
 
 
 def predict_footprint(config: EngineConfig) -> Footprint:
@@ -91,18 +88,12 @@ def predict_footprint(config: EngineConfig) -> Footprint:
 
 
 def _safetensors_tensors(path: str) -> _Tensors:
-    """Every tensor's elements and bytes from the safetensors headers (8-byte length, then JSON)."""
+    """Every tensor's elements (from the safetensors headers) and the bytes the files hold."""
     elements = stored = 0
     for shard in safetensors_files(path):
-        with open(shard, "rb") as file:
-            (length,) = struct.unpack("<Q", file.read(8))
-            header = json.loads(file.read(length))
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            count = prod(entry["shape"])
-            elements += count
-            stored += count * _SAFETENSORS_SIZES.get(entry["dtype"], 4)
+        with safe_open(shard, framework="pt") as file:
+            elements += sum(prod(file.get_slice(name).get_shape()) for name in file.keys())  # noqa: SIM118
+        stored += os.path.getsize(shard)
     return _Tensors(elements, stored)
 
 

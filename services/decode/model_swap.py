@@ -27,6 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -189,27 +190,13 @@ class ModelSwap:
 async def _in_background(load: Callable[[EngineConfig], Engine], config: EngineConfig) -> Engine:
     """`load(config)` on a thread of its own at the lowest CPU priority (Linux nices threads one by
     one), so that reading and converting the new weights yields the cores to the version serving."""
-    done: asyncio.Future[Engine] = asyncio.get_running_loop().create_future()
-    loop = asyncio.get_running_loop()
-
-    def run() -> None:
-        with contextlib.suppress(OSError):  # not Linux, or not permitted: load at normal priority
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
-        try:
-            engine = load(config)
-        except BaseException as error:  # handed to the awaiting coroutine
-            loop.call_soon_threadsafe(_settle, done, None, error)
-        else:
-            loop.call_soon_threadsafe(_settle, done, engine, None)
-
-    threading.Thread(target=run, name="model-swap-load", daemon=True).start()
-    return await done
+    pool = ThreadPoolExecutor(1, thread_name_prefix="model-swap-load", initializer=_lower_priority)
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, load, config)
+    finally:
+        pool.shutdown(wait=False)
 
 
-def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError):  # not Linux, or not permitted: load at normal priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)

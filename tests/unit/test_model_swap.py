@@ -86,6 +86,7 @@ class _Process:
         limit = [] if memory_limit_mib is None else ["--memory-limit-mib", str(memory_limit_mib)]
         args = build_parser().parse_args(["worker", "--model-repository", self.path, "--pool", "serving",
                                           "--dtype", "float32", "--kv-cache-blocks", "32", *limit])
+        self.args = args
         self.configure = lambda version: engine_config(args, "colocated", version)
         self.settings = swap_settings(args)
         self.rpcs: WorkerRpcs[DecodeWorker] = WorkerRpcs()
@@ -94,9 +95,7 @@ class _Process:
         self.clock = _Clock()
 
     async def start(self) -> ModelSwap:
-        engine = await asyncio.to_thread(Engine, engine_config(build_parser().parse_args(
-            ["worker", "--model-repository", self.path, "--pool", "serving", "--dtype", "float32",
-             "--kv-cache-blocks", "32"]), "colocated"))
+        engine = await asyncio.to_thread(Engine, engine_config(self.args, "colocated"))
         worker = DecodeWorker("127.0.0.1:1", engine, asyncio.Event(), GrpcReceiver("127.0.0.1:1"), 5.0)
         await self.engines.start(worker)
         self.engines.kv_transfer = KVTransferServicer(worker.layout, None)
