@@ -28,6 +28,10 @@ from services.common.failure import Failure, WorkerError
 from services.common.worker import RoleWorker
 from services.decode.progress import DecodeProgress, DecodeStage, PrefillFigures
 
+# The engine's own deadline for a reservation frees its blocks even if this worker never ends the
+# request; it passes after the worker's (`kv_timeout`), so that the worker's DEADLINE answers first.
+_ENGINE_BACKSTOP = 2.0
+
 
 @dataclass(frozen=True)
 class PrefillReply:
@@ -105,7 +109,7 @@ class DecodeWorker(RoleWorker):
         """
         try:
             reservation = _reservation(await self.loop.call(
-                Reserve(request_id, prompt_token_ids, params, resumed, self.kv_timeout)))
+                Reserve(request_id, prompt_token_ids, params, resumed, _ENGINE_BACKSTOP * self.kv_timeout)))
         except asyncio.CancelledError:
             # The engine thread may have reserved already; this abort runs after it, in order.
             self.loop.submit(Abort(request_id))
