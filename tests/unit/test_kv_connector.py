@@ -31,8 +31,8 @@ def _pages(engine: Engine, blocks: tuple[int, ...]) -> list[tuple[torch.Tensor, 
     return [engine.runner.cache.gather_blocks(layer, blocks) for layer in range(engine.model_config.num_layers)]
 
 
-@pytest.mark.parametrize("ended_by", ["abort", "deadline"])
-@pytest.mark.parametrize("next_id", ["other", "same"], ids=["new-request-id", "same-request-id"])
+@pytest.mark.parametrize(("ended_by", "next_id"), [("abort", "same"), ("deadline", "other")],
+                         ids=["cancelled-then-same-request-id", "timed-out-then-new-request-id"])
 def test_a_late_page_never_lands_in_the_blocks_next_owner(make_engine, tokenizer, ended_by, next_id):
     # Two blocks of 16 tokens each hold a prompt, its 6 new tokens and the slot after them.
     old_prompt = tokenizer.encode("Paged attention keeps the KV cache in fixed-size blocks, so that a request's "
