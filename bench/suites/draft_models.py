@@ -22,8 +22,8 @@ import torch
 from bench.harness.machine import describe
 from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
 from bench.suites.speculative import chat, closed_loop
+from engine.compose import build_engine
 from engine.config import CacheConfig, EngineConfig
-from engine.engine import Engine
 from engine.speculative.config import SpeculativeConfig
 from services.common.malloc_arenas import limit_malloc_arenas
 
@@ -58,7 +58,8 @@ def main(argv: Sequence[str]) -> int:
     runs: dict[str, dict[str, list[dict]]] = {}
     formats: dict[str, str] = {}
     for target, fmt in TARGETS.items():
-        engines = {name: Engine(EngineConfig(cache=CacheConfig(enable_prefix_caching=False), speculative=spec, **fmt))
+        engines = {name: build_engine(EngineConfig(cache=CacheConfig(enable_prefix_caching=False),
+                                                   speculative=spec, **fmt))
                    for name, spec in configs.items()}
         formats[target] = engines["none"].formats.describe()
         prompts = chat(engines["none"], args.prompts)
