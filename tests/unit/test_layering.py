@@ -360,7 +360,6 @@ def test_no_two_packages_import_each_other() -> None:
 # each entry goes with its circle (the test below fails on an entry whose circle is gone).
 KNOWN_CIRCLES = {
     "engine.model.int8_activations": "plan: weight products planned at load (issue 40 part 4)",
-    "kvtransfer.grpc_stream": "circles: the transport Protocols in one module",
 }
 
 
