@@ -21,6 +21,7 @@ from engine.outputs import RequestOutput
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
 from engine.speculative.config import SpeculativeConfig
+from engine.speculative.ngram import NgramProposer
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=None)
 PASSAGE = ("The river Thames flows through southern England, including London. It is the longest river entirely "
@@ -252,6 +253,14 @@ def test_seeded_draws_match_on_the_tiny_model(tiny_engines):
                 for seed in range(40)}
     reference, ours = _run(plain, requests), _run(spec, requests)
     assert {rid: _tokens(o) for rid, o in ours.items()} == {rid: _tokens(o) for rid, o in reference.items()}
+
+
+def test_an_engine_takes_a_proposer_exactly_when_its_config_speculates():
+    """Refused before any load: an engine built without build_engine cannot lose its speculation unnoticed."""
+    with pytest.raises(ValueError, match="speculative: a proposer goes with --speculative-config"):
+        Engine(EngineConfig(speculative=SPEC))
+    with pytest.raises(ValueError, match="speculative: a proposer goes with --speculative-config"):
+        Engine(EngineConfig(), proposer=NgramProposer(1, 1))
 
 
 # ---- a draft model -------------------------------------------------------------------------------
