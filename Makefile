@@ -79,19 +79,13 @@ bench: install $(BENCH_STAMP)
 	$(BENCH) decode_overhead
 	$(BENCH) fidelity
 	$(BENCH) gptq_awq
-	$(BENCH) cpu_weights
 	$(BENCH) weight_formats
-	$(BENCH) bf16_products
-	$(BENCH) prompt_fp16
-	$(BENCH) int8_prefill
 	$(BENCH) kv_transfer
-	$(BENCH) device_checksum
 	$(BENCH) mesh_overhead
 	$(BENCH) links || [ $$? -eq 2 ]  # 2: no network namespaces here (needs root), said on stderr
 	$(BENCH) tensor_parallel
 	$(BENCH) kv_relay
 	$(BENCH) tracing_overhead
-	$(BENCH) routing_overhead
 	$(BENCH) version_routing
 	$(BENCH) planner_sim
 	$(BENCH) cancel_storm

@@ -14,13 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 SUITES = (
-    "engine_throughput", "speed", "decode_overhead", "fidelity", "cpu_weights", "weight_formats", "bf16_products",
-    "int8_prefill",
-    "gptq_awq", "prompt_fp16", "kv_transfer", "device_checksum", "mesh_overhead", "links", "routing_overhead",
-    "version_routing", "hot_swap",
-    "tracing_overhead", "tensor_parallel", "kv_relay",
-    "goodput", "speculative", "draft_models",
-    "prompt_batching", "planner_sim", "cancel_storm", "overload", "soak", "hf_export",
+    "engine_throughput", "speed", "decode_overhead", "fidelity", "weight_formats", "gptq_awq",
+    "kv_transfer", "mesh_overhead", "links", "tracing_overhead", "version_routing", "hot_swap",
+    "tensor_parallel", "kv_relay", "goodput", "speculative", "planner_sim",
+    "cancel_storm", "overload", "soak", "hf_export",
 )
 
 
