@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.harness.machine import describe
-from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.common.machine import describe
+from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 from bench.throughput.roofline import best_seconds
 from engine.model.kernels import kernels, pack_bf16_pairs
 

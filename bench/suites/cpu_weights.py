@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.harness.model_quality import document_windows, first_difference, perplexity
-from bench.harness.suite import command_line, results_path, suite_parser, write_results
+from bench.common.model_quality import document_windows, first_difference, perplexity
+from bench.common.suite import command_line, results_path, suite_parser, write_results
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.model.loader import load_model_files

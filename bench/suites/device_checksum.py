@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from bench.harness.suite import command_line, results_path, suite_parser, write_results
+from bench.common.suite import command_line, results_path, suite_parser, write_results
 from kvtransfer.device_checksum import torch_device_checksum
 from kvtransfer.torch_dist import Header, Kind, PageRun, pages_header, payload_checksum
 

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.harness.machine import describe
-from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.common.machine import describe
+from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 from bench.suites.speculative import chat, closed_loop
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine

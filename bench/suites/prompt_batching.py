@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.harness.suite import command_line, results_path, suite_parser, write_results
-from bench.harness.workload import build_workload
+from bench.common.suite import command_line, results_path, suite_parser, write_results
+from bench.common.workload import build_workload
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.model.loader import load_model_files

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.harness.machine import describe
-from bench.harness.model_quality import document_windows
-from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.common.machine import describe
+from bench.common.model_quality import document_windows
+from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.model import linear

@@ -18,8 +18,8 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from bench.harness.call_timer import drain_s, median_call_s
-from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.common.call_timer import drain_s, median_call_s
+from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 from services.common.step_model import StepModel
 from services.gateway.admission import Admission
 from services.gateway.router import Decision, RouteRequest, SloTargets, WorkerView, route
