@@ -1,4 +1,4 @@
-"""The benchmark suites, one module each, run as `python -m bench SUITE [flags]` (or `tandem bench SUITE`).
+"""The benchmark suites, one module each, run as `python -m bench SUITE [flags]` from the repository root.
 
 A suite module has a docstring (its first sentence is the suite's summary in `python -m bench --help`)
 and `main(argv) -> int`, which parses the suite's own flags and returns the exit code.
