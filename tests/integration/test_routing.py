@@ -9,6 +9,7 @@ import grpc
 import pytest
 from parity_prompts import travel_diary
 from reference import PINNED_FLAGS
+from shared_pool import gateway_args
 
 from bench.harness.leak_check import assert_no_leaks, load_report
 from bench.harness.ports import free_port
@@ -69,17 +70,16 @@ def test_colocated_workers_behind_the_gateway_match_the_engine(colocated, make_e
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
 
 
-def test_requests_sharing_a_system_prompt_go_to_the_prefill_worker_holding_it(tokenizer):
-    prefill_args = [["prefill", "--port", str(free_port()), *FLAGS] for _ in range(2)]
-    decode_args = ["decode", "--port", str(free_port()), *FLAGS]
-    addresses = [f"127.0.0.1:{args[2]}" for args in prefill_args]
-    # Objectives the prefill workers meet with room to spare: the decode worker never takes a prompt.
-    gateway_args = ["gateway", "--port", "0", "--http-port", "0", "--prefill", ",".join(addresses),
-                    "--decode", f"127.0.0.1:{decode_args[2]}", "--ttft-slo-ms", "600000"]
-    started = _start(*prefill_args, decode_args, gateway_args)
+def test_requests_sharing_a_system_prompt_go_to_the_prefill_worker_holding_it(pool, tokenizer):
+    # The shared workers' two prefill workers and a decode worker; objectives the prefill workers meet
+    # with room to spare: the decode worker never takes a prompt.
+    prefills = pool.prefill
+    [gateway] = _start(gateway_args([w.args for w in prefills], [pool.decode[0].args], "--ttft-slo-ms", "600000"))
+    started = [gateway]
     try:
-        *prefills, _, gateway = started
-        system = tokenizer.encode(travel_diary())[:320]  # 20 full blocks
+        # A first line of its own, so that no other module's requests left this prefix in a prefill
+        # worker's cache.
+        system = tokenizer.encode(f"Routing test.\n{travel_diary()}")[:320]  # 20 full blocks
         before = [load_report(worker).finished_requests for worker in prefills]
         cached = []
         with TandemClient(str(gateway.address)) as client:
@@ -94,13 +94,13 @@ def test_requests_sharing_a_system_prompt_go_to_the_prefill_worker_holding_it(to
         _stop(started)
 
 
-def test_a_burst_beyond_capacity_is_bounded_refused_with_retry_after_and_then_served(tokenizer):
-    worker_args = ["worker", "--role", "colocated", "--port", str(free_port()), *FLAGS]
-    gateway_args = ["gateway", "--port", "0", "--http-port", "0", "--colocated", f"127.0.0.1:{worker_args[4]}",
-                    "--max-queued-requests", "2"]
-    started = _start(worker_args, gateway_args)
+def test_a_burst_beyond_capacity_is_bounded_refused_with_retry_after_and_then_served(colocated, tokenizer):
+    # A gateway of its own over one of the module's colocated workers.
+    worker = colocated[0]
+    started = _start(["gateway", "--port", "0", "--http-port", "0", "--colocated", f"127.0.0.1:{worker.args[4]}",
+                      "--max-queued-requests", "2"])
     try:
-        worker, gateway = started
+        [gateway] = started
         diary = tokenizer.encode(travel_diary())
         prompts = [diary[i:i + 400] for i in range(0, 12 * 7, 7)]  # 12 distinct 400-token prompts
         # Objectives this worker meets for one such request alone but not for several queued behind
