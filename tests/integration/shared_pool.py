@@ -23,6 +23,8 @@ from bench.harness.worker import WorkerProcess, start_worker
 POOL_FLAGS = ["--threads", "1", "--kv-cache-mib", "256", *PINNED_FLAGS]
 # decode[1] speculates, so that requests routed to it check that speculation leaves greedy output alone.
 SPECULATION = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None})
+# Four loads at once, which the first module to ask waits for: longer than one worker's start may take.
+READY_TIMEOUT_S = 900.0
 # Objectives no request can miss, for gateways whose tests are not about admission.
 NO_SLO = ["--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"]
 
@@ -52,7 +54,7 @@ def start_pool() -> Pool:
     workers = [start_worker(args, wait=False) for args in arg_lists]
     try:
         for worker in workers:
-            worker.wait_ready()
+            worker.wait_ready(timeout=READY_TIMEOUT_S)
     except BaseException:
         for worker in workers:
             worker.stop(timeout=10.0)
