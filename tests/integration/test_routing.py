@@ -94,13 +94,13 @@ def test_requests_sharing_a_system_prompt_go_to_the_prefill_worker_holding_it(po
         _stop(started)
 
 
-def test_a_burst_beyond_capacity_is_bounded_refused_with_retry_after_and_then_served(colocated, tokenizer):
-    # A gateway of its own over one of the module's colocated workers.
-    worker = colocated[0]
-    started = _start(["gateway", "--port", "0", "--http-port", "0", "--colocated", f"127.0.0.1:{worker.args[4]}",
-                      "--max-queued-requests", "2"])
+def test_a_burst_beyond_capacity_is_bounded_refused_with_retry_after_and_then_served(tokenizer):
+    worker_args = ["worker", "--role", "colocated", "--port", str(free_port()), *FLAGS]
+    gateway_args = ["gateway", "--port", "0", "--http-port", "0", "--colocated", f"127.0.0.1:{worker_args[4]}",
+                    "--max-queued-requests", "2"]
+    started = _start(worker_args, gateway_args)
     try:
-        [gateway] = started
+        worker, gateway = started
         diary = tokenizer.encode(travel_diary())
         prompts = [diary[i:i + 400] for i in range(0, 12 * 7, 7)]  # 12 distinct 400-token prompts
         # Objectives this worker meets for one such request alone but not for several queued behind
