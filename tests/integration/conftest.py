@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from shared_pool import Pool, start_pool
 
-from bench.harness.leak_check import assert_no_leaks
+from harness.leak_check import assert_no_leaks
 
 
 @pytest.fixture(scope="session")

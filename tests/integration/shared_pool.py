@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from reference import PINNED_FLAGS
 
-from bench.harness.ports import free_port
-from bench.harness.worker import WorkerProcess, start_worker
+from harness.ports import free_port
+from harness.worker import WorkerProcess, start_worker
 
 # The pinned formats, so that modules comparing with an in-process engine compute the same numbers on
 # any CPU; a KV cache large enough for two modules' ~1,000-token prompts at once.

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from shared_pool import NO_SLO, Pool, start_gateway
 
-from bench.harness.leak_check import assert_no_leaks
-from bench.harness.mesh import Mesh
-from bench.harness.storm import StormConfig, run_storm
+from harness.leak_check import assert_no_leaks
+from harness.mesh import Mesh
+from harness.storm import StormConfig, run_storm
 
 
 @pytest.fixture(scope="module")

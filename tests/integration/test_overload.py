@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 from shared_pool import Pool, start_gateway
 
-from bench.harness.burst import burst_requests, objectives
-from bench.harness.leak_check import assert_no_leaks
-from bench.harness.load_clients import OK, REFUSED, LoadRunner
-from bench.harness.mesh import Mesh
-from bench.harness.process_memory import RssSampler
+from harness.burst import burst_requests, objectives
+from harness.leak_check import assert_no_leaks
+from harness.load_clients import OK, REFUSED, LoadRunner
+from harness.mesh import Mesh
+from harness.process_memory import RssSampler
 
 MAX_QUEUED = 4
 PROMPT_TOKENS = 256
