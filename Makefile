@@ -49,7 +49,7 @@ lint: install
 	$(BIN)/ruff check .
 
 test: lint
-	$(BIN)/python -m pytest -q --durations=30 tests
+	$(BIN)/python -m pytest -q -rs --durations=30 tests
 
 unit: install
 	$(BIN)/python -m pytest -q tests/unit
