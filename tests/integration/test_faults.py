@@ -1,9 +1,10 @@
-"""Faults with real processes: KV transfer faults injected by the test hook (kvtransfer.faults),
+"""Faults with real processes: KV transfer faults injected into prefill workers (tests/kv_faults.py),
 prefill workers killed with SIGKILL mid-prefill and mid-transfer, and a gateway killed with SIGKILL
-while requests stream and prefill. Every request that is not cancelled still gets exactly the
-greedy output of an in-process colocated engine, and every test ends with the leak check.
+while requests stream and prefill. Every request that is not cancelled still gets the greedy output
+of an in-process colocated engine (near-ties aside: reference.check_runs), and every test ends with
+the leak check.
 
-One mesh for the module: prefill workers A and B (whose hook files the tests write), a decode
+One mesh for the module: prefill workers A and B (whose fault files the tests write), a decode
 worker per KV backend, and two prefill workers that the kill test kills. The decode workers' KV
 deadline is short, so that a stalled transfer fails within seconds.
 """
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from kv_fault_worker import wrapper
+from kv_faults import LOG_PREFIX
 from parity_prompts import travel_diary
 from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS, ReferenceRun, check_runs, engine_reference
@@ -25,7 +28,6 @@ from routing_metrics import increase, poll, prefill_attempts
 from bench.harness.leak_check import assert_no_leaks, load_report
 from bench.harness.worker import WorkerProcess, start_worker
 from engine.sampling_params import SamplingParams
-from kvtransfer.faults import ENV_VAR
 from services.client import TandemClient
 
 WORKER_FLAGS = ["--port", "0", "--threads", "1", "--kv-cache-mib", "64", *PINNED_FLAGS]
@@ -42,9 +44,9 @@ BACKENDS = ["torch_dist", "grpc"]
 @dataclass
 class Mesh:
     prefill: list[WorkerProcess]  # A and B
-    fault_files: list[Path]  # their test hook files, in the same order
+    fault_files: list[Path]  # their fault files (kv_faults), in the same order
     decode: dict[str, WorkerProcess]  # by KV backend
-    victims: list[WorkerProcess]  # prefill workers the kill test kills; their hook files follow fault_files
+    victims: list[WorkerProcess]  # prefill workers the kill test kills; their fault files follow
     gateways: dict[str, WorkerProcess]  # A and B in front of each decode worker; "victims" in front of torch_dist's
 
     @property
@@ -63,7 +65,7 @@ def _gateway(prefill: list[WorkerProcess], decode: list[WorkerProcess]) -> Worke
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     folder = tmp_path_factory.mktemp("faults")
     files = [folder / f"prefill-{i}.fault" for i in range(4)]
-    prefill = [start_worker(["prefill", *PREFILL_FLAGS], wait=False, env={ENV_VAR: str(path)}) for path in files]
+    prefill = [start_worker(["prefill", *PREFILL_FLAGS], wait=False, wrapper=wrapper(path)) for path in files]
     decode = {backend: start_worker(["decode", *WORKER_FLAGS, "--kv-backend", backend, "--kv-timeout", KV_TIMEOUT_S],
                                     wait=False) for backend in BACKENDS}
     started = [*prefill, *decode.values()]
@@ -128,7 +130,7 @@ def test_transfer_fault_is_retried_on_the_other_prefill_worker(mesh, tokenizer, 
     finally:
         mesh.fault_files[index].write_text("")
     assert increase(before, _routed(gateway)) == {first: 1, other: 1}
-    assert f"{ENV_VAR}: {fault}" in mesh.prefill[index].log_tail(200)
+    assert f"{LOG_PREFIX}: {fault}" in mesh.prefill[index].log_tail(200)
     assert_no_leaks(mesh.workers)
 
 
@@ -169,7 +171,7 @@ def test_prefill_workers_killed_mid_prefill_then_mid_transfer(mesh, tokenizer, r
     assert increase(before, _routed(gateway)) == {str(killed.address): 1, str(survivor.address): 1}
     assert_no_leaks([survivor, *mesh.workers])
 
-    # Mid-transfer: the survivor's pages stall (the test hook) and it is killed while holding them;
+    # Mid-transfer: the survivor's pages stall (kv_faults) and it is killed while holding them;
     # no prefill worker is left, so the decode worker prefills the prompt itself.
     prompt = tokenizer.encode("Killed mid-transfer.\n" + travel_diary()[:300])
     expected = reference(prompt)

@@ -26,6 +26,7 @@ import grpc
 import pytest
 from certs import TestCa
 from environment import missing
+from kv_fault_worker import wrapper
 from parity_prompts import travel_diary
 from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS, ReferenceRun, check_runs, engine_reference
@@ -38,7 +39,6 @@ from bench.harness.leak_check import assert_no_leaks, load_report
 from bench.harness.paths import REPO
 from bench.harness.worker import WorkerProcess
 from engine.sampling_params import SamplingParams
-from kvtransfer.faults import ENV_VAR
 from services.client import TandemClient
 from services.common.convert import sampling_params_to_proto
 from services.common.server import channel_options
@@ -80,7 +80,7 @@ class World:
     hosts: Hosts
     pki: Pki
     mesh: HostMesh
-    fault_files: dict[str, Path]  # prefill host -> its test hook file
+    fault_files: dict[str, Path]  # prefill host -> its fault file (kv_faults)
 
     def credentials(self) -> grpc.ChannelCredentials:
         return self.pki.client_credentials()
@@ -104,7 +104,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             gateways={"torch_dist": ["decode-1"], "grpc": ["decode-2"], "both": list(DECODE_HOSTS)},
             gateway_flags=["--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"],
             host_flags={name: pki.flags(name) for name in HOST_NAMES},
-            host_env={host: {ENV_VAR: str(path)} for host, path in faults.items()},
+            host_wrapper={host: wrapper(path) for host, path in faults.items()},
         )
         try:
             yield World(hosts, pki, mesh, faults)
