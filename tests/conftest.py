@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import fuzzing
 import pytest
 from environment import MARK
 
@@ -14,6 +15,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # kernel is decorated, i.e. before the first import of engine.attention.triton_paged.
 if not __import__("torch").cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+fuzzing.load()  # derandomized property tests unless TANDEM_FUZZ=fuzz (make fuzz)
 
 
 def pytest_configure(config: pytest.Config) -> None:
