@@ -21,11 +21,11 @@ def wrapper(fault_file: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-    fault_file, _python, flag, module, *args = argv
-    if (flag, module) != ("-m", CLI):
+    if len(argv) < 4 or argv[2:4] != ["-m", CLI]:
         raise SystemExit(f"usage: python -m tests.kv_fault_worker FAULT_FILE PYTHON -m {CLI} ARGS (got {argv})")
     from tests.kv_faults import install
 
+    fault_file, _python, _flag, _module, *args = argv
     install(Path(fault_file))
     sys.argv = [CLI, *args]
     runpy.run_module(CLI, run_name="__main__", alter_sys=True)
