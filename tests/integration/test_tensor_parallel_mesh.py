@@ -136,9 +136,9 @@ def test_cancel_mid_transfer_between_layouts_frees_every_block(workers, backend,
 
 
 def _kill_a_rank_mid_transfer(victim: WorkerProcess, prefill: WorkerProcess, decode: WorkerProcess,
-                              prompt: list[int], failed: grpc.StatusCode, make_engine) -> None:
+                              prompt: list[int], failed: set[grpc.StatusCode], make_engine) -> None:
     """Kill one of `victim`'s ranks while `prefill` computes the prompt for `decode`: the request ends
-    with status `failed`, or, where the prefill had delivered every page by then, with the tokens
+    with a status of `failed`, or, where the prefill had delivered every page by then, with the tokens
     the one-process engine computes."""
     ranks = victim.tensor_parallel_ranks()
     assert len(ranks) == 2
@@ -149,7 +149,7 @@ def _kill_a_rank_mid_transfer(victim: WorkerProcess, prefill: WorkerProcess, dec
     try:
         tokens = [t for chunk in call for t in chunk.token_ids]
     except grpc.RpcError as error:
-        assert error.code() == failed, (error.code(), error.details())
+        assert error.code() in failed, (error.code(), error.details())
     else:
         engine = make_engine(scheduler=SchedulerConfig(max_num_batched_tokens=int(CHUNK_TOKENS)))
         [expected] = generate(engine, [prompt], replace(LONG, logprobs=2))
@@ -163,15 +163,15 @@ def _kill_a_rank_mid_transfer(victim: WorkerProcess, prefill: WorkerProcess, dec
 # These take TP 3 workers of their own down (the victims), so that no other test depends on running
 # before them. torch_dist, where a stuck pair could hang. The decode worker fails a request whose
 # prefill worker or transfer failed UNAVAILABLE; a decode worker that lost a rank fails what it
-# holds INTERNAL (the engine step failed) before it exits.
+# holds INTERNAL (its engine step or page relay failed), or UNAVAILABLE where its exit cut the stream first.
 def test_a_killed_prefill_rank_leaves_no_block_held_on_the_decode_side(workers, tokenizer, make_engine):
     prefill = workers["victim_prefill_tp3"]
     _kill_a_rank_mid_transfer(prefill, prefill, workers["decode_tp1_torch_dist"],
-                              [t + 5 for t in parity_prompt_ids(tokenizer)[3]], grpc.StatusCode.UNAVAILABLE,
+                              [t + 5 for t in parity_prompt_ids(tokenizer)[3]], {grpc.StatusCode.UNAVAILABLE},
                               make_engine)
 
 
 def test_a_killed_decode_rank_leaves_no_block_held_on_the_prefill_side(workers, tokenizer, make_engine):
     decode = workers["victim_decode_tp3_torch_dist"]
     _kill_a_rank_mid_transfer(decode, workers["prefill_tp1"], decode, [t + 6 for t in parity_prompt_ids(tokenizer)[3]],
-                              grpc.StatusCode.INTERNAL, make_engine)
+                              {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE}, make_engine)
