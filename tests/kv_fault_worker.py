@@ -2,7 +2,7 @@
 
 Run as a command-line wrapper: `python -m tests.kv_fault_worker FAULT_FILE python -m services.cli
 prefill ...` (what `wrapper(path)` prefixes to a worker's command line, e.g. through
-bench.harness.worker.start_worker's `wrapper`): it installs the faults, then runs the CLI in this
+harness.worker.start_worker's `wrapper`): it installs the faults, then runs the CLI in this
 process with the rest of the command line.
 """
 

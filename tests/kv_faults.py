@@ -31,7 +31,8 @@ from tandem.v1 import kvtransfer_pb2
 
 from kvtransfer import torch_dist_sender
 from kvtransfer.descriptor import TransferTarget
-from kvtransfer.sender import KVSender, KVSenderPool
+from kvtransfer.sender import KVSenderPool
+from kvtransfer.transport import KVSender
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from tandem.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from engine.kv_cache.codec import KV_FORMATS
 from kvtransfer import KVLayout, KVSender, KVSenderPool, KVTransferServicer, TransferTarget
 from kvtransfer.grpc_stream import GrpcReceiver
-from kvtransfer.receiver import KVReceiver, make_receiver
+from kvtransfer.receiver import make_receiver
+from kvtransfer.transport import KVReceiver
 
 BACKENDS = ["torch_dist", "grpc"]
 PEER = "prefill-0:50061"

