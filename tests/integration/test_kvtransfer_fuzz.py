@@ -25,6 +25,7 @@ from tandem.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from kvtransfer import TransferError, TransferTarget
 
 NUM_BLOCKS = 2
+TIMEOUT_S = 120.0  # generous: the calls below take milliseconds, but CI machines may be busy
 LAYOUT = layout_of("float32")
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED,
             grpc.StatusCode.DATA_LOSS, grpc.StatusCode.FAILED_PRECONDITION}
@@ -60,7 +61,7 @@ def _whole(target: TransferTarget, seed: int, piece_bytes: int) -> Chunks:
 def _push(target: TransferTarget, chunks: Chunks) -> tuple[grpc.StatusCode, int]:
     with grpc.insecure_channel(target.address) as channel:
         try:
-            response = kvtransfer_pb2_grpc.KVTransferStub(channel).Push(iter(chunks), timeout=30)
+            response = kvtransfer_pb2_grpc.KVTransferStub(channel).Push(iter(chunks), timeout=TIMEOUT_S)
             return grpc.StatusCode.OK, response.bytes_received
         except grpc.RpcError as error:
             return error.code(), 0
@@ -122,18 +123,18 @@ def _reblock(chunks: Chunks, i: int, first_block: int) -> Chunks:
 
 def _transfer(receivers: Receivers) -> tuple[TransferTarget, FakeCache]:
     cache = FakeCache(LAYOUT)
-    return receivers.expect(cache, LAYOUT, num_blocks=NUM_BLOCKS, receiver=receivers.get(timeout=30.0)), cache
+    return receivers.expect(cache, LAYOUT, num_blocks=NUM_BLOCKS, receiver=receivers.get(timeout=TIMEOUT_S)), cache
 
 
 def _settled(receivers: Receivers, target: TransferTarget, code: grpc.StatusCode, received: int) -> None:
     """The receiver's verdict agrees with the push's: completed with its bytes, or failed."""
-    completion = receivers.get(timeout=30.0).completion(target.transfer_id)
+    completion = receivers.get(timeout=TIMEOUT_S).completion(target.transfer_id)
     if code == grpc.StatusCode.OK:
-        assert completion.result(30) == received
+        assert completion.result(TIMEOUT_S) == received
         return
     assert code in REFUSALS, code
     with pytest.raises(TransferError):
-        completion.result(30)
+        completion.result(TIMEOUT_S)
 
 
 def _next_arrives_whole(receivers: Receivers, seed: int) -> None:
@@ -160,7 +161,7 @@ def test_an_unknown_transfer_is_not_found(receivers):
     chunks = _whole(target, seed=1, piece_bytes=5000)
     code, _ = _push(target, [_with(c, transfer_id=target.transfer_id + 10**6) for c in chunks])
     assert code == grpc.StatusCode.NOT_FOUND
-    receivers.get(timeout=30.0).cancel(target.transfer_id)
+    receivers.get(timeout=TIMEOUT_S).cancel(target.transfer_id)
 
 
 @settings(max_examples=examples(40))
