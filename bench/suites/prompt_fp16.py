@@ -1,7 +1,8 @@
 """Prompt compute with and without fbgemm's fp16 product, in one process, alternated prompt by prompt.
 
 From one load of the shipped model, on one torch thread (the row limit it alternates,
-engine.model.linear.FP16_MAX_ROWS, is the one-thread limit), prefix caching off: an engine serving
+engine.model.product_plan.FP16_MAX_ROWS, is the one-thread limit; each engine's products are planned
+with it at load), prefix caching off: an engine serving
 the GGUF file's own blocks (`--quantization gguf`) and one serving them dequantized (`none`), both
 with `--cpu-weights fp16`. Each distinct prompt of each `--tokens` length is computed (first token
 only) by each engine with the fp16 product's row limit at each of `--limits`, and, for the gguf
@@ -24,7 +25,7 @@ from bench.harness.model_quality import document_windows
 from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
-from engine.model import linear
+from engine.model import product_plan
 from engine.model.loader import load_model_files
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
@@ -48,30 +49,31 @@ def main(argv: Sequence[str]) -> int:
     torch.set_num_threads(1)
     files = load_model_files(None, torch.float32)
     cache = CacheConfig(enable_prefix_caching=False)
-    engines = {label: Engine(EngineConfig(cache=cache, **fields), files=files)  # type: ignore[arg-type]
-               for label, fields in ENGINES.items()}
     # (row label, engine, row limit): the limit only matters to engines holding fp16 weights.
-    runs = [(f"{label}, limit {limit}" if ENGINES[label]["cpu_weights"] == "fp16" else label, engine, limit)
-            for label, engine in engines.items()
-            for limit in (limits if ENGINES[label]["cpu_weights"] == "fp16" else limits[:1])]
+    runs = []
+    saved = product_plan.FP16_MAX_ROWS
+    for label, fields in ENGINES.items():
+        fp16 = fields["cpu_weights"] == "fp16"
+        for limit in limits if fp16 else limits[:1]:
+            product_plan.FP16_MAX_ROWS = limit  # read as each product is planned, at load
+            try:
+                engine = Engine(EngineConfig(cache=cache, **fields), files=files)  # type: ignore[arg-type]
+            finally:
+                product_plan.FP16_MAX_ROWS = saved
+            runs.append((f"{label}, limit {limit}" if fp16 else label, engine))
     print(f"CPU: {describe()}, 1 thread, load average {load_average()}")
     first_token = SamplingParams(max_tokens=1, temperature=0.0)
     results: dict[str, dict[str, float]] = {}
-    saved = linear.FP16_MAX_ROWS
-    try:
-        for tokens in (int(v) for v in args.tokens.split(",")):
-            prompts = document_windows(runs[0][1], args.prompts, tokens)
-            times: dict[str, list[float]] = {}
-            for prompt in prompts:
-                for key, engine, limit in runs:
-                    linear.FP16_MAX_ROWS = limit
-                    started = time.perf_counter()
-                    generate(engine, [prompt], first_token)
-                    times.setdefault(key, []).append(time.perf_counter() - started)
-            results[str(tokens)] = {key: tokens / statistics.median(t[1:]) for key, t in times.items()}
-            print(f"{tokens}-token prompts, tokens/s: "
-                  + "; ".join(f"{key} {rate:.0f}" for key, rate in results[str(tokens)].items()), flush=True)
-    finally:
-        linear.FP16_MAX_ROWS = saved
+    for tokens in (int(v) for v in args.tokens.split(",")):
+        prompts = document_windows(runs[0][1], args.prompts, tokens)
+        times: dict[str, list[float]] = {}
+        for prompt in prompts:
+            for key, engine in runs:
+                started = time.perf_counter()
+                generate(engine, [prompt], first_token)
+                times.setdefault(key, []).append(time.perf_counter() - started)
+        results[str(tokens)] = {key: tokens / statistics.median(t[1:]) for key, t in times.items()}
+        print(f"{tokens}-token prompts, tokens/s: "
+              + "; ".join(f"{key} {rate:.0f}" for key, rate in results[str(tokens)].items()), flush=True)
     write_results(args.out, {"command": command_line(__name__, argv), "cpu": describe(), "results": results})
     return 0
