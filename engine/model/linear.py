@@ -14,7 +14,7 @@ formats (`EngineConfig.cpu_weights`), and each product runs its plan (engine.mod
 - "plain": `F.linear` only, no second copy of the weights.
 
 Each format keeps the fp32 weight for the inputs its packed kernel does not win, so every band
-computes with the same weight values (`python -m bench cpu_weights`, docs/benchmarks.md).
+computes with the same weight values (docs/benchmarks.md, "Decisions settled by experiments").
 
 torch marks the two aten fp16 ops deprecated (each prints one warning line per process); their
 replacement, `torch.ops.quantized.linear_dynamic_fp16`, is slower per decode step from per-call

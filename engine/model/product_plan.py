@@ -4,7 +4,7 @@ the product, logged at start-up as a table (`plan_table`); at run time a product
 input's row count up in it.
 
 Every row threshold of the products lives here. They are where the kernels cross over on the CPUs
-measured (`python -m bench weight_formats`, `bf16_products`, `cpu_weights`; docs/benchmarks.md):
+measured (`python -m bench weight_formats`; docs/benchmarks.md, "Decisions settled by experiments"):
 
 - Integer groups (`plan_quantized`): few rows are bound by the weight's bytes, so the kernels' product
   over the packed groups (qmatmul) serves them; from a few rows on a product is bound by arithmetic,

@@ -30,8 +30,8 @@ the product is built. The copies:
 - with int8 activations (`--activation-quantization`), the values as bytes or nibbles for the int8
   GEMM (engine.model.int8_activations); no bf16 copy then.
 
-Measurements behind the bands: `python -m bench weight_formats`, `bf16_products` and `cpu_weights`
-(docs/benchmarks.md).
+Measurements behind the bands: `python -m bench weight_formats` and docs/benchmarks.md ("Decisions
+settled by experiments").
 
 `QuantizedEmbedding` dequantizes just the rows a step looks up, with dequantize()'s arithmetic.
 """

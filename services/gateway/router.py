@@ -47,12 +47,13 @@ class RoutingPolicy:
     # A prefill worker predicted to reach the first token within this share of the TTFT objective
     # keeps the prompt from a decode worker; above it a decode worker with slack may take the prompt,
     # if that is cheaper. At 1 a decode worker prefills only when no prefill worker meets the
-    # objective: a lower share kept no more requests within their SLO (docs/benchmarks.md, run H).
+    # objective: a lower share kept no more requests within their SLO (`python -m bench goodput`;
+    # docs/benchmarks.md, "Decisions settled by experiments").
     remote_ttft_share: float = 1.0
     # The share of its running requests' least TPOT slack a worker may spend on stalling them with
     # prompts: later arrivals slow the batch's remaining steps, and the step model's predictions err.
     # Less refused requests that would have met their SLO, and this much still kept TPOT within the
-    # objective (docs/benchmarks.md, run H).
+    # objective (`python -m bench goodput`; docs/benchmarks.md, "Decisions settled by experiments").
     tpot_slack_share: float = 0.75
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from bench.harness.repository_files import two_versions
+from harness.repository_files import two_versions
 from services.commands.engine_flags import add_engine_flags, engine_config
 from services.gateway.catalog import ModelCatalog, UnknownModel
 from services.gateway.model import ServedModel

@@ -4,7 +4,7 @@ Both multiply bf16 rows by the same weight packed as pairs (bf16_gemm.cpp), exac
 values accumulated in fp32; they differ in the instruction. `vdpbf16ps` multiplies 32 pairs an
 instruction, fp32 FMAs 16 products an instruction over the pairs split into two fp32 halves. Which is
 faster is not in the CPU flags (an AMD EPYC Zen 5 runs vdpbf16ps faster, an Intel Xeon with
-AVX512-BF16 and no AMX its FMAs: `python -m bench bf16_products`, docs/benchmarks.md). So the engine
+AVX512-BF16 and no AMX its FMAs: docs/benchmarks.md, "Decisions settled by experiments"). So the engine
 times both on one of the model's products, a decode batch's, and keeps the faster; the start-up log
 says which, with the figures.
 
