@@ -28,12 +28,12 @@ def run(args: argparse.Namespace) -> int:
     """Generate and print the completion (or one JSON object with --json)."""
     import torch
 
-    from engine.engine import Engine
+    from engine.compose import build_engine
     from engine.offline import generate
     from engine.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
-    engine = Engine(engine_config(args, "colocated"))
+    engine = build_engine(engine_config(args, "colocated"))
     if args.chat:
         prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
