@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from environment import needs
 
 from engine.config import EngineConfig
 from engine.model import linear as linear_module
@@ -35,7 +36,7 @@ def _weight_and_bias() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(96, 64) * 0.1, torch.randn(96)
 
 
-@pytest.mark.skipif(not _packs("fp32"), reason="torch built without oneDNN")
+@needs(_packs("fp32"), "torch built with oneDNN")
 @pytest.mark.parametrize("rows", [1, PACKED_MAX_ROWS - 1, PACKED_MAX_ROWS, 300])
 def test_fp32_packed_weight_serves_small_inputs_and_gemm_the_large(monkeypatch, rows):
     # The packed oneDNN product measured 7-8% slower than F.linear from 64 rows up, so prefill
@@ -51,7 +52,7 @@ def test_fp32_packed_weight_serves_small_inputs_and_gemm_the_large(monkeypatch, 
     assert plain_calls == ([] if rows < PACKED_MAX_ROWS else [rows])
 
 
-@pytest.mark.skipif(not _packs("fp16"), reason="torch built without fbgemm")
+@needs(_packs("fp16"), "torch built with fbgemm")
 @pytest.mark.parametrize("rows", [1, 8, FP16_MAX_ROWS - 1, FP16_MAX_ROWS])
 def test_fp16_weights_are_rounded_once_and_every_path_computes_with_them(monkeypatch, rows):
     # The fp16 product reads half the bytes (decode steps 1.3-1.8x faster); F.linear takes the
@@ -70,7 +71,7 @@ def test_fp16_weights_are_rounded_once_and_every_path_computes_with_them(monkeyp
     assert plain_calls == ([] if rows < FP16_MAX_ROWS else [rows])
 
 
-@pytest.mark.skipif(not _packs("fp16"), reason="torch built without fbgemm")
+@needs(_packs("fp16"), "torch built with fbgemm")
 def test_fp16_product_takes_only_small_inputs_when_torch_runs_several_threads(monkeypatch):
     # fbgemm's fp16 product runs on one thread: with two, oneDNN's fp32 product overtakes it
     # between 16 and 32 rows, so larger inputs go to F.linear's threaded GEMM.

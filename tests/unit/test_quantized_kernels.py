@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from environment import missing, needs
 
 from engine.model.kernels import kernels
 from engine.model.kernels.build import cpu_flags, runnable
@@ -145,7 +146,7 @@ def test_quantized_linear_serves_small_and_large_inputs_with_bias_and_act_order(
     assert_product_close(product(x) - bias, x, weight)
 
 
-@pytest.mark.skipif(not has_fp16_product(), reason="torch built without fbgemm")
+@needs(has_fp16_product(), "torch built with fbgemm")
 @pytest.mark.parametrize("rows", [1, FP16_MIN_ROWS - 1, FP16_MIN_ROWS, DENSE_MIN_ROWS, FP16_MAX_ROWS - 1,
                                   FP16_MAX_ROWS])
 def test_products_of_a_few_rows_and_more_take_an_fp16_copy_below_its_row_limit(monkeypatch, rows):
@@ -173,7 +174,7 @@ def test_bf16_inputs_of_a_few_rows_and_more_go_through_one_kept_bf16_copy(rows, 
     # gate/up weight and 0.33 ms through torch's bf16 GEMM over the dequantized weight in bf16.
     # oneDNN's bf16 path refuses CPUs without AVX-512 (an AVX2 AMD EPYC): there the copy is plain.
     if packed and not ONEDNN_BF16:
-        pytest.skip("oneDNN's bf16 path does not run on this CPU")
+        missing("oneDNN's bf16 path (a CPU with AVX-512)")
     weight, bias = random_weight(960, 576, "q4_offset"), torch.randn(960, generator=torch.Generator().manual_seed(1))
     product = _product(weight, bias, torch.bfloat16, onednn_bf16=packed)
     assert product._bf16 is not None or product._pairs is not None  # made with the product, before any call
@@ -225,7 +226,7 @@ def test_an_lm_heads_fp32_output_skips_the_rounding_to_bf16():
     assert torch.equal(product.fp32(many).bfloat16(), product(many))
 
 
-@pytest.mark.skipif(not has_fp16_product(), reason="torch built without fbgemm")
+@needs(has_fp16_product(), "torch built with fbgemm")
 def test_a_weight_of_many_rows_takes_its_fp16_copy_in_pieces(monkeypatch):
     # fbgemm over the LM head's 49,152 rows at once ran 1.5x slower than in pieces of 2,048.
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
@@ -238,7 +239,7 @@ def test_a_weight_of_many_rows_takes_its_fp16_copy_in_pieces(monkeypatch):
     assert_product_close(y, x, weight, product.dequantize().half().double())
 
 
-@pytest.mark.skipif(not has_fp16_product(), reason="torch built without fbgemm")
+@needs(has_fp16_product(), "torch built with fbgemm")
 def test_with_several_threads_the_fp16_copy_is_in_one_piece_per_thread_and_computes_the_same(monkeypatch):
     # torch runs fbgemm's product on one thread: the kernels' op spreads a weight's pieces over threads.
     weight, bias = random_weight(960, 576, "q4_offset"), torch.randn(960)
@@ -284,7 +285,7 @@ def test_a_group_the_kernels_cannot_take_is_refused():
         PackedWeight.pack(weight)
 
 
-@pytest.mark.skipif(not has_fp16_product(), reason="torch built without fbgemm")
+@needs(has_fp16_product(), "torch built with fbgemm")
 def test_the_fp16_pieces_run_on_several_threads_under_inference_mode():
     # The engine steps under torch.inference_mode(); the op's worker threads must run in it too.
     weight = random_weight(960, 576, "q4_offset")
