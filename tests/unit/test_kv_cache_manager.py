@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 import pytest
+from fuzzing import examples
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -343,5 +344,5 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.manager.usage == 0
 
 
-KVCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
+KVCacheMachine.TestCase.settings = settings(max_examples=examples(200), stateful_step_count=30, deadline=None)
 TestKVCacheMachine = KVCacheMachine.TestCase
