@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from environment import needs
 
 import engine.model.kernels as kernel_module
 from engine.model.kernels import kernels
@@ -19,7 +18,7 @@ from engine.model.quantized_linear import QuantizedLinear
 from tests.unit.test_quantized_kernels import random_weight
 
 WITH_OP = [v.name for v in runnable(cpu_flags()) if v.name == "avx512bf16"]
-needs_op = needs(bool(WITH_OP), "a build with bf16_gemm (a CPU with avx512_bf16)")
+needs_op = pytest.mark.skipif(not WITH_OP, reason="the bf16_gemm op is built only for a CPU with avx512_bf16")
 serves_op = pytest.mark.skipif(not WITH_OP or "amx_bf16" in cpu_flags(),
                                reason="bf16 products take the op only on AVX512-BF16 without AMX")
 

@@ -10,7 +10,6 @@ import dataclasses
 
 import pytest
 import torch
-from environment import needs
 
 from engine.model.int8_activations import Int8Product
 from engine.model.kernels import kernels
@@ -22,7 +21,8 @@ from engine.model.quantized_linear import QuantizedLinear
 from tests.unit.test_quantized_kernels import FORMATS, random_weight
 
 WITH_OP = [v.name for v in runnable(cpu_flags()) if v.name == "avx512bf16"]
-needs_op = needs(bool(WITH_OP), "a build with int8_gemm (a CPU with avx512_bf16 and avx512_vnni)")
+needs_op = pytest.mark.skipif(not WITH_OP,
+                              reason="the int8_gemm op is built only for a CPU with avx512_bf16 and avx512_vnni")
 # fp32 epilogue: per block one rounding of the scale product, the conversion (exact below 2^24) and the
 # FMA into the running sum; over at most 48 blocks that stays far below 1e-5 of Σ|terms|, while one
 # activation off by a quantization step moves an output by about d·amax/127, 1e-3 of it and more.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from environment import missing, needs
+from environment import needs
 
 from engine.model.kernels import kernels
 from engine.model.kernels.build import cpu_flags, runnable
@@ -174,7 +174,7 @@ def test_bf16_inputs_of_a_few_rows_and_more_go_through_one_kept_bf16_copy(rows, 
     # gate/up weight and 0.33 ms through torch's bf16 GEMM over the dequantized weight in bf16.
     # oneDNN's bf16 path refuses CPUs without AVX-512 (an AVX2 AMD EPYC): there the copy is plain.
     if packed and not ONEDNN_BF16:
-        missing("oneDNN's bf16 path (a CPU with AVX-512)")
+        pytest.skip("oneDNN's bf16 path needs a CPU with AVX-512")
     weight, bias = random_weight(960, 576, "q4_offset"), torch.randn(960, generator=torch.Generator().manual_seed(1))
     product = _product(weight, bias, torch.bfloat16, onednn_bf16=packed)
     assert product._bf16 is not None or product._pairs is not None  # made with the product, before any call
