@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.kv_cache.blocks import blocks_for
+from services.common.config_flags import flag
 from services.common.step_model import StepModel
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -48,12 +49,17 @@ class RoutingPolicy:
     # keeps the prompt from a decode worker; above it a decode worker with slack may take the prompt,
     # if that is cheaper. At 1 a decode worker prefills only when no prefill worker meets the
     # objective: a lower share kept no more requests within their SLO (docs/benchmarks.md, run H).
-    remote_ttft_share: float = 1.0
+    remote_ttft_share: float = flag(
+        1.0, "a decode worker whose running requests' TPOT slack allows it computes a prompt itself once every "
+        "prefill worker's predicted TTFT exceeds this share of the objective, if that is sooner (1: only when no "
+        "prefill worker meets it)")
     # The share of its running requests' least TPOT slack a worker may spend on stalling them with
     # prompts: later arrivals slow the batch's remaining steps, and the step model's predictions err.
     # Less refused requests that would have met their SLO, and this much still kept TPOT within the
     # objective (docs/benchmarks.md, run H).
-    tpot_slack_share: float = 0.75
+    tpot_slack_share: float = flag(
+        0.75, "share of its running requests' least TPOT slack (the room left under their objectives) a worker "
+        "may spend stalling them with a prompt")
 
     def __post_init__(self) -> None:
         for name in ("remote_ttft_share", "tpot_slack_share"):

@@ -10,7 +10,8 @@ from collections import Counter
 import pytest
 
 from bench.harness.repository_files import two_versions
-from services.commands.engine_flags import add_engine_flags, engine_config
+from services.commands.engine_flags import EngineFlags, engine_config
+from services.common.config_flags import add_flags, from_args
 from services.gateway.catalog import ModelCatalog, UnknownModel
 from services.gateway.model import ServedModel
 from services.repository.config import load_repository, parse_repository
@@ -126,10 +127,10 @@ def test_the_catalog_resolves_names_and_versions(tokenizer, tmp_path):
         single.resolve("smollm2@q4")
 
 
-def _flags(*argv: str) -> argparse.Namespace:
+def _flags(*argv: str) -> EngineFlags:
     parser = argparse.ArgumentParser()
-    add_engine_flags(parser)
-    return parser.parse_args(list(argv))
+    add_flags(parser, EngineFlags)
+    return from_args(EngineFlags, parser.parse_args(list(argv)))
 
 
 def test_a_worker_takes_its_versions_model_and_formats_from_the_repository(tmp_path):
