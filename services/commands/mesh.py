@@ -146,7 +146,7 @@ def _versions(engine: EngineFlags) -> list[str]:
     if engine.model is not None:
         raise MeshError("--model: the repository names the models; give one or the other")
     try:
-        return [version.key for version in load_repository(engine.model_repository).versions]
+        return [version.version_key for version in load_repository(engine.model_repository).versions]
     except ValueError as error:
         raise MeshError(str(error)) from error
 

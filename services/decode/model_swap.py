@@ -116,12 +116,12 @@ class ModelSwap:
         except ValueError as error:
             log.error("%s keeps serving: %s", current.version_key, error)
             return
-        if version.key == current.version_key:
+        if version.version_key == current.version_key:
             return
-        loaded = self._engines.find(version.key)
+        loaded = self._engines.find(version.version_key)
         if loaded is not None:
             self._engines.promote(loaded)
-            log.info("pool %s serves %s again (still loaded); %s retires", self._settings.pool, version.key,
+            log.info("pool %s serves %s again (still loaded); %s retires", self._settings.pool, version.version_key,
                      current.version_key)
             return
         await self._load(version, current.version_key)
@@ -131,28 +131,28 @@ class ModelSwap:
         try:
             footprint = await asyncio.to_thread(predict_footprint, config)
         except (OSError, ValueError) as error:
-            log.error("hot swap of pool %s to %s failed, %s keeps serving: %s", self._settings.pool, version.key,
-                      serving, error)
+            log.error("hot swap of pool %s to %s failed, %s keeps serving: %s", self._settings.pool,
+                      version.version_key, serving, error)
             return
-        refusal = memory_refusal(self._settings, serving, version.key, resident_bytes(), footprint)
+        refusal = memory_refusal(self._settings, serving, version.version_key, resident_bytes(), footprint)
         if refusal is not None:
             log.error("%s", refusal)
             return
-        log.info("pool %s: loading %s beside %s (about %.0f MiB)", self._settings.pool, version.key, serving,
+        log.info("pool %s: loading %s beside %s (about %.0f MiB)", self._settings.pool, version.version_key, serving,
                  footprint.total_bytes / _MIB)
         try:
             engine = await _in_background(load_engine, config)
         except Exception as error:  # whatever the new weights do, the old version keeps serving
-            log.error("hot swap of pool %s to %s failed, %s keeps serving: %s", self._settings.pool, version.key,
-                      serving, error)
+            log.error("hot swap of pool %s to %s failed, %s keeps serving: %s", self._settings.pool,
+                      version.version_key, serving, error)
             return
         current = self._engines.current
         assert current is not None
         worker = current.successor(engine)
         await self._engines.start(worker)
         self._engines.promote(worker)
-        log.info("pool %s now serves %s; %s retires (%.0f MiB resident)", self._settings.pool, version.key, serving,
-                 resident_bytes() / _MIB)
+        log.info("pool %s now serves %s; %s retires (%.0f MiB resident)", self._settings.pool, version.version_key,
+                 serving, resident_bytes() / _MIB)
 
     async def _retire(self) -> None:
         now = self._clock()

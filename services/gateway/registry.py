@@ -172,14 +172,14 @@ class WorkerRegistry:
 
     # ---- placing requests ------------------------------------------------------------------------
     def route_request(self, prompt_token_ids: Sequence[int], max_tokens: int,
-                      slo: SloTargets | None = None, workers_key: str | None = None) -> RouteRequest:
+                      slo: SloTargets | None = None, version_key: str | None = None) -> RouteRequest:
         """A request as the router sees it, with the prefix each worker likely holds; only workers
-        reporting `workers_key` (NAME@VERSION; None: any) may serve it."""
+        reporting `version_key` (NAME@VERSION; None: any) may serve it."""
         cached: dict[str, int] = {}
         hashes_by_size: dict[int, list[bytes]] = {}
         for worker in self._workers.values():
             # Not routed to, or another version's (decide never offers it this request).
-            if worker.report is None or not worker.offers(workers_key):
+            if worker.report is None or not worker.offers(version_key):
                 continue
             block_size = worker.report.block_size
             hashes = _block_hashes(hashes_by_size, prompt_token_ids, block_size)
@@ -187,13 +187,13 @@ class WorkerRegistry:
             if tokens:
                 cached[worker.address] = tokens
         return RouteRequest(len(prompt_token_ids), max_tokens, slo or self.default_slo, cached,
-                            tuple(prompt_token_ids), workers_key)
+                            tuple(prompt_token_ids), version_key)
 
     def decide(self, request: RouteRequest, idle: bool = False, exclude: frozenset[str] = frozenset()) -> Decision:
         """The router's decision over the workers' current views (or idle ones); NoWorkerError if
         no worker could take it."""
         views = [view for w in self._workers.values()
-                 if w.address not in exclude and w.offers(request.workers_key) and (view := w.view(idle))]
+                 if w.address not in exclude and w.offers(request.version_key) and (view := w.view(idle))]
         return route(request, views, next(self._turns), self._policy)
 
     def claim(self, request: RouteRequest, decision: Decision) -> Placement:

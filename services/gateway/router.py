@@ -127,7 +127,7 @@ class RouteRequest:
     # NAME@VERSION of the model version the request is for: the registry offers the rules only the
     # workers reporting it, so a prefill worker is paired only with a decode worker of that version.
     # None: any worker (a gateway of one model).
-    workers_key: str | None = None
+    version_key: str | None = None
 
 
 @dataclass(frozen=True)

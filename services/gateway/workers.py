@@ -71,7 +71,7 @@ class RemoteWorker:
         return self.serving and self.report is not None
 
     @property
-    def serves(self) -> str | None:
+    def version_key(self) -> str | None:
         """NAME@VERSION of the model version its load reports name; None before its first report."""
         if self.report is None:
             return None
@@ -81,7 +81,7 @@ class RemoteWorker:
         """Whether it may serve a request routed for NAME@VERSION (None: any version): the version it
         serves, or one a hot swap in its process retires and still holds (LoadReport)."""
         return version_key is None or (self.report is not None and (
-            version_key == self.serves or version_key in self.report.retiring_versions))
+            version_key == self.version_key or version_key in self.report.retiring_versions))
 
     @property
     def in_flight(self) -> int:

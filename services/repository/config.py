@@ -74,7 +74,7 @@ class ModelVersion:
             object.__setattr__(self, "pool", f"{self.model}-{self.name}")
 
     @property
-    def key(self) -> str:
+    def version_key(self) -> str:
         """`NAME@VERSION`: how clients, workers and load reports name it."""
         return f"{self.model}@{self.name}"
 
