@@ -11,7 +11,8 @@ from services.common.config_flags import flag
 
 @dataclass(frozen=True)
 class KVLinkFlags:
-    """`--kv-backend` (the receiving end's) and `--kv-checksum` (both ends')."""
+    """`--kv-backend` (the receiving end's) and `--kv-checksum` (both ends'). The backends are
+    kvtransfer.descriptor.Backend's, spelled out so that parsing the command line imports no torch."""
 
     kv_backend: Literal["torch_dist", "grpc"] = flag("torch_dist", "how prompts' KV pages arrive from prefill "
                                                                    "workers")

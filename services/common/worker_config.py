@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from engine.config import EngineConfig
+from kvtransfer.descriptor import Backend
 from services.common.channels import Channels
 from services.repository.config import ModelVersion
 from services.repository.swap_settings import SwapSettings
-
-KVBackend = Literal["torch_dist", "grpc"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +26,7 @@ class WorkerConfig:
     grace_period: float  # seconds in-flight requests get to finish on SIGTERM
     metrics_port: int  # 0: a free port
     channels: Channels
-    kv_backend: KVBackend = "torch_dist"  # how prompts' KV pages arrive (decode and colocated)
+    kv_backend: Backend = "torch_dist"  # how prompts' KV pages arrive (decode and colocated)
     kv_host: str = ""  # where the torch_dist rendezvous stores bind ("": advertise_host)
     kv_timeout: float = 30.0  # seconds a prompt's KV may take between the workers
     kv_checksum: bool = True  # False: no CRC32C with peers that are off too

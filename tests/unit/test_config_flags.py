@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args, get_type_hints
 
 import pytest
 
@@ -111,3 +111,10 @@ def test_every_flag_of_the_gateway_parses_back_from_its_arguments():
     flags = from_args(GatewayFlags, build_parser().parse_args(argv))
     assert from_args(GatewayFlags, build_parser().parse_args(["gateway", *to_argv(flags)])) == flags
     assert flags.cluster.planner_deployment == ("m@v:decode=d",) and flags.requests.max_prompt_tokens == 9
+
+
+def test_the_kv_backend_flag_offers_the_backends_kvtransfer_has():
+    from kvtransfer.descriptor import Backend
+    from services.commands.kv_flags import KVLinkFlags
+
+    assert get_args(get_type_hints(KVLinkFlags)["kv_backend"]) == get_args(Backend)
