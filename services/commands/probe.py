@@ -38,12 +38,12 @@ def run(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from services.common.tls import open_channel
+    from services.common.channels import Channels
 
     flags: ProbeFlags = from_args(ProbeFlags, args)
 
     async def check() -> int:
-        async with open_channel(args.address, flags.tls.config()) as channel:
+        async with Channels(flags.tls.config()).open(args.address) as channel:
             try:
                 reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                                         timeout=flags.timeout)

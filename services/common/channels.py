@@ -13,7 +13,8 @@ from typing import Any
 import grpc
 
 from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
-from services.common.tls import TlsConfig, open_channel, open_sync_channel
+from services.common.server import channel_options
+from services.common.tls import TlsConfig
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,23 @@ class Channels:
     limits: GrpcLimits = DEFAULT_GRPC_LIMITS
 
     def open(self, address: str, extra_options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-        """An asyncio channel to another Tandem process (host:port)."""
-        return open_channel(address, self.tls, extra_options, self.limits)
+        """An asyncio channel to another Tandem process (host:port): mutual TLS with `tls`,
+        plaintext without."""
+        options = self._options(extra_options)
+        if self.tls is None:
+            return grpc.aio.insecure_channel(address, options=options)
+        return grpc.aio.secure_channel(address, self.tls.channel_credentials(), options=options)
 
     def open_sync(self, address: str) -> grpc.Channel:
         """A synchronous channel to another Tandem process (the gRPC KV backend's)."""
-        return open_sync_channel(address, self.tls, self.limits)
+        options = self._options(())
+        if self.tls is None:
+            return grpc.insecure_channel(address, options=options)
+        return grpc.secure_channel(address, self.tls.channel_credentials(), options=options)
+
+    def _options(self, extra: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """`channel_options(limits)`, then `extra`, then TLS's (the expected peer name, if set)."""
+        return [*channel_options(self.limits), *extra, *(self.tls.channel_options() if self.tls else [])]
 
     def server_credentials(self, client_auth: bool = True) -> grpc.ServerCredentials | None:
         """The server's credentials (None: plaintext); see TlsConfig.server_credentials."""
