@@ -119,12 +119,12 @@ def from_args(cls: type, args: argparse.Namespace) -> Any:
         elif hasattr(args, field.name):
             value = getattr(args, field.name)
             values[field.name] = tuple(value) if isinstance(value, list) else value
-    with naming_flags(cls):
+    with _naming_flags(cls):
         return cls(**values)
 
 
 @contextlib.contextmanager
-def naming_flags(cls: type) -> Iterator[None]:
+def _naming_flags(cls: type) -> Iterator[None]:
     """Re-raise a config's ValueError "field: ..." as one naming the flag ("--field-name: ...")."""
     try:
         yield
@@ -136,14 +136,12 @@ def naming_flags(cls: type) -> Iterator[None]:
         raise ValueError(f"{options[field]}: {rest}") from None
 
 
-def to_argv(config: Any, *, defaults: Mapping[str, Any] | None = None, skip: tuple[str, ...] = ()) -> list[str]:
-    """The arguments that make a parser built by `add_flags(parser, type(config), defaults=...,
-    skip=...)` give `config`: every flag whose value is not its default."""
+def to_argv(config: Any, *, defaults: Mapping[str, Any] | None = None) -> list[str]:
+    """The arguments that make a parser built by `add_flags(parser, type(config), defaults=...)`
+    give `config`: every flag whose value is not its default."""
     defaults = defaults or {}
     argv: list[str] = []
     for flag in _flags(type(config)):
-        if flag.dest in skip:
-            continue
         value = functools.reduce(getattr, flag.path, config)
         if value == defaults.get(flag.dest, flag.default):
             continue
