@@ -84,7 +84,7 @@ class PrefillClients:
 
     def __init__(self, channels: Channels) -> None:
         """`channels`: how the channels to the prefill workers are opened (TLS, message sizes)."""
-        self._channels = channels
+        self._factory = channels
         self._peers: dict[str, GrpcPrefillPeer] = {}
         self._channels: list[grpc.aio.Channel] = []
         self._pending: set[asyncio.Task] = set()
@@ -93,7 +93,7 @@ class PrefillClients:
         """The prefill worker at host:port (its channel is opened on first use)."""
         peer = self._peers.get(address)
         if peer is None:
-            channel = self._channels.open(address)
+            channel = self._factory.open(address)
             self._channels.append(channel)
             peer = self._peers[address] = GrpcPrefillPeer(address, prefill_pb2_grpc.PrefillStub(channel), self._pending)
         return peer
