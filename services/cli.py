@@ -18,7 +18,6 @@ _COMMAND_MODULES = (
     "services.commands.chat",
     "services.commands.mesh",
     "services.commands.probe",
-    "services.commands.bench",
 )
 
 

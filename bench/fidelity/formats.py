@@ -18,7 +18,7 @@ class Format:
     """One row: `settings` are EngineConfig fields; `bound` the largest relative rise of perplexity
     over row `against` the issue allows (None: reported, no bound); `checkpoint` names the suite flag
     that gives the model this format needs, if the shipped one is not in it, and `built` the checkpoint
-    of the shipped model (bench/harness/quant_checkpoints.py's SHIPPED_LAYOUTS) used without that flag."""
+    of the shipped model (harness/quant_checkpoints.py's SHIPPED_LAYOUTS) used without that flag."""
 
     name: str
     description: str

@@ -29,8 +29,9 @@ from typing import IO
 
 import httpx2
 
-from bench.harness.paths import HF_EXPORT_DIR, REPO, VLLM_PYTHON, VLLM_VENV
-from bench.harness.ports import free_port
+from bench.common.paths import HF_EXPORT_DIR, VLLM_PYTHON, VLLM_VENV
+from harness.paths import REPO
+from harness.ports import free_port
 from services.launcher import LaunchError, ServerProcess, tandem_command
 
 CONFIGS = ("disagg", "colocated", "colocated-wide", "vllm", "vllm-auto")

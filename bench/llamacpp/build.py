@@ -20,8 +20,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from bench.harness.machine import cpu_flags
-from bench.harness.paths import CACHE_DIR
+from bench.common.machine import cpu_flags
+from bench.common.paths import CACHE_DIR
 
 LLAMA_CPP_PYTHON = "0.3.36"
 # llama-cpp-python's own dependencies, pinned (the main venv's versions where it has them).

@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 import time
 
-from bench.harness.token_timer import tpot
 from bench.throughput.systems import pin_to_cores, run_cases, worker_main
+from harness.token_timer import tpot
 
 
 def llama_cpp_generate(workload: dict) -> dict:

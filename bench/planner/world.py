@@ -21,7 +21,7 @@ ATTAINMENT_FRACTION = 0.9  # a minute attains its SLO when this share of its req
 @dataclass(frozen=True)
 class Capacity:
     """What one replica of each pool can do (defaults: SmolLM2-135M on one core of this machine,
-    weights held at fp16 for decode; docs/benchmarks.md, "Weights held at fp16 for decode")."""
+    weights held at fp16 for decode, by the engine_throughput suite; docs/benchmarks.md, planner_sim)."""
 
     prefill_tokens_per_s: float = 280.0  # measured on 1,024-token prompts (340 on 256-token ones)
     decode_base_s: float = 0.024  # decode step time = base + per_sequence x batch, fitted to

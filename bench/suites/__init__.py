@@ -1,4 +1,4 @@
-"""The benchmark suites, one module each, run as `python -m bench SUITE [flags]` (or `tandem bench SUITE`).
+"""The benchmark suites, one module each, run as `python -m bench SUITE [flags]` from the repository root.
 
 A suite module has a docstring (its first sentence is the suite's summary in `python -m bench --help`)
 and `main(argv) -> int`, which parses the suite's own flags and returns the exit code.
@@ -14,13 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 SUITES = (
-    "engine_throughput", "speed", "decode_overhead", "fidelity", "cpu_weights", "weight_formats", "bf16_products",
-    "int8_prefill",
-    "gptq_awq", "prompt_fp16", "kv_transfer", "device_checksum", "mesh_overhead", "links", "routing_overhead",
-    "version_routing", "hot_swap",
-    "tracing_overhead", "tensor_parallel", "kv_relay",
-    "goodput", "speculative", "draft_models",
-    "prompt_batching", "planner_sim", "cancel_storm", "overload", "soak", "hf_export",
+    "engine_throughput", "speed", "decode_overhead", "fidelity", "weight_formats", "gptq_awq",
+    "kv_transfer", "mesh_overhead", "links", "tracing_overhead", "version_routing", "hot_swap",
+    "tensor_parallel", "kv_relay", "goodput", "speculative", "planner_sim",
+    "cancel_storm", "overload", "soak", "hf_export",
 )
 
 

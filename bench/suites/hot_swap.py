@@ -45,15 +45,15 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.harness.leak_check import load_report
-from bench.harness.load_clients import random_tokens
-from bench.harness.metrics import percentiles
-from bench.harness.ports import free_port
-from bench.harness.repository_files import two_versions
-from bench.harness.suite import load_average, suite_parser
-from bench.harness.verdict import finish
-from bench.harness.version_load import Sample, VersionLoad
-from bench.harness.worker import WorkerProcess, start_worker
+from bench.common.metrics import percentiles
+from bench.common.suite import load_average, suite_parser
+from bench.common.verdict import finish
+from bench.common.version_load import Sample, VersionLoad
+from harness.leak_check import load_report
+from harness.load_clients import random_tokens
+from harness.ports import free_port
+from harness.repository_files import two_versions
+from harness.worker import WorkerProcess, start_worker
 
 MODEL, Q4, FP32, INT8 = "smollm2", "smollm2@q4", "smollm2@fp32", "smollm2@int8"
 COLOCATED_POOL = "smollm2-fp32"

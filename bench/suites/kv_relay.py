@@ -29,8 +29,8 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.harness.machine import cpu_model, describe
-from bench.harness.suite import command_line, results_path, suite_parser, write_results
+from bench.common.machine import cpu_model, describe
+from bench.common.suite import command_line, results_path, suite_parser, write_results
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.kv_export import KVExport, LayerPages

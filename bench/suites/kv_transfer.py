@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from bench.harness.kv_rig import (
+from bench.common.kv_rig import (
     PROMPT_TOKENS,
     BackendRun,
     layout_of,
@@ -38,8 +38,8 @@ from bench.harness.kv_rig import (
     serve_grpc,
     total_bytes,
 )
-from bench.harness.machine import cpu_model
-from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.common.machine import cpu_model
+from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 from engine.kv_cache.codec import kv_format
 from kvtransfer.descriptor import KVLayout
 from kvtransfer.receiver import make_receiver

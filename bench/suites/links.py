@@ -7,7 +7,7 @@ workers; the in-process engine's KV dtype is printed and must match):
 1. In-process: the engine in a child process, the prompts of each size one by one (mesh_overhead's
    baseline).
 2. Loopback: a gateway, a prefill and a decode worker on 127.0.0.1 (torch_dist KV).
-3. Hosts (bench.harness.hosts, needs root): a gateway host, a prefill host and a decode host, each a
+3. Hosts (harness.hosts, needs root): a gateway host, a prefill host and a decode host, each a
    network namespace on one bridge; per link (uncapped, then each of --rates) the prefill host's
    outgoing traffic is capped by a token bucket (tc tbf) and the same requests run.
 
@@ -40,13 +40,13 @@ import statistics
 import sys
 from collections.abc import Sequence
 
-from bench.harness import kv_rig
-from bench.harness.host_mesh import start_host_mesh
-from bench.harness.hosts import Hosts, namespaces_unavailable
-from bench.harness.mesh import start_mesh
-from bench.harness.remote_sender import RemoteSender
-from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.common import kv_rig
+from bench.common.remote_sender import RemoteSender
+from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 from bench.suites.mesh_overhead import RequestTiming, make_prompts, mesh_request, run_inprocess
+from harness.host_mesh import start_host_mesh
+from harness.hosts import Hosts, namespaces_unavailable
+from harness.mesh import start_mesh
 
 WORKER_FLAGS = ["--threads", "1", "--dtype", "float32"]
 KV_DTYPE = "float32"

@@ -8,7 +8,7 @@ Three phases run one after another, never at the same time, so they never compet
 2. In-process: the same engine in a child process with one torch thread, the same prompts one by one
    through engine.offline.generate.
 3. Transfer: one prompt's KV sent on its own through the chosen backend, by the kv_transfer suite's
-   sender and receiver (bench/harness/kv_rig.py; the median of --transfer-runs transfers after a warm-up).
+   sender and receiver (bench/common/kv_rig.py; the median of --transfer-runs transfers after a warm-up).
 
 Each side first runs one untimed warm-up request. Prompts are distinct random token ids, so that no
 request hits a prefix cache. Hidden fraction of the transfer = 1 - (mesh TTFT - in-process TTFT) / transfer
@@ -35,11 +35,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 
-from bench.harness import kv_rig
-from bench.harness.load_clients import random_tokens
-from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
-from bench.harness.token_timer import TokenTimer
-from bench.harness.worker import WorkerProcess, start_worker
+from bench.common import kv_rig
+from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
+from harness.load_clients import random_tokens
+from harness.token_timer import TokenTimer
+from harness.worker import WorkerProcess, start_worker
 
 TTFT_TARGET = 1.10
 TPOT_TARGET = 1.05

@@ -3,7 +3,7 @@ capacity is refused around them.
 
 One mesh (a prefill and a decode worker behind a gateway with a bounded admission queue), one run:
 
-1. Objectives from the workers' step models (bench/harness/burst.py: TTFT = 3 prompts' prefill,
+1. Objectives from the workers' step models (harness/burst.py: TTFT = 3 prompts' prefill,
    TPOT = 4 decode steps of the request alone); every request carries them.
 2. Capacity: requests sent back to back, as many at once as the TTFT objective holds; capacity is
    the rate at which they completed (requests per second).
@@ -28,13 +28,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from bench.harness.burst import Objectives, burst_requests, objectives
-from bench.harness.leak_check import is_idle, wait_until_idle
-from bench.harness.load_clients import ERROR, OK, REFUSED, LoadRunner, Outcome
-from bench.harness.mesh import start_mesh
-from bench.harness.process_memory import RssSampler
-from bench.harness.suite import suite_parser
-from bench.harness.verdict import finish
+from bench.common.suite import suite_parser
+from bench.common.verdict import finish
+from harness.burst import Objectives, burst_requests, objectives
+from harness.leak_check import is_idle, wait_until_idle
+from harness.load_clients import ERROR, OK, REFUSED, LoadRunner, Outcome
+from harness.mesh import start_mesh
+from harness.process_memory import RssSampler
 
 PROMPT_TOKENS = 256
 MAX_TOKENS = 16

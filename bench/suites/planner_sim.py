@@ -63,7 +63,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from bench.harness.suite import command_line, results_path, suite_parser
+from bench.common.suite import command_line, results_path, suite_parser
 from bench.planner.world import (
     MINUTE_S,
     Capacity,

@@ -1,7 +1,7 @@
 """Soak: a real mesh under steady mixed load with random client cancellations for a long time
 (30 minutes by default), watching for slow leaks.
 
-The load is the cancellation storm's (bench/harness/storm.py: shared prompt prefixes, a quarter
+The load is the cancellation storm's (harness/storm.py: shared prompt prefixes, a quarter
 of the clients over HTTP, half of the requests cancelled before prefill, during the KV transfer or
 mid-decode), sent closed-loop by --concurrency clients until the time is up. Every --sample-s it
 records each process's RSS (/proc), each worker's KV blocks held by requests (LoadReport
@@ -31,13 +31,13 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
-from bench.harness.leak_check import is_idle, load_report, wait_until_idle
-from bench.harness.load_clients import LoadRequest, LoadRunner, Outcome
-from bench.harness.mesh import Mesh, start_mesh
-from bench.harness.process_memory import rss_bytes
-from bench.harness.storm import NO_SLO, StormConfig, calm_ttft, outcome_problems, plan_storm
-from bench.harness.suite import suite_parser
-from bench.harness.verdict import finish
+from bench.common.suite import suite_parser
+from bench.common.verdict import finish
+from harness.leak_check import is_idle, load_report, wait_until_idle
+from harness.load_clients import LoadRequest, LoadRunner, Outcome
+from harness.mesh import Mesh, start_mesh
+from harness.process_memory import rss_bytes
+from harness.storm import NO_SLO, StormConfig, calm_ttft, outcome_problems, plan_storm
 
 FLAT_FLOOR_BYTES = 32 << 20
 FLAT_FRACTION = 0.05

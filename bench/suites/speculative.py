@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from bench.harness.machine import describe
-from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
-from bench.harness.workload import build_workload
+from bench.common.machine import describe
+from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.common.workload import build_workload
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.model.loader import load_model_files

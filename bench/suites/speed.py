@@ -28,9 +28,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from bench.harness.machine import describe
-from bench.harness.paths import CACHE_DIR, VLLM_PYTHON
-from bench.harness.suite import command_line, load_average, suite_parser, write_results
+from bench.common.machine import describe
+from bench.common.paths import CACHE_DIR, VLLM_PYTHON
+from bench.common.suite import command_line, load_average, suite_parser, write_results
 from bench.llamacpp.build import build_dir, python_of, stamp_of
 from bench.suites.engine_throughput import (
     VLLM_STAMP,

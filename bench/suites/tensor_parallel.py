@@ -4,7 +4,7 @@ On CPU the collectives (gloo) per step; on a GPU the bf16 shard arithmetic again
 
 Random weights of the shipped model's shapes (SmolLM2-135M: 30 layers, 9 heads, 3 KV heads), made
 once with transformers into bench/.cache/. Each rank is a process that loads its shard
-(engine.parallel) and runs the model directly (bench.harness.greedy: a prompt in two
+(engine.parallel) and runs the model directly (harness.greedy: a prompt in two
 chunks, then greedy steps one token at a time).
 
 - CPU (`--device cpu`, the default): TP 1 and TP --size, one rank pinned per core, one thread each;
@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.harness.machine import cpu_model
-from bench.harness.paths import REPO
-from bench.harness.ports import free_port
-from bench.harness.suite import command_line, results_path, suite_parser, write_results
+from bench.common.machine import cpu_model
+from bench.common.suite import command_line, results_path, suite_parser, write_results
+from harness.paths import REPO
+from harness.ports import free_port
 
 CACHE = REPO / "bench" / ".cache"
 # heads, KV heads, hidden: the shipped model's, and the same size with heads that 2 and 4 ranks split.
@@ -62,9 +62,9 @@ def model_for(size: int) -> Path:
 
 def _rank(rank: int, size: int, port: int, model: str, device: str, dtype: torch.dtype, prompt: list[int],
           steps: int, out: str) -> None:
-    from bench.harness.greedy import Checkpoint, load
     from engine.parallel.collectives import parallelize
     from engine.parallel.layout import TensorParallelLayout
+    from harness.greedy import Checkpoint, load
 
     torch.set_num_threads(1)
     if device == "cpu":
@@ -82,7 +82,7 @@ def _rank(rank: int, size: int, port: int, model: str, device: str, dtype: torch
 
 def _time(model, rank: int, group, hidden: int, device: str, dtype: torch.dtype, prompt: list[int], steps: int,
           layers: int, out: str) -> None:
-    from bench.harness.greedy import greedy
+    from harness.greedy import greedy
 
     greedy(model, prompt[:32], 2)  # warm-up
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

@@ -3,7 +3,7 @@
 Each round starts a gateway, a prefill and a decode worker (one torch thread each), sends
 `--requests` distinct prompts `--concurrency` at a time through the gateway after one untimed
 warm-up, and counts output tokens per second of wall time. With tracing on, every process exports
-to an OTLP/gRPC receiver inside this process (bench/harness/otlp_receiver.py, the one the tests
+to an OTLP/gRPC receiver inside this process (harness/otlp_receiver.py, the one the tests
 use), sampling every request. Rounds alternate off/on `--rounds` times, never overlapping, and the
 best round of each mode is kept (the one least disturbed by whatever else shares the machine). The
 target is at most 2% less throughput with tracing on.
@@ -25,10 +25,10 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from bench.harness.load_clients import random_tokens
-from bench.harness.mesh import start_mesh
-from bench.harness.otlp_receiver import OtlpReceiver
-from bench.harness.suite import command_line, results_path, suite_parser, write_results
+from bench.common.suite import command_line, results_path, suite_parser, write_results
+from harness.load_clients import random_tokens
+from harness.mesh import start_mesh
+from harness.otlp_receiver import OtlpReceiver
 
 TARGET_OVERHEAD = 0.02
 WORKER_FLAGS = ("--threads", "1")  # the workers' own defaults otherwise

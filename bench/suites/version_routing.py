@@ -37,10 +37,10 @@ from pathlib import Path
 
 from tandem.v1 import common_pb2
 
-from bench.harness.call_timer import drain_s, median_call_s
-from bench.harness.repository_files import two_versions
-from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.common.call_timer import drain_s, median_call_s
+from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 from engine.kv_cache.block_hash import prompt_block_hashes
+from harness.repository_files import two_versions
 from services.gateway.admission import Admission
 from services.gateway.catalog import CatalogEntry, ModelCatalog
 from services.gateway.model import ServedModel

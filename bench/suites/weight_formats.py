@@ -9,7 +9,7 @@ From one load of the shipped model, on `--threads` torch threads (1 by default),
   Q8_0), the same weight dequantized then F.linear (what `QuantizedLinear` does from
   DENSE_MIN_ROWS rows up), the kernel over round-to-nearest int8, and torch's own packed
   products (`_weight_int4pack_mm_for_cpu` over the Q4_1 blocks, `_weight_int8pack_mm` per
-  channel; bench.harness.torch_packed) at fp32 and bf16 activations, with how far each moves a weight;
+  channel; bench.common.torch_packed) at fp32 and bf16 activations, with how far each moves a weight;
 - engine: for quantization none (fp32 weights pre-packed for oneDNN), none with fp16 weights,
   gguf and int8: the median ms of the decode steps at each `--batch` (prompts of 128 tokens, each
   step one token for all of them, `--decode-tokens` steps), the ms of one `--prefill-tokens` prompt
@@ -30,10 +30,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from bench.harness import torch_packed
-from bench.harness.machine import cpu_model
-from bench.harness.model_quality import document_windows, first_difference, perplexity
-from bench.harness.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.common import torch_packed
+from bench.common.machine import cpu_model
+from bench.common.model_quality import document_windows, first_difference, perplexity
+from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.model.int8 import quantize_int8
@@ -111,7 +111,7 @@ def _time_products(x: torch.Tensor, served: QuantizedLinear, int8: QuantizedLine
 
 
 def _time_torch_packed(x: torch.Tensor, weight: QuantizedWeight, repeat: int) -> dict[str, float]:
-    """torch's packed products (bench.harness.torch_packed) at fp32 and bf16 activations; NaN
+    """torch's packed products (bench.common.torch_packed) at fp32 and bf16 activations; NaN
     where this torch or this weight's format has none."""
     figures: dict[str, float] = {}
     for dtype in (torch.float32, torch.bfloat16):

@@ -16,8 +16,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from bench.harness.paths import REPO
-from bench.harness.token_timer import tpot
+from harness.paths import REPO
+from harness.token_timer import tpot
 
 RESULT_PREFIX = "BENCH-RESULT "
 KV_CACHE_GIB = 2
@@ -78,7 +78,7 @@ def tandem(workload: dict) -> dict:
     the shipped GGUF at the engine's defaults)."""
     import torch
 
-    from bench.harness.engine_formats import engine_formats
+    from bench.common.engine_formats import engine_formats
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.engine import Engine
     from engine.offline import generate

@@ -14,8 +14,8 @@ install_version_lookup()
 
 import sys  # noqa: E402
 
-from bench.harness.token_timer import tpot  # noqa: E402
 from bench.throughput.systems import run_cases, worker_main  # noqa: E402
+from harness.token_timer import tpot  # noqa: E402
 
 
 def vllm_generate(workload: dict) -> dict:

@@ -22,8 +22,8 @@ KERNEL_PAGES = (torch.float32, torch.bfloat16)  # the page dtypes DenseDecode re
 # Queries of at most this many rows per sequence (a speculative verification: up to 16 drafts and
 # the token before them) attend through DenseDecode, each row as a decode row over its own prefix:
 # it reads the pages in place, where the prompt path first gathers the whole context per layer,
-# which for a few rows costs more than the attention itself (docs/benchmarks.md, "Speculative
-# decoding").
+# which for a few rows costs more than the attention itself (docs/benchmarks.md, "Decisions settled
+# by experiments").
 SHORT_QUERY = 17
 
 
@@ -96,8 +96,7 @@ def _causal_over_context(
         values = gather_context(v_cache, block_table, seq_len, codec, q.dtype)
         return dense_prefill(q, keys, values, scale)
     # [1, heads, len, head_dim]: given 3-d tensors, CPU SDPA takes its unfused path, several times
-    # slower than its flash kernel on long prompts (docs/benchmarks.md, "Prefill at par with
-    # transformers").
+    # slower than its flash kernel on long prompts.
     keys = gather_context(k_cache, block_table, seq_len, codec, q.dtype).transpose(0, 1)[None]
     values = gather_context(v_cache, block_table, seq_len, codec, q.dtype).transpose(0, 1)[None]
     queries = q.transpose(0, 1)[None].to(keys.dtype)

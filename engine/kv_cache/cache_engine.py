@@ -21,8 +21,8 @@ def bytes_per_block(model: ModelConfig, block_size: int, kv_format: KVFormat) ->
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Copy the given blocks out of a cache: [len(block_ids), block_size, num_kv_heads, head_dim].
 
-    index_select on the flattened blocks, because on CPU it is several times faster than advanced
-    indexing (docs/benchmarks.md).
+    index_select on the flattened blocks, because on CPU it is faster than advanced indexing
+    (docs/benchmarks.md, "Decisions settled by experiments").
     """
     flat = cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1).long())
     return flat.view(block_ids.numel(), *cache.shape[1:])
@@ -33,7 +33,7 @@ def copy_rows(cache: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> N
 
     Bytes go as int32 words where their rows allow: torch's index_copy_ moves uint8 one element at
     a time, no faster an element than float32, so a quantized page would cost as much as an fp32
-    one (1 KiB of words in the time of 256 bytes, measured on CPU).
+    one; as words it moves four bytes for the cost of one element.
     """
     rows = rows.contiguous()
     if cache.dtype == torch.uint8 and rows.shape[-1] % 4 == 0 and rows.storage_offset() % 4 == 0:

@@ -102,7 +102,7 @@ class ScaledKV:
     max_code: float
     rounds: bool  # integer codes round explicitly; the fp8 cast rounds to nearest by itself
     # Widen codes on CPU by looking their byte up in a table of the 256 values: torch converts fp8
-    # one element at a time there, about 3x slower than the look-up (int8 converts vectorised).
+    # one element at a time there, slower than the look-up (int8 converts vectorised).
     table_on_cpu: bool
     scaled: ClassVar[bool] = True
 

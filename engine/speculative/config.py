@@ -36,10 +36,10 @@ class SpeculativeConfig:
     """
 
     method: SpeculativeMethod = "ngram"
-    # Defaults measured on a CPU (python -m bench speculative; docs/benchmarks.md): a verification
-    # step streams the weights once whatever its rows, so 9 rows cost about what 5 do (one thread of
-    # an Intel Xeon: 28.5 against 28.1 ms) and the longer drafts of copied spans pay; from 8 running
-    # requests on, a step's rows are no longer cheap and drafts stop paying.
+    # Defaults measured on a CPU (`python -m bench speculative`; docs/benchmarks.md): a verification
+    # step streams the weights once whatever its rows, so 9 rows cost about what 5 do and the longer
+    # drafts of copied spans pay; from 8 running requests on, a step's rows are no longer cheap and
+    # drafts stop paying.
     num_speculative_tokens: int = 8
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4

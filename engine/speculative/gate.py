@@ -1,11 +1,11 @@
 """Which requests draft: those whose recent drafts paid for their verification.
 
-A verification step of a few rows costs more than a step of one (one thread of an Intel Xeon: 9
-rows 21.2 ms against 11.5, docs/benchmarks.md "Speculative decoding"), so a draft pays only when
-it keeps about one token or more. Acceptance is bimodal: a request copying a span of its prompt
-keeps most drafts, one writing freely keeps almost none, and n-gram matches come for both. So
-each request keeps a running mean of the tokens its drafts kept; below one it stops drafting and
-probes again after some steps, which a request entering a copied span needs.
+A verification step of a few rows costs more than a step of one (`python -m bench speculative`,
+docs/benchmarks.md), so a draft pays only when it keeps about one token or more. Acceptance is
+bimodal: a request copying a span of its prompt keeps most drafts, one writing freely keeps almost
+none, and n-gram matches come for both. So each request keeps a running mean of the tokens its
+drafts kept; below one it stops drafting and probes again after some steps, which a request
+entering a copied span needs.
 """
 
 from __future__ import annotations

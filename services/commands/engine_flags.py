@@ -22,7 +22,7 @@ from services.common.config_flags import flag
 from services.repository.config import ModelVersion, load_repository
 
 # One prompt of a few hundred tokens keeps a CPU core busy, so batching a second one into its step
-# only delays the first one's first token (`python -m bench prompt_batching`; docs/benchmarks.md). A GPU
+# only delays the first one's first token (docs/benchmarks.md, "Decisions settled by experiments"). A GPU
 # is far from saturated by a few prompts: there they batch up to the token budget.
 CPU_PROMPT_BATCH_TOKENS = 256
 _MIB = 1024 * 1024

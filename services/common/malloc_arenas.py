@@ -4,7 +4,7 @@ glibc gives each new thread an arena of its own. A worker steps its engine on a 
 asyncio loop, and in that thread's arena a prefill's large activations (megabytes, freed and
 allocated again in every layer) were handed back to the kernel and returned as fresh zeroed pages,
 so a prefill computed markedly slower than the same engine on the main thread, whose arena keeps
-them (docs/benchmarks.md, "Mesh overhead and transfer overlap"). With one arena the worker computes
+them (docs/benchmarks.md, "Decisions settled by experiments"). With one arena the worker computes
 as fast as in-process, and threads no longer grow heaps of their own.
 """
 

@@ -6,8 +6,8 @@ bursts of random (Poisson) arrivals, and also drain what is already queued withi
 replicas' worth of work, the queue a burst leaves grows with sqrt(load), so a pool runs
 `load + beta x sqrt(load)` replicas (`prefill_headroom_beta`, 0.6 by default). The share of
 headroom shrinks as the pool grows, where a fixed utilisation gives every pool the same share: too
-little for a small pool's bursts, more replicas than a large one needs (docs/benchmarks.md,
-"Planner simulation"). The drain time is about how long a new replica takes to be ready (a pod
+little for a small pool's bursts, more replicas than a large one needs (`python -m bench planner_sim`,
+docs/benchmarks.md). The drain time is about how long a new replica takes to be ready (a pod
 scheduled, its model loaded: minutes): replicas asked for to drain a queue faster than that arrive
 after it has gone, and are then held through the scale-down window. For the same reason a queued
 prompt, computed by one replica, never asks for more than one replica:

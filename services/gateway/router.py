@@ -48,7 +48,8 @@ class RoutingPolicy:
     # A prefill worker predicted to reach the first token within this share of the TTFT objective
     # keeps the prompt from a decode worker; above it a decode worker with slack may take the prompt,
     # if that is cheaper. At 1 a decode worker prefills only when no prefill worker meets the
-    # objective: a lower share kept no more requests within their SLO (docs/benchmarks.md, run H).
+    # objective: a lower share kept no more requests within their SLO (`python -m bench goodput`;
+    # docs/benchmarks.md, "Decisions settled by experiments").
     remote_ttft_share: float = flag(
         1.0, "a decode worker whose running requests' TPOT slack allows it computes a prompt itself once every "
         "prefill worker's predicted TTFT exceeds this share of the objective, if that is sooner (1: only when no "
@@ -56,7 +57,7 @@ class RoutingPolicy:
     # The share of its running requests' least TPOT slack a worker may spend on stalling them with
     # prompts: later arrivals slow the batch's remaining steps, and the step model's predictions err.
     # Less refused requests that would have met their SLO, and this much still kept TPOT within the
-    # objective (docs/benchmarks.md, run H).
+    # objective (`python -m bench goodput`; docs/benchmarks.md, "Decisions settled by experiments").
     tpot_slack_share: float = flag(
         0.75, "share of its running requests' least TPOT slack (the room left under their objectives) a worker "
         "may spend stalling them with a prompt")

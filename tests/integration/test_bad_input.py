@@ -40,9 +40,9 @@ from tandem.v1 import (
     prefill_pb2,
 )
 
-from bench.harness.leak_check import assert_no_leaks
-from bench.harness.ports import free_port
-from bench.harness.worker import WorkerProcess, start_worker
+from harness.leak_check import assert_no_leaks
+from harness.ports import free_port
+from harness.worker import WorkerProcess, start_worker
 from kvtransfer.descriptor import TransferTarget, split_address
 from services.common.server import channel_options
 from services.gateway.openai_api.schema import ChatBody, CompletionBody

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.harness.leak_check import assert_no_leaks
-from bench.harness.mesh import start_mesh
-from bench.harness.storm import StormConfig, run_storm
+from harness.leak_check import assert_no_leaks
+from harness.mesh import start_mesh
+from harness.storm import StormConfig, run_storm
 
 # Objectives no request can miss: the storm is about cancellation, not admission.
 NO_SLO = ["--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"]

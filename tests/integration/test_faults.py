@@ -22,10 +22,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS
 from routing_metrics import increase, poll, prefill_attempts
 
-from bench.harness.leak_check import assert_no_leaks, load_report
-from bench.harness.worker import WorkerProcess, start_worker
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
+from harness.leak_check import assert_no_leaks, load_report
+from harness.worker import WorkerProcess, start_worker
 from kvtransfer.faults import ENV_VAR
 from services.client import TandemClient
 

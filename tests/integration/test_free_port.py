@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from bench.harness.ports import free_port
+from harness.ports import free_port
 
 
 def _ephemeral_low() -> int:

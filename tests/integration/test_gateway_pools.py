@@ -18,8 +18,8 @@ import pytest
 from fake_kube_api import FakeKubeApi
 from tandem.v1 import common_pb2, decode_pb2
 
-from bench.harness.worker import start_worker
 from engine.sampling_params import SamplingParams
+from harness.worker import start_worker
 from services.client import TandemClient
 from services.common.convert import sampling_params_to_proto
 from services.gateway.registry import WorkerRegistry

@@ -1,4 +1,4 @@
-"""The mesh across separate hosts (bench.harness.hosts: network namespaces on one bridge, nothing on
+"""The mesh across separate hosts (harness.hosts: network namespaces on one bridge, nothing on
 loopback): greedy output equal to the in-process engine's on both KV backends, mutual TLS with
 certificates naming the hosts' addresses (a peer from another CA refused), partitions (a host's
 link pulled mid-transfer, while pairs are to be made, during streaming) that end in a clean retry
@@ -32,13 +32,13 @@ from reference import PINNED_FLAGS
 from routing_metrics import increase, poll, prefill_attempts
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 
-from bench.harness.host_mesh import DECODE_HOSTS, HOST_NAMES, PREFILL_HOSTS, HostMesh, start_host_mesh
-from bench.harness.hosts import Hosts, namespaces_unavailable, owned_links, owned_namespaces, remove_stale
-from bench.harness.leak_check import assert_no_leaks, load_report
-from bench.harness.paths import REPO
-from bench.harness.worker import WorkerProcess
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
+from harness.host_mesh import DECODE_HOSTS, HOST_NAMES, PREFILL_HOSTS, HostMesh, start_host_mesh
+from harness.hosts import Hosts, namespaces_unavailable, owned_links, owned_namespaces, remove_stale
+from harness.leak_check import assert_no_leaks, load_report
+from harness.paths import REPO
+from harness.worker import WorkerProcess
 from kvtransfer.faults import ENV_VAR
 from services.client import TandemClient
 from services.common.convert import sampling_params_to_proto
@@ -378,7 +378,7 @@ def test_the_harness_leaves_nothing_behind_even_after_a_crash():
     _require_namespaces()
     # A run that exits without closing its hosts: its namespaces stay until the next run removes them.
     crashed = subprocess.run(
-        [sys.executable, "-c", "import os; from bench.harness.hosts import Hosts; print(Hosts(['a', 'b']).tag); "
+        [sys.executable, "-c", "import os; from harness.hosts import Hosts; print(Hosts(['a', 'b']).tag); "
                                "os._exit(0)"],
         cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     tag = crashed.stdout.strip()

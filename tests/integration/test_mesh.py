@@ -20,13 +20,13 @@ from parity_prompts import CHAT, PLAIN, parity_prompt_ids, travel_diary
 from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS
 
-from bench.harness.leak_check import assert_no_leaks, load_report
-from bench.harness.mesh import Mesh
-from bench.harness.paths import REPO
-from bench.harness.ports import free_port
-from bench.harness.worker import WorkerProcess, start_worker
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
+from harness.leak_check import assert_no_leaks, load_report
+from harness.mesh import Mesh
+from harness.paths import REPO
+from harness.ports import free_port
+from harness.worker import WorkerProcess, start_worker
 from services.client import TandemClient
 
 WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256", *PINNED_FLAGS]

@@ -21,11 +21,11 @@ import openai
 import pytest
 from reference import PINNED_FLAGS
 
-from bench.harness.leak_check import assert_no_leaks, load_report
-from bench.harness.ports import free_port
-from bench.harness.worker import WorkerProcess, start_worker
 from engine.offline import Completion, generate
 from engine.sampling_params import SamplingParams
+from harness.leak_check import assert_no_leaks, load_report
+from harness.ports import free_port
+from harness.worker import WorkerProcess, start_worker
 from services.client import TandemClient
 
 WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256", *PINNED_FLAGS]

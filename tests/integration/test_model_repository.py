@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from bench.harness.leak_check import load_report
-from bench.harness.ports import free_port
-from bench.harness.repository_files import two_versions
-from bench.harness.worker import start_worker
+from harness.leak_check import load_report
+from harness.ports import free_port
+from harness.repository_files import two_versions
+from harness.worker import start_worker
 from services.client import TandemClient
 from services.repository.config import load_repository
 from services.repository.split import choose_version

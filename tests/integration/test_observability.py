@@ -13,9 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
-from bench.harness.otlp_receiver import OtlpReceiver, ReceivedSpan
-from bench.harness.ports import free_port
-from bench.harness.worker import WorkerProcess, start_worker
+from harness.otlp_receiver import OtlpReceiver, ReceivedSpan
+from harness.ports import free_port
+from harness.worker import WorkerProcess, start_worker
 from services.common.server import channel_options
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -19,9 +19,9 @@ import websocket
 from parity_prompts import travel_diary
 from tandem.v1 import common_pb2, decode_pb2_grpc
 
-from bench.harness.leak_check import load_report
-from bench.harness.ports import free_port
-from bench.harness.worker import WorkerProcess, start_worker
+from harness.leak_check import load_report
+from harness.ports import free_port
+from harness.worker import WorkerProcess, start_worker
 from services.client import TandemClient
 from services.common.server import channel_options
 from services.gateway.formats import FORMAT_FIELDS

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from bench.harness.burst import burst_requests, objectives
-from bench.harness.leak_check import assert_no_leaks
-from bench.harness.load_clients import OK, REFUSED, LoadRunner
-from bench.harness.mesh import start_mesh
-from bench.harness.process_memory import RssSampler
+from harness.burst import burst_requests, objectives
+from harness.leak_check import assert_no_leaks
+from harness.load_clients import OK, REFUSED, LoadRunner
+from harness.mesh import start_mesh
+from harness.process_memory import RssSampler
 
 MAX_QUEUED = 4
 PROMPT_TOKENS = 256

@@ -10,11 +10,11 @@ import pytest
 from parity_prompts import travel_diary
 from reference import PINNED_FLAGS
 
-from bench.harness.leak_check import assert_no_leaks, load_report
-from bench.harness.ports import free_port
-from bench.harness.worker import WorkerProcess, start_worker
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
+from harness.leak_check import assert_no_leaks, load_report
+from harness.ports import free_port
+from harness.worker import WorkerProcess, start_worker
 from services.client import TandemClient
 from services.common.convert import step_model_from_proto
 

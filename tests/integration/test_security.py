@@ -22,9 +22,9 @@ import websocket
 from certs import TestCa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.harness.paths import REPO
-from bench.harness.ports import free_port
-from bench.harness.worker import WorkerProcess, start_worker
+from harness.paths import REPO
+from harness.ports import free_port
+from harness.worker import WorkerProcess, start_worker
 from services.client import TandemClient
 from services.common.channels import Channels
 from services.common.tls import TlsConfig

@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS, check_against
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
-from bench.harness.worker import WorkerProcess, running, start_worker
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
+from harness.worker import WorkerProcess, running, start_worker
 from services.common.convert import sampling_params_to_proto
 from services.common.server import channel_options
 

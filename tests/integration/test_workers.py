@@ -15,11 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
-from bench.harness.ports import free_port
-from bench.harness.worker import WorkerProcess, start_worker
 from engine.config import SchedulerConfig
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
+from harness.ports import free_port
+from harness.worker import WorkerProcess, start_worker
 from services.common.convert import sampling_params_to_proto
 from services.common.server import channel_options
 

@@ -16,7 +16,6 @@ import torch
 from reference import check_against
 from safetensors.torch import save_file
 
-from bench.harness.quant_checkpoints import Layout, input_seed, is_linear, quantize, write_checkpoint
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.model.loader import ModelFiles, load_model_files
@@ -24,6 +23,7 @@ from engine.model.quantized import QuantizedWeight
 from engine.model.quantized_linear import QuantizedLinear
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
+from harness.quant_checkpoints import Layout, input_seed, is_linear, quantize, write_checkpoint
 
 SERVED = "gptq_actorder_g64"
 LAYOUTS = {

@@ -1,5 +1,5 @@
 """GPTQ and AWQ words unpacked by hand from the formats' published layouts, so neither the loader
-nor the tests' packer (bench/harness/quant_checkpoints.py) checks only itself.
+nor the tests' packer (harness/quant_checkpoints.py) checks only itself.
 
 The layouts (engine/model/gptq_awq.py's docstring): GPTQ (AutoGPTQ / GPTQModel) packs 32 // bits
 values per int32, value i at bits [i * bits, (i + 1) * bits); `qweight` [K * bits / 32, N] along the

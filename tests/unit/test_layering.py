@@ -1,5 +1,8 @@
 """The layering, read from the source: the engine imports neither grpc nor service code, kvtransfer
-no service code, the gateway never reaches torch, and no two packages import each other.
+no service code, the gateway never reaches torch, and no two packages import each other. Around the
+product: engine/, kvtransfer/ and services/ import none of bench/, harness/ and tests/; harness/ (what
+tests and benchmarks share) imports neither bench/ nor tests/; and of the tests only tests/benchmarks/
+(the benchmarks' own logic) imports bench/.
 
 Imports are parsed with `ast`, nothing is imported. Every `import` counts wherever it stands
 (an import inside a function runs too, only later), except under `if TYPE_CHECKING:`. A package
@@ -15,7 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-FIRST_PARTY = ("engine", "kvtransfer", "services")
+PRODUCT = ("engine", "kvtransfer", "services")
+FIRST_PARTY = (*PRODUCT, "harness", "bench", "tests")
+# The tests' helper modules, which tests import by their bare names (pytest puts their folders on the path).
+TEST_HELPERS = tuple(sorted({path.stem for path in (REPO / "tests").rglob("*.py")
+                             if not path.stem.startswith("test_") and path.stem != "conftest"}))
 # Where the gateway process starts: its package and its command.
 GATEWAY_ROOTS = ("services.gateway", "services.commands.gateway")
 HEAVY = frozenset({"torch", "triton", "transformers"})
@@ -258,6 +265,8 @@ TREE = SourceTree(REPO)
 
 def test_the_tree_was_read() -> None:
     assert len(TREE.files) > 100 and "services.gateway.router" in TREE.files
+    assert {"harness.worker", "bench.suites", "tests.unit.test_layering"} <= set(TREE.files)
+    assert "reference" in TEST_HELPERS
 
 
 def test_the_engine_imports_neither_grpc_nor_protobuf_nor_service_code() -> None:
@@ -274,3 +283,23 @@ def test_the_gateway_never_reaches_torch() -> None:
 
 def test_no_two_packages_import_each_other() -> None:
     assert package_cycles(TREE) == []
+
+
+def test_the_product_imports_neither_bench_nor_harness_nor_tests() -> None:
+    assert [found for package in PRODUCT
+            for found in forbidden_imports(TREE, package, ["bench", "harness", "tests", *TEST_HELPERS])] == []
+
+
+def test_harness_imports_neither_bench_nor_tests() -> None:
+    assert forbidden_imports(TREE, "harness", ["bench", "tests", *TEST_HELPERS]) == []
+
+
+def test_bench_imports_no_tests() -> None:
+    assert forbidden_imports(TREE, "bench", ["tests", *TEST_HELPERS]) == []
+
+
+def test_only_the_tests_of_the_benchmarks_own_logic_import_bench() -> None:
+    """Every other test drives Tandem through harness/; tests/benchmarks/ checks bench's own arithmetic and clients."""
+    found = forbidden_imports(TREE, "tests", ["bench"])
+    assert any(f.startswith("tests.benchmarks.") for f in found)  # the rule sees the imports it allows
+    assert [f for f in found if not f.startswith("tests.benchmarks.")] == []

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from bench.harness.quant_checkpoints import hf_config
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model.loader import load_model_files
 from engine.model.quant_config import CheckpointQuantization, check_requested, read_checkpoint_quantization
+from harness.quant_checkpoints import hf_config
 
 TINY = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                    head_dim=8)

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from bench.harness.repository_files import two_versions
+from harness.repository_files import two_versions
 from services.commands.engine_flags import EngineFlags, engine_config
 from services.common.config_flags import add_flags, from_args
 from services.gateway.catalog import ModelCatalog, UnknownModel

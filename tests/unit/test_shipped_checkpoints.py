@@ -1,4 +1,4 @@
-"""The benchmarks' GPTQ/AWQ checkpoints of the shipped model (bench/harness/quant_checkpoints.py's
+"""The benchmarks' GPTQ/AWQ checkpoints of the shipped model (harness/quant_checkpoints.py's
 `shipped_checkpoint`), built from an HF export: every linear layer packed, every other tensor kept as
 it was, and nothing built twice. A one-block model stands in for the export, so each build takes
 milliseconds; test_gptq_awq_checkpoints.py serves a checkpoint of the shipped model itself."""
@@ -12,7 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.harness.quant_checkpoints import (
+from engine.config import ModelConfig
+from engine.model.loader import load_model_files
+from harness.quant_checkpoints import (
     SHIPPED_LAYOUTS,
     hf_config,
     input_seed,
@@ -20,8 +22,6 @@ from bench.harness.quant_checkpoints import (
     quantize,
     shipped_checkpoint,
 )
-from engine.config import ModelConfig
-from engine.model.loader import load_model_files
 
 TINY = ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2, num_kv_heads=1,
                    head_dim=32, tie_word_embeddings=True)

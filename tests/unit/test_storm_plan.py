@@ -1,4 +1,4 @@
-"""The cancellation storm's plan (bench/harness/storm.py): shared prefixes, the API mix, and
+"""The cancellation storm's plan (harness/storm.py): shared prefixes, the API mix, and
 where clients cancel."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from bench.harness.storm import BLOCK_TOKENS, POINTS, StormConfig, plan_storm
+from harness.storm import BLOCK_TOKENS, POINTS, StormConfig, plan_storm
 
 
 def test_plan_mixes_apis_and_cancellation_points_over_shared_prefixes():

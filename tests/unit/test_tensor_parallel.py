@@ -14,7 +14,6 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from bench.harness.greedy import Checkpoint, greedy, greedy_on_ranks
 from engine.attention.reference import TorchPagedAttention
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
@@ -24,6 +23,7 @@ from engine.offline import generate
 from engine.parallel.layout import TensorParallelLayout
 from engine.parallel.shard import columns, rows, shard_tensor, shard_weights
 from engine.sampling_params import SamplingParams
+from harness.greedy import Checkpoint, greedy, greedy_on_ranks
 from tests.reference import check_against
 from tests.unit.test_model_hf import save_random_model
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from bench.harness.model_quality import FIXED_TEXT, first_difference, next_token_nll, perplexity_of, spans
+from bench.common.model_quality import FIXED_TEXT, first_difference, next_token_nll, perplexity_of, spans
 
 
 def test_perplexity_of_hand_worked_predictions():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench.harness.suite import command_line, results_path, write_results
+from bench.common.suite import command_line, results_path, write_results
 
 
 def finish(module: str, argv: Sequence[str], results: dict, problems: list[str], passed: str, smoke: bool) -> int:

@@ -1,6 +1,6 @@
-"""The kv_rig sender (bench.harness.kv_rig.sender_process) in a process reached through its stdin and
+"""The kv_rig sender (bench.common.kv_rig.sender_process) in a process reached through its stdin and
 stdout, one JSON line a message, so that it can run on another host (`ip netns exec`, see
-bench.harness.hosts), where a multiprocessing pipe cannot follow.
+harness.hosts), where a multiprocessing pipe cannot follow.
 
     sender = RemoteSender(hosts.exec_argv("prefill-1"))
     run = kv_rig.BackendRun(sender, receiver)   # sender speaks what BackendRun sends and receives
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import IO
 
-from bench.harness.paths import REPO
+from harness.paths import REPO
 
 
 def _encode(message: tuple) -> str:
@@ -50,10 +50,10 @@ class LineConnection:
 
 
 class RemoteSender(LineConnection):
-    """`python -m bench.harness.remote_sender` started behind `wrapper`; the rig's sender connection."""
+    """`python -m bench.common.remote_sender` started behind `wrapper`; the rig's sender connection."""
 
     def __init__(self, wrapper: Sequence[str]) -> None:
-        self.proc = subprocess.Popen([*wrapper, sys.executable, "-m", "bench.harness.remote_sender"], cwd=REPO,
+        self.proc = subprocess.Popen([*wrapper, sys.executable, "-m", "bench.common.remote_sender"], cwd=REPO,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         super().__init__(self.proc.stdout, self.proc.stdin)
@@ -69,6 +69,6 @@ class RemoteSender(LineConnection):
 
 
 if __name__ == "__main__":
-    from bench.harness.kv_rig import sender_process
+    from bench.common.kv_rig import sender_process
 
     sender_process(LineConnection(sys.stdin, sys.stdout))  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ import time
 import grpc
 from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
-from bench.harness.worker import WorkerProcess
+from harness.worker import WorkerProcess
 from services.common.server import channel_options
 
 IDLE_DEADLINE_S = 60.0  # generous: aborts and lease expiries land within seconds

@@ -1,4 +1,4 @@
-"""A disaggregated mesh across separate hosts (bench.harness.hosts): a gateway host, prefill hosts
+"""A disaggregated mesh across separate hosts (harness.hosts): a gateway host, prefill hosts
 and decode hosts, one worker on each worker host and any number of gateways on the gateway host.
 Every process binds and advertises its own host's address; nothing runs on loopback.
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from bench.harness.hosts import Hosts
-from bench.harness.worker import WorkerProcess, start_worker
+from harness.hosts import Hosts
+from harness.worker import WorkerProcess, start_worker
 
 GATEWAY_HOST = "gateway"
 PREFILL_HOSTS = ("prefill-1", "prefill-2")

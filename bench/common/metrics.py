@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.harness.token_timer import tpot
+from harness.token_timer import tpot
 
 PERCENTILES = (50, 90, 99)
 ATTAINMENT_TARGET = 0.9

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.harness.ports import free_port
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.reference import TorchPagedAttention
 from engine.config import ModelConfig
@@ -22,6 +21,7 @@ from engine.model.loader import build_model, load_model_files
 from engine.parallel.collectives import parallelize
 from engine.parallel.layout import TensorParallelLayout
 from engine.parallel.shard import shard_files
+from harness.ports import free_port
 
 BLOCK_SIZE = 16
 

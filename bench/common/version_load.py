@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from bench.harness.load_clients import CALL_TIMEOUT_S, random_tokens
-from bench.harness.token_timer import TokenTimer
+from harness.load_clients import CALL_TIMEOUT_S, random_tokens
+from harness.token_timer import TokenTimer
 from services.client import TandemClient
 
 

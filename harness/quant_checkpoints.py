@@ -3,7 +3,7 @@
 Each layer is rounded to nearest in 4-bit groups, then packed as the formats' published layouts
 describe (engine/model/gptq_awq.py's docstring cites them); nothing here calls the loader's code,
 and test_gptq_awq_golden.py pins both to words worked out by hand. `shipped_checkpoint` builds one of
-the shipped model, from its HF export, into the bench cache.
+the shipped model from its HF export (the benchmarks keep them in their cache).
 """
 
 from __future__ import annotations
@@ -21,14 +21,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.harness.paths import CACHE_DIR, HF_EXPORT_DIR
 from engine.config import ModelConfig
 from engine.model.hf_loader import config_from_hf
 from engine.model.quantized import QuantizedWeight
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
-CHECKPOINTS_DIR = CACHE_DIR / "quant-checkpoints"
 # Files of the HF export a checkpoint links beside its tokenizer.json, when the export has them.
 EXPORT_EXTRAS = ("tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: position i of a word holds feature ORDER[i] of its eight
@@ -175,7 +173,7 @@ def input_seed(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-def shipped_checkpoint(name: str, export: Path = HF_EXPORT_DIR, root: Path = CHECKPOINTS_DIR) -> Path:
+def shipped_checkpoint(name: str, export: Path, root: Path) -> Path:
     """`root/name`: the HF export of the shipped model (bench/suites/hf_export.py; fp32, tied
     embedding) with the seven linear layers of every block quantized to SHIPPED_LAYOUTS[name] and
     packed, the other tensors kept in fp32 in one shard that every checkpoint under `root` links, and

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from bench.harness.sse_client import DONE, carries_text, event_data
-from bench.harness.token_timer import TokenTimer
+from harness.sse_events import DONE, carries_text, event_data
+from harness.token_timer import TokenTimer
 from services.client import TandemClient
 
 GRPC, HTTP = "grpc", "http"

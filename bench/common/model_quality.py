@@ -14,10 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.harness.paths import BENCH_DIR, REPO
+from bench.common.paths import BENCH_DIR
 from engine.attention.metadata import AttentionMetadata
 from engine.engine import Engine
 from engine.kv_cache.blocks import blocks_for
+from harness.paths import REPO
 
 SCORED_DOCUMENTS = ("README.md", "docs/architecture.md")
 FIXED_TEXT = BENCH_DIR / "texts" / "jargon-file-4.4.7-chapters-1-9.txt"

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from bench.harness.ports import free_port
-from bench.harness.worker import WorkerProcess, start_worker
+from harness.ports import free_port
+from harness.worker import WorkerProcess, start_worker
 
 WORKER_FLAGS = ("--threads", "1", "--kv-cache-mib", "128")
 

@@ -1,5 +1,5 @@
-"""The benchmarks' SSE client (bench/harness/sse_client.py) against the stub server
-(bench/harness/sse_stub.py) on loopback: SSE timing, token counts and failures as the goodput suite
+"""The benchmarks' SSE client (bench/common/sse_client.py) against the stub server
+(bench/common/sse_stub.py) on loopback: SSE timing, token counts and failures as the goodput suite
 records them (the stub stands in for a model server, so no model loads)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from bench.harness.sse_client import request_body, run_open_loop, served_model
-from bench.harness.sse_stub import MODEL, StubServer
-from bench.harness.workload import BenchRequest
+from bench.common.sse_client import request_body, run_open_loop, served_model
+from bench.common.sse_stub import MODEL, StubServer
+from bench.common.workload import BenchRequest
 
 PREFILL_S = 0.2
 TPOT_S = 0.02

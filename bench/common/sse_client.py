@@ -5,8 +5,8 @@ Every request is sent at its scheduled time whether or not earlier ones have fin
 a slow server builds a queue instead of slowing the client down), streamed, and timed by its SSE
 chunks: TTFT is the first chunk carrying text, TPOT is (last text chunk − first) / (tokens − 1),
 with the token count from `usage` (`stream_options.include_usage`) or else the text chunks counted.
-Times come from `clock` (seconds; `time.perf_counter` unless a test gives its own). The event
-helpers are shared with the load clients' HTTP path (bench/harness/load_clients.py).
+Times come from `clock` (seconds; `time.perf_counter` unless a test gives its own). The events are
+read as the load clients' HTTP path reads them (harness/sse_events.py).
 """
 
 from __future__ import annotations
@@ -18,22 +18,12 @@ from collections.abc import Callable, Sequence
 
 import httpx2
 
-from bench.harness.metrics import RequestResult, token_timing
-from bench.harness.token_timer import TokenTimer
-from bench.harness.workload import BenchRequest
+from bench.common.metrics import RequestResult, token_timing
+from bench.common.workload import BenchRequest
+from harness.sse_events import DONE, carries_text, event_data
+from harness.token_timer import TokenTimer
 
-DONE = "[DONE]"  # the data of the last event of a stream
 Clock = Callable[[], float]
-
-
-def event_data(line: str) -> str | None:
-    """The data of an SSE `data:` line (DONE included); None for any other line."""
-    return line[len("data:"):].strip() if line.startswith("data:") else None
-
-
-def carries_text(event: dict) -> bool:
-    """Whether a completion chunk carries generated text."""
-    return any(choice.get("text") for choice in event.get("choices") or ())
 
 
 def request_body(model: str, request: BenchRequest, slo_ms: tuple[float, float] | None) -> dict:

@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from bench.goodput.vllm_client import results_from_vllm
-from bench.harness.metrics import (
+from bench.common.metrics import (
     RequestResult,
     Slo,
     goodput,
@@ -18,7 +17,8 @@ from bench.harness.metrics import (
     summarize_rate,
     token_timing,
 )
-from bench.harness.workload import OUTPUT_TOKENS, PROMPT_TOKENS, _first_exchanges, build_workload
+from bench.common.workload import OUTPUT_TOKENS, PROMPT_TOKENS, _first_exchanges, build_workload
+from bench.goodput.vllm_client import results_from_vllm
 
 SLO = Slo("loose", ttft_s=2.0, tpot_s=0.1)
 

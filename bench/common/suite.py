@@ -10,7 +10,8 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.harness.paths import REPO, RESULTS_DIR
+from bench.common.paths import RESULTS_DIR
+from harness.paths import REPO
 
 
 def suite_parser(module: str, doc: str | None) -> argparse.ArgumentParser:

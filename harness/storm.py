@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 from tandem.v1 import common_pb2
 
-from bench.harness.leak_check import is_idle, load_report, wait_until_idle
-from bench.harness.load_clients import CANCELLED, GRPC, HTTP, OK, LoadRequest, LoadRunner, Outcome, random_tokens
-from bench.harness.mesh import Mesh
-from bench.harness.worker import WorkerProcess
+from harness.leak_check import is_idle, load_report, wait_until_idle
+from harness.load_clients import CANCELLED, GRPC, HTTP, OK, LoadRequest, LoadRunner, Outcome, random_tokens
+from harness.mesh import Mesh
+from harness.worker import WorkerProcess
 
 POINTS = ("before_prefill", "during_transfer", "mid_decode")
 # Objectives no request can miss, for a gateway whose load is about cancellation, not admission.

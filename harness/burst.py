@@ -13,9 +13,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from bench.harness.leak_check import load_report
-from bench.harness.load_clients import GRPC, HTTP, OK, LoadRequest, Outcome, random_tokens
-from bench.harness.mesh import Mesh
+from harness.leak_check import load_report
+from harness.load_clients import GRPC, HTTP, OK, LoadRequest, Outcome, random_tokens
+from harness.mesh import Mesh
 from services.common.convert import step_model_from_proto
 
 

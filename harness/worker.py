@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from bench.harness.paths import REPO
+from harness.paths import REPO
 from services.launcher import LaunchError, ServerProcess, tandem_command
 
 _SERVERS = ("prefill", "decode", "worker")  # the gateway serves /metrics on its HTTP port
@@ -26,7 +26,7 @@ class WorkerProcess:
     """One `python -m services.cli ARGS` process (`proc`); its logs (stderr) go to `log_path`."""
 
     def __init__(self, args: Sequence[str], env: Mapping[str, str] | None = None, wrapper: Sequence[str] = ()) -> None:
-        """`wrapper` prefixes the command line (e.g. `ip netns exec NAME`: bench.harness.hosts)."""
+        """`wrapper` prefixes the command line (e.g. `ip netns exec NAME`: harness.hosts)."""
         self.args = list(args)
         # Never a fixed port unless asked for: the metrics port is a free one unless the caller picks it.
         if self.args[0] in _SERVERS and "--metrics-port" not in self.args:
