@@ -43,6 +43,7 @@ from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.speculative.drafter import Drafter
+from engine.speculative.proposer import Proposer
 from engine.stop_strings import StopStringMatcher
 from engine.tokenizer import Tokenizer
 
@@ -58,10 +59,15 @@ class _TextState:
 class Engine:
     """One model, one paged KV cache, one scheduler: the runtime every pool shares."""
 
-    def __init__(self, config: EngineConfig, files: ModelFiles | None = None) -> None:
+    def __init__(self, config: EngineConfig, files: ModelFiles | None = None, proposer: Proposer | None = None) -> None:
         """Load the model (or use already loaded `files`, so tests and benchmarks load it once; they
-        are converted to the engine's dtype). ValueError naming the field for a format this engine
-        has no kernel for (on this device), or a combination of formats that cannot run."""
+        are converted to the engine's dtype). `proposer` drafts for speculative decoding, which
+        `config.speculative` asks for and engine.compose builds. ValueError naming the field for a
+        format this engine has no kernel for (on this device), or a combination of formats that cannot run."""
+        spec = config.speculative
+        if (spec is None) != (proposer is None):
+            raise ValueError("speculative: a proposer goes with --speculative-config, and only with it "
+                             "(engine.compose.build_engine builds the one it names)")
         self.config = config
         self.device = torch.device(config.device)
         size = config.tensor_parallel_size
@@ -106,7 +112,7 @@ class Engine:
         self._exports = KVExports(block_size, loaded.config.num_layers)
         self._text: dict[str, _TextState] = {}
         self.last_step_tokens = StepTokens()
-        self._drafter = None if config.speculative is None else Drafter.build(config.speculative, self)
+        self._drafter = None if spec is None or proposer is None else Drafter(spec, proposer)
         log.info("engine ready: %s, role=%s, tensor_parallel_size=%d, %d KV blocks of %d tokens%s, kv_cache=%s, "
                  "attention=%s", loaded.config.name, config.role, size, num_blocks, block_size,
                  " on each rank" if size > 1 else "", self.kv_format.name, loaded.attention)

@@ -6,8 +6,9 @@ client streams with CRC32C). The decode side makes a receiver, the prefill side 
 
 from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget, WriteBlocks
 from kvtransfer.grpc_stream import KVTransferServicer
-from kvtransfer.receiver import KVReceiver, make_receiver
-from kvtransfer.sender import KVSender, KVSenderPool
+from kvtransfer.receiver import make_receiver
+from kvtransfer.sender import KVSenderPool
+from kvtransfer.transport import KVReceiver, KVSender
 
 __all__ = [
     "KVLayout",

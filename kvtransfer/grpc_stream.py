@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import google_crc32c
 import grpc
@@ -27,9 +26,7 @@ from kvtransfer.descriptor import (
     split_address,
 )
 from kvtransfer.pending import PendingTransfers
-
-if TYPE_CHECKING:
-    from kvtransfer.receiver import KVReceiver
+from kvtransfer.transport import KVReceiver
 
 MAX_PIECE_BYTES = 2 * 1024 * 1024
 

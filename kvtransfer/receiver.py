@@ -1,41 +1,10 @@
-"""The decode side: receivers that accept KV pages into reserved blocks, common to both backends."""
+"""The decode side: the receiver (kvtransfer.transport.KVReceiver) of the backend a worker is configured with."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from concurrent.futures import Future
-from typing import Protocol
-
-from kvtransfer.descriptor import KVLayout, TransferTarget, WriteBlocks
 from kvtransfer.grpc_stream import GrpcReceiver
 from kvtransfer.torch_dist_receiver import TorchDistReceiver
-
-
-class KVReceiver(Protocol):
-    """Accepts pushed KV pages. Writes happen on the receiver's threads through each transfer's
-    `write` callback; every transfer ends by its completion, failure, cancellation or deadline."""
-
-    backend: str
-
-    def expect(self, peer: str, transfer_id: int, block_ids: Sequence[int], num_cached_tokens: int,
-               layout: KVLayout, write: WriteBlocks) -> TransferTarget:
-        """Register a transfer from `peer` (the prefill worker's address; pairs are per peer) and
-        return where it must be pushed. ValueError if transfer_id is in use. Blocking-safe to call
-        from asyncio through asyncio.to_thread."""
-        ...
-
-    def completion(self, transfer_id: int) -> Future[int]:
-        """Bytes received once every page arrived; TransferError on failure, cancellation or deadline.
-        KeyError if the transfer was never expected, or was cancelled before its future was taken."""
-        ...
-
-    def cancel(self, transfer_id: int) -> None:
-        """Stop a transfer: returns after any write in progress finished, and none follows."""
-        ...
-
-    def close(self) -> None:
-        """Fail every open transfer and release connections."""
-        ...
+from kvtransfer.transport import KVReceiver
 
 
 def make_receiver(backend: str, bind_host: str, grpc_address: str, *, timeout: float = 30.0,

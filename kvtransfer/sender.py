@@ -1,9 +1,9 @@
-"""The prefill side: senders that push one request's KV pages to the receiver that reserved them."""
+"""The prefill side: senders (kvtransfer.transport.KVSender) that push one request's KV pages to the
+receiver that reserved them, on whichever backend the receiver named."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import grpc
 import torch
@@ -12,32 +12,7 @@ from kvtransfer.descriptor import KVLayout, TransferTarget
 from kvtransfer.faults import TransferFault, fault_file, read_fault
 from kvtransfer.grpc_sender import GrpcSenders
 from kvtransfer.torch_dist_sender import TorchDistSenders
-
-
-class KVSender(Protocol):
-    """One transfer's sending end. Pages go out in the order they were queued, on a background
-    thread, so the prefill model computes later layers while earlier ones travel. `checksum` is
-    whether its pages carry CRC32C, as agreed when its connection was made (checksum_agreed)."""
-
-    checksum: bool
-
-    def send(self, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Queue one layer's pages for blocks target.block_ids[first_block:first_block + len(k)];
-        never blocks; takes ownership of k and v; ValueError if they do not fit the target."""
-        ...
-
-    def finish(self) -> None:
-        """Queue the end marker (after every send of the transfer)."""
-        ...
-
-    def wait(self, timeout: float) -> int:
-        """Block until everything queued was delivered: the bytes sent. TransferError on failure,
-        or on timeout (which also aborts the transfer)."""
-        ...
-
-    def abort(self) -> None:
-        """Give the transfer up; the receiver fails it."""
-        ...
+from kvtransfer.transport import KVSender
 
 
 class KVSenderPool:

@@ -47,10 +47,11 @@ def make_engine(model_files):
     the pinned formats (reference.PINNED_FORMATS) unless overridden."""
     from reference import PINNED_FORMATS
 
+    from engine.compose import build_engine
     from engine.config import EngineConfig
     from engine.engine import Engine
 
     def build(**overrides) -> Engine:
-        return Engine(EngineConfig(**{**PINNED_FORMATS, **overrides}), files=model_files)
+        return build_engine(EngineConfig(**{**PINNED_FORMATS, **overrides}), files=model_files)
 
     return build

@@ -23,11 +23,11 @@ import grpc
 import torch
 from tandem.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
-from engine.kv_cache.cache_engine import copy_rows
 from engine.kv_cache.codec import KV_FORMATS
+from engine.kv_cache.page_copy import copy_rows
 from kvtransfer import KVLayout, KVSenderPool, KVTransferServicer, TransferTarget
 from kvtransfer.grpc_stream import GrpcReceiver
-from kvtransfer.receiver import KVReceiver
+from kvtransfer.transport import KVReceiver
 
 LAYOUT = KVLayout("SmolLM2-135M-Instruct:bench", num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32",
                   block_size=16)

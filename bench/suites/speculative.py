@@ -29,6 +29,7 @@ import torch
 from bench.common.machine import describe
 from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 from bench.common.workload import build_workload
+from engine.compose import build_engine
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.model.loader import load_model_files
@@ -108,7 +109,7 @@ def main(argv: Sequence[str]) -> int:
     files = load_model_files(None, torch.float32)
     cache = CacheConfig(enable_prefix_caching=False)
     engines = {"default": Engine(EngineConfig(cache=cache), files=files),
-               "ngram": Engine(EngineConfig(cache=cache, speculative=spec), files=files)}
+               "ngram": build_engine(EngineConfig(cache=cache, speculative=spec), files=files)}
     grounded = input_grounded(engines["default"])
     cases = [("batch-1 input-grounded", grounded, 1), ("batch-1 chat", chat(engines["default"], args.chat_prompts), 1)]
     levels = [int(c) for c in args.concurrency.split(",")]

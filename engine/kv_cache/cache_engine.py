@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import ModelConfig
+from engine.kv_cache.page_copy import copy_rows, gather_blocks
 
 if TYPE_CHECKING:
     from engine.kv_cache.codec import KVFormat
@@ -16,29 +17,6 @@ if TYPE_CHECKING:
 def bytes_per_block(model: ModelConfig, block_size: int, kv_format: KVFormat) -> int:
     """Memory one block takes across all layers, K and V (a quantized format's scales included)."""
     return 2 * model.num_layers * kv_format.page_bytes(block_size, model.num_kv_heads, model.head_dim)
-
-
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Copy the given blocks out of a cache: [len(block_ids), block_size, num_kv_heads, head_dim].
-
-    index_select on the flattened blocks, because on CPU it is faster than advanced indexing
-    (docs/benchmarks.md, "Decisions settled by experiments").
-    """
-    flat = cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1).long())
-    return flat.view(block_ids.numel(), *cache.shape[1:])
-
-
-def copy_rows(cache: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-    """cache[index] = rows along dim 0 (rows in the cache's dtype and device).
-
-    Bytes go as int32 words where their rows allow: torch's index_copy_ moves uint8 one element at
-    a time, no faster an element than float32, so a quantized page would cost as much as an fp32
-    one; as words it moves four bytes for the cost of one element.
-    """
-    rows = rows.contiguous()
-    if cache.dtype == torch.uint8 and rows.shape[-1] % 4 == 0 and rows.storage_offset() % 4 == 0:
-        cache, rows = cache.view(torch.int32), rows.view(torch.int32)
-    cache.index_copy_(0, index, rows)
 
 
 def check_pages(k: torch.Tensor, v: torch.Tensor, blocks: int, page_shape: tuple[int, ...],

@@ -28,7 +28,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from engine.dtypes import TORCH_DTYPES
-from engine.kv_cache.cache_engine import copy_rows, gather_blocks
+from engine.kv_cache.page_copy import copy_rows, gather_blocks
 
 SCALE_BYTES = 4  # one float32 per row
 # vLLM's spelling for "fp8" when no format is named.

@@ -13,9 +13,9 @@ import torch
 from engine.config import EngineConfig
 from engine.engine_model import load_engine_model
 from engine.kv_cache.cache_engine import CacheEngine
-from engine.parallel.group import join_group, rank_device
 from engine.parallel.kv_heads import RankKVHeads
 from engine.parallel.layout import TensorParallelLayout
+from engine.parallel.process_group import join_group, rank_device
 from engine.parallel.step_plan import EXPORT, PagesPlan, StepPlan, receive_plan
 
 log = logging.getLogger(__name__)

@@ -1,51 +1,23 @@
 """The processes of one tensor-parallel engine: rank 0 (the engine: scheduler, sampler, the
 worker's gRPC face) starts the other ranks as child processes and joins them in one process group
-(gloo on CPU; NCCL on CUDA, rank r on the r-th GPU after the engine's own) through a store on a loopback port.
-
-Between steps the other ranks wait in a broadcast for the next step plan, which may take any time,
-so the group never times out an idle wait; a rank that dies fails the others' pending collectives
-at once (gloo), so rank 0's step raises and the followers' loop ends instead of hanging. Followers
-are daemon processes: they die with rank 0's exit.
+(engine.parallel.process_group), which never times out an idle wait; a rank that dies fails the
+others' pending collectives at once (gloo), so rank 0's step raises and the followers' loop ends
+instead of hanging. Followers are daemon processes: they die with rank 0's exit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig, ModelConfig
+from engine.parallel.follower import follow
 from engine.parallel.kv_heads import RankKVHeads
+from engine.parallel.process_group import JOIN_TIMEOUT, join_group, rank_device
 from engine.parallel.step_plan import PagesPlan, StepPlan, send_plan
-
-# Between steps a follower waits for the next plan for as long as the worker is idle.
-IDLE_TIMEOUT = timedelta(days=365)
-_JOIN_TIMEOUT = timedelta(minutes=10)  # the followers' start (imports) before they join the store
-
-
-def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """The device rank `rank` computes on: the CPU, or the rank-th GPU from `config.device`'s."""
-    device = torch.device(config.device)
-    return device if device.type == "cpu" else torch.device("cuda", (device.index or 0) + rank)
-
-
-def join_group(port: int, rank: int, size: int, device: torch.device,
-               store: dist.Store | None = None) -> dist.ProcessGroup:
-    """Rank `rank`'s side of the group whose store listens on loopback `port` (rank 0 passes the
-    store it hosts)."""
-    if store is None:
-        store = dist.TCPStore("127.0.0.1", port, size, False, timeout=_JOIN_TIMEOUT)
-    if device.type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = IDLE_TIMEOUT
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    gloo = dist.ProcessGroupGloo._Options()
-    gloo._timeout = IDLE_TIMEOUT
-    gloo._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    return dist.ProcessGroupGloo(store, rank, size, gloo)
 
 
 class TensorParallelGroup:
@@ -54,10 +26,8 @@ class TensorParallelGroup:
     def __init__(self, config: EngineConfig) -> None:
         """Start ranks 1.. of `config.tensor_parallel_size` (each loads its shard of the model and
         follows rank 0's step plans: engine.parallel.follower) and join them."""
-        from engine.parallel.follower import follow  # the follower's module imports this one
-
         size = config.tensor_parallel_size
-        self._store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=_JOIN_TIMEOUT, wait_for_workers=False)
+        self._store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
         context = multiprocessing.get_context("spawn")
         self.followers = [context.Process(target=follow, args=(config, rank, self._store.port, torch.get_num_threads()),
                                           name=f"tensor-parallel-rank-{rank}", daemon=True)

@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from engine.request import Request
-from engine.speculative.config import FLAG, SpeculativeConfig
-from engine.speculative.draft_model import DraftModelProposer, check_vocabulary, draft_engine_config
+from engine.speculative.config import SpeculativeConfig
 from engine.speculative.gate import may_draft
-from engine.speculative.ngram import NgramProposer
 from engine.speculative.proposer import DraftRequest, Proposer
-
-if TYPE_CHECKING:
-    from engine.engine import Engine
 
 
 class Drafter:
@@ -22,21 +16,6 @@ class Drafter:
     def __init__(self, spec: SpeculativeConfig, proposer: Proposer) -> None:
         self.spec = spec
         self.proposer = proposer
-
-    @classmethod
-    def build(cls, spec: SpeculativeConfig, target: Engine) -> Drafter:
-        """The proposer `spec` names; a draft model is loaded as an engine of the target's class.
-        ValueError naming the flag for a draft that cannot serve this target."""
-        if spec.method == "ngram":
-            return cls(spec, NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max))
-        draft = type(target)(draft_engine_config(spec, target.config))
-        check_vocabulary(draft, target, spec)
-        if spec.draft_layers is not None:
-            try:
-                draft.runner.keep_first_layers(spec.draft_layers)
-            except ValueError as error:
-                raise ValueError(f"{FLAG}: {error}") from None
-        return cls(spec, DraftModelProposer(draft))
 
     def draft(self, running: Sequence[Request]) -> None:
         """Set every decoding request's drafts for the coming step: none when `disable_by_batch_size`

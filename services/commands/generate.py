@@ -38,13 +38,13 @@ def run(args: argparse.Namespace) -> int:
     """Generate and print the completion (or one JSON object with --json)."""
     import torch
 
-    from engine.engine import Engine
+    from engine.compose import build_engine
     from engine.offline import generate
     from engine.sampling_params import SamplingParams
 
     flags: GenerateFlags = from_args(GenerateFlags, args)
     torch.set_num_threads(flags.engine.threads)
-    engine = Engine(engine_config(flags.engine, "colocated"))
+    engine = build_engine(engine_config(flags.engine, "colocated"))
     if flags.chat:
         prompt = engine.tokenizer.encode_chat([{"role": "user", "content": flags.prompt}])
     else:

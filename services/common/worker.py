@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass
 
 from engine.commands import GetStats
+from engine.compose import build_engine
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.formats import EngineFormats
@@ -22,7 +23,7 @@ def load_engine(config: EngineConfig) -> Engine:
     file, weights whose shapes do not match their architecture) is named in the error, so that the
     worker's start-up failure says which entry of the repository to fix."""
     try:
-        return Engine(config)
+        return build_engine(config)
     except (OSError, ValueError) as error:
         if not config.model_version:
             raise

@@ -22,7 +22,7 @@ from engine.resume import Resumed
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget, WriteBlocks
-from kvtransfer.receiver import KVReceiver
+from kvtransfer.transport import KVReceiver
 from services.common.engine_loop import EngineLoop
 from services.common.failure import Failure, WorkerError
 from services.common.worker import RoleWorker

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.kv_export import LayerPages
-from kvtransfer.sender import KVSender
+from kvtransfer.transport import KVSender
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ from engine.outputs import RequestOutput
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
 from kvtransfer.descriptor import LayoutTransferError, TransferError, TransferTarget
-from kvtransfer.sender import KVSender, KVSenderPool
+from kvtransfer.sender import KVSenderPool
+from kvtransfer.transport import KVSender
 from services.common.engine_loop import EngineLoop
 from services.common.failure import Failure, WorkerError
 from services.common.worker import RoleWorker

@@ -23,7 +23,8 @@ from engine.kv_cache.codec import KV_FORMATS
 from kvtransfer import KVLayout, KVSender, KVSenderPool, KVTransferServicer, TransferTarget
 from kvtransfer.faults import ENV_VAR
 from kvtransfer.grpc_stream import GrpcReceiver
-from kvtransfer.receiver import KVReceiver, make_receiver
+from kvtransfer.receiver import make_receiver
+from kvtransfer.transport import KVReceiver
 
 BACKENDS = ["torch_dist", "grpc"]
 PEER = "prefill-0:50061"

@@ -13,6 +13,7 @@ import torch
 from disaggregated import run_disaggregated
 from reference import check_against
 
+from engine.compose import build_engine
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.kv_cache.block_hash import hash_block
@@ -20,6 +21,7 @@ from engine.outputs import RequestOutput
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
 from engine.speculative.config import SpeculativeConfig
+from engine.speculative.ngram import NgramProposer
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=None)
 PASSAGE = ("The river Thames flows through southern England, including London. It is the longest river entirely "
@@ -190,8 +192,8 @@ def tiny_engines(tmp_path_factory):
     config = {"model": str(directory), **formats, "cache": CacheConfig(num_blocks=512, memory_bytes=None)}
     plain = Engine(EngineConfig(**config))
     # One-token n-grams: in a vocabulary of 12 the last token nearly always recurs, so most steps draft.
-    spec = Engine(EngineConfig(**config, speculative=SpeculativeConfig(prompt_lookup_min=1,
-                                                                       disable_by_batch_size=None)))
+    spec = build_engine(EngineConfig(**config, speculative=SpeculativeConfig(prompt_lookup_min=1,
+                                                                             disable_by_batch_size=None)))
     # A prompt that holds the model's own greedy continuation of its last tokens, so that drafts are
     # often among the likely tokens and both outcomes of verification occur.
     head = [1, 2, 3]
@@ -253,6 +255,14 @@ def test_seeded_draws_match_on_the_tiny_model(tiny_engines):
     assert {rid: _tokens(o) for rid, o in ours.items()} == {rid: _tokens(o) for rid, o in reference.items()}
 
 
+def test_an_engine_takes_a_proposer_exactly_when_its_config_speculates():
+    """Refused before any load: an engine built without build_engine cannot lose its speculation unnoticed."""
+    with pytest.raises(ValueError, match="speculative: a proposer goes with --speculative-config"):
+        Engine(EngineConfig(speculative=SPEC))
+    with pytest.raises(ValueError, match="speculative: a proposer goes with --speculative-config"):
+        Engine(EngineConfig(), proposer=NgramProposer(1, 1))
+
+
 # ---- a draft model -------------------------------------------------------------------------------
 DRAFT = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, disable_by_batch_size=None)
 
@@ -260,7 +270,7 @@ DRAFT = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, disabl
 def test_a_self_draft_changes_no_token_and_holds_no_block(tiny_engines):
     """The tiny model drafting for itself in the formats `auto` picks (bf16 here where the CPU has it)."""
     plain, _, prompt, config = tiny_engines
-    spec = Engine(EngineConfig(**config, speculative=DRAFT))
+    spec = build_engine(EngineConfig(**config, speculative=DRAFT))
     requests = {f"g{i}": (prompt[i:], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
                 for i in range(4)}
     requests |= {f"s{seed}": (prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True))
@@ -283,10 +293,10 @@ def test_a_draft_with_another_vocabulary_or_too_many_layers_is_refused(tiny_engi
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64), other)
     (other / "tokenizer.json").write_text((Path(config["model"]) / "tokenizer.json").read_text())
     with pytest.raises(ValueError, match=r"--speculative-config: model: .*vocabulary \(16 tokens\) is not the target"):
-        Engine(EngineConfig(**config, speculative=SpeculativeConfig(method="draft_model", model=str(other))))
+        build_engine(EngineConfig(**config, speculative=SpeculativeConfig(method="draft_model", model=str(other))))
     with pytest.raises(ValueError, match="--speculative-config: draft_layers: must be in \\[1, 2\\]"):
-        Engine(EngineConfig(**config, speculative=SpeculativeConfig(method="draft_model", draft_layers=3)))
-    early = Engine(EngineConfig(**config, speculative=SpeculativeConfig(method="draft_model", draft_layers=1)))
+        build_engine(EngineConfig(**config, speculative=SpeculativeConfig(method="draft_model", draft_layers=3)))
+    early = build_engine(EngineConfig(**config, speculative=SpeculativeConfig(method="draft_model", draft_layers=1)))
     assert len(early._drafter.proposer.draft.runner.model.layers) == 1  # type: ignore[union-attr]
 
 
