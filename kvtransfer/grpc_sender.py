@@ -18,15 +18,13 @@ import torch
 from tandem.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 from kvtransfer.descriptor import KVLayout, LayoutTransferError, TransferError, TransferTarget, check_pages
-from kvtransfer.faults import Fault, TransferFault, flip_bit
 from kvtransfer.grpc_stream import MAX_PIECE_BYTES
 
 log = logging.getLogger(__name__)
 
 _END = object()  # queue the last chunk
 _STOP = object()  # end the request stream now (aborted, or the call ended)
-# (layer, first block, k, v, corrupt: the test hook flips a bit of its first piece after the CRC)
-_Item = tuple[int, int, torch.Tensor, torch.Tensor, bool] | object
+_Item = tuple[int, int, torch.Tensor, torch.Tensor] | object  # (layer, first block, k, v), _END or _STOP
 
 
 class GrpcSender:
@@ -34,11 +32,10 @@ class GrpcSender:
     Handshake agreed: whether every piece carries a CRC32C; `on_refused` runs when the receiver
     refuses the call with FAILED_PRECONDITION (its Handshake's answer no longer holds)."""
 
-    def __init__(self, stub: kvtransfer_pb2_grpc.KVTransferStub, target: TransferTarget, fault: TransferFault,
-                 checksum: bool, on_refused: Callable[[], None]) -> None:
+    def __init__(self, stub: kvtransfer_pb2_grpc.KVTransferStub, target: TransferTarget, checksum: bool,
+                 on_refused: Callable[[], None]) -> None:
         self.target = target
         self.checksum = checksum
-        self._fault = fault
         self._on_refused = on_refused
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._call = stub.Push.future(self._chunks())
@@ -48,14 +45,11 @@ class GrpcSender:
     def send(self, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Queue one layer's pages for blocks target.block_ids[first_block:]; never blocks."""
         check_pages(self.target, layer, first_block, k, v)
-        fault = self._fault.page_fault()
-        if fault not in (Fault.DROP, Fault.STALL):
-            self._queue.put((layer, first_block, k, v, fault is Fault.CORRUPT))
+        self._queue.put((layer, first_block, k, v))
 
     def finish(self) -> None:
         """Queue the end marker."""
-        if self._fault.end_allowed:
-            self._queue.put(_END)
+        self._queue.put(_END)
 
     def wait(self, timeout: float) -> int:
         """Bytes the receiver took once the call ended; TransferError on failure, or (aborting) on timeout."""
@@ -82,17 +76,14 @@ class GrpcSender:
             if item is _END:
                 yield kvtransfer_pb2.KVChunk(transfer_id=tid, last=True, crc32c=self._crc(b""))
                 return
-            layer, first_block, k, v, corrupt = item
+            layer, first_block, k, v = item
             for kv, tensor in enumerate((k, v)):
                 raw = memoryview(tensor.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
                 for offset in range(0, len(raw), MAX_PIECE_BYTES):
                     data = bytes(raw[offset:offset + MAX_PIECE_BYTES])
-                    crc = self._crc(data)
-                    if corrupt:
-                        corrupt, data = False, _flipped(data)
                     yield kvtransfer_pb2.KVChunk(
                         transfer_id=tid, layer=layer, first_block=first_block, num_blocks=k.shape[0], kv=kv,
-                        offset=offset, total_bytes=len(raw), data=data, crc32c=crc,
+                        offset=offset, total_bytes=len(raw), data=data, crc32c=self._crc(data),
                     )
 
     def _crc(self, data: bytes) -> int | None:
@@ -125,13 +116,13 @@ class GrpcSenders:
         self._channels: dict[tuple[str, KVLayout], _Channel] = {}
         self._lock = threading.Lock()
 
-    def sender(self, target: TransferTarget, fault: TransferFault) -> GrpcSender:
+    def sender(self, target: TransferTarget) -> GrpcSender:
         """A sender on the receiver's channel (handshaking first on a new one; blocks up to the
-        timeout); `fault` is the test hook's plan for it. LayoutTransferError if the target's layout
-        is not ours (before dialling) or the receiver holds another one (its Handshake)."""
+        timeout). LayoutTransferError if the target's layout is not ours (before dialling) or the
+        receiver holds another one (its Handshake)."""
         key = (target.address, target.layout)
         stub, checksum = self._channel(key)
-        return GrpcSender(stub, target, fault, checksum, lambda: self._ask_again(key))
+        return GrpcSender(stub, target, checksum, lambda: self._ask_again(key))
 
     def close(self) -> None:
         """Close every channel (calls in flight fail)."""
@@ -195,9 +186,3 @@ class GrpcSenders:
                 reason = response.reason
             raise LayoutTransferError(address, reason)
         return not response.checksum_off
-
-
-def _flipped(data: bytes) -> bytes:
-    corrupted = bytearray(data)
-    flip_bit(corrupted)
-    return bytes(corrupted)

@@ -9,7 +9,6 @@ import grpc
 import torch
 
 from kvtransfer.descriptor import KVLayout, TransferTarget
-from kvtransfer.faults import TransferFault, fault_file, read_fault
 from kvtransfer.grpc_sender import GrpcSenders
 from kvtransfer.torch_dist_sender import TorchDistSenders
 from kvtransfer.transport import KVSender
@@ -34,7 +33,6 @@ class KVSenderPool:
         `checksum` False (`--kv-checksum off`) skips the CRC32C where the receiver allows it too."""
         self._torch_dist = TorchDistSenders(layout, timeout, torch.device(device), host, checksum)
         self._grpc = GrpcSenders(layout, timeout, connect, checksum)
-        self._fault_file = fault_file()  # the test hook (kvtransfer.faults); None in production
 
     def sender(self, target: TransferTarget) -> KVSender:
         """A sender for one transfer, on the pair for the target's receiver and layout. Pairing checks
@@ -42,10 +40,9 @@ class KVSenderPool:
         serves only targets of the layout it was made for, so each target is covered by that one
         check. TransferError if the receiver cannot be reached. May block while pairing: call it off
         the event loop."""
-        fault = TransferFault(read_fault(self._fault_file), target.transfer_id)
         if target.backend == "torch_dist":
-            return self._torch_dist.sender(target, fault)
-        return self._grpc.sender(target, fault)
+            return self._torch_dist.sender(target)
+        return self._grpc.sender(target)
 
     def close(self) -> None:
         """Close every connection after what is queued (waiting up to the timeout); transfers still

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer.descriptor import KVLayout, LayoutTransferError, TransferError, TransferTarget, check_pages
-from kvtransfer.faults import Fault, TransferFault, flip_bit
 from kvtransfer.futures import settle, settle_error
 from kvtransfer.torch_dist import (
     IDLE_TIMEOUT,
@@ -36,28 +35,23 @@ log = logging.getLogger(__name__)
 class TorchDistSender:
     """One transfer's sending end: messages go, in order, through its pair's send thread."""
 
-    def __init__(self, pair: _SendingPair, target: TransferTarget, fault: TransferFault) -> None:
+    def __init__(self, pair: _SendingPair, target: TransferTarget) -> None:
         self.target = target
         self.checksum = pair.checksum  # what pairing agreed
         self.done: Future[int] = Future()
         self.bytes_sent = 0
         self._pair = pair
-        self._fault = fault
 
     def send(self, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Queue one layer's pages for blocks target.block_ids[first_block:]; never blocks."""
         check_pages(self.target, layer, first_block, k, v)
-        fault = self._fault.page_fault()
-        if fault in (Fault.DROP, Fault.STALL):
-            return
         run = PageRun(layer, first_block, k.shape[0], k.numel() * k.element_size())
         header = Header(Kind.PAGES, self.target.transfer_id, (run,))
-        self._pair.submit(_Message(self, header, ((k, v),), corrupt=fault is Fault.CORRUPT))
+        self._pair.submit(_Message(self, header, ((k, v),)))
 
     def finish(self) -> None:
         """Queue the end marker."""
-        if self._fault.end_allowed:
-            self._pair.submit(_Message(self, Header(Kind.END, self.target.transfer_id)))
+        self._pair.submit(_Message(self, Header(Kind.END, self.target.transfer_id)))
 
     def wait(self, timeout: float) -> int:
         """Bytes sent once everything queued left; TransferError on failure, or (aborting) on timeout."""
@@ -78,7 +72,6 @@ class _Message:
     sender: TorchDistSender | None  # None: the pair's own BYE
     header: Header
     pages: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # K and V of each run in header.runs
-    corrupt: bool = False  # the test hook flips a bit of it after the checksum (kvtransfer.faults)
 
     def joins(self, other: _Message) -> bool:
         """Whether `other` can travel in this message: more pages of the same transfer, with room."""
@@ -88,7 +81,7 @@ class _Message:
     def join(self, other: _Message) -> _Message:
         """This message with `other`'s pages appended (see `joins`)."""
         header = Header(Kind.PAGES, self.header.transfer_id, self.header.runs + other.header.runs)
-        return _Message(self.sender, header, self.pages + other.pages, self.corrupt or other.corrupt)
+        return _Message(self.sender, header, self.pages + other.pages)
 
 
 _BYE = _Message(None, Header(Kind.BYE))
@@ -108,8 +101,6 @@ class _InFlight:
     def post(cls, group: PairGroup, sender: TorchDistSender, message: _Message) -> _InFlight:
         payload = [raw_bytes(tensor, group.device) for pages in message.pages for tensor in pages]
         header = pages_header(message.header, payload, group.device, group.checksum)
-        if message.corrupt:
-            flip_bit(payload[0])
         tensors = [header, *payload]
         return cls(sender, message.header, tensors, [group.post_send(tensor) for tensor in tensors])
 
@@ -143,9 +134,9 @@ class _SendingPair:
         self._threads = [threading.Thread(target=self._run, name=f"kv-send-{target.address}", daemon=True)]
         self._threads[0].start()
 
-    def open_sender(self, target: TransferTarget, fault: TransferFault) -> TorchDistSender:
+    def open_sender(self, target: TransferTarget) -> TorchDistSender:
         """A sender for one transfer on this pair; TransferError if the pair failed or closed."""
-        sender = TorchDistSender(self, target, fault)
+        sender = TorchDistSender(self, target)
         with self._lock:
             if self._error is not None:
                 raise self._error
@@ -263,10 +254,9 @@ class TorchDistSenders:
         self._pairs: dict[tuple[str, KVLayout], _SendingPair] = {}
         self._lock = threading.Lock()
 
-    def sender(self, target: TransferTarget, fault: TransferFault) -> TorchDistSender:
-        """A sender on the target's pair, pairing first if needed (blocks up to the timeout); `fault`
-        is the test hook's plan for it. LayoutTransferError, before pairing, if the target's layout
-        is not ours."""
+    def sender(self, target: TransferTarget) -> TorchDistSender:
+        """A sender on the target's pair, pairing first if needed (blocks up to the timeout).
+        LayoutTransferError, before pairing, if the target's layout is not ours."""
         with self._lock:
             pair = self._pairs.get(_pair_key(target))
             if pair is None:
@@ -281,7 +271,7 @@ class TorchDistSenders:
         # Pairing gives up by itself after the timeout; the margin covers thread start-up.
         if not pair.ready.wait(2 * self._timeout):
             raise TransferError(f"pairing with the KV receiver at {target.address} did not finish")
-        return pair.open_sender(target, fault)
+        return pair.open_sender(target)
 
     def forget(self, pair: _SendingPair) -> None:
         """Drop an ended pair: a later target for the same receiver comes with a new namespace."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
+import fuzzing
 import pytest
+from environment import MARK
 
 # Tests run on one thread per process unless a test says otherwise: the machine has 2 cores
 # and the integration tests start several processes.
@@ -13,6 +15,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # kernel is decorated, i.e. before the first import of engine.attention.triton_paged.
 if not __import__("torch").cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+fuzzing.load()  # derandomized property tests unless TANDEM_FUZZ=fuzz (make fuzz)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{MARK}(what): CI's machine lacks what the test needs (environment.needs)")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers(MARK):
+        pytest.fail(f"CI's machine must have it: {mark.args[0]}", pytrace=False)
 
 
 @pytest.fixture(scope="session")

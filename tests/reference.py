@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -85,3 +85,38 @@ def check_against(
     for line in report:
         print(line)
     return report
+
+
+def engine_reference(engine, prompts: list[list[int]], params: list) -> list[ReferenceRun]:
+    """Greedy tokens of prompts run together on an in-process engine, with its top-2 margins per step
+    (from its top-2 logprobs: the same difference as the logits'), for check_runs."""
+    from engine.offline import generate
+
+    completions = generate(engine, prompts, [replace(p, logprobs=max(p.logprobs or 0, 2)) for p in params])
+    return [ReferenceRun(c.token_ids, margins_of(c)) for c in completions]
+
+
+def margins_of(completion) -> list[float]:
+    """The top-2 margin per generated token of an engine Completion asked for logprobs >= 2."""
+    return [top[0][1] - top[1][1] for top in (lp.top for lp in completion.logprobs)]
+
+
+def check_runs(outputs: list[list[int]], references: list[ReferenceRun], label: str) -> list[str]:
+    """check_against for ReferenceRuns: equal tokens except a near-tie at the first divergence."""
+    return check_against(outputs, [r.token_ids for r in references], [r.margins for r in references], label)
+
+
+def check_text(text: str, reference: ReferenceRun, decode, label: str) -> None:
+    """The near-tie rule where only the text came back: `text` equals the reference's decoded text,
+    or departs from it inside the first reference token whose top-2 margin is a near-tie."""
+    expected = decode(reference.token_ids)
+    if text == expected:
+        return
+    same = next((i for i, (a, b) in enumerate(zip(text, expected, strict=False)) if a != b),
+                min(len(text), len(expected)))
+    at = next(i for i in range(len(reference.token_ids) + 1)
+              if i == len(reference.token_ids) or len(decode(reference.token_ids[:i + 1])) > same)
+    assert at < len(reference.margins) and reference.margins[at] < NEAR_TIE, (
+        f"{label}: the text departs at character {same} ({text[same:same + 20]!r} against "
+        f"{expected[same:same + 20]!r}), in reference token {at}, not a near-tie")
+    print(f"{label}: the text departs at reference token {at}, a near-tie (margin {reference.margins[at]:.2e})")

@@ -21,7 +21,6 @@ from tandem.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 from engine.kv_cache.codec import KV_FORMATS
 from kvtransfer import KVLayout, KVSender, KVSenderPool, KVTransferServicer, TransferTarget
-from kvtransfer.faults import ENV_VAR
 from kvtransfer.grpc_stream import GrpcReceiver
 from kvtransfer.receiver import make_receiver
 from kvtransfer.transport import KVReceiver
@@ -55,10 +54,15 @@ def layer_pieces(layer: int, num_blocks: int) -> list[tuple[int, int]]:
 
 
 # ---- the sender process -----------------------------------------------------------------------------
-def sender_process(conn: Connection) -> None:
+def sender_process(conn: Connection, fault_file: Path | None = None) -> None:
     """Serve commands: open, send, finish, wait, abort, checked (1 if the transfer's pages carry a
-    CRC32C), exit; reply ("ok", int) or ("error", str)."""
+    CRC32C), exit; reply ("ok", int) or ("error", str). With `fault_file`, its senders suffer the
+    faults the file asks for (tests/kv_faults.py)."""
     torch.set_num_threads(1)
+    if fault_file is not None:
+        from kv_faults import install
+
+        install(fault_file)
     pools: dict[tuple[KVLayout, bool], KVSenderPool] = {}
     senders: dict[int, tuple[KVSender, TransferTarget]] = {}
     while True:
@@ -102,10 +106,11 @@ def sender_process(conn: Connection) -> None:
 class Child:
     """The sender process, driven command by command."""
 
-    def __init__(self) -> None:
+    def __init__(self, fault_file: Path | None = None) -> None:
+        """`fault_file`: the child's senders suffer the faults it asks for (tests/kv_faults.py)."""
         ctx = multiprocessing.get_context("spawn")
         self.conn, child_end = ctx.Pipe()
-        self.process = ctx.Process(target=sender_process, args=(child_end,), daemon=True)
+        self.process = ctx.Process(target=sender_process, args=(child_end, fault_file), daemon=True)
         self.process.start()
 
     def __call__(self, *command: Any) -> tuple[str, Any]:
@@ -223,12 +228,10 @@ class Receivers:
 def hooked_side(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[tuple[Receivers, Child, Path]]:
     """The body of a module fixture parametrized by backend: the receivers of that backend here, and
-    a sender process whose fault hook (kvtransfer.faults) reads the yielded file."""
+    a sender process whose senders suffer the faults the yielded file asks for (tests/kv_faults.py)."""
     torch.set_num_threads(1)
     fault_file = tmp_path_factory.mktemp("kv-fault") / "fault"
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv(ENV_VAR, str(fault_file))
-        child = Child()  # a spawned process: it takes this environment
+    child = Child(fault_file)
     receivers = Receivers(request.param)
     try:
         yield receivers, child, fault_file

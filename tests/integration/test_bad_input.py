@@ -1,11 +1,13 @@
 """Bad input, fuzzed, against a real mesh (gateway, prefill and decode processes on loopback): every
 public field of the gRPC API (tandem.v1.GenerateRequest), the OpenAI API's bodies (from their pydantic
-JSON schema) and the workers' internal RPCs get values valid and not. Every answer is a success or a
-refusal that names the field (INVALID_ARGUMENT / 400; NOT_FOUND / 404 for another model; 413 for a
-body over the limit), never INTERNAL or 500; afterwards every process still serves and holds nothing.
+JSON schema) over HTTP and over the WebSocket, and the workers' internal RPCs (Abort, WatchLoad too)
+get values valid and not. Every answer is a success or a refusal that names the field
+(INVALID_ARGUMENT / 400; NOT_FOUND / 404 for another model; 413 for a body over the limit), never
+INTERNAL or 500; afterwards every process still serves and holds nothing. KVTransfer.Push is fuzzed
+in test_kvtransfer_fuzz.py.
 
-Hypothesis runs derandomized with a bounded number of examples, so a run is short and repeatable.
-Each bug the fuzzing found stays as an @example.
+Hypothesis runs derandomized with a bounded number of examples (tests/fuzzing.py: `make fuzz` runs
+the same properties with fresh seeds and more examples). Each bug the fuzzing found stays as an @example.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import pytest
+import websocket
 from bad_input_strategies import (
     decode_requests,
     generate_requests,
@@ -27,8 +31,9 @@ from bad_input_strategies import (
     prefill_requests,
     with_invalid_utf8,
 )
+from fuzzing import examples
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tandem.v1 import (
     common_pb2,
@@ -52,8 +57,7 @@ MAX_PROMPT_TOKENS = 48
 MAX_TOTAL_TOKENS = 64
 MAX_BODY_BYTES = 64 * 1024
 TIMEOUT_S = 120.0
-FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(max_examples=examples(60))  # the rest from the profile (tests/fuzzing.py)
 # "field: what is wrong" is how every refusal names its field (see services/common/errors.py).
 NAMES_A_FIELD = re.compile(r"^[A-Za-z_][\w.\-]*: ")
 
@@ -174,7 +178,7 @@ def _well_formed(parse: Callable[[], Any]) -> bool:
 
 def test_decode_generate_fuzzed(mesh):
     with grpc.insecure_channel(str(mesh.decode.address), options=channel_options()) as channel:
-        @settings(FUZZ, max_examples=40)
+        @settings(max_examples=examples(40))
         @given(decode_requests(str(mesh.prefill.address)))
         # Found by this test: a malformed prefill address was UNAVAILABLE after a failed name lookup.
         @example(decode_pb2.DecodeRequest(request_id="r", prompt_token_ids=[1, 2], prefill_address="<|im_start|>"))
@@ -202,7 +206,7 @@ def test_prefill_fuzzed(mesh):
                                       request_serializer=prefill_pb2.PrefillRequest.SerializeToString,
                                       response_deserializer=prefill_pb2.PrefillResponse.FromString)
 
-        @settings(FUZZ, max_examples=40)
+        @settings(max_examples=examples(40))
         @given(prefill_requests(handshake.layout))
         # Found by this test: a malformed rendezvous was dialled, and UNAVAILABLE after the KV timeout.
         @example(prefill_pb2.PrefillRequest(
@@ -234,8 +238,11 @@ def _post(mesh: Mesh, path: str, body: bytes, content_type: str | None = "applic
         connection.close()
 
 
-def _assert_http_answer(status: int, raw: bytes, body: Any) -> None:
-    assert status in (200, 400, 404, 413), (status, raw[:500], body)
+def _assert_http_answer(status: int, raw: bytes, body: Any, model_id: str) -> None:
+    """A body of the API's (under the size limit) is answered 200 or refused 400, or 404 when it names
+    a model this gateway does not serve."""
+    other_model = isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"] != model_id
+    assert status in ((200, 400, 404) if other_model else (200, 400)), (status, raw[:500], body)
     if status == 200:
         if raw.startswith(b"data: "):
             events = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
@@ -262,7 +269,7 @@ def test_openai_bodies_fuzzed(mesh, path, schema, prompt):
     @example({**prompt, "max_tokens": 1, "stop_token_ids": [2**32]})
     def fuzz(body: dict[str, Any]) -> None:
         status, raw = _post(mesh, path, json.dumps(body).encode())
-        _assert_http_answer(status, raw, body)
+        _assert_http_answer(status, raw, body, mesh.model_id)
 
     fuzz()
     _assert_alive_and_idle(mesh)
@@ -274,13 +281,124 @@ def test_openai_bodies_fuzzed(mesh, path, schema, prompt):
 ]))
 def test_malformed_json_and_wrong_content_types_are_400(mesh, raw, content_type):
     status, answer = _post(mesh, "/v1/completions", raw, content_type)
-    _assert_http_answer(status, answer, raw)
+    assert status == 400, (status, answer[:500], raw)
+    _assert_http_answer(status, answer, raw, mesh.model_id)
 
 
 def test_a_body_over_the_limit_is_413(mesh):
     body = json.dumps({"model": mesh.model_id, "prompt": "x" * (MAX_BODY_BYTES + 1), "max_tokens": 1}).encode()
     status, raw = _post(mesh, "/v1/completions", body)
     assert status == 413 and "max_body_bytes" in json.loads(raw)["error"]["message"]
+
+
+def _ws_answer(mesh: Mesh, path: str, message: bytes, binary: bool) -> tuple[list[dict], int]:
+    """Send one message on a new WebSocket at `path`; the server's messages until it closed, and its close code."""
+    connection = websocket.create_connection(f"ws://{mesh.gateway.http_address}{path}/ws", timeout=TIMEOUT_S)
+    try:
+        connection.send(message, websocket.ABNF.OPCODE_BINARY if binary else websocket.ABNF.OPCODE_TEXT)
+        messages = []
+        while True:
+            opcode, data = connection.recv_data()
+            if opcode == websocket.ABNF.OPCODE_CLOSE:
+                return messages, struct.unpack("!H", data[:2])[0]
+            messages.append(json.loads(data))
+    finally:
+        connection.close()
+
+
+def _assert_ws_answer(messages: list[dict], code: int, body: Any, model_id: str) -> None:
+    """A stream of events ending {"type": "done"} and close 1000, or the POST endpoint's refusal as one
+    error message and close 1008 (never 1011, an internal error)."""
+    if code == 1000:
+        *events, done = messages
+        assert done == {"type": "done"} and not any("error" in event for event in events), (messages, body)
+        return
+    assert code == 1008, (code, messages, body)
+    [answer] = messages
+    error = answer["error"]
+    assert error["code"] in (400, 404), (error, body)
+    _assert_http_answer(error["code"], json.dumps(answer).encode(), body, model_id)
+
+
+@pytest.mark.parametrize(("path", "schema", "prompt"), [
+    ("/v1/completions", CompletionBody.model_json_schema(), {"prompt": "0"}),
+    ("/v1/chat/completions", ChatBody.model_json_schema(), {"messages": [{"role": "user", "content": "0"}]}),
+], ids=["completions", "chat"])
+def test_websocket_bodies_fuzzed(mesh, path, schema, prompt):
+    @settings(max_examples=examples(30))
+    @given(openai_bodies(schema, mesh.model_id), st.booleans())
+    def fuzz(body: dict[str, Any], binary: bool) -> None:
+        messages, code = _ws_answer(mesh, path, json.dumps(body).encode(), binary)
+        _assert_ws_answer(messages, code, body, mesh.model_id)
+
+    fuzz()
+    _assert_alive_and_idle(mesh)
+
+
+@settings(max_examples=examples(30))
+@given(raw=malformed_json)
+def test_malformed_json_on_the_websocket_is_400_and_close_1008(mesh, raw):
+    messages, code = _ws_answer(mesh, "/v1/completions", raw, binary=True)
+    assert code == 1008, (code, messages, raw)
+    [answer] = messages
+    assert answer["error"]["code"] == 400, (answer, raw)
+
+
+def _worker_rpc(process: WorkerProcess, service: str, method: str, request: bytes | Any, response_type: Any,
+                stream: bool = False) -> Any:
+    """The answer of a unary RPC, or the first of a streaming one; `request` may be raw bytes."""
+    serialize = (lambda raw: raw) if isinstance(request, bytes) else type(request).SerializeToString
+    with grpc.insecure_channel(str(process.address), options=channel_options()) as channel:
+        call = (channel.unary_stream if stream else channel.unary_unary)(
+            f"/tandem.v1.{service}/{method}", request_serializer=serialize,
+            response_deserializer=response_type.FromString)
+        if not stream:
+            return call(request, timeout=30)
+        responses = call(request, timeout=30)
+        try:
+            return next(responses)
+        finally:
+            responses.cancel()
+
+
+_WORKERS = [("prefill", "Prefill"), ("decode", "Decode")]
+
+
+@pytest.mark.parametrize(("role", "service"), _WORKERS, ids=[role for role, _ in _WORKERS])
+def test_abort_fuzzed(mesh, role, service):
+    process = getattr(mesh, role)
+
+    @settings(max_examples=examples(30))
+    @given(st.text(max_size=300))
+    def fuzz(request_id: str) -> None:
+        # Nothing runs: an Abort of any id finds nothing, and ends nothing.
+        answer = _worker_rpc(process, service, "Abort", common_pb2.AbortRequest(request_id=request_id),
+                             common_pb2.AbortResponse)
+        assert not answer.found
+
+    fuzz()
+    with pytest.raises(grpc.RpcError) as refused:
+        raw = with_invalid_utf8(common_pb2.AbortRequest(request_id="MARKER"), "MARKER")
+        _worker_rpc(process, service, "Abort", raw, common_pb2.AbortResponse)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    _assert_alive_and_idle(mesh)
+
+
+@pytest.mark.parametrize(("role", "service"), _WORKERS, ids=[role for role, _ in _WORKERS])
+def test_watch_load_fuzzed(mesh, role, service):
+    process = getattr(mesh, role)
+
+    @settings(max_examples=examples(20))
+    @given(st.one_of(st.just(0), st.just(2**32 - 1), st.integers(0, 2**32 - 1)))
+    @example(0)  # the default interval
+    @example(2**32 - 1)  # weeks: the first report still comes at once
+    def fuzz(interval_ms: int) -> None:
+        report = _worker_rpc(process, service, "WatchLoad", common_pb2.WatchLoadRequest(interval_ms=interval_ms),
+                             common_pb2.LoadReport, stream=True)
+        assert report.total_kv_blocks > 0
+
+    fuzz()
+    _assert_alive_and_idle(mesh)
 
 
 def _assert_alive_and_idle(mesh: Mesh) -> None:

@@ -1,4 +1,4 @@
-"""Faults injected by the test hook (kvtransfer.faults) into a real sender process, over each
+"""Faults injected (tests/kv_faults.py) into a real sender process, over each
 backend: a corrupted page is caught by its checksum, a dropped one at the end marker, a stalled
 transfer by the receiver's deadline; each fails only its own transfer, and the next transfer on the
 same connection arrives bit-exact."""

@@ -18,9 +18,9 @@ import grpc
 import pytest
 from parity_prompts import CHAT, PLAIN, parity_prompt_ids, travel_diary
 from prometheus_client.parser import text_string_to_metric_families
-from reference import PINNED_FLAGS
+from reference import ReferenceRun, check_runs, engine_reference
+from shared_pool import POOL_FLAGS, Pool
 
-from engine.offline import generate
 from engine.sampling_params import SamplingParams
 from harness.leak_check import assert_no_leaks, load_report
 from harness.mesh import Mesh
@@ -29,11 +29,9 @@ from harness.ports import free_port
 from harness.worker import WorkerProcess, start_worker
 from services.client import TandemClient
 
-WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256", *PINNED_FLAGS]
 DEADLINE_S = 60.0  # generous bound for conditions polled below; no test asserts elapsed time
 RPC_TIMEOUT_S = 300.0
 GREEDY = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
-SPECULATION = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None})
 
 
 def _start_all(arg_lists: list[list[str]]) -> list[WorkerProcess]:
@@ -46,7 +44,7 @@ def _start_all(arg_lists: list[list[str]]) -> list[WorkerProcess]:
 
 def _worker_args(role: str, *extra: str) -> list[str]:
     # A port known before the start, so that a gateway can be started at the same time.
-    return [role, "--port", str(free_port()), *WORKER_FLAGS, *extra]
+    return [role, "--port", str(free_port()), *POOL_FLAGS, *extra]
 
 
 def _gateway_args(prefill: list[list[str]], decode: list[list[str]]) -> list[str]:
@@ -65,13 +63,12 @@ def _stop(workers: list[WorkerProcess]) -> None:
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    prefill = [_worker_args("prefill") for _ in range(2)]
-    # The second decode worker speculates, so requests routed to it check that greedy output is the same.
-    decode = [_worker_args("decode"), _worker_args("decode", "--speculative-config", SPECULATION)]
-    *workers, gateway = _start_all([*prefill, *decode, _gateway_args(prefill, decode)])
-    yield Mesh(workers[:2], workers[2:], gateway)
-    _stop([gateway, *workers])
+def mesh(pool: Pool):
+    # The shared workers: two prefill, two decode, the second of which speculates, so requests routed
+    # to it check that greedy output is the same.
+    [gateway] = _start_all([_gateway_args([w.args for w in pool.prefill], [w.args for w in pool.decode])])
+    yield Mesh(pool.prefill, pool.decode, gateway)
+    _stop([gateway])
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +79,12 @@ def client(mesh):
 
 @pytest.fixture(scope="module")
 def reference(make_engine):
-    """Greedy token ids of prompts run together on one in-process colocated engine."""
+    """Greedy runs of prompts together on one in-process colocated engine (tokens and top-2 margins):
+    it batches differently from the mesh, so outputs are compared by the near-tie rule (check_runs)."""
     engine = make_engine()
 
-    def run(prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-        return [completion.token_ids for completion in generate(engine, prompts, params)]
+    def run(prompts: list[list[int]], params: list[SamplingParams]) -> list[ReferenceRun]:
+        return engine_reference(engine, prompts, params)
 
     return run
 
@@ -116,8 +114,8 @@ def test_greedy_parity_with_colocated_engine(client, tokenizer, reference):
     as_text_and_chat = [{"prompt": t} for t in PLAIN] + [{"messages": m} for m in CHAT]
     got = _concurrently(lambda kw: _token_ids(client.generate(**kw, **GREEDY, timeout=RPC_TIMEOUT_S)),
                         as_ids + as_text_and_chat)
-    assert got[: len(prompts)] == expected, "token id prompts"
-    assert got[len(prompts):] == expected, "text and chat prompts"
+    check_runs(got[: len(prompts)], expected, "token id prompts")
+    check_runs(got[len(prompts):], expected, "text and chat prompts")
 
 
 def test_concurrent_requests_spread_over_workers(mesh, client, tokenizer, reference):
@@ -134,18 +132,22 @@ def test_concurrent_requests_spread_over_workers(mesh, client, tokenizer, refere
 
     drafts_before = _verified_drafts(mesh.decode[1])
     got = _concurrently(run, list(range(32)))
-    assert got == reference(prompts, params)
+    check_runs(got, reference(prompts, params), "concurrent requests")
     after = [load_report(worker).finished_requests for worker in mesh.workers]
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
     assert _verified_drafts(mesh.decode[1]) > drafts_before  # the speculating worker did speculate
 
 
 def _verified_drafts(worker: WorkerProcess) -> float:
-    """vllm:spec_decode_num_drafts_total from a worker's /metrics."""
+    return _metric(worker, "vllm:spec_decode_num_drafts_total")
+
+
+def _metric(worker: WorkerProcess, name: str) -> float:
+    """The sum of a sample's values on a worker's /metrics."""
     with urllib.request.urlopen(f"http://{worker.metrics_address}/metrics", timeout=30) as response:
         text = response.read().decode()
     return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == "vllm:spec_decode_num_drafts_total")
+               if sample.name == name)
 
 
 @pytest.mark.parametrize("read_chunks", [0, 2], ids=["during-prefill", "mid-stream"])
@@ -156,13 +158,29 @@ def test_client_cancel_frees_every_worker(mesh, client, read_chunks):
         stream = client.generate(prompt=f"Run {read_chunks}.{i}\n{travel_diary()}", max_tokens=4000, temperature=0.0,
                                  ignore_eos=True, timeout=RPC_TIMEOUT_S)
         streams.append(stream)
-    if not read_chunks:
-        time.sleep(0.5)  # long enough for the requests to reach the workers, not for a ~1,000-token prefill
+    delivered = sum(_metric(worker, "vllm:time_to_first_token_seconds_count") for worker in mesh.prefill)
+    if not read_chunks:  # cancelled once the prefill workers hold both, well before a ~1,000-token prefill ends
+        _until(lambda: sum(_prefill_requests(worker) for worker in mesh.prefill) == len(streams))
     for stream in streams:
         for _ in range(read_chunks):
             assert next(stream).finish_reason is None
         stream.cancel()
     assert_no_leaks(mesh.workers)
+    if not read_chunks:  # no prefill delivered its pages: both cancels landed mid-prefill
+        assert sum(_metric(worker, "vllm:time_to_first_token_seconds_count") for worker in mesh.prefill) == delivered
+
+
+def _prefill_requests(worker: WorkerProcess) -> int:
+    """Requests the prefill worker's engine holds: prompts it has not finished computing."""
+    report = load_report(worker)
+    return report.running_requests + report.waiting_requests
+
+
+def _until(condition) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
 
 
 def test_resource_exhausted_and_retry_on_another_decode_worker(mesh, tokenizer, reference):
@@ -185,7 +203,7 @@ def test_resource_exhausted_and_retry_on_another_decode_worker(mesh, tokenizer, 
         ) as busy:
             next(busy)
             got = _token_ids(client.generate(prompt=long_prompt, **GREEDY, timeout=RPC_TIMEOUT_S))
-        assert got == reference([tokenizer.encode(long_prompt)], [SamplingParams(**GREEDY)])[0]
+        check_runs([got], reference([tokenizer.encode(long_prompt)], [SamplingParams(**GREEDY)]), "retried request")
     finally:
         _stop(started[::-1])
 
@@ -230,8 +248,9 @@ def test_chat_command_prints_the_answer(mesh, tokenizer, reference):
     message = "Say hello to the world."
     done = _chat(mesh, message)
     assert done.returncode == 0, done.stderr
-    [ids] = reference([tokenizer.encode_chat([{"role": "user", "content": message}])],
+    [run] = reference([tokenizer.encode_chat([{"role": "user", "content": message}])],
                       [SamplingParams(max_tokens=12, temperature=0.0)])
+    ids = run.token_ids
     assert done.stdout.strip() == tokenizer.decode(ids).strip()
 
     # Without a message, every line of stdin is a turn of one conversation.

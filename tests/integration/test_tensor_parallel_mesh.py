@@ -7,16 +7,16 @@ covers every rank."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import grpc
 import pytest
 from parity_prompts import parity_prompt_ids
-from reference import PINNED_FLAGS, check_against
+from reference import PINNED_FLAGS, check_against, margins_of
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 from engine.config import SchedulerConfig
@@ -38,10 +38,13 @@ _killed: set[int] = set()  # pids of workers a test took down on purpose (they e
 @pytest.fixture(scope="module")
 def workers() -> Iterator[dict[str, WorkerProcess]]:
     """Every worker of the module, started at once (their loads overlap): prefill_tp3, prefill_tp1,
-    and decode_tp1 / decode_tp3 on each backend ("decode_tp3_grpc")."""
+    decode_tp1 / decode_tp3 on each backend ("decode_tp3_grpc"), and the victims of the rank kills."""
     roles = {"prefill_tp3": ("prefill", 3), "prefill_tp1": ("prefill", 1)}
     roles |= {f"decode_tp{size}_{backend}": ("decode", size, "--kv-backend", backend)
               for size in (1, 3) for backend in BACKENDS}
+    # The rank-killing tests' own: each is taken down by one test.
+    roles |= {"victim_prefill_tp3": ("prefill", 3), "victim_decode_tp3_torch_dist": ("decode", 3, "--kv-backend",
+                                                                                    "torch_dist")}
     started = {name: start_worker([role, *COMMON, "--max-num-batched-tokens", CHUNK_TOKENS,
                                    "--tensor-parallel-size", str(size), *flags], wait=False)
                for name, (role, size, *flags) in roles.items()}
@@ -133,28 +136,42 @@ def test_cancel_mid_transfer_between_layouts_frees_every_block(workers, backend,
 
 
 def _kill_a_rank_mid_transfer(victim: WorkerProcess, prefill: WorkerProcess, decode: WorkerProcess,
-                              prompt: list[int]) -> None:
+                              prompt: list[int], failed: set[grpc.StatusCode], make_engine) -> None:
+    """Kill one of `victim`'s ranks while `prefill` computes the prompt for `decode`: the request ends
+    with a status of `failed`, or, where the prefill had delivered every page by then, with the tokens
+    the one-process engine computes."""
     ranks = victim.tensor_parallel_ranks()
     assert len(ranks) == 2
     call = _call(decode, prefill, prompt, LONG)
     _until(lambda: _load(prefill).running_requests > 0, "the prefill never started")
     _killed.add(victim.proc.pid)
     os.kill(ranks[-1], signal.SIGKILL)
-    with contextlib.suppress(grpc.RpcError):  # the request fails, or its decode worker prefills it itself
-        list(call)
+    try:
+        tokens = [t for chunk in call for t in chunk.token_ids]
+    except grpc.RpcError as error:
+        assert error.code() in failed, (error.code(), error.details())
+    else:
+        engine = make_engine(scheduler=SchedulerConfig(max_num_batched_tokens=int(CHUNK_TOKENS)))
+        [expected] = generate(engine, [prompt], replace(LONG, logprobs=2))
+        check_against([tokens], [expected.token_ids], [margins_of(expected)], "served despite the killed rank")
     assert victim.proc.wait(DEADLINE_S) == 1, victim.log_tail()
     _until(lambda: not any(running(pid) for pid in ranks), "a rank outlived its worker")
     survivor = decode if victim is prefill else prefill
     _no_blocks_used(survivor)
 
 
-# Last in the module: these take their TP 3 workers down. torch_dist, where a stuck pair could hang.
-def test_a_killed_prefill_rank_leaves_no_block_held_on_the_decode_side(workers, tokenizer):
-    prefill = workers["prefill_tp3"]
+# These take TP 3 workers of their own down (the victims), so that no other test depends on running
+# before them. torch_dist, where a stuck pair could hang. The decode worker fails a request whose
+# prefill worker or transfer failed UNAVAILABLE; a decode worker that lost a rank fails what it
+# holds INTERNAL (its engine step or page relay failed), or UNAVAILABLE where its exit cut the stream first.
+def test_a_killed_prefill_rank_leaves_no_block_held_on_the_decode_side(workers, tokenizer, make_engine):
+    prefill = workers["victim_prefill_tp3"]
     _kill_a_rank_mid_transfer(prefill, prefill, workers["decode_tp1_torch_dist"],
-                              [t + 5 for t in parity_prompt_ids(tokenizer)[3]])
+                              [t + 5 for t in parity_prompt_ids(tokenizer)[3]], {grpc.StatusCode.UNAVAILABLE},
+                              make_engine)
 
 
-def test_a_killed_decode_rank_leaves_no_block_held_on_the_prefill_side(workers, tokenizer):
-    decode = workers["decode_tp3_torch_dist"]
-    _kill_a_rank_mid_transfer(decode, workers["prefill_tp1"], decode, [t + 6 for t in parity_prompt_ids(tokenizer)[3]])
+def test_a_killed_decode_rank_leaves_no_block_held_on_the_prefill_side(workers, tokenizer, make_engine):
+    decode = workers["victim_decode_tp3_torch_dist"]
+    _kill_a_rank_mid_transfer(decode, workers["prefill_tp1"], decode, [t + 6 for t in parity_prompt_ids(tokenizer)[3]],
+                              {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE}, make_engine)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from environment import needs
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.reference import SHORT_QUERY, TorchPagedAttention, paged_decode_attention
@@ -72,7 +73,7 @@ def test_silu_mul_matches_torch_within_a_few_ulp(variant):
     assert torch.equal(kernels(variant).silu_mul(wide[:, : gate_up.shape[1]]), got)  # rows of a wider tensor
 
 
-@pytest.mark.skipif(not {"avx512bf16", "avx2"} <= set(VARIANTS), reason="needs a CPU with AVX512-BF16 and AVX2")
+@needs({"avx512bf16", "avx2"} <= set(VARIANTS), "kernel builds for AVX512-BF16 and AVX2")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sixteen_lanes_gate_bit_for_bit_as_eight(dtype):
     # exp16 is exp8's arithmetic on sixteen lanes (exp8.h): the AVX-512 build's SwiGLU must equal the

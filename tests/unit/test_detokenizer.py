@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from fuzzing import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, trainers
@@ -169,7 +170,7 @@ def test_each_step_decodes_only_a_short_window(smollm: Tokenizer, monkeypatch: p
     assert len(ids) > 400 and max(decoded_lengths) <= 8
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(text=texts, data=st.data(), skip_special_tokens=st.booleans())
 def test_stream_equals_decode_for_slices_of_real_text(smollm: Tokenizer, sentencepiece: Tokenizer, text: str,
                                                       data: st.DataObject, skip_special_tokens: bool) -> None:
@@ -180,7 +181,7 @@ def test_stream_equals_decode_for_slices_of_real_text(smollm: Tokenizer, sentenc
         assert "".join(stream(tokenizer, sliced, skip_special_tokens)) == tokenizer.decode(sliced, skip_special_tokens)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(data=st.data(), skip_special_tokens=st.booleans())
 def test_stream_equals_decode_for_arbitrary_ids(smollm: Tokenizer, sentencepiece: Tokenizer, data: st.DataObject,
                                                 skip_special_tokens: bool) -> None:

@@ -9,9 +9,9 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
+from environment import needs
 
-pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc arenas are glibc's")
+pytestmark = needs(platform.libc_ver()[0] == "glibc", "glibc (malloc arenas are glibc's)")
 
 # A fresh process each time: the cap concerns threads started after it, and this session has many.
 _SCRIPT = textwrap.dedent("""

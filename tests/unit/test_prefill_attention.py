@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from environment import needs
 
 import engine.model.kernels as kernel_module
 from engine.attention.metadata import AttentionMetadata
@@ -15,7 +16,7 @@ from engine.model.kernels import kernels
 from engine.model.kernels.build import cpu_flags, runnable
 
 WITH_OP = [v.name for v in runnable(cpu_flags()) if v.name == "avx512bf16"]
-needs_op = pytest.mark.skipif(not WITH_OP, reason="this CPU lacks avx512_bf16: no build has prefill_attention")
+needs_op = needs(bool(WITH_OP), "a build with prefill_attention (a CPU with avx512_bf16)")
 
 
 def _op():

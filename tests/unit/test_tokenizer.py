@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from environment import import_or_missing
 
 from engine.tokenizer import Tokenizer
 
@@ -58,7 +59,7 @@ MULTI_TURN = [
 
 @pytest.fixture(scope="module")
 def reference():
-    transformers = pytest.importorskip("transformers")
+    transformers = import_or_missing("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(GGUF_DIR), gguf_file=GGUF_NAME)
 
 
