@@ -14,8 +14,9 @@ from typing import Generic, TypeVar
 
 import torch
 
-from engine.kv_export import KVExport
-from engine.outputs import EngineStats, RequestOutput, ReserveResult
+from engine.kv_connector.export import KVExport
+from engine.kv_connector.policy import DEFAULT_KV_WAIT_S
+from engine.outputs import EngineStats, KVReservation, RequestOutput, ReserveResult
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
 
@@ -29,7 +30,7 @@ class Command(Generic[T]):
 @dataclass(frozen=True)
 class AddRequest(Command[None]):
     """Queue a request (ValueError naming the field if it cannot be served). `resumed`: it continues
-    after output delivered elsewhere; `export` (prefill role): push its pages layer by layer."""
+    after output delivered elsewhere; `export`: push its pages layer by layer."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
@@ -40,25 +41,25 @@ class AddRequest(Command[None]):
 
 @dataclass(frozen=True)
 class Reserve(Command[ReserveResult]):
-    """Decode role: reserve blocks for a prompt whose KV another worker computes; the reservation or
-    the reason it was refused (ValueError naming the field for bad input)."""
+    """Reserve blocks for a prompt whose KV another worker computes, for at most `kv_timeout_s`
+    seconds; the reservation or the reason it was refused (ValueError naming the field for bad input)."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
     params: SamplingParams
     resumed: Resumed | None = None
+    kv_timeout_s: float = DEFAULT_KV_WAIT_S
 
 
 @dataclass(frozen=True)
 class ImportPages(Command[None]):
-    """Decode role: write received pages of one layer into a reservation's blocks.
+    """Write received pages of one layer into a reservation's blocks.
 
-    Run on the caller's (the KV receiver's) thread, not between steps: the reserved blocks belong to
-    a request that no step schedules until `StartDecode`, and the receiver's cancel returns only
-    after its last write, before the blocks are freed, so the write races with nothing while pages
-    land during a step instead of after it."""
+    Run on the caller's (the KV receiver's) thread, not between steps, so pages land during a step
+    instead of after it: the KV connector admits the write only while the reservation is live, and
+    ends a reservation before its blocks are freed or scheduled (engine.kv_connector.connector)."""
 
-    request_id: str
+    reservation: KVReservation
     layer: int
     block_ids: Sequence[int]
     k: torch.Tensor
@@ -67,7 +68,8 @@ class ImportPages(Command[None]):
 
 @dataclass(frozen=True)
 class StartDecode(Command[RequestOutput]):
-    """Decode role: the prompt's KV is complete; join the running batch after the first token."""
+    """A reserved prompt's KV is complete; join the running batch after the first token
+    (TimeoutError if the reservation's deadline passed first)."""
 
     request_id: str
     first_token: int
@@ -75,7 +77,7 @@ class StartDecode(Command[RequestOutput]):
 
 @dataclass(frozen=True)
 class Release(Command[None]):
-    """Prefill role: free a request's blocks once its pages were delivered (full blocks stay cached)."""
+    """Free the blocks a request kept for its hand-off once its pages were delivered (full blocks stay cached)."""
 
     request_id: str
 

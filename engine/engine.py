@@ -1,4 +1,5 @@
-"""The engine: add_request / step / abort, in the colocated, prefill or decode role.
+"""The engine: add_request / step / abort; its KV connector (engine.kv_connector) takes a prompt's KV
+from elsewhere (reserve / import_kv / start_decode) or hands it on (an export, then release).
 
 Each step is schedule -> execute -> postprocess (token-level stops in the scheduler, then
 incremental detokenization and stop strings here).
@@ -19,9 +20,11 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_model import load_engine_model
 from engine.kv_cache.blocks import blocks_for
-from engine.kv_cache.cache_engine import check_pages
 from engine.kv_cache.manager import KVCacheManager
-from engine.kv_export import KVExport, KVExports
+from engine.kv_connector.connector import KVConnector
+from engine.kv_connector.export import KVExport
+from engine.kv_connector.policy import DEFAULT_KV_WAIT_S, KVConnectorPolicy
+from engine.kv_connector.worker_side import KVConnectorWorker
 from engine.model.loader import ModelFiles
 from engine.outputs import (
     EngineStats,
@@ -35,8 +38,7 @@ from engine.outputs import (
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.kv_heads import kv_head_ranges
 from engine.parallel.layout import TensorParallelLayout
-from engine.parallel.step_plan import EXPORT, IMPORT, PagesPlan
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import FinishReason, Request
 from engine.resume import Resumed, check_resumable, replay_text
 from engine.runner import ModelRunner, SampledToken
 from engine.sampler import Sampler, TokenLogprobs
@@ -103,18 +105,19 @@ class Engine:
         self.fingerprint = hashlib.sha256(f"{loaded.config!r}|{weights}".encode()).digest()
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint)
         eos = set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)
-        self.scheduler = Scheduler(
-            config.scheduler, self.kv, eos_token_ids=eos, keep_finished_kv=config.role == "prefill"
-        )
         sampler = Sampler(loaded.config.vocab_size, sorted(eos))
         plans = None if self._parallel is None else self._parallel.send
         self.runner = ModelRunner(loaded.model, loaded.cache, sampler, self.device, plans)
-        self._exports = KVExports(block_size, loaded.config.num_layers)
+        page = self.kv_format.page_shape(block_size, loaded.config.num_kv_heads, loaded.config.head_dim)
+        policy = KVConnectorPolicy.of(config)
+        self.connector = KVConnector(policy, KVConnectorWorker(
+            loaded.cache, tuple(page), block_size, loaded.config.num_layers, self._parallel, self._ranks_busy))
+        self.scheduler = Scheduler(config.scheduler, self.kv, eos_token_ids=eos, connector=self.connector.scheduler)
         self._text: dict[str, _TextState] = {}
         self.last_step_tokens = StepTokens()
         self._drafter = None if spec is None or proposer is None else Drafter(spec, proposer)
-        log.info("engine ready: %s, role=%s, tensor_parallel_size=%d, %d KV blocks of %d tokens%s, kv_cache=%s, "
-                 "attention=%s", loaded.config.name, config.role, size, num_blocks, block_size,
+        log.info("engine ready: %s, KV connector: %s, tensor_parallel_size=%d, %d KV blocks of %d tokens%s, "
+                 "kv_cache=%s, attention=%s", loaded.config.name, policy.describe(), size, num_blocks, block_size,
                  " on each rank" if size > 1 else "", self.kv_format.name, loaded.attention)
 
     # ---- requests -------------------------------------------------------------------------------
@@ -122,7 +125,7 @@ class Engine:
                     resumed: Resumed | None = None, export: KVExport | None = None) -> None:
         """Queue a request; ValueError naming the field if it cannot be served. With `resumed`, the
         request continues after output another engine already delivered (see engine.resume). With
-        `export` (prefill role), each layer's pages go to its sink as soon as the layer wrote them."""
+        `export`, each layer's pages go to its sink as soon as the layer wrote them."""
         request = self._new_request(request_id, prompt_token_ids, params, resumed)
         too_large = self._too_large(request)
         if too_large is not None:
@@ -131,7 +134,7 @@ class Engine:
         self.scheduler.add(request)
         self._text[request_id] = text
         if export is not None:
-            self._exports.add(request_id, export)
+            self.connector.worker.add_export(request_id, export)
         if resumed is not None:
             self.runner.resume_generator(request_id, params.seed, draws=len(resumed.output_token_ids))
 
@@ -186,16 +189,26 @@ class Engine:
         return known
 
     def has_unfinished(self) -> bool:
-        """True while any request is waiting or running."""
-        return self.scheduler.has_work()
+        """True while any request is waiting or running, or a deadline of the KV connector has passed
+        (the next step frees what it held)."""
+        return self.scheduler.has_work() or self.connector.scheduler.is_due()
+
+    def next_kv_deadline(self) -> float | None:
+        """When (time.monotonic()) the KV connector's next deadline passes: a step after it frees the
+        blocks of a reservation whose KV never came or of a hand-off never released. None if none."""
+        return self.connector.scheduler.next_deadline()
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and report every request that gained a token or finished.
 
         As soon as a layer has written this step's KV, the pages of every exported request go to
-        its sink, so the prefill role pushes pages while later layers compute.
+        its sink, so pages leave while later layers compute. First, the requests whose KV
+        connector deadline passed are aborted and their blocks freed.
         """
+        for request_id in self.scheduler.expire():
+            log.warning("request %s: aborted, its KV connector deadline passed", request_id)
+            self._forget(request_id)
         if self._drafter is not None:
             self._drafter.draft(self.scheduler.running)
         out = self.scheduler.schedule()
@@ -204,22 +217,11 @@ class Engine:
         decoding = [c for c in out.chunks
                     if c.num_tokens - len(c.draft_token_ids) == 1 and c.start >= c.request.num_prompt_tokens]
         draft_rows = sum(len(c.draft_token_ids) for c in decoding)
-        on_layer_done, exported = None, []
-        if self._exports:
-            ranges = self._exports.ranges(out.chunks)
-            exported = [block for r in ranges for block in self.kv.block_table(r.request_id)[r.first:r.end]]
-
-            def on_layer_done(layer: int) -> None:
-                pages = self._whole_pages(layer, exported, in_step=True) if exported else None
-                self._exports.layer_done(layer, ranges, pages)
+        on_layer_done, exported = self.connector.worker.step_exports(out.chunks, self.kv.block_table)
         with self._ranks_busy:
             sampled = self.runner.execute(out, on_layer_done, exported)
         before = {c.request.request_id: c.request.num_output_tokens for c in out.chunks}
         self.scheduler.update(out, {rid: [token for token, _ in tokens] for rid, tokens in sampled.items()})
-        if self.config.role == "prefill":
-            for chunk in out.chunks:
-                if chunk.request.request_id in sampled and not chunk.request.is_finished:
-                    self.scheduler.finish(chunk.request.request_id, FinishReason.HANDOFF)
         outputs = []
         for chunk in out.chunks:
             request = chunk.request
@@ -280,86 +282,45 @@ class Engine:
 
     def _forget(self, request_id: str) -> None:
         self._text.pop(request_id, None)
-        self._exports.drop(request_id)
+        self.connector.worker.drop_export(request_id)
         self.runner.forget(request_id)
 
-    # ---- prefill role: export ---------------------------------------------------------------------
-    def kv_block_ids(self, request_id: str) -> list[int]:
-        """The block table of a request whose KV is held (prefill role: after handoff)."""
-        if not self.kv.has_request(request_id):
-            raise KeyError(f"request {request_id!r} holds no KV blocks")
-        return self.kv.block_table(request_id)
-
-    def export_kv(
-        self, request_id: str, layer: int, first_block: int = 0, end_block: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of one layer's K and V for the request's blocks [first_block, end_block) (the
-        receiver may already hold a prefix): two [n, *page shape] tensors in the cache's format
-        (a quantized one's scales inside its pages, engine.kv_cache.codec), of all the model's KV
-        heads whatever the tensor-parallel size. Not inside a step."""
-        return self._whole_pages(layer, self.kv_block_ids(request_id)[first_block:end_block], in_step=False)
-
-    def _whole_pages(self, layer: int, block_ids: Sequence[int], in_step: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Some blocks' pages of one layer, of all KV heads: at tensor-parallel size > 1 joined from
-        every rank (which, inside a step, gather the blocks its plan named after each layer)."""
-        k, v = self.runner.cache.gather_blocks(layer, block_ids)
-        if self._parallel is None:
-            return k, v
-        if in_step:
-            return self._parallel.kv_heads.gather(k, v)
-        with self._ranks_busy:
-            self._parallel.send(PagesPlan(EXPORT, layer, list(block_ids)))
-            return self._parallel.kv_heads.gather(k, v)
-
+    # ---- the KV connector: hand-off and reservations ------------------------------------------------
     def release(self, request_id: str) -> None:
-        """Free a request's KV once exported (prefill role); full blocks stay in the prefix cache."""
+        """Free the blocks a request kept for its hand-off once its KV was delivered; full blocks stay
+        in the prefix cache."""
         self.scheduler.release(request_id)
         self._forget(request_id)
 
-    # ---- decode role: import ----------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                resumed: Resumed | None = None) -> ReserveResult:
+                resumed: Resumed | None = None, kv_timeout_s: float = DEFAULT_KV_WAIT_S) -> ReserveResult:
         """Reserve blocks for an incoming prompt's KV (with `resumed`, for the prompt and the output
-        already delivered: the prefill side computes both): the reservation, or why the cache cannot
-        take it (now, or ever). ValueError naming the field for bad input."""
+        already delivered: the sender computes both): the reservation, or why the cache cannot take it
+        (now, or ever). After `kv_timeout_s` without `start_decode`, a step aborts the request and
+        frees its blocks. ValueError naming the field for bad input."""
         request = self._new_request(request_id, prompt_token_ids, params, resumed)
         too_large = self._too_large(request)
         if too_large is not None:
             return too_large
         text = self._text_state(params, resumed)
-        if not self.scheduler.reserve(request):
+        ticket = self.scheduler.reserve(request, kv_timeout_s)
+        if ticket is None:
             return NoKVRoom(self._blocks_needed(request), self.kv.num_free_blocks)
         self._text[request_id] = text
         return KVReservation(request_id, tuple(self.kv.block_table(request_id)), request.num_cached_tokens,
-                             self.kv.block_size)
+                             self.kv.block_size, ticket)
 
-    def import_kv(
-        self, request_id: str, layer: int, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Write received KV blocks of one layer (pages of all the model's KV heads) into a
-        reservation's blocks; at tensor-parallel size > 1 each rank takes the heads it holds."""
-        request = self.scheduler.requests.get(request_id)
-        if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
-            raise KeyError(f"request {request_id!r} has no KV reservation")
-        if not set(block_ids) <= set(self.kv.block_table(request_id)):
-            raise ValueError(f"block_ids: not all of {list(block_ids)} belong to request {request_id!r}")
-        if self._parallel is not None and block_ids:
-            k, v = self._pages_for_ranks(len(block_ids), k, v)
-            with self._ranks_busy:  # pages land on a receiver's thread, maybe while a step runs
-                self._parallel.send(PagesPlan(IMPORT, layer, list(block_ids)))
-                k, v = self._parallel.kv_heads.scatter(k, v)
-        self.runner.cache.scatter_blocks(layer, block_ids, k, v)
-
-    def _pages_for_ranks(self, blocks: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pages of all KV heads checked (before any rank sees them) and in the cache's dtype."""
-        config, cache = self.model_config, self.runner.cache.kv_caches[0][0]
-        page = tuple(self.kv_format.page_shape(self.kv.block_size, config.num_kv_heads, config.head_dim))
-        check_pages(k, v, blocks, page, cache.dtype)
-        return k.to(cache.device, cache.dtype), v.to(cache.device, cache.dtype)
+    def import_kv(self, reservation: KVReservation, layer: int, block_ids: Sequence[int],
+                  k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write received KV blocks of one layer (pages of all the model's KV heads) into a live
+        reservation's blocks, on any thread (engine.kv_connector.connector: KeyError once the
+        reservation ended)."""
+        self.connector.import_pages(reservation, layer, block_ids, k, v)
 
     def start_decode(self, request_id: str, first_token: int) -> RequestOutput:
-        """The prompt's KV is complete: join the running batch after the prefill side's first token
-        (for a resumed request, the first token after the output already delivered)."""
+        """The prompt's KV is complete: join the running batch after the sender's first token (for a
+        resumed request, the first token after the output already delivered). TimeoutError if the
+        reservation's deadline passed first."""
         request = self.scheduler.start_reserved(request_id, first_token)
         # Every token sampled so far (the prefill side's included) drew once from a seeded generator.
         self.runner.resume_generator(request_id, request.params.seed, draws=request.num_output_tokens)

@@ -22,7 +22,7 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import ModelFiles, build_model, load_model_files
 from engine.model.quant_config import check_requested
 from engine.model.weight_formats import choose_quantization
-from engine.parallel.collectives import parallelize
+from engine.parallel.collectives import TensorParallelSharding
 from engine.parallel.layout import TensorParallelLayout
 from engine.parallel.shard import shard_files, shard_tensor
 
@@ -68,10 +68,9 @@ def load_engine_model(config: EngineConfig, files: ModelFiles | None, layout: Te
     formats = resolve_formats(config, hardware, quantization)
     block_size = config.cache.block_size
     block_bytes = bytes_per_block(shard.config, block_size, kv)  # checks the format fits the model
+    sharding = None if group is None else TensorParallelSharding(layout, files.config, group)
     model = build_model(shard, attention, device, quantization, formats.cpu_weights, dtype,
-                        PARTS.get(formats.activation_quantization, 0))
-    if group is not None:
-        parallelize(model, layout, files.config, group)
+                        PARTS.get(formats.activation_quantization, 0), sharding)
     # --kv-cache-mib is each rank's budget: every rank holds the same number of blocks of its heads.
     num_blocks = config.cache.num_blocks or max(1, (config.cache.memory_bytes or 0) // block_bytes)
     cache = CacheEngine(shard.config, num_blocks, block_size, kv, device)

@@ -58,16 +58,18 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class KVReservation:
-    """Decode role: the blocks reserved for an incoming prompt.
+    """The blocks reserved for an incoming prompt's KV (engine.kv_connector).
 
     The first `num_cached_tokens // block_size` blocks were already in this engine's prefix
-    cache; only the rest must be filled by the sender.
+    cache; only the rest must be filled by the sender. Every write into them names the reservation
+    (`ticket` tells it from an earlier one of the same request id).
     """
 
     request_id: str
     block_ids: tuple[int, ...]
     num_cached_tokens: int
     block_size: int
+    ticket: int
 
     @property
     def blocks_to_fill(self) -> tuple[int, ...]:
@@ -77,7 +79,7 @@ class KVReservation:
 
 @dataclass(frozen=True)
 class NoKVRoom:
-    """Decode role: a reservation refused because the cache has too few free blocks now."""
+    """A reservation refused because the cache has too few free blocks now."""
 
     needed_blocks: int
     free_blocks: int

@@ -8,8 +8,6 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.cache_engine import CacheEngine
-from engine.model.decode_stack import DecodeStack
-from engine.model.kernels import cpu_kernels
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel.step_plan import StepPlan
 from engine.sampler import Sampler, SamplingRequestState, TokenLogprobs
@@ -139,11 +137,8 @@ class ModelRunner:
         model = self.model
         if not 1 <= num_layers <= len(model.layers):
             raise ValueError(f"draft_layers: must be in [1, {len(model.layers)}], got {num_layers}")
-        model.layers = model.layers[:num_layers]
+        model.keep_first_layers(num_layers)
         self.cache.kv_caches = self.cache.kv_caches[:num_layers]
-        if model.stacked is not None:
-            ops = cpu_kernels(self.device)
-            model.use_stacked(None if ops is None else DecodeStack.build(model, ops))
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state once the request is gone."""

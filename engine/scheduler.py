@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_connector.scheduler_side import KVConnectorScheduler
 from engine.request import FinishReason, Request, RequestStatus
 from engine.speculative.gate import record_verification
 from engine.speculative.stats import SpecDecodeStats
@@ -63,8 +64,9 @@ class SchedulerOutput:
 class Scheduler:
     """Decides which requests run each step and keeps their KV blocks allocated.
 
-    `keep_finished_kv` is for the prefill role: a finished request keeps its blocks until
-    `release` is called, so its KV can be exported first.
+    Like vLLM v1's, it consults the KV connector's scheduler side (`connector`): for the requests
+    whose KV comes from elsewhere (reserved, then started), and for which finished requests keep
+    their blocks and until when (released, or expired by `expire`).
     """
 
     def __init__(
@@ -73,12 +75,12 @@ class Scheduler:
         kv: KVCacheManager,
         *,
         eos_token_ids: Iterable[int] = (),
-        keep_finished_kv: bool = False,
+        connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.keep_finished_kv = keep_finished_kv
+        self.connector = connector or KVConnectorScheduler()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every request that holds state here
@@ -93,27 +95,32 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def reserve(self, request: Request) -> bool:
-        """Decode role: allocate blocks for every known token (the prompt, and a resumed request's
-        output), reusing locally cached prefix blocks.
+    def reserve(self, request: Request, timeout_s: float) -> int | None:
+        """Allocate blocks for every known token of a request whose KV comes from elsewhere (the
+        prompt, and a resumed request's output), reusing locally cached prefix blocks.
 
-        The request then waits (WAITING_FOR_KV) for its pages; False if the blocks cannot be had.
+        The request then waits (WAITING_FOR_KV) for its pages, at most `timeout_s` seconds; its
+        reservation's ticket, or None if the blocks cannot be had.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         cached_blocks, num_cached = self._cached_prefix(request)
         if not self.kv.allocate_slots(request.request_id, request.num_tokens, cached_blocks):
-            return False
+            return None
         request.num_cached_tokens = num_cached
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = request
-        return True
+        to_fill = self.kv.block_table(request.request_id)[len(cached_blocks):]
+        return self.connector.reserved(request.request_id, to_fill, timeout_s)
 
     def start_reserved(self, request_id: str, first_token: int) -> Request:
-        """Decode role: the KV of every known token has arrived; join the running batch after `first_token`."""
+        """The KV of every known token of a reserved request has arrived; join the running batch after
+        `first_token`. TimeoutError if its deadline passed first (its blocks were freed)."""
+        self.connector.check_not_timed_out(request_id)
         request = self.requests[request_id]
         if request.status is not RequestStatus.WAITING_FOR_KV:
             raise ValueError(f"request_id: {request_id!r} is not waiting for KV")
+        self.connector.end(request_id)  # no page lands in a block a step computes with
         request.num_computed_tokens = request.num_tokens
         self.kv.cache_blocks(request_id, request.token_ids, request.num_computed_tokens)
         request.append_output(first_token)
@@ -250,6 +257,8 @@ class Scheduler:
                 reason = self._stop_reason(request, token)
                 if reason is not None:
                     break
+            if reason is None and tokens and self.connector.hands_off(request):
+                reason = FinishReason.HANDOFF
             drafts = len(chunk.draft_token_ids)
             accepted = max(0, len(tokens) - 1) if drafts else 0
             if drafts:
@@ -291,7 +300,8 @@ class Scheduler:
 
     # ---- endings ------------------------------------------------------------------------------
     def finish(self, request_id: str, reason: FinishReason) -> Request | None:
-        """End a request (stop, length or abort) and free its blocks, unless kept for export."""
+        """End a request (stop, length, hand-off or abort) and free its blocks, unless the connector
+        keeps them for a hand-off."""
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return None
@@ -301,15 +311,28 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if self.keep_finished_kv and reason is not FinishReason.ABORT:
+        if reason is not FinishReason.ABORT and self.connector.keeps(request):
             return request
         self.release(request_id)
         return request
 
     def release(self, request_id: str) -> None:
-        """Free a request's blocks and forget it (prefill role: after its KV was exported)."""
+        """Free a request's blocks and forget it (a kept request: once its KV was handed off)."""
+        self.connector.forget(request_id)  # first: its reservation's blocks are about to change owner
         self.kv.free(request_id)
         self.requests.pop(request_id, None)
+
+    def expire(self) -> list[str]:
+        """Abort the requests whose connector deadline passed (a reservation whose KV never came, a
+        kept request never released) and free their blocks; their ids."""
+        expired = self.connector.expired()
+        for request_id in expired:
+            request = self.requests.pop(request_id, None)
+            if request is not None and not request.is_finished:
+                request.status = RequestStatus.FINISHED
+                request.finish_reason = FinishReason.ABORT
+            self.kv.free(request_id)
+        return expired
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         """Abort at any point of a request's life; frees every block it holds."""
@@ -317,9 +340,10 @@ class Scheduler:
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None:
+                self.connector.forget(request_id)  # one its deadline expired: it need not be told apart now
                 continue
             if request.is_finished:
-                self.release(request_id)  # kept for export and never collected
+                self.release(request_id)  # kept for a hand-off and never released
                 continue
             self.finish(request_id, FinishReason.ABORT)
             aborted.append(request)

@@ -18,7 +18,7 @@ from engine.attention.reference import TorchPagedAttention
 from engine.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import build_model, load_model_files
-from engine.parallel.collectives import parallelize
+from engine.parallel.collectives import TensorParallelSharding
 from engine.parallel.layout import TensorParallelLayout
 from engine.parallel.shard import shard_files
 from harness.ports import free_port
@@ -85,12 +85,14 @@ def greedy(model: LlamaForCausalLM, prompt: list[int], steps: int) -> GreedyRun:
 
 
 def load(checkpoint: Checkpoint, layout: TensorParallelLayout, device: str = "cpu",
-         dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Rank `layout.rank`'s model, built from its shard on `device` in `dtype`, and the whole model's
-    config."""
+         dtype: torch.dtype = torch.float32, group: dist.ProcessGroup | None = None,
+         ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Rank `layout.rank`'s model, built from its shard on `device` in `dtype` (with `group`, made whole
+    with the other ranks), and the whole model's config."""
     files = load_model_files(checkpoint.path, dtype, checkpoint.quantization)
+    sharding = None if group is None else TensorParallelSharding(layout, files.config, group)
     return build_model(shard_files(files, layout), TorchPagedAttention(), device, checkpoint.quantization,
-                       checkpoint.cpu_weights, dtype), files.config
+                       checkpoint.cpu_weights, dtype, sharding=sharding), files.config
 
 
 def _rank(rank: int, size: int, port: int, checkpoint: Checkpoint, prompt: list[int], steps: int,
@@ -99,8 +101,8 @@ def _rank(rank: int, size: int, port: int, checkpoint: Checkpoint, prompt: list[
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
         layout = TensorParallelLayout(size, rank)
-        model, config = load(checkpoint, layout)
-        run = greedy(parallelize(model, layout, config, dist.group.WORLD), prompt, steps)
+        model, _ = load(checkpoint, layout, group=dist.group.WORLD)
+        run = greedy(model, prompt, steps)
         if rank == 0:
             torch.save(run, out)
     finally:

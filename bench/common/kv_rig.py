@@ -49,7 +49,7 @@ TOTAL_BYTES = total_bytes()
 
 
 def prompt_kv(layout: KVLayout = LAYOUT) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One prompt's K and V per layer, as export_kv returns them (encoded in the layout's format)."""
+    """One prompt's K and V per layer, as an export hands them on (encoded in the layout's format)."""
     codec = KV_FORMATS[layout.dtype].codec
     shape = (NUM_BLOCKS, layout.block_size, layout.num_kv_heads, layout.head_dim)
     return [(codec.encode(torch.randn(shape)), codec.encode(torch.randn(shape))) for _ in range(layout.num_layers)]

@@ -33,7 +33,7 @@ from bench.common.machine import cpu_model, describe
 from bench.common.suite import command_line, results_path, suite_parser, write_results
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
-from engine.kv_export import KVExport, LayerPages
+from engine.kv_connector.export import KVExport, LayerPages
 from engine.outputs import KVReservation
 from engine.sampling_params import SamplingParams
 
@@ -85,7 +85,7 @@ def measure_import(engine: Engine, prompts: list[list[int]]) -> dict[str, float]
         pages = torch.randn(len(blocks), *page)
         start = time.perf_counter()
         for layer in range(config.num_layers):
-            engine.import_kv(f"d{index}", layer, blocks, pages, pages)
+            engine.import_kv(reservation, layer, blocks, pages, pages)
         if index:
             times.append(time.perf_counter() - start)
         engine.abort(f"d{index}")

@@ -62,7 +62,6 @@ def model_for(size: int) -> Path:
 
 def _rank(rank: int, size: int, port: int, model: str, device: str, dtype: torch.dtype, prompt: list[int],
           steps: int, out: str) -> None:
-    from engine.parallel.collectives import parallelize
     from engine.parallel.layout import TensorParallelLayout
     from harness.greedy import Checkpoint, load
 
@@ -74,9 +73,7 @@ def _rank(rank: int, size: int, port: int, model: str, device: str, dtype: torch
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
         group = dist.group.WORLD
     layout = TensorParallelLayout(size, rank)
-    built, config = load(Checkpoint(model, "none", "plain"), layout, device, dtype)
-    if group is not None:
-        parallelize(built, layout, config, group)
+    built, config = load(Checkpoint(model, "none", "plain"), layout, device, dtype, group)
     _time(built, rank, group, config.hidden_size, device, dtype, prompt, steps, config.num_layers, out)
 
 

@@ -39,6 +39,7 @@ from engine.engine import Engine
 from engine.model.int8 import quantize_int8
 from engine.model.kernels import kernels
 from engine.model.loader import ModelFiles, load_model_files
+from engine.model.product_plan import plan_quantized
 from engine.model.quantized import QuantizedWeight
 from engine.model.quantized_linear import QuantizedLinear
 from engine.model.weight_formats import WeightFormat
@@ -69,10 +70,10 @@ def _served(files: ModelFiles, name: str) -> QuantizedLinear:
     if not parts:
         head = files.weights["model.embed_tokens.weight"]
         assert isinstance(head, QuantizedWeight)
-        return QuantizedLinear(head)
+        return QuantizedLinear(head, plan_quantized(head, torch.float32))
     names = [f"model.layers.0.{'mlp' if p in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{p}.weight"
              for p in parts]
-    product = WeightFormat("gguf", torch.float32).product([(n, files.weights[n]) for n in names])
+    product = WeightFormat("gguf", torch.float32).product(name, [(n, files.weights[n]) for n in names])
     assert isinstance(product, QuantizedLinear)
     return product
 
@@ -131,7 +132,8 @@ def measure_products(files: ModelFiles, rows: list[int], repeat: int) -> dict:
     results: dict[str, dict] = {}
     for name in PRODUCTS:
         served = _served(files, name)
-        int8 = QuantizedLinear(quantize_int8(served.dequantize()))
+        rounded = quantize_int8(served.dequantize())
+        int8 = QuantizedLinear(rounded, plan_quantized(rounded, torch.float32))
         results[name] = {str(count): _time_products(torch.randn(count, served.weight.shape[1]), served, int8, repeat)
                          for count in rows}
     return results

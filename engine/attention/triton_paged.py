@@ -259,27 +259,6 @@ def triton_paged_decode_attention(
     )
 
 
-def triton_paged_prefill_attention(
-    q: torch.Tensor,  # [T, num_heads, head_dim]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,  # [B + 1]
-    seq_lens: torch.Tensor,  # [B]
-    scale: float,
-    codec: KVCodec = DENSE,
-) -> torch.Tensor:
-    """Triton twin of `reference.paged_prefill_attention`: chunked prefill, cached prefixes, decode rows.
-
-    Reads the longest query and context back to the host to size the grid.
-    """
-    max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    return _paged_attention(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, int(seq_lens.max()),
-        codec,
-    )
-
-
 class TritonPagedAttention:
     """The Triton backend: one kernel launch per layer for decode, prefill or a mix of both; pages
     are written through `codec` and read by the kernel as stored."""

@@ -63,11 +63,6 @@ class KVCacheManager:
         """Blocks currently findable by prefix hash."""
         return self._pool.num_cached
 
-    @property
-    def num_requests(self) -> int:
-        """Requests currently holding a block table."""
-        return len(self._requests)
-
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` has a block table."""
         return request_id in self._requests
@@ -75,10 +70,6 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         """A copy of the request's block table (block ids in token order)."""
         return list(self._requests[request_id].table)
-
-    def num_blocks_held(self, request_id: str) -> int:
-        """Number of blocks in the request's table."""
-        return len(self._requests[request_id].table)
 
     def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
         """Longest chain of cached full blocks matching the start of ``token_ids``: (block ids, tokens covered).

@@ -1,14 +1,15 @@
 """A small decode batch's decoder layers as one call into the CPU kernels (decode_stack.cpp).
 
-From Python a batch-1 step spends a large share of its time in dispatch and the Python between its
-torch calls, some 40 a layer (`python -m bench decode_overhead` measures it). The kernels' DecodeStack holds
+From Python a batch-1 step spends a large part of its time in dispatch and the Python between its
+torch calls, some 40 a layer (`python -m bench decode_overhead`). The kernels' DecodeStack holds
 every layer's packed weights and runs the same kernels in the same order from C++, so the step
 computes the same bits (tests/unit/test_decode_stack.py) and pays one call for all the layers.
 
-It serves a step only where every product would have taken those kernels: a pure decode batch
-(one token per sequence) of fewer rows than any product's kernel limit (engine.model.
-quantized_linear: below FP16_MIN_ROWS with the fp16 copy, BF16_MIN_ROWS in bf16), with dense pages
-and no per-layer callback. Anything else goes through the layers one op at a time, as before.
+It serves a step only where every product's plan would have taken those kernels: a pure decode
+batch (one token per sequence) within every product's first band, the packed-group kernel's
+(engine.model.product_plan), with dense pages and no per-layer callback. Anything else goes through
+the layers one op at a time. The model builds it at load where its plan says so (engine.model.llama.
+ModelPlan), so a tensor-parallel rank, whose products join the other ranks', has none.
 
 In fp32 every op is the layers' own kernel, so the bits are the same. A bf16 model (`--dtype auto`
 on a CPU with native bf16) runs the stack too, in fp32 inside: the products' kernels compute in
@@ -52,7 +53,7 @@ class DecodeStack:
                 assert isinstance(product, QuantizedLinear)  # build() checked
                 w = product.weight
                 self._stack.add_product(w.packed, w.scale, w.offset, product.bias32, w.bits, w.group_size, w.rows)
-                limits.append(product.kernel_rows(self._dtype))
+                limits.append(product.plan.ends[0])
         self.max_rows = min(limits) - 1
 
     @classmethod
@@ -83,4 +84,5 @@ class DecodeStack:
 
 
 def _kernel_product(product: object, ops: Kernels) -> bool:
-    return isinstance(product, QuantizedLinear) and product.weight.perm is None and product.ops is ops
+    return (isinstance(product, QuantizedLinear) and product.weight.perm is None and product.ops is ops
+            and product.plan.bands[0].kernel == "qmatmul")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,23 @@ Stacked = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[tuple[tor
                     AttentionMetadata], torch.Tensor | None]
 
 
+class Sharding(Protocol):
+    """How a tensor-parallel rank's model, built from its shard, computes what the whole model computes
+    together with the other ranks (engine.parallel.collectives)."""
+
+    def row_parallel(self, product: Product) -> Product:
+        """A row-parallel product (o, down): this rank's partial sum made the sum over the ranks."""
+        ...
+
+    def embedding(self, embed: Product) -> Product:
+        """The lookup of every token id, of which this rank holds a part of the vocabulary's rows."""
+        ...
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the vocabulary's logits joined with the other ranks'."""
+        ...
+
+
 def _empty_parameter(*shape: int) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.empty(*shape), requires_grad=False)
 
@@ -42,15 +60,35 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+@dataclass(frozen=True)
+class ModelPlan:
+    """The model's choices, made before it is built (engine.model.loader.build_model): the ops that
+    compute RMSNorm, the rotary embedding and SwiGLU's gating (the arithmetic of `rms_norm`,
+    `apply_rotary` and `silu_mul`, as one op each where the CPU kernels build; `rotate` may work in
+    place), the builder of the layers as one call for the decode steps it serves over the loaded model
+    (engine.model.decode_stack; None: the layers always run one by one), and a tensor-parallel rank's
+    sharding. Each product's own plan is its weight format's (engine.model.product_plan)."""
+
+    norm: Norm = rms_norm
+    rotate: Rotate = apply_rotary
+    gate: Gate = silu_mul
+    decode_stack: Callable[[LlamaForCausalLM], Stacked | None] | None = None
+    sharding: Sharding | None = None
+
+    def __post_init__(self) -> None:
+        if self.decode_stack is not None and self.sharding is not None:
+            raise ValueError("a tensor-parallel model has no decode stack: it runs a step without the collectives")
+
+
 class LlamaDecoderLayer(torch.nn.Module):
     """One pre-norm block; q/k/v and gate/up are fused so each is a single product.
 
     The products (`linears`) are built by `LlamaForCausalLM.load_weights` in the weight format
     chosen at load; the norms' weights (and Qwen2's QKV bias) are parameters; `norm`, `rotate`
-    and `gate` compute RMSNorm, the rotary embedding and SwiGLU's gating (`LlamaForCausalLM.use_kernels`).
+    and `gate` compute RMSNorm, the rotary embedding and SwiGLU's gating (`ModelPlan`).
     """
 
-    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, plan: ModelPlan) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -63,9 +101,9 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.input_layernorm = _empty_parameter(config.hidden_size)
         self.post_attention_layernorm = _empty_parameter(config.hidden_size)
         self.linears: dict[str, Product] = {}
-        self.norm: Norm = rms_norm
-        self.rotate: Rotate = apply_rotary
-        self.gate: Gate = silu_mul
+        self.norm = plan.norm
+        self.rotate = plan.rotate
+        self.gate = plan.gate
 
     def attention_block(
         self,
@@ -96,20 +134,22 @@ class LlamaForCausalLM(torch.nn.Module):
     """The decoder stack plus LM head; attention goes through the given paged-attention backend.
 
     Parameters are allocated uninitialised (in the default dtype, on the current default device);
-    `load_weights` fills them from HF-named tensors and builds the embedding and the products.
+    `load_weights` fills them from HF-named tensors and builds the embedding and the products, and the
+    decode stack where `plan` has one.
     """
 
-    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, plan: ModelPlan | None = None) -> None:
         super().__init__()
         self.config = config
-        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(config, attention) for _ in range(config.num_layers))
+        self.plan = ModelPlan() if plan is None else plan
+        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(config, attention, self.plan)
+                                          for _ in range(config.num_layers))
         self.norm = _empty_parameter(config.hidden_size)
         self.rotary = RotaryEmbedding(config)
         self.embed: Product = _not_loaded
         self.head: Product = _not_loaded
-        self.final_norm: Norm = rms_norm
-        self.stacked: Stacked | None = None  # all the layers in one call, where set (use_stacked)
-        self.gather_logits: Product | None = None  # a tensor-parallel rank's join of the vocabulary's parts
+        self.final_norm = self.plan.norm
+        self.stacked: Stacked | None = None  # all the layers in one call, built at load where the plan has it
 
     def forward(
         self,
@@ -137,32 +177,21 @@ class LlamaForCausalLM(torch.nn.Module):
             hidden = layer.mlp_block(hidden)
         return self.final_norm(hidden, self.norm, self.config.rms_norm_eps)
 
-    def use_kernels(self, norm: Norm, rotate: Rotate, gate: Gate) -> None:
-        """Compute every RMSNorm with `norm`, rotary embedding with `rotate` and SwiGLU gating with
-        `gate` (the arithmetic of `rms_norm`, `apply_rotary` and `silu_mul`, as one op each: the CPU
-        kernels'; `rotate` may work in place)."""
-        self.final_norm = norm
-        for layer in self.layers:
-            layer.norm, layer.rotate, layer.gate = norm, rotate, gate
-
-    def use_stacked(self, stacked: Stacked | None) -> None:
-        """Run the layers of the steps `stacked` serves as that one call (engine.model.decode_stack:
-        the same arithmetic as the layers with the CPU kernels, without a torch call per op)."""
-        self.stacked = stacked
-
-    def use_logits_gather(self, gather: Product) -> None:
-        """Join the logits of this rank's part of the vocabulary with the other ranks' (tensor
-        parallelism: engine.parallel.collectives)."""
-        self.gather_logits = gather
+    def keep_first_layers(self, num_layers: int) -> None:
+        """Keep only the first `num_layers` layers (an early-exit draft), the decode stack built over them."""
+        self.layers = self.layers[:num_layers]
+        self.stacked = None if self.plan.decode_stack is None else self.plan.decode_stack(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 for the given final hidden states (a quantized head's kernel
         output as it computes it, in fp32, whatever the model's dtype)."""
         logits = self.head.fp32(hidden) if isinstance(self.head, QuantizedLinear) else self.head(hidden).float()
-        return logits if self.gather_logits is None else self.gather_logits(logits)
+        sharding = self.plan.sharding
+        return logits if sharding is None else sharding.gather_logits(logits)
 
     def load_weights(self, weights: Mapping[str, Weight], formats: WeightFormat) -> None:
-        """Fill the parameters from HF-named tensors and build the embedding and products in `formats`.
+        """Fill the parameters from HF-named tensors, build the embedding and products in `formats`, and
+        the decode stack where the plan has one.
 
         Raises ValueError naming every missing, unexpected or mis-shaped tensor; nothing is loaded then.
         """
@@ -183,6 +212,7 @@ class LlamaForCausalLM(torch.nn.Module):
             raise ValueError("weights do not fit the model: " + "; ".join(problems))
         with torch.no_grad():
             self._load(weights, formats)
+        self.stacked = None if self.plan.decode_stack is None else self.plan.decode_stack(self)
 
     def _load(self, weights: Mapping[str, Weight], formats: WeightFormat) -> None:
         def parts(*names: str) -> list[tuple[str, Weight]]:
@@ -192,6 +222,8 @@ class LlamaForCausalLM(torch.nn.Module):
             source = weights[name]
             target.copy_(source.dequantize() if isinstance(source, QuantizedWeight) else source)
 
+        sharded = self.plan.sharding
+        row_parallel = (lambda product: product) if sharded is None else sharded.row_parallel
         parameter(self.norm, "model.norm.weight")
         for index, layer in enumerate(self.layers):
             prefix = f"model.layers.{index}."
@@ -201,17 +233,19 @@ class LlamaForCausalLM(torch.nn.Module):
             if layer.qkv_bias is not None:
                 layer.qkv_bias.copy_(torch.cat([weights[f"{attn}{p}_proj.bias"] for p in "qkv"]))  # type: ignore[misc]
             layer.linears = {
-                "qkv": formats.product(parts(*(f"{attn}{p}_proj.weight" for p in "qkv")), layer.qkv_bias),
-                "o": formats.product(parts(f"{attn}o_proj.weight")),
-                "gate_up": formats.product(parts(f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight")),
-                "down": formats.product(parts(f"{mlp}down_proj.weight")),
+                "qkv": formats.product("qkv", parts(*(f"{attn}{p}_proj.weight" for p in "qkv")), layer.qkv_bias),
+                "o": row_parallel(formats.product("o", parts(f"{attn}o_proj.weight"))),
+                "gate_up": formats.product("gate_up", parts(f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight")),
+                "down": row_parallel(formats.product("down", parts(f"{mlp}down_proj.weight"))),
             }
         embedding = weights["model.embed_tokens.weight"]
         if self.config.tie_word_embeddings:
             self.embed, self.head = formats.tied("model.embed_tokens.weight", embedding)
         else:
             self.embed = formats.embedding(embedding)
-            self.head = formats.product(parts("lm_head.weight"))
+            self.head = formats.product("lm_head", parts("lm_head.weight"))
+        if sharded is not None:
+            self.embed = sharded.embedding(self.embed)
 
     def _weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF tensor name -> the shape the model expects."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -15,8 +16,9 @@ from engine.model.decode_stack import DecodeStack
 from engine.model.gguf_loader import load_gguf
 from engine.model.hf_loader import load_hf_dir
 from engine.model.kernels import KERNEL_DTYPES, cpu_kernels
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import LlamaForCausalLM, ModelPlan, Sharding
 from engine.model.paths import default_model_path
+from engine.model.product_plan import plan_table
 from engine.model.quant_config import StoredFormat, check_requested
 from engine.model.quantized import KeepWeight, QuantizedWeight
 from engine.model.weight_formats import OWN_GROUPS, WeightFormat
@@ -80,24 +82,32 @@ def load_model_files(path: str | None, dtype: torch.dtype, quantization: str = "
 
 def build_model(files: ModelFiles, attention: AttentionBackend, device: str | torch.device,
                 quantization: str = "none", cpu_weights: CpuWeights = "plain",
-                dtype: torch.dtype | None = None, int8_parts: int = 0) -> LlamaForCausalLM:
+                dtype: torch.dtype | None = None, int8_parts: int = 0,
+                sharding: Sharding | None = None) -> LlamaForCausalLM:
     """The model on `device`, in `dtype` (None: the files' own; tests share one fp32 load), its
     products built in the given weight format (engine.model.weight_formats) with dense weights
     prepared as `cpu_weights` says and, with `int8_parts`, integer-group products quantizing their
-    inputs to that many int8 parts (engine.model.int8_activations). Serving a checkpoint's own integer
-    groups, a warning names every tensor no kernel takes on this device (served dequantized). On CPU in
-    fp32 and bf16 RMSNorm, the rotary embedding and SwiGLU's gating are the CPU kernels' ops where they
-    build, and small decode batches run as one call (engine.model.decode_stack)."""
+    inputs to that many int8 parts (engine.model.int8_activations); `sharding`: a tensor-parallel
+    rank's (engine.parallel.collectives). Every product's plan is logged as a table. Serving a
+    checkpoint's own integer groups, a warning names every tensor no kernel takes on this device
+    (served dequantized). On CPU in fp32 and bf16 RMSNorm, the rotary embedding and SwiGLU's gating
+    are the CPU kernels' ops where they build, and small decode batches of one rank run as one call
+    (engine.model.decode_stack)."""
     dtype = dtype or files.dtype
-    with torch.device(device):
-        model = LlamaForCausalLM(files.config, attention)
-    model.to(dtype=dtype)
-    formats = WeightFormat(quantization, dtype, device, cpu_weights, int8_parts)
-    model.load_weights(files.weights, formats)
     ops = cpu_kernels(device) if dtype in KERNEL_DTYPES else None
+    plan = ModelPlan(sharding=sharding)
     if ops is not None:  # one op for each instead of torch's three to eight (121 in a batch-1 step)
-        model.use_kernels(ops.rms_norm, ops.rotary, ops.silu_mul)
-        model.use_stacked(DecodeStack.build(model, ops))
+        stack = None if sharding is not None else functools.partial(DecodeStack.build, ops=ops)
+        plan = ModelPlan(ops.rms_norm, ops.rotary, ops.silu_mul, stack, sharding)
+    with torch.device(device):
+        model = LlamaForCausalLM(files.config, attention, plan)
+    model.to(dtype=dtype)
+    formats = WeightFormat(quantization, dtype, device, cpu_weights, int8_parts, ops)
+    model.load_weights(files.weights, formats)
+    stacked = model.stacked.max_rows if isinstance(model.stacked, DecodeStack) else 0
+    log.info("product plan (dtype %s, quantization %s, cpu_weights %s%s):\n%s", str(dtype).removeprefix("torch."),
+             quantization, cpu_weights, f", kernels {ops.describe()}" if ops is not None else "",
+             plan_table(formats.plans, stacked))
     if quantization in OWN_GROUPS:
         unserved = {**files.dequantized, **{name: "groups no kernel takes here" for name in formats.dequantized}}
         if unserved:

@@ -29,10 +29,12 @@ import torch
 
 from engine.config import CpuWeights
 from engine.model.int8 import quantize_int8
-from engine.model.int8_activations import packable
-from engine.model.linear import Linear, has_fp16_product
+from engine.model.kernels import Kernels, kernels
+from engine.model.kernels.packing import has_kernel
+from engine.model.linear import Linear
+from engine.model.product_plan import ProductPlan, has_fp16_product, plan_dense, plan_quantized
 from engine.model.quantized import QuantizedWeight
-from engine.model.quantized_linear import DenseEmbedding, QuantizedEmbedding, QuantizedLinear, has_kernel
+from engine.model.quantized_linear import DenseEmbedding, QuantizedEmbedding, QuantizedLinear
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +68,6 @@ def choose_quantization(requested: str, stored_as: str | None, device: str) -> s
 
 
 def _kernels_build(required: bool, requested: str = "auto") -> bool:
-    from engine.model.kernels import kernels
-
     try:
         kernels()
     except RuntimeError as error:
@@ -97,10 +97,12 @@ class ConcatenatedProducts:
 
 
 class WeightFormat:
-    """Builds the products and embeddings of one model in one format (see the module docstring)."""
+    """Builds the products and embeddings of one model in one format (see the module docstring), each
+    product with its plan (engine.model.product_plan), which `plans` lists by layer kind."""
 
     def __init__(self, quantization: str, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 cpu_weights: CpuWeights = "plain", int8_parts: int = 0) -> None:
+                 cpu_weights: CpuWeights = "plain", int8_parts: int = 0, ops: Kernels | None = None) -> None:
+        """`ops`: the kernels' build integer-group products run on (None: this CPU's best)."""
         if quantization not in SERVED:
             raise ValueError(f"quantization: {quantization!r} is not one of {', '.join(SERVED)}")
         self.quantization = quantization
@@ -108,16 +110,19 @@ class WeightFormat:
         self.device = torch.device(device)
         self.cpu_weights = cpu_weights
         self.int8_parts = int8_parts  # integer-group products' int8 parts per activation (0: none)
+        self.ops = ops
         self.dequantized: list[str] = []  # tensors whose integer groups no kernel takes here, served dense
+        self.plans: list[tuple[str, ProductPlan]] = []  # (layer kind, plan) of every product built
 
-    def product(self, parts: Sequence[tuple[str, Weight]], bias: torch.Tensor | None = None) -> Product:
-        """y = x·Wᵀ (+ bias) for W the rows of `parts` (HF name, weight) stacked in order."""
+    def product(self, kind: str, parts: Sequence[tuple[str, Weight]], bias: torch.Tensor | None = None) -> Product:
+        """y = x·Wᵀ (+ bias) for W the rows of `parts` (HF name, weight) stacked in order; `kind` names
+        the layer kind ("qkv", "lm_head", ...) in `plans`."""
         runs = self._runs(parts)
         products: list[Product] = []
         first = 0
         for run in runs:
             rows = sum(weight.shape[0] for _, weight in run)
-            products.append(self._single(run, None if bias is None else bias[first : first + rows]))
+            products.append(self._single(kind, run, None if bias is None else bias[first : first + rows]))
             first += rows
         return products[0] if len(products) == 1 else ConcatenatedProducts(products)
 
@@ -125,8 +130,8 @@ class WeightFormat:
         """The embedding lookup and the LM head over one tied weight, sharing its storage."""
         if self.quantization == "int8":
             quantized = quantize_int8(dense(weight, torch.float32))
-            return QuantizedEmbedding(quantized, self.dtype), self._quantized(quantized)
-        head = self.product([(name, weight)])
+            return QuantizedEmbedding(quantized, self.dtype), self._quantized("lm_head", quantized)
+        head = self.product("lm_head", [(name, weight)])
         if isinstance(head, QuantizedLinear) and isinstance(weight, QuantizedWeight):
             return QuantizedEmbedding(weight, self.dtype), head
         assert isinstance(head, Linear)
@@ -153,28 +158,32 @@ class WeightFormat:
                 runs.append([(name, weight)])
         return runs
 
-    def _single(self, run: list[tuple[str, Weight]], bias: torch.Tensor | None) -> Product:
+    def _single(self, kind: str, run: list[tuple[str, Weight]], bias: torch.Tensor | None) -> Product:
         weights = [weight for _, weight in run]
         if self.quantization == "int8":
             stacked = torch.cat([dense(weight, torch.float32) for weight in weights])
-            return self._quantized(quantize_int8(stacked), bias)
+            return self._quantized(kind, quantize_int8(stacked), bias)
         if self.quantization in OWN_GROUPS and isinstance(weights[0], QuantizedWeight):
-            return self._quantized(_stack(weights), bias)  # type: ignore[arg-type]
+            return self._quantized(kind, _stack(weights), bias)  # type: ignore[arg-type]
         stacked = torch.cat([dense(weight, self.dtype) for weight in weights]).to(self.device)
-        linear = Linear(stacked, None if bias is None else bias.to(self.device))
-        linear.prepare(self.cpu_weights)
-        return linear
+        plan = plan_dense(stacked, self.cpu_weights)
+        self.plans.append((kind, plan))
+        return Linear(stacked, plan, None if bias is None else bias.to(self.device))
 
-    def _quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantizedLinear:
+    def _quantized(self, kind: str, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantizedLinear:
         # Larger inputs take fbgemm's fp16 product where float32 weights would be held at fp16.
         fp16_copy = self.cpu_weights == "fp16" and has_fp16_product()
-        parts = self.int8_parts if packable(weight) else 0
-        product = QuantizedLinear(weight, bias, fp16_copy=fp16_copy, int8_parts=parts)
-        if self.dtype == torch.bfloat16 and not parts:
-            # Made at load, not on first use: the LM head's copy alone took 0.4 s, which the first step
-            # finishing 4 or more sequences paid in latency (AMD EPYC Zen 5, one thread).
-            product.make_bf16_copy()
-        return product
+        plan = plan_quantized(weight, self.dtype, fp16_copy, self.int8_parts, self._bf16_instruction())
+        self.plans.append((kind, plan))
+        return QuantizedLinear(weight, plan, bias, self.ops)
+
+    def _bf16_instruction(self) -> str | None:
+        """The kernels' bf16 GEMM this CPU runs faster (timed once, on first use), where bf16 products
+        may take one."""
+        if self.dtype != torch.bfloat16 or self.int8_parts:
+            return None
+        chosen = (kernels() if self.ops is None else self.ops).bf16_products
+        return None if chosen is None else chosen.instruction
 
 
 def _same_layout(a: Weight, b: Weight) -> bool:

@@ -3,8 +3,9 @@ all-reduced, the vocabulary-parallel embedding looks up only its own rows and al
 LM head's logits are gathered from every rank (engine.parallel.shard split the weights).
 
 Each wrapper is a product (a callable on a [T, features] tensor), so the model's code does not
-change; `parallelize` puts them in place on a model built from a rank's shard. The fused decode
-stack (engine.model.decode_stack) runs a whole step without them, so it is turned off.
+change; `TensorParallelSharding` is the model's plan for them (engine.model.llama.Sharding), given
+to the model as it is built from a rank's shard. The fused decode stack (engine.model.decode_stack)
+runs a whole step without them, so such a model has none.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
 from engine.parallel.layout import TensorParallelLayout
 
 Product = Callable[[torch.Tensor], torch.Tensor]
@@ -71,19 +71,24 @@ class GatheredLogits:
         return torch.cat([part[..., :share] for part, share in zip(parts, self.shares, strict=True)], dim=-1)
 
 
-def parallelize(model: LlamaForCausalLM, layout: TensorParallelLayout, config: ModelConfig,
-                group: dist.ProcessGroup) -> LlamaForCausalLM:
-    """Make `model`, built from rank `layout.rank`'s shard of the model `config` describes
-    (engine.parallel.shard), compute what the whole model computes, together with the other ranks of
-    `group`. Size 1 leaves it as it is."""
-    if layout.size == 1:
-        return model
-    for layer in model.layers:
-        layer.linears["o"] = AllReduced(layer.linears["o"], group)
-        layer.linears["down"] = AllReduced(layer.linears["down"], group)
-    vocabulary = layout.vocabulary(config)
-    model.embed = VocabParallelEmbedding(model.embed, vocabulary.start, len(vocabulary), group)
-    shares = [len(TensorParallelLayout(layout.size, rank).vocabulary(config)) for rank in range(layout.size)]
-    model.use_logits_gather(GatheredLogits(shares, group))
-    model.use_stacked(None)
-    return model
+class TensorParallelSharding:
+    """Rank `layout.rank`'s sharding of the model `config` describes (engine.parallel.shard split its
+    weights), with the other ranks of `group`: the model's plan for its collectives."""
+
+    def __init__(self, layout: TensorParallelLayout, config: ModelConfig, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.vocabulary = layout.vocabulary(config)
+        shares = [len(TensorParallelLayout(layout.size, rank).vocabulary(config)) for rank in range(layout.size)]
+        self.gathered = GatheredLogits(shares, group)
+
+    def row_parallel(self, product: Product) -> Product:
+        """The product's partial sums all-reduced."""
+        return AllReduced(product, self.group)
+
+    def embedding(self, embed: Product) -> Product:
+        """The lookup of this rank's part of the vocabulary, all-reduced."""
+        return VocabParallelEmbedding(embed, self.vocabulary.start, len(self.vocabulary), self.group)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every rank's part of the logits, joined."""
+        return self.gathered(logits)

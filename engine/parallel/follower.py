@@ -1,7 +1,7 @@
 """Ranks 1.. of a tensor-parallel engine: load this rank's shard of the model and its KV cache,
-then run every forward pass rank 0's step plans describe, taking part in the collectives, and move
-the pages rank 0 exports or imports (engine.parallel.kv_heads), until a STOP plan or the group
-breaks. Only rank 0 schedules and samples."""
+then run every forward pass rank 0's step plans describe, taking part in the collectives, and take
+this rank's heads of the pages rank 0 imports (engine.parallel.kv_heads), until a STOP plan or the
+group breaks. Only rank 0 schedules and samples."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from engine.kv_cache.cache_engine import CacheEngine
 from engine.parallel.kv_heads import RankKVHeads
 from engine.parallel.layout import TensorParallelLayout
 from engine.parallel.process_group import join_group, rank_device
-from engine.parallel.step_plan import EXPORT, PagesPlan, StepPlan, receive_plan
+from engine.parallel.step_plan import PagesPlan, StepPlan, receive_plan
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def follow(config: EngineConfig, rank: int, port: int, threads: int) -> None:
     try:
         while (plan := receive_plan(group, device)) is not None:
             if isinstance(plan, PagesPlan):
-                _move_pages(plan, cache, heads)
+                _import_pages(plan, cache, heads)
                 continue
             hidden = model(plan.input_ids, plan.positions, cache.kv_caches, plan.meta, _exporter(plan, cache, heads))
             if plan.sample_rows:
@@ -54,10 +54,7 @@ def _exporter(plan: StepPlan, cache: CacheEngine, heads: RankKVHeads) -> Callabl
     return lambda layer: heads.send(*cache.gather_blocks(layer, plan.export_blocks))
 
 
-def _move_pages(plan: PagesPlan, cache: CacheEngine, heads: RankKVHeads) -> None:
-    if plan.kind == EXPORT:
-        heads.send(*cache.gather_blocks(plan.layer, plan.block_ids))
-        return
+def _import_pages(plan: PagesPlan, cache: CacheEngine, heads: RankKVHeads) -> None:
     k_cache = cache.kv_caches[plan.layer][0]
     k, v = heads.receive(k_cache.shape[1:], len(plan.block_ids), k_cache.dtype, k_cache.device)
     cache.scatter_blocks(plan.layer, plan.block_ids, k, v)

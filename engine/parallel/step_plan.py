@@ -1,8 +1,8 @@
 """What rank 0 of a tensor-parallel engine has the other ranks do, as one int64 tensor after a fixed
 header (a broadcast, never pickle): a STEP (the token ids, positions and attention metadata of the
 packed batch, the rows whose logits are computed and the blocks whose pages leave the engine after
-each layer), an EXPORT or IMPORT of one layer's pages outside a step (engine.parallel.kv_heads), or
-STOP, which ends the followers' loop."""
+each layer), an IMPORT of one layer's pages outside a step (engine.parallel.kv_heads), or STOP,
+which ends the followers' loop."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from engine.attention.metadata import AttentionMetadata
 
-STEP, STOP, EXPORT, IMPORT = 1, 2, 3, 4
+STEP, STOP, IMPORT = 1, 2, 4
 _HEADER = 6  # STEP: kind, tokens, sequences, block-table width, sampled rows, exported blocks
 
 
@@ -30,9 +30,8 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class PagesPlan:
-    """Gather (EXPORT) or scatter (IMPORT) one layer's pages of some blocks between the ranks."""
+    """Scatter one layer's received pages of some blocks from rank 0 to the ranks (each keeps its heads)."""
 
-    kind: int
     layer: int
     block_ids: list[int]
 
@@ -49,7 +48,7 @@ def send_plan(group: dist.ProcessGroup, plan: StepPlan | PagesPlan | None) -> No
         _broadcast(group, torch.tensor([STOP, 0, 0, 0, 0, 0], dtype=torch.int64))
         return
     if isinstance(plan, PagesPlan):
-        _broadcast(group, torch.tensor([plan.kind, plan.layer, len(plan.block_ids), 0, 0, 0], dtype=torch.int64))
+        _broadcast(group, torch.tensor([IMPORT, plan.layer, len(plan.block_ids), 0, 0, 0], dtype=torch.int64))
         _broadcast(group, torch.tensor(plan.block_ids, dtype=torch.int64))
         return
     meta = plan.meta
@@ -71,11 +70,11 @@ def receive_plan(group: dist.ProcessGroup, device: torch.device) -> StepPlan | P
     kind, tokens, sequences, width, sampled, exported = header.tolist()
     if kind == STOP:
         return None
-    if kind in (EXPORT, IMPORT):
+    if kind == IMPORT:
         layer, blocks = tokens, sequences
         block_ids = torch.empty(blocks, dtype=torch.int64)
         _broadcast(group, block_ids)
-        return PagesPlan(kind, layer, block_ids.tolist())
+        return PagesPlan(layer, block_ids.tolist())
     body = torch.empty(3 * tokens + 2 * sequences + 1 + sequences * width + sampled + exported, dtype=torch.int64)
     _broadcast(group, body)
     parts = body.split([tokens, tokens, tokens, sequences + 1, sequences, sequences * width, sampled, exported])

@@ -160,7 +160,7 @@ class EngineLoop:
                 while not (self._stopping or self._commands or engine.has_unfinished()):
                     if (lost := self._lost_rank()) is not None:
                         break
-                    self._wake.wait(watch)
+                    self._wake.wait(_until(engine.next_kv_deadline(), watch))
                 if self._stopping:
                     self._fail_pending()
                     return
@@ -190,10 +190,10 @@ class EngineLoop:
         match command:
             case AddRequest(request_id, prompt, params, resumed, export):
                 return engine.add_request(request_id, prompt, params, resumed, export)
-            case Reserve(request_id, prompt, params, resumed):
-                return engine.reserve(request_id, prompt, params, resumed)
-            case ImportPages(request_id, layer, block_ids, k, v):
-                return engine.import_kv(request_id, layer, block_ids, k, v)
+            case Reserve(request_id, prompt, params, resumed, kv_timeout_s):
+                return engine.reserve(request_id, prompt, params, resumed, kv_timeout_s)
+            case ImportPages(reservation, layer, block_ids, k, v):
+                return engine.import_kv(reservation, layer, block_ids, k, v)
             case StartDecode(request_id, first_token):
                 return engine.start_decode(request_id, first_token)
             case Release(request_id):
@@ -253,3 +253,12 @@ class EngineLoop:
         for _, future in self._commands:
             future.cancel()
         self._commands.clear()
+
+
+def _until(deadline: float | None, watch: float | None) -> float | None:
+    """How long an idle loop may wait: until the engine's next KV deadline (a step then frees what
+    it held), or `watch`, whichever comes first (None: no limit)."""
+    if deadline is None:
+        return watch
+    left = max(0.0, deadline - time.monotonic())
+    return left if watch is None else min(left, watch)

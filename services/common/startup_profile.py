@@ -28,7 +28,7 @@ def profile_engine(engine: Engine, fit: StepModelFit, seed: int = 0) -> None:
     def prompt(length: int) -> list[int]:
         return [rng.randrange(low, high) for _ in range(length)]
 
-    decodes = engine.config.role != "prefill"
+    decodes = not engine.connector.scheduler.policy.hands_off_prompts
     # The first run only warms up (first-call allocations would skew the fit).
     runs: list[list[list[int]]] = [[prompt(8)], *([prompt(n)] for n in _PROMPT_TOKENS)]
     if decodes:
@@ -52,6 +52,6 @@ def profile_engine(engine: Engine, fit: StepModelFit, seed: int = 0) -> None:
                 fit.record(tokens_done.prefill, tokens_done.decode, tokens_done.decode_context,
                            time.perf_counter() - started)
             for output in outputs:
-                # The prefill role keeps a finished prompt's blocks for export until released.
+                # A handed-off prompt keeps its blocks until released (engine.kv_connector).
                 if not decodes and output.finished:
                     engine.release(output.request_id)

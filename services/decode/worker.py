@@ -28,6 +28,10 @@ from services.common.failure import Failure, WorkerError
 from services.common.worker import RoleWorker
 from services.decode.progress import DecodeProgress, DecodeStage, PrefillFigures
 
+# The engine's own deadline for a reservation frees its blocks even if this worker never ends the
+# request; it passes after the worker's (`kv_timeout`), so that the worker's DEADLINE answers first.
+_ENGINE_BACKSTOP = 2.0
+
 
 @dataclass(frozen=True)
 class PrefillReply:
@@ -104,7 +108,8 @@ class DecodeWorker(RoleWorker):
         transfer names it in the WorkerError's `failed_prefill`.
         """
         try:
-            reservation = _reservation(await self.loop.call(Reserve(request_id, prompt_token_ids, params, resumed)))
+            reservation = _reservation(await self.loop.call(
+                Reserve(request_id, prompt_token_ids, params, resumed, _ENGINE_BACKSTOP * self.kv_timeout)))
         except asyncio.CancelledError:
             # The engine thread may have reserved already; this abort runs after it, in order.
             self.loop.submit(Abort(request_id))
@@ -118,7 +123,7 @@ class DecodeWorker(RoleWorker):
         # stay registered forever.
         expecting = asyncio.ensure_future(asyncio.to_thread(
             self.receiver.expect, prefill.address, transfer_id, reservation.blocks_to_fill,
-            reservation.num_cached_tokens, self.layout, self._writer(request_id),
+            reservation.num_cached_tokens, self.layout, self._writer(reservation),
         ))
         try:
             try:
@@ -135,7 +140,11 @@ class DecodeWorker(RoleWorker):
                 raise error.blaming(prefill.address) from error
             progress.enter(DecodeStage.JOINING, time.perf_counter())
             queue = self.loop.open_stream(request_id)
-            output = await self.loop.call(StartDecode(request_id, reply.first_token))
+            try:
+                output = await self.loop.call(StartDecode(request_id, reply.first_token))
+            except TimeoutError as exc:  # the engine's own deadline for the reservation passed first
+                raise WorkerError(Failure.DEADLINE, f"the prompt's KV from {prefill.address} was not complete "
+                                  f"within {self.kv_timeout:g} s").blaming(prefill.address) from exc
             self._waiting_for_kv -= 1
             progress.enter(DecodeStage.DECODING, time.perf_counter())
             if reply.first_logprob is not None and params.logprobs is not None:
@@ -170,11 +179,11 @@ class DecodeWorker(RoleWorker):
             yield output
         progress.enter(DecodeStage.DONE, time.perf_counter())
 
-    def _writer(self, request_id: str) -> WriteBlocks:
+    def _writer(self, reservation: KVReservation) -> WriteBlocks:
         loop = self.loop
 
         def write(layer: int, block_ids: Sequence[int], k, v) -> None:
-            loop.import_pages(ImportPages(request_id, layer, block_ids, k, v))
+            loop.import_pages(ImportPages(reservation, layer, block_ids, k, v))
 
         return write
 
@@ -200,7 +209,8 @@ class DecodeWorker(RoleWorker):
         await asyncio.wait({expecting})
         if not expecting.cancelled():
             expecting.exception()  # retrieved: it failed the request already, if it failed
-        # Cancelled before the blocks are freed, so that no late page lands in a block's next owner.
+        # The transfer's state goes; a late page could not land in the blocks' next owner anyway
+        # (engine.kv_connector.connector refuses writes into an ended reservation).
         await asyncio.to_thread(self.receiver.cancel, transfer_id)
         await self.loop.call(Abort(request_id))
 

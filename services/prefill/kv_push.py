@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from engine.kv_export import LayerPages
+from engine.kv_connector.export import LayerPages
 from kvtransfer.transport import KVSender
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from engine.commands import Abort, AddRequest, Release
 from engine.engine import Engine
-from engine.kv_export import KVExport
+from engine.kv_connector.export import KVExport
 from engine.outputs import RequestOutput
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams

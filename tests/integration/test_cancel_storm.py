@@ -7,21 +7,20 @@ same storm with 1,000 requests (`python -m bench cancel_storm`)."""
 from __future__ import annotations
 
 import pytest
+from shared_pool import NO_SLO, Pool, start_gateway
 
 from harness.leak_check import assert_no_leaks
-from harness.mesh import start_mesh
+from harness.mesh import Mesh
 from harness.storm import StormConfig, run_storm
-
-# Objectives no request can miss: the storm is about cancellation, not admission.
-NO_SLO = ["--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"]
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    mesh = start_mesh(prefill=2, decode=2, gateway_flags=NO_SLO)
-    yield mesh
-    codes = mesh.stop()
-    assert set(codes.values()) == {0}, codes
+def mesh(pool: Pool):
+    # The shared workers (their formats and cache size do not matter to cancellation); the objectives
+    # no request can miss: the storm is about cancellation, not admission.
+    gateway = start_gateway(pool.prefill, pool.decode, *NO_SLO)
+    yield Mesh(pool.prefill, pool.decode, gateway)
+    assert gateway.stop() == 0, gateway.log_tail()
 
 
 def test_cancellation_storm_leaks_nothing_and_the_mesh_still_serves(mesh):

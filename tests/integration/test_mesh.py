@@ -18,7 +18,8 @@ import grpc
 import pytest
 from parity_prompts import CHAT, PLAIN, parity_prompt_ids, travel_diary
 from prometheus_client.parser import text_string_to_metric_families
-from reference import PINNED_FLAGS, ReferenceRun, check_runs, engine_reference
+from reference import ReferenceRun, check_runs, engine_reference
+from shared_pool import POOL_FLAGS, Pool
 
 from engine.sampling_params import SamplingParams
 from harness.leak_check import assert_no_leaks, load_report
@@ -28,11 +29,9 @@ from harness.ports import free_port
 from harness.worker import WorkerProcess, start_worker
 from services.client import TandemClient
 
-WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256", *PINNED_FLAGS]
 DEADLINE_S = 60.0  # generous bound for conditions polled below; no test asserts elapsed time
 RPC_TIMEOUT_S = 300.0
 GREEDY = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
-SPECULATION = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None})
 
 
 def _start_all(arg_lists: list[list[str]]) -> list[WorkerProcess]:
@@ -45,7 +44,7 @@ def _start_all(arg_lists: list[list[str]]) -> list[WorkerProcess]:
 
 def _worker_args(role: str, *extra: str) -> list[str]:
     # A port known before the start, so that a gateway can be started at the same time.
-    return [role, "--port", str(free_port()), *WORKER_FLAGS, *extra]
+    return [role, "--port", str(free_port()), *POOL_FLAGS, *extra]
 
 
 def _gateway_args(prefill: list[list[str]], decode: list[list[str]]) -> list[str]:
@@ -64,13 +63,12 @@ def _stop(workers: list[WorkerProcess]) -> None:
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    prefill = [_worker_args("prefill") for _ in range(2)]
-    # The second decode worker speculates, so requests routed to it check that greedy output is the same.
-    decode = [_worker_args("decode"), _worker_args("decode", "--speculative-config", SPECULATION)]
-    *workers, gateway = _start_all([*prefill, *decode, _gateway_args(prefill, decode)])
-    yield Mesh(workers[:2], workers[2:], gateway)
-    _stop([gateway, *workers])
+def mesh(pool: Pool):
+    # The shared workers: two prefill, two decode, the second of which speculates, so requests routed
+    # to it check that greedy output is the same.
+    [gateway] = _start_all([_gateway_args([w.args for w in pool.prefill], [w.args for w in pool.decode])])
+    yield Mesh(pool.prefill, pool.decode, gateway)
+    _stop([gateway])
 
 
 @pytest.fixture(scope="module")

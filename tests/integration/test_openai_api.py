@@ -17,6 +17,7 @@ import openai
 import pytest
 import websocket
 from parity_prompts import travel_diary
+from shared_pool import Pool, worker_args
 from tandem.v1 import common_pb2, decode_pb2_grpc
 
 from harness.leak_check import load_report
@@ -26,10 +27,6 @@ from services.client import TandemClient
 from services.common.server import channel_options
 from services.gateway.formats import FORMAT_FIELDS
 
-# Pinned formats: the tests below compare two ways of asking for the same tokens (greedy against
-# top_k=1), and under `auto` on a CPU with native bf16 the logits are bf16, where the top two often
-# tie exactly (top-k keeps ties, greedy takes the first): fp32 tests the same numbers on any CPU.
-WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "256", "--dtype", "float32", "--quantization", "none"]
 TIMEOUT_S = 300.0
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the boiling point of water at sea level?"}]
@@ -56,19 +53,22 @@ def _gateway(prefill: list[str], decode: list[str], *flags: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    prefill, decode = _worker("prefill", *WORKER_FLAGS), _worker("decode", *WORKER_FLAGS)
+def mesh(pool: Pool):
+    # A prefill and a decode worker of the shared ones, in their pinned formats: the tests below compare
+    # two ways of asking for the same tokens (greedy against top_k=1), and under `auto` on a CPU with
+    # native bf16 the logits are bf16, where the top two often tie exactly (top-k keeps ties, greedy
+    # takes the first): fp32 tests the same numbers on any CPU.
+    prefill, decode = pool.prefill[0], pool.decode[0]
     # The prefill worker's formats, so that the router pairs them (it pairs only workers whose KV
     # pages mean the same): the request then meets the 4-block cache at its reservation.
-    tiny = _worker("decode", *WORKER_FLAGS[:2], *WORKER_FLAGS[4:], "--kv-cache-blocks", "4")
-    arg_lists = [prefill, decode, tiny, _gateway(prefill, decode), _gateway(prefill, tiny)]
+    tiny = worker_args("decode", "--kv-cache-blocks", "4")
+    arg_lists = [tiny, _gateway(prefill.args, decode.args), _gateway(prefill.args, tiny),
+                 _gateway(_worker("prefill"), _worker("decode"), "--wait-for-workers", "0")]
     processes = [start_worker(args, wait=False) for args in arg_lists]
-    processes.append(start_worker(_gateway(_worker("prefill"), _worker("decode"), "--wait-for-workers", "0"),
-                                  wait=False))
     try:
         for process in processes:
             process.wait_ready()
-        yield Mesh(gateway=processes[3], overloaded=processes[4], orphan=processes[5], decode=processes[1])
+        yield Mesh(gateway=processes[1], overloaded=processes[2], orphan=processes[3], decode=decode)
     finally:
         codes = [process.stop() for process in reversed(processes)]
         assert codes == [0] * len(processes)

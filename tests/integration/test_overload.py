@@ -8,11 +8,12 @@ colocated worker; whether admitted requests keep their objectives is measured by
 from __future__ import annotations
 
 import pytest
+from shared_pool import Pool, start_gateway
 
 from harness.burst import burst_requests, objectives
 from harness.leak_check import assert_no_leaks
 from harness.load_clients import OK, REFUSED, LoadRunner
-from harness.mesh import start_mesh
+from harness.mesh import Mesh
 from harness.process_memory import RssSampler
 
 MAX_QUEUED = 4
@@ -29,11 +30,13 @@ RSS_GROWTH_BOUND = 128 << 20
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    mesh = start_mesh(prefill=1, decode=1, gateway_flags=["--max-queued-requests", str(MAX_QUEUED)])
-    yield mesh
-    codes = mesh.stop()
-    assert set(codes.values()) == {0}, codes
+def mesh(pool: Pool):
+    # One prefill and one decode worker of the shared ones: the objectives come from their own step
+    # models, so their formats do not matter; the other two serve nothing meanwhile.
+    prefill, decode = pool.prefill[:1], pool.decode[:1]
+    gateway = start_gateway(prefill, decode, "--max-queued-requests", str(MAX_QUEUED))
+    yield Mesh(prefill, decode, gateway)
+    assert gateway.stop() == 0, gateway.log_tail()
 
 
 def test_a_burst_at_ten_times_capacity_is_bounded_refused_and_then_served(mesh):

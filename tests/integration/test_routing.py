@@ -9,6 +9,7 @@ import grpc
 import pytest
 from parity_prompts import travel_diary
 from reference import PINNED_FLAGS, check_runs, engine_reference
+from shared_pool import gateway_args
 
 from engine.sampling_params import SamplingParams
 from harness.leak_check import assert_no_leaks, load_report
@@ -68,17 +69,16 @@ def test_colocated_workers_behind_the_gateway_match_the_engine(colocated, make_e
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
 
 
-def test_requests_sharing_a_system_prompt_go_to_the_prefill_worker_holding_it(tokenizer):
-    prefill_args = [["prefill", "--port", str(free_port()), *FLAGS] for _ in range(2)]
-    decode_args = ["decode", "--port", str(free_port()), *FLAGS]
-    addresses = [f"127.0.0.1:{args[2]}" for args in prefill_args]
-    # Objectives the prefill workers meet with room to spare: the decode worker never takes a prompt.
-    gateway_args = ["gateway", "--port", "0", "--http-port", "0", "--prefill", ",".join(addresses),
-                    "--decode", f"127.0.0.1:{decode_args[2]}", "--ttft-slo-ms", "600000"]
-    started = _start(*prefill_args, decode_args, gateway_args)
+def test_requests_sharing_a_system_prompt_go_to_the_prefill_worker_holding_it(pool, tokenizer):
+    # The shared workers' two prefill workers and a decode worker; objectives the prefill workers meet
+    # with room to spare: the decode worker never takes a prompt.
+    prefills = pool.prefill
+    [gateway] = _start(gateway_args([w.args for w in prefills], [pool.decode[0].args], "--ttft-slo-ms", "600000"))
+    started = [gateway]
     try:
-        *prefills, _, gateway = started
-        system = tokenizer.encode(travel_diary())[:320]  # 20 full blocks
+        # A first line of its own, so that no other module's requests left this prefix in a prefill
+        # worker's cache.
+        system = tokenizer.encode(f"Routing test.\n{travel_diary()}")[:320]  # 20 full blocks
         before = [load_report(worker).finished_requests for worker in prefills]
         cached = []
         with TandemClient(str(gateway.address)) as client:

@@ -10,10 +10,11 @@ import torch
 from environment import needs
 
 import engine.model.kernels as kernel_module
-from engine.model import quantized_linear
-from engine.model.kernels import kernels, pack_bf16_pairs
-from engine.model.kernels.bf16_choice import DPBF16_MAX_ROWS, Bf16Gemm, choose_bf16_gemm
+from engine.model.kernels import kernels
+from engine.model.kernels.bf16_choice import choose_bf16_gemm
 from engine.model.kernels.build import cpu_flags, runnable
+from engine.model.kernels.packing import pack_bf16_pairs
+from engine.model.product_plan import BF16_MIN_ROWS, DPBF16_MAX_ROWS, plan_quantized
 from engine.model.quantized_linear import QuantizedLinear
 from tests.unit.test_quantized_kernels import random_weight
 
@@ -99,25 +100,21 @@ def test_no_gemm_op_where_the_cpu_has_amx_or_the_build_lacks_it(monkeypatch):
         assert kernels(WITH_OP[0]).bf16_gemm is None  # oneDNN's GEMM runs on AMX tiles
 
 
-def _product_on(monkeypatch, instruction: str, seed: int) -> tuple[QuantizedLinear, torch.Tensor, torch.Generator]:
-    """A 4-bit product with its bf16 copies made, on a kernels build whose start-up timing chose the
-    GEMM of `instruction`; with its bias and the generator to draw inputs from."""
-    ops = kernels(WITH_OP[0])
-    op = ops.bf16_gemm if instruction == "vdpbf16ps" else ops.bf16_gemm_fma
-    chosen = Bf16Gemm(op, instruction, DPBF16_MAX_ROWS if instruction == "vdpbf16ps" else None, (1.0, 1.0))
-    monkeypatch.setitem(ops.__dict__, "bf16_products", chosen)
+def _product_on(instruction: str, seed: int) -> tuple[QuantizedLinear, torch.Tensor, torch.Generator]:
+    """A 4-bit product planned for bf16 on the kernels' GEMM of `instruction` (as if the start-up timing
+    had chosen it), its copies made; with its bias and the generator to draw inputs from."""
     gen = torch.Generator().manual_seed(seed)
     weight, bias = random_weight(960, 576, "q4_offset"), torch.randn(960, generator=gen)
-    product = QuantizedLinear(weight, bias, ops=ops)
-    product.make_bf16_copy()
-    return product, bias, gen
+    plan = plan_quantized(weight, torch.bfloat16, bf16_instruction=instruction)
+    return QuantizedLinear(weight, plan, bias, kernels(WITH_OP[0])), bias, gen
 
 
 @serves_op
-def test_with_vdpbf16ps_decode_batches_take_the_op_and_prompts_onednns_gemm(monkeypatch):
-    product, bias, gen = _product_on(monkeypatch, "vdpbf16ps", 3)
+def test_with_vdpbf16ps_decode_batches_take_the_op_and_prompts_onednns_gemm():
+    product, bias, gen = _product_on("vdpbf16ps", 3)
     assert product._pairs is not None and product._bf16 is not None
-    for rows in (quantized_linear.BF16_MIN_ROWS, 32, DPBF16_MAX_ROWS):
+    assert product.plan.band(DPBF16_MAX_ROWS + 1).kernel == "onednn_bf16"
+    for rows in (BF16_MIN_ROWS, 32, DPBF16_MAX_ROWS):
         x = torch.randn(rows, 576, generator=gen).bfloat16()
         assert torch.equal(product(x), product.ops.bf16_gemm(x, product._pairs, 960, product.bias32, False))
     x = torch.randn(DPBF16_MAX_ROWS + 1, 576, generator=gen).bfloat16()
@@ -128,10 +125,11 @@ def test_with_vdpbf16ps_decode_batches_take_the_op_and_prompts_onednns_gemm(monk
 
 
 @serves_op
-def test_with_fma_every_row_count_takes_the_op_and_no_onednn_copy_is_made(monkeypatch):
-    product, _, gen = _product_on(monkeypatch, "fma", 4)
-    assert product._pairs is not None and product._bf16 is None and product.holds_bf16_copy
-    for rows in (quantized_linear.BF16_MIN_ROWS, 32, DPBF16_MAX_ROWS + 1, 700):
+def test_with_fma_every_row_count_takes_the_op_and_no_onednn_copy_is_made():
+    product, _, gen = _product_on("fma", 4)
+    assert product._pairs is not None and product._bf16 is None
+    assert [band.kernel for band in product.plan.bands] == ["qmatmul", "bf16_gemm_fma"]
+    for rows in (BF16_MIN_ROWS, 32, DPBF16_MAX_ROWS + 1, 700):
         x = torch.randn(rows, 576, generator=gen).bfloat16()
         assert torch.equal(product(x), product.ops.bf16_gemm_fma(x, product._pairs, 960, product.bias32, False))
 
@@ -166,7 +164,11 @@ def test_the_faster_gemm_is_chosen_and_only_the_vdpbf16ps_one_is_capped():
         return torch.zeros(x.shape[0], n)
 
     assert choose_bf16_gemm(slow, fast, pack_bf16_pairs).instruction == "fma"
-    assert choose_bf16_gemm(slow, fast, pack_bf16_pairs).max_rows is None
     chosen = choose_bf16_gemm(fast, slow, pack_bf16_pairs)
-    assert (chosen.instruction, chosen.max_rows, chosen.op) == ("vdpbf16ps", DPBF16_MAX_ROWS, fast)
-    assert chosen.serves(DPBF16_MAX_ROWS) and not chosen.serves(DPBF16_MAX_ROWS + 1)
+    assert (chosen.instruction, chosen.op) == ("vdpbf16ps", fast)
+    # The plan caps the vdpbf16ps GEMM at the rows it beats oneDNN's at; the FMA one serves every row count.
+    weight = random_weight(64, 64, "q4_offset")
+    capped = plan_quantized(weight, torch.bfloat16, bf16_instruction="vdpbf16ps")
+    assert capped.band(DPBF16_MAX_ROWS).kernel == "bf16_gemm_vdpbf16ps"
+    assert capped.band(DPBF16_MAX_ROWS + 1).kernel != "bf16_gemm_vdpbf16ps"
+    assert plan_quantized(weight, torch.bfloat16, bf16_instruction="fma").band(10**6).kernel == "bf16_gemm_fma"

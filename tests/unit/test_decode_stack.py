@@ -4,6 +4,8 @@ close to fp32 as the layers in bf16, and it steps aside for every step it does n
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -13,9 +15,9 @@ from engine.config import ModelConfig
 from engine.model.decode_stack import DecodeStack
 from engine.model.kernels import kernels
 from engine.model.kernels.build import cpu_flags, runnable
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import LlamaForCausalLM, ModelPlan
+from engine.model.product_plan import BF16_MIN_ROWS, FP16_MIN_ROWS
 from engine.model.quantized import QuantizedWeight
-from engine.model.quantized_linear import BF16_MIN_ROWS, FP16_MIN_ROWS, QuantizedLinear
 from engine.model.weight_formats import WeightFormat
 from engine.sampling_params import SamplingParams
 
@@ -35,12 +37,16 @@ def _q4_1(rows: int, cols: int, gen: torch.Generator) -> QuantizedWeight:
                            offset=-torch.rand(rows, groups, generator=gen) * 0.15, bits=4, group_size=32)
 
 
-def _random_model(variant: str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+def _random_model(variant: str, dtype: torch.dtype = torch.float32, stacked: bool = True) -> LlamaForCausalLM:
     """The same random weights in either dtype (fp32: with the fp16 copy, as --dtype auto serves it
-    on a CPU without native bf16)."""
+    on a CPU without native bf16), the products on the same build as the stack, so that both round
+    alike; with `stacked`, small decode steps run as the stack."""
     ops = kernels(variant)
     gen = torch.Generator().manual_seed(0)
-    model = LlamaForCausalLM(CONFIG, TorchPagedAttention(dense_decode=ops.decode_attention))
+    fp32 = dtype == torch.float32
+    stack = functools.partial(DecodeStack.build, ops=ops) if stacked else None
+    plan = ModelPlan(ops.rms_norm, ops.rotary, ops.silu_mul, stack) if fp32 else ModelPlan(decode_stack=stack)
+    model = LlamaForCausalLM(CONFIG, TorchPagedAttention(dense_decode=ops.decode_attention), plan)
     model.to(dtype=dtype)
     weights = {}
     for name, shape in model._weight_shapes().items():
@@ -50,14 +56,7 @@ def _random_model(variant: str, dtype: torch.dtype = torch.float32) -> LlamaForC
             weights[name] = 0.1 * torch.randn(shape, generator=gen)
         else:
             weights[name] = _q4_1(*shape, gen)
-    fp32 = dtype == torch.float32
-    model.load_weights(weights, WeightFormat("gguf", dtype, "cpu", "fp16" if fp32 else "plain"))
-    for layer in model.layers:  # the products on the same build as the stack, so that both round alike
-        layer.linears = {name: QuantizedLinear(product.source, product.bias, ops, fp16_copy=fp32)
-                         for name, product in layer.linears.items()}
-    if fp32:
-        model.use_kernels(ops.rms_norm, ops.rotary, ops.silu_mul)
-    model.use_stacked(DecodeStack.build(model, ops))
+    model.load_weights(weights, WeightFormat("gguf", dtype, "cpu", "fp16" if fp32 else "plain", ops=ops))
     return model
 
 
@@ -84,17 +83,16 @@ def _caches(gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("batch", [1, 3, FP16_MIN_ROWS - 1])
 def test_the_stack_computes_the_layers_bits_and_writes_the_same_pages(variant, batch):
-    model = _random_model(variant)
+    model, layers = _random_model(variant), _random_model(variant, stacked=False)
     stack = model.stacked
-    assert stack is not None and stack.max_rows == FP16_MIN_ROWS - 1
+    assert stack is not None and stack.max_rows == FP16_MIN_ROWS - 1 and layers.stacked is None
     gen = torch.Generator().manual_seed(batch)
     ids, positions, meta = _decode_batch(batch, gen)
     caches = _caches(gen)
     copies = [(k.clone(), v.clone()) for k, v in caches]
     with torch.inference_mode():
         stacked = model(ids, positions, caches, meta)
-        model.use_stacked(None)
-        layered = model(ids, positions, copies, meta)
+        layered = layers(ids, positions, copies, meta)
     assert torch.equal(stacked, layered)
     for (k, v), (k_layered, v_layered) in zip(caches, copies, strict=True):
         assert torch.equal(k, k_layered) and torch.equal(v, v_layered)
@@ -102,11 +100,10 @@ def test_the_stack_computes_the_layers_bits_and_writes_the_same_pages(variant, b
 
 @pytest.mark.parametrize("batch", [1, BF16_MIN_ROWS - 1])
 def test_in_bf16_the_stack_stays_as_close_to_fp32_as_the_layers_and_writes_only_the_steps_rows(batch):
-    model = _random_model(VARIANTS[0], torch.bfloat16)
+    model, layers = _random_model(VARIANTS[0], torch.bfloat16), _random_model(VARIANTS[0], torch.bfloat16, False)
     stack = model.stacked
     assert stack is not None and stack.max_rows == BF16_MIN_ROWS - 1
-    reference = _random_model(VARIANTS[0])
-    reference.use_stacked(None)
+    reference = _random_model(VARIANTS[0], stacked=False)
     gen = torch.Generator().manual_seed(batch)
     ids, positions, meta = _decode_batch(batch, gen)
     caches = [(k.bfloat16(), v.bfloat16()) for k, v in _caches(gen)]
@@ -115,8 +112,7 @@ def test_in_bf16_the_stack_stays_as_close_to_fp32_as_the_layers_and_writes_only_
     with torch.inference_mode():
         want = reference(ids, positions, [(k.float(), v.float()) for k, v in caches], meta)
         stacked = model(ids, positions, stacked_pages, meta)
-        model.use_stacked(None)
-        layered = model(ids, positions, layered_pages, meta)
+        layered = layers(ids, positions, layered_pages, meta)
     # bf16 keeps 8 significant bits: each rounding (the embedding, the pages, the layers' ops in the
     # layer path, the final norm and the output) moves a value by at most 2^-9 of itself, and a few
     # of them stay well under 1% of the largest output; a misread page or weight moves it by 10% or more.
@@ -173,7 +169,7 @@ def test_the_shipped_model_decodes_the_same_tokens_with_and_without_the_stack(ma
     assert stack is not None
 
     def greedy(stacked: DecodeStack | None) -> list[list[int]]:
-        model.use_stacked(stacked)
+        model.stacked = stacked  # the one model both ways: the same weights and pages
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         for i in range(2):
             engine.add_request(f"{stacked is not None}-{i}", list(range(300 + 9 * i, 340 + 9 * i)), params)

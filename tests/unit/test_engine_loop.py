@@ -12,15 +12,17 @@ import pytest
 from engine import commands
 from engine.commands import Abort, AddRequest, Command, GetStats, ImportPages, Release, Reserve, StartDecode
 from engine.config import EngineConfig
+from engine.outputs import KVReservation
 from engine.sampling_params import SamplingParams
 from services.common.engine_loop import EngineLoop
 
 PARAMS = SamplingParams()
+RESERVATION = KVReservation("r", (4,), 0, 16, ticket=1)
 # Each command, and the engine call it must become.
 EXPECTED = {
     AddRequest: (AddRequest("r", (1, 2), PARAMS), ("add_request", ("r", (1, 2), PARAMS, None, None))),
-    Reserve: (Reserve("r", (1, 2), PARAMS), ("reserve", ("r", (1, 2), PARAMS, None))),
-    ImportPages: (ImportPages("r", 3, (4,), "k", "v"), ("import_kv", ("r", 3, (4,), "k", "v"))),
+    Reserve: (Reserve("r", (1, 2), PARAMS, None, 5.0), ("reserve", ("r", (1, 2), PARAMS, None, 5.0))),
+    ImportPages: (ImportPages(RESERVATION, 3, (4,), "k", "v"), ("import_kv", (RESERVATION, 3, (4,), "k", "v"))),
     StartDecode: (StartDecode("r", 7), ("start_decode", ("r", 7))),
     Release: (Release("r"), ("release", ("r",))),
     Abort: (Abort("r"), ("abort", ("r",))),
@@ -35,6 +37,9 @@ class _RecordingEngine:
 
     def has_unfinished(self) -> bool:
         return False
+
+    def next_kv_deadline(self) -> float | None:
+        return None
 
     def __getattr__(self, name: str):
         def record(*args):

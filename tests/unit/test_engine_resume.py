@@ -5,6 +5,7 @@ duplicate, across multi-byte characters and stop strings that span the boundary.
 from __future__ import annotations
 
 import pytest
+from disaggregated import import_all, prefill_into
 
 from engine.engine import Engine
 from engine.offline import generate
@@ -84,16 +85,9 @@ def _disaggregated_resume(prefill: Engine, decode: Engine, prompt: list[int], pa
     prompt and the delivered output, its KV moves, the decode engine generates the rest."""
     reservation = decode.reserve("moved", prompt, params, resumed)
     assert isinstance(reservation, KVReservation)
-    prefill.add_request("moved", prompt, params, resumed)
-    first = None
-    while first is None:
-        first = next((o for o in prefill.step() if o.finished), None)
-    skip = reservation.num_cached_tokens // reservation.block_size
-    for layer in range(prefill.model_config.num_layers):
-        k, v = prefill.export_kv("moved", layer, first_block=skip)
-        decode.import_kv("moved", layer, reservation.blocks_to_fill, k, v)
-    prefill.release("moved")
-    output = decode.start_decode("moved", first.new_token_ids[0])
+    first, pages = prefill_into(prefill, "moved", prompt, params, reservation.num_cached_tokens, resumed)
+    import_all(decode, reservation, pages, prefill.model_config.num_layers)
+    output = decode.start_decode("moved", first)
     tokens = list(output.new_token_ids)
     while not output.finished:
         [output] = decode.step()

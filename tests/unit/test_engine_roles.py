@@ -40,7 +40,7 @@ def test_quantized_pages_carry_their_scales_to_the_decode_engine(make_engine, to
     fixed = {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "fp8"}
     colocated = generate(make_engine(**fixed), prompts, params)
     prefill, decode = make_engine(role="prefill", **fixed), make_engine(role="decode", **fixed)
-    pages = prefill.runner.cache.kv_caches[0][0]  # what export_kv copies blocks of
+    pages = prefill.runner.cache.kv_caches[0][0]  # what an export gathers blocks of
     assert pages.dtype == torch.uint8 and pages.shape[1:] == (16, 3, 68)  # 64 codes and a float32 scale a row
     assert run_disaggregated(prefill, decode, prompts, params) == [c.token_ids for c in colocated]
     assert decode.kv.usage == 0

@@ -12,9 +12,11 @@ import pytest
 import torch
 from environment import needs
 
-from engine.model.int8_activations import MIN_ROWS, Int8Product, pack_int8_blocks
+from engine.model.int8_activations import Int8Product
 from engine.model.kernels import kernels
 from engine.model.kernels.build import cpu_flags, runnable
+from engine.model.kernels.packing import pack_int8_blocks
+from engine.model.product_plan import INT8_MIN_ROWS, plan_quantized
 from engine.model.quantized import QuantizedWeight
 from engine.model.quantized_linear import QuantizedLinear
 from tests.unit.test_quantized_kernels import FORMATS, random_weight
@@ -175,10 +177,10 @@ def test_int8_activations_are_refused_where_the_build_has_no_int8_gemm():
 @pytest.mark.skipif("amx_bf16" in cpu_flags(), reason="where the CPU has AMX the engine keeps bf16 products")
 def test_quantized_linear_takes_the_int8_gemm_from_the_row_count_the_kernel_stops_at():
     weight = random_weight(96, 576, "q4_offset")
-    product = QuantizedLinear(weight, int8_parts=1)
-    plain = QuantizedLinear(weight)
-    assert product.int8 is not None and product.kernel_rows(torch.float32) == MIN_ROWS
-    few, many = torch.randn(MIN_ROWS - 1, 576).bfloat16(), torch.randn(MIN_ROWS, 576).bfloat16()
+    product = QuantizedLinear(weight, plan_quantized(weight, torch.bfloat16, int8_parts=1))
+    plain = QuantizedLinear(weight, plan_quantized(weight, torch.float32))
+    assert product.int8 is not None and product.plan.ends[0] == INT8_MIN_ROWS
+    few, many = torch.randn(INT8_MIN_ROWS - 1, 576).bfloat16(), torch.randn(INT8_MIN_ROWS, 576).bfloat16()
     assert torch.equal(product(few), plain(few))  # the exact kernel below the limit
     assert torch.equal(product.fp32(many), _call(weight, many))
-    assert product(many).dtype == torch.bfloat16 and not product.holds_bf16_copy
+    assert product(many).dtype == torch.bfloat16 and product._bf16 is None and product._pairs is None

@@ -385,15 +385,5 @@ def test_only_the_tests_of_the_benchmarks_own_logic_import_bench() -> None:
     assert [f for f in found if not f.startswith("tests.benchmarks.")] == []
 
 
-# Circles being taken apart by issue 40, each by the engineer named, keyed by the circle's first module;
-# each entry goes with its circle (the test below fails on an entry whose circle is gone).
-KNOWN_CIRCLES = {
-    "engine.model.int8_activations": "plan: weight products planned at load (issue 40 part 4)",
-}
-
-
 def test_no_two_modules_know_each_other() -> None:
-    cycles = module_cycles(TREE)
-    assert [c for c in cycles if c.partition(" ")[0] not in KNOWN_CIRCLES] == []
-    gone = set(KNOWN_CIRCLES) - {c.partition(" ")[0] for c in cycles}
-    assert not gone, f"these circles are gone: drop their entries from KNOWN_CIRCLES: {sorted(gone)}"
+    assert module_cycles(TREE) == []

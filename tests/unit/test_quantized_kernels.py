@@ -7,19 +7,20 @@ import pytest
 import torch
 from environment import missing, needs
 
-from engine.model import quantized_linear
 from engine.model.kernels import kernels
 from engine.model.kernels.build import cpu_flags, runnable
-from engine.model.linear import FP16_MAX_ROWS, has_fp16_product
-from engine.model.quantized import QuantizedWeight
-from engine.model.quantized_linear import (
+from engine.model.kernels.packing import PackedWeight
+from engine.model.product_plan import (
     BF16_MIN_ROWS,
     DENSE_MIN_ROWS,
+    FP16_MAX_ROWS,
     FP16_MIN_ROWS,
-    FP16_PIECE_ROWS,
-    PackedWeight,
-    QuantizedLinear,
+    ONEDNN_BF16,
+    has_fp16_product,
+    plan_quantized,
 )
+from engine.model.quantized import QuantizedWeight
+from engine.model.quantized_linear import FP16_PIECE_ROWS, QuantizedLinear
 from engine.model.weight_formats import WeightFormat
 
 VARIANTS = [variant.name for variant in runnable(cpu_flags())]
@@ -87,6 +88,14 @@ def _rows(count: int, cols: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(count, cols, generator=torch.Generator().manual_seed(seed))
 
 
+def _product(weight: QuantizedWeight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+             fp16_copy: bool = False, onednn_bf16: bool = ONEDNN_BF16) -> QuantizedLinear:
+    """The product as a model in `dtype` plans it on this CPU's best kernels."""
+    chosen = kernels().bf16_products if dtype == torch.bfloat16 else None
+    plan = plan_quantized(weight, dtype, fp16_copy, 0, None if chosen is None else chosen.instruction, onednn_bf16)
+    return QuantizedLinear(weight, plan, bias)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_kernel_matches_the_dequantized_product_at_every_decode_batch_size(variant, fmt):
@@ -115,7 +124,7 @@ def test_dequantize_reproduces_the_representation_bit_for_bit(variant):
 
 def test_results_do_not_depend_on_the_thread_count():
     weight = random_weight(3072, 576, "q4_offset")
-    product = QuantizedLinear(weight)
+    product = _product(weight)
     x = _rows(9, 576)
     threads = torch.get_num_threads()
     try:
@@ -132,7 +141,7 @@ def test_results_do_not_depend_on_the_thread_count():
 def test_quantized_linear_serves_small_and_large_inputs_with_bias_and_act_order(rows):
     weight = random_weight(960, 576, "q4_group64_offset", perm=True)
     bias = torch.randn(960)
-    product = QuantizedLinear(weight, bias)
+    product = _product(weight, bias)
     x = _rows(rows, 576)
     assert_product_close(product(x) - bias, x, weight)
 
@@ -147,11 +156,12 @@ def test_products_of_a_few_rows_and_more_take_an_fp16_copy_below_its_row_limit(m
     # product wins take it.
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     weight, bias = random_weight(960, 576, "q4_offset"), torch.randn(960)
-    product = QuantizedLinear(weight, bias, fp16_copy=True)
+    product = _product(weight, bias, fp16_copy=True)
     x = _rows(rows, 576)
     y = product(x) - bias
     takes_copy = FP16_MIN_ROWS <= rows < FP16_MAX_ROWS
-    assert product.holds_fp16_copy == takes_copy
+    want = "fp16_pieces" if takes_copy else "qmatmul" if rows < FP16_MIN_ROWS else "linear_dequantized"
+    assert product.plan.band(rows).kernel == want
     rounded = product.dequantize().half().double()
     assert not torch.equal(rounded, exact_weight(weight))
     assert_product_close(y, x, weight, rounded if takes_copy else None)
@@ -159,23 +169,23 @@ def test_products_of_a_few_rows_and_more_take_an_fp16_copy_below_its_row_limit(m
 
 @pytest.mark.parametrize("packed", [True, False], ids=["onednn-packed", "plain"])
 @pytest.mark.parametrize("rows", [1, BF16_MIN_ROWS - 1, BF16_MIN_ROWS, 32, DENSE_MIN_ROWS, 200])
-def test_bf16_inputs_of_a_few_rows_and_more_go_through_one_kept_bf16_copy(monkeypatch, rows, packed):
+def test_bf16_inputs_of_a_few_rows_and_more_go_through_one_kept_bf16_copy(rows, packed):
     # On an Intel Xeon with AMX a decode batch of 32 rows took 5.5 ms through the kernel for the
     # gate/up weight and 0.33 ms through torch's bf16 GEMM over the dequantized weight in bf16.
     # oneDNN's bf16 path refuses CPUs without AVX-512 (an AVX2 AMD EPYC): there the copy is plain.
-    if packed and not quantized_linear._ONEDNN:
+    if packed and not ONEDNN_BF16:
         missing("oneDNN's bf16 path (a CPU with AVX-512)")
-    monkeypatch.setattr(quantized_linear, "_ONEDNN", packed)
     weight, bias = random_weight(960, 576, "q4_offset"), torch.randn(960, generator=torch.Generator().manual_seed(1))
-    product = QuantizedLinear(weight, bias)
+    product = _product(weight, bias, torch.bfloat16, onednn_bf16=packed)
+    assert product._bf16 is not None or product._pairs is not None  # made with the product, before any call
     x = _rows(rows, 576).bfloat16()
     y = product(x)
     takes_copy = rows >= BF16_MIN_ROWS
-    assert y.dtype == torch.bfloat16 and product.holds_bf16_copy == takes_copy
+    kernel = product.plan.band(rows).kernel
+    assert y.dtype == torch.bfloat16 and (kernel != "qmatmul") == takes_copy
     if takes_copy:
-        kept = product._bf16, product._pairs
         w16 = product.dequantize().bfloat16()
-        if product._bf16_gemm is not None and product._bf16_gemm.serves(rows):
+        if kernel.startswith("bf16_gemm"):
             # The kernels' GEMM adds the fp32 bias to its fp32 sums: only the output's one rounding
             # to bf16 (2^-8 relative) separates it from exact arithmetic on the bf16 weight.
             want = (x.double() @ w16.double().T + bias.double()).bfloat16()
@@ -185,10 +195,9 @@ def test_bf16_inputs_of_a_few_rows_and_more_go_through_one_kept_bf16_copy(monkey
             want = torch.nn.functional.linear(x, w16, bias.bfloat16())
         # Both far below a wrong weight or row (10% and more).
         torch.testing.assert_close(y, want, rtol=8e-3, atol=1e-2)
-        product(x)
-        assert product._bf16 is kept[0] and product._pairs is kept[1]  # made once
+        assert kernel == ("onednn_bf16" if packed else "linear") or kernel.startswith("bf16_gemm")
     else:  # the kernel: fp32 inside, the output rounded to bf16 once
-        want = product.__class__(weight, bias)(x.float())
+        want = _product(weight, bias)(x.float())
         assert torch.equal(y, want.bfloat16())
 
 
@@ -196,17 +205,21 @@ def test_a_bf16_model_makes_its_bf16_copies_at_load_and_an_fp32_one_none():
     # Made on first use, the LM head's copy took 0.4 s of the first step that finished 4 or more
     # sequences (AMD EPYC Zen 5, one thread).
     weight = random_weight(960, 576, "q4_offset")
-    assert WeightFormat("gguf", torch.bfloat16)._quantized(weight).holds_bf16_copy
-    assert not WeightFormat("gguf", torch.float32)._quantized(weight).holds_bf16_copy
+    bf16 = WeightFormat("gguf", torch.bfloat16)._quantized("o", weight)
+    assert "bf16 copy" in bf16.plan.band(BF16_MIN_ROWS).operand
+    assert bf16._bf16 is not None or bf16._pairs is not None
+    fp32 = WeightFormat("gguf", torch.float32)._quantized("o", weight)
+    assert fp32._bf16 is None and fp32._pairs is None
+    assert all("bf16" not in band.operand for band in fp32.plan.bands)
 
 
 def test_an_lm_heads_fp32_output_skips_the_rounding_to_bf16():
     # Rounded to bf16 the shipped model's best two logits tied exactly at 5 of 32 greedy steps.
     weight = random_weight(960, 576, "q8_signed")
-    product = QuantizedLinear(weight)
+    product = _product(weight, dtype=torch.bfloat16)
     few, many = _rows(BF16_MIN_ROWS - 1, 576).bfloat16(), _rows(BF16_MIN_ROWS, 576).bfloat16()
     logits = product.fp32(few)
-    assert logits.dtype == torch.float32 and torch.equal(logits, QuantizedLinear(weight)(few.float()))
+    assert logits.dtype == torch.float32 and torch.equal(logits, _product(weight)(few.float()))
     assert not torch.equal(logits, logits.bfloat16().float())  # not rounded to bf16
     # Many rows: the GEMM's fp32 output, which the bf16 output is the rounding of (oneDNN's GEMM
     # outputs bf16 only: its fp32 output is that widened; the kernels' GEMM keeps its accumulators).
@@ -219,10 +232,10 @@ def test_a_weight_of_many_rows_takes_its_fp16_copy_in_pieces(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     rows = 2 * FP16_PIECE_ROWS + 40
     weight, bias = random_weight(rows, 64, "q8_signed"), torch.randn(rows)
-    product = QuantizedLinear(weight, bias, fp16_copy=True)
+    product = _product(weight, bias, fp16_copy=True)
     x = _rows(FP16_MIN_ROWS, 64)
     y = product(x) - bias
-    assert product.holds_fp16_copy and len(product._fp16 or []) == 3
+    assert product.plan.band(FP16_MIN_ROWS).kernel == "fp16_pieces" and len(product._fp16) == 3
     assert_product_close(y, x, weight, product.dequantize().half().double())
 
 
@@ -236,7 +249,7 @@ def test_with_several_threads_the_fp16_copy_is_in_one_piece_per_thread_and_compu
         results = []
         for count in (1, 2):
             torch.set_num_threads(count)
-            product = QuantizedLinear(weight, bias, fp16_copy=True)
+            product = _product(weight, bias, fp16_copy=True)
             results.append(product(x))
             assert product._fp16_rows == ([960] if count == 1 else [480, 480])
     finally:
@@ -249,15 +262,15 @@ def test_with_several_threads_the_fp16_copy_is_in_one_piece_per_thread_and_compu
                                                          ("plain", False)])
 def test_the_weight_format_gives_quantized_products_the_fp16_copy_only_for_fp16_cpu_weights(cpu_weights,
                                                                                               fp16_copy):
-    product = WeightFormat("int8", torch.float32, "cpu", cpu_weights).product([("w", torch.randn(64, 96))])
+    product = WeightFormat("int8", torch.float32, "cpu", cpu_weights).product("o", [("w", torch.randn(64, 96))])
     assert isinstance(product, QuantizedLinear)
-    assert product.fp16_copy == fp16_copy
+    assert ("fp16_pieces" in product.plan.kernels()) == fp16_copy == bool(product._fp16)
 
 
 def test_the_lm_head_shape_and_bfloat16_activations():
     weight = random_weight(49152, 576, "q8_signed")
     exact = exact_weight(weight)
-    product = QuantizedLinear(weight)
+    product = _product(weight)
     x = _rows(3, 576)
     assert_product_close(product(x), x, weight, exact)
     y = product(x.bfloat16())
@@ -279,7 +292,7 @@ def test_the_fp16_pieces_run_on_several_threads_under_inference_mode():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        product = QuantizedLinear(weight, fp16_copy=True)
+        product = _product(weight, fp16_copy=True)
         x = _rows(FP16_MIN_ROWS, 576)
         with torch.inference_mode():
             y = product(x)

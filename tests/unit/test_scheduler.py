@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from engine.config import SchedulerConfig
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_connector.policy import KVConnectorPolicy
+from engine.kv_connector.scheduler_side import KVConnectorScheduler
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -153,27 +157,56 @@ def test_abort_in_every_state_frees_blocks():
     assert not s.has_work() and not s.requests and s.kv.usage == 0
 
 
-def test_prefill_role_keeps_kv_until_released():
-    s = _sched(keep_finished_kv=True)
-    s.add(_req("p", 9, max_tokens=1))
+def _handing_off(keep_s: float = 60.0) -> KVConnectorScheduler:
+    return KVConnectorScheduler(KVConnectorPolicy(hands_off_prompts=True, keep_s=keep_s))
+
+
+def test_a_handed_off_request_keeps_its_kv_until_released():
+    s = _sched(connector=_handing_off())
+    s.add(_req("p", 9, max_tokens=4))
     _run_step(s)
-    assert s.requests["p"].is_finished and s.kv.num_blocks_held("p") == 3
+    assert s.requests["p"].finish_reason is FinishReason.HANDOFF and len(s.kv.block_table("p")) == 3
+    assert s.expire() == []
     s.release("p")
     assert not s.requests and s.kv.usage == 0
+
+
+def test_a_handed_off_request_never_released_is_freed_at_its_keep_deadline():
+    s = _sched(connector=_handing_off(keep_s=0.0))
+    s.add(_req("p", 9, max_tokens=4))
+    _run_step(s)
+    assert s.requests["p"].is_finished and s.kv.usage > 0 and s.connector.is_due()
+    assert s.expire() == ["p"]
+    assert not s.requests and s.kv.usage == 0 and s.connector.next_deadline() is None
+    s.release("p")  # the worker's late release finds nothing
+    assert s.kv.usage == 0
 
 
 def test_decode_role_reserve_then_start():
     s = _sched()
     request = _req("d", 9, max_tokens=4)
-    assert s.reserve(request)
-    assert request.status is RequestStatus.WAITING_FOR_KV and s.kv.num_blocks_held("d") == 3
+    assert s.reserve(request, timeout_s=60.0) is not None
+    assert request.status is RequestStatus.WAITING_FOR_KV and len(s.kv.block_table("d")) == 3
     assert s.schedule().is_empty  # nothing runs until the KV has arrived
     s.start_reserved("d", first_token=5)
+    assert s.connector.next_deadline() is None  # a started request has no reservation left
     out = s.schedule()
     assert [(c.start, c.num_tokens) for c in out.chunks] == [(9, 1)]
 
 
+def test_a_reservation_past_its_deadline_is_aborted_and_its_blocks_freed():
+    s = _sched()
+    assert s.reserve(_req("d", 9), timeout_s=0.0) is not None
+    assert s.expire() == ["d"]
+    assert not s.requests and s.kv.usage == 0
+    with pytest.raises(TimeoutError, match="deadline"):
+        s.start_reserved("d", first_token=5)
+    s.abort(["d"])  # the worker's abort, after its own timeout, forgets the deadline too
+    with pytest.raises(KeyError):
+        s.start_reserved("d", first_token=5)
+
+
 def test_reservation_refused_when_the_cache_is_full():
     s = _sched(num_blocks=2)
-    assert not s.reserve(_req("d", 9))
+    assert s.reserve(_req("d", 9), timeout_s=60.0) is None
     assert not s.requests and s.kv.usage == 0

@@ -115,14 +115,14 @@ def test_drafts_ride_with_the_decode_token_and_rejected_slots_go_back():
     (chunk,) = out.chunks
     assert (chunk.start, chunk.num_tokens, chunk.draft_token_ids) == (6, 6, (2, 3, 4, 5, 6))
     assert chunk.samples and chunk.num_sampled_rows == 6
-    assert s.kv.num_blocks_held("a") == 3  # slots for 12 tokens
+    assert len(s.kv.block_table("a")) == 3  # slots for 12 tokens
     assert request.draft_token_ids == []  # a draft is verified once
     # Two drafts accepted, then a correction: 10 tokens, 9 computed; the third block held only
     # rejected drafts' slots and is free again.
     s.update(out, {"a": [2, 3, 9]})
     assert request.output_token_ids == [1, 2, 3, 9]
     assert request.num_computed_tokens == 9
-    assert s.kv.num_blocks_held("a") == 3
+    assert len(s.kv.block_table("a")) == 3
     s.kv.check_invariants()
     assert (s.spec_stats.num_drafts, s.spec_stats.num_draft_tokens, s.spec_stats.num_accepted_tokens) == (1, 5, 2)
     assert s.spec_stats.accepted_per_position == [1, 1]
@@ -134,11 +134,11 @@ def test_a_block_of_rejected_drafts_is_freed_and_never_hashed():
     request = _decoding(s, prompt=7)  # 8 tokens, 7 computed, 2 blocks
     request.draft_token_ids = [2, 3, 4, 5, 6, 7]
     out = s.schedule()
-    assert s.kv.num_blocks_held("a") == 4  # 14 slots
+    assert len(s.kv.block_table("a")) == 4  # 14 slots
     cached_before = s.kv.num_cached_blocks
     s.update(out, {"a": [8]})  # the first draft is rejected
     assert request.num_computed_tokens == 8 and request.num_tokens == 9
-    assert s.kv.num_blocks_held("a") == 2  # blocks 3 and 4 held only rejected drafts
+    assert len(s.kv.block_table("a")) == 2  # blocks 3 and 4 held only rejected drafts
     # Only the verified block (tokens 4..7) was hashed; no hash covers a draft.
     assert s.kv.num_cached_blocks == cached_before + 1
     assert s.kv.find_cached_prefix([*request.token_ids, 0])[1] == 8
@@ -170,7 +170,7 @@ def test_a_stop_inside_an_accepted_run_drops_the_tokens_after_it():
     (finished,) = s.update(out, {"a": [2, 3, 4, 5]})
     assert finished is request and request.finish_reason is FinishReason.STOP
     assert request.output_token_ids == [1, 2, 3]
-    assert s.kv.num_requests == 0
+    assert not s.kv.has_request("a") and s.kv.usage == 0
     s.kv.check_invariants()
 
     s = _scheduler()
@@ -186,7 +186,7 @@ def test_a_stop_inside_an_accepted_run_drops_the_tokens_after_it():
     s.update(s.schedule(), {"a": [2, 3, 4]})
     s.stop_inside_run("a", 2)
     assert request.output_token_ids == [1, 2] and request.finish_reason is FinishReason.STOP
-    assert s.kv.num_requests == 0
+    assert not s.kv.has_request("a") and s.kv.usage == 0
 
 
 def test_draft_model_keys():

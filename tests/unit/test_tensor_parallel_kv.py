@@ -23,7 +23,7 @@ from engine.offline import generate
 from engine.outputs import KVReservation
 from engine.parallel.kv_heads import kv_head_ranges
 from engine.sampling_params import SamplingParams
-from tests.disaggregated import run_disaggregated
+from tests.disaggregated import import_all, prefill_into, run_disaggregated
 from tests.reference import check_against
 from tests.unit.test_model_hf import save_random_model, save_word_tokenizer
 
@@ -111,25 +111,21 @@ def test_pages_imported_on_another_thread_while_a_step_runs_reach_every_rank_in_
     whole = [c.token_ids for c in generate(Engine(config), prompts, long)]
     with _engines(replace(config, role="prefill"), replace(config, role="decode", tensor_parallel_size=2)) as engines:
         prefill, decode = engines
-        pages, firsts = [], []
-        for index, prompt in enumerate(prompts):  # both prompts' pages, computed before any import
-            prefill.add_request(f"r{index}", prompt, long)
-            while not (outputs := prefill.step()):
-                pass
-            firsts.append(outputs[0].new_token_ids[0])
-            pages.append([prefill.export_kv(f"r{index}", layer) for layer in range(2)])
-            prefill.release(f"r{index}")
-        tokens = {}
+        # Both prompts' pages, computed before any import.
+        prefilled = [prefill_into(prefill, f"r{index}", prompt, long) for index, prompt in enumerate(prompts)]
+        firsts, pages = [first for first, _ in prefilled], [collected for _, collected in prefilled]
+        tokens, reservations = {}, []
         for index, prompt in enumerate(prompts):
             reservation = decode.reserve(f"r{index}", prompt, long)
             assert isinstance(reservation, KVReservation)
+            reservations.append(reservation)
             if index == 0:
-                for layer, (k, v) in enumerate(pages[0]):
-                    decode.import_kv("r0", layer, reservation.blocks_to_fill, k, v)
+                import_all(decode, reservation, pages[0], 2)
                 tokens["r0"] = list(decode.start_decode("r0", firsts[0]).new_token_ids)
         # r0 decodes on this thread while r1's pages land from another, many times over.
-        blocks = decode.kv.block_table("r1")
-        importer = threading.Thread(target=lambda: [decode.import_kv("r1", layer, blocks, *pages[1][layer])
+        r1, blocks = reservations[1], reservations[1].blocks_to_fill
+        r1_pages = [pages[1].layer(layer, len(blocks)) for layer in range(2)]
+        importer = threading.Thread(target=lambda: [decode.import_kv(r1, layer, blocks, *r1_pages[layer])
                                                     for _ in range(20) for layer in range(2)])
         importer.start()
         while importer.is_alive():

@@ -28,7 +28,6 @@ from engine.attention.triton_paged import (
     TritonPagedAttention,
     num_kv_splits,
     triton_paged_decode_attention,
-    triton_paged_prefill_attention,
 )
 from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.codec import DENSE, FP8_E4M3, INT8
@@ -118,9 +117,9 @@ def test_prefill_matches_reference(shape, cached_prefix):
     tables = _block_tables(seq_lens, block_size)
     q = _queries(sum(query_lens), num_heads, head_dim)
     args = (q, k_cache, v_cache, tables, _query_start_loc(query_lens), _int32(seq_lens), head_dim**-0.5)
-    torch.testing.assert_close(
-        triton_paged_prefill_attention(*args), paged_prefill_attention(*args), atol=FP32_TOL, rtol=FP32_TOL
-    )
+    want = paged_prefill_attention(*args)
+    got = _served(q, k_cache, v_cache, tables, query_lens, seq_lens, head_dim**-0.5)
+    torch.testing.assert_close(got, want, atol=FP32_TOL, rtol=FP32_TOL)
 
 
 def test_prefill_query_tiles_beyond_the_first():
@@ -131,9 +130,9 @@ def test_prefill_query_tiles_beyond_the_first():
     tables = _block_tables(seq_lens, 16)
     q = _queries(sum(query_lens), 9, 64)
     args = (q, k_cache, v_cache, tables, _query_start_loc(query_lens), _int32(seq_lens), 0.125)
-    torch.testing.assert_close(
-        triton_paged_prefill_attention(*args), paged_prefill_attention(*args), atol=FP32_TOL, rtol=FP32_TOL
-    )
+    want = paged_prefill_attention(*args)
+    torch.testing.assert_close(_served(q, k_cache, v_cache, tables, query_lens, seq_lens, 0.125), want,
+                               atol=FP32_TOL, rtol=FP32_TOL)
 
 
 def _metadata(query_lens, seq_lens, tables, block_size):
@@ -149,6 +148,14 @@ def _metadata(query_lens, seq_lens, tables, block_size):
         query_lens_list=tuple(query_lens),
         seq_lens_list=tuple(seq_lens),
     )
+
+
+def _served(q, k_cache, v_cache, tables, query_lens, seq_lens, scale):
+    """What serves a step, TritonPagedAttention.forward, over caches that already hold the step's keys
+    and values: it writes them to their slots again, then attends."""
+    meta = _metadata(query_lens, seq_lens, tables, k_cache.shape[1])
+    k, v = (cache.view(-1, *cache.shape[2:])[meta.slot_mapping] for cache in (k_cache, v_cache))
+    return TritonPagedAttention().forward(q, k, v, k_cache, v_cache, meta, scale)
 
 
 def _backends_agree(shape, query_lens, seq_lens, codec=DENSE):
@@ -203,8 +210,8 @@ def test_bf16_inputs_close_to_fp32_reference():
     tables = _block_tables(seq_lens, 16)
     q = _queries(sum(query_lens), 9, 64, torch.bfloat16)
     locs, lens = _query_start_loc(query_lens), _int32(seq_lens)
-    got = triton_paged_prefill_attention(q, k_cache, v_cache, tables, locs, lens, 0.125)
     want = paged_prefill_attention(q.float(), k_cache.float(), v_cache.float(), tables, locs, lens, 0.125)
+    got = _served(q, k_cache, v_cache, tables, query_lens, seq_lens, 0.125)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 

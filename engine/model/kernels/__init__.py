@@ -9,8 +9,8 @@ pairs (bf16_gemm.cpp) and the product of integer groups with int8-quantized acti
 `kernels()` loads the best build this CPU runs ("avx512bf16": the AVX2 code with AVX-512's registers
 plus the AVX512-BF16 ops; else "avx2": AVX2 + FMA + F16C intrinsics; else "scalar": plain C++),
 building it on first use if the Makefile's step has not (engine.model.kernels.build);
-`kernels("scalar")` loads a given one (tests compare both). The ops take a weight already packed
-by engine.model.quantized_linear.PackedWeight. `cpu_kernels(device)` is what the model and the
+`kernels("scalar")` loads a given one (tests compare both). The ops take weights already packed in
+the layouts of engine.model.kernels.packing. `cpu_kernels(device)` is what the model and the
 attention backend use: the best build on a CPU device, None elsewhere or where none can be built.
 """
 
@@ -19,15 +19,12 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.model.kernels.bf16_choice import Bf16Gemm, Bf16GemmOp, choose_bf16_gemm
 from engine.model.kernels.build import Variant, cpu_flags, library, runnable, variant_named
-
-if TYPE_CHECKING:
-    from engine.model.quantized_linear import PackedWeight
+from engine.model.kernels.packing import PackedWeight, pack_bf16_pairs
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +116,7 @@ class Kernels:
     @property
     def int8_gemm(self) -> Callable[..., torch.Tensor] | None:
         """The product with activations quantized to int8 blocks of 32, `op(x, parts, u, d, m, zero, n, bias,
-        fp32_out)` over a weight packed by engine.model.int8_activations (int8_gemm.cpp). None where this
+        fp32_out)` over a weight packed as `packing.Int8Blocks` (int8_gemm.cpp). None where this
         build has no such op (only the avx512bf16 build, which needs VNNI, has) or the CPU has AMX, whose
         bf16 tiles outrun it."""
         if "amx_bf16" in cpu_flags() or not hasattr(self._ops, "int8_gemm"):
@@ -153,18 +150,6 @@ class Kernels:
         """For the start-up log: the variant and the CPU flags that chose it."""
         needs = f" (CPU flags {' '.join(self.variant.cpu_flags)})" if self.variant.cpu_flags else ""
         return f"{self.variant.name}{needs}"
-
-
-def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] (K even) in bf16_gemm's layout: [ceil(N/16), K/2, 16, 2], panels of 16
-    rows (the last padded with zeros) holding each row's K dimension as pairs."""
-    rows, cols = weight.shape
-    if cols % 2:
-        raise ValueError(f"pack_bf16_pairs: K must be even, got {cols}")
-    panels = -(-rows // 16)
-    padded = torch.zeros(panels * 16, cols, dtype=torch.bfloat16)
-    padded[:rows] = weight
-    return padded.view(panels, 16, cols // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 @functools.cache

@@ -3,14 +3,14 @@
 Both multiply bf16 rows by the same weight packed as pairs (bf16_gemm.cpp), exact products of bf16
 values accumulated in fp32; they differ in the instruction. `vdpbf16ps` multiplies 32 pairs an
 instruction, fp32 FMAs 16 products an instruction over the pairs split into two fp32 halves. Which is
-faster is not in the CPU flags: one thread of an AMD EPYC Zen 5 runs vdpbf16ps at about 430 GFLOP/s
-and fp32 FMAs at 230, one thread of an Intel Xeon (AVX512-BF16, no AMX) vdpbf16ps at 85-98 and fp32
-at 138-166 (oneDNN, MKL). So the engine times both on one of the model's products, a decode batch's,
-and keeps the faster; the start-up log says which, with the figures.
+faster is not in the CPU flags (an AMD EPYC Zen 5 runs vdpbf16ps faster, an Intel Xeon with
+AVX512-BF16 and no AMX its FMAs: docs/benchmarks.md, "Decisions settled by experiments"). So the engine
+times both on one of the model's products, a decode batch's, and keeps the faster; the start-up log
+says which, with the figures.
 
 Where the FMA GEMM wins, it also beats oneDNN's vdpbf16ps GEMM at prompt sizes, so it serves every
-row count and no oneDNN copy of the weights is made; the vdpbf16ps GEMM serves up to
-`DPBF16_MAX_ROWS` rows, prompts going to oneDNN, which is faster there on the Zen 5.
+row count and no oneDNN copy of the weights is made; the vdpbf16ps GEMM serves decode batches only,
+prompts going to oneDNN (the rows each serves: engine.model.product_plan).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 
 Bf16GemmOp = Callable[[torch.Tensor, torch.Tensor, int, "torch.Tensor | None", bool], torch.Tensor]
 
-DPBF16_MAX_ROWS = 128  # up to this many rows the vdpbf16ps GEMM beats oneDNN's (AMD EPYC Zen 5)
 _PROBE = (32, 576, 1536)  # rows, K, N: a 32-row decode batch through the shipped model's gate/up product
 _ROUNDS = 5
 
@@ -34,16 +33,11 @@ _ROUNDS = 5
 @dataclass(frozen=True)
 class Bf16Gemm:
     """The chosen bf16 GEMM: `op(x, packed, n, bias, fp32_out)` over a weight packed by
-    `pack_bf16_pairs`, for inputs of up to `max_rows` rows (None: any number)."""
+    `engine.model.kernels.packing.pack_bf16_pairs`."""
 
     op: Bf16GemmOp
     instruction: str  # "vdpbf16ps" or "fma"
-    max_rows: int | None
     gflops: tuple[float, float]  # measured: (vdpbf16ps, fma), on the probe, this process's threads
-
-    def serves(self, rows: int) -> bool:
-        """Whether an input of `rows` rows goes through this GEMM."""
-        return self.max_rows is None or rows <= self.max_rows
 
 
 def _best_seconds(op: Bf16GemmOp, x: torch.Tensor, packed: torch.Tensor, n: int) -> float:
@@ -66,10 +60,7 @@ def choose_bf16_gemm(dpbf16: Bf16GemmOp, fma: Bf16GemmOp,
         op(x, packed, n, None, False)
     seconds = (_best_seconds(dpbf16, x, packed, n), _best_seconds(fma, x, packed, n))
     gflops = tuple(2 * rows * k * n / s / 1e9 for s in seconds)
-    if seconds[1] < seconds[0]:
-        chosen = Bf16Gemm(fma, "fma", None, gflops)
-    else:
-        chosen = Bf16Gemm(dpbf16, "vdpbf16ps", DPBF16_MAX_ROWS, gflops)
+    chosen = Bf16Gemm(fma, "fma", gflops) if seconds[1] < seconds[0] else Bf16Gemm(dpbf16, "vdpbf16ps", gflops)
     log.info("bf16 products: the kernels' %s GEMM (measured on %d×%d×%d: vdpbf16ps %.0f GFLOP/s, fp32 FMAs "
              "%.0f, %d threads)", chosen.instruction, rows, k, n, *gflops, torch.get_num_threads())
     return chosen

@@ -1,4 +1,4 @@
-"""Prefill role: which KV pages each layer of a step wrote for a request, handed to where they go.
+"""The KV connector's export: which KV pages each layer of a step wrote for a request, handed to where they go.
 
 A request added with a `KVExport` gets its pages pushed layer by layer while later layers compute:
 as soon as a layer has written the step's KV, the engine gathers the blocks of each such request that

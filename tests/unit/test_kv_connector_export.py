@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_export import KVExport, KVExports, LayerPages
+from engine.kv_connector.export import KVExport, KVExports, LayerPages
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk
