@@ -7,12 +7,13 @@ import importlib
 import logging
 import sys
 
+from services.commands.log_flags import LogFlags
+from services.common.config_flags import add_flags
+
 # Each module registers one subcommand and imports its heavy dependencies only when run.
 _COMMAND_MODULES = (
     "services.commands.generate",
-    "services.commands.prefill",
-    "services.commands.decode",
-    "services.commands.worker",
+    "services.commands.worker",  # and its aliases prefill and decode
     "services.commands.gateway",
     "services.commands.chat",
     "services.commands.mesh",
@@ -23,7 +24,7 @@ _COMMAND_MODULES = (
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every `tandem` subcommand."""
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM inference")
-    parser.add_argument("--log-level", default="INFO")
+    add_flags(parser, LogFlags)
     sub = parser.add_subparsers(dest="command", required=True)
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -1,8 +1,8 @@
-"""How close a variant of the served model stays to the original: the measures the cpu_weights,
-int8_prefill and fidelity suites share.
+"""How close a variant of the served model stays to the original: the measures the fidelity,
+gptq_awq and weight_formats suites share.
 
-The cpu_weights and int8_prefill suites take their prompts and windows from this repository's own
-documents (`document_windows`); the fidelity suite from a fixed public-domain text committed with the
+The weight_formats suite takes its prompts and windows from this repository's own documents
+(`document_windows`); the fidelity suite from a fixed public-domain text committed with the
 bench (`FIXED_TEXT`, bench/texts/README.md), so that its figures do not move when a document changes.
 The perplexity is teacher-forced, so it does not depend on where greedy decoding happens to fork.
 """

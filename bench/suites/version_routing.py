@@ -11,7 +11,7 @@ the same work either way. Configurations:
 - today: one model, no repository, 2 prefill + 2 decode workers;
 - versions: a repository of 2 models x 2 versions (splits 90/10 and 50/50), each version on its own
   2 prefill + 2 decode workers (16 in the registry); the requests name the two models alternately,
-  each with its own caller, so the split picks per caller and `decide` filters by `workers_key`.
+  each with its own caller, so the split picks per caller and `decide` filters by `version_key`.
   Each request is routed over the same 2 + 2 workers as today: everything else is the overhead.
 - one model on 16: today's gateway over the same 16 workers (context: routing over more workers).
 
@@ -135,7 +135,7 @@ async def fill_and_drain(setup: Setup) -> tuple[float, float]:
     started = time.perf_counter()
     for requested, caller in setup.requests:
         target = setup.catalog.resolve(requested, caller)
-        request = setup.registry.route_request(PROMPT, MAX_TOKENS, SLO, target.workers_key)
+        request = setup.registry.route_request(PROMPT, MAX_TOKENS, SLO, target.version_key)
         waiting.append(asyncio.create_task(admission.admit(request, arrived_at=arrived_at)))
     await asyncio.sleep(0)  # each admit runs to its wait here
     filled = time.perf_counter() - started
@@ -148,7 +148,7 @@ async def fill_and_drain(setup: Setup) -> tuple[float, float]:
 def components(setup: Setup, repeats: int) -> dict[str, float]:
     """Median seconds of each step alone over `repeats` calls (the requests taken in turn)."""
     turns = itertools.cycle(setup.requests)
-    keyed = itertools.cycle([setup.catalog.resolve(*request).workers_key for request in setup.requests])
+    keyed = itertools.cycle([setup.catalog.resolve(*request).version_key for request in setup.requests])
     requests = itertools.cycle([setup.registry.route_request(PROMPT, MAX_TOKENS, SLO, next(keyed))
                                 for _ in setup.requests])
     return {"resolve": median_call_s(lambda: setup.catalog.resolve(*next(turns)), repeats),

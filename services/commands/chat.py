@@ -6,10 +6,27 @@ import argparse
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from services.common.config_flags import add_flags, flag, from_args
 
 if TYPE_CHECKING:
     from services.client import TandemClient
+
+
+@dataclass(frozen=True)
+class ChatFlags:
+    """The flags of `tandem chat` (its message is a positional argument)."""
+
+    gateway: str = flag("127.0.0.1:50051", "the gateway's HOST:PORT")
+    system: str | None = flag(None, "a system message that opens the conversation")
+    max_tokens: int = flag(256, "tokens each answer may have at most")
+    temperature: float = flag(0.0, "0 = greedy")
+    timeout: float | None = flag(None, "seconds allowed for each answer")
+    api_key: str | None = flag(None, "the gateway's API key (default: $TANDEM_API_KEY)")
+    tls: bool = flag(False, "reach the gateway over TLS (system roots)")
+    tls_ca: str | None = flag(None, "reach the gateway over TLS, trusting this PEM CA")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,15 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     chat = sub.add_parser("chat", help="chat with a model through a gateway")
     chat.add_argument("message", nargs="?", default=None,
                       help="one user message; without it, each line read from stdin is a turn until EOF")
-    chat.add_argument("--gateway", default="127.0.0.1:50051", help="the gateway's HOST:PORT")
-    chat.add_argument("--system", default=None, help="a system message that opens the conversation")
-    chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    chat.add_argument("--timeout", type=float, default=None, help="seconds allowed for each answer")
-    chat.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
-                      help="the gateway's API key (default: $TANDEM_API_KEY)")
-    chat.add_argument("--tls", action="store_true", help="reach the gateway over TLS (system roots)")
-    chat.add_argument("--tls-ca", default=None, help="reach the gateway over TLS, trusting this PEM CA")
+    add_flags(chat, ChatFlags)
     chat.set_defaults(func=run)
 
 
@@ -35,15 +44,17 @@ def run(args: argparse.Namespace) -> int:
 
     from services.client import TandemClient
 
+    flags: ChatFlags = from_args(ChatFlags, args)
     conversation: list[dict[str, str]] = []
-    if args.system:
-        conversation.append({"role": "system", "content": args.system})
+    if flags.system:
+        conversation.append({"role": "system", "content": flags.system})
     turns = [args.message] if args.message is not None else _stdin_turns()
-    with TandemClient(args.gateway, api_key=args.api_key, tls=args.tls, ca_file=args.tls_ca) as client:
+    api_key = flags.api_key if flags.api_key is not None else os.environ.get("TANDEM_API_KEY")
+    with TandemClient(flags.gateway, api_key=api_key, tls=flags.tls, ca_file=flags.tls_ca) as client:
         for turn in turns:
             conversation.append({"role": "user", "content": turn})
             try:
-                answer = _stream_answer(client, conversation, args)
+                answer = _stream_answer(client, conversation, flags)
             except grpc.RpcError as error:
                 print(f"tandem chat: {error.code().name}: {error.details()}", file=sys.stderr)
                 return 1
@@ -63,11 +74,11 @@ def _stdin_turns() -> Iterator[str]:
             yield line.rstrip("\n")
 
 
-def _stream_answer(client: TandemClient, conversation: list[dict[str, str]], args: argparse.Namespace) -> str:
+def _stream_answer(client: TandemClient, conversation: list[dict[str, str]], flags: ChatFlags) -> str:
     """Print the reply as it arrives, then a summary line on stderr; returns the reply's text."""
     parts: list[str] = []
-    for chunk in client.chat(conversation, max_tokens=args.max_tokens, temperature=args.temperature,
-                             timeout=args.timeout):
+    for chunk in client.chat(conversation, max_tokens=flags.max_tokens, temperature=flags.temperature,
+                             timeout=flags.timeout):
         parts.append(chunk.text)
         print(chunk.text, end="", flush=True)
         if chunk.finish_reason is not None:

@@ -6,10 +6,11 @@ building the `tandem` parser stays light.
 
 from __future__ import annotations
 
-import argparse
 import socket
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
+from services.common.config_flags import flag
 from services.gateway.planner_rules import PlannerConfig, PoolBounds
 
 if TYPE_CHECKING:
@@ -21,38 +22,36 @@ if TYPE_CHECKING:
 _LEASE_NAME = "tandem-planner"
 
 
-def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+@dataclass(frozen=True)
+class ClusterFlags:
     """Discovery (static lists or the Kubernetes API) and planner flags."""
-    parser.add_argument("--discovery", default="static", choices=["static", "kubernetes"],
-                        help="static: the --prefill/--decode lists; kubernetes: the ready endpoints of the "
-                             "pools' Services (--k8s-prefill, --k8s-decode)")
-    parser.add_argument("--k8s-namespace", default=None,
-                        help="namespace of the pools (default: $POD_NAMESPACE, else this pod's namespace)")
-    parser.add_argument("--k8s-prefill", default="tandem-prefill",
-                        help="name of the prefill pool's Service and Deployment")
-    parser.add_argument("--k8s-decode", default="tandem-decode",
-                        help="name of the decode pool's Service and Deployment")
-    parser.add_argument("--planner", default="recommend", choices=["off", "recommend", "apply"],
-                        help="recommend: compute each pool's replicas; apply: also set them on the "
-                             "Deployments (one gateway replica at a time, through a Lease)")
-    parser.add_argument("--planner-deployment", action="append", default=[], metavar="NAME@VERSION:ROLE=DEPLOYMENT",
-                        help="with --model-repository and --planner apply: the Deployment holding a version's "
-                             "prefill or decode pool (repeat for each); a version's pool named by none is "
-                             "only recommended. Without a repository the pools are --k8s-prefill/--k8s-decode")
-    parser.add_argument("--planner-queue-drain-s", type=float, default=120.0,
-                        help="seconds within which the planner sizes the prefill pool to drain its queue "
-                             "(about how long a new replica takes to be ready)")
-    parser.add_argument("--planner-prefill-headroom-beta", type=float, default=0.6,
-                        help="square-root staffing headroom of the prefill pool: it runs load + BETA x "
-                             "sqrt(load) replicas, load = prompt tokens/s over one replica's tokens/s")
-    parser.add_argument("--planner-tpot-ms", type=float, default=100.0, help="TPOT target the planner sizes for")
-    parser.add_argument("--planner-interval", type=float, default=15.0, help="seconds between plans")
-    parser.add_argument("--prefill-replicas", default="1:8", help="MIN:MAX replicas of the prefill pool")
-    parser.add_argument("--decode-replicas", default="1:8", help="MIN:MAX replicas of the decode pool")
-    parser.add_argument("--scale-down-window", type=float, default=300.0,
-                        help="seconds a lower replica count must stay recommended before a pool shrinks")
-    parser.add_argument("--scale-cooldown", type=float, default=60.0,
-                        help="seconds between two changes of a pool's replicas")
+
+    discovery: Literal["static", "kubernetes"] = flag(
+        "static", "static: the --prefill/--decode lists; kubernetes: the ready endpoints of the pools' Services "
+        "(--k8s-prefill, --k8s-decode)")
+    k8s_namespace: str | None = flag(None, "namespace of the pools (default: $POD_NAMESPACE, else this pod's "
+                                           "namespace)")
+    k8s_prefill: str = flag("tandem-prefill", "name of the prefill pool's Service and Deployment")
+    k8s_decode: str = flag("tandem-decode", "name of the decode pool's Service and Deployment")
+    planner: Literal["off", "recommend", "apply"] = flag(
+        "recommend", "recommend: compute each pool's replicas; apply: also set them on the Deployments (one "
+        "gateway replica at a time, through a Lease)")
+    planner_deployment: tuple[str, ...] = flag(
+        (), "with --model-repository and --planner apply: the Deployment holding a version's prefill or decode "
+        "pool (repeat for each); a version's pool named by none is only recommended. Without a repository the "
+        "pools are --k8s-prefill/--k8s-decode", metavar="NAME@VERSION:ROLE=DEPLOYMENT")
+    planner_queue_drain_s: float = flag(120.0, "seconds within which the planner sizes the prefill pool to drain "
+                                               "its queue (about how long a new replica takes to be ready)")
+    planner_prefill_headroom_beta: float = flag(
+        0.6, "square-root staffing headroom of the prefill pool: it runs load + BETA x sqrt(load) replicas, "
+        "load = prompt tokens/s over one replica's tokens/s")
+    planner_tpot_ms: float = flag(100.0, "TPOT target the planner sizes for")
+    planner_interval: float = flag(15.0, "seconds between plans")
+    prefill_replicas: str = flag("1:8", "MIN:MAX replicas of the prefill pool")
+    decode_replicas: str = flag("1:8", "MIN:MAX replicas of the decode pool")
+    scale_down_window: float = flag(300.0, "seconds a lower replica count must stay recommended before a pool "
+                                           "shrinks")
+    scale_cooldown: float = flag(60.0, "seconds between two changes of a pool's replicas")
 
 
 def parse_bounds(value: str, flag: str) -> PoolBounds:
@@ -66,30 +65,30 @@ def parse_bounds(value: str, flag: str) -> PoolBounds:
         raise ValueError(f"{flag}: {error}") from None
 
 
-def planner_config(args: argparse.Namespace) -> PlannerConfig:
+def planner_config(flags: ClusterFlags) -> PlannerConfig:
     """The PlannerConfig the flags describe."""
     return PlannerConfig(
-        queue_drain_s=args.planner_queue_drain_s,
-        prefill_headroom_beta=args.planner_prefill_headroom_beta,
-        tpot_s=args.planner_tpot_ms / 1000,
-        prefill=parse_bounds(args.prefill_replicas, "--prefill-replicas"),
-        decode=parse_bounds(args.decode_replicas, "--decode-replicas"),
-        scale_down_window_s=args.scale_down_window,
-        cooldown_s=args.scale_cooldown,
-        interval_s=args.planner_interval,
+        queue_drain_s=flags.planner_queue_drain_s,
+        prefill_headroom_beta=flags.planner_prefill_headroom_beta,
+        tpot_s=flags.planner_tpot_ms / 1000,
+        prefill=parse_bounds(flags.prefill_replicas, "--prefill-replicas"),
+        decode=parse_bounds(flags.decode_replicas, "--decode-replicas"),
+        scale_down_window_s=flags.scale_down_window,
+        cooldown_s=flags.scale_cooldown,
+        interval_s=flags.planner_interval,
     )
 
 
-def pool_deployments(args: argparse.Namespace, per_version: bool) -> dict[Pool, str]:
+def pool_deployments(flags: ClusterFlags, per_version: bool) -> dict[Pool, str]:
     """The Deployment of each pool the planner may scale: with a model repository (`per_version`),
     the versions' pools named by --planner-deployment; without one, the one model's pools
     (--k8s-prefill, --k8s-decode). ValueError naming the flag."""
     if not per_version:
-        if args.planner_deployment:
+        if flags.planner_deployment:
             raise ValueError("--planner-deployment: names a model version's pools, which needs --model-repository")
-        return {(None, "prefill"): args.k8s_prefill, (None, "decode"): args.k8s_decode}
+        return {(None, "prefill"): flags.k8s_prefill, (None, "decode"): flags.k8s_decode}
     deployments: dict[Pool, str] = {}
-    for value in args.planner_deployment:
+    for value in flags.planner_deployment:
         pool, _, deployment = value.partition("=")
         version, _, role = pool.rpartition(":")
         name, at, version_name = version.partition("@")
@@ -102,7 +101,7 @@ def pool_deployments(args: argparse.Namespace, per_version: bool) -> dict[Pool, 
     return deployments
 
 
-def cluster_services(args: argparse.Namespace, registry: WorkerRegistry,
+def cluster_services(flags: ClusterFlags, registry: WorkerRegistry,
                      per_version: bool) -> tuple[KubernetesDiscovery | None, Planner | None]:
     """Discovery (None for static lists) and the planner (None when off) for `registry`; with
     `per_version` (a model repository) the planner sizes each version's pools apart."""
@@ -112,18 +111,18 @@ def cluster_services(args: argparse.Namespace, registry: WorkerRegistry,
     from services.gateway.kube import DeploymentScale, LeaseElection, api_client, current_namespace
     from services.gateway.planner import Planner
 
-    config = planner_config(args)
-    deployments = pool_deployments(args, per_version)
-    pools = {"prefill": args.k8s_prefill, "decode": args.k8s_decode}
-    needs_api = args.discovery == "kubernetes" or args.planner == "apply"
+    config = planner_config(flags)
+    deployments = pool_deployments(flags, per_version)
+    pools = {"prefill": flags.k8s_prefill, "decode": flags.k8s_decode}
+    needs_api = flags.discovery == "kubernetes" or flags.planner == "apply"
     api = api_client() if needs_api else None
-    namespace = args.k8s_namespace or current_namespace()
+    namespace = flags.k8s_namespace or current_namespace()
     discovery = None
-    if args.discovery == "kubernetes":
+    if flags.discovery == "kubernetes":
         discovery = KubernetesDiscovery(registry, client.DiscoveryV1Api(api), namespace, pools)
-    if args.planner == "off":
+    if flags.planner == "off":
         return discovery, None
-    if args.planner == "recommend":
+    if flags.planner == "recommend":
         return discovery, Planner(registry, config, per_version=per_version)
     # The lease outlives a few plans, so that a busy leader keeps it and a dead one is soon replaced.
     election = LeaseElection(client.CoordinationV1Api(api), namespace, _LEASE_NAME, socket.gethostname(),

@@ -3,24 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from dataclasses import dataclass
 
-from services.commands.engine_flags import add_engine_flags, engine_config
+from services.commands.engine_flags import EngineFlags, engine_config
+from services.common.config_flags import add_flags, flag, from_args
+
+
+@dataclass(frozen=True)
+class GenerateFlags:
+    """The flags of `tandem generate`: one field per flag."""
+
+    prompt: str = flag(dataclasses.MISSING, "the prompt to complete")
+    chat: bool = flag(False, "wrap the prompt in the model's chat template")
+    max_tokens: int = flag(64, "tokens to generate at most")
+    temperature: float = flag(0.0, "0 = greedy")
+    top_p: float = flag(1.0, "nucleus sampling's probability mass (1: off)")
+    top_k: int = flag(0, "sample among this many likeliest tokens (0: off)")
+    seed: int | None = flag(None, "the sampler's seed (default: none, a fresh draw)")
+    json: bool = flag(False, "print one JSON object on the last line")
+    engine: EngineFlags = dataclasses.field(default_factory=EngineFlags)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `generate` subcommand."""
     gen = sub.add_parser("generate", help="run one prompt through an in-process engine")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    add_engine_flags(gen)
+    add_flags(gen, GenerateFlags)
     gen.set_defaults(func=run)
 
 
@@ -32,17 +42,17 @@ def run(args: argparse.Namespace) -> int:
     from engine.offline import generate
     from engine.sampling_params import SamplingParams
 
-    torch.set_num_threads(args.threads)
-    engine = build_engine(engine_config(args, "colocated"))
-    if args.chat:
-        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    flags: GenerateFlags = from_args(GenerateFlags, args)
+    torch.set_num_threads(flags.engine.threads)
+    engine = build_engine(engine_config(flags.engine, "colocated"))
+    if flags.chat:
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": flags.prompt}])
     else:
-        prompt = engine.tokenizer.encode(args.prompt)
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
-    )
+        prompt = engine.tokenizer.encode(flags.prompt)
+    params = SamplingParams(max_tokens=flags.max_tokens, temperature=flags.temperature, top_p=flags.top_p,
+                            top_k=flags.top_k, seed=flags.seed)
     [completion] = generate(engine, [prompt], params)
-    if args.json:
+    if flags.json:
         print(json.dumps({
             "text": completion.text,
             "token_ids": completion.token_ids,

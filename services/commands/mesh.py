@@ -11,6 +11,7 @@ OpenAI-compatible HTTP API), and stops them all on Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import signal
@@ -18,9 +19,18 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from services.commands.engine_flags import add_engine_flags, engine_flag_args
-from services.commands.kv_flags import add_kv_checksum_flag
+from engine.config import Role
+from services.commands.address_flags import AddressFlags
+from services.commands.engine_flags import EngineFlags
+from services.commands.gateway import PORT as GATEWAY_PORT
+from services.commands.gateway import GatewayFlags
+from services.commands.kv_flags import KVLinkFlags
+from services.commands.log_flags import LogFlags
+from services.commands.worker import PORTS as WORKER_PORTS
+from services.commands.worker import WorkerFlags
+from services.common.config_flags import add_flags, flag, from_args, to_argv
 from services.launcher import ReadyLine, ServerProcess, tandem_command
 from services.repository.config import load_repository
 
@@ -31,25 +41,29 @@ class MeshError(Exception):
     """A child process failed to start, died, or the demo request failed."""
 
 
+@dataclass(frozen=True)
+class MeshFlags:
+    """The flags of `tandem mesh`: one field per flag."""
+
+    host: str = flag("127.0.0.1", "address every process binds to")
+    gateway_port: int = flag(GATEWAY_PORT, "the gateway's gRPC port; 0 = a free port")
+    http_port: int = flag(GatewayFlags.http_port, "the gateway's OpenAI-compatible HTTP port; 0 = a free port")
+    prefill_port: int = flag(WORKER_PORTS["prefill"], "0 = a free port")
+    decode_port: int = flag(WORKER_PORTS["decode"], "0 = a free port")
+    kv: KVLinkFlags = dataclasses.field(default_factory=KVLinkFlags)  # to both workers
+    # The engine flags (model, dtype, formats, threads, cache, batching) go to both workers; the
+    # gateway gets the model and its context length.
+    engine: EngineFlags = dataclasses.field(default_factory=EngineFlags)
+    startup_timeout: float = flag(300.0, "seconds allowed for the ready lines")
+    grace_period: float = flag(10.0, "seconds the children get to drain on shutdown before they are killed")
+    demo_prompt: str = flag(_DEMO_PROMPT, "the request the mesh shows once it is ready")
+    demo_max_tokens: int = flag(96, "0 = no demo request")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `mesh` subcommand."""
     mesh = sub.add_parser("mesh", help="run a gateway, a prefill and a decode worker on this machine")
-    mesh.add_argument("--host", default="127.0.0.1", help="address every process binds to")
-    mesh.add_argument("--gateway-port", type=int, default=50051, help="the gateway's gRPC port; 0 = a free port")
-    mesh.add_argument("--http-port", type=int, default=8000,
-                      help="the gateway's OpenAI-compatible HTTP port; 0 = a free port")
-    mesh.add_argument("--prefill-port", type=int, default=50061, help="0 = a free port")
-    mesh.add_argument("--decode-port", type=int, default=50071, help="0 = a free port")
-    mesh.add_argument("--kv-backend", default="torch_dist", choices=["torch_dist", "grpc"])
-    add_kv_checksum_flag(mesh)  # to both workers
-    # The engine flags (model, dtype, formats, threads, cache, batching) go to both workers; the
-    # gateway gets the model and its context length.
-    add_engine_flags(mesh)
-    mesh.add_argument("--startup-timeout", type=float, default=300.0, help="seconds allowed for the ready lines")
-    mesh.add_argument("--grace-period", type=float, default=10.0,
-                      help="seconds the children get to drain on shutdown before they are killed")
-    mesh.add_argument("--demo-prompt", default=_DEMO_PROMPT)
-    mesh.add_argument("--demo-max-tokens", type=int, default=96, help="0 = no demo request")
+    add_flags(mesh, MeshFlags)
     mesh.set_defaults(func=run)
 
 
@@ -61,15 +75,17 @@ def _child(role: str, args: Sequence[str]) -> ServerProcess:
 
 def run(args: argparse.Namespace) -> int:
     """Start the mesh, show a request through it, serve until Ctrl-C/SIGTERM, then stop the children."""
+    flags: MeshFlags = from_args(MeshFlags, args)
+    log = LogFlags(args.log_level)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     children: list[ServerProcess] = []
     try:
-        gateway, http = _start(args, children, stop)
+        gateway, http = _start(flags, log, children, stop)
         print(f"tandem mesh ready gateway={gateway} http={http}", flush=True)
-        if args.demo_max_tokens > 0:
-            _demo(gateway, args.demo_prompt, args.demo_max_tokens, stop)
+        if flags.demo_max_tokens > 0:
+            _demo(gateway, flags.demo_prompt, flags.demo_max_tokens, stop)
         _print_usage(gateway, http)
         while not stop.wait(0.5):
             for child in children:
@@ -80,58 +96,59 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem mesh: error: {error}", file=sys.stderr, flush=True)
         return 1
     finally:
-        _stop_all(children, args.grace_period)
+        _stop_all(children, flags.grace_period)
 
 
-def _start(args: argparse.Namespace, children: list[ServerProcess], stop: threading.Event) -> tuple[str, str]:
+def _start(flags: MeshFlags, log: LogFlags, children: list[ServerProcess],
+           stop: threading.Event) -> tuple[str, str]:
     """Start the two workers together (their model loads overlap), then the gateway on the
     addresses they report; the gateway's gRPC and HTTP addresses once all are ready."""
-    base = ["--log-level", args.log_level]
-    common = ["--host", args.host, "--kv-checksum", args.kv_checksum]
-    for index, version in enumerate(_versions(args)):
-        named = ["--model-version", version] if version else []
+    for index, version in enumerate(_versions(flags.engine)):
         suffix = f" {version}" if version else ""
         # A worker asked for port 0 binds a free port itself and names it in its ready line: a port
         # picked here and bound later by the child could be taken by another process in between.
-        prefill_port = args.prefill_port + index if args.prefill_port else 0
-        decode_port = args.decode_port + index if args.decode_port else 0
-        children.append(_child(f"prefill{suffix}", [*base, "prefill", *common, *engine_flag_args(args, "prefill"),
-                                                    *named, "--port", str(prefill_port),
-                                                    *_free_metrics_port(prefill_port)]))
-        children.append(_child(f"decode{suffix}", [*base, "decode", *common, *engine_flag_args(args, "decode"),
-                                                   *named, "--port", str(decode_port), "--kv-backend",
-                                                   args.kv_backend, *_free_metrics_port(decode_port)]))
-    workers = [ready.grpc for ready in _wait_ready(children, time.monotonic() + args.startup_timeout, stop)]
-    prefill, decode = ",".join(workers[0::2]), ",".join(workers[1::2])
+        for role, port in (("prefill", flags.prefill_port), ("decode", flags.decode_port)):
+            worker = _worker_flags(flags, role, port + index if port else 0, version)
+            argv = [*to_argv(log), "worker", *to_argv(worker, defaults={"port": WORKER_PORTS["worker"]})]
+            children.append(_child(f"{role}{suffix}", argv))
+    workers = [ready.grpc for ready in _wait_ready(children, time.monotonic() + flags.startup_timeout, stop)]
     # The gateway reports ready once it sees a serving worker in each pool.
-    model = [*(["--model", args.model] if args.model else []),
-             *(["--model-repository", args.model_repository] if args.model_repository else []),
-             *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])]
-    children.append(_child("gateway", [*base, "gateway", "--host", args.host, *model, "--port", str(args.gateway_port),
-                                       "--http-port", str(args.http_port), "--prefill", prefill, "--decode", decode,
-                                       "--wait-for-workers", str(args.startup_timeout)]))
-    gateway = _wait_ready(children, time.monotonic() + args.startup_timeout, stop)[-1]
-    return gateway.grpc, str(gateway.http)
+    gateway = GatewayFlags(
+        address=AddressFlags(flags.host, flags.gateway_port), http_port=flags.http_port,
+        prefill=",".join(workers[0::2]), decode=",".join(workers[1::2]), model=flags.engine.model,
+        model_repository=flags.engine.model_repository, max_model_len=flags.engine.max_model_len,
+        wait_for_workers=flags.startup_timeout)
+    children.append(_child("gateway", [*to_argv(log), "gateway", *to_argv(gateway, defaults={"port": GATEWAY_PORT})]))
+    ready = _wait_ready(children, time.monotonic() + flags.startup_timeout, stop)[-1]
+    return ready.grpc, str(ready.http)
 
 
-def _versions(args: argparse.Namespace) -> list[str]:
+def _worker_flags(flags: MeshFlags, role: Role, port: int, version: str) -> WorkerFlags:
+    """One of the mesh's workers: the mesh's engine and KV flags, serving `version` ("" without a
+    repository) on `port`. A prefill worker is not asked to speculate (it would refuse to) and takes
+    only the checksum flag of the KV link's. A worker given a fixed port serves metrics on that port
+    + 1000 (its default); one given a free port gets a free metrics port too (its ready line names it)."""
+    engine = dataclasses.replace(flags.engine, model_version=version or None)
+    kv = flags.kv
+    if role == "prefill":
+        engine = dataclasses.replace(engine, speculative_config=None)
+        kv = KVLinkFlags(kv_checksum=kv.kv_checksum)
+    return WorkerFlags(role=role, address=AddressFlags(flags.host, port), kv=kv, engine=engine,
+                       metrics_port=None if port else 0)
+
+
+def _versions(engine: EngineFlags) -> list[str]:
     """NAME@VERSION of each version the mesh serves; [""] (one pair, no version) without a repository."""
-    if args.model_repository is None:
+    if engine.model_repository is None:
         return [""]
-    if args.model_version is not None or args.pool is not None:
+    if engine.model_version is not None or engine.pool is not None:
         raise MeshError("--model-version/--pool: the mesh serves every version of --model-repository")
-    if args.model is not None:
+    if engine.model is not None:
         raise MeshError("--model: the repository names the models; give one or the other")
     try:
-        return [version.key for version in load_repository(args.model_repository).versions]
+        return [version.version_key for version in load_repository(engine.model_repository).versions]
     except ValueError as error:
         raise MeshError(str(error)) from error
-
-
-def _free_metrics_port(port: int) -> list[str]:
-    """A child given a fixed port serves metrics on that port + 1000 (its default); one given a free
-    port gets a free metrics port too (its ready line names it)."""
-    return [] if port else ["--metrics-port", "0"]
 
 
 def _wait_ready(children: Sequence[ServerProcess], deadline: float, stop: threading.Event) -> list[ReadyLine]:

@@ -7,16 +7,26 @@ probed from inside its pod with this command and the pod's own certificate inste
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from dataclasses import dataclass
 
-from services.commands.security_flags import add_tls_flags, tls_config
+from services.commands.security_flags import TlsFlags
+from services.common.config_flags import add_flags, flag, from_args
+
+
+@dataclass(frozen=True)
+class ProbeFlags:
+    """The flags of `tandem probe` (its address is a positional argument)."""
+
+    timeout: float = flag(3.0, "seconds to wait for the answer")
+    tls: TlsFlags = dataclasses.field(default_factory=TlsFlags)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `probe` subcommand."""
     probe = sub.add_parser("probe", help="check a server's gRPC health (exit 0 when SERVING)")
     probe.add_argument("address", help="HOST:PORT of the server")
-    probe.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
-    add_tls_flags(probe)
+    add_flags(probe, ProbeFlags)
     probe.set_defaults(func=run)
 
 
@@ -28,15 +38,15 @@ def run(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from services.common.tls import open_channel
+    from services.common.channels import Channels
 
-    tls = tls_config(args)
+    flags: ProbeFlags = from_args(ProbeFlags, args)
 
     async def check() -> int:
-        async with open_channel(args.address, tls) as channel:
+        async with Channels(flags.tls.config()).open(args.address) as channel:
             try:
                 reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                                        timeout=args.timeout)
+                                                                        timeout=flags.timeout)
             except grpc.aio.AioRpcError as error:
                 print(f"tandem probe: {error.code().name}: {error.details()}", file=sys.stderr)
                 return 1

@@ -1,6 +1,6 @@
 """What every Tandem gRPC server and channel accepts: message sizes and streams per connection.
 
-One `GrpcLimits` per process, from its command line (services/commands/limit_flags.py); its server
+One `GrpcLimits` per process, from its command line (each field is a flag); its server
 and every channel it opens to another Tandem process use it, so peers configured alike agree.
 """
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from services.common.config_flags import flag
 
 # KV chunks are a few MiB; leave room above gRPC's 4 MiB default.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -24,8 +26,10 @@ class GrpcLimits:
     beyond it until a stream ends, so it bounds a connection's share of the server rather than
     refusing anything."""
 
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS
+    max_message_bytes: int = flag(DEFAULT_MAX_MESSAGE_BYTES,
+                                  "largest gRPC message this process's server and channels send or receive")
+    max_concurrent_streams: int = flag(DEFAULT_MAX_CONCURRENT_STREAMS, "gRPC calls one client connection may "
+                                       "have open at once (further calls wait)")
 
     def __post_init__(self) -> None:
         # gRPC takes both as C ints.

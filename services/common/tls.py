@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
-
-from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
-from services.common.server import channel_options
 
 log = logging.getLogger(__name__)
 
@@ -72,27 +68,6 @@ class TlsConfig:
         """uvicorn.Config arguments serving HTTPS with this certificate (no client certificates:
         HTTP clients authenticate with API keys)."""
         return {"ssl_certfile": str(self.cert_file), "ssl_keyfile": str(self.key_file)}
-
-
-def open_channel(
-    address: str, tls: TlsConfig | None, extra_options: Sequence[tuple[str, Any]] = (),
-    limits: GrpcLimits = DEFAULT_GRPC_LIMITS,
-) -> grpc.aio.Channel:
-    """An asyncio channel to another Tandem process (host:port) with `channel_options(limits)`:
-    mutual TLS with `tls`, plaintext without."""
-    options = channel_options(limits) + list(extra_options)
-    if tls is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options())
-
-
-def open_sync_channel(address: str, tls: TlsConfig | None, limits: GrpcLimits = DEFAULT_GRPC_LIMITS) -> grpc.Channel:
-    """A synchronous channel to another Tandem process (the gRPC KV backend's) with
-    `channel_options(limits)`: mutual TLS with `tls`, plaintext without."""
-    options = channel_options(limits)
-    if tls is None:
-        return grpc.insecure_channel(address, options=options)
-    return grpc.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options())
 
 
 def warn_if_worker_exposed(role: str, host: str, tls: TlsConfig | None) -> bool:

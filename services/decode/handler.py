@@ -6,41 +6,39 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvtransfer_pb2, kvtransfer_pb2_grpc
 
-from engine.config import EngineConfig
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
 from kvtransfer.descriptor import split_address
 from kvtransfer.grpc_stream import KVTransferServicer
 from kvtransfer.receiver import make_receiver
+from services.common.channels import Channels
 from services.common.convert import sampling_params_from_proto, token_chunk
 from services.common.errors import abort_with
-from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.server import RoleServer
-from services.common.tls import TlsConfig, warn_if_worker_exposed
+from services.common.tls import warn_if_worker_exposed
 from services.common.worker import load_engine
+from services.common.worker_config import WorkerConfig
 from services.common.worker_metrics import WorkerMetrics
 from services.common.worker_rpcs import WorkerRpcs, loaded
-from services.decode.model_swap import ModelSwap, SwapSettings
+from services.decode.model_swap import ModelSwap
 from services.decode.prefill_client import PrefillClients
 from services.decode.progress import DecodeProgress
 from services.decode.served_engines import ServedEngines
 from services.decode.telemetry import DecodeRecorder
 from services.decode.worker import DecodeWorker
 from services.observability.metrics import serve_metrics
-from services.repository.config import ModelVersion
 
 
 class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
     """tandem.v1.Decode: Generate, Abort, GetLoad, WatchLoad."""
 
-    def __init__(self, metrics: WorkerMetrics, tls: TlsConfig | None = None,
-                 limits: GrpcLimits = DEFAULT_GRPC_LIMITS) -> None:
-        self.prefills = PrefillClients(tls, limits)
+    def __init__(self, metrics: WorkerMetrics, channels: Channels) -> None:
+        self.prefills = PrefillClients(channels)
         self.metrics = metrics
         self.engines = ServedEngines(self, metrics)
 
@@ -122,35 +120,23 @@ class LateKVTransfer(kvtransfer_pb2_grpc.KVTransferServicer):
         return await (await loaded(self.servicer, context)).Push(request_iterator, context)
 
 
-async def serve(
-    config: EngineConfig,
-    host: str,
-    port: int,
-    grace_period: float,
-    kv_backend: str,
-    kv_host: str,
-    kv_timeout: float,
-    metrics_port: int,
-    advertise_host: str,
-    tls: TlsConfig | None = None,
-    limits: GrpcLimits = DEFAULT_GRPC_LIMITS,
-    kv_checksum: bool = True,
-    swap: SwapSettings | None = None,
-    configure: Callable[[ModelVersion], EngineConfig] | None = None,
-) -> int:
-    """Run a decode (or colocated: `config.role`) worker until SIGTERM/SIGINT; returns the exit code.
-    Prefill workers reach its gRPC KV receiver at `advertise_host` (the server may listen on a
-    wildcard address). With `tls`, its server and its channels to prefill workers use (mutual) TLS;
-    `limits` bound the messages and streams of both. `kv_checksum` False (`--kv-checksum off`) takes
-    pages without CRC32C from prefill workers that are off too; True requires it on every page.
-    With `swap`, the worker follows its pool's version in the repository file, loading a version
-    `configure` describes beside the serving one (services.decode.model_swap)."""
-    warn_if_worker_exposed(config.role, host, tls)
-    server = RoleServer(config.role, host, port, grace_period, tls.server_credentials() if tls else None,
-                        limits=limits, advertise_host=advertise_host)
-    metrics = WorkerMetrics(config.served_name, config.model_version)
-    server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
-    servicer = DecodeServicer(metrics, tls, limits)
+async def serve(config: WorkerConfig) -> int:
+    """Run a decode (or colocated: `config.engine.role`) worker until SIGTERM/SIGINT; returns the exit
+    code. Prefill workers reach its gRPC KV receiver at its advertised host (the server may listen on
+    a wildcard address). Its server and its channels to prefill workers use `config.channels`.
+    `kv_checksum` False (`--kv-checksum off`) takes pages without CRC32C from prefill workers that
+    are off too; True requires it on every page. With `swap`, the worker follows its pool's version
+    in the repository file, loading each version beside the serving one (services.decode.model_swap)."""
+    engine_config = config.served_engine
+    role = engine_config.role
+    advertise_host = config.advertise_host or config.host
+    kv_host = config.kv_host or advertise_host
+    warn_if_worker_exposed(role, config.host, config.channels.tls)
+    server = RoleServer(role, config.host, config.port, config.grace_period, config.channels.server_credentials(),
+                        limits=config.channels.limits, advertise_host=advertise_host)
+    metrics = WorkerMetrics(engine_config.served_name, engine_config.model_version)
+    server.metrics_address = serve_metrics(metrics.registry, config.host, config.metrics_port)
+    servicer = DecodeServicer(metrics, config.channels)
     kv_transfer = LateKVTransfer()
     swaps: list[ModelSwap] = []
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, servicer,
@@ -159,17 +145,18 @@ async def serve(
                kvtransfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
 
     async def load() -> None:
-        engine = await asyncio.to_thread(load_engine, config)
+        engine = await asyncio.to_thread(load_engine, engine_config)
         advertised = f"{advertise_host}:{server.port}"
-        receiver = make_receiver(kv_backend, kv_host, advertised, timeout=kv_timeout, device=config.device,
-                                 checksum=kv_checksum)
-        worker = DecodeWorker(server.address, engine, server.draining, receiver, kv_timeout, on_fatal=server.fail)
+        receiver = make_receiver(config.kv_backend, kv_host, advertised, timeout=config.kv_timeout,
+                                 device=engine_config.device, checksum=config.kv_checksum)
+        worker = DecodeWorker(server.address, engine, server.draining, receiver, config.kv_timeout,
+                              on_fatal=server.fail)
         await servicer.engines.start(worker)
         kv_transfer.servicer = servicer.engines.kv_transfer = KVTransferServicer(
-            worker.layout, receiver if kv_backend == "grpc" else None)
+            worker.layout, receiver if config.kv_backend == "grpc" else None)
         servicer.engines.promote(worker)
-        if swap is not None and configure is not None:
-            swaps.append(ModelSwap(swap, servicer.engines, configure))
+        if config.swap is not None:
+            swaps.append(ModelSwap(config.swap, servicer.engines, config.engine))
             swaps[0].start()
 
     async def close() -> None:

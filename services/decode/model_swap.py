@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -37,28 +36,12 @@ from services.common.worker import load_engine
 from services.decode.served_engines import ServedEngines
 from services.repository.config import ModelRepository, ModelVersion, load_repository
 from services.repository.file_stamp import FileStamp
+from services.repository.swap_settings import SwapSettings
 
 log = logging.getLogger(__name__)
 
 _MIB = 1024 * 1024
 _BACKGROUND_NICE = 19  # the loading thread's niceness: the least CPU share Linux gives
-
-
-@dataclass(frozen=True)
-class SwapSettings:
-    """Where a worker's version comes from, and what a swap may hold."""
-
-    repository: str  # the repository file (--model-repository)
-    pool: str  # the pool whose version this worker serves (--pool)
-    memory_limit_bytes: int | None = None  # both versions together (--memory-limit-mib); None: no swap
-    interval_s: float = 1.0  # how often the file is polled
-    retire_after_s: float = 5.0  # how long a version must get no traffic before it is unloaded
-
-    def __post_init__(self) -> None:
-        if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
-            raise ValueError(f"memory_limit: must be positive, got {self.memory_limit_bytes} bytes")
-        if self.interval_s <= 0 or self.retire_after_s < 0:
-            raise ValueError("interval_s must be positive and retire_after_s not negative")
 
 
 def memory_refusal(settings: SwapSettings, serving: str, wanted: str, resident: int,
@@ -87,13 +70,12 @@ def routes_traffic(repository: ModelRepository, version_key: str) -> bool:
 class ModelSwap:
     """Follows the repository file for one worker process's pool; see the module docstring."""
 
-    def __init__(self, settings: SwapSettings, engines: ServedEngines,
-                 configure: Callable[[ModelVersion], EngineConfig],
+    def __init__(self, settings: SwapSettings, engines: ServedEngines, flags: EngineConfig,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """`configure(version)`: the engine config of a version, with this worker's other flags."""
+        """`flags`: the worker's engine config before a version is applied to it (ModelVersion.serving)."""
         self._settings = settings
         self._engines = engines
-        self._configure = configure
+        self._flags = flags
         self._clock = clock
         self._stamp = FileStamp(settings.repository)
         self._repository = load_repository(settings.repository)
@@ -134,43 +116,43 @@ class ModelSwap:
         except ValueError as error:
             log.error("%s keeps serving: %s", current.version_key, error)
             return
-        if version.key == current.version_key:
+        if version.version_key == current.version_key:
             return
-        loaded = self._engines.find(version.key)
+        loaded = self._engines.find(version.version_key)
         if loaded is not None:
             self._engines.promote(loaded)
-            log.info("pool %s serves %s again (still loaded); %s retires", self._settings.pool, version.key,
+            log.info("pool %s serves %s again (still loaded); %s retires", self._settings.pool, version.version_key,
                      current.version_key)
             return
         await self._load(version, current.version_key)
 
     async def _load(self, version: ModelVersion, serving: str) -> None:
-        config = self._configure(version)
+        config = version.serving(self._flags)
         try:
             footprint = await asyncio.to_thread(predict_footprint, config)
         except (OSError, ValueError) as error:
-            log.error("hot swap of pool %s to %s failed, %s keeps serving: %s", self._settings.pool, version.key,
-                      serving, error)
+            log.error("hot swap of pool %s to %s failed, %s keeps serving: %s", self._settings.pool,
+                      version.version_key, serving, error)
             return
-        refusal = memory_refusal(self._settings, serving, version.key, resident_bytes(), footprint)
+        refusal = memory_refusal(self._settings, serving, version.version_key, resident_bytes(), footprint)
         if refusal is not None:
             log.error("%s", refusal)
             return
-        log.info("pool %s: loading %s beside %s (about %.0f MiB)", self._settings.pool, version.key, serving,
+        log.info("pool %s: loading %s beside %s (about %.0f MiB)", self._settings.pool, version.version_key, serving,
                  footprint.total_bytes / _MIB)
         try:
             engine = await _in_background(load_engine, config)
         except Exception as error:  # whatever the new weights do, the old version keeps serving
-            log.error("hot swap of pool %s to %s failed, %s keeps serving: %s", self._settings.pool, version.key,
-                      serving, error)
+            log.error("hot swap of pool %s to %s failed, %s keeps serving: %s", self._settings.pool,
+                      version.version_key, serving, error)
             return
         current = self._engines.current
         assert current is not None
         worker = current.successor(engine)
         await self._engines.start(worker)
         self._engines.promote(worker)
-        log.info("pool %s now serves %s; %s retires (%.0f MiB resident)", self._settings.pool, version.key, serving,
-                 resident_bytes() / _MIB)
+        log.info("pool %s now serves %s; %s retires (%.0f MiB resident)", self._settings.pool, version.version_key,
+                 serving, resident_bytes() / _MIB)
 
     async def _retire(self) -> None:
         now = self._clock()

@@ -13,10 +13,9 @@ from engine.resume import Resumed
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kvtransfer.descriptor import TransferTarget
+from services.common.channels import Channels
 from services.common.convert import sampling_params_to_proto
 from services.common.failure import Failure, WorkerError
-from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
-from services.common.tls import TlsConfig, open_channel
 from services.decode.progress import PrefillFigures
 from services.decode.worker import PrefillReply
 
@@ -83,10 +82,9 @@ class GrpcPrefillPeer:
 class PrefillClients:
     """Channels to the prefill workers this decode worker has used."""
 
-    def __init__(self, tls: TlsConfig | None = None, limits: GrpcLimits = DEFAULT_GRPC_LIMITS) -> None:
-        """`tls`: mutual TLS to the prefill workers (None: plaintext); `limits`: the channels' message sizes."""
-        self._tls = tls
-        self._limits = limits
+    def __init__(self, channels: Channels) -> None:
+        """`channels`: how the channels to the prefill workers are opened (TLS, message sizes)."""
+        self._factory = channels
         self._peers: dict[str, GrpcPrefillPeer] = {}
         self._channels: list[grpc.aio.Channel] = []
         self._pending: set[asyncio.Task] = set()
@@ -95,7 +93,7 @@ class PrefillClients:
         """The prefill worker at host:port (its channel is opened on first use)."""
         peer = self._peers.get(address)
         if peer is None:
-            channel = open_channel(address, self._tls, limits=self._limits)
+            channel = self._factory.open(address)
             self._channels.append(channel)
             peer = self._peers[address] = GrpcPrefillPeer(address, prefill_pb2_grpc.PrefillStub(channel), self._pending)
         return peer

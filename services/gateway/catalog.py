@@ -28,7 +28,7 @@ class Target:
     model: ServedModel
     answered_as: str  # the `model` the reply carries: what the client asked for, or the model's name
     version: str  # the repository's version ("" for a gateway of one model)
-    workers_key: str | None  # NAME@VERSION its workers report; None: any worker
+    version_key: str | None  # NAME@VERSION its workers report; None: any worker
 
     @property
     def fingerprint(self) -> str:
@@ -45,7 +45,7 @@ class CatalogEntry:
 
     @property
     def key(self) -> str:
-        return self.version.key if self.version is not None else self.model.id
+        return self.version.version_key if self.version is not None else self.model.id
 
 
 class ModelCatalog:
@@ -117,7 +117,7 @@ class ModelCatalog:
             raise UnknownModel(f"The model `{requested}` does not exist; this server serves "
                                f"{', '.join(f'`{m.name}`' for m in self.repository.models)}.")
         version = self._version(repository_model, version_name, at, caller)
-        return Target(self._by_key[version.key].model, answered_as, version.name, version.key)
+        return Target(self._by_key[version.version_key].model, answered_as, version.name, version.version_key)
 
     def _version(self, model: RepositoryModel, version_name: str, at: str, caller: str | None) -> ModelVersion:
         if not at:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.config_flags import flag
+
 # A batch of 64 prompts of a few thousand tokens each, as JSON token ids, fits with room to spare.
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
@@ -21,10 +23,11 @@ class RequestLimits:
     `max_body_bytes`: largest HTTP request body (413 beyond).
     `max_concurrent_requests`: HTTP API requests in flight at once, streams included (429 beyond)."""
 
-    max_prompt_tokens: int | None = None
-    max_total_tokens: int | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+    max_prompt_tokens: int | None = flag(None, "longest prompt, in tokens (default: the model's context less one)")
+    max_total_tokens: int | None = flag(None, "longest prompt plus max_tokens (default: the model's context)")
+    max_body_bytes: int = flag(DEFAULT_MAX_BODY_BYTES, "largest HTTP request body; larger ones get 413")
+    max_concurrent_requests: int = flag(DEFAULT_MAX_CONCURRENT_REQUESTS,
+                                        "HTTP API requests in flight at once (streams included); beyond it 429")
 
     def __post_init__(self) -> None:
         for name in ("max_prompt_tokens", "max_total_tokens", "max_body_bytes", "max_concurrent_requests"):

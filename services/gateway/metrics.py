@@ -196,9 +196,9 @@ class _WorkerStates(Collector):
         family = GaugeMetricFamily("tandem:worker_routable",
                                    "1 while the gateway routes to the worker (health SERVING, load reports "
                                    "arriving), else 0.", labels=per_model(["role", "worker"]))
-        for role, address, routable, serves in self._workers():
+        for role, address, routable, version_key in self._workers():
             # A worker's own report names its model; before one came it counts as the gateway's first.
-            family.add_metric([*_model_labels(self._model_name, serves), role, address], 1.0 if routable else 0.0)
+            family.add_metric([*_model_labels(self._model_name, version_key), role, address], 1.0 if routable else 0.0)
         yield family
 
 
@@ -221,10 +221,10 @@ class _PlannerRecommendations(Collector):
         yield family
 
 
-def _model_labels(model_name: str, serves: str | None) -> tuple[str, str]:
+def _model_labels(model_name: str, version_key: str | None) -> tuple[str, str]:
     """(model_name, model_version) of NAME@VERSION; `model_name` and "" for None (the gateway's one
     model, or a worker yet to report)."""
-    if serves is None:
+    if version_key is None:
         return model_name, ""
-    name, _, version = serves.partition("@")
+    name, _, version = version_key.partition("@")
     return name, version

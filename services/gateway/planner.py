@@ -75,8 +75,8 @@ class Planner:
         groups: dict[str | None, list[RemoteWorker]] = defaultdict(list)
         for worker in self._registry.workers:
             # A worker that never reported names no version yet (and is not routed to).
-            if worker.role in ROLES and (not self._per_version or worker.serves is not None):
-                groups[worker.serves if self._per_version else None].append(worker)
+            if worker.role in ROLES and (not self._per_version or worker.version_key is not None):
+                groups[worker.version_key if self._per_version else None].append(worker)
         arrivals = self._arrival_rates(now, groups)
         recommended: dict[Pool, int | None] = {}
         for version, workers in groups.items():

@@ -13,8 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from engine.kv_cache.block_hash import prompt_block_hashes
-from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
-from services.common.tls import TlsConfig
+from services.common.channels import PLAINTEXT, Channels
 from services.gateway.prefix_index import PrefixIndex
 from services.gateway.router import (
     DEFAULT_POLICY,
@@ -77,19 +76,18 @@ class WorkerRegistry:
     """Prefill, decode and colocated workers by address; routes requests over their views."""
 
     def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = (), colocated: Sequence[str] = (),
-                 default_slo: SloTargets = DEFAULT_SLO, retire_after_s: float = 10.0, tls: TlsConfig | None = None,
-                 limits: GrpcLimits = DEFAULT_GRPC_LIMITS, policy: RoutingPolicy = DEFAULT_POLICY,
+                 default_slo: SloTargets = DEFAULT_SLO, retire_after_s: float = 10.0, channels: Channels = PLAINTEXT,
+                 policy: RoutingPolicy = DEFAULT_POLICY,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
-        """Addresses (host:port) of each pool's first workers; channels (mutual TLS with `tls`, message
-        sizes from `limits`) open on `start`; pools may start empty when discovery fills them. A
+        """Addresses (host:port) of each pool's first workers; channels (opened by `channels`: TLS, message
+        sizes) open on `start`; pools may start empty when discovery fills them. A
         removed worker's channel stays open at least `retire_after_s` (waited with `sleep`), then
         until its streams end: a request placed before the removal may still retry there, and must
         get the worker's own answer (a retryable UNAVAILABLE once it drains), not a closed channel.
         `policy` is the router's (services.gateway.router.route)."""
         self.default_slo = default_slo
         self._policy = policy
-        self._tls = tls
-        self._limits = limits
+        self._channels = channels
         self._retire_after_s = retire_after_s
         self._sleep = sleep
         self._started = False
@@ -102,7 +100,7 @@ class WorkerRegistry:
             for address in addresses:
                 if address in self._workers:
                     raise ValueError(f"worker {address} is listed twice")
-                self._workers[address] = RemoteWorker(address, role, self._changed, self._tls, self._limits)
+                self._workers[address] = RemoteWorker(address, role, self._changed, self._channels)
         self._turns = itertools.count()
 
     @property
@@ -127,7 +125,7 @@ class WorkerRegistry:
     def add(self, role: Role, address: str) -> None:
         """Route to a new worker (once it is SERVING); a no-op for one already known."""
         if address not in self._workers:
-            self._workers[address] = worker = RemoteWorker(address, role, self._changed, self._tls, self._limits)
+            self._workers[address] = worker = RemoteWorker(address, role, self._changed, self._channels)
             if self._started:
                 worker.start()
 
@@ -174,14 +172,14 @@ class WorkerRegistry:
 
     # ---- placing requests ------------------------------------------------------------------------
     def route_request(self, prompt_token_ids: Sequence[int], max_tokens: int,
-                      slo: SloTargets | None = None, workers_key: str | None = None) -> RouteRequest:
+                      slo: SloTargets | None = None, version_key: str | None = None) -> RouteRequest:
         """A request as the router sees it, with the prefix each worker likely holds; only workers
-        reporting `workers_key` (NAME@VERSION; None: any) may serve it."""
+        reporting `version_key` (NAME@VERSION; None: any) may serve it."""
         cached: dict[str, int] = {}
         hashes_by_size: dict[int, list[bytes]] = {}
         for worker in self._workers.values():
             # Not routed to, or another version's (decide never offers it this request).
-            if worker.report is None or not worker.offers(workers_key):
+            if worker.report is None or not worker.offers(version_key):
                 continue
             block_size = worker.report.block_size
             hashes = _block_hashes(hashes_by_size, prompt_token_ids, block_size)
@@ -189,13 +187,13 @@ class WorkerRegistry:
             if tokens:
                 cached[worker.address] = tokens
         return RouteRequest(len(prompt_token_ids), max_tokens, slo or self.default_slo, cached,
-                            tuple(prompt_token_ids), workers_key)
+                            tuple(prompt_token_ids), version_key)
 
     def decide(self, request: RouteRequest, idle: bool = False, exclude: frozenset[str] = frozenset()) -> Decision:
         """The router's decision over the workers' current views (or idle ones); NoWorkerError if
         no worker could take it."""
         views = [view for w in self._workers.values()
-                 if w.address not in exclude and w.offers(request.workers_key) and (view := w.view(idle))]
+                 if w.address not in exclude and w.offers(request.version_key) and (view := w.view(idle))]
         return route(request, views, next(self._turns), self._policy)
 
     def claim(self, request: RouteRequest, decision: Decision) -> Placement:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.kv_cache.blocks import blocks_for
+from services.common.config_flags import flag
 from services.common.step_model import StepModel
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -49,12 +50,17 @@ class RoutingPolicy:
     # if that is cheaper. At 1 a decode worker prefills only when no prefill worker meets the
     # objective: a lower share kept no more requests within their SLO (`python -m bench goodput`;
     # docs/benchmarks.md, "Decisions settled by experiments").
-    remote_ttft_share: float = 1.0
+    remote_ttft_share: float = flag(
+        1.0, "a decode worker whose running requests' TPOT slack allows it computes a prompt itself once every "
+        "prefill worker's predicted TTFT exceeds this share of the objective, if that is sooner (1: only when no "
+        "prefill worker meets it)")
     # The share of its running requests' least TPOT slack a worker may spend on stalling them with
     # prompts: later arrivals slow the batch's remaining steps, and the step model's predictions err.
     # Less refused requests that would have met their SLO, and this much still kept TPOT within the
     # objective (`python -m bench goodput`; docs/benchmarks.md, "Decisions settled by experiments").
-    tpot_slack_share: float = 0.75
+    tpot_slack_share: float = flag(
+        0.75, "share of its running requests' least TPOT slack (the room left under their objectives) a worker "
+        "may spend stalling them with a prompt")
 
     def __post_init__(self) -> None:
         for name in ("remote_ttft_share", "tpot_slack_share"):
@@ -122,7 +128,7 @@ class RouteRequest:
     # NAME@VERSION of the model version the request is for: the registry offers the rules only the
     # workers reporting it, so a prefill worker is paired only with a decode worker of that version.
     # None: any worker (a gateway of one model).
-    workers_key: str | None = None
+    version_key: str | None = None
 
 
 @dataclass(frozen=True)

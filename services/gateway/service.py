@@ -92,10 +92,10 @@ class GatewayService:
         """Every model version served, with its state and formats, as the model lists show them."""
         listings = []
         for entry in self.served_catalog().entries:
-            key = entry.version.key if entry.version is not None else None
+            key = entry.version.version_key if entry.version is not None else None
             workers = [worker for worker in self.registry.workers if worker.report is not None and worker.offers(key)]
             # A version only retiring workers hold (a hot swap in their processes) is on its way out.
-            state = ("serving" if any(worker.routable and key in (None, worker.serves) for worker in workers)
+            state = ("serving" if any(worker.routable and key in (None, worker.version_key) for worker in workers)
                      else "draining" if workers else "loading")
             listings.append(ModelListing(entry.model.id, entry.version.name if entry.version is not None else "",
                                          entry.model.max_model_len, state,
@@ -123,11 +123,11 @@ class GatewayService:
                    request.slo.tpot_ms / 1000 if request.slo.tpot_ms else default.tpot_s)
 
     async def place(self, request: GenerateRequest, prompt: list[int], slo: SloTargets, arrived_at: float,
-                    exclude: frozenset[str] = frozenset(), workers_key: str | None = None) -> Placement:
+                    exclude: frozenset[str] = frozenset(), version_key: str | None = None) -> Placement:
         """Where the request runs, once admission lets it in (see services.gateway.admission), on
-        workers reporting `workers_key` (NAME@VERSION; None: any). StatusError RESOURCE_EXHAUSTED
+        workers reporting `version_key` (NAME@VERSION; None: any). StatusError RESOURCE_EXHAUSTED
         (with a retry-after hint) when refused, UNAVAILABLE when no worker could take it at all."""
-        route_request = self.registry.route_request(prompt, request.sampling.max_tokens, slo, workers_key)
+        route_request = self.registry.route_request(prompt, request.sampling.max_tokens, slo, version_key)
         try:
             if exclude:  # a retry after a refusal: no queueing, the best other worker now
                 return self.registry.claim(route_request, self.registry.decide(route_request, exclude=exclude))
@@ -168,7 +168,7 @@ class GatewayService:
             # which cancels the request on its workers; left to the garbage collector it would not.
             async with contextlib.aclosing(
                     self._generate(request, request_id, prompt, arrived_at, deadline, observation,
-                                   target.workers_key)) as chunks:
+                                   target.version_key)) as chunks:
                 async for chunk in chunks:
                     observation.streamed(chunk)
                     yield chunk
@@ -210,7 +210,7 @@ class GatewayService:
 
     async def _generate(self, request: GenerateRequest, request_id: str, prompt: list[int], arrived_at: float,
                         deadline: float | None, observation: RequestObservation,
-                        workers_key: str | None) -> AsyncIterator[Chunk]:
+                        version_key: str | None) -> AsyncIterator[Chunk]:
         slo = self.slo(request)
 
         progress = StreamProgress(self.migration)
@@ -220,7 +220,7 @@ class GatewayService:
             try:
                 with observation.routing() as route:
                     placement = await self.place(request, progress.context(prompt), slo, arrived_at, refused,
-                                                 workers_key)
+                                                 version_key)
                     observation.placed(route, placement.decision, slo)
             except StatusError:
                 if not refusals:
@@ -234,7 +234,7 @@ class GatewayService:
                       "; ".join(decision.reasons[:1]))
             timeout = None if deadline is None else deadline - time.monotonic()
             stream = placement.decode.generate(request_id, worker_request_id, prompt, request.sampling,
-                                               decision.prefill or "", timeout, progress.resumed(), workers_key)
+                                               decision.prefill or "", timeout, progress.resumed(), version_key)
             streamed = False
             try:
                 async for chunk in stream:

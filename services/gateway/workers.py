@@ -21,11 +21,10 @@ from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
+from services.common.channels import PLAINTEXT, Channels
 from services.common.chunk import Chunk
 from services.common.convert import chunk_from_proto, sampling_params_to_proto, step_model_from_proto
 from services.common.errors import status_error_from_rpc
-from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
-from services.common.tls import TlsConfig, open_channel
 from services.gateway.router import Role, WorkerView
 from services.gateway.tpot_slack import DecodeProgress
 
@@ -46,12 +45,12 @@ class RemoteWorker:
     this gateway sent it since."""
 
     def __init__(self, address: str, role: Role, on_change: Callable[[], None] = lambda: None,
-                 tls: TlsConfig | None = None, limits: GrpcLimits = DEFAULT_GRPC_LIMITS) -> None:
+                 channels: Channels = PLAINTEXT) -> None:
         """`on_change` runs whenever its health or load changes (admission re-tries waiting requests);
-        `tls`: the channel's mutual TLS (None: plaintext); `limits`: its message sizes."""
+        `channels` opens its channel (TLS, message sizes)."""
         self.address = address
         self.role = role
-        self.channel = open_channel(address, tls, _RECONNECT_OPTIONS, limits)
+        self.channel = channels.open(address, _RECONNECT_OPTIONS)
         stub_class = prefill_pb2_grpc.PrefillStub if role == "prefill" else decode_pb2_grpc.DecodeStub
         self.stub = stub_class(self.channel)
         self.serving = False
@@ -72,7 +71,7 @@ class RemoteWorker:
         return self.serving and self.report is not None
 
     @property
-    def serves(self) -> str | None:
+    def version_key(self) -> str | None:
         """NAME@VERSION of the model version its load reports name; None before its first report."""
         if self.report is None:
             return None
@@ -82,7 +81,7 @@ class RemoteWorker:
         """Whether it may serve a request routed for NAME@VERSION (None: any version): the version it
         serves, or one a hot swap in its process retires and still holds (LoadReport)."""
         return version_key is None or (self.report is not None and (
-            version_key == self.serves or version_key in self.report.retiring_versions))
+            version_key == self.version_key or version_key in self.report.retiring_versions))
 
     @property
     def in_flight(self) -> int:

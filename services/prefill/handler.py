@@ -7,17 +7,16 @@ import asyncio
 import grpc
 from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
-from engine.config import EngineConfig
 from engine.resume import Resumed
 from kvtransfer.descriptor import KVLayout, TransferTarget
 from kvtransfer.sender import KVSenderPool
 from services.common.convert import finish_reason_to_proto, sampling_params_from_proto, token_logprob_to_proto
 from services.common.errors import abort_with
-from services.common.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
-from services.common.tls import TlsConfig, open_sync_channel, warn_if_worker_exposed
+from services.common.tls import warn_if_worker_exposed
 from services.common.worker import load_engine
+from services.common.worker_config import WorkerConfig
 from services.common.worker_metrics import WorkerMetrics
 from services.common.worker_rpcs import WorkerRpcs
 from services.observability.metrics import serve_metrics
@@ -68,40 +67,31 @@ def _response(result: PrefillResult) -> prefill_pb2.PrefillResponse:
     return response
 
 
-async def serve(
-    config: EngineConfig,
-    host: str,
-    port: int,
-    grace_period: float,
-    transfer_timeout: float,
-    metrics_port: int,
-    tls: TlsConfig | None = None,
-    limits: GrpcLimits = DEFAULT_GRPC_LIMITS,
-    advertise_host: str | None = None,
-    kv_checksum: bool = True,
-) -> int:
-    """Run a prefill worker until SIGTERM/SIGINT; returns the exit code. With `tls`, its server and
-    its gRPC KV channels to decode workers use (mutual) TLS; `limits` bound the messages and streams
-    of both. `advertise_host` (default `host`) is the address its ready line names and its
-    torch_dist pairs listen on; without one given, a pair listens on the address that routes to
-    its receiver. `kv_checksum` False (`--kv-checksum off`) sends pages without CRC32C to decode
-    workers that are off too."""
-    warn_if_worker_exposed("prefill", host, tls)
-    server = RoleServer("prefill", host, port, grace_period, tls.server_credentials() if tls else None,
-                        limits=limits, advertise_host=advertise_host)
-    metrics = WorkerMetrics(config.served_name, config.model_version)
-    server.metrics_address = serve_metrics(metrics.registry, host, metrics_port)
+async def serve(config: WorkerConfig) -> int:
+    """Run a prefill worker until SIGTERM/SIGINT; returns the exit code. Its server and its gRPC KV
+    channels to decode workers use `config.channels`. Its advertised host (default: the host) is the
+    address its ready line names and its torch_dist pairs listen on; without one given, a pair
+    listens on the address that routes to its receiver. `kv_checksum` False (`--kv-checksum off`)
+    sends pages without CRC32C to decode workers that are off too."""
+    engine_config = config.served_engine
+    warn_if_worker_exposed("prefill", config.host, config.channels.tls)
+    server = RoleServer("prefill", config.host, config.port, config.grace_period,
+                        config.channels.server_credentials(), limits=config.channels.limits,
+                        advertise_host=config.advertise_host)
+    metrics = WorkerMetrics(engine_config.served_name, engine_config.model_version)
+    server.metrics_address = serve_metrics(metrics.registry, config.host, config.metrics_port)
     servicer = PrefillServicer(metrics)
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer,
                prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
 
     async def load() -> None:
-        engine = await asyncio.to_thread(load_engine, config)
+        engine = await asyncio.to_thread(load_engine, engine_config)
         layout = KVLayout.of_engine(engine)
-        senders = KVSenderPool(layout, timeout=transfer_timeout, device=config.device,
-                               connect=lambda address: open_sync_channel(address, tls, limits),
-                               host=advertise_host, checksum=kv_checksum)
-        worker = PrefillWorker(server.address, engine, server.draining, senders, transfer_timeout, on_fatal=server.fail)
+        senders = KVSenderPool(layout, timeout=config.kv_timeout, device=engine_config.device,
+                               connect=config.channels.open_sync, host=config.advertise_host,
+                               checksum=config.kv_checksum)
+        worker = PrefillWorker(server.address, engine, server.draining, senders, config.kv_timeout,
+                               on_fatal=server.fail)
         await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
         worker.loop.start()
         metrics.watch_engine(worker.loop)

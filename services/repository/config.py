@@ -23,12 +23,13 @@ the entry and the field. Torch-free: the gateway reads it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from dataclasses import dataclass
 from typing import Any, get_args
 
-from engine.config import DTypeOption, KVCacheDType, Quantization
+from engine.config import DTypeOption, EngineConfig, KVCacheDType, Quantization
 from engine.model.paths import default_model_path
 
 SHIPPED = "shipped"
@@ -73,7 +74,7 @@ class ModelVersion:
             object.__setattr__(self, "pool", f"{self.model}-{self.name}")
 
     @property
-    def key(self) -> str:
+    def version_key(self) -> str:
         """`NAME@VERSION`: how clients, workers and load reports name it."""
         return f"{self.model}@{self.name}"
 
@@ -81,6 +82,14 @@ class ModelVersion:
     def weights(self) -> str:
         """The weight file or directory the workers load."""
         return default_model_path() if self.path == SHIPPED else self.path
+
+    def serving(self, config: EngineConfig) -> EngineConfig:
+        """`config` (a worker's flags) serving this version: its weights and formats, and its context
+        length when it sets one, replace the flags'."""
+        return dataclasses.replace(
+            config, model=self.weights, served_model_name=self.model, model_version=self.name, dtype=self.dtype,
+            quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
+            max_model_len=self.max_model_len or config.max_model_len)
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ def test_the_inference_extension_component_splits_the_name_between_the_served_ve
     repository = _repository(objects)
     model = repository.model(rule["matches"][0]["model"]["value"])
     assert {target["modelRewrite"]: target["weight"] for target in rule["targets"]} == {
-        version.key: weight for version, weight in model.weights}
+        version.version_key: weight for version, weight in model.weights}
     for kind in ("InferenceObjective", "InferenceModelRewrite"):
         [obj] = [o for o in objects if o["kind"] == kind]
         assert obj["spec"]["poolRef"]["name"] == pool["metadata"]["name"]

@@ -26,7 +26,8 @@ from harness.paths import REPO
 from harness.ports import free_port
 from harness.worker import WorkerProcess, start_worker
 from services.client import TandemClient
-from services.common.tls import TlsConfig, open_channel
+from services.common.channels import Channels
+from services.common.tls import TlsConfig
 
 Mesh = dict[str, WorkerProcess]
 Pki = dict[str, Path]
@@ -96,7 +97,7 @@ def mesh(pki: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
 
 def _health(address: str, tls: TlsConfig | None) -> grpc.StatusCode:
     async def check() -> grpc.StatusCode:
-        async with open_channel(address, tls) as channel:
+        async with Channels(tls).open(address) as channel:
             try:
                 await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
             except grpc.aio.AioRpcError as error:

@@ -1,4 +1,5 @@
-"""services.commands.engine_flags: the CLI only translates flags into EngineConfig."""
+"""services.commands.engine_flags: the CLI only translates flags into EngineConfig; the flags are
+generated from EngineFlags (services.common.config_flags) and passed on by the same."""
 
 from __future__ import annotations
 
@@ -8,17 +9,22 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.model.paths import default_model_path
-from services.commands.engine_flags import CPU_PROMPT_BATCH_TOKENS, add_engine_flags, engine_config, engine_flag_args
+from services.commands.engine_flags import CPU_PROMPT_BATCH_TOKENS, EngineFlags, engine_config
+from services.common.config_flags import add_flags, from_args, to_argv
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    add_engine_flags(parser)
+    add_flags(parser, EngineFlags)
     return parser
 
 
+def _flags(*argv: str) -> EngineFlags:
+    return from_args(EngineFlags, _parser().parse_args(list(argv)))
+
+
 def _config(*flags: str):
-    return engine_config(_parser().parse_args(list(flags)), "decode")
+    return engine_config(_flags(*flags), "decode")
 
 
 def test_formats_default_to_auto_which_the_engine_resolves_and_the_flags_choose_others():
@@ -44,13 +50,11 @@ ENGINE_FLAGS = ["--model", "/m.gguf", "--device", "cuda:1", "--dtype", "float16"
 
 
 def test_engine_flags_pass_on_as_arguments_that_parse_back_to_the_same_values():
-    args = _parser().parse_args(ENGINE_FLAGS)
-    assert vars(_parser().parse_args(engine_flag_args(args, "decode"))) == vars(args)
-    assert engine_flag_args(_parser().parse_args(["--dtype", "float32"]), "decode") == ["--dtype", "float32"]
-    assert engine_flag_args(_parser().parse_args([]), "colocated") == []
-    # A prefill worker would refuse to speculate, so it is not told to.
-    prefill = _parser().parse_args(engine_flag_args(args, "prefill"))
-    assert prefill.speculative_config is None and prefill.kv_cache_mib == 64
+    flags = _flags(*ENGINE_FLAGS)
+    assert vars(_parser().parse_args(to_argv(flags))) == vars(_parser().parse_args(ENGINE_FLAGS))
+    assert _flags(*to_argv(flags)) == flags
+    assert to_argv(_flags("--dtype", "float32")) == ["--dtype", "float32"]
+    assert to_argv(_flags()) == []
 
 
 def test_speculative_config_flag():
@@ -60,7 +64,7 @@ def test_speculative_config_flag():
     with pytest.raises(ValueError, match="--speculative-config: num_speculative_tokens: must be in"):
         _config("--speculative-config", '{"num_speculative_tokens": 0}')
     with pytest.raises(ValueError, match="--speculative-config: the prefill role"):
-        engine_config(_parser().parse_args(["--speculative-config", "{}"]), "prefill")
+        engine_config(_flags("--speculative-config", "{}"), "prefill")
 
 
 def test_every_engine_flag_is_named_after_its_attribute_so_it_passes_on():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.cli import build_parser, main
-from services.commands.gateway_cluster import parse_bounds, planner_config, pool_deployments
+from services.commands.gateway_cluster import ClusterFlags, parse_bounds, planner_config, pool_deployments
+from services.common.config_flags import from_args
 from services.gateway.planner_rules import PlannerConfig, PoolBounds
 
 
@@ -22,12 +23,13 @@ def test_planner_flags_become_its_config():
         "--planner-prefill-headroom-beta", "1.5", "--prefill-replicas", "2:6", "--scale-down-window", "120",
         "--scale-cooldown", "30",
     ])
-    config = planner_config(args)
+    config = planner_config(from_args(ClusterFlags, args))
     assert (config.queue_drain_s, config.tpot_s, config.prefill, config.decode) == (90, 0.04, PoolBounds(2, 6),
                                                                              PoolBounds(1, 8))
     assert (config.scale_down_window_s, config.cooldown_s, config.prefill_headroom_beta) == (120, 30, 1.5)
     assert (args.discovery, args.planner) == ("static", "recommend")
-    defaults = planner_config(build_parser().parse_args(["gateway", "--prefill", "h:1", "--decode", "h:2"]))
+    defaults = planner_config(from_args(ClusterFlags, build_parser().parse_args(["gateway", "--prefill", "h:1",
+                                                                                 "--decode", "h:2"])))
     assert defaults.prefill_headroom_beta == PlannerConfig().prefill_headroom_beta == 0.6
 
 
@@ -39,8 +41,9 @@ def test_static_discovery_needs_both_lists_and_kubernetes_discovery_takes_none(c
 
 
 def test_a_model_versions_pools_are_named_by_planner_deployment_flags():
-    def args(*flags: str):
-        return build_parser().parse_args(["gateway", "--prefill", "h:1", "--decode", "h:2", *flags])
+    def args(*flags: str) -> ClusterFlags:
+        return from_args(ClusterFlags, build_parser().parse_args(["gateway", "--prefill", "h:1", "--decode", "h:2",
+                                                                  *flags]))
 
     # One model: its pools are the --k8s-prefill/--k8s-decode Deployments, as before versions.
     assert pool_deployments(args("--k8s-decode", "dec"), per_version=False) == {

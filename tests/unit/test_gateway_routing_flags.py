@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 
 from services.cli import build_parser, main
-from services.commands.gateway import routing_policy
+from services.commands.gateway import GatewayFlags
+from services.common.config_flags import from_args
 from services.gateway.router import RoutingPolicy
 
 
 def test_routing_flags_become_the_policy_and_default_to_it():
     args = build_parser().parse_args(["gateway", "--decode", "h:2", "--prefill", "h:1",
                                       "--remote-ttft-share", "0.8", "--tpot-slack-share", "0.6"])
-    assert routing_policy(args) == RoutingPolicy(remote_ttft_share=0.8, tpot_slack_share=0.6)
+    assert from_args(GatewayFlags, args).routing == RoutingPolicy(remote_ttft_share=0.8, tpot_slack_share=0.6)
     defaults = build_parser().parse_args(["gateway", "--decode", "h:2", "--prefill", "h:1"])
-    assert routing_policy(defaults) == RoutingPolicy()
+    assert from_args(GatewayFlags, defaults).routing == RoutingPolicy()
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--remote-ttft-share", "0"), ("--remote-ttft-share", "1.5"),

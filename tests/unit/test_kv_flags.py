@@ -1,11 +1,12 @@
-"""`--kv-checksum`: the same flag on every command that ends a KV transfer, translated to a bool."""
+"""`--kv-checksum`: the same flag on every command that ends a KV transfer."""
 
 from __future__ import annotations
 
 import pytest
 
 from services.cli import build_parser
-from services.commands.kv_flags import kv_checksum
+from services.commands.kv_flags import KVLinkFlags
+from services.common.config_flags import from_args
 
 COMMANDS = [["prefill"], ["decode"], ["worker"], ["mesh"]]
 
@@ -13,9 +14,13 @@ COMMANDS = [["prefill"], ["decode"], ["worker"], ["mesh"]]
 @pytest.mark.parametrize("command", COMMANDS)
 def test_checksums_are_on_unless_the_flag_says_off(command: list[str]) -> None:
     parser = build_parser()
-    assert kv_checksum(parser.parse_args(command)) is True
-    assert kv_checksum(parser.parse_args([*command, "--kv-checksum", "on"])) is True
-    assert kv_checksum(parser.parse_args([*command, "--kv-checksum", "off"])) is False
+
+    def kv_checksum(argv: list[str]) -> str:
+        return from_args(KVLinkFlags, parser.parse_args(argv)).kv_checksum
+
+    assert kv_checksum(command) == "on"
+    assert kv_checksum([*command, "--kv-checksum", "on"]) == "on"
+    assert kv_checksum([*command, "--kv-checksum", "off"]) == "off"
 
 
 @pytest.mark.parametrize("command", COMMANDS)

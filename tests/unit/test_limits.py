@@ -3,6 +3,7 @@ on loopback (message size, streams per connection, requests that do not parse)."
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import re
 
@@ -11,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli import build_parser
-from services.commands.limit_flags import grpc_limits, request_limits
+from services.common.config_flags import from_args
 from services.common.grpc_limits import GrpcLimits
 from services.common.server import HealthService, channel_options, server_options
 from services.common.undecodable import DecodeErrorInterceptor
@@ -50,6 +51,14 @@ def test_token_limits_name_the_field_and_the_limit():
         RequestLimits().check(2048, None, max_model_len=2048)
     with pytest.raises(ValueError, match=r"^max_tokens: 2000 .* \(the model's context length\); at most 1048$"):
         RequestLimits().check(1000, 2000, max_model_len=2048)
+
+
+def grpc_limits(args: argparse.Namespace) -> GrpcLimits:
+    return from_args(GrpcLimits, args)
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    return from_args(RequestLimits, args)
 
 
 def test_the_flags_translate_into_limits_and_errors_name_the_flag():

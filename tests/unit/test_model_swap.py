@@ -18,8 +18,8 @@ from engine.footprint import predict_footprint
 from engine.sampling_params import SamplingParams
 from kvtransfer.grpc_stream import GrpcReceiver, KVTransferServicer
 from services.cli import build_parser
-from services.commands.decode import swap_settings
-from services.commands.engine_flags import engine_config
+from services.commands.worker import WorkerFlags, swap_settings, worker_config
+from services.common.config_flags import from_args
 from services.common.failure import Failure, WorkerError
 from services.common.worker_metrics import WorkerMetrics
 from services.common.worker_rpcs import WorkerRpcs
@@ -86,23 +86,22 @@ class _Process:
         limit = [] if memory_limit_mib is None else ["--memory-limit-mib", str(memory_limit_mib)]
         args = build_parser().parse_args(["worker", "--model-repository", self.path, "--pool", "serving",
                                           "--dtype", "float32", "--kv-cache-blocks", "32", *limit])
-        self.args = args
-        self.configure = lambda version: engine_config(args, "colocated", version)
-        self.settings = swap_settings(args)
+        self.config = worker_config(from_args(WorkerFlags, args))
+        self.settings = self.config.swap
         self.rpcs: WorkerRpcs[DecodeWorker] = WorkerRpcs()
         self.metrics = WorkerMetrics("m", "a")
         self.engines = ServedEngines(self.rpcs, self.metrics)
         self.clock = _Clock()
 
     async def start(self) -> ModelSwap:
-        engine = await asyncio.to_thread(Engine, engine_config(self.args, "colocated"))
+        engine = await asyncio.to_thread(Engine, self.config.served_engine)
         worker = DecodeWorker("127.0.0.1:1", engine, asyncio.Event(), GrpcReceiver("127.0.0.1:1"), 5.0)
         await self.engines.start(worker)
         self.engines.kv_transfer = KVTransferServicer(worker.layout, None)
         self.engines.promote(worker)
         assert self.settings is not None
         return ModelSwap(SwapSettings(self.settings.repository, self.settings.pool, self.settings.memory_limit_bytes,
-                                      retire_after_s=5.0), self.engines, self.configure, self.clock)
+                                      retire_after_s=5.0), self.engines, self.config.engine, self.clock)
 
     def versions(self) -> tuple[str, tuple[str, ...]]:
         current = self.engines.current
@@ -214,11 +213,11 @@ def test_a_swap_beyond_the_memory_limit_or_one_that_does_not_load_leaves_the_old
 
 def test_the_memory_refusal_names_what_the_process_holds_what_the_version_needs_and_the_limit(folder):
     settings = SwapSettings("models.toml", "p", 1024 * 1024 * 1024)
-    config = _Process(folder, None).configure
+    flags_config = _Process(folder, None).config.engine
     from services.repository.config import load_repository
 
     version = load_repository(str(folder / "models.toml")).find("m@b")
-    footprint = predict_footprint(config(version))
+    footprint = predict_footprint(version.serving(flags_config))
     assert footprint.kv_cache_bytes > 0 and footprint.weight_bytes > 0
     assert memory_refusal(settings, "m@a", "m@b", 100 * 1024 * 1024, footprint) is None
     message = memory_refusal(settings, "m@a", "m@b", 1024 * 1024 * 1024, footprint)
@@ -229,7 +228,11 @@ def test_the_memory_refusal_names_what_the_process_holds_what_the_version_needs_
 
 def test_the_worker_refuses_a_memory_limit_it_would_never_use():
     with pytest.raises(ValueError, match="--memory-limit-mib: bounds a hot swap"):
-        swap_settings(build_parser().parse_args(["worker", "--memory-limit-mib", "512"]))
+        swap_settings(_worker_flags("--memory-limit-mib", "512"))
     with pytest.raises(ValueError, match="must be positive"):
-        swap_settings(build_parser().parse_args(["worker", "--memory-limit-mib", "0"]))
-    assert swap_settings(build_parser().parse_args(["worker"])) is None
+        swap_settings(_worker_flags("--memory-limit-mib", "0"))
+    assert swap_settings(_worker_flags()) is None
+
+
+def _worker_flags(*argv: str) -> WorkerFlags:
+    return from_args(WorkerFlags, build_parser().parse_args(["worker", *argv]))

@@ -116,7 +116,7 @@ def test_each_model_versions_pools_are_sized_from_its_own_workers_and_routed_tok
         # 10,000 prompt tokens routed to q4 over 10 s: 1000 tokens/s, a load of 2 q4 replicas; fp32
         # got none, so its count is its queue's alone.
         for i in range(10):
-            request = registry.route_request(list(range(1000 * i, 1000 * (i + 1))), max_tokens=16, workers_key=Q4)
+            request = registry.route_request(list(range(1000 * i, 1000 * (i + 1))), max_tokens=16, version_key=Q4)
             registry.claim(request, registry.decide(request)).release()
         clock.now += 10
         recommended = planner.recommend()

@@ -29,7 +29,7 @@ def _registry(versions: list[str]) -> WorkerRegistry:
 def test_a_request_for_a_version_is_offered_only_its_own_workers_cached_prefixes() -> None:
     async def scenario() -> None:
         registry = _registry(["a", "b", "a"])
-        assert registry.route_request(PROMPT, 8, workers_key="m@a").cached_tokens == {
+        assert registry.route_request(PROMPT, 8, version_key="m@a").cached_tokens == {
             "10.0.2.0:50061": 64, "10.0.2.2:50061": 64}
         assert len(registry.route_request(PROMPT, 8).cached_tokens) == 3  # a gateway of one model: any
         await registry.close()

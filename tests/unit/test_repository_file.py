@@ -10,7 +10,8 @@ from collections import Counter
 import pytest
 
 from harness.repository_files import two_versions
-from services.commands.engine_flags import add_engine_flags, engine_config
+from services.commands.engine_flags import EngineFlags, engine_config
+from services.common.config_flags import add_flags, from_args
 from services.gateway.catalog import ModelCatalog, UnknownModel
 from services.gateway.model import ServedModel
 from services.repository.config import load_repository, parse_repository
@@ -39,7 +40,7 @@ def _parse(*versions: dict, split: dict | None = None, name: str = "m") -> objec
 def test_a_repository_file_names_its_versions_pools_and_split(tmp_path):
     repository = load_repository(_write(tmp_path, GOOD))
     model = repository.model("smollm2")
-    assert [version.key for version in repository.versions] == ["smollm2@q4", "smollm2@fp32"]
+    assert [version.version_key for version in repository.versions] == ["smollm2@q4", "smollm2@fp32"]
     assert repository.find("smollm2@fp32").dtype == "float32"
     assert repository.for_pool("smollm2-q4").name == "q4"  # the default pool name
     assert repository.for_pool("exact").name == "fp32"
@@ -113,7 +114,7 @@ def test_the_catalog_resolves_names_and_versions(tokenizer, tmp_path):
     catalog = ModelCatalog([CatalogEntry(ServedModel("smollm2", 1024, tokenizer), version)
                             for version in repository.versions], repository)
     exact = catalog.resolve("smollm2@fp32")
-    assert (exact.answered_as, exact.version, exact.workers_key, exact.fingerprint) == (
+    assert (exact.answered_as, exact.version, exact.version_key, exact.fingerprint) == (
         "smollm2@fp32", "fp32", "smollm2@fp32", "smollm2@fp32")
     assert catalog.resolve("", "alice").answered_as == "smollm2"  # no model named: the first
     with pytest.raises(UnknownModel, match="`other` does not exist"):
@@ -121,15 +122,15 @@ def test_the_catalog_resolves_names_and_versions(tokenizer, tmp_path):
     with pytest.raises(UnknownModel, match="has no version `q8`"):
         catalog.resolve("smollm2@q8")
     single = ModelCatalog.single(ServedModel("smollm2", 1024, tokenizer))
-    assert single.resolve("").workers_key is None
+    assert single.resolve("").version_key is None
     with pytest.raises(UnknownModel):
         single.resolve("smollm2@q4")
 
 
-def _flags(*argv: str) -> argparse.Namespace:
+def _flags(*argv: str) -> EngineFlags:
     parser = argparse.ArgumentParser()
-    add_engine_flags(parser)
-    return parser.parse_args(list(argv))
+    add_flags(parser, EngineFlags)
+    return from_args(EngineFlags, parser.parse_args(list(argv)))
 
 
 def test_a_worker_takes_its_versions_model_and_formats_from_the_repository(tmp_path):
@@ -157,7 +158,7 @@ def test_a_split_set_at_run_time_is_checked_as_the_file_would_be(tokenizer, tmp_
                             for version in repository.versions], repository)
     moved = catalog.with_split("smollm2", {"q4": 0, "fp32": 100})
     assert moved.resolve("smollm2", "anyone").version == "fp32"
-    assert catalog.resolve("smollm2", "anyone").workers_key is not None  # the original is unchanged
+    assert catalog.resolve("smollm2", "anyone").version_key is not None  # the original is unchanged
     with pytest.raises(ValueError, match="must sum to 100"):
         catalog.with_split("smollm2", {"q4": 10})
     with pytest.raises(UnknownModel):

@@ -12,7 +12,8 @@ import pytest
 from certs import TestCa
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.tls import TlsConfig, open_channel, warn_if_exposed, warn_if_worker_exposed
+from services.common.channels import Channels
+from services.common.tls import TlsConfig, warn_if_exposed, warn_if_worker_exposed
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +46,15 @@ async def _check(server_tls: TlsConfig, channel: grpc.aio.Channel) -> grpc.Statu
 def test_a_peer_with_a_certificate_from_the_ca_is_served(pki: dict[str, Path]) -> None:
     server = TlsConfig(pki["server_cert"], pki["server_key"], pki["ca"])
     client = TlsConfig(pki["client_cert"], pki["client_key"], pki["ca"])
-    assert asyncio.run(_check(server, lambda target: open_channel(target, client))) == grpc.StatusCode.OK
+    assert asyncio.run(_check(server, lambda target: Channels(client).open(target))) == grpc.StatusCode.OK
 
 
 def test_the_checked_name_can_differ_from_the_address(pki: dict[str, Path]) -> None:
     server = TlsConfig(pki["server_cert"], pki["server_key"], pki["ca"])
     named = TlsConfig(pki["client_cert"], pki["client_key"], pki["ca"], server_name="localhost")
     wrong = TlsConfig(pki["client_cert"], pki["client_key"], pki["ca"], server_name="elsewhere.example")
-    assert asyncio.run(_check(server, lambda target: open_channel(target, named))) == grpc.StatusCode.OK
-    assert asyncio.run(_check(server, lambda target: open_channel(target, wrong))) == grpc.StatusCode.UNAVAILABLE
+    assert asyncio.run(_check(server, lambda target: Channels(named).open(target))) == grpc.StatusCode.OK
+    assert asyncio.run(_check(server, lambda target: Channels(wrong).open(target))) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_a_peer_without_a_certificate_is_refused(pki: dict[str, Path]) -> None:
@@ -61,14 +62,14 @@ def test_a_peer_without_a_certificate_is_refused(pki: dict[str, Path]) -> None:
     roots = grpc.ssl_channel_credentials(root_certificates=pki["ca"].read_bytes())
     assert asyncio.run(_check(server, lambda target: grpc.aio.secure_channel(target, roots))) \
         == grpc.StatusCode.UNAVAILABLE
-    assert asyncio.run(_check(server, lambda target: open_channel(target, None))) == grpc.StatusCode.UNAVAILABLE
+    assert asyncio.run(_check(server, lambda target: Channels(None).open(target))) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_a_peer_with_a_certificate_from_another_ca_is_refused(pki: dict[str, Path]) -> None:
     server = TlsConfig(pki["server_cert"], pki["server_key"], pki["ca"])
     # The stranger trusts our CA (so it would accept the server), but the server does not trust it.
     stranger = TlsConfig(pki["stranger_cert"], pki["stranger_key"], pki["ca"])
-    assert asyncio.run(_check(server, lambda target: open_channel(target, stranger))) \
+    assert asyncio.run(_check(server, lambda target: Channels(stranger).open(target))) \
         == grpc.StatusCode.UNAVAILABLE
 
 
