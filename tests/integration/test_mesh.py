@@ -159,8 +159,8 @@ def test_client_cancel_frees_every_worker(mesh, client, read_chunks):
                                  ignore_eos=True, timeout=RPC_TIMEOUT_S)
         streams.append(stream)
     delivered = sum(_metric(worker, "vllm:time_to_first_token_seconds_count") for worker in mesh.prefill)
-    if not read_chunks:  # cancelled once the prefill workers hold both, well before a ~1,000-token prefill ends
-        _until(lambda: sum(_prefill_requests(worker) for worker in mesh.prefill) == len(streams))
+    if not read_chunks:  # cancelled once both wait for their prompts' KV, well before a ~1,000-token prefill ends
+        _until(lambda: sum(_reserved_requests(worker) for worker in mesh.decode) == len(streams))
     for stream in streams:
         for _ in range(read_chunks):
             assert next(stream).finish_reason is None
@@ -170,10 +170,11 @@ def test_client_cancel_frees_every_worker(mesh, client, read_chunks):
         assert sum(_metric(worker, "vllm:time_to_first_token_seconds_count") for worker in mesh.prefill) == delivered
 
 
-def _prefill_requests(worker: WorkerProcess) -> int:
-    """Requests the prefill worker's engine holds: prompts it has not finished computing."""
-    report = load_report(worker)
-    return report.running_requests + report.waiting_requests
+def _reserved_requests(worker: WorkerProcess) -> int:
+    """Requests whose blocks the decode worker reserved and whose prompt's KV has not all arrived: a
+    request is there from before its prefill starts until its pages are in. (A prefill worker's own
+    load, read between its steps, need not ever show both: each prompt may be computed in one step.)"""
+    return load_report(worker).reserved_requests
 
 
 def _until(condition) -> None:
