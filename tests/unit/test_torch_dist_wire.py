@@ -102,10 +102,3 @@ def test_payload_checksum_changes_with_any_flipped_bit() -> None:
     payload[1][63] ^= 0x80
     assert payload_checksum(payload) != clean
 
-
-def test_corrupt_flag_survives_coalescing() -> None:
-    sender = object()
-    corrupt = _Message(sender, _pages(sender, 0).header, _pages(sender, 0).pages, corrupt=True)  # type: ignore[arg-type]
-    assert corrupt.join(_pages(sender, 1)).corrupt
-    assert _pages(sender, 1).join(corrupt).corrupt
-    assert not _pages(sender, 0).join(_pages(sender, 1)).corrupt
