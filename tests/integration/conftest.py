@@ -1,14 +1,22 @@
 """The worker processes integration modules share (shared_pool.py): started by the first module that
-asks for them, stopped once the last integration test is done."""
+asks for them, stopped once the last module using them is done.
+
+The modules using the pool run first, together, so that the pool's four workers never sit beside a
+module that starts as many of its own (fault-injecting meshes, tensor-parallel ranks): on CI's
+24 GiB, one worker process holding ~2 GB, the two together were killed for memory."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from shared_pool import Pool, start_pool
 
 from harness.leak_check import assert_no_leaks
 
+_HERE = Path(__file__).parent
 _running: list[Pool] = []
+_pool_modules: set[Path] = set()
 
 
 @pytest.fixture(scope="session")
@@ -27,11 +35,24 @@ def pool(shared_pool: Pool) -> Pool:
     assert_no_leaks(shared_pool.workers)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Move the modules using the pool ahead of the other integration modules, each module's tests
+    kept together and in their order."""
+    here = [i for i, item in enumerate(items) if item.path.parent == _HERE]
+    if not here:
+        return
+    _pool_modules.update(item.path for item in items if "shared_pool" in item.fixturenames)
+    ours = [items[i] for i in here]
+    ours.sort(key=lambda item: item.path not in _pool_modules)  # stable: module order kept within each group
+    for i, item in zip(here, ours, strict=True):
+        items[i] = item
+
+
 @pytest.hookimpl(trylast=True)  # after the module's own fixtures (the leak check above) are torn down
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Stop the pool after the last integration test rather than at the session's end: the unit tests
-    that follow in one `make test` session need the memory its workers hold."""
-    if _running and (nextitem is None or nextitem.path.parent != item.path.parent):
+    """Stop the pool after the last module using it rather than at the session's end: the modules
+    and the unit tests that follow need the memory its workers hold."""
+    if _running and (nextitem is None or nextitem.path not in _pool_modules):
         _stop_pool()
 
 
