@@ -238,10 +238,7 @@ def _byte_level_pre_tokenizer(pre: str, add_prefix_space: bool) -> pre_tokenizer
 def _load_gguf(path: Path) -> Tokenizer:
     reader = gguf_reader(path)
 
-    def field(key: str, default: Any = None) -> Any:
-        found = reader.get_field(key)
-        return default if found is None else found.contents()
-
+    field = reader.get
     model = field("tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(f"{path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")

@@ -8,12 +8,11 @@ import re
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig, RopeScaling
 from engine.model.gguf_blocks import FLOAT_TYPES, as_quantized, permute_rows
-from engine.model.gguf_file import gguf_reader
+from engine.model.gguf_file import GGUFFile, gguf_reader
 from engine.model.quantized import KeepWeight, QuantizedWeight, Weight
 
 _GLOBAL_NAMES = {
@@ -102,14 +101,14 @@ def _rope_row_order(rows: int, num_heads: int) -> np.ndarray:
 class _Metadata:
     """Typed access to GGUF key/value metadata, with errors that name the file and key."""
 
-    def __init__(self, reader: GGUFReader, path: str) -> None:
+    def __init__(self, reader: GGUFFile, path: str) -> None:
         self._reader = reader
         self._path = path
 
     def get(self, key: str, default: object = _MISSING) -> object:
-        entry = self._reader.fields.get(key)
+        entry = self._reader.get(key)
         if entry is not None:
-            return entry.contents()
+            return entry
         if default is _MISSING:
             raise ValueError(f"{self._path}: GGUF metadata lacks {key}")
         return default
@@ -125,7 +124,7 @@ class _Metadata:
         return None if value is None else int(str(value))
 
 
-def gguf_model_config(reader: GGUFReader, path: str) -> ModelConfig:
+def gguf_model_config(reader: GGUFFile, path: str) -> ModelConfig:
     """The model's config from the llama.* / tokenizer.ggml.* metadata (no tensor is read); ValueError
     naming what this engine cannot serve."""
     tied = "output.weight" not in {tensor.name for tensor in reader.tensors}
@@ -140,7 +139,7 @@ def gguf_model_config(reader: GGUFReader, path: str) -> ModelConfig:
     if rotary_dim != head_dim:
         raise ValueError(f"{path}: partial rotary embedding ({rotary_dim} of {head_dim} dims) is unsupported")
     eos_ids = (meta.optional_int("tokenizer.ggml.eos_token_id"), meta.optional_int("tokenizer.ggml.eot_token_id"))
-    vocab_fallback = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
+    vocab_fallback = len(reader.get("tokenizer.ggml.tokens", ()))
     return ModelConfig(
         vocab_size=meta.as_int("llama.vocab_size", vocab_fallback),
         hidden_size=hidden_size,

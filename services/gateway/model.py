@@ -69,8 +69,7 @@ def _context_length(source: str) -> int:
     from engine.model.gguf_file import gguf_reader
 
     reader = gguf_reader(source)
-    architecture = reader.get_field("general.architecture")
-    length = reader.get_field(f"{architecture.contents()}.context_length") if architecture else None
+    length = reader.get(f"{reader.get('general.architecture')}.context_length")
     if length is None:
         raise ValueError(f"{source}: GGUF metadata lacks the context length; pass --max-model-len")
-    return int(length.contents())
+    return int(length)
