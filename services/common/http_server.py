@@ -68,4 +68,14 @@ class HttpListener:
             return
         self._server.config.timeout_graceful_shutdown = grace_period
         self._server.should_exit = True
-        await self._task
+        # uvicorn waits until every connection is gone. A TLS connection whose exchange is over (a
+        # finished wss session, a response sent) is gone only once the peer answers its close_notify,
+        # which a client keeping its socket open never does: asyncio then waits its 30 s SSL shutdown
+        # timeout, holding the drain. Such a transport, closing with nothing left to send, is cut instead.
+        while not self._task.done():
+            for connection in list(self._server.server_state.connections):
+                transport = getattr(connection, "transport", None)
+                if transport is not None and transport.is_closing() and not transport.get_write_buffer_size():
+                    transport.abort()
+            await asyncio.wait({self._task}, timeout=0.1)
+        self._task.result()
