@@ -67,3 +67,22 @@ def make_engine(model_files):
         return build_engine(EngineConfig(**{**PINNED_FORMATS, **overrides}), files=model_files)
 
     return build
+
+
+@pytest.fixture(scope="session")
+def reference_model(model_path: str):
+    """transformers' own load of the shipped GGUF (reference.load_reference_model), once per session:
+    it dequantizes the file itself, which takes longer than the tests that compare with it."""
+    from reference import load_reference_model
+
+    return load_reference_model(model_path)
+
+
+@pytest.fixture(scope="session")
+def reference_tokenizer(model_path: str):
+    """transformers' own tokenizer from the shipped GGUF, once per session."""
+    from environment import import_or_missing
+
+    transformers = import_or_missing("transformers")
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(model_path),
+                                                      gguf_file=os.path.basename(model_path))

@@ -38,7 +38,7 @@ def load_reference_model(model_path: str):
 @torch.inference_mode()
 def reference_greedy(model, prompt: list[int], max_tokens: int) -> ReferenceRun:
     """Greedy decoding with transformers' KV cache, ignoring EOS, recording top-2 margins."""
-    out = model(torch.tensor([prompt]), use_cache=True)
+    out = model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)  # only the last position's are read
     tokens: list[int] = []
     margins: list[float] = []
     for _ in range(max_tokens):

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 from parity_prompts import parity_prompt_ids
-from reference import EXACT_FORMATS, check_against, load_reference_model, reference_greedy
+from reference import EXACT_FORMATS, check_against, reference_greedy
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.offline import generate
@@ -39,9 +39,8 @@ def alone(make_engine, prompts):
     return [run.token_ids for run in runs], margins
 
 
-def test_greedy_matches_transformers(model_path, prompts, alone):
-    model = load_reference_model(model_path)
-    references = [reference_greedy(model, p, MAX_TOKENS) for p in prompts]
+def test_greedy_matches_transformers(reference_model, prompts, alone):
+    references = [reference_greedy(reference_model, p, MAX_TOKENS) for p in prompts]
     ours, _ = alone
     check_against(ours, [r.token_ids for r in references], [r.margins for r in references], "vs transformers")
 

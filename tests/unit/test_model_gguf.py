@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from reference import load_reference_model
 from test_model_hf import run_chunks
-from transformers import AutoTokenizer
 
 from engine.attention.reference import TorchPagedAttention
 from engine.model.llama import LlamaForCausalLM
@@ -21,14 +17,13 @@ LOGIT_TOLERANCE = 5e-4
 
 
 @pytest.fixture(scope="module")
-def reference(model_path: str) -> torch.nn.Module:
-    return load_reference_model(model_path)
+def reference(reference_model) -> torch.nn.Module:
+    return reference_model
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(model_path: str) -> torch.Tensor:
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
-    ids = tokenizer(SENTENCE)["input_ids"][:NUM_TOKENS]
+def prompt_ids(reference_tokenizer) -> torch.Tensor:
+    ids = reference_tokenizer(SENTENCE)["input_ids"][:NUM_TOKENS]
     assert len(ids) == NUM_TOKENS
     return torch.tensor(ids)
 

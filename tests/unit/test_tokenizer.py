@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from environment import import_or_missing
 
 from engine.tokenizer import Tokenizer
 
@@ -58,9 +57,9 @@ MULTI_TURN = [
 
 
 @pytest.fixture(scope="module")
-def reference():
-    transformers = import_or_missing("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(GGUF_DIR), gguf_file=GGUF_NAME)
+def reference(reference_tokenizer, model_path: str):
+    assert Path(model_path) == GGUF_DIR / GGUF_NAME
+    return reference_tokenizer
 
 
 @pytest.fixture(scope="module")
