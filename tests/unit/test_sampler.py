@@ -17,8 +17,6 @@ from engine.sampler import (
 )
 from engine.sampling_params import SamplingParams
 
-torch.set_num_threads(1)
-
 # Probabilities chosen so that no top-p / min-p threshold below sits on a boundary.
 PROBS = [0.05, 0.4, 0.1, 0.3, 0.15]
 

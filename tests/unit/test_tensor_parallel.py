@@ -27,6 +27,8 @@ from harness.greedy import Checkpoint, greedy, greedy_on_ranks
 from tests.reference import check_against
 from tests.unit.test_model_hf import save_random_model
 
+pytestmark = pytest.mark.ranks
+
 PROMPT = [1, 504, 3458, 314, 260, 4649, 282, 4760, 30, 378, 1112, 2273, 1597, 28, 357, 2600, 253]
 
 

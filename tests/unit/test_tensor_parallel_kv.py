@@ -27,6 +27,8 @@ from tests.disaggregated import import_all, prefill_into, run_disaggregated
 from tests.reference import check_against
 from tests.unit.test_model_hf import save_random_model, save_word_tokenizer
 
+pytestmark = pytest.mark.ranks
+
 PROMPTS = [[1, 504, 3458, 314, 260, 4649, 282, 4760, 30, 378, 1112, 2273, 1597, 28, 357, 2600, 253],
            list(range(100, 141))]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
