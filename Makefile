@@ -48,8 +48,11 @@ run: install
 lint: install
 	$(BIN)/ruff check .
 
+# DURATIONS=0 (as a make argument or in the environment: `DURATIONS=0 .ci/run`) lists every test's time.
+DURATIONS ?= 30
+
 test: lint
-	$(BIN)/python -m pytest -q -rs --durations=30 tests
+	$(BIN)/python -m pytest -q -rs --durations=$(DURATIONS) tests
 
 unit: install
 	$(BIN)/python -m pytest -q tests/unit tests/benchmarks

@@ -98,27 +98,44 @@ def build_root() -> Path:
     return Path(configured) if configured else Path(__file__).resolve().parents[3] / "build" / "kernels"
 
 
-def _flags(variant: Variant) -> list[str]:
-    from torch.utils.cpp_extension import include_paths, library_paths
+def _compile_flags(variant: Variant) -> list[str]:
+    from torch.utils.cpp_extension import include_paths
 
-    libraries = library_paths()
     return [
-        "-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", *variant.compile_flags,
+        "-O3", "-std=c++20", "-fPIC", "-fopenmp", "-ffp-contract=off", *variant.compile_flags,
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}", f"-DTANDEM_OPS={variant.namespace}",
-        *(f"-I{path}" for path in include_paths()), *map(str, SOURCES),
-        *(f"-L{path}" for path in libraries), *(f"-Wl,-rpath,{path}" for path in libraries),
-        "-lc10", "-ltorch_cpu",
+        *(f"-I{path}" for path in include_paths()),
     ]
 
 
+def _link_flags() -> list[str]:
+    from torch.utils.cpp_extension import library_paths
+
+    libraries = library_paths()
+    return ["-shared", "-fopenmp", *(f"-L{path}" for path in libraries),
+            *(f"-Wl,-rpath,{path}" for path in libraries), "-lc10", "-ltorch_cpu"]
+
+
+def _run(command: list[str], variant: Variant) -> None:
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"building the {variant.name} kernels failed:\n{result.stderr[-4000:]}")
+
+
 def _compile(variant: Variant, output: Path) -> None:
+    """One object per source, compiled side by side on every core (a single compiler process for
+    all of them would leave the other cores idle), then linked."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (set CXX, or install g++) to build the quantized kernels")
-    result = subprocess.run([compiler, *_flags(variant), "-o", str(output)], capture_output=True, text=True,
-                            check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"building the {variant.name} kernels failed:\n{result.stderr[-4000:]}")
+    flags = _compile_flags(variant)
+    objects = [output.parent / f"{source.stem}.o" for source in SOURCES]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(lambda source, obj: _run([compiler, *flags, "-c", str(source), "-o", str(obj)], variant),
+                      SOURCES, objects))
+    _run([compiler, *map(str, objects), *_link_flags(), "-o", str(output)], variant)
+    for obj in objects:
+        obj.unlink()
 
 
 def build_dir(variant: Variant) -> Path:
@@ -126,7 +143,7 @@ def build_dir(variant: Variant) -> Path:
     key = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
         key.update(path.read_bytes())
-    key.update(" ".join(_flags(variant)).encode())
+    key.update(" ".join([*_compile_flags(variant), *_link_flags()]).encode())
     key.update(f"{torch.__version__}|{torch.compiled_with_cxx11_abi()}|{sys.version_info[:2]}".encode())
     return build_root() / f"{_label(variant)}-{key.hexdigest()[:16]}"
 
@@ -167,9 +184,7 @@ def library(variant: Variant, flags: frozenset[str] | None = None) -> Path:
 
 
 def main() -> int:
-    """Build every variant this CPU runs (side by side: each is one compiler process); print where each is."""
-    variants = runnable(cpu_flags())
-    with ThreadPoolExecutor(len(variants)) as pool:
-        for variant, path in zip(variants, pool.map(library, variants), strict=True):
-            print(f"kernels {variant.name}: {path}")
+    """Build every variant this CPU runs, one after another (each compiles on every core); print where each is."""
+    for variant in runnable(cpu_flags()):
+        print(f"kernels {variant.name}: {library(variant)}")
     return 0
