@@ -46,11 +46,15 @@ class TensorParallelGroup:
         send_plan(self.group, plan)
 
     def lost_rank(self) -> str | None:
-        """"rank N exited with code C" for the first follower no longer running, else None."""
-        for rank, process in enumerate(self.followers, start=1):
-            if not process.is_alive():
-                return f"tensor-parallel rank {rank} exited with code {process.exitcode}"
-        return None
+        """"rank N exited with code C" for a follower no longer running, else None: the first that
+        failed (a code other than 0), since a follower whose peer died stops cleanly in its wake and
+        would name a consequence instead of the cause."""
+        gone = [(rank, process.exitcode) for rank, process in enumerate(self.followers, start=1)
+                if not process.is_alive()]
+        if not gone:
+            return None
+        rank, code = next(((rank, code) for rank, code in gone if code != 0), gone[0])
+        return f"tensor-parallel rank {rank} exited with code {code}"
 
     def close(self, ready: bool = True) -> None:
         """Stop the followers: with a STOP plan once they are `ready` (in their loop), else (a failed
