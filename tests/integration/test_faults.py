@@ -55,10 +55,11 @@ class Mesh:
 
 
 def _gateway(prefill: list[WorkerProcess], decode: list[WorkerProcess]) -> WorkerProcess:
+    """A gateway over these workers, started (not yet ready)."""
     return start_worker(["gateway", "--port", "0", "--http-port", "0",
                          "--prefill", ",".join(str(w.address) for w in prefill),
                          "--decode", ",".join(str(w.address) for w in decode),
-                         "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"])
+                         "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"], wait=False)
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         for backend in BACKENDS:
             gateways[backend] = _gateway(prefill[:2], [decode[backend]])
         gateways["victims"] = _gateway(prefill[2:], [decode["torch_dist"]])
+        for gateway in gateways.values():
+            gateway.wait_ready()
         yield Mesh(prefill[:2], files, decode, prefill[2:], gateways)
     finally:
         for worker in [*gateways.values(), *started]:
@@ -190,6 +193,7 @@ def test_workers_free_a_killed_gateways_requests_and_serve_a_new_one(mesh, token
     decode = list(mesh.decode.values())
     gateway = _gateway(mesh.prefill, decode)
     try:
+        gateway.wait_ready()
         with TandemClient(str(gateway.address)) as client:
             streaming = [client.generate(prompt=f"Stream {i}: once upon a time", max_tokens=4000, temperature=0.0,
                                          ignore_eos=True, timeout=RPC_TIMEOUT_S) for i in range(2)]
@@ -208,6 +212,7 @@ def test_workers_free_a_killed_gateways_requests_and_serve_a_new_one(mesh, token
         gateway.stop()
     gateway = _gateway(mesh.prefill, decode)
     try:
+        gateway.wait_ready()
         prompt = tokenizer.encode("After the restart, the capital of France is")
         _check(_token_ids(gateway, prompt), reference(prompt), "after the restart")
         assert_no_leaks(mesh.workers)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -30,33 +30,45 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def prefill() -> WorkerProcess:
-    worker = start_worker(["prefill", *COMMON, "--max-num-batched-tokens", CHUNK_TOKENS])
-    yield worker
-    assert worker.stop() == 0, worker.log_tail()
+def workers() -> Iterator[dict[str, WorkerProcess]]:
+    """The module's workers, started together so that their loads overlap: the prefill worker; a
+    decode worker per KV backend; one with a 4-block cache of 32-token blocks (the prefill worker's
+    are 16); one whose KV cache is fp8 (the prefill worker's is the auto fp32 one)."""
+    arg_lists = {
+        "prefill": ["prefill", *COMMON, "--max-num-batched-tokens", CHUNK_TOKENS],
+        "torch_dist": ["decode", *COMMON, "--kv-backend", "torch_dist"],
+        "grpc": ["decode", *COMMON, "--kv-backend", "grpc"],
+        "small": ["decode", *COMMON, "--block-size", "32", "--kv-cache-blocks", "4"],
+        "fp8": ["decode", *COMMON, "--kv-cache-dtype", "fp8"],
+    }
+    started = {name: start_worker(args, wait=False) for name, args in arg_lists.items()}
+    try:
+        for worker in started.values():
+            worker.wait_ready()
+        yield started
+    finally:
+        codes = {name: (worker.stop(), worker.log_tail()) for name, worker in started.items()}
+    assert all(code == 0 for code, _ in codes.values()), codes
+
+
+@pytest.fixture(scope="module")
+def prefill(workers: dict[str, WorkerProcess]) -> WorkerProcess:
+    return workers["prefill"]
 
 
 @pytest.fixture(scope="module", params=["torch_dist", "grpc"])
-def decode(request) -> WorkerProcess:
-    worker = start_worker(["decode", *COMMON, "--kv-backend", request.param])
-    yield worker
-    assert worker.stop() == 0, worker.log_tail()
+def decode(request, workers: dict[str, WorkerProcess]) -> WorkerProcess:
+    return workers[request.param]
 
 
 @pytest.fixture(scope="module")
-def small_decode() -> WorkerProcess:
-    """A decode worker with a 4-block cache of 32-token blocks (the prefill worker's are 16)."""
-    worker = start_worker(["decode", *COMMON, "--block-size", "32", "--kv-cache-blocks", "4"])
-    yield worker
-    assert worker.stop() == 0, worker.log_tail()
+def small_decode(workers: dict[str, WorkerProcess]) -> WorkerProcess:
+    return workers["small"]
 
 
 @pytest.fixture(scope="module")
-def fp8_decode() -> WorkerProcess:
-    """A decode worker whose KV cache is fp8 (the prefill worker's is the auto fp32 one)."""
-    worker = start_worker(["decode", *COMMON, "--kv-cache-dtype", "fp8"])
-    yield worker
-    assert worker.stop() == 0, worker.log_tail()
+def fp8_decode(workers: dict[str, WorkerProcess]) -> WorkerProcess:
+    return workers["fp8"]
 
 
 def _channel(worker: WorkerProcess) -> grpc.Channel:
