@@ -6,7 +6,9 @@ with no block left on any worker and the pair made again once the link is back, 
 torch_dist page caught and retried, and the harness leaving nothing behind.
 
 One mesh for the module: prefill-1 and prefill-2, decode-1 (torch_dist) and decode-2 (grpc), and on
-the gateway host a gateway per KV backend plus one in front of both decode workers (migration).
+the gateway host a gateway per KV backend plus one in front of both decode workers (migration). A
+third decode host (torch_dist) behind a gateway of its own serves only the test of links pulled while
+pairs are made, so that its worker has paired with no prefill worker whatever ran before.
 Every internal link is mutual TLS. Skipped where namespaces cannot be made, except under CI=true.
 """
 
@@ -46,6 +48,8 @@ from services.common.server import channel_options
 KV_TIMEOUT_S = "6"  # both sides' KV deadline: a partition costs this much per attempt
 WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "64", "--kv-timeout", KV_TIMEOUT_S, *PINNED_FLAGS]
 BACKENDS = {"torch_dist": "decode-1", "grpc": "decode-2"}
+UNPAIRED = "decode-3"  # behind the gateway of the same name; one test's own
+NAMES = (*HOST_NAMES, UNPAIRED)
 GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 RPC_TIMEOUT_S = 300.0
 DEADLINE_S = 90.0  # generous bound for conditions polled below; no test asserts elapsed time
@@ -90,20 +94,22 @@ class World:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     _require_namespaces()
     folder = tmp_path_factory.mktemp("hosts")
-    hosts = Hosts(HOST_NAMES)
+    hosts = Hosts(NAMES)
     try:
         ca, other = TestCa(folder / "ca", "Tandem test CA"), TestCa(folder / "other", "Another CA")
-        certs = {name: _files(ca.issue(name, (name,), (hosts.address(name),))) for name in HOST_NAMES}
+        certs = {name: _files(ca.issue(name, (name,), (hosts.address(name),))) for name in NAMES}
         certs["client"] = _files(ca.issue("client", ("client",), (hosts.client_address,)))
         certs["stranger"] = _files(other.issue("stranger", ("stranger",), (hosts.address("prefill-1"),)))
         pki = Pki(ca.cert_file, certs, other.cert_file)
         faults = {host: folder / f"{host}.fault" for host in PREFILL_HOSTS}
         mesh = start_host_mesh(
             hosts, WORKER_FLAGS,
-            decode_flags={host: ["--kv-backend", backend] for backend, host in BACKENDS.items()},
-            gateways={"torch_dist": ["decode-1"], "grpc": ["decode-2"], "both": list(DECODE_HOSTS)},
+            decode_flags={**{host: ["--kv-backend", backend] for backend, host in BACKENDS.items()},
+                          UNPAIRED: ["--kv-backend", "torch_dist"]},
+            gateways={"torch_dist": ["decode-1"], "grpc": ["decode-2"], "both": list(DECODE_HOSTS),
+                      UNPAIRED: [UNPAIRED]},
             gateway_flags=["--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"],
-            host_flags={name: pki.flags(name) for name in HOST_NAMES},
+            host_flags={name: pki.flags(name) for name in NAMES},
             host_wrapper={host: wrapper(path) for host, path in faults.items()},
         )
         try:
@@ -222,25 +228,25 @@ def _served_through(world: World, decode_host: str, prefill_host: str, prompt: l
 
 
 def test_prefill_links_down_while_pairs_are_made_fall_back_to_local_prefill(world, tokenizer, reference):
-    # First in the module: no decode worker has paired with a prefill worker yet, so the decode
-    # worker opens its pairing store for each attempt and the sender never arrives.
+    # Through the unpaired decode host, which no other test uses: it has paired with no prefill worker,
+    # so it opens its pairing store for each attempt and the sender never arrives.
     prompt = _prompt(tokenizer, "Pairing over pulled cables.")
     expected = reference(prompt)
-    before = _routed(world, "torch_dist")
+    before = _routed(world, UNPAIRED)
     for host in PREFILL_HOSTS:
         world.hosts.link_down(host)
     try:
-        _check(_token_ids(world, "torch_dist", prompt), expected, "local prefill")
+        _check(_token_ids(world, UNPAIRED, prompt), expected, "local prefill")
     finally:
         for host in PREFILL_HOSTS:
             world.hosts.link_up(host)
     # Each prefill worker was tried, failed by the decode worker's KV deadline, and the decode
     # worker prefilled the prompt itself.
     prefill = {str(world.mesh.prefill[host].address): 1 for host in PREFILL_HOSTS}
-    assert increase(before, _routed(world, "torch_dist")) == {**prefill, "local": 1}
+    assert increase(before, _routed(world, UNPAIRED)) == {**prefill, "local": 1}
     _no_leaks(world)
     for host in PREFILL_HOSTS:
-        _served_through(world, "decode-1", host, prompt, expected)
+        _served_through(world, UNPAIRED, host, prompt, expected)
     _no_leaks(world)
 
 
