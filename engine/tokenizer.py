@@ -238,20 +238,19 @@ def _byte_level_pre_tokenizer(pre: str, add_prefix_space: bool) -> pre_tokenizer
 def _load_gguf(path: Path) -> Tokenizer:
     reader = gguf_reader(path)
 
-    field = reader.get
-    model = field("tokenizer.ggml.model")
+    model = reader.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(f"{path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
-    tokens: list[str] = field("tokenizer.ggml.tokens")
-    token_types: list[int] = field("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
+    tokens: list[str] = reader.get("tokenizer.ggml.tokens")
+    token_types: list[int] = reader.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
     vocab: dict[str, int] = {}
     for token_id, token in enumerate(tokens):
         vocab.setdefault(token, token_id)
-    merges = [tuple(merge.split(" ", 1)) for merge in field("tokenizer.ggml.merges", [])]
-    pre = field("tokenizer.ggml.pre", "default")
+    merges = [tuple(merge.split(" ", 1)) for merge in reader.get("tokenizer.ggml.merges", [])]
+    pre = reader.get("tokenizer.ggml.pre", "default")
 
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _LLAMA3_PRES))
-    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre, field("tokenizer.ggml.add_space_prefix", False))
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre, reader.get("tokenizer.ggml.add_space_prefix", False))
     backend.decoder = decoders.ByteLevel()
     # Both kinds are matched whole in text, as llama.cpp does; only control tokens are special.
     backend.add_tokens([
@@ -261,17 +260,18 @@ def _load_gguf(path: Path) -> Tokenizer:
     ])
 
     def token_at(key: str) -> str | None:
-        token_id = field(key)
+        token_id = reader.get(key)
         return tokens[token_id] if token_id is not None else None
 
-    end_of_turn_ids = [field(key) for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    end_of_turn_ids = [reader.get(key) for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
     return Tokenizer(
         backend,
         vocab_size=len(tokens),
         bos_token=token_at("tokenizer.ggml.bos_token_id"),
         eos_token=token_at("tokenizer.ggml.eos_token_id"),
-        bos_eos_flags=(field("tokenizer.ggml.add_bos_token", False), field("tokenizer.ggml.add_eos_token", False)),
-        chat_template=field("tokenizer.chat_template"),
+        bos_eos_flags=(reader.get("tokenizer.ggml.add_bos_token", False),
+                       reader.get("tokenizer.ggml.add_eos_token", False)),
+        chat_template=reader.get("tokenizer.chat_template"),
         extra_eos_ids=[token_id for token_id in end_of_turn_ids if token_id is not None],
     )
 

@@ -17,11 +17,6 @@ LOGIT_TOLERANCE = 5e-4
 
 
 @pytest.fixture(scope="module")
-def reference(reference_model) -> torch.nn.Module:
-    return reference_model
-
-
-@pytest.fixture(scope="module")
 def prompt_ids(reference_tokenizer) -> torch.Tensor:
     ids = reference_tokenizer(SENTENCE)["input_ids"][:NUM_TOKENS]
     assert len(ids) == NUM_TOKENS
@@ -46,20 +41,20 @@ def test_config_from_metadata(model_files: ModelFiles) -> None:
     assert config.name.startswith("Smollm2 135M")
 
 
-def test_weights_equal_transformers_dequantization(model_files: ModelFiles, reference: torch.nn.Module) -> None:
+def test_weights_equal_transformers_dequantization(model_files: ModelFiles, reference_model: torch.nn.Module) -> None:
     # Q and K are the rows GGUF permutes for llama.cpp's RoPE; the others check names and orientation.
     # The file's Q4_1 and Q8_0 blocks are kept as QuantizedWeights: dequantized, bit for bit gguf's values.
-    expected = reference.state_dict()
+    expected = reference_model.state_dict()
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.self_attn.k_proj.weight",
                  "model.layers.3.mlp.down_proj.weight", "model.embed_tokens.weight", "model.norm.weight"):
         assert torch.equal(dense(model_files.weights[name], torch.float32), expected[name]), name
 
 
 def test_logits_and_greedy_tokens_match_transformers(
-    model: LlamaForCausalLM, reference: torch.nn.Module, prompt_ids: torch.Tensor
+    model: LlamaForCausalLM, reference_model: torch.nn.Module, prompt_ids: torch.Tensor
 ) -> None:
     with torch.inference_mode():
-        expected = reference(prompt_ids[None, :]).logits[0].float()
+        expected = reference_model(prompt_ids[None, :]).logits[0].float()
 
     prefill = run_chunks(model, prompt_ids, [NUM_TOKENS])
     # A chunk over a cached prefix, then one-token decode steps.

@@ -57,12 +57,6 @@ MULTI_TURN = [
 
 
 @pytest.fixture(scope="module")
-def reference(reference_tokenizer, model_path: str):
-    assert Path(model_path) == GGUF_DIR / GGUF_NAME
-    return reference_tokenizer
-
-
-@pytest.fixture(scope="module")
 def ours(tokenizer: Tokenizer, model_path: str) -> Tokenizer:
     """Our tokenizer read from the same GGUF (the session fixture's)."""
     assert Path(model_path) == GGUF_DIR / GGUF_NAME
@@ -70,9 +64,9 @@ def ours(tokenizer: Tokenizer, model_path: str) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def saved_dir(reference, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def saved_dir(reference_tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("smollm2-hf")
-    reference.save_pretrained(str(directory))
+    reference_tokenizer.save_pretrained(str(directory))
     return directory
 
 
@@ -98,17 +92,17 @@ def test_importing_needs_no_torch() -> None:
 
 
 @pytest.mark.parametrize("text", SAMPLES)
-def test_encode_matches_transformers(ours: Tokenizer, reference, text: str) -> None:
-    assert ours.encode(text) == reference.encode(text)
-    assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+def test_encode_matches_transformers(ours: Tokenizer, reference_tokenizer, text: str) -> None:
+    assert ours.encode(text) == reference_tokenizer.encode(text)
+    assert ours.encode(text, add_special_tokens=False) == reference_tokenizer.encode(text, add_special_tokens=False)
 
 
 @pytest.mark.parametrize("text", SAMPLES)
-def test_decode_round_trips_and_matches_transformers(ours: Tokenizer, reference, text: str) -> None:
+def test_decode_round_trips_and_matches_transformers(ours: Tokenizer, reference_tokenizer, text: str) -> None:
     ids = ours.encode(text)
     assert ours.decode(ids, skip_special_tokens=False) == text
     for skip in (True, False):
-        assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+        assert ours.decode(ids, skip_special_tokens=skip) == reference_tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 @pytest.mark.parametrize("text", SAMPLES)
@@ -124,10 +118,10 @@ def test_unicode_numerals_are_pretokenized_alone(ours: Tokenizer) -> None:
     assert ours.decode(ours.encode("x ²½ 12")) == "x ²½ 12"
 
 
-def test_special_token_facts(ours: Tokenizer, reference) -> None:
-    assert ours.vocab_size == 49152 == len(reference)
-    assert ours.bos_token_id == reference.bos_token_id == 1
-    assert ours.eos_token_ids == (reference.eos_token_id,) == (2,)  # <|im_end|>: both EOS and turn terminator
+def test_special_token_facts(ours: Tokenizer, reference_tokenizer) -> None:
+    assert ours.vocab_size == 49152 == len(reference_tokenizer)
+    assert ours.bos_token_id == reference_tokenizer.bos_token_id == 1
+    assert ours.eos_token_ids == (reference_tokenizer.eos_token_id,) == (2,)  # <|im_end|>: both EOS and turn terminator
     assert ours.special_token_ids == frozenset(range(17))
     assert ours.is_special(2) and not ours.is_special(17)
     assert ours.byte_fallback_ids == frozenset()
@@ -136,10 +130,13 @@ def test_special_token_facts(ours: Tokenizer, reference) -> None:
 
 @pytest.mark.parametrize("conversation", [SYSTEM_AND_USER, MULTI_TURN], ids=["system+user", "multi-turn"])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(ours: Tokenizer, reference, conversation, add_generation_prompt) -> None:
-    expected = reference.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+def test_chat_template_matches_transformers(ours: Tokenizer, reference_tokenizer, conversation,
+                                            add_generation_prompt) -> None:
+    expected = reference_tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                       add_generation_prompt=add_generation_prompt)
     assert ours.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt) == expected
-    assert ours.encode_chat(conversation, add_generation_prompt) == reference.encode(expected, add_special_tokens=False)
+    assert ours.encode_chat(conversation, add_generation_prompt) == reference_tokenizer.encode(
+        expected, add_special_tokens=False)
 
 
 @pytest.mark.parametrize(
