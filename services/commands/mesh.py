@@ -83,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
     children: list[ServerProcess] = []
     try:
         gateway, http = _start(flags, log, children, stop)
-        print(f"tandem mesh ready gateway={gateway} http={http}", flush=True)
+        # The ready line's form is every server's (services.launcher.ReadyLine): a script starts a mesh as it
+        # starts one worker.
+        print(f"tandem mesh ready grpc={gateway} http={http}", flush=True)
         if flags.demo_max_tokens > 0:
             _demo(gateway, flags.demo_prompt, flags.demo_max_tokens, stop)
         _print_usage(gateway, http)
