@@ -51,6 +51,8 @@ class SourceTree:
         for top in self.top:
             for path in sorted((root / top).rglob("*.py")):
                 parts = path.relative_to(root).with_suffix("").parts
+                if any(part.startswith(".") for part in parts):
+                    continue  # not the project's: bench/.cache holds the vLLM venv the benchmarks install
                 self.files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
         self.all_imports = {module: list(self._imports_of(module)) for module in self.files}
         # What runs: the imports outside `if TYPE_CHECKING:`.
@@ -293,6 +295,13 @@ def test_the_checker_follows_the_gateway_to_torch_through_packages_and_relative_
     assert closure_reaches(tree, ["services.gateway"], HEAVY) == [
         "services.gateway.app -> services.helpers -> engine.kv -> engine.kv.heavy -> torch.nn (line 1)"]
     assert closure_reaches(tree, ["engine.light"], HEAVY) == []
+
+
+def test_the_checker_skips_hidden_folders(tmp_path: Path) -> None:
+    # bench/.cache/vllm-venv has thousands of modules, some in a newer Python's syntax: reading them
+    # took minutes and failed the run.
+    tree = _write(tmp_path, {"engine/__init__.py": "", "engine/.cache/venv/new.py": "def f[T](a): ...\n"})
+    assert list(tree.files) == ["engine"]
 
 
 def test_the_checker_finds_cycles_between_sibling_packages_but_not_with_a_parent(tmp_path: Path) -> None:
