@@ -18,6 +18,7 @@ _COMMAND_MODULES = (
     "services.commands.chat",
     "services.commands.mesh",
     "services.commands.probe",
+    "services.commands.advise",
 )
 
 
