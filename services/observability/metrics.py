@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import copy
 import logging
+import socket
+import threading
 from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Self
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +126,41 @@ class RequestMetrics:
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> str:
     """Serve `registry` over HTTP on host:port (0 = a free port) from a daemon thread, for the life
     of the process; the host:port actually bound."""
-    httpd, _ = start_http_server(port, addr=host, registry=registry)
-    address = f"{host}:{httpd.server_port}"
+
+    class Handler(_TextExpositionHandler):
+        served = registry
+
+    server = (_IPv6Server if ":" in host else ThreadingHTTPServer)((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    address = f"{host}:{server.server_port}"
     log.info("metrics on http://%s/metrics", address)
     return address
+
+
+class _IPv6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+class _TextExpositionHandler(BaseHTTPRequestHandler):
+    """Answers every GET with the registry in Prometheus's text format, whatever the Accept header.
+
+    prometheus_client's own server answers a scraper that prefers OpenMetrics (Prometheus 2 does) in
+    OpenMetrics, whose sample lines it writes with the colons of `vllm:` and `tandem:` names turned
+    into underscores (prometheus/client_python#1177): no dashboard would find them. The text format
+    keeps the names, and every Prometheus reads it (the gateway's /metrics serves it too)."""
+
+    served: CollectorRegistry
+
+    def do_GET(self) -> None:
+        body = generate_latest(self.served)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Quiet: a scrape a second is no news."""
 
 
 def default_metrics_port(grpc_port: int, metrics_port: int | None) -> int:
