@@ -1,5 +1,19 @@
 """A worker's Prometheus metrics: its requests (vLLM's families), its engine's state read at scrape
-time, its KV transfers (prefill side) and, where NVML is present, its GPUs."""
+time, its KV transfers (prefill side) and, where NVML is present, its GPUs.
+
+A decode or colocated worker counts its side of goodput (services.decode.telemetry), under the
+gateway's names (services.gateway.metrics): `tandem:requests_admitted` once a request's KV has room
+(reserved for a prompt computed elsewhere; in the running batch for one computed here, which the
+engine queues until then and never refuses), `tandem:requests_refused{reason="no_kv_room"}` when it
+has none (RESOURCE_EXHAUSTED: the gateway tries another worker), `tandem:requests_served` when it
+finished, and `tandem:slo_requests{objective="tpot"}` for a served request against the TPOT
+objective the gateway sent with it, by the worker's own clock (from its first token here to its
+last; the gateway's TPOT adds the network). Its TTFT objective is the gateway's alone: most of a
+request's TTFT is spent before the decode worker sees it (admission, the prefill worker). A worker's
+share of its requests that met TPOT, in PromQL:
+  sum without(attained) (rate(tandem:slo_requests_total{objective="tpot", attained="true"}[5m]))
+  / sum without(attained) (rate(tandem:slo_requests_total{objective="tpot"}[5m]))
+"""
 
 from __future__ import annotations
 

@@ -27,7 +27,6 @@ from services.common.worker_metrics import WorkerMetrics
 from services.common.worker_rpcs import WorkerRpcs, loaded
 from services.decode.model_swap import ModelSwap
 from services.decode.prefill_client import PrefillClients
-from services.decode.progress import DecodeProgress
 from services.decode.served_engines import ServedEngines
 from services.decode.telemetry import DecodeRecorder
 from services.decode.worker import DecodeWorker
@@ -55,10 +54,12 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
                 split_address(request.prefill_address, "prefill_address")
             resumed = _resumed(request)
             request_id = request.request_id or uuid.uuid4().hex
-            await worker.inflight.run(
-                request_id, self._stream(worker, request_id, request, params, resumed, context,
-                                         DecodeProgress(arrived_at, resumed_tokens=len(request.output_token_ids)))
-            )
+            config = worker.loop.engine.config
+            recorder = DecodeRecorder(self.metrics.labelled(config.served_name, config.model_version), arrived_at,
+                                      len(request.output_token_ids), config.tensor_parallel_size,
+                                      request.slo.tpot_ms / 1000 if request.slo.tpot_ms else None)
+            await worker.inflight.run(request_id, self._stream(worker, request_id, request, params, resumed, context,
+                                                               recorder))
         except Exception as exc:
             await abort_with(context, exc)
         # The chunks go out through context.write (from the request's own task, which Abort can
@@ -75,11 +76,9 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
         params: SamplingParams,
         resumed: Resumed | None,
         context: grpc.aio.ServicerContext,
-        progress: DecodeProgress,
+        recorder: DecodeRecorder,
     ) -> None:
-        config = worker.loop.engine.config
-        recorder = DecodeRecorder(self.metrics.labelled(config.served_name, config.model_version), progress,
-                                  config.tensor_parallel_size)
+        progress = recorder.progress
         # A retiring version's prompt is computed here: the gateway pairs prefill workers with this
         # worker's current version only.
         if request.prefill_address and worker is self.worker:
@@ -95,6 +94,9 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
                     generated_here = output.num_output_tokens - progress.resumed_tokens
                     timings = progress.timings(generated_here) if output.finished else None
                     await context.write(token_chunk(output, timings))
+        except Exception as error:
+            recorder.failed(error)
+            raise
         finally:
             recorder.trace()
 

@@ -5,6 +5,7 @@ in one place, for the final chunk; its trace spans and metrics read the same rec
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.chunk import Timings
@@ -40,9 +41,12 @@ class PrefillFigures:
 class DecodeProgress:
     """One request's progress at this worker (perf_counter times)."""
 
-    def __init__(self, arrived_at: float, resumed_tokens: int = 0) -> None:
-        """`resumed_tokens`: a resumed request's output delivered before it came here."""
+    def __init__(self, arrived_at: float, resumed_tokens: int = 0,
+                 on_enter: Callable[[DecodeStage], None] | None = None) -> None:
+        """`resumed_tokens`: a resumed request's output delivered before it came here; `on_enter`
+        hears of each stage the request enters after the first."""
         self.arrived_at = arrived_at
+        self._on_enter = on_enter
         self.resumed_tokens = resumed_tokens
         self.stage = DecodeStage.RESERVING
         self.prefill: PrefillFigures | None = None
@@ -56,6 +60,8 @@ class DecodeProgress:
         """The request moved on to `stage` at time `at`."""
         self.stage = stage
         self._began[stage] = at
+        if self._on_enter is not None:
+            self._on_enter(stage)
 
     def began(self, stage: DecodeStage) -> float | None:
         """When the request entered `stage` (None if it never did)."""

@@ -11,6 +11,7 @@ from services.common.failure import Failure, WorkerError
 from services.common.startup_profile import profile_engine
 from services.common.worker_metrics import WorkerMetrics
 from services.common.worker_rpcs import WorkerRpcs
+from services.decode.telemetry import NO_KV_ROOM, OBJECTIVES
 from services.decode.worker import DecodeWorker
 
 
@@ -56,6 +57,8 @@ class ServedEngines:
         await asyncio.to_thread(profile_engine, worker.loop.engine, worker.loop.step_model)
         worker.loop.start()
         self._metrics.watch_engine(worker.loop, lambda: worker.reserved_requests)
+        config = worker.loop.engine.config
+        self._metrics.labelled(config.served_name, config.model_version).count_outcomes(OBJECTIVES, (NO_KV_ROOM,))
 
     def promote(self, worker: DecodeWorker) -> None:
         """Send new requests to `worker`; the one serving until now retires beside it."""

@@ -1,27 +1,50 @@
-"""What one decode request leaves in the metrics (as its tokens stream) and in the trace (at its end,
-from the request's progress record)."""
+"""What one decode request leaves in the metrics (as its stages pass and its tokens stream) and in the
+trace (at its end, from the request's progress record)."""
 
 from __future__ import annotations
 
 from engine.outputs import RequestOutput
+from services.common.failure import Failure, WorkerError
 from services.common.worker_metrics import WorkerMetrics
 from services.decode.progress import DecodeProgress, DecodeStage
 from services.observability.spans import add_event, add_span, set_attributes, tracing_active
 
+# A decode worker's objective (tandem:slo_requests) and refusal reason (tandem:requests_refused).
+OBJECTIVES = ("tpot",)
+NO_KV_ROOM = "no_kv_room"
+
 
 class DecodeRecorder:
-    """Feed it every output of one request (`output`), then call `trace` once it ended, however."""
+    """Hand it the request's `progress` record to update, feed it every output (`output`) and a
+    failure (`failed`), then call `trace` once it ended, however."""
 
-    def __init__(self, metrics: WorkerMetrics, progress: DecodeProgress, tensor_parallel_size: int = 1) -> None:
-        """`tensor_parallel_size`: the ranks the worker's model is split across, for the trace."""
+    def __init__(self, metrics: WorkerMetrics, arrived_at: float, resumed_tokens: int = 0,
+                 tensor_parallel_size: int = 1, tpot_objective_s: float | None = None) -> None:
+        """`arrived_at`, `resumed_tokens`: as DecodeProgress's; `tensor_parallel_size`: the ranks the
+        worker's model is split across, for the trace; `tpot_objective_s`: the TPOT objective the
+        gateway routed the request against (None: it sent none, and none is counted)."""
         self._metrics = metrics
-        self._progress = progress
+        self.progress = DecodeProgress(arrived_at, resumed_tokens, on_enter=self._entered)
         self._tensor_parallel_size = tensor_parallel_size
+        self._tpot_objective_s = tpot_objective_s
+        self._admitted = False
         self._finished: RequestOutput | None = None
+
+    def _entered(self, stage: DecodeStage) -> None:
+        # Admitted once its KV has room: reserved for a prompt computed elsewhere, in the running
+        # batch for one computed here (the engine queues it until then, never refusing it).
+        if not self._admitted and stage in (DecodeStage.RESERVED, DecodeStage.DECODING):
+            self._admitted = True
+            self._metrics.admitted()
+
+    def failed(self, error: Exception) -> None:
+        """The request failed with `error`: counted as refused when this worker had no KV room for it."""
+        if isinstance(error, WorkerError) and error.failure is Failure.NO_ROOM:
+            self._metrics.refused(NO_KV_ROOM)
 
     def output(self, output: RequestOutput, now: float) -> None:
         """Account an output streamed at perf_counter time `now` (and stamp it on the progress record)."""
-        metrics, progress = self._metrics, self._progress
+        metrics, progress = self._metrics, self.progress
         if progress.first_token_at is None:
             metrics.ttft.observe(now - progress.arrived_at)
         elif output.new_token_ids and progress.last_token_at is not None:
@@ -35,6 +58,10 @@ class DecodeRecorder:
         metrics.generation_tokens.inc(output.num_output_tokens - progress.resumed_tokens)
         metrics.prefix_cache(output.num_prompt_tokens, progress.local_cached_tokens)
         metrics.succeeded(output.finish_reason or "abort")
+        metrics.served()
+        if self._tpot_objective_s is not None:
+            tpot_s = progress.tpot_s(output.num_output_tokens - progress.resumed_tokens)
+            metrics.slo("tpot", tpot_s <= self._tpot_objective_s)
         joining, joined = progress.began(DecodeStage.JOINING), progress.began(DecodeStage.DECODING)
         if joining is not None and joined is not None:
             # This worker's queue: from the prompt's KV being complete until the request joined the batch.
@@ -44,7 +71,7 @@ class DecodeRecorder:
         """The request's stages as spans under the Decode RPC's span, and its figures on that span."""
         if not tracing_active():
             return
-        progress = self._progress
+        progress = self.progress
         set_attributes({"tandem.tensor_parallel_size": self._tensor_parallel_size})
         reserved = progress.began(DecodeStage.RESERVED)
         if reserved is not None:

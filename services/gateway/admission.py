@@ -35,12 +35,18 @@ class Claim(Protocol):
 C = TypeVar("C", bound=Claim)
 
 
+# Why admission refuses a request: the queue has no place for it, or its TTFT deadline passed in it.
+QUEUE_FULL, TTFT_DEADLINE = "queue_full", "ttft_deadline"
+
+
 class Rejected(Exception):
     """The gateway cannot take the request now (RESOURCE_EXHAUSTED / HTTP 429)."""
 
-    def __init__(self, message: str, retry_after_s: float) -> None:
+    def __init__(self, message: str, retry_after_s: float, reason: str) -> None:
+        """`reason`: QUEUE_FULL or TTFT_DEADLINE."""
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.reason = reason
 
 
 class Placer(Protocol[C]):
@@ -103,7 +109,7 @@ class Admission(Generic[C]):
             self._remove(waiter)
             raise Rejected(f"no worker can meet TTFT {request.slo.ttft_s * 1e3:.0f} ms / TPOT "
                            f"{request.slo.tpot_s * 1e3:.0f} ms now: {decision.reasons[0]}",
-                           _retry_after(decision)) from None
+                           _retry_after(decision), TTFT_DEADLINE) from None
         except asyncio.CancelledError:
             if _placed(waiter):  # the caller went away just as it was placed
                 waiter.placed.result().release()
@@ -124,11 +130,11 @@ class Admission(Generic[C]):
             worst = self._waiting[-1] if self._waiting else None
             if worst is None or worst < waiter:
                 raise Rejected(f"the admission queue is full ({self._max_queued} requests wait for capacity)",
-                               _retry_after(decision))
+                               _retry_after(decision), QUEUE_FULL)
             self._waiting.pop()
             worst.placed.set_exception(Rejected("the admission queue is full and a request with a higher "
                                                 "priority or an earlier deadline took this one's place",
-                                                _retry_after(decision)))
+                                                _retry_after(decision), QUEUE_FULL))
         bisect.insort(self._waiting, waiter)
 
     def _remove(self, waiter: _Waiter) -> None:

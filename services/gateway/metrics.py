@@ -15,6 +15,30 @@ while a pool cannot be measured.
 vLLM's per-request phases and shapes are the gateway's (the workers see only their part of a request):
 `services.gateway.telemetry` says what each is measured from.
 
+Goodput, per model version (services.observability.metrics names the families):
+- `tandem:requests_admitted`: requests admission placed on workers (at once or after a wait);
+- `tandem:requests_served`: requests that finished with output (a final chunk);
+- `tandem:requests_refused{reason}`: RESOURCE_EXHAUSTED (HTTP 429), before admission for
+  "http_concurrency" (the HTTP API's requests in flight, before the request is read: labelled with
+  the first model), "rate_limit" (the API key's limits), "queue_full" (admission's queue had no
+  place) and "ttft_deadline" (no worker could meet the request's TTFT objective before it passed),
+  after it for "workers_full" (every decode worker tried refused it: no KV room);
+- `tandem:slo_requests{objective, attained}`: each served request once per objective, "ttft",
+  "tpot" and "both" (met TTFT and TPOT), as the client saw its tokens. A request that set no
+  objective (request.RequestedSlo 0) counts against the gateway's own, `--ttft-slo-ms` and
+  `--tpot-slo-ms`, which admission and routing used for it too; so every served request counts, and
+  `objective="both"` sums to `tandem:requests_served`.
+A request counts once however many workers it took (retries, migrations).
+Requests admitted but neither served nor refused failed otherwise (`tandem:request_rejections`) or
+are still in flight. In PromQL, per model version (`sum by (model_name, model_version)` on each side
+to add up several gateways):
+  attainment, per objective: sum without(attained) (rate(tandem:slo_requests_total{attained="true"}[5m]))
+                             / sum without(attained) (rate(tandem:slo_requests_total[5m]))
+  goodput, requests/s that met both: rate(tandem:slo_requests_total{objective="both", attained="true"}[5m])
+  its share of the admitted: rate(tandem:slo_requests_total{objective="both", attained="true"}[5m])
+                             / ignoring(objective, attained) rate(tandem:requests_admitted_total[5m])
+  refusals/s, by reason: rate(tandem:requests_refused_total[5m])
+
 `GatewayMetrics.registry` is self-contained: the gRPC gateway serves it on `--metrics-port`, and an
 HTTP front end can mount the same registry at `/metrics` (`prometheus_client.make_asgi_app`).
 """
@@ -27,6 +51,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from services.gateway.admission import QUEUE_FULL, TTFT_DEADLINE
 from services.observability.metrics import (
     ITL_BUCKETS,
     MODEL,
@@ -36,6 +61,11 @@ from services.observability.metrics import (
     one_two_five_buckets,
     per_model,
 )
+
+# tandem:slo_requests's objectives, and tandem:requests_refused's reasons, at the gateway.
+OBJECTIVES = ("ttft", "tpot", "both")
+RATE_LIMIT, WORKERS_FULL, HTTP_CONCURRENCY = "rate_limit", "workers_full", "http_concurrency"
+REFUSAL_REASONS = (HTTP_CONCURRENCY, RATE_LIMIT, QUEUE_FULL, TTFT_DEADLINE, WORKERS_FULL)
 
 
 class GatewayMetrics(RequestMetrics):
@@ -67,9 +97,6 @@ class GatewayMetrics(RequestMetrics):
                                               per_model(["key"]), registry=self.registry)
         self._key_rate_limited = Counter("tandem:key_rate_limited", "Requests refused by their API key's rate limits.",
                                          per_model(["key"]), registry=self.registry)
-        # Attainment = rate(attained="true") / rate(all), per objective.
-        self._slo = Counter("tandem:slo_requests", "Requests that set a latency objective, by whether it was met.",
-                            per_model(["objective", "attained"]), registry=self.registry)
         self._prefill_time = self._histogram("vllm:request_prefill_time_seconds",
                                              "Time spent in the PREFILL phase of a request.", REQUEST_BUCKETS)
         self._decode_time = self._histogram("vllm:request_decode_time_seconds",
@@ -92,6 +119,7 @@ class GatewayMetrics(RequestMetrics):
         # its first event finds it.
         for family in self._per_version_families():
             family.labels(*self.model)
+        self.count_outcomes(OBJECTIVES, REFUSAL_REASONS)
 
     def _per_version_families(self) -> list[Counter | Histogram]:
         lengths = self._length_families.families if self._length_families is not None else ()
@@ -162,9 +190,11 @@ class GatewayMetrics(RequestMetrics):
         """Count a request that its key's rate limits refused."""
         self._key_rate_limited.labels(*self.model, key).inc()
 
-    def slo(self, objective: str, attained: bool) -> None:
-        """Count a request's latency objective ("ttft" or "tpot") as met or missed."""
-        self._slo.labels(*self.model, objective, "true" if attained else "false").inc()
+    def objectives(self, ttft_met: bool, tpot_met: bool) -> None:
+        """Count a served request's objectives as met or missed: each, and both together."""
+        self.slo("ttft", ttft_met)
+        self.slo("tpot", tpot_met)
+        self.slo("both", ttft_met and tpot_met)
 
 
 class _RequestLengths:

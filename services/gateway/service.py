@@ -28,7 +28,7 @@ from services.gateway.catalog import ModelCatalog, Target, UnknownModel
 from services.gateway.choices import ChoiceGroup
 from services.gateway.formats import served_formats
 from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import RATE_LIMIT, WORKERS_FULL, GatewayMetrics
 from services.gateway.migration import MigrationPolicy, StreamProgress
 from services.gateway.rate_limits import Charge, RateLimited, RateLimiter
 from services.gateway.registry import Placement, WorkerRegistry
@@ -111,10 +111,10 @@ class GatewayService:
         """Whether requests can be served now: the model is loaded and the workers can take requests."""
         return self.catalog is not None and self.registry.routable()
 
-    def refused(self, request_id: str, code: str, message: str) -> None:
-        """An API edge refused a request before it reached `generate` (its body did not convert):
-        traced and counted like the requests that did."""
-        record_refusal(self.metrics, request_id, code, message)
+    def refused(self, request_id: str, code: str, message: str, capacity_reason: str | None = None) -> None:
+        """An API edge refused a request before it reached `generate` (its body did not convert, or
+        `capacity_reason`: too many in flight): traced and counted like the requests that did."""
+        record_refusal(self.metrics, request_id, code, message, capacity_reason)
 
     def slo(self, request: GenerateRequest) -> SloTargets:
         """The request's objectives: its own, else the deployment's."""
@@ -123,10 +123,12 @@ class GatewayService:
                    request.slo.tpot_ms / 1000 if request.slo.tpot_ms else default.tpot_s)
 
     async def place(self, request: GenerateRequest, prompt: list[int], slo: SloTargets, arrived_at: float,
-                    exclude: frozenset[str] = frozenset(), version_key: str | None = None) -> Placement:
+                    observation: RequestObservation, exclude: frozenset[str] = frozenset(),
+                    version_key: str | None = None) -> Placement:
         """Where the request runs, once admission lets it in (see services.gateway.admission), on
         workers reporting `version_key` (NAME@VERSION; None: any). StatusError RESOURCE_EXHAUSTED
-        (with a retry-after hint) when refused, UNAVAILABLE when no worker could take it at all."""
+        (with a retry-after hint) when refused (told to `observation`), UNAVAILABLE when no worker
+        could take it at all."""
         route_request = self.registry.route_request(prompt, request.sampling.max_tokens, slo, version_key)
         try:
             if exclude:  # a retry after a refusal: no queueing, the best other worker now
@@ -135,6 +137,7 @@ class GatewayService:
         except NoWorkerError as error:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, str(error)) from error
         except Rejected as rejected:
+            observation.turned_away(rejected.reason)
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(rejected),
                               retry_after_s=rejected.retry_after_s) from rejected
 
@@ -163,7 +166,7 @@ class GatewayService:
             target = target or self.target_for(request)
             observation.resolved(target)
             prompt = self._accepted(request, target, observation)
-            charge = self._charged(request, len(prompt))
+            charge = self._charged(request, len(prompt), observation)
             # aclosing: a consumer that stops early (client gone) must close the inner stream at once,
             # which cancels the request on its workers; left to the garbage collector it would not.
             async with contextlib.aclosing(
@@ -198,13 +201,14 @@ class GatewayService:
         observation.accepted(len(prompt), request.sampling)
         return prompt
 
-    def _charged(self, request: GenerateRequest, prompt_tokens: int) -> Charge:
+    def _charged(self, request: GenerateRequest, prompt_tokens: int, observation: RequestObservation) -> Charge:
         """The request's charge to its caller's rate limits: its prompt and max_tokens, settled when
         it ends. StatusError RESOURCE_EXHAUSTED, with when to retry, when the limits refuse it."""
         try:
             return self.rate_limits.admit(request.caller, prompt_tokens + request.sampling.max_tokens)
         except RateLimited as limited:
             self.metrics.key_rate_limited(request.caller.name if request.caller is not None else "")
+            observation.turned_away(RATE_LIMIT)
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(limited),
                               retry_after_s=limited.retry_after_s) from limited
 
@@ -219,8 +223,8 @@ class GatewayService:
         while True:
             try:
                 with observation.routing() as route:
-                    placement = await self.place(request, progress.context(prompt), slo, arrived_at, refused,
-                                                 version_key)
+                    placement = await self.place(request, progress.context(prompt), slo, arrived_at, observation,
+                                                 refused, version_key)
                     observation.placed(route, placement.decision, slo)
             except StatusError:
                 if not refusals:
@@ -234,7 +238,7 @@ class GatewayService:
                       "; ".join(decision.reasons[:1]))
             timeout = None if deadline is None else deadline - time.monotonic()
             stream = placement.decode.generate(request_id, worker_request_id, prompt, request.sampling,
-                                               decision.prefill or "", timeout, progress.resumed(), version_key)
+                                               decision.prefill or "", timeout, progress.resumed(), version_key, slo)
             streamed = False
             try:
                 async for chunk in stream:
@@ -262,6 +266,8 @@ class GatewayService:
                 await stream.aclose()
                 placement.release()
         exhausted = all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in refusals)
+        if exhausted:
+            observation.turned_away(WORKERS_FULL)
         raise StatusError(
             grpc.StatusCode.RESOURCE_EXHAUSTED if exhausted else grpc.StatusCode.UNAVAILABLE,
             "every worker tried refused or failed the request: " + "; ".join(detail for _, detail in refusals),

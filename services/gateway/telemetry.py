@@ -131,11 +131,12 @@ class RequestObservation:
 
     def dispatched(self, attempt: int, decode: str, prefill: str) -> None:
         """Attempt `attempt` (0 first) goes to these decode and prefill workers ("local": none)."""
-        if self._waiting:
+        if self._waiting:  # the first attempt: admission let it in
             self._waiting = False
             self._metrics.waiting.dec()
             self._running = True
             self._metrics.running.inc()
+            self._metrics.admitted()
         self._metrics.routed("decode", decode)
         self._metrics.routed("prefill", prefill)
         self._workers = (decode, prefill)
@@ -151,6 +152,11 @@ class RequestObservation:
         if self._traced:
             self._span.add_event("refused", {"tandem.worker.address": worker, "error.type": code,
                                              "tandem.detail": details})
+
+    def turned_away(self, reason: str) -> None:
+        """The request is refused for capacity (RESOURCE_EXHAUSTED), for this reason
+        (services.gateway.metrics.REFUSAL_REASONS); `failed` follows."""
+        self._metrics.refused(reason)
 
     def migrated(self, decode: str, code: str, details: str, delivered_tokens: int, migrations: int) -> None:
         """The decode worker failed after streaming; the request resumes elsewhere after
@@ -221,9 +227,9 @@ class RequestObservation:
         metrics.generation_tokens.inc(usage.completion_tokens)
         metrics.prefix_cache(usage.prompt_tokens, usage.cached_tokens)
         metrics.succeeded(reason)
+        metrics.served()
         if self._slo is not None:
-            metrics.slo("ttft", ttft <= self._slo.ttft_s)
-            metrics.slo("tpot", tpot <= self._slo.tpot_s)
+            metrics.objectives(ttft <= self._slo.ttft_s, tpot <= self._slo.tpot_s)
         timings = chunk.timings
         # vLLM's phases: prefill is the prompt's compute and, disaggregated, the wait for its KV (the
         # queues before are not in it); decode runs from the first token to the last, as the client saw them.
@@ -276,13 +282,16 @@ class RequestObservation:
         return trace.format_trace_id(context.trace_id) if context.is_valid else ""
 
 
-def record_refusal(metrics: GatewayMetrics, request_id: str, code: str, message: str) -> None:
-    """A request refused before it became one (its message did not convert): counted, and marked
-    on the current span."""
+def record_refusal(metrics: GatewayMetrics, request_id: str, code: str, message: str,
+                   capacity_reason: str | None = None) -> None:
+    """A request refused before it became one (its message did not convert, or `capacity_reason`,
+    one of services.gateway.metrics.REFUSAL_REASONS, said no): counted, and marked on the current span."""
     span = trace.get_current_span()
     if span.is_recording() and request_id:
         span.set_attribute("tandem.request_id", request_id)
     metrics.rejected(code)
+    if capacity_reason is not None:
+        metrics.refused(capacity_reason)
     set_error(code, message, span)
     log.info("request %s refused: %s: %s", request_id or "(no id)", code, message)
 

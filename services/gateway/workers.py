@@ -25,7 +25,7 @@ from services.common.channels import PLAINTEXT, Channels
 from services.common.chunk import Chunk
 from services.common.convert import chunk_from_proto, sampling_params_to_proto, step_model_from_proto
 from services.common.errors import status_error_from_rpc
-from services.gateway.router import Role, WorkerView
+from services.gateway.router import Role, SloTargets, WorkerView
 from services.gateway.tpot_slack import DecodeProgress
 
 log = logging.getLogger(__name__)
@@ -109,11 +109,13 @@ class RemoteWorker:
         timeout: float | None,
         resumed: Resumed | None = None,
         version_key: str | None = None,
+        slo: SloTargets | None = None,
     ) -> AsyncIterator[Chunk]:
         """Decode or colocated role: run a request here with its prompt (and, `resumed`, the output
         its client already has) computed by `prefill_address` (empty: by this worker), yielding
         its chunks (labelled `request_id`), on the model version `version_key` (None: the one it
-        serves). The worker's refusal or failure is a StatusError with its gRPC code (and the prefill
+        serves), routed against the objectives `slo` (None: none, for the worker to count its TPOT
+        against). The worker's refusal or failure is a StatusError with its gRPC code (and the prefill
         worker it blames, if any); leaving the stream early cancels the request on the worker."""
         call = self.stub.Generate(
             decode_pb2.DecodeRequest(
@@ -124,6 +126,7 @@ class RemoteWorker:
                 output_token_ids=resumed.output_token_ids if resumed is not None else (),
                 output_text_length=(resumed.text_length or 0) if resumed is not None else 0,
                 model=version_key or "",
+                slo=_slo_to_proto(slo) if slo is not None else None,
             ),
             timeout=timeout,
         )
@@ -222,3 +225,8 @@ class RemoteWorker:
                           error.details())
             self.report = None
             await asyncio.sleep(_RESUBSCRIBE_S)
+
+
+def _slo_to_proto(slo: SloTargets) -> common_pb2.Slo:
+    """The objectives in whole milliseconds (at least 1: 0 would mean none)."""
+    return common_pb2.Slo(ttft_ms=max(1, round(slo.ttft_s * 1000)), tpot_ms=max(1, round(slo.tpot_s * 1000)))

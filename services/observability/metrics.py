@@ -1,10 +1,19 @@
-"""Prometheus metrics every Tandem process shares: vLLM's per-request families, and their HTTP server.
+"""Prometheus metrics every Tandem process shares: vLLM's per-request families, the requests'
+outcomes and objectives, and their HTTP server.
 
 Names follow vLLM where vLLM has the metric (so its dashboards and the Gateway API Inference
 Extension read ours), `tandem:` otherwise; every family carries `model_name` and `model_version`
 labels. Each process
 keeps its own `CollectorRegistry` rather than the global one, so tests and embedders can hold
 several, and the gateway's can be mounted on an HTTP app (`prometheus_client.make_asgi_app`).
+
+vLLM has no family for what goodput needs, so these are Tandem's, the same names at the gateway and
+at the workers (each counts its own side; the scrape's `job` tells them apart):
+`tandem:requests_admitted`, `tandem:requests_served` (finished with output) and
+`tandem:requests_refused{reason}` (RESOURCE_EXHAUSTED, HTTP 429), and
+`tandem:slo_requests{objective, attained}` (served requests by whether they met an objective).
+services.gateway.metrics and services.common.worker_metrics say what each side counts, and give the
+PromQL for attainment and goodput.
 """
 
 from __future__ import annotations
@@ -81,6 +90,14 @@ class RequestMetrics:
                                              "Prompt tokens looked up in the prefix cache.", MODEL, registry=registry)
         self._prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                                           MODEL, registry=registry)
+        self._admitted = Counter("tandem:requests_admitted", "Requests taken on (see the process's metrics).",
+                                 MODEL, registry=registry)
+        self._served = Counter("tandem:requests_served", "Requests that finished with output.", MODEL,
+                               registry=registry)
+        self._refused = Counter("tandem:requests_refused", "Requests refused for capacity (RESOURCE_EXHAUSTED, "
+                                "HTTP 429), by why.", per_model(["reason"]), registry=registry)
+        self._slo = Counter("tandem:slo_requests", "Served requests, by latency objective and whether they met it.",
+                            per_model(["objective", "attained"]), registry=registry)
         self._views: dict[tuple[str, str], Self] = {}
         self._bind(model_name, model_version)
 
@@ -111,6 +128,33 @@ class RequestMetrics:
     def succeeded(self, finished_reason: str) -> None:
         """Count a request that finished ("stop", "length" or "abort")."""
         self._success.labels(*self.model, finished_reason).inc()
+
+    def count_outcomes(self, objectives: Sequence[str], refusal_reasons: Sequence[str]) -> None:
+        """Export this version's outcome series, and those of these objectives and refusal reasons, at
+        0 from now on: a query's rate() sees a counter's first increment only after a scrape saw it at 0."""
+        self._admitted.labels(*self.model)
+        self._served.labels(*self.model)
+        for reason in refusal_reasons:
+            self._refused.labels(*self.model, reason)
+        for objective in objectives:
+            for attained in ("true", "false"):
+                self._slo.labels(*self.model, objective, attained)
+
+    def admitted(self) -> None:
+        """Count a request taken on."""
+        self._admitted.labels(*self.model).inc()
+
+    def served(self) -> None:
+        """Count a request that finished with output."""
+        self._served.labels(*self.model).inc()
+
+    def refused(self, reason: str) -> None:
+        """Count a request refused for capacity, and why."""
+        self._refused.labels(*self.model, reason).inc()
+
+    def slo(self, objective: str, attained: bool) -> None:
+        """Count a served request's latency objective (`objective` names it) as met or missed."""
+        self._slo.labels(*self.model, objective, "true" if attained else "false").inc()
 
     def prefix_cache(self, prompt_tokens: int, cached_tokens: int) -> None:
         """Account one prompt's lookup in the prefix cache."""

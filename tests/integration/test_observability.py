@@ -294,6 +294,12 @@ def test_metrics_count_a_request(mesh):
     assert _delta(before["gateway"], gateway, "tandem:request_rejections_total", code="INVALID_ARGUMENT") == 1
     assert _delta(before["gateway"], gateway, "tandem:slo_requests_total", objective="ttft", attained="true") == 1
     assert _delta(before["gateway"], gateway, "tandem:slo_requests_total", objective="tpot", attained="false") == 1
+    assert _delta(before["gateway"], gateway, "tandem:slo_requests_total", objective="both", attained="false") == 1
+    for role in ("gateway", "decode"):
+        assert _delta(before[role], after[role], "tandem:requests_admitted_total") == 1, role
+        assert _delta(before[role], after[role], "tandem:requests_served_total") == 1, role
+    # The decode worker's TPOT by its own clock, against the objective the gateway sent it with.
+    assert _delta(before["decode"], decode, "tandem:slo_requests_total", objective="tpot", attained="false") == 1
     # vLLM's per-request shapes and phases, at the gateway (one completion: n is 1).
     assert _delta(before["gateway"], gateway, "vllm:request_prompt_tokens_sum") == usage.prompt_tokens
     for histogram in ("vllm:request_generation_tokens", "vllm:request_params_max_tokens",

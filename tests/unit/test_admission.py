@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from services.gateway.admission import Admission, Rejected
+from services.gateway.admission import QUEUE_FULL, TTFT_DEADLINE, Admission, Rejected
 from services.gateway.router import Decision, RouteRequest, SloTargets
 
 
@@ -105,6 +105,7 @@ def test_a_request_still_waiting_at_its_ttft_deadline_is_rejected_with_a_retry_h
             await admission.admit(req(ttft=0.1))
         assert rejected.value.retry_after_s >= 1.0
         assert "TTFT 100 ms" in str(rejected.value)
+        assert rejected.value.reason == TTFT_DEADLINE
         assert admission.queued == 0 and placer.claimed == []
 
     asyncio.run(scenario())
@@ -116,12 +117,14 @@ def test_a_full_queue_refuses_the_lowest_ranked_request() -> None:
         admission = Admission(placer, max_queued=2)
         low = [asyncio.create_task(admission.admit(req(), priority=0)) for _ in range(2)]
         await run_others_until(lambda: admission.queued == 2)
-        with pytest.raises(Rejected, match="queue is full"):
+        with pytest.raises(Rejected, match="queue is full") as full:
             await admission.admit(req(), priority=0)  # no better than those waiting
+        assert full.value.reason == QUEUE_FULL
         high = asyncio.create_task(admission.admit(req(), priority=5))
         await run_others_until(low[1].done)
         # The later-deadline low-priority request gave its place to the high-priority one.
         assert low[1].done() and isinstance(low[1].exception(), Rejected)
+        assert low[1].exception().reason == QUEUE_FULL
         assert not low[0].done() and admission.queued == 2
         placer.capacity = 1
         admission.changed()

@@ -101,6 +101,9 @@ def test_an_http_caller_over_its_limit_gets_429_with_when_to_retry(gateway) -> N
         metrics = client.get("/metrics").text
     assert _sample(metrics, "tandem:key_requests_total", "tight") == 4
     assert _sample(metrics, "tandem:key_rate_limited_total", "tight") == 2
+    # Refused for capacity, by why: the key's limits; none let in was admitted (no worker).
+    assert 'tandem:requests_refused_total{model_name="smollm2",model_version="",reason="rate_limit"} 2.0' in metrics
+    assert 'tandem:requests_admitted_total{model_name="smollm2",model_version=""} 0.0' in metrics
     assert _sample(metrics, "tandem:key_requests_total", "free") == 3
     assert _sample(metrics, "tandem:key_prompt_tokens_total", "tight") == 0
 

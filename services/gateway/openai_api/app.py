@@ -32,6 +32,7 @@ from services.common.errors import StatusError
 from services.gateway.api_keys import current_caller
 from services.gateway.catalog import Target
 from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
+from services.gateway.metrics import HTTP_CONCURRENCY
 from services.gateway.model import ServedModel
 from services.gateway.openai_api.admin import put_split
 from services.gateway.openai_api.errors import ApiError, api_error, bad_request
@@ -68,7 +69,7 @@ def create_app(service: GatewayService, limits: RequestLimits = DEFAULT_REQUEST_
     chat_ws = CompletionSocket(service, api.chat_job, limits.max_body_bytes)
 
     def refused(message: str) -> None:
-        service.refused(uuid.uuid4().hex, "RESOURCE_EXHAUSTED", message)
+        service.refused(uuid.uuid4().hex, "RESOURCE_EXHAUSTED", message, HTTP_CONCURRENCY)
 
     return Starlette(
         routes=[
