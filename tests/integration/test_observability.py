@@ -12,6 +12,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from vllm_dashboard import DASHBOARD_SERIES
 
 from harness.otlp_receiver import OtlpReceiver, ReceivedSpan
 from harness.ports import free_port
@@ -35,22 +36,6 @@ EXPECTED = {
     "tandem-prefill": {"/tandem.v1.Prefill/Prefill", "prefill.queue", "prefill.compute", "kv.transfer",
                        "/tandem.v1.KVTransfer/Push"},
 }
-
-# Every series vLLM's own Grafana dashboard queries (each with model_name="$model_name"): its
-# examples/observability/prometheus_grafana/grafana.json (formerly under examples/online_serving/) on vLLM's
-# main branch after vllm-project/vllm#55283, as docs.vllm.ai/en/latest published it on 2026-09-23.
-DASHBOARD_HISTOGRAMS = (
-    "vllm:e2e_request_latency_seconds", "vllm:inter_token_latency_seconds",
-    "vllm:request_time_per_output_token_seconds", "vllm:time_to_first_token_seconds",
-    "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_queue_time_seconds",
-    "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_max_num_generation_tokens",
-)
-DASHBOARD_SERIES = (
-    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_requests_running",
-    "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:request_success_total",
-    *(f"{name}{suffix}" for name in DASHBOARD_HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")),
-)
-
 
 @pytest.fixture(scope="module")
 def receiver():
