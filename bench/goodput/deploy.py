@@ -66,10 +66,12 @@ class DeployOptions:
 
 @dataclass(frozen=True)
 class Served:
-    """A configuration while it serves: its OpenAI API's base URL and the commands that started it."""
+    """A configuration while it serves: its OpenAI API's base URL, the commands that started it and
+    their processes' ids (where this suite started them)."""
 
     url: str
     commands: tuple[str, ...] = ()
+    pids: tuple[int, ...] = ()
 
 
 class LoggedServer:
@@ -136,7 +138,8 @@ def deployment(config: str, options: DeployOptions) -> Iterator[Served]:
         else:
             raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(CONFIGS)}")
         wait_healthy(base_url, processes, deadline)
-        yield Served(base_url, tuple(process.command for process in processes))
+        yield Served(base_url, tuple(process.command for process in processes),
+                     tuple(process.server.proc.pid for process in processes))
     finally:
         for process in reversed(processes):
             process.stop()

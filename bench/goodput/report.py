@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Sequence
 
-from bench.common.metrics import ATTAINMENT_TARGET, Slo
+from bench.common.metrics import ATTAINMENT_TARGET, RequestResult, Slo, capacity, goodput, summarize_rate
 
 LABELS = {"default": "Tandem default (`tandem mesh`)", "disagg": "Tandem disaggregated",
           "colocated": "Tandem colocated", "colocated-wide": "Tandem colocated, one engine on 2 cores",
@@ -31,6 +32,44 @@ def format_repeats(configs: dict[str, dict], slos: Sequence[Slo]) -> str:
             lines.append(f"| {label(base)} | {_slo_text(slo)} | {', '.join(f'{v:.2f}' for v in values)} | "
                          f"{statistics.median(values):.2f} |")
     return "\n".join(lines)
+
+
+def goodput_per_slo(rows: Sequence[dict], slos: Sequence[Slo]) -> dict[str, dict]:
+    """Each SLO's goodput from the attainment of summarized rates."""
+    return {s.name: goodput([(r["rate"], r["attainment"][s.name], r["sustained"]) for r in rows]) for s in slos}
+
+
+def rescore(path: str, slos: Sequence[Slo]) -> dict[str, dict]:
+    """An earlier run's configurations with attainment and goodput recomputed at `slos`. Tandem's
+    router places requests by the SLO they were sent with, so for Tandem this tells what the run
+    would have attained at other objectives, not what a run sent with them would have."""
+    with open(path, encoding="utf-8") as file:
+        configs = json.load(file)["configs"]
+    rescored: dict[str, dict] = {}
+    for name, data in configs.items():
+        if "rates" not in data:
+            rescored[name] = data
+            continue
+        rows = [summarize_rate(r["rate"], [RequestResult(**sample) for sample in r["samples"]], slos)
+                for r in data["rates"]]
+        rescored[name] = {"rates": rows, "goodput": goodput_per_slo(rows, slos),
+                          "capacity": {s.name: capacity(rows, s) for s in slos}}
+    return rescored
+
+
+def cpu_text(cpu_s: dict[str, float], results: Sequence[RequestResult]) -> str:
+    """The CPU seconds each role spent, and the gateway's per output token."""
+    if not cpu_s:
+        return ""
+    tokens = sum(r.output_tokens for r in results if r.ok)
+    per_token = f", gateway {cpu_s['gateway'] / tokens * 1e3:.2f} ms/token" if "gateway" in cpu_s and tokens else ""
+    return "; CPU s " + ", ".join(f"{role} {seconds:.1f}" for role, seconds in sorted(cpu_s.items())) + per_token
+
+
+def routing_text(routing: dict) -> str:
+    computed, ratio = routing["prompts_computed"], routing["ttft_actual_over_predicted"]["prefill_worker"]
+    text = f"prompts prefilled where they decode {computed['local']}, refused {routing['refused']}"
+    return text + (f", TTFT actual/predicted p50 {ratio['p50']:.2f}" if ratio else "")
 
 
 def _ms(value: float | None) -> str:

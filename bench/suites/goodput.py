@@ -67,7 +67,6 @@ from bench.common.metrics import (
     RequestResult,
     Slo,
     capacity,
-    goodput,
     poisson_arrivals,
     requests_for,
     summarize_rate,
@@ -79,7 +78,17 @@ from bench.common.suite import command_line, load_average, results_path, suite_p
 from bench.common.workload import SHAPES, BenchRequest, Workload, WorkloadShape, build_workload
 from bench.goodput.deploy import CONFIGS, VLLM_DTYPES, DeployOptions, Served, Unavailable, deployment
 from bench.goodput.gateway_log import read_routing
-from bench.goodput.report import format_repeats, format_summary, label, plot_attainment
+from bench.goodput.process_cpu import cpu_seconds, spent
+from bench.goodput.report import (
+    cpu_text,
+    format_repeats,
+    format_summary,
+    goodput_per_slo,
+    label,
+    plot_attainment,
+    rescore,
+    routing_text,
+)
 from bench.goodput.sweep import RequestPool, goes_higher, refinement
 from bench.goodput.vllm_client import run_vllm_client
 from bench.suites.hf_export import ensure_export
@@ -181,14 +190,16 @@ def measure_rate(args: argparse.Namespace, base_url: str, model: str, requests: 
     return asyncio.run(run_open_loop(base_url, bodies, arrivals, args.request_timeout))
 
 
-def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload, gateway_log: str | None,
+def sweep(args: argparse.Namespace, name: str, served: Served, workload: Workload, gateway_log: str | None,
           best_capacity: float) -> dict:
     """Warm the server up, measure the starting rates upwards while they are worth it, then refine
     between the highest passing and the lowest failing rate (bench.goodput.sweep). Each rate gets
     its own slice of the workload and the warm-up the last requests, so that no prompt is sent twice.
     With a Tandem gateway's log, each rate also gets the routing figures the log holds for its window.
     `best_capacity`: the most any configuration served so far in this run (req/s), which the
-    refinement's step is a fraction of."""
+    refinement's step is a fraction of. Each rate records the CPU seconds the configuration's
+    processes spent on it, by role."""
+    base_url = served.url
     model = asyncio.run(served_model(base_url))
     warmup = [request_body(model, r, None) for r in workload.requests[-WARMUP_REQUESTS:]]
     asyncio.run(run_open_loop(base_url, warmup, [0.0] * len(warmup), args.request_timeout))
@@ -198,8 +209,9 @@ def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload
     def measure(rate: float) -> dict:
         started, started_wall = time.monotonic(), time.time()
         requests = pool.take(requests_for(rate, args.span, args.min_requests))
+        cpu_before = cpu_seconds(served.pids)
         results = measure_rate(args, base_url, model, requests, rate, str(CACHE_DIR / f"goodput-{name}"))
-        row = summarize_rate(rate, results, args.slos)
+        row = {**summarize_rate(rate, results, args.slos), "cpu_s": spent(cpu_before, cpu_seconds(served.pids))}
         # A request's finish line is logged as its last chunk leaves, a moment before the client has it.
         routing = read_routing(gateway_log, started_wall, time.time() + 1.0) if gateway_log else None
         if routing is not None:
@@ -210,7 +222,8 @@ def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload
               f"{'' if row['sustained'] else ' (not sustained)'} over {row['arrival_span_s']:.0f} s of arrivals; "
               f"TTFT p90 {row['ttft_ms']['p90'] or 0:.0f} ms, TPOT p90 {row['tpot_ms']['p90'] or 0:.1f} ms, "
               f"{row['completed']}/{row['requests']} done ({time.monotonic() - started:.0f} s, load {load_average()})"
-              + (f"; {_routing_text(routing)}" if routing else ""), file=sys.stderr, flush=True)
+              + (f"; {routing_text(routing)}" if routing else "") + cpu_text(row["cpu_s"], results),
+              file=sys.stderr, flush=True)
         rows.append({**row, "samples": [dataclasses.asdict(r) for r in results]})  # to recompute other SLOs
         time.sleep(args.cooldown)
         return row
@@ -224,19 +237,8 @@ def sweep(args: argparse.Namespace, name: str, base_url: str, workload: Workload
             break
         measure(rate)
     rows.sort(key=lambda row: row["rate"])
-    return {"model": model, "rates": rows, "goodput": _goodput_per_slo(rows, args.slos),
+    return {"model": model, "rates": rows, "goodput": goodput_per_slo(rows, args.slos),
             "capacity": {s.name: capacity(rows, s) for s in args.slos}}
-
-
-def _routing_text(routing: dict) -> str:
-    computed, ratio = routing["prompts_computed"], routing["ttft_actual_over_predicted"]["prefill_worker"]
-    text = f"prompts prefilled where they decode {computed['local']}, refused {routing['refused']}"
-    return text + (f", TTFT actual/predicted p50 {ratio['p50']:.2f}" if ratio else "")
-
-
-def _goodput_per_slo(rows: Sequence[dict], slos: Sequence[Slo]) -> dict[str, dict]:
-    """Each SLO's goodput from the attainment of summarized rates."""
-    return {s.name: goodput([(r["rate"], r["attainment"][s.name], r["sustained"]) for r in rows]) for s in slos}
 
 
 @contextlib.contextmanager
@@ -271,24 +273,6 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractCon
     return targets
 
 
-def rescore(path: str, slos: Sequence[Slo]) -> dict[str, dict]:
-    """An earlier run's configurations with attainment and goodput recomputed at `slos`. Tandem's
-    router places requests by the SLO they were sent with, so for Tandem this tells what the run
-    would have attained at other objectives, not what a run sent with them would have."""
-    with open(path, encoding="utf-8") as file:
-        configs = json.load(file)["configs"]
-    rescored: dict[str, dict] = {}
-    for name, data in configs.items():
-        if "rates" not in data:
-            rescored[name] = data
-            continue
-        rows = [summarize_rate(r["rate"], [RequestResult(**sample) for sample in r["samples"]], slos)
-                for r in data["rates"]]
-        rescored[name] = {"rates": rows, "goodput": _goodput_per_slo(rows, slos),
-                          "capacity": {s.name: capacity(rows, s) for s in slos}}
-    return rescored
-
-
 def main(argv: Sequence[str]) -> int:
     """Measure every configuration, print the summary, write the JSON results and the plot."""
     args = parse_args(argv)
@@ -311,7 +295,7 @@ def main(argv: Sequence[str]) -> int:
                 best = max((c["capacity"][args.slos[0].name]["served_rps"] for c in configs.values()
                             if "capacity" in c), default=0.0)
                 configs[name] = {"commands": list(served.commands),
-                                 **sweep(args, name, served.url, workload, gateway_log, best)}
+                                 **sweep(args, name, served, workload, gateway_log, best)}
         except Unavailable as reason:
             print(f"[goodput] {label(name)} skipped: {reason}", file=sys.stderr, flush=True)
             configs[name] = {"skipped": str(reason)}

@@ -213,7 +213,7 @@ def test_vllm_bench_results_become_per_request_results():
 
 
 def test_rescore_recomputes_attainment_and_goodput_at_other_slos(tmp_path):
-    from bench.suites.goodput import rescore
+    from bench.goodput.report import rescore
 
     def sample(tpot_s: float) -> dict:
         return {"ok": True, "ttft_s": 0.5, "tpot_s": tpot_s, "output_tokens": 10, "started_s": 0.0,
@@ -282,3 +282,14 @@ def test_a_missing_plotting_library_skips_the_plot_instead_of_failing_the_run(mo
     path = tmp_path / "plot.png"
     assert plot_attainment({}, [], str(path), "title") is False
     assert not path.exists()
+
+
+def test_server_processes_are_named_by_their_role():
+    from bench.goodput.process_cpu import role_of
+
+    python = "/repo/.venv/bin/python"
+    assert role_of([python, "-m", "services.cli", "gateway", "--port", "0"]) == "gateway"
+    assert role_of([python, "-m", "services.cli", "--log-level", "info", "worker", "--role", "prefill"]) == \
+        "worker prefill"
+    assert role_of([python, "-m", "services.cli", "decode", "--threads", "1"]) == "decode"
+    assert role_of(["/repo/bench/.cache/vllm-venv/bin/python", "-m", "bench.vllm.cli", "serve"]) == "vllm"
