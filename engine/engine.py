@@ -125,7 +125,10 @@ class Engine:
                     resumed: Resumed | None = None, export: KVExport | None = None) -> None:
         """Queue a request; ValueError naming the field if it cannot be served. With `resumed`, the
         request continues after output another engine already delivered (see engine.resume). With
-        `export`, each layer's pages go to its sink as soon as the layer wrote them."""
+        `export`, each layer's pages go to its sink as soon as the layer wrote them, and the request
+        hands off: it ends at its first token (finish_reason "handoff") and keeps its blocks until
+        `release` (engine.kv_connector.policy bounds how long); without, it decodes here (unless this
+        engine decodes nothing: role prefill)."""
         request = self._new_request(request_id, prompt_token_ids, params, resumed)
         too_large = self._too_large(request)
         if too_large is not None:
@@ -135,6 +138,7 @@ class Engine:
         self._text[request_id] = text
         if export is not None:
             self.connector.worker.add_export(request_id, export)
+            self.connector.scheduler.hand_off(request_id)
         if resumed is not None:
             self.runner.resume_generator(request_id, params.seed, draws=len(resumed.output_token_ids))
 

@@ -1,7 +1,8 @@
 """The KV connector: how an engine takes a prompt's KV from elsewhere and hands its own on.
 
-One engine serves every deployment; the connector's policy, built from the configuration once
-(engine.kv_connector.policy), tells them apart. Its scheduler side (engine.kv_connector.scheduler_side,
+One engine serves every deployment; a request added with an export hands off on any engine, and
+the connector's policy, built from the configuration once (engine.kv_connector.policy), keeps what is
+per engine. Its scheduler side (engine.kv_connector.scheduler_side,
 consulted by engine.scheduler) keeps the requests that wait for their KV (RequestStatus.WAITING_FOR_KV,
 each under a reservation with a ticket and a deadline) and the finished requests that keep their
 blocks for a hand-off (until released, or their keep deadline). Its worker side

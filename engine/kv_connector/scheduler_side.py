@@ -38,6 +38,7 @@ class KVConnectorScheduler:
         self.policy = policy or KVConnectorPolicy()
         self._table = threading.Lock()  # guards _reservations against the receivers' lookups
         self._reservations: dict[str, _Reservation] = {}
+        self._handing_off: set[str] = set()  # requests added with a KVExport, until forgotten
         self._kept: dict[str, float] = {}  # finished request id -> when its blocks go
         self._timed_out: set[str] = set()  # reservations the deadline ended, until their request is forgotten
         self._tickets = itertools.count(1)
@@ -84,14 +85,22 @@ class KVConnectorScheduler:
             raise TimeoutError(f"request {request_id!r}: its KV did not arrive before its deadline")
 
     # ---- hand-offs ------------------------------------------------------------------------------
+    def hand_off(self, request_id: str) -> None:
+        """The request (just added, with a KVExport) hands its prompt's KV on: it ends at its first
+        token and keeps its blocks, on any engine."""
+        self._handing_off.add(request_id)
+
+    def _hands_off(self, request_id: str) -> bool:
+        return not self.policy.decodes or request_id in self._handing_off
+
     def hands_off(self, request: Request) -> bool:
         """Whether the request ends once its prompt is done (it just sampled a token)."""
-        return self.policy.hands_off_prompts and not request.is_finished
+        return self._hands_off(request.request_id) and not request.is_finished
 
     def keeps(self, request: Request) -> bool:
         """Whether a request that finished (not aborted) keeps its blocks; if so, until released or
         its keep deadline."""
-        if not self.policy.hands_off_prompts:
+        if not self._hands_off(request.request_id):
             return False
         self._kept[request.request_id] = time.monotonic() + self.policy.keep_s
         return True
@@ -99,6 +108,7 @@ class KVConnectorScheduler:
     def forget(self, request_id: str) -> None:
         """The request is gone (released or aborted): end its reservation, drop what is kept of it."""
         self.end(request_id)
+        self._handing_off.discard(request_id)
         self._kept.pop(request_id, None)
         self._timed_out.discard(request_id)
 
@@ -127,4 +137,5 @@ class KVConnectorScheduler:
         dropped = [request_id for request_id, deadline in self._kept.items() if deadline <= now]
         for request_id in dropped:
             del self._kept[request_id]
+            self._handing_off.discard(request_id)
         return late + dropped

@@ -28,7 +28,7 @@ def profile_engine(engine: Engine, fit: StepModelFit, seed: int = 0) -> None:
     def prompt(length: int) -> list[int]:
         return [rng.randrange(low, high) for _ in range(length)]
 
-    decodes = not engine.connector.scheduler.policy.hands_off_prompts
+    decodes = engine.connector.scheduler.policy.decodes
     # The first run only warms up (first-call allocations would skew the fit).
     runs: list[list[list[int]]] = [[prompt(8)], *([prompt(n)] for n in _PROMPT_TOKENS)]
     if decodes:

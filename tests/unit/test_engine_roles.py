@@ -1,13 +1,15 @@
-"""Prefill -> export -> import -> decode across two engine instances equals one colocated engine."""
+"""Prefill -> export -> import -> decode across two engine instances (of the prefill and decode roles, or
+both colocated) equals one colocated engine."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from disaggregated import run_disaggregated
+from disaggregated import CollectedPages, import_all, run_disaggregated
 from parity_prompts import parity_prompt_ids
 
 from engine.config import CacheConfig
+from engine.kv_connector.export import KVExport
 from engine.offline import generate
 from engine.outputs import KVReservation, NoKVRoom, TooLargeForKV
 from engine.sampling_params import SamplingParams
@@ -71,3 +73,38 @@ def test_reserve_says_why_it_cannot_take_a_prompt(make_engine):
     assert str(NoKVRoom(2, 1)) == "the prompt needs 2 blocks, 1 are free"
     decode.abort("held")
     assert not decode.scheduler.requests and decode.kv.usage == 0
+
+
+def test_any_engine_hands_off_an_exported_prompt_and_decodes_the_rest(make_engine, tokenizer):
+    # Two engines of the colocated role: one computes a prompt for the other while it decodes a
+    # request of its own in the same batch, and the other decodes that prompt beside its own.
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = parity_prompt_ids(tokenizer)[:3]
+    expected = [c.token_ids for c in generate(make_engine(), prompts, params)]
+    site_a, site_b = make_engine(), make_engine()
+    reservation = site_b.reserve("handed", prompts[0], params)
+    assert isinstance(reservation, KVReservation)
+    sink = CollectedPages()
+    site_a.add_request("own", prompts[1], params)
+    site_a.add_request("handed", prompts[0], params, export=KVExport(sink, reservation.num_cached_tokens))
+    site_b.add_request("own-b", prompts[2], params)
+    tokens: dict[str, list[int]] = {"own": [], "own-b": []}
+    first = None
+    while site_a.has_unfinished():
+        for output in site_a.step():
+            if output.request_id == "handed":
+                assert output.finish_reason == "handoff" and first is None
+                first = output.new_token_ids[0]
+                assert site_a.stats().num_free_blocks < site_a.kv.num_blocks - 1  # kept until released
+                site_a.release("handed")
+            else:
+                tokens["own"].extend(output.new_token_ids)
+    assert first is not None
+    import_all(site_b, reservation, sink, site_b.model_config.num_layers)
+    tokens["handed"] = list(site_b.start_decode("handed", first).new_token_ids)
+    while site_b.has_unfinished():
+        for output in site_b.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+    assert [tokens["handed"], tokens["own"], tokens["own-b"]] == expected
+    for engine in (site_a, site_b):
+        assert engine.kv.usage == 0 and not engine.scheduler.requests and engine.next_kv_deadline() is None

@@ -101,8 +101,8 @@ def test_a_start_after_the_deadline_says_it_timed_out(make_engine, tokenizer):
 
 def test_a_hand_off_never_released_is_freed_at_its_keep_deadline(make_engine, tokenizer):
     prefill = make_engine(role="prefill")
-    assert prefill.connector.scheduler.policy == KVConnectorPolicy(hands_off_prompts=True)  # from the role
-    prefill.connector.scheduler.policy = KVConnectorPolicy(hands_off_prompts=True, keep_s=0.0)
+    assert prefill.connector.scheduler.policy == KVConnectorPolicy(decodes=False)  # from the role
+    prefill.connector.scheduler.policy = KVConnectorPolicy(decodes=False, keep_s=0.0)
     prefill.add_request("lost-peer", tokenizer.encode("Its decode worker is gone"), GREEDY)
     [output] = prefill.step()
     assert output.finish_reason == "handoff" and prefill.stats().num_free_blocks < prefill.kv.num_blocks

@@ -158,7 +158,7 @@ def test_abort_in_every_state_frees_blocks():
 
 
 def _handing_off(keep_s: float = 60.0) -> KVConnectorScheduler:
-    return KVConnectorScheduler(KVConnectorPolicy(hands_off_prompts=True, keep_s=keep_s))
+    return KVConnectorScheduler(KVConnectorPolicy(decodes=False, keep_s=keep_s))
 
 
 def test_a_handed_off_request_keeps_its_kv_until_released():
@@ -180,6 +180,21 @@ def test_a_handed_off_request_never_released_is_freed_at_its_keep_deadline():
     assert not s.requests and s.kv.usage == 0 and s.connector.next_deadline() is None
     s.release("p")  # the worker's late release finds nothing
     assert s.kv.usage == 0
+
+
+def test_on_a_decoding_engine_only_a_request_marked_for_hand_off_hands_off():
+    connector = KVConnectorScheduler()
+    s = _sched(connector=connector)
+    s.add(_req("exported", 9, max_tokens=4))
+    connector.hand_off("exported")
+    s.add(_req("local", 9, max_tokens=4, base=100))
+    _run_step(s)
+    assert s.requests["exported"].finish_reason is FinishReason.HANDOFF and s.kv.block_table("exported")
+    assert not s.requests["local"].is_finished
+    s.release("exported")
+    s.add(_req("exported", 9, max_tokens=4))  # the id comes back, unmarked: it decodes here
+    _run_step(s)
+    assert not s.requests["exported"].is_finished
 
 
 def test_decode_role_reserve_then_start():
