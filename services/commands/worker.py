@@ -1,11 +1,12 @@
 """`tandem worker --role prefill|decode|colocated`: the one worker command; `tandem prefill` and
 `tandem decode` are its aliases with the role fixed.
 
-A prefill worker serves tandem.v1.Prefill: prompts in, first tokens and KV pages out. A decode
-worker serves tandem.v1.Decode and tandem.v1.KVTransfer: it reserves KV, has it prefilled and
-streams tokens. A colocated worker computes prompts and decodes them in one engine, like vLLM: the
-baseline disaggregation must beat, and a valid small deployment. It is a decode worker whose engine
-also prefills, so it takes KV from prefill workers too when a gateway sends it a prefilled request.
+A colocated worker (the default) takes any part of a request: it serves tandem.v1.Decode and
+tandem.v1.KVTransfer (computing a prompt and decoding it, like vLLM, or decoding a prompt computed
+elsewhere) and tandem.v1.Prefill (computing a prompt for another worker and pushing its KV), so the
+gateway places each request on one worker or two. The other roles restrict a worker to one side: a
+prefill worker serves only tandem.v1.Prefill; a decode worker only Decode and KVTransfer (it still
+computes a prompt itself when the gateway sends it one without a prefill worker).
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ _RECEIVING = ("kv_backend", "kv_host", "memory_limit_mib")
 class WorkerFlags:
     """The flags of `tandem worker` (and its aliases): one field per flag."""
 
-    role: Role = flag("colocated", "what the worker serves: prefill (prompts in, first tokens and KV out), "
-                                   "decode (the same as `tandem decode`) or colocated (prefills locally and "
-                                   "decodes)")
+    role: Role = flag("colocated", "what the worker serves: colocated (any part of a request: prompts for "
+                                   "itself or for other workers, decoding its own or others' prompts), or "
+                                   "restricted to prefill (prompts in, first tokens and KV out) or decode "
+                                   "(the same as `tandem decode`)")
     address: AddressFlags = dataclasses.field(default_factory=AddressFlags)
     grace_period: float = flag(30.0, "seconds in-flight requests get to finish on SIGTERM")
     kv: KVLinkFlags = dataclasses.field(default_factory=KVLinkFlags)

@@ -15,6 +15,7 @@ from engine.outputs import EngineStats
 from kvtransfer.descriptor import KVLayout
 from services.common.engine_loop import EngineLoop
 from services.common.inflight import InflightRequests
+from services.common.prefill_site import PrefillSite
 from services.common.step_model import StepModel
 
 
@@ -53,7 +54,10 @@ class WorkerLoad:
 
 
 class RoleWorker:
-    """One loaded engine serving one role (prefill, decode or colocated), as its handlers see it."""
+    """One loaded engine serving one role (prefill, decode or colocated), as its handlers see it.
+    `prefill_site` computes prompts for other workers (prefill and colocated; None: it does not)."""
+
+    prefill_site: PrefillSite | None = None
 
     def __init__(self, role: str, address: str, loop: EngineLoop, draining: asyncio.Event) -> None:
         self.role = role
@@ -77,8 +81,8 @@ class RoleWorker:
 
     @property
     def kv_delivery_wait_s(self) -> float:
-        """Recent wait for KV delivery after a first token (only the prefill role has one)."""
-        return 0.0
+        """Recent wait for KV delivery after a first token of a prompt computed for another worker."""
+        return 0.0 if self.prefill_site is None else self.prefill_site.delivery_wait_s
 
     async def load(self, retiring_versions: tuple[str, ...] = ()) -> WorkerLoad:
         """This worker's load now (the engine's stats are read on its thread, between steps), naming

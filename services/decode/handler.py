@@ -9,7 +9,15 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvtransfer_pb2, kvtransfer_pb2_grpc
+from tandem.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    kvtransfer_pb2,
+    kvtransfer_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
@@ -19,6 +27,7 @@ from kvtransfer.receiver import make_receiver
 from services.common.channels import Channels
 from services.common.convert import sampling_params_from_proto, token_chunk
 from services.common.errors import abort_with
+from services.common.prefill_site import sender_pool
 from services.common.server import RoleServer
 from services.common.tls import warn_if_worker_exposed
 from services.common.worker import load_engine
@@ -31,15 +40,17 @@ from services.decode.served_engines import ServedEngines
 from services.decode.telemetry import DecodeRecorder
 from services.decode.worker import DecodeWorker
 from services.observability.metrics import serve_metrics
+from services.prefill.handler import PrefillServicer
 
 
 class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
     """tandem.v1.Decode: Generate, Abort, GetLoad, WatchLoad."""
 
-    def __init__(self, metrics: WorkerMetrics, channels: Channels) -> None:
+    def __init__(self, metrics: WorkerMetrics, channels: Channels, prefill: PrefillServicer | None = None) -> None:
+        """`prefill`: the process's Prefill service (a colocated worker's), which reaches the same workers."""
         self.prefills = PrefillClients(channels)
         self.metrics = metrics
-        self.engines = ServedEngines(self, metrics)
+        self.engines = ServedEngines(self, metrics, () if prefill is None else (prefill,))
 
     async def Generate(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -128,7 +139,8 @@ async def serve(config: WorkerConfig) -> int:
     a wildcard address). Its server and its channels to prefill workers use `config.channels`.
     `kv_checksum` False (`--kv-checksum off`) takes pages without CRC32C from prefill workers that
     are off too; True requires it on every page. With `swap`, the worker follows its pool's version
-    in the repository file, loading each version beside the serving one (services.decode.model_swap)."""
+    in the repository file, loading each version beside the serving one (services.decode.model_swap).
+    A colocated worker also serves tandem.v1.Prefill: it computes prompts for other workers too."""
     engine_config = config.served_engine
     role = engine_config.role
     advertise_host = config.advertise_host or config.host
@@ -138,11 +150,15 @@ async def serve(config: WorkerConfig) -> int:
                         limits=config.channels.limits, advertise_host=advertise_host)
     metrics = WorkerMetrics(engine_config.served_name, engine_config.model_version)
     server.metrics_address = serve_metrics(metrics.registry, config.host, config.metrics_port)
-    servicer = DecodeServicer(metrics, config.channels)
+    prefill = PrefillServicer(metrics) if role == "colocated" else None
+    servicer = DecodeServicer(metrics, config.channels, prefill)
     kv_transfer = LateKVTransfer()
     swaps: list[ModelSwap] = []
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, servicer,
                decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name)
+    if prefill is not None:
+        server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, prefill,
+                   prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
     server.add(kvtransfer_pb2_grpc.add_KVTransferServicer_to_server, kv_transfer,
                kvtransfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
 
@@ -152,7 +168,8 @@ async def serve(config: WorkerConfig) -> int:
         receiver = make_receiver(config.kv_backend, kv_host, advertised, timeout=config.kv_timeout,
                                  device=engine_config.device, checksum=config.kv_checksum)
         worker = DecodeWorker(server.address, engine, server.draining, receiver, config.kv_timeout,
-                              on_fatal=server.fail)
+                              on_fatal=server.fail,
+                              senders=None if prefill is None else lambda layout: sender_pool(config, layout))
         await servicer.engines.start(worker)
         kv_transfer.servicer = servicer.engines.kv_transfer = KVTransferServicer(
             worker.layout, receiver if config.kv_backend == "grpc" else None)

@@ -9,6 +9,7 @@ import asyncio
 from kvtransfer.grpc_stream import KVTransferServicer
 from services.common.failure import Failure, WorkerError
 from services.common.startup_profile import profile_engine
+from services.common.worker import RoleWorker
 from services.common.worker_metrics import WorkerMetrics
 from services.common.worker_rpcs import WorkerRpcs
 from services.decode.telemetry import NO_KV_ROOM, OBJECTIVES
@@ -16,11 +17,13 @@ from services.decode.worker import DecodeWorker
 
 
 class ServedEngines:
-    """Which DecodeWorker (one per loaded model version) the servicer's RPCs reach; the KV service
-    accepts the layouts of all of them."""
+    """Which DecodeWorker (one per loaded model version) the servicer's RPCs reach, and those of
+    `others` (a colocated worker's Prefill service); the KV service accepts the layouts of all of them."""
 
-    def __init__(self, rpcs: WorkerRpcs[DecodeWorker], metrics: WorkerMetrics) -> None:
+    def __init__(self, rpcs: WorkerRpcs[DecodeWorker], metrics: WorkerMetrics,
+                 others: tuple[WorkerRpcs[RoleWorker], ...] = ()) -> None:
         self._rpcs = rpcs
+        self._others = others
         self._metrics = metrics
         self.kv_transfer: KVTransferServicer | None = None  # set with the first worker
 
@@ -68,16 +71,22 @@ class ServedEngines:
             retiring.insert(0, previous)
         self._rpcs.retiring = tuple(retiring)
         self._rpcs.worker = worker
+        self._mirror()
         if self.kv_transfer is not None:
             self.kv_transfer.layouts = (worker.layout, *(w.layout for w in retiring))
 
     async def unload(self, worker: DecodeWorker) -> None:
         """Stop and drop a retiring worker's engine (its requests have finished)."""
         self._rpcs.retiring = tuple(w for w in self._rpcs.retiring if w is not worker)
+        self._mirror()
         if self.kv_transfer is not None:
             self.kv_transfer.layouts = tuple(w.layout for w in (self.current, *self.retiring) if w is not None)
         self._metrics.unwatch(worker.loop)
         await worker.close(receiver=False)
+
+    def _mirror(self) -> None:
+        for rpcs in self._others:
+            rpcs.worker, rpcs.retiring = self._rpcs.worker, self._rpcs.retiring
 
     async def close(self) -> None:
         """Stop every engine, then the KV receiver they share."""

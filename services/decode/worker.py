@@ -22,9 +22,11 @@ from engine.resume import Resumed
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kvtransfer.descriptor import KVLayout, TransferError, TransferTarget, WriteBlocks
+from kvtransfer.sender import KVSenderPool
 from kvtransfer.transport import KVReceiver
 from services.common.engine_loop import EngineLoop
 from services.common.failure import Failure, WorkerError
+from services.common.prefill_site import PrefillSite
 from services.common.worker import RoleWorker
 from services.decode.progress import DecodeProgress, DecodeStage, PrefillFigures
 
@@ -62,18 +64,25 @@ class PrefillPeer(Protocol):
 
 
 class DecodeWorker(RoleWorker):
-    """A decode engine plus the receiver its prompts' KV pages arrive through."""
+    """A decode engine plus the receiver its prompts' KV pages arrive through; a colocated one also
+    computes prompts for other workers (its prefill site)."""
 
     def __init__(
         self, address: str, engine: Engine, draining: asyncio.Event, receiver: KVReceiver, kv_timeout: float,
         on_fatal: Callable[[str], None] | None = None, transfer_ids: Iterator[int] | None = None,
+        senders: Callable[[KVLayout], KVSenderPool] | None = None,
     ) -> None:
         """`on_fatal(reason)`: the engine can never step again (services.common.engine_loop).
-        `transfer_ids`: the receiver's transfer numbering, when another worker shares the receiver."""
+        `transfer_ids`: the receiver's transfer numbering, when another worker shares the receiver.
+        `senders`: the connections to other workers' KV receivers for an engine's layout, where this
+        worker computes prompts for them (None: it does not)."""
         super().__init__(engine.config.role, address, EngineLoop(engine, on_fatal=on_fatal), draining)
         self.receiver = receiver
         self.layout = KVLayout.of_engine(engine)
         self.kv_timeout = kv_timeout
+        self._senders = senders
+        if senders is not None:
+            self.prefill_site = PrefillSite(self.loop, senders(self.layout), kv_timeout)
         self._address = address
         self._on_fatal = on_fatal
         self._transfer_ids = transfer_ids or itertools.count(1)
@@ -83,7 +92,7 @@ class DecodeWorker(RoleWorker):
         """A worker for another engine (a hot swap's new version) taking KV through the same receiver,
         beside this one; its loop is not started yet."""
         return DecodeWorker(self._address, engine, self.draining, self.receiver, self.kv_timeout,
-                            self._on_fatal, self._transfer_ids)
+                            self._on_fatal, self._transfer_ids, self._senders)
 
     @property
     def reserved_requests(self) -> int:
@@ -215,8 +224,10 @@ class DecodeWorker(RoleWorker):
         await self.loop.call(Abort(request_id))
 
     async def close(self, receiver: bool = True) -> None:
-        """Stop the engine thread, then (unless a successor shares it) the receiver."""
+        """Stop the engine thread, then its senders and (unless a successor shares it) the receiver."""
         await super().close()
+        if self.prefill_site is not None:
+            await self.prefill_site.close()
         if receiver:
             await asyncio.to_thread(self.receiver.close)
 

@@ -1,4 +1,5 @@
-"""The Prefill gRPC service (protobuf <-> engine types only) and the prefill worker's server."""
+"""The Prefill gRPC service (protobuf <-> engine types only), which prefill workers and colocated
+workers serve, and the prefill worker's server."""
 
 from __future__ import annotations
 
@@ -9,23 +10,25 @@ from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
 from engine.resume import Resumed
 from kvtransfer.descriptor import KVLayout, TransferTarget
-from kvtransfer.sender import KVSenderPool
 from services.common.convert import finish_reason_to_proto, sampling_params_from_proto, token_logprob_to_proto
 from services.common.errors import abort_with
+from services.common.failure import Failure, WorkerError
+from services.common.prefill_site import PrefillResult, sender_pool
 from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
 from services.common.tls import warn_if_worker_exposed
-from services.common.worker import load_engine
+from services.common.worker import RoleWorker, load_engine
 from services.common.worker_config import WorkerConfig
 from services.common.worker_metrics import WorkerMetrics
 from services.common.worker_rpcs import WorkerRpcs
 from services.observability.metrics import serve_metrics
 from services.prefill.telemetry import record_prefill
-from services.prefill.worker import PrefillResult, PrefillWorker
+from services.prefill.worker import PrefillWorker
 
 
-class PrefillServicer(WorkerRpcs[PrefillWorker], prefill_pb2_grpc.PrefillServicer):
-    """tandem.v1.Prefill: Prefill, Abort, GetLoad, WatchLoad."""
+class PrefillServicer(WorkerRpcs[RoleWorker], prefill_pb2_grpc.PrefillServicer):
+    """tandem.v1.Prefill: Prefill, Abort, GetLoad, WatchLoad, on a worker with a prefill site (a
+    prefill worker, or a colocated one beside its Decode service)."""
 
     def __init__(self, metrics: WorkerMetrics) -> None:
         self.metrics = metrics
@@ -41,9 +44,11 @@ class PrefillServicer(WorkerRpcs[PrefillWorker], prefill_pb2_grpc.PrefillService
             except ValueError as error:
                 raise ValueError(f"kv_target.{error}") from None
             resumed = Resumed(tuple(request.output_token_ids)) if request.output_token_ids else None
+            if worker.prefill_site is None:
+                raise WorkerError(Failure.UNAVAILABLE, f"{worker.worker_id} computes no prompt for other workers")
             result = await worker.inflight.run(
                 request.request_id,
-                worker.prefill(request.request_id, request.prompt_token_ids, params, target, resumed),
+                worker.prefill_site.prefill(request.request_id, request.prompt_token_ids, params, target, resumed),
             )
         except Exception as exc:
             await abort_with(context, exc)
@@ -86,11 +91,8 @@ async def serve(config: WorkerConfig) -> int:
 
     async def load() -> None:
         engine = await asyncio.to_thread(load_engine, engine_config)
-        layout = KVLayout.of_engine(engine)
-        senders = KVSenderPool(layout, timeout=config.kv_timeout, device=engine_config.device,
-                               connect=config.channels.open_sync, host=config.advertise_host,
-                               checksum=config.kv_checksum)
-        worker = PrefillWorker(server.address, engine, server.draining, senders, config.kv_timeout,
+        worker = PrefillWorker(server.address, engine, server.draining,
+                               sender_pool(config, KVLayout.of_engine(engine)), config.kv_timeout,
                                on_fatal=server.fail)
         await asyncio.to_thread(profile_engine, engine, worker.loop.step_model)
         worker.loop.start()

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from services.common.prefill_site import PrefillResult
 from services.common.worker_metrics import WorkerMetrics
 from services.observability.spans import add_span, set_attributes, tracing_active
-from services.prefill.worker import PrefillResult
 
 
 def record_prefill(result: PrefillResult, metrics: WorkerMetrics, tensor_parallel_size: int = 1) -> None:
