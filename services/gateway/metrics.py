@@ -85,6 +85,9 @@ class GatewayMetrics(RequestMetrics):
         self._migrated = Counter("tandem:request_migrations",
                                  "Requests resumed on another decode worker after theirs failed mid-stream.",
                                  MODEL, registry=registry)
+        self._placements = Counter("tandem:placements", "Requests placed (retries included), by kind: aggregated "
+                                   "(one worker computes and decodes) or disaggregated (two).",
+                                   per_model(["kind"]), registry=self.registry)
         # Usage by API key name (services.gateway.caller), "" for requests without a key: the keys are
         # configured, so the label's values are few.
         self._key_requests = Counter("tandem:key_requests", "Requests, by the API key they came with.",
@@ -168,6 +171,10 @@ class GatewayMetrics(RequestMetrics):
     def routed(self, pool: str, worker: str) -> None:
         """Count a request sent to `worker` of `pool` ("prefill" or "decode")."""
         self._routed.labels(*self.model, pool, worker).inc()
+
+    def placed(self, kind: str) -> None:
+        """Count a placement of `kind` ("aggregated" or "disaggregated")."""
+        self._placements.labels(*self.model, kind).inc()
 
     def migrated(self) -> None:
         """Count a request moved to another decode worker mid-stream."""

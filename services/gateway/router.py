@@ -1,23 +1,29 @@
 """Where a request runs: pure SLO routing rules over snapshots of the workers' load.
 
-For every way the request could run, the router predicts its time to first token and its time per
-output token from each worker's reported step model (services.common.step_model):
+A request is placed on a prefill site P, which computes its prompt, and a decode site D, which
+decodes it: aggregated when P is D (one worker), disaggregated when P hands the prompt's KV to D.
+A prefill worker is only ever a prefill site and a decode worker a decode site (fixed pools); a
+colocated worker is either or both. For every (P, D) the router predicts the request's time to first
+token on P and its time per output token on D from each worker's reported step model
+(services.common.step_model):
 
-- disaggregated, prefill worker P then decode worker D: TTFT = P's queue + P computing the tokens it
-  does not already hold (prefix affinity) + P's recent KV delivery wait + the hops; TPOT = one decode
-  step of D's batch with this request added, at the context that batch will hold;
-- local, on D alone (a colocated worker, or conditional disaggregation on a decode worker with
-  slack): TTFT = D's queue + the prompt computed in D's chunks beside its running batch; TPOT =
-  D's decode step, and while the prompt's chunks run, D's running requests see mixed steps: either
-  each stays within the TPOT objective, or the stall they add (the prompts' compute) fits within
-  a share (three quarters by default) of the room the running requests have left under their
-  mean-TPOT objectives (tpot_slack.py).
+- TTFT = P's queue + P computing the tokens it does not already hold (prefix affinity), in chunks
+  beside P's running batch where P decodes too, + the hops, + P's recent KV delivery wait when P is
+  not D;
+- TPOT = one decode step of D's batch with this request added, at the context that batch will hold;
+  and where P decodes too, P's running requests see mixed steps while the prompt's chunks run:
+  either each stays within the TPOT objective, or the stall they add (the prompts' compute) fits
+  within a share (three quarters by default) of the room the running requests have left under
+  their mean-TPOT objectives (tpot_slack.py).
 
 A way is feasible when both predictions meet the request's SLO. A decode-role worker prefills
 only when no prefill worker can meet the SLO (or, with a policy's share below 1, meet it with room
 to spare) (conditional disaggregation: it takes cycles from decoding, and only those its
 running requests' TPOT slack allows); otherwise a feasible way on the least loaded decode worker
-wins, the cheapest of them (cost: each prediction as a fraction of its objective), then in turn.
+wins, the cheapest of them (cost: each prediction as a fraction of its objective), aggregated
+before disaggregated at equal cost (no KV moves), then in turn. Another colocated worker computes a
+prompt only where that gains enough over the decode site's own TTFT (`split_ttft_share`): equal
+workers whose step models differ by noise do not trade prompts.
 When no way is feasible the router still names the best one, marked as missing the SLO: admission
 decides whether to wait for capacity or to run it anyway. Imports neither grpc nor torch.
 """
@@ -33,6 +39,7 @@ from services.common.config_flags import flag
 from services.common.step_model import StepModel
 
 Role = Literal["prefill", "decode", "colocated"]
+Placement = Literal["aggregated", "disaggregated"]
 
 # Gateway -> decode -> prefill and back, and the first token's relay: a few loopback RPCs.
 HOP_S = 0.005
@@ -62,8 +69,16 @@ class RoutingPolicy:
         0.75, "share of its running requests' least TPOT slack (the room left under their objectives) a worker "
         "may spend stalling them with a prompt")
 
+    # Moving a prompt's KV between two colocated workers is not free (both hold it, the link
+    # carries it) and two workers' step models disagree by their own noise: another colocated
+    # worker computes a prompt only when its predicted TTFT is within this share of the decode
+    # site's own (not measured: a guard, so that equal workers do not trade prompts on noise).
+    split_ttft_share: float = flag(
+        0.8, "a colocated worker computes a prompt for another worker only when its predicted TTFT, the KV's "
+        "delivery included, is within this share of what the decode site itself would take")
+
     def __post_init__(self) -> None:
-        for name in ("remote_ttft_share", "tpot_slack_share"):
+        for name in ("remote_ttft_share", "tpot_slack_share", "split_ttft_share"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name}: must be in (0, 1], got {getattr(self, name)}")
 
@@ -143,6 +158,11 @@ class Decision:
     cost: float
     reasons: tuple[str, ...] = ()  # one line per option weighed, the chosen one first
 
+    @property
+    def kind(self) -> Placement:
+        """Aggregated (the prompt computed where it decodes) or disaggregated (two workers)."""
+        return "aggregated" if self.prefill is None else "disaggregated"
+
 
 DEFAULT_POLICY = RoutingPolicy()
 
@@ -152,27 +172,29 @@ def route(request: RouteRequest, workers: Sequence[WorkerView], turn: int = 0,
     """The best way to run `request` on these workers (see the module docstring). Raises
     NoWorkerError when no serving worker can decode it or, for decode-only pools, prefill it."""
     decoders = [w for w in workers if w.serving and w.role != "prefill"]
-    prefillers = [w for w in workers if w.serving and w.role == "prefill"]
+    # Prefill sites for another worker: prefill workers, and colocated ones (beside their own batch).
+    prefillers = [w for w in workers if w.serving and w.role != "decode"]
     if not decoders:
         raise NoWorkerError("no decode or colocated worker is serving")
-    # (conditional disaggregation: prefill on a decode-role worker, cost, batch, queue, turn order)
-    options: list[tuple[tuple[bool, float, int, int, int], Decision]] = []
+    # (conditional disaggregation: prefill on a decode-role worker; a split that gains too little;
+    # cost, batch, KV moved, queue, turn order)
+    options: list[tuple[tuple[bool, bool, float, int, bool, int, int], Decision]] = []
     comfortable = request.slo.ttft_s * policy.remote_ttft_share
     for d_index, decode in enumerate(_rotated(decoders, turn)):
         # A worker without KV room now stays an option, the last resort: it refuses (and the next
         # is tried) or, once admission waited, has room again.
         penalty = 0.0 if _fits(request, decode) else NO_ROOM_PENALTY
         tpot = _tpot(request, decode)
-        pairs = [prefill for prefill in prefillers if _pairs(prefill, decode)]
+        local_ttft = _prefill_ttft(request, decode)
+        pairs = [prefill for prefill in prefillers if prefill.address != decode.address and _pairs(prefill, decode)]
         for p_index, prefill in enumerate(_rotated(pairs, turn)):
-            ttft = _disaggregated_ttft(request, prefill)
-            decision = _decision(request, decode, prefill, ttft, tpot, penalty)
-            options.append(((False, decision.cost, decode.sequences, prefill.queued_prompt_tokens,
+            ttft = _prefill_ttft(request, prefill) + prefill.kv_delivery_wait_s
+            marginal = prefill.role == "colocated" and ttft > policy.split_ttft_share * local_ttft
+            decision = _decision(request, decode, prefill, ttft, _disturbed(request, prefill, tpot, policy), penalty)
+            options.append(((False, marginal, decision.cost, decode.sequences, True, prefill.queued_prompt_tokens,
                              d_index + p_index), decision))
-        ttft, mixed_step = _local_ttft(request, decode)
-        disturbed = tpot if _absorbed(request, decode, policy.tpot_slack_share) else max(tpot, mixed_step)
-        decision = _decision(request, decode, None, ttft, disturbed, penalty)
-        options.append(((decode.role == "decode" and bool(pairs), decision.cost, decode.sequences,
+        decision = _decision(request, decode, None, local_ttft, _disturbed(request, decode, tpot, policy), penalty)
+        options.append(((decode.role == "decode" and bool(pairs), False, decision.cost, decode.sequences, False,
                          decode.queued_prompt_tokens, d_index), decision))
     relaxed = not any(d.meets_slo and d.prefill is not None and d.ttft_s <= comfortable for _, d in options)
     options.sort(key=lambda option: _rank(option, relaxed))
@@ -181,7 +203,7 @@ def route(request: RouteRequest, workers: Sequence[WorkerView], turn: int = 0,
     return Decision(best.decode, best.prefill, best.ttft_s, best.tpot_s, best.meets_slo, best.cost, reasons)
 
 
-def _rank(option: tuple[tuple[bool, float, int, int, int], Decision], relaxed: bool) -> tuple:
+def _rank(option: tuple[tuple[bool, bool, float, int, bool, int, int], Decision], relaxed: bool) -> tuple:
     """Options meeting the SLO first, and among them the least loaded decode worker first, then the
     cheapest; options missing it, the least bad first. Load before cost because a worker whose step
     model is too pessimistic (a start-up profile measured while its neighbours were loading) would
@@ -189,12 +211,14 @@ def _rank(option: tuple[tuple[bool, float, int, int, int], Decision], relaxed: b
     ever correct them; the SLO, not a few milliseconds of predicted difference, is what must be met.
     A decode worker's own prefill (conditional) ranks after the disaggregated options, unless
     `relaxed` (no prefill worker comfortably within the TTFT objective) and it meets the SLO: then
-    it competes on load and cost."""
-    (conditional, cost, sequences, queue, index), decision = option
+    it competes on load and cost. A prompt computed by another colocated worker that gains too little
+    over the decode site's own (`marginal`) ranks after the others; at equal cost the prompt stays
+    where it decodes."""
+    (conditional, marginal, cost, sequences, moves_kv, queue, index), decision = option
     if decision.meets_slo:
         conditional = conditional and not relaxed
-        return (False, conditional, sequences, cost, queue, index)
-    return (True, conditional, 0, cost, sequences, queue, index)
+        return (False, conditional, marginal, sequences, cost, moves_kv, queue, index)
+    return (True, conditional, marginal, 0, cost, sequences, moves_kv, queue, index)
 
 
 def _pairs(prefill: WorkerView, decode: WorkerView) -> bool:
@@ -226,30 +250,33 @@ def _tpot(request: RouteRequest, decode: WorkerView) -> float:
     return decode.step_model.token_s(decode.sequences + 1, context)
 
 
-def _disaggregated_ttft(request: RouteRequest, prefill: WorkerView) -> float:
-    model = prefill.step_model
-    queue = model.prefill_s(prefill.queued_prompt_tokens, prefill.chunk_tokens)
-    compute = model.prefill_s(_uncached(request, prefill), prefill.chunk_tokens)
-    return queue + compute + prefill.kv_delivery_wait_s + HOP_S
+def _prefill_ttft(request: RouteRequest, site: WorkerView) -> float:
+    """Time to the first token computing the prompt on `site`: its queue, then the prompt, in chunks
+    beside its running batch where it decodes too, and the hops (not the KV's delivery)."""
+    model = site.step_model
+    chunk = site.chunk_tokens
+    sequences, context = (0, 0) if site.role == "prefill" else (site.sequences, site.context_tokens)
+    queue = model.prefill_s(site.queued_prompt_tokens, chunk, sequences, context)
+    compute = model.prefill_s(_uncached(request, site), chunk, sequences, context)
+    return queue + compute + HOP_S
 
 
-def _local_ttft(request: RouteRequest, decode: WorkerView) -> tuple[float, float]:
-    """(TTFT prefilling on the decode worker, the running batch's step time meanwhile)."""
-    model = decode.step_model
-    chunk = decode.chunk_tokens
-    queue = model.prefill_s(decode.queued_prompt_tokens, chunk, decode.sequences, decode.context_tokens)
-    compute = model.prefill_s(_uncached(request, decode), chunk, decode.sequences, decode.context_tokens)
-    mixed = model.step_s(min(chunk, request.prompt_tokens), decode.sequences, decode.context_tokens)
-    return queue + compute + HOP_S, mixed if decode.sequences else 0.0
+def _disturbed(request: RouteRequest, site: WorkerView, tpot: float, policy: RoutingPolicy) -> float:
+    """The TPOT to judge a way by when `site` computes the prompt: the request's own `tpot`, or the
+    mixed step the site's running requests see meanwhile where they cannot absorb its stall."""
+    if site.role == "prefill" or not site.sequences or _absorbed(request, site, policy.tpot_slack_share):
+        return tpot
+    chunk = min(site.chunk_tokens, request.prompt_tokens)
+    return max(tpot, site.step_model.step_s(chunk, site.sequences, site.context_tokens))
 
 
-def _absorbed(request: RouteRequest, decode: WorkerView, slack_share: float) -> bool:
-    """Whether the requests decoding on `decode` can take the stall of its queued local prompts
-    and this one (their prompt compute, once each) and still meet their mean-TPOT objectives. Only
-    a share of the least slack is spent: later arrivals slow the batch's remaining steps, and the
-    step model's predictions err."""
-    stall = decode.step_model.per_prompt_token_s * (decode.queued_prompt_tokens + _uncached(request, decode))
-    return stall <= slack_share * decode.tpot_slack_s
+def _absorbed(request: RouteRequest, site: WorkerView, slack_share: float) -> bool:
+    """Whether the requests decoding on `site` can take the stall of its queued prompts and this one
+    (their prompt compute, once each) and still meet their mean-TPOT objectives. Only a share of the
+    least slack is spent: later arrivals slow the batch's remaining steps, and the step model's
+    predictions err."""
+    stall = site.step_model.per_prompt_token_s * (site.queued_prompt_tokens + _uncached(request, site))
+    return stall <= slack_share * site.tpot_slack_s
 
 
 def _decision(request: RouteRequest, decode: WorkerView, prefill: WorkerView | None, ttft: float, tpot: float,

@@ -113,12 +113,15 @@ class RequestObservation:
             span.set_attributes(attributes)
 
     def placed(self, attributes: dict[str, AttributeValue], decision: Decision, slo: SloTargets) -> None:
-        """Put the router's decision on the routing span's attributes: the choice, its predictions
-        against the objectives, and the options weighed."""
+        """Put the router's decision on the routing span's attributes: the choice and its kind
+        (aggregated or disaggregated, also counted), its predictions (TTFT at the prefill site, TPOT
+        at the decode site) against the objectives, and the options weighed."""
         self._slo = slo
         self._predicted = (decision.ttft_s, decision.tpot_s)
         self._placed_after = time.perf_counter() - self._arrived_at
+        self._metrics.placed(decision.kind)
         attributes.update({
+            "tandem.route.placement": decision.kind,
             "tandem.route.decode": decision.decode,
             "tandem.route.prefill": decision.prefill or "local",
             "tandem.route.predicted_ttft_s": decision.ttft_s,

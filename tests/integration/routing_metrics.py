@@ -1,4 +1,5 @@
-"""The gateway's routing counts and a poll, shared by the mesh fault tests (loopback and hosts)."""
+"""The gateway's routing counts and a poll, shared by the mesh fault tests (loopback and hosts) and the
+routing tests."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ def prefill_attempts(families: Iterable[Metric]) -> dict[str, float]:
             for family in families if family.name == "tandem:routing_decisions"
             for sample in family.samples
             if sample.name.endswith("_total") and sample.labels["pool"] == "prefill"}
+
+
+def placements(families: Iterable[Metric]) -> dict[str, float]:
+    """The gateway's placements so far (retries included) by kind: aggregated or disaggregated."""
+    return {sample.labels["kind"]: sample.value
+            for family in families if family.name == "tandem:placements"
+            for sample in family.samples if sample.name.endswith("_total")}
 
 
 def increase(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -1,22 +1,28 @@
-"""SLO routing and admission with real processes: colocated workers behind the gateway, prefix
-affinity across two prefill workers, and a burst the admission queue must bound."""
+"""SLO routing and admission with real processes: colocated workers behind the gateway (each one a
+prefill site, a decode site or both for a request), prefix affinity across two prefill workers, and
+a burst the admission queue must bound."""
 
 from __future__ import annotations
 
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 from parity_prompts import travel_diary
+from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS, check_runs, engine_reference
+from routing_metrics import increase, placements
 from shared_pool import gateway_args
+from tandem.v1 import decode_pb2, decode_pb2_grpc
 
 from engine.sampling_params import SamplingParams
 from harness.leak_check import assert_no_leaks, load_report
 from harness.ports import free_port
 from harness.worker import WorkerProcess, start_worker
 from services.client import TandemClient
-from services.common.convert import step_model_from_proto
+from services.common.convert import sampling_params_to_proto, step_model_from_proto
+from services.common.server import channel_options
 
 FLAGS = ["--threads", "1", "--kv-cache-mib", "128", *PINNED_FLAGS]
 RPC_TIMEOUT_S = 300.0
@@ -67,6 +73,55 @@ def test_colocated_workers_behind_the_gateway_match_the_engine(colocated, make_e
     check_runs(got, expected, "colocated workers")  # the engine batches them differently
     after = [load_report(worker).finished_requests for worker in workers]
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def _placements(gateway: WorkerProcess) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{gateway.http_address}/metrics", timeout=30) as reply:
+        return placements(text_string_to_metric_families(reply.read().decode()))
+
+
+def _decode_directly(worker: WorkerProcess, prompt: list[int], prefill_address: str = "") -> list:
+    """Decode.Generate on `worker`, the prompt computed by the worker at `prefill_address` ("": itself)."""
+    request = decode_pb2.DecodeRequest(prompt_token_ids=prompt, sampling=sampling_params_to_proto(
+        SamplingParams(**GREEDY)), prefill_address=prefill_address)
+    with grpc.insecure_channel(str(worker.address), options=channel_options()) as channel:
+        return list(decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=RPC_TIMEOUT_S))
+
+
+def test_a_colocated_worker_computes_a_prompt_that_another_decodes(colocated, make_engine, tokenizer):
+    # A computes the diary's prompt for B while it decodes a request of its own; B decodes it.
+    site_a, site_b, _ = colocated
+    diary = tokenizer.encode(f"Flexible roles.\n{travel_diary()}")[:600]
+    own = diary[:40]
+    expected = engine_reference(make_engine(), [diary, own], [SamplingParams(**GREEDY)] * 2)
+    with ThreadPoolExecutor(1) as beside:
+        own_run = beside.submit(_decode_directly, site_a, own)
+        chunks = _decode_directly(site_b, diary, prefill_address=str(site_a.address))
+        own_chunks = own_run.result()
+    check_runs([[t for c in chunks for t in c.token_ids], [t for c in own_chunks for t in c.token_ids]], expected,
+               "A's prompt decoded on B, and A's own request")
+    timings = chunks[-1].timings  # B reserved the prompt's blocks, and A's pages filled them
+    assert timings.reserve_s > 0 and timings.prefill_compute_s > 0
+    assert_no_leaks(colocated[:2])
+
+
+def test_the_gateway_places_a_request_on_one_colocated_worker_or_two(colocated, make_engine, tokenizer):
+    # While X streams a request whose prompt it computed (aggregated), a request sharing that long
+    # prompt is cheaper computed by X, which holds its prefix, and decoded by the idle Y (disaggregated).
+    *workers, gateway = colocated
+    shared = tokenizer.encode(f"Placement test.\n{travel_diary()}")[:640]
+    second = shared + tokenizer.encode(" Where did they go next?")
+    expected = engine_reference(make_engine(), [second], [SamplingParams(**GREEDY)])
+    before = _placements(gateway)
+    with TandemClient(str(gateway.address)) as client:
+        first = client.generate(token_ids=shared, **{**GREEDY, "max_tokens": 32}, timeout=RPC_TIMEOUT_S)
+        next(first)  # streaming: the gateway counts it on its worker until the stream ends
+        got, _ = _tokens(client.generate(token_ids=second, **GREEDY, timeout=RPC_TIMEOUT_S))
+        _tokens(first)
+    check_runs([got], expected, "a prompt computed on one worker and decoded on the other")
+    placed = increase(before, _placements(gateway))
+    assert placed == {"aggregated": 1, "disaggregated": 1}, (placed, gateway.log_tail(6))
+    assert_no_leaks(workers)
 
 
 def test_requests_sharing_a_system_prompt_go_to_the_prefill_worker_holding_it(pool, tokenizer):

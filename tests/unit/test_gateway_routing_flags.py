@@ -12,14 +12,16 @@ from services.gateway.router import RoutingPolicy
 
 def test_routing_flags_become_the_policy_and_default_to_it():
     args = build_parser().parse_args(["gateway", "--decode", "h:2", "--prefill", "h:1",
-                                      "--remote-ttft-share", "0.8", "--tpot-slack-share", "0.6"])
-    assert from_args(GatewayFlags, args).routing == RoutingPolicy(remote_ttft_share=0.8, tpot_slack_share=0.6)
+                                      "--remote-ttft-share", "0.8", "--tpot-slack-share", "0.6",
+                                      "--split-ttft-share", "0.5"])
+    assert from_args(GatewayFlags, args).routing == RoutingPolicy(remote_ttft_share=0.8, tpot_slack_share=0.6,
+                                                                  split_ttft_share=0.5)
     defaults = build_parser().parse_args(["gateway", "--decode", "h:2", "--prefill", "h:1"])
     assert from_args(GatewayFlags, defaults).routing == RoutingPolicy()
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--remote-ttft-share", "0"), ("--remote-ttft-share", "1.5"),
-                                             ("--tpot-slack-share", "-0.2")])
+                                             ("--tpot-slack-share", "-0.2"), ("--split-ttft-share", "2")])
 def test_a_share_outside_zero_to_one_is_refused_naming_the_flag(flag, value, capsys):
     assert main(["gateway", "--prefill", "h:1", "--decode", "h:2", flag, value]) == 2
     assert flag in capsys.readouterr().err

@@ -55,7 +55,9 @@ def test_one_request_on_its_span_and_in_the_metrics(capture, caplog, tokenizer):
         observation.resolved(_target(tokenizer))
         assert _value(metrics, "vllm:num_requests_waiting") == 1
         observation.accepted(5, SamplingParams(max_tokens=3, temperature=0.5, top_p=0.9))
-        observation.placed({}, Decision("decode:1", "prefill:1", 0.25, 0.04, True, 0.5), SloTargets(2.0, 0.1))
+        route: dict = {}
+        observation.placed(route, Decision("decode:1", "prefill:1", 0.25, 0.04, True, 0.5), SloTargets(2.0, 0.1))
+        assert (route["tandem.route.placement"], route["tandem.route.predicted_ttft_s"]) == ("disaggregated", 0.25)
         observation.dispatched(0, "decode:1", "prefill:1")
         assert (_value(metrics, "vllm:num_requests_waiting"), _value(metrics, "vllm:num_requests_running")) == (0, 1)
         for chunk in (_chunk([7], "Hi"), _chunk([8, 9], " you", finish="length")):
@@ -66,6 +68,8 @@ def test_one_request_on_its_span_and_in_the_metrics(capture, caplog, tokenizer):
     assert _value(metrics, "vllm:generation_tokens_total") == 3
     assert _value(metrics, "vllm:inter_token_latency_seconds_count") == 2
     assert _value(metrics, "tandem:routing_decisions_total", pool="prefill", worker="prefill:1") == 1
+    assert _value(metrics, "tandem:placements_total", kind="disaggregated") == 1
+    assert _value(metrics, "tandem:placements_total", kind="aggregated") == 0
     # vLLM's per-request shapes and phases: prefill is the prompt's compute plus the KV wait (0.08 + 0.001).
     assert _value(metrics, "vllm:request_prompt_tokens_bucket", le="5.0") == 1
     assert _value(metrics, "vllm:request_prompt_tokens_bucket", le="2.0") == 0
