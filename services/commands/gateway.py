@@ -146,6 +146,7 @@ async def _serve(flags: GatewayFlags, registry: WorkerRegistry, channels: Channe
     from services.gateway.metrics import GatewayMetrics
     from services.gateway.migration import MigrationPolicy
     from services.gateway.openai_api.app import create_app
+    from services.gateway.pool_load import PoolSloUse
     from services.gateway.repository_watch import RepositoryWatch
     from services.gateway.service import GatewayService
     from services.observability.tracing import traced_http
@@ -153,6 +154,7 @@ async def _serve(flags: GatewayFlags, registry: WorkerRegistry, channels: Channe
     # The model's name labels the metrics; it is known without reading the model file.
     metrics = GatewayMetrics(repository.models[0].name if repository is not None else served_model_id(flags.model))
     metrics.watch_workers(lambda: [(w.role, w.address, w.routable, w.version_key) for w in registry.workers])
+    metrics.registry.register(PoolSloUse(metrics.model_name, registry.pool_slo_use))
     service = GatewayService(registry, metrics, flags.max_queued_requests, limits=flags.requests,
                              migration=MigrationPolicy(flags.max_migrations))
     discovery, planner = cluster_services(flags.cluster, registry, per_version=repository is not None)

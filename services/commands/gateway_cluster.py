@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Literal
 
 from services.common.config_flags import flag
 from services.gateway.planner_rules import PlannerConfig, PoolBounds
+from services.gateway.router import Role
 
 if TYPE_CHECKING:
     from services.gateway.discovery import KubernetesDiscovery
@@ -27,12 +28,15 @@ class ClusterFlags:
     """Discovery (static lists or the Kubernetes API) and planner flags."""
 
     discovery: Literal["static", "kubernetes"] = flag(
-        "static", "static: the --prefill/--decode lists; kubernetes: the ready endpoints of the pools' Services "
-        "(--k8s-prefill, --k8s-decode)")
+        "static", "static: the --prefill/--decode/--colocated lists; kubernetes: the ready endpoints of the pools' "
+        "Services (--k8s-prefill, --k8s-decode, --k8s-colocated)")
     k8s_namespace: str | None = flag(None, "namespace of the pools (default: $POD_NAMESPACE, else this pod's "
                                            "namespace)")
     k8s_prefill: str = flag("tandem-prefill", "name of the prefill pool's Service and Deployment")
     k8s_decode: str = flag("tandem-decode", "name of the decode pool's Service and Deployment")
+    k8s_colocated: str = flag("", "name of the colocated pool's Service (the flexible shape: one pool whose "
+                                  "workers compute prompts and decode); \"\" for none. Each --k8s-* named \"\" "
+                                  "is not watched")
     planner: Literal["off", "recommend", "apply"] = flag(
         "recommend", "recommend: compute each pool's replicas; apply: also set them on the Deployments (one "
         "gateway replica at a time, through a Lease)")
@@ -101,6 +105,14 @@ def pool_deployments(flags: ClusterFlags, per_version: bool) -> dict[Pool, str]:
     return deployments
 
 
+def discovered_pools(flags: ClusterFlags) -> dict[Role, str]:
+    """The Service of each pool the gateway discovers (--k8s-prefill, --k8s-decode, --k8s-colocated;
+    one named "" is not watched)."""
+    named: dict[Role, str] = {"prefill": flags.k8s_prefill, "decode": flags.k8s_decode,
+                              "colocated": flags.k8s_colocated}
+    return {role: service for role, service in named.items() if service}
+
+
 def cluster_services(flags: ClusterFlags, registry: WorkerRegistry,
                      per_version: bool) -> tuple[KubernetesDiscovery | None, Planner | None]:
     """Discovery (None for static lists) and the planner (None when off) for `registry`; with
@@ -113,7 +125,7 @@ def cluster_services(flags: ClusterFlags, registry: WorkerRegistry,
 
     config = planner_config(flags)
     deployments = pool_deployments(flags, per_version)
-    pools = {"prefill": flags.k8s_prefill, "decode": flags.k8s_decode}
+    pools = discovered_pools(flags)
     needs_api = flags.discovery == "kubernetes" or flags.planner == "apply"
     api = api_client() if needs_api else None
     namespace = flags.k8s_namespace or current_namespace()

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from engine.kv_cache.block_hash import prompt_block_hashes
 from services.common.channels import PLAINTEXT, Channels
+from services.gateway.pool_load import RecentRequests
 from services.gateway.prefix_index import PrefixIndex
 from services.gateway.router import (
     DEFAULT_POLICY,
@@ -25,6 +26,7 @@ from services.gateway.router import (
     RoutingPolicy,
     SloTargets,
     route,
+    slo_use,
 )
 from services.gateway.tpot_slack import DecodeProgress
 from services.gateway.workers import RemoteWorker
@@ -93,6 +95,7 @@ class WorkerRegistry:
         self._started = False
         self._retiring: dict[asyncio.Task, RemoteWorker] = {}
         self.prefix_index = PrefixIndex()
+        self.recent = RecentRequests()
         self._listeners: list[Callable[[], None]] = []
         self._workers: dict[str, RemoteWorker] = {}
         pools: list[tuple[Role, Sequence[str]]] = [("prefill", prefill), ("decode", decode), ("colocated", colocated)]
@@ -200,6 +203,7 @@ class WorkerRegistry:
         """Count the request against the decision's workers and remember where its prefix went."""
         decode = self._workers[decision.decode]
         prefill = self._workers[decision.prefill] if decision.prefill else None
+        self.recent.observe(request.prompt_tokens, request.max_tokens)
         hashes_by_size: dict[int, list[bytes]] = {}
         # The prompt's KV ends up in the prefill worker's cache and the decode worker's (one worker
         # when it prefilled locally).
@@ -211,6 +215,19 @@ class WorkerRegistry:
             hashes = _block_hashes(hashes_by_size, request.token_ids, block_size)
             self.prefix_index.record(worker.address, hashes, report.total_kv_blocks)
         return Placement(decision, decode, prefill, request, self._changed)
+
+    def pool_slo_use(self) -> dict[tuple[str | None, Role], float]:
+        """Per pool (model version and role), summed over its routable workers: what the recent
+        typical request would use of the default objectives placed on each (services.gateway.pool_load);
+        empty before any request was placed."""
+        typical = self.recent.typical(self.default_slo)
+        use: dict[tuple[str | None, Role], float] = {}
+        for worker in self._workers.values():
+            view = worker.view() if typical is not None and worker.routable else None
+            if view is not None:
+                pool = (worker.version_key, worker.role)
+                use[pool] = use.get(pool, 0.0) + slo_use(typical, view)
+        return use
 
     def _changed(self) -> None:
         for listener in self._listeners:

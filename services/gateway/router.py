@@ -203,6 +203,13 @@ def route(request: RouteRequest, workers: Sequence[WorkerView], turn: int = 0,
     return Decision(best.decode, best.prefill, best.ttft_s, best.tpot_s, best.meets_slo, best.cost, reasons)
 
 
+def slo_use(request: RouteRequest, worker: WorkerView) -> float:
+    """How much of its objectives `request` would use placed on `worker` alone: the larger of its
+    predicted TTFT and TPOT over their objectives (TTFT alone on a prefill worker); above 1 it misses."""
+    ttft = _prefill_ttft(request, worker) / request.slo.ttft_s
+    return ttft if worker.role == "prefill" else max(ttft, _tpot(request, worker) / request.slo.tpot_s)
+
+
 def _rank(option: tuple[tuple[bool, bool, float, int, bool, int, int], Decision], relaxed: bool) -> tuple:
     """Options meeting the SLO first, and among them the least loaded decode worker first, then the
     cheapest; options missing it, the least bad first. Load before cost because a worker whose step

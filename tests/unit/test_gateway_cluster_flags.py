@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from services.cli import build_parser, main
-from services.commands.gateway_cluster import ClusterFlags, parse_bounds, planner_config, pool_deployments
+from services.commands.gateway_cluster import (
+    ClusterFlags,
+    discovered_pools,
+    parse_bounds,
+    planner_config,
+    pool_deployments,
+)
 from services.common.config_flags import from_args
 from services.gateway.planner_rules import PlannerConfig, PoolBounds
 
@@ -60,3 +66,14 @@ def test_a_model_versions_pools_are_named_by_planner_deployment_flags():
     twice = args(*["--planner-deployment", "m@v:decode=a"] * 2)
     with pytest.raises(ValueError, match="named twice"):
         pool_deployments(twice, per_version=True)
+
+
+def test_kubernetes_discovery_watches_the_pools_named_and_a_colocated_pool_when_asked():
+    def pools(*flags: str) -> dict[str, str]:
+        return discovered_pools(from_args(ClusterFlags, build_parser().parse_args(
+            ["gateway", "--discovery", "kubernetes", *flags])))
+
+    assert pools() == {"prefill": "tandem-prefill", "decode": "tandem-decode"}
+    # The flexible shape: one pool of colocated workers, the fixed pools not watched.
+    assert pools("--k8s-colocated", "tandem-worker", "--k8s-prefill", "", "--k8s-decode", "") == {
+        "colocated": "tandem-worker"}
