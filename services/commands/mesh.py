@@ -1,9 +1,11 @@
 """`tandem mesh`: a whole deployment on one machine, what `make run` starts.
 
-A gateway, one prefill and one decode worker run as separate processes, exactly as they would
-on separate machines (the engine flags, `--dtype` and the rest, go to both workers); with
-`--model-repository`, one prefill and one decode worker for each version it lists (ports counted
-up from the given ones), each loading its version, behind one gateway serving them all. This command
+A gateway and two workers run as separate processes, exactly as they would on separate machines
+(the engine flags, `--dtype` and the rest, go to both workers): by default two colocated workers,
+each computing prompts and decoding, the gateway placing each request on one of them or both
+(`--shape flexible`); or one prefill and one decode worker (`--shape fixed`). With
+`--model-repository`, two workers for each version it lists (ports counted up from the given ones),
+each loading its version, behind one gateway serving them all. This command
 starts them, shows one request streamed through them, says how to call the gateway (gRPC, or the
 OpenAI-compatible HTTP API), and stops them all on Ctrl-C or SIGTERM.
 """
@@ -20,6 +22,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from engine.config import Role
 from services.commands.address_flags import AddressFlags
@@ -48,8 +51,13 @@ class MeshFlags:
     host: str = flag("127.0.0.1", "address every process binds to")
     gateway_port: int = flag(GATEWAY_PORT, "the gateway's gRPC port; 0 = a free port")
     http_port: int = flag(GatewayFlags.http_port, "the gateway's OpenAI-compatible HTTP port; 0 = a free port")
-    prefill_port: int = flag(WORKER_PORTS["prefill"], "0 = a free port")
-    decode_port: int = flag(WORKER_PORTS["decode"], "0 = a free port")
+    shape: Literal["flexible", "fixed"] = flag(
+        "flexible", "flexible: two colocated workers, either of which computes a request's prompt and either "
+        "decodes it; fixed: a prefill worker and a decode worker")
+    worker_port: int = flag(WORKER_PORTS["worker"], "--shape flexible: the first worker's port, the second's is "
+                                                    "the next; 0 = free ports")
+    prefill_port: int = flag(WORKER_PORTS["prefill"], "--shape fixed: the prefill worker's port; 0 = a free port")
+    decode_port: int = flag(WORKER_PORTS["decode"], "--shape fixed: the decode worker's port; 0 = a free port")
     kv: KVLinkFlags = dataclasses.field(default_factory=KVLinkFlags)  # to both workers
     # The engine flags (model, dtype, formats, threads, cache, batching) go to both workers; the
     # gateway gets the model and its context length.
@@ -62,7 +70,8 @@ class MeshFlags:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `mesh` subcommand."""
-    mesh = sub.add_parser("mesh", help="run a gateway, a prefill and a decode worker on this machine")
+    mesh = sub.add_parser("mesh", help="run a gateway and two workers (colocated, or a prefill and a decode one) "
+                                       "on this machine")
     add_flags(mesh, MeshFlags)
     mesh.set_defaults(func=run)
 
@@ -103,26 +112,41 @@ def run(args: argparse.Namespace) -> int:
 
 def _start(flags: MeshFlags, log: LogFlags, children: list[ServerProcess],
            stop: threading.Event) -> tuple[str, str]:
-    """Start the two workers together (their model loads overlap), then the gateway on the
-    addresses they report; the gateway's gRPC and HTTP addresses once all are ready."""
+    """Start the workers together (their model loads overlap), then the gateway on the addresses
+    they report; the gateway's gRPC and HTTP addresses once all are ready."""
     for index, version in enumerate(_versions(flags.engine)):
         suffix = f" {version}" if version else ""
         # A worker asked for port 0 binds a free port itself and names it in its ready line: a port
         # picked here and bound later by the child could be taken by another process in between.
-        for role, port in (("prefill", flags.prefill_port), ("decode", flags.decode_port)):
-            worker = _worker_flags(flags, role, port + index if port else 0, version)
+        for role, name, port in _pair(flags, index):
+            worker = _worker_flags(flags, role, port, version)
             argv = [*to_argv(log), "worker", *to_argv(worker, defaults={"port": WORKER_PORTS["worker"]})]
-            children.append(_child(f"{role}{suffix}", argv))
+            children.append(_child(f"{name}{suffix}", argv))
     workers = [ready.grpc for ready in _wait_ready(children, time.monotonic() + flags.startup_timeout, stop)]
     # The gateway reports ready once it sees a serving worker in each pool.
+    if flags.shape == "flexible":
+        pools = {"colocated": ",".join(workers)}
+    else:
+        pools = {"prefill": ",".join(workers[0::2]), "decode": ",".join(workers[1::2])}
     gateway = GatewayFlags(
-        address=AddressFlags(flags.host, flags.gateway_port), http_port=flags.http_port,
-        prefill=",".join(workers[0::2]), decode=",".join(workers[1::2]), model=flags.engine.model,
-        model_repository=flags.engine.model_repository, max_model_len=flags.engine.max_model_len,
-        wait_for_workers=flags.startup_timeout)
+        address=AddressFlags(flags.host, flags.gateway_port), http_port=flags.http_port, **pools,
+        model=flags.engine.model, model_repository=flags.engine.model_repository,
+        max_model_len=flags.engine.max_model_len, wait_for_workers=flags.startup_timeout)
     children.append(_child("gateway", [*to_argv(log), "gateway", *to_argv(gateway, defaults={"port": GATEWAY_PORT})]))
     ready = _wait_ready(children, time.monotonic() + flags.startup_timeout, stop)[-1]
     return ready.grpc, str(ready.http)
+
+
+def _pair(flags: MeshFlags, index: int) -> list[tuple[Role, str, int]]:
+    """(role, name, port) of the two workers of the mesh's `index`th version: ports counted up from
+    the given ones, 0 staying 0 (a free port)."""
+    def port(first: int, offset: int) -> int:
+        return first + offset if first else 0
+
+    if flags.shape == "flexible":
+        return [("colocated", f"worker {n + 1}", port(flags.worker_port, 2 * index + n)) for n in range(2)]
+    return [("prefill", "prefill", port(flags.prefill_port, index)),
+            ("decode", "decode", port(flags.decode_port, index))]
 
 
 def _worker_flags(flags: MeshFlags, role: Role, port: int, version: str) -> WorkerFlags:

@@ -272,7 +272,7 @@ MESH_ENGINE_FLAGS = ["--dtype", "float32", "--cpu-weights", "fp16", "--kv-cache-
 def test_mesh_command_serves_then_stops_its_children():
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "mesh", "--gateway-port", "0", "--http-port", "0",
-         "--prefill-port", "0", "--decode-port", "0", "--demo-max-tokens", "8", "--grace-period", "20",
+         "--worker-port", "0", "--demo-max-tokens", "8", "--grace-period", "20",
          *MESH_ENGINE_FLAGS],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
@@ -308,7 +308,9 @@ def test_mesh_command_serves_then_stops_its_children():
         # process could take one before the worker bound it; asked for 0, a worker binds 0 itself.
         for pid in child_pids:
             argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-            if {"prefill", "decode"} & set(argv):
+            if "gateway" in argv:  # by default the gateway places requests on two colocated workers
+                assert "--colocated" in argv and "--prefill" not in argv, argv
+            else:
                 assert argv[argv.index("--port") + 1] == "0", argv
                 flags = MESH_ENGINE_FLAGS[::2]
                 assert [argv[argv.index(flag) + 1] for flag in flags] == MESH_ENGINE_FLAGS[1::2], argv

@@ -14,7 +14,7 @@ import pytest
 from services.cli import build_parser
 from services.commands.engine_flags import EngineFlags
 from services.commands.gateway import GatewayFlags
-from services.commands.mesh import MeshFlags, _worker_flags
+from services.commands.mesh import MeshFlags, _pair, _worker_flags
 from services.commands.worker import PORTS, WorkerFlags
 from services.common.config_flags import add_flags, flag, from_args, to_argv
 
@@ -95,7 +95,7 @@ def test_the_aliases_are_the_worker_command_with_its_role_and_port():
 def test_the_mesh_passes_its_workers_their_flags_as_arguments_they_parse_back():
     mesh = MeshFlags(engine=EngineFlags(dtype="float32", kv_cache_mib=64,
                                         speculative_config='{"num_speculative_tokens": 3}'))
-    for role in ("prefill", "decode"):
+    for role in ("prefill", "decode", "colocated"):
         worker = _worker_flags(mesh, role, 0, "m@v")
         parsed = _worker("worker", *to_argv(worker, defaults={"port": PORTS["worker"]}))
         assert parsed == worker
@@ -103,6 +103,13 @@ def test_the_mesh_passes_its_workers_their_flags_as_arguments_they_parse_back():
     # A prefill worker would refuse to speculate, so it is not told to.
     assert _worker_flags(mesh, "prefill", 1, "").engine.speculative_config is None
     assert _worker_flags(mesh, "decode", 1, "").engine.speculative_config == mesh.engine.speculative_config
+
+
+def test_the_mesh_starts_two_colocated_workers_unless_asked_for_fixed_pools():
+    # Each version's pair on ports counted up from the given ones; 0 stays 0 (each binds a free port).
+    assert _pair(MeshFlags(), 1) == [("colocated", "worker 1", 50083), ("colocated", "worker 2", 50084)]
+    assert _pair(MeshFlags(worker_port=0), 1) == [("colocated", "worker 1", 0), ("colocated", "worker 2", 0)]
+    assert _pair(MeshFlags(shape="fixed"), 1) == [("prefill", "prefill", 50062), ("decode", "decode", 50072)]
 
 
 def test_every_flag_of_the_gateway_parses_back_from_its_arguments():
