@@ -8,6 +8,7 @@ decision sees it even before the workers' own reports do. It is the Placer that 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -25,6 +26,7 @@ from services.gateway.router import (
     RouteRequest,
     RoutingPolicy,
     SloTargets,
+    WorkerView,
     route,
     slo_use,
 )
@@ -195,7 +197,7 @@ class WorkerRegistry:
     def decide(self, request: RouteRequest, idle: bool = False, exclude: frozenset[str] = frozenset()) -> Decision:
         """The router's decision over the workers' current views (or idle ones); NoWorkerError if
         no worker could take it."""
-        views = [view for w in self._workers.values()
+        views = [_for_version(view, w, request.version_key) for w in self._workers.values()
                  if w.address not in exclude and w.offers(request.version_key) and (view := w.view(idle))]
         return route(request, views, next(self._turns), self._policy)
 
@@ -232,6 +234,14 @@ class WorkerRegistry:
     def _changed(self) -> None:
         for listener in self._listeners:
             listener()
+
+
+def _for_version(view: WorkerView, worker: RemoteWorker, version_key: str | None) -> WorkerView:
+    """The worker's view for a request of `version_key`: one holding it only as a retiring version
+    computes no prompt for another worker (its Prefill service serves its current version)."""
+    if version_key is None or worker.version_key == version_key:
+        return view
+    return dataclasses.replace(view, prefills_for_others=False)
 
 
 def _block_hashes(by_size: dict[int, list[bytes]], token_ids: Sequence[int], block_size: int) -> list[bytes]:

@@ -126,6 +126,10 @@ class WorkerView:
     # paired only with a decode worker whose pages mean the same; "" (a worker that predates it)
     # pairs with any, leaving the refusal to the KV handshake.
     kv_layout: str = ""
+    # False for a colocated worker that holds the request's model version only as a retiring one
+    # (services.decode.model_swap): it still decodes that version, but its Prefill service computes
+    # with its current one, so it is no prefill site for another worker.
+    prefills_for_others: bool = True
 
 
 @dataclass(frozen=True)
@@ -173,7 +177,7 @@ def route(request: RouteRequest, workers: Sequence[WorkerView], turn: int = 0,
     NoWorkerError when no serving worker can decode it or, for decode-only pools, prefill it."""
     decoders = [w for w in workers if w.serving and w.role != "prefill"]
     # Prefill sites for another worker: prefill workers, and colocated ones (beside their own batch).
-    prefillers = [w for w in workers if w.serving and w.role != "decode"]
+    prefillers = [w for w in workers if w.serving and w.role != "decode" and w.prefills_for_others]
     if not decoders:
         raise NoWorkerError("no decode or colocated worker is serving")
     # (conditional disaggregation: prefill on a decode-role worker; a split that gains too little;

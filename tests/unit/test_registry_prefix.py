@@ -1,5 +1,6 @@
-"""The registry's prefix bookkeeping per request: which workers' cached prefixes a request is
-offered, and that its prompt is hashed once per block size however many workers there are."""
+"""The registry's bookkeeping per request: which workers' cached prefixes a request is offered, that
+its prompt is hashed once per block size however many workers there are, and which workers may be
+its prefill site."""
 
 from __future__ import annotations
 
@@ -50,6 +51,25 @@ def test_the_prompt_is_hashed_once_per_block_size(monkeypatch: pytest.MonkeyPatc
         registry = _registry(["a"] * 8)
         registry.route_request(PROMPT, 8)
         assert calls == [16]
+        await registry.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_colocated_worker_retiring_a_version_computes_no_prompt_of_it_for_another() -> None:
+    # c2 swapped to version b and still finishes a's requests: its Prefill service would compute an
+    # a request with b's weights, so for a it is a decode site only; for b it is both.
+    async def scenario() -> None:
+        registry = WorkerRegistry(colocated=["10.0.4.1:50081", "10.0.4.2:50081"])
+        for worker, (version, retiring) in zip(registry.workers, [("a", []), ("b", ["m@a"])], strict=True):
+            worker.serving = True
+            worker.report = common_pb2.LoadReport(role="colocated", block_size=16, total_kv_blocks=100,
+                                                  free_kv_blocks=100, model_name="m", model_version=version,
+                                                  retiring_versions=retiring)
+        decision = registry.decide(registry.route_request(PROMPT, 8, version_key="m@a"))
+        sites = {reason.split(": predicted")[0] for reason in decision.reasons}
+        assert "prefill 10.0.4.1:50081 -> decode 10.0.4.2:50081" in sites
+        assert not any(site.startswith("prefill 10.0.4.2:50081") for site in sites)
         await registry.close()
 
     asyncio.run(scenario())
