@@ -163,8 +163,9 @@ def _start_tandem(config: str, options: DeployOptions, processes: list[LoggedSer
                                       cpus if options.pin_cores else None))
 
     if config == "default":
-        start("mesh", ["mesh", "--host", host, "--gateway-port", "0", "--http-port", "0", "--prefill-port", "0",
-                       "--decode-port", "0", "--demo-max-tokens", "0", *model], None)
+        # Free ports for the workers of either shape (the default is flexible: two colocated workers).
+        start("mesh", ["mesh", "--host", host, "--gateway-port", "0", "--http-port", "0", "--worker-port", "0",
+                       "--prefill-port", "0", "--decode-port", "0", "--demo-max-tokens", "0", *model], None)
         return f"http://{processes[-1].wait_ready(deadline).http}"
     ports = [free_port() for _ in range(2)]
     workers = [f"{host}:{port}" for port in ports]
