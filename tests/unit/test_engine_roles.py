@@ -78,7 +78,7 @@ def test_reserve_says_why_it_cannot_take_a_prompt(make_engine):
 def test_any_engine_hands_off_an_exported_prompt_and_decodes_the_rest(make_engine, tokenizer):
     # Two engines of the colocated role: one computes a prompt for the other while it decodes a
     # request of its own in the same batch, and the other decodes that prompt beside its own.
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = parity_prompt_ids(tokenizer)[:3]
     expected = [c.token_ids for c in generate(make_engine(), prompts, params)]
     site_a, site_b = make_engine(), make_engine()
