@@ -146,11 +146,15 @@ class RemoteWorker:
         report = self.report
         if report is None:
             return None
+        # A decode worker given to the gateway as colocated computes its own prompts but serves no
+        # Prefill for others: what it serves is the role it reports, not the pool it was listed in.
+        prefills_for_others = report.role != "decode"
         if idle:
             return WorkerView(self.address, self.role, self.serving, free_kv_blocks=report.total_kv_blocks,
                               block_size=report.block_size, step_model=step_model_from_proto(report.step_model),
                               chunk_tokens=report.max_num_batched_tokens or 2048,
-                              kv_delivery_wait_s=report.kv_delivery_wait_s, kv_layout=report.kv_layout)
+                              kv_delivery_wait_s=report.kv_delivery_wait_s, kv_layout=report.kv_layout,
+                              prefills_for_others=prefills_for_others)
         reported = report.running_requests + report.waiting_requests + report.reserved_requests
         sequences = max(reported, self.in_flight)
         context_tokens = max(report.context_tokens, self.pending_context_tokens)
@@ -169,6 +173,7 @@ class RemoteWorker:
             kv_delivery_wait_s=report.kv_delivery_wait_s,
             tpot_slack_s=self._tpot_slack_s(reported, step_model.step_s(0, sequences, context_tokens)),
             kv_layout=report.kv_layout,
+            prefills_for_others=prefills_for_others,
         )
 
     def _tpot_slack_s(self, reported_sequences: int, step_s: float) -> float:

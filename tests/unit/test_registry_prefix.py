@@ -73,3 +73,21 @@ def test_a_colocated_worker_retiring_a_version_computes_no_prompt_of_it_for_anot
         await registry.close()
 
     asyncio.run(scenario())
+
+
+def test_a_decode_worker_listed_as_colocated_is_no_prefill_site_for_another() -> None:
+    # `--colocated` over decode-role workers (each computes its own prompts): asked to compute one for
+    # another worker, the decode worker answered UNIMPLEMENTED and the request failed.
+    async def scenario() -> None:
+        registry = WorkerRegistry(colocated=["10.0.5.1:50071", "10.0.5.2:50071"])
+        for worker in registry.workers:
+            worker.serving = True
+            worker.report = common_pb2.LoadReport(role="decode", block_size=16, total_kv_blocks=100,
+                                                  free_kv_blocks=100, model_name="m")
+        for idle in (False, True):
+            decision = registry.decide(registry.route_request(PROMPT, 8), idle=idle)
+            assert decision.prefill is None
+            assert not any(reason.startswith("prefill ") for reason in decision.reasons)
+        await registry.close()
+
+    asyncio.run(scenario())
