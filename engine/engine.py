@@ -44,7 +44,9 @@ from engine.runner import ModelRunner, SampledToken
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.speculative.calibration import calibrate
 from engine.speculative.drafter import Drafter
+from engine.speculative.gate import DraftGate
 from engine.speculative.proposer import Proposer
 from engine.stop_strings import StopStringMatcher
 from engine.tokenizer import Tokenizer
@@ -115,10 +117,20 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv, eos_token_ids=eos, connector=self.connector.scheduler)
         self._text: dict[str, _TextState] = {}
         self.last_step_tokens = StepTokens()
-        self._drafter = None if spec is None or proposer is None else Drafter(spec, proposer)
+        self._drafter = None if spec is None or proposer is None else Drafter(spec, proposer, self._draft_gate())
         log.info("engine ready: %s, KV connector: %s, tensor_parallel_size=%d, %d KV blocks of %d tokens%s, "
                  "kv_cache=%s, attention=%s", loaded.config.name, policy.describe(), size, num_blocks, block_size,
                  " on each rank" if size > 1 else "", self.kv_format.name, loaded.attention)
+
+    def _draft_gate(self) -> DraftGate | None:
+        """The gate on verification costs timed now, on this CPU (None with `gate: "off"`)."""
+        spec = self.config.speculative
+        if spec is None or spec.gate == "off":
+            return None
+        costs = calibrate(self.scheduler, self.runner, self.model_config.vocab_size, self.max_model_len,
+                          spec.num_speculative_tokens, spec.disable_by_batch_size)
+        log.info("speculation gate on steps timed now: %s", costs.describe())
+        return DraftGate(costs, self.scheduler.spec_stats)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,

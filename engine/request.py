@@ -49,7 +49,10 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # proposed over the request's life
     num_accepted_tokens: int = 0  # of those, verified and kept
-    recent_kept: float | None = None  # running mean of drafts kept per verification (engine.speculative.gate)
+    # The acceptance estimate and probe clock of engine.speculative.gate.
+    drafts_accepted: float = 0.0
+    drafts_rejected: float = 0.0
+    silent_steps: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -265,7 +265,7 @@ class Scheduler:
                 self.spec_stats.record(drafts, accepted)
                 request.num_draft_tokens += drafts
                 request.num_accepted_tokens += accepted
-                record_verification(request, accepted)
+                record_verification(request, drafts, accepted)
             computed = chunk.start + chunk.num_tokens - drafts + accepted
             request.num_computed_tokens = min(computed, request.num_tokens)
             if accepted < drafts:

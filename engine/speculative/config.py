@@ -8,6 +8,7 @@ from typing import Literal, get_args
 
 SpeculativeMethod = Literal["ngram", "draft_model"]
 DraftQuantization = Literal["auto", "none", "gguf", "int8", "gptq", "awq"]  # engine.config.Quantization
+DraftGateMode = Literal["cost", "off"]
 
 # Verifying k drafts computes k + 1 rows per request; past this the rows cost more than a CPU step
 # saves (a draft after 8 accepted ones is rarely right), and vLLM's users rarely go beyond it.
@@ -33,6 +34,9 @@ class SpeculativeConfig:
     only its first that many layers before its final norm and LM head (early exit; None: all).
     `disable_by_batch_size`: a step with this many running requests or more proposes nothing (a large
     batch already fills the machine, so extra verification rows would only slow it); None never disables.
+    `gate` (Tandem's key): "cost" takes, each step, only the drafts that the requests' acceptance
+    makes pay against verification costs timed at start-up on this CPU (engine.speculative.gate);
+    "off" verifies every proposal, as vLLM does.
     """
 
     method: SpeculativeMethod = "ngram"
@@ -47,6 +51,7 @@ class SpeculativeConfig:
     model: str | None = None
     quantization: DraftQuantization = "auto"
     draft_layers: int | None = None
+    gate: DraftGateMode = "cost"
 
     def __post_init__(self) -> None:
         _require(self.method in get_args(SpeculativeMethod), "method",
@@ -58,6 +63,8 @@ class SpeculativeConfig:
                  f"must be >= prompt_lookup_min={self.prompt_lookup_min}, got {self.prompt_lookup_max}")
         _require(self.quantization in get_args(DraftQuantization), "quantization",
                  f"unknown method {self.quantization!r} (choose from {', '.join(get_args(DraftQuantization))})")
+        _require(self.gate in get_args(DraftGateMode), "gate",
+                 f"unknown gate {self.gate!r} (choose from {', '.join(get_args(DraftGateMode))})")
         if self.method != "draft_model":
             for key in ("model", "draft_layers"):
                 _require(getattr(self, key) is None, key, f"applies to method draft_model, not {self.method}")
@@ -85,7 +92,7 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"{FLAG}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
         for key, value in raw.items():
-            expected = str if key in ("method", "model", "quantization") else int
+            expected = str if key in ("method", "model", "quantization", "gate") else int
             if value is None and key in ("disable_by_batch_size", "model", "draft_layers"):
                 continue
             if not isinstance(value, expected) or isinstance(value, bool):

@@ -6,31 +6,38 @@ from collections.abc import Sequence
 
 from engine.request import Request
 from engine.speculative.config import SpeculativeConfig
-from engine.speculative.gate import may_draft
+from engine.speculative.gate import DraftGate
 from engine.speculative.proposer import DraftRequest, Proposer
 
 
 class Drafter:
     """Asks the proposer for drafts for the decoding requests of a step (see `draft`)."""
 
-    def __init__(self, spec: SpeculativeConfig, proposer: Proposer) -> None:
+    def __init__(self, spec: SpeculativeConfig, proposer: Proposer, gate: DraftGate | None) -> None:
+        """`gate` None: every request takes all the drafts it has room for (`gate: "off"`)."""
         self.spec = spec
         self.proposer = proposer
+        self.gate = gate
 
     def draft(self, running: Sequence[Request]) -> None:
         """Set every decoding request's drafts for the coming step: none when `disable_by_batch_size`
-        requests or more run, and never past max_tokens or the context, less the step's own token."""
-        wanted: list[tuple[Request, DraftRequest]] = []
-        speculates = self.spec.speculates(len(running))
+        requests or more run, never past max_tokens or the context, less the step's own token, and
+        as many as the gate finds pay."""
         for request in running:
             request.draft_token_ids = []
-            if not speculates or request.num_computed_tokens != request.num_tokens - 1 or not may_draft(request):
-                continue
+        if not self.spec.speculates(len(running)):
+            return
+        decoding: list[tuple[Request, int]] = []
+        for request in running:
             room = min(request.params.max_tokens - request.num_output_tokens,
                        request.max_model_len - request.num_tokens) - 1
-            if room > 0:
-                wanted.append((request, DraftRequest(request.request_id, request.token_ids,
-                                                     min(self.spec.num_speculative_tokens, room))))
+            if request.num_computed_tokens == request.num_tokens - 1 and room > 0:
+                decoding.append((request, min(self.spec.num_speculative_tokens, room)))
+        caps = [cap for _, cap in decoding]
+        counts = caps if self.gate is None else self.gate.counts(
+            [request for request, _ in decoding], caps, len(running) - len(decoding))
+        wanted = [(request, DraftRequest(request.request_id, request.token_ids, count))
+                  for (request, _), count in zip(decoding, counts, strict=True) if count > 0]
         if wanted:
             drafts = self.proposer.propose_batch([draft for _, draft in wanted])
             for (request, draft), tokens in zip(wanted, drafts, strict=True):

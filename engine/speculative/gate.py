@@ -1,36 +1,144 @@
-"""Which requests draft: those whose recent drafts paid for their verification.
+"""How many drafts each request takes this step: as many as pay for their verification on this CPU.
 
-A verification step of a few rows costs more than a step of one (`python -m bench speculative`,
-docs/benchmarks.md), so a draft pays only when it keeps about one token or more. Acceptance is
-bimodal: a request copying a span of its prompt keeps most drafts, one writing freely keeps almost
-none, and n-gram matches come for both. So each request keeps a running mean of the tokens its
-drafts kept; below one it stops drafting and probes again after some steps, which a request
-entering a copied span needs.
+A step that verifies k drafts of a request computes k more rows, and what a row costs depends on
+the CPU (engine.speculative.calibration times it at start-up): with AMX a step of a few rows costs
+little more than a step of one; with AVX2 every row costs most of a step, so a verification that
+keeps one token in four loses to not drafting. The j-th draft of a request yields a token when it
+and every draft before it are accepted, with probability rate^j, where rate is the request's
+acceptance estimate: decayed counts of its accepted drafts and of its rejections (a rejection ends
+a verification), seeded with the engine's acceptance so far so that a new request does not start
+cold. Across the step's requests the gate takes drafts best odds first and keeps the number that
+gives the most expected tokens per second of step: none when no number beats not drafting, so a
+speculating engine is never slower than one without (as far as its costs and rates are right).
+
+A request that drafts nothing probes with one draft after some silent steps (its acceptance may
+have changed: it entered a copied span), spending at most PROBE_SHARE of its time on probes.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from engine.request import Request
+from engine.speculative.stats import SpecDecodeStats
 
-# Tokens a verification must keep, on a running mean, for its request to go on drafting.
-KEEP_TO_DRAFT = 1.0
-# Weight of the latest verification in the mean: two failures in a row silence a request that
-# had been keeping one token a draft.
-RECENT_WEIGHT = 0.5
-# What a silent step adds to the mean: a request silenced by failures (mean about 0.5) probes again
-# after about ten steps, so a silent request spends a tenth of a verification's extra time per step.
-PROBE_CREDIT = 0.05
-
-
-def may_draft(request: Request) -> bool:
-    """Whether `request` drafts this step; a silent step moves it toward its next probe."""
-    if request.recent_kept is None or request.recent_kept >= KEEP_TO_DRAFT:
-        return True
-    request.recent_kept += PROBE_CREDIT
-    return False
+# Weight of the past in a request's counts at each verification: about the last three verifications count.
+DECAY = 0.7
+# The engine's acceptance seeds a request's estimate as this many observations.
+PRIOR_WEIGHT = 2.0
+# Drafts must raise the expected tokens per second by this share: calibration has noise, and a tie
+# is better spent without drafting.
+MARGIN = 0.02
+# At most this share of a silent request's time goes to probes.
+PROBE_SHARE = 0.02
 
 
-def record_verification(request: Request, kept: int) -> None:
-    """Fold one verification's kept drafts into the request's running mean (the first sets it)."""
-    previous = request.recent_kept
-    request.recent_kept = float(kept) if previous is None else (1 - RECENT_WEIGHT) * previous + RECENT_WEIGHT * kept
+@dataclass(frozen=True)
+class CostCurve:
+    """Seconds of a step by the rows it computes, measured at `rows` (ascending); linear between
+    the measured counts and past the last two (in proportion to the rows from a single count)."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.rows or len(self.rows) != len(self.seconds) or self.rows[0] < 1:
+            raise ValueError(f"a cost curve needs one time for each of one or more row counts: {self}")
+        if any(b <= a for a, b in zip(self.rows, self.rows[1:], strict=False)) or min(self.seconds) <= 0:
+            raise ValueError(f"a cost curve needs ascending row counts and positive times: {self}")
+
+    def at(self, rows: int) -> float:
+        """Seconds of a step of `rows` rows."""
+        if len(self.rows) == 1:
+            return self.seconds[0] * rows / self.rows[0]
+        index = min(max(1, next((i for i, r in enumerate(self.rows) if r >= rows), len(self.rows) - 1)),
+                    len(self.rows) - 1)
+        r0, r1, s0, s1 = self.rows[index - 1], self.rows[index], self.seconds[index - 1], self.seconds[index]
+        return max(s0 + (s1 - s0) * (rows - r0) / (r1 - r0), min(self.seconds))
+
+    def describe(self) -> str:
+        return ", ".join(f"{r}: {1e3 * s:.1f} ms" for r, s in zip(self.rows, self.seconds, strict=True))
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What steps cost on this engine: `decode` by its sequences, one row each (a path of its own on
+    some CPUs: engine.model.decode_stack), `verify` by its rows when one or more are drafts."""
+
+    decode: CostCurve
+    verify: CostCurve
+
+    def describe(self) -> str:
+        return f"decode batch of {self.decode.describe()}; verification of {self.verify.describe()}"
+
+
+def record_verification(request: Request, num_drafts: int, accepted: int) -> None:
+    """Fold one verification of `num_drafts` drafts, `accepted` of them kept, into the request's counts."""
+    request.drafts_accepted = DECAY * request.drafts_accepted + accepted
+    request.drafts_rejected = DECAY * request.drafts_rejected + (1 if accepted < num_drafts else 0)
+    request.silent_steps = 0
+
+
+def acceptance_rate(request: Request, prior: float) -> float:
+    """The chance that the request's next draft is accepted, given the one before it was."""
+    return (request.drafts_accepted + PRIOR_WEIGHT * prior) / (
+        request.drafts_accepted + request.drafts_rejected + PRIOR_WEIGHT)
+
+
+def engine_rate(stats: SpecDecodeStats) -> float:
+    """The share of drafted tokens the engine kept so far (a half before any draft)."""
+    return (stats.num_accepted_tokens + 1) / (stats.num_draft_tokens + 2)
+
+
+def draft_counts(rates: Sequence[float], caps: Sequence[int], probes: Sequence[bool], other_rows: int,
+                 costs: StepCosts) -> list[int]:
+    """Drafts per request (at most its cap) maximising the step's expected tokens per second, each
+    request's j-th draft yielding a token with probability rate^j; `probes` take one draft whatever
+    it costs; `other_rows`: rows of the step's other requests, one token each."""
+    counts = [min(1, cap) if probe else 0 for cap, probe in zip(caps, probes, strict=True)]
+    rows = len(caps) + other_rows + sum(counts)
+    tokens = len(caps) + other_rows + sum(rate for rate, n in zip(rates, counts, strict=True) if n)
+    base = tokens / (costs.verify.at(rows) if any(counts) else costs.decode.at(rows))
+    best, best_taken, taken, planned = base * (1 + MARGIN), 0, [], list(counts)
+    odds = [(-rate ** (n + 1), i) for i, (rate, n, cap) in enumerate(zip(rates, counts, caps, strict=True))
+            if n < cap and rate > 0]
+    heapq.heapify(odds)
+    while odds:
+        negative_gain, i = heapq.heappop(odds)
+        taken.append(i)
+        planned[i] += 1
+        rows += 1
+        tokens -= negative_gain
+        if tokens / costs.verify.at(rows) > best:
+            best, best_taken = tokens / costs.verify.at(rows), len(taken)
+        if planned[i] < caps[i]:
+            heapq.heappush(odds, (negative_gain * rates[i], i))
+    for i in taken[:best_taken]:
+        counts[i] += 1
+    return counts
+
+
+class DraftGate:
+    """Draft counts for the requests of a step on the costs measured for this engine (see the module)."""
+
+    def __init__(self, costs: StepCosts, stats: SpecDecodeStats) -> None:
+        self.costs = costs
+        self.stats = stats
+        # Silent steps between probes: what a probe adds to a step of one row, over PROBE_SHARE of that step.
+        one = costs.decode.at(1)
+        self.probe_interval = max(1, math.ceil((costs.verify.at(2) - one) / (PROBE_SHARE * one)))
+
+    def counts(self, requests: Sequence[Request], caps: Sequence[int], other_rows: int) -> list[int]:
+        """How many drafts each of `requests` (decoding, with room for `caps` drafts) takes; a
+        request given none moves toward its next probe."""
+        prior = engine_rate(self.stats)
+        rates = [acceptance_rate(request, prior) for request in requests]
+        probes = [request.silent_steps >= self.probe_interval for request in requests]
+        counts = draft_counts(rates, caps, probes, other_rows, self.costs)
+        for request, count in zip(requests, counts, strict=True):
+            if count == 0:
+                request.silent_steps += 1
+        return counts

@@ -22,7 +22,8 @@ from harness.worker import WorkerProcess, start_worker
 # any CPU; a KV cache large enough for two modules' ~1,000-token prompts at once.
 POOL_FLAGS = ["--threads", "1", "--kv-cache-mib", "256", *PINNED_FLAGS]
 # decode[1] speculates, so that requests routed to it check that speculation leaves greedy output alone.
-SPECULATION = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None})
+SPECULATION = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None,
+                          "gate": "off"})
 # Four loads at once, which the first module to ask waits for: longer than one worker's start may take.
 READY_TIMEOUT_S = 900.0
 # Objectives no request can miss, for gateways whose tests are not about admission.

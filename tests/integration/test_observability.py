@@ -27,7 +27,7 @@ SPANS_TIMEOUT_S = 60.0  # generous bound for the exporters' batches to arrive; n
 RPC_TIMEOUT_S = 300.0
 WORKER_FLAGS = ["--threads", "1", "--kv-cache-mib", "64"]
 # The decode worker speculates (n-gram drafts, whatever the batch).
-SPECULATION = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}
+SPECULATION = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None, "gate": "off"}
 # Every span one request must leave, by service.
 EXPECTED = {
     "tandem-gateway": {"/tandem.v1.Gateway/Generate", "route", "/tandem.v1.Decode/Generate"},

@@ -14,7 +14,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.speculative.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from engine.speculative.drafter import Drafter
-from engine.speculative.gate import KEEP_TO_DRAFT, PROBE_CREDIT, RECENT_WEIGHT, may_draft, record_verification
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.verify import num_accepted
 
@@ -25,8 +24,8 @@ BLOCK = 4
 def test_vllm_keys_parse():
     config = SpeculativeConfig.from_json(json.dumps(
         {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1, "prompt_lookup_max": 5,
-         "disable_by_batch_size": None}))
-    assert config == SpeculativeConfig("ngram", 6, 1, 5, None)
+         "disable_by_batch_size": None, "gate": "off"}))
+    assert config == SpeculativeConfig("ngram", 6, 1, 5, None, gate="off")
     assert config.speculates(1000)
     assert SpeculativeConfig(disable_by_batch_size=4).speculates(3)
     assert not SpeculativeConfig(disable_by_batch_size=4).speculates(4)
@@ -42,6 +41,8 @@ def test_vllm_keys_parse():
     ('{"prompt_lookup_min": 0}', "prompt_lookup_min"),
     ('{"disable_by_batch_size": 1}', "disable_by_batch_size"),
     ('{"num_lookahead": 3}', "num_lookahead"),
+    ('{"gate": "sometimes"}', "gate"),
+    ('{"gate": false}', "gate"),
     ("[4]", "JSON object"),
     ("{method: ngram}", "not JSON"),
 ])
@@ -201,34 +202,14 @@ def test_draft_model_keys():
             SpeculativeConfig.from_json(text)
 
 
-def test_a_request_whose_drafts_keep_nothing_goes_silent_then_probes_again():
-    request = Request("a", [5, 6, 7], SamplingParams(max_tokens=8), 1024)
-    assert may_draft(request)  # no verification yet
-    record_verification(request, 0)
-    silent = 0
-    while not may_draft(request):
-        silent += 1
-    # Silent until the probe credit brings the mean back to a token a verification.
-    assert silent == pytest.approx(KEEP_TO_DRAFT / PROBE_CREDIT, abs=1)
-    mean = request.recent_kept
-    for kept in (4, 0, 3):
-        record_verification(request, kept)
-        mean = (1 - RECENT_WEIGHT) * mean + RECENT_WEIGHT * kept
-    assert request.recent_kept == pytest.approx(mean)
-    assert may_draft(request)
-    record_verification(request, 0)
-    record_verification(request, 0)
-    assert not may_draft(request)  # two failures in a row silence it
-
-
-def test_the_drafter_skips_a_silent_request():
+def test_the_drafter_takes_the_proposals_it_has_room_for():
     s = _scheduler()
     request = Request("a", [7, 8, 9, 7, 8], SamplingParams(max_tokens=32), 1024)
     s.add(request)
     s.update(s.schedule(), {"a": [9]})  # 7 8 9 7 8 9: the last token recurs
-    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1), NgramProposer(1, 1))
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1), NgramProposer(1, 1), None)
     drafter.draft(s.running)
     assert request.draft_token_ids == [7, 8, 9]
-    request.recent_kept = 0.0
+    request.params = SamplingParams(max_tokens=3)  # room for the step's own token and one draft
     drafter.draft(s.running)
-    assert request.draft_token_ids == []
+    assert request.draft_token_ids == [7]

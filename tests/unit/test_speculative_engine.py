@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,8 @@ from engine.sampling_params import SamplingParams
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.ngram import NgramProposer
 
-SPEC = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=None)
+# The gate off: these tests check what verification does, so every proposal is verified.
+SPEC = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=None, gate="off")
 PASSAGE = ("The river Thames flows through southern England, including London. It is the longest river entirely "
            "in England and the second longest in the United Kingdom, after the Severn. The river rises at Thames "
            "Head in Gloucestershire and flows into the North Sea near Tilbury, Essex and Gravesend, Kent, via the "
@@ -85,6 +87,21 @@ def test_greedy_output_is_identical_in_a_mixed_batch(engines, tokenizer):
     copied = ours["copy"][-1]
     assert copied.num_accepted_tokens > 0.5 * copied.num_draft_tokens > 0
     assert len(ours["copy"]) < len(reference["copy"]) / 2  # fewer steps than tokens
+
+
+def test_the_cost_gate_times_steps_at_start_up_and_leaves_the_engine_as_new(engines, make_engine, tokenizer):
+    """The gate's calibration runs through the engine's own scheduler: afterwards nothing runs, no
+    block is held, no draft is counted, and the gated engine's greedy tokens are the plain one's."""
+    plain, _ = engines
+    gated = make_engine(speculative=SpeculativeConfig(num_speculative_tokens=4))
+    costs = gated._drafter.gate.costs  # type: ignore[union-attr]
+    assert costs.decode.rows == (1, 2, 4) and costs.verify.rows == (2, 3, 5)
+    assert not gated.has_unfinished() and gated.kv.num_free_blocks == gated.kv.num_blocks
+    assert gated.scheduler.spec_stats == type(gated.scheduler.spec_stats)()
+    prompts = _prompts(tokenizer)
+    requests = {name: (prompts[name], SamplingParams(max_tokens=24, temperature=0.0)) for name in ("copy", "chat")}
+    reference, ours = _run(plain, requests), _run(gated, requests)
+    assert {n: _tokens(o) for n, o in ours.items()} == {n: _tokens(o) for n, o in reference.items()}
 
 
 def test_stops_and_penalties_behave_as_without_speculation(engines, tokenizer):
@@ -193,7 +210,7 @@ def tiny_engines(tmp_path_factory):
     plain = Engine(EngineConfig(**config))
     # One-token n-grams: in a vocabulary of 12 the last token nearly always recurs, so most steps draft.
     spec = build_engine(EngineConfig(**config, speculative=SpeculativeConfig(prompt_lookup_min=1,
-                                                                             disable_by_batch_size=None)))
+                                                                             disable_by_batch_size=None, gate="off")))
     # A prompt that holds the model's own greedy continuation of its last tokens, so that drafts are
     # often among the likely tokens and both outcomes of verification occur.
     head = [1, 2, 3]
@@ -264,7 +281,7 @@ def test_an_engine_takes_a_proposer_exactly_when_its_config_speculates():
 
 
 # ---- a draft model -------------------------------------------------------------------------------
-DRAFT = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, disable_by_batch_size=None)
+DRAFT = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, disable_by_batch_size=None, gate="off")
 
 
 def test_a_self_draft_changes_no_token_and_holds_no_block(tiny_engines):
@@ -293,10 +310,10 @@ def test_a_draft_with_another_vocabulary_or_too_many_layers_is_refused(tiny_engi
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64), other)
     (other / "tokenizer.json").write_text((Path(config["model"]) / "tokenizer.json").read_text())
     with pytest.raises(ValueError, match=r"--speculative-config: model: .*vocabulary \(16 tokens\) is not the target"):
-        build_engine(EngineConfig(**config, speculative=SpeculativeConfig(method="draft_model", model=str(other))))
+        build_engine(EngineConfig(**config, speculative=replace(DRAFT, model=str(other))))
     with pytest.raises(ValueError, match="--speculative-config: draft_layers: must be in \\[1, 2\\]"):
-        build_engine(EngineConfig(**config, speculative=SpeculativeConfig(method="draft_model", draft_layers=3)))
-    early = build_engine(EngineConfig(**config, speculative=SpeculativeConfig(method="draft_model", draft_layers=1)))
+        build_engine(EngineConfig(**config, speculative=replace(DRAFT, draft_layers=3)))
+    early = build_engine(EngineConfig(**config, speculative=replace(DRAFT, draft_layers=1)))
     assert len(early._drafter.proposer.draft.runner.model.layers) == 1  # type: ignore[union-attr]
 
 

@@ -1,0 +1,139 @@
+"""The draft gate on the step costs of three kinds of CPU: it drafts where drafting raises the
+expected tokens per second and not where it lowers them, probes silent requests, and starts a new
+request from the engine's acceptance."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.speculative.gate import (
+    MARGIN,
+    CostCurve,
+    DraftGate,
+    StepCosts,
+    acceptance_rate,
+    draft_counts,
+    record_verification,
+)
+from engine.speculative.stats import SpecDecodeStats
+
+
+def _costs(decode: dict[int, float], verify: dict[int, float]) -> StepCosts:
+    ms = 1e-3
+    return StepCosts(CostCurve(tuple(decode), tuple(s * ms for s in decode.values())),
+                     CostCurve(tuple(verify), tuple(s * ms for s in verify.values())))
+
+
+# Step times in ms by rows, in the shape each CPU has. AVX2 (AMD EPYC, calibrated at an engine's
+# start): a step with drafts leaves the batch-decode kernel and every row up to 5 costs most of a
+# step; rows 6 to 9 run on another product kernel and cost little more than 5.
+AVX2 = _costs({1: 25.1, 2: 31.2, 4: 57.1}, {2: 41.2, 3: 59.6, 5: 86.5, 9: 87.7})
+# AVX-512 without AMX (Intel Xeon, docs/benchmarks.md: a 9-row verification 21.2 ms, a step ~13 ms).
+AVX512 = _costs({1: 13.2, 2: 14.5, 4: 17.0}, {2: 16.0, 3: 17.0, 5: 18.6, 9: 21.2})
+# AMX (Intel Xeon): the tile products take a few rows for about the price of one.
+AMX = _costs({1: 9.0, 2: 9.2, 4: 9.6}, {2: 9.8, 3: 9.9, 5: 10.2, 9: 11.0})
+CPUS = {"avx2": AVX2, "avx512": AVX512, "amx": AMX}
+
+
+def _expected_tokens(rate: float, drafts: int) -> float:
+    """Tokens a verification of `drafts` drafts yields on average: the step's own and each draft
+    whose predecessors were all accepted."""
+    return 1 + sum(rate ** j for j in range(1, drafts + 1))
+
+
+def _speed(costs: StepCosts, rate: float, drafts: int) -> float:
+    """Expected tokens per second of a lone request drafting `drafts` tokens a step."""
+    seconds = costs.verify.at(1 + drafts) if drafts else costs.decode.at(1)
+    return _expected_tokens(rate, drafts) / seconds
+
+
+def _request(name: str = "a") -> Request:
+    return Request(name, [1, 2, 3], SamplingParams(max_tokens=64), 1024)
+
+
+@pytest.mark.parametrize("cpu", sorted(CPUS))
+@pytest.mark.parametrize("rate", [0.05, 0.2, 0.35, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97])
+def test_a_lone_request_drafts_the_number_that_is_fastest_and_none_where_drafting_loses(cpu, rate):
+    costs = CPUS[cpu]
+    (count,) = draft_counts([rate], [8], [False], 0, costs)
+    best = max(range(9), key=lambda k: _speed(costs, rate, k))
+    if _speed(costs, rate, best) > (1 + MARGIN) * _speed(costs, rate, 0):
+        assert count == best
+    else:
+        assert count == 0
+
+
+def test_where_drafting_pays_depends_on_the_cpu():
+    """Chat-like acceptance pays where rows are cheap; copying pays on every CPU at 8 drafts (AVX2's
+    6 to 9 rows are cheap) but not at 4 on AVX2."""
+    chat, copying = 0.45, 0.9
+    assert draft_counts([chat], [8], [False], 0, AMX)[0] >= 3
+    assert draft_counts([chat], [8], [False], 0, AVX512)[0] > 0
+    assert draft_counts([chat], [8], [False], 0, AVX2) == [0]
+    assert all(draft_counts([copying], [8], [False], 0, costs)[0] >= 6 for costs in CPUS.values())
+    assert draft_counts([0.6], [4], [False], 0, AVX2) == [0]
+    assert draft_counts([0.6], [4], [False], 0, AMX) == [4]
+
+
+def test_a_request_keeping_a_token_or_two_a_verification_stops_drafting_on_avx2():
+    """The loss the gate fixes: verifications of 4 drafts keeping 1 or 2 of them (the old gate drafted
+    on at a mean of one kept token) yield 2.5 tokens a step that costs 3.4 steps without drafts."""
+    assert _expected_tokens(0.55, 4) * AVX2.decode.at(1) / AVX2.verify.at(5) < 0.75
+    gate = DraftGate(AVX2, SpecDecodeStats())
+    request = _request()
+    for kept in (1, 2, 1, 2, 1, 2):
+        record_verification(request, 4, kept)
+    assert 0.5 < acceptance_rate(request, 0.5) < 0.65
+    assert gate.counts([request], [4], 0) == [0]
+    assert DraftGate(AMX, SpecDecodeStats()).counts([request], [4], 0) == [4]
+
+
+def test_a_batch_drafts_only_as_far_as_the_steps_rows_pay():
+    """Four copying requests and one writing freely: the drafts go to the copying ones; other
+    running requests (prefilling) count as rows of the step."""
+    rates, caps, probes = [0.9, 0.9, 0.9, 0.9, 0.1], [8] * 5, [False] * 5
+    counts = draft_counts(rates, caps, probes, 0, AMX)
+    assert counts[:4] == [counts[0]] * 4 and counts[0] > counts[4]
+    assert draft_counts([0.3] * 4, [8] * 4, [False] * 4, 0, AVX2) == [0] * 4
+    assert draft_counts([0.3], [8], [False], 3, AVX512) == [0] < draft_counts([0.3], [8], [False], 0, AVX512)
+
+
+def test_a_silent_request_probes_with_one_draft_now_and_then():
+    writing = SpecDecodeStats()
+    for _ in range(20):
+        writing.record(4, 0)
+    for costs in (AVX2, AMX):
+        gate = DraftGate(costs, writing)
+        request = _request()
+        for _ in range(6):
+            record_verification(request, 4, 0)
+        silent = 0
+        while gate.counts([request], [8], 0) == [0]:
+            silent += 1
+        assert silent == gate.probe_interval
+        assert gate.counts([request], [8], 0) == [1]  # until a verification resets the count
+        record_verification(request, 1, 0)
+        assert request.silent_steps == 0
+    # A probe adds a fifth of a step or less to one on AMX, most of one on AVX2.
+    assert DraftGate(AMX, SpecDecodeStats()).probe_interval < DraftGate(AVX2, SpecDecodeStats()).probe_interval
+
+
+def test_a_new_request_starts_from_the_engines_acceptance():
+    copying, writing = SpecDecodeStats(), SpecDecodeStats()
+    for _ in range(20):
+        copying.record(4, 4)
+        writing.record(4, 0)
+    assert DraftGate(AVX512, copying).counts([_request()], [8], 0) == [8]
+    assert DraftGate(AVX512, writing).counts([_request()], [8], 0) == [0]
+
+
+def test_cost_curves_interpolate_and_extend():
+    curve = CostCurve((1, 3, 5), (1.0, 2.0, 4.0))
+    assert [curve.at(r) for r in (1, 2, 3, 4, 5, 7)] == [1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    assert CostCurve((2,), (3.0,)).at(4) == 6.0
+    with pytest.raises(ValueError, match="ascending"):
+        CostCurve((2, 2), (1.0, 1.0))
+    with pytest.raises(ValueError, match="one time for each"):
+        CostCurve((1, 2), (1.0,))
