@@ -53,6 +53,8 @@ class Request:
     drafts_accepted: float = 0.0
     drafts_rejected: float = 0.0
     silent_steps: int = 0
+    shadow_token_ids: list[int] = field(default_factory=list)  # drafts proposed, not verified, from...
+    shadow_from: int = 0  # ...this token index on
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -112,6 +112,8 @@ class DraftModel:
 class DraftModelProposer:
     """Greedy drafts from a draft model (see the module)."""
 
+    cheap = False  # a run of the draft model
+
     def __init__(self, draft: DraftModel) -> None:
         self.draft = draft
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from engine.request import Request
 from engine.speculative.config import SpeculativeConfig
-from engine.speculative.gate import DraftGate
+from engine.speculative.gate import DraftGate, follow_shadow
 from engine.speculative.proposer import DraftRequest, Proposer
 
 
@@ -22,7 +22,8 @@ class Drafter:
     def draft(self, running: Sequence[Request]) -> None:
         """Set every decoding request's drafts for the coming step: none when `disable_by_batch_size`
         requests or more run, never past max_tokens or the context, less the step's own token, and
-        as many as the gate finds pay."""
+        as many as the gate finds pay; a cheap proposer's drafts for the others become their shadows
+        (engine.speculative.gate)."""
         for request in running:
             request.draft_token_ids = []
         if not self.spec.speculates(len(running)):
@@ -34,11 +35,23 @@ class Drafter:
             if request.num_computed_tokens == request.num_tokens - 1 and room > 0:
                 decoding.append((request, min(self.spec.num_speculative_tokens, room)))
         caps = [cap for _, cap in decoding]
-        counts = caps if self.gate is None else self.gate.counts(
-            [request for request, _ in decoding], caps, len(running) - len(decoding))
+        if self.gate is None:
+            counts = caps
+        else:
+            for request, _ in decoding:
+                follow_shadow(request)
+            counts = self.gate.counts([request for request, _ in decoding], caps, len(running) - len(decoding))
         wanted = [(request, DraftRequest(request.request_id, request.token_ids, count))
                   for (request, _), count in zip(decoding, counts, strict=True) if count > 0]
+        verified = len(wanted)
+        if self.gate is not None and self.proposer.cheap:
+            wanted += [(request, DraftRequest(request.request_id, request.token_ids, cap))
+                       for (request, cap), count in zip(decoding, counts, strict=True)
+                       if count == 0 and not request.shadow_token_ids]
         if wanted:
             drafts = self.proposer.propose_batch([draft for _, draft in wanted])
-            for (request, draft), tokens in zip(wanted, drafts, strict=True):
-                request.draft_token_ids = list(tokens[: draft.num_tokens])
+            for index, ((request, draft), tokens) in enumerate(zip(wanted, drafts, strict=True)):
+                if index < verified:
+                    request.draft_token_ids, request.shadow_token_ids = list(tokens[: draft.num_tokens]), []
+                else:
+                    request.shadow_token_ids, request.shadow_from = list(tokens[: draft.num_tokens]), request.num_tokens

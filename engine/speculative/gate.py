@@ -11,8 +11,10 @@ cold. Across the step's requests the gate takes drafts best odds first and keeps
 gives the most expected tokens per second of step: none when no number beats not drafting, so a
 speculating engine is never slower than one without (as far as its costs and rates are right).
 
-A request that drafts nothing probes with one draft after some silent steps (its acceptance may
-have changed: it entered a copied span), spending at most PROBE_SHARE of its time on probes.
+A request that drafts nothing still learns its acceptance (it may enter a copied span): from a
+cheap proposer (n-gram) the drafter takes shadow drafts it never verifies and scores them against
+the tokens that follow; with any proposer it probes with one draft after some silent steps,
+spending at most PROBE_SHARE of its time on probes.
 """
 
 from __future__ import annotations
@@ -80,6 +82,18 @@ def record_verification(request: Request, num_drafts: int, accepted: int) -> Non
     request.drafts_accepted = DECAY * request.drafts_accepted + accepted
     request.drafts_rejected = DECAY * request.drafts_rejected + (1 if accepted < num_drafts else 0)
     request.silent_steps = 0
+
+
+def follow_shadow(request: Request) -> None:
+    """Score the request's shadow drafts (proposed, never verified) against the tokens that came
+    after them, once a token differs or all matched, as a verification of them would have counted."""
+    shadow = request.shadow_token_ids
+    came = request.token_ids[request.shadow_from : request.shadow_from + len(shadow)]
+    differs = next((i for i, (draft, token) in enumerate(zip(shadow, came, strict=False)) if draft != token), None)
+    if not shadow or (differs is None and len(came) < len(shadow)):
+        return
+    record_verification(request, len(shadow), len(shadow) if differs is None else differs)
+    request.shadow_token_ids = []
 
 
 def acceptance_rate(request: Request, prior: float) -> float:

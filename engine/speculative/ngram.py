@@ -19,6 +19,8 @@ class NgramProposer:
     """Drafts from the longest suffix n-gram (of `min_n` to `max_n` tokens) seen earlier in the
     request's own tokens, continuing after its most recent earlier occurrence."""
 
+    cheap = True
+
     def __init__(self, min_n: int, max_n: int) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,10 @@ class DraftRequest:
 
 class Proposer(Protocol):
     """Drafts tokens; the target verifies them (engine.speculative.verify), so a proposer is never
-    wrong, only more or less often accepted."""
+    wrong, only more or less often accepted. A `cheap` one proposes in microseconds, so the gate also
+    asks it for requests that verify nothing, to learn their acceptance from the tokens that follow."""
+
+    cheap: ClassVar[bool]
 
     def propose_batch(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         """Each request's drafts (at most its num_tokens; none is fine), in order."""

@@ -1,6 +1,6 @@
 """The draft gate on the step costs of three kinds of CPU: it drafts where drafting raises the
-expected tokens per second and not where it lowers them, probes silent requests, and starts a new
-request from the engine's acceptance."""
+expected tokens per second and not where it lowers them, learns a silent request's acceptance from
+shadow drafts and probes, and starts a new request from the engine's acceptance."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import pytest
 
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.drafter import Drafter
 from engine.speculative.gate import (
     MARGIN,
     CostCurve,
@@ -17,6 +19,7 @@ from engine.speculative.gate import (
     draft_counts,
     record_verification,
 )
+from engine.speculative.ngram import NgramProposer
 from engine.speculative.stats import SpecDecodeStats
 
 
@@ -137,3 +140,30 @@ def test_cost_curves_interpolate_and_extend():
         CostCurve((2, 2), (1.0, 1.0))
     with pytest.raises(ValueError, match="one time for each"):
         CostCurve((1, 2), (1.0,))
+
+
+def _copying(drafter: Drafter, passage: list[int], follows: bool, steps: int) -> int | None:
+    """Decode a request whose prompt ends by starting the passage over, one token a step (the passage's
+    next one if `follows`, else a token that is nowhere in it); the steps until it drafts (None: never)."""
+    request = Request("a", [*passage, passage[0]], SamplingParams(max_tokens=64), 1024)
+    for step in range(steps):
+        request.num_computed_tokens = request.num_tokens - 1
+        drafter.draft([request])
+        if request.draft_token_ids:
+            return step
+        request.append_output(passage[request.num_tokens - len(passage)] if follows else 7)
+    return None
+
+
+def test_a_silent_request_learns_from_shadow_drafts_and_starts_drafting():
+    """On AVX2, after an engine whose drafts were all rejected: a request copying a passage drafts
+    within a few steps, its n-gram drafts scored without verifying them; one writing freely never
+    does (its probes aside: none within the probe interval)."""
+    writing = SpecDecodeStats()
+    for _ in range(20):
+        writing.record(4, 0)
+    spec = SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_min=1)
+    passage = list(range(100, 160))
+    gate = DraftGate(AVX2, writing)
+    assert _copying(Drafter(spec, NgramProposer(1, 2), gate), passage, True, 30) <= 12
+    assert _copying(Drafter(spec, NgramProposer(1, 2), gate), passage, False, gate.probe_interval) is None
