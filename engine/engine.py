@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -234,8 +235,11 @@ class Engine:
                     if c.num_tokens - len(c.draft_token_ids) == 1 and c.start >= c.request.num_prompt_tokens]
         draft_rows = sum(len(c.draft_token_ids) for c in decoding)
         on_layer_done, exported = self.connector.worker.step_exports(out.chunks, self.kv.block_table)
+        started = time.perf_counter()
         with self._ranks_busy:
             sampled = self.runner.execute(out, on_layer_done, exported)
+        if self._drafter is not None and decoding and len(decoding) == len(out.chunks):
+            self._drafter.observe(len(decoding), draft_rows, time.perf_counter() - started)
         before = {c.request.request_id: c.request.num_output_tokens for c in out.chunks}
         self.scheduler.update(out, {rid: [token for token, _ in tokens] for rid, tokens in sampled.items()})
         outputs = []

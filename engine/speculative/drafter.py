@@ -19,6 +19,12 @@ class Drafter:
         self.proposer = proposer
         self.gate = gate
 
+    def observe(self, sequences: int, draft_rows: int, seconds: float) -> None:
+        """A step of `sequences` decoding sequences verifying `draft_rows` drafts (and nothing else)
+        ran in `seconds`."""
+        if self.gate is not None:
+            self.gate.observe(sequences, sequences + draft_rows, seconds)
+
     def draft(self, running: Sequence[Request]) -> None:
         """Set every decoding request's drafts for the coming step: none when `disable_by_batch_size`
         requests or more run, never past max_tokens or the context, less the step's own token, and

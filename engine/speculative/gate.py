@@ -61,6 +61,14 @@ class CostCurve:
         r0, r1, s0, s1 = self.rows[index - 1], self.rows[index], self.seconds[index - 1], self.seconds[index]
         return max(s0 + (s1 - s0) * (rows - r0) / (r1 - r0), min(self.seconds))
 
+    def faster(self, rows: int, seconds: float) -> CostCurve:
+        """This curve with a step of `rows` rows timed at `seconds`: kept where it is faster than the
+        time measured at that count (another process only ever slows a step down)."""
+        if rows not in self.rows or seconds >= self.seconds[self.rows.index(rows)]:
+            return self
+        index = self.rows.index(rows)
+        return CostCurve(self.rows, (*self.seconds[:index], seconds, *self.seconds[index + 1:]))
+
     def describe(self) -> str:
         return ", ".join(f"{r}: {1e3 * s:.1f} ms" for r, s in zip(self.rows, self.seconds, strict=True))
 
@@ -72,6 +80,13 @@ class StepCosts:
 
     decode: CostCurve
     verify: CostCurve
+
+    def observed(self, sequences: int, rows: int, seconds: float) -> StepCosts:
+        """These costs with a decode step of `sequences` sequences and `rows` rows (more with drafts)
+        timed at `seconds`, where faster (see CostCurve.faster)."""
+        if rows > sequences:
+            return StepCosts(self.decode, self.verify.faster(rows, seconds))
+        return StepCosts(self.decode.faster(rows, seconds), self.verify)
 
     def describe(self) -> str:
         return f"decode batch of {self.decode.describe()}; verification of {self.verify.describe()}"
@@ -144,6 +159,11 @@ class DraftGate:
         # Silent steps between probes: what a probe adds to a step of one row, over PROBE_SHARE of that step.
         one = costs.decode.at(1)
         self.probe_interval = max(1, math.ceil((costs.verify.at(2) - one) / (PROBE_SHARE * one)))
+
+    def observe(self, sequences: int, rows: int, seconds: float) -> None:
+        """A decode step of `sequences` sequences and `rows` rows took `seconds`: the start-up timing
+        ran beside whatever else started then, so the steps served refine it."""
+        self.costs = self.costs.observed(sequences, rows, seconds)
 
     def counts(self, requests: Sequence[Request], caps: Sequence[int], other_rows: int) -> list[int]:
         """How many drafts each of `requests` (decoding, with room for `caps` drafts) takes; a

@@ -167,3 +167,21 @@ def test_a_silent_request_learns_from_shadow_drafts_and_starts_drafting():
     gate = DraftGate(AVX2, writing)
     assert _copying(Drafter(spec, NgramProposer(1, 2), gate), passage, True, 30) <= 12
     assert _copying(Drafter(spec, NgramProposer(1, 2), gate), passage, False, gate.probe_interval) is None
+
+
+def test_steps_served_correct_a_start_up_timing_that_others_slowed():
+    """Workers start together, so a start-up timing may find the CPU busy: one step of one row
+    timed at 1.6 times its cost made drafts look cheap at chat acceptance on AVX2. The fastest
+    step served at each timed count corrects it; a slower one changes nothing."""
+    busy = _costs({1: 1.6 * 25.1, 2: 31.2, 4: 57.1}, {2: 41.2, 3: 59.6, 5: 86.5, 9: 87.7})
+    gate = DraftGate(busy, SpecDecodeStats())
+    chatting = _request()
+    for kept in (4, 0, 3, 0, 4, 0):
+        record_verification(chatting, 8, kept)
+    assert gate.counts([chatting], [8], 0)[0] > 0
+    gate.observe(1, 1, 30e-3)
+    gate.observe(1, 9, 99e-3)
+    assert gate.costs == StepCosts(busy.decode.faster(1, 30e-3), busy.verify)
+    gate.observe(1, 1, 25.1e-3)
+    assert gate.costs == AVX2
+    assert gate.counts([chatting], [8], 0) == [0]
