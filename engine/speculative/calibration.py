@@ -3,11 +3,12 @@
 A few requests with short random prompts are decoded through the engine's own scheduler and runner:
 first plain steps of 8, 4, 2 and 1 of them (those a batch that speculates may run; a CPU may serve
 them on a path of their own, engine.model.decode_stack), then steps of the last one with random
-drafts, so that each computes 2, 3, 5, 9 ... rows up to num_speculative_tokens + 1. Each shape is
-timed twice after a warm-up step and the faster time kept (another process on the CPU only ever
-slows a step down). The requests then go and the acceptance counts start at zero; their full
-blocks may stay in the prefix cache until evicted. Well under a second for a 135M model on one
-AVX2 core.
+drafts, so that each computes 2, 3, 5, 9 ... rows up to num_speculative_tokens + 1, round after
+round, each round with a step of one row for reference. Each shape is timed twice after a warm-up
+step and the faster time kept: another process on the CPU only ever slows a step down, and the
+steps served refine the times (engine.speculative.gate).
+The requests then go and the acceptance counts start at zero; their full blocks may stay in the
+prefix cache until evicted. Well under a second for a 135M model on one AVX2 core.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def calibrate(scheduler: Scheduler, runner: ModelRunner, vocab_size: int, max_mo
     batches = tuple(b for b in BATCHES if max_batch is None or b < max_batch)
     rows = (*(r for r in ROW_COUNTS if r <= max_drafts), max_drafts + 1)
     rng = random.Random(0)
-    max_tokens = TIMINGS * (len(batches) + sum(rows)) + 1  # even if every random draft were accepted
+    max_tokens = TIMINGS * (len(batches) + 1 + sum(rows)) + 1  # even if every random draft were accepted
     if PROMPT_TOKENS + max_tokens > max_model_len:
         raise ValueError(f"--speculative-config: gate: a context of {max_model_len} tokens is too short to time "
                          f"verification steps at start-up (it needs {PROMPT_TOKENS + max_tokens}); choose \"off\"")
@@ -53,14 +54,22 @@ def calibrate(scheduler: Scheduler, runner: ModelRunner, vocab_size: int, max_mo
         for batch in batches:
             scheduler.abort([request.request_id for request in requests[batch:]])
             decode.append(_fastest(scheduler, runner, lambda: None))
-        verify = [_fastest(scheduler, runner, lambda count=count: _draft(requests[0], count - 1, rng, vocab_size))
-                  for count in rows]
+        # Round after round over the counts, with a step of one row as each round's reference: a
+        # burst of other work slows one timing of each, and the ratios hold however busy the CPU.
+        counts = (1, *rows)
+        fastest = [float("inf")] * len(counts)
+        for timing in range(TIMINGS):
+            for index, count in enumerate(counts):
+                _draft(requests[0], count - 1, rng, vocab_size)
+                seconds = _step(scheduler, runner)
+                fastest[index] = fastest[index] if timing == 0 else min(fastest[index], seconds)
     finally:
         scheduler.abort([request.request_id for request in requests])
         for request in requests:
             runner.forget(request.request_id)
         scheduler.spec_stats = SpecDecodeStats()
-    return StepCosts(CostCurve(batches[::-1], tuple(decode[::-1])), CostCurve(rows, tuple(verify)))
+    return StepCosts(CostCurve(batches[::-1], tuple(decode[::-1])), CostCurve(rows, tuple(fastest[1:])),
+                     CostCurve(rows, tuple(seconds / fastest[0] for seconds in fastest[1:])))
 
 
 def _draft(request: Request, count: int, rng: random.Random, vocab_size: int) -> None:

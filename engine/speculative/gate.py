@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.request import Request
 from engine.speculative.stats import SpecDecodeStats
@@ -76,20 +76,37 @@ class CostCurve:
 @dataclass(frozen=True)
 class StepCosts:
     """What steps cost on this engine: `decode` by its sequences, one row each (a path of its own on
-    some CPUs: engine.model.decode_stack), `verify` by its rows when one or more are drafts."""
+    some CPUs: engine.model.decode_stack), `verify` by its rows when one or more are drafts, and
+    `verify_steps` the same in steps of one row timed beside them.
+
+    Workers start together, so a start-up timing may find the CPU busy, and the steps served
+    correct it (`observed`): each curve keeps the fastest time seen at its row counts. But a
+    verification that looks too dear never runs, so is never timed again; the ratios keep such a
+    time in line with the one-row step that served steps correct, and a step of r rows never costs
+    more than r steps of one (it streams the weights once)."""
 
     decode: CostCurve
     verify: CostCurve
+    verify_steps: CostCurve
+
+    def decode_s(self, sequences: int) -> float:
+        """Seconds of a decode step of `sequences` sequences, one row each."""
+        return min(self.decode.at(sequences), sequences * self.decode.at(1))
+
+    def verify_s(self, rows: int) -> float:
+        """Seconds of a step of `rows` rows, some of them drafts."""
+        return min(self.verify.at(rows), min(self.verify_steps.at(rows), rows) * self.decode.at(1))
 
     def observed(self, sequences: int, rows: int, seconds: float) -> StepCosts:
         """These costs with a decode step of `sequences` sequences and `rows` rows (more with drafts)
         timed at `seconds`, where faster (see CostCurve.faster)."""
         if rows > sequences:
-            return StepCosts(self.decode, self.verify.faster(rows, seconds))
-        return StepCosts(self.decode.faster(rows, seconds), self.verify)
+            return replace(self, verify=self.verify.faster(rows, seconds))
+        return replace(self, decode=self.decode.faster(rows, seconds))
 
     def describe(self) -> str:
-        return f"decode batch of {self.decode.describe()}; verification of {self.verify.describe()}"
+        return (f"decode batch of {self.decode.describe()}; verification of {self.verify.describe()} "
+                f"({', '.join(f'{s:.2f}' for s in self.verify_steps.seconds)} steps of one row)")
 
 
 def record_verification(request: Request, num_drafts: int, accepted: int) -> None:
@@ -130,7 +147,7 @@ def draft_counts(rates: Sequence[float], caps: Sequence[int], probes: Sequence[b
     counts = [min(1, cap) if probe else 0 for cap, probe in zip(caps, probes, strict=True)]
     rows = len(caps) + other_rows + sum(counts)
     tokens = len(caps) + other_rows + sum(rate for rate, n in zip(rates, counts, strict=True) if n)
-    base = tokens / (costs.verify.at(rows) if any(counts) else costs.decode.at(rows))
+    base = tokens / (costs.verify_s(rows) if any(counts) else costs.decode_s(rows))
     best, best_taken, taken, planned = base * (1 + MARGIN), 0, [], list(counts)
     odds = [(-rate ** (n + 1), i) for i, (rate, n, cap) in enumerate(zip(rates, counts, caps, strict=True))
             if n < cap and rate > 0]
@@ -141,8 +158,8 @@ def draft_counts(rates: Sequence[float], caps: Sequence[int], probes: Sequence[b
         planned[i] += 1
         rows += 1
         tokens -= negative_gain
-        if tokens / costs.verify.at(rows) > best:
-            best, best_taken = tokens / costs.verify.at(rows), len(taken)
+        if tokens / costs.verify_s(rows) > best:
+            best, best_taken = tokens / costs.verify_s(rows), len(taken)
         if planned[i] < caps[i]:
             heapq.heappush(odds, (negative_gain * rates[i], i))
     for i in taken[:best_taken]:
@@ -157,8 +174,8 @@ class DraftGate:
         self.costs = costs
         self.stats = stats
         # Silent steps between probes: what a probe adds to a step of one row, over PROBE_SHARE of that step.
-        one = costs.decode.at(1)
-        self.probe_interval = max(1, math.ceil((costs.verify.at(2) - one) / (PROBE_SHARE * one)))
+        one = costs.decode_s(1)
+        self.probe_interval = max(1, math.ceil((costs.verify_s(2) - one) / (PROBE_SHARE * one)))
 
     def observe(self, sequences: int, rows: int, seconds: float) -> None:
         """A decode step of `sequences` sequences and `rows` rows took `seconds`: the start-up timing

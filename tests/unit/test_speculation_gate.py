@@ -4,6 +4,8 @@ shadow drafts and probes, and starts a new request from the engine's acceptance.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from engine.request import Request
@@ -24,9 +26,11 @@ from engine.speculative.stats import SpecDecodeStats
 
 
 def _costs(decode: dict[int, float], verify: dict[int, float]) -> StepCosts:
+    """Costs timed on a quiet CPU, in ms."""
     ms = 1e-3
     return StepCosts(CostCurve(tuple(decode), tuple(s * ms for s in decode.values())),
-                     CostCurve(tuple(verify), tuple(s * ms for s in verify.values())))
+                     CostCurve(tuple(verify), tuple(s * ms for s in verify.values())),
+                     CostCurve(tuple(verify), tuple(s / decode[1] for s in verify.values())))
 
 
 # Step times in ms by rows, in the shape each CPU has. AVX2 (AMD EPYC, calibrated at an engine's
@@ -48,7 +52,7 @@ def _expected_tokens(rate: float, drafts: int) -> float:
 
 def _speed(costs: StepCosts, rate: float, drafts: int) -> float:
     """Expected tokens per second of a lone request drafting `drafts` tokens a step."""
-    seconds = costs.verify.at(1 + drafts) if drafts else costs.decode.at(1)
+    seconds = costs.verify_s(1 + drafts) if drafts else costs.decode_s(1)
     return _expected_tokens(rate, drafts) / seconds
 
 
@@ -83,7 +87,7 @@ def test_where_drafting_pays_depends_on_the_cpu():
 def test_a_request_keeping_a_token_or_two_a_verification_stops_drafting_on_avx2():
     """The loss the gate fixes: verifications of 4 drafts keeping 1 or 2 of them (the old gate drafted
     on at a mean of one kept token) yield 2.5 tokens a step that costs 3.4 steps without drafts."""
-    assert _expected_tokens(0.55, 4) * AVX2.decode.at(1) / AVX2.verify.at(5) < 0.75
+    assert _expected_tokens(0.55, 4) * AVX2.decode_s(1) / AVX2.verify_s(5) < 0.75
     gate = DraftGate(AVX2, SpecDecodeStats())
     request = _request()
     for kept in (1, 2, 1, 2, 1, 2):
@@ -173,7 +177,7 @@ def test_steps_served_correct_a_start_up_timing_that_others_slowed():
     """Workers start together, so a start-up timing may find the CPU busy: one step of one row
     timed at 1.6 times its cost made drafts look cheap at chat acceptance on AVX2. The fastest
     step served at each timed count corrects it; a slower one changes nothing."""
-    busy = _costs({1: 1.6 * 25.1, 2: 31.2, 4: 57.1}, {2: 41.2, 3: 59.6, 5: 86.5, 9: 87.7})
+    busy = replace(AVX2, decode=CostCurve((1, 2, 4), (1.6 * 25.1e-3, *AVX2.decode.seconds[1:])))
     gate = DraftGate(busy, SpecDecodeStats())
     chatting = _request()
     for kept in (4, 0, 3, 0, 4, 0):
@@ -181,7 +185,17 @@ def test_steps_served_correct_a_start_up_timing_that_others_slowed():
     assert gate.counts([chatting], [8], 0)[0] > 0
     gate.observe(1, 1, 30e-3)
     gate.observe(1, 9, 99e-3)
-    assert gate.costs == StepCosts(busy.decode.faster(1, 30e-3), busy.verify)
+    assert gate.costs == replace(busy, decode=busy.decode.faster(1, 30e-3))
     gate.observe(1, 1, 25.1e-3)
     assert gate.costs == AVX2
     assert gate.counts([chatting], [8], 0) == [0]
+
+
+def test_a_verification_timed_on_a_busy_cpu_keeps_its_ratio_to_a_step_of_one_row():
+    """Verification steps timed 5 times their cost, with their one-row reference beside them: the
+    ratios hold, so a copying request verifies its drafts (which times them again); and a step of
+    r rows never counts as more than r steps of one."""
+    slowed = replace(AVX2, verify=CostCurve((2, 3, 5, 9), tuple(5 * s for s in AVX2.verify.seconds)))
+    assert [slowed.verify_s(r) for r in (2, 5, 9)] == [AVX2.verify_s(r) for r in (2, 5, 9)]
+    assert draft_counts([0.9], [8], [False], 0, slowed) == draft_counts([0.9], [8], [False], 0, AVX2) != [0]
+    assert replace(slowed, verify_steps=CostCurve((2,), (5.0,))).verify_s(2) == pytest.approx(2 * 25.1e-3)
