@@ -40,6 +40,8 @@ class Drafter:
                        request.max_model_len - request.num_tokens) - 1
             if request.num_computed_tokens == request.num_tokens - 1 and room > 0:
                 decoding.append((request, min(self.spec.num_speculative_tokens, room)))
+        if not decoding:
+            return
         caps = [cap for _, cap in decoding]
         if self.gate is None:
             counts = caps

@@ -199,3 +199,12 @@ def test_a_verification_timed_on_a_busy_cpu_keeps_its_ratio_to_a_step_of_one_row
     assert [slowed.verify_s(r) for r in (2, 5, 9)] == [AVX2.verify_s(r) for r in (2, 5, 9)]
     assert draft_counts([0.9], [8], [False], 0, slowed) == draft_counts([0.9], [8], [False], 0, AVX2) != [0]
     assert replace(slowed, verify_steps=CostCurve((2,), (5.0,))).verify_s(2) == pytest.approx(2 * 25.1e-3)
+
+
+def test_a_step_with_no_decoding_request_asks_the_gate_nothing():
+    """A step of prompts only (every request still waiting or prefilling) drafts nothing."""
+    drafter = Drafter(SpeculativeConfig(), NgramProposer(2, 4), DraftGate(AVX2, SpecDecodeStats()))
+    drafter.draft([])
+    prefilling = _request()
+    drafter.draft([prefilling])
+    assert prefilling.draft_token_ids == [] and prefilling.shadow_token_ids == []
