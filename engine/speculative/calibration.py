@@ -4,9 +4,10 @@ A few requests with short random prompts are decoded through the engine's own sc
 first plain steps of 8, 4, 2 and 1 of them (those a batch that speculates may run; a CPU may serve
 them on a path of their own, engine.model.decode_stack), then steps of the last one with random
 drafts, so that each computes 2, 3, 5, 9 ... rows up to num_speculative_tokens + 1, round after
-round, each round with a step of one row for reference. Each shape is timed twice after a warm-up
-step and the faster time kept: another process on the CPU only ever slows a step down, and the
-steps served refine the times (engine.speculative.gate).
+round, each round with a step of one row for reference. Each shape is timed three times after a
+warm-up step and the fastest time kept (another process on the CPU only ever slows a step down; the
+steps served refine the times: engine.speculative.gate), and each verification's ratio to the
+one-row step of its round is the median over the rounds.
 The requests then go and the acceptance counts start at zero; their full blocks may stay in the
 prefix cache until evicted. Well under a second for a 135M model on one AVX2 core.
 """
@@ -14,6 +15,7 @@ prefix cache until evicted. Well under a second for a 135M model on one AVX2 cor
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Callable
 
@@ -27,7 +29,7 @@ from engine.speculative.stats import SpecDecodeStats
 BATCHES = (8, 4, 2, 1)
 ROW_COUNTS = (2, 3, 5, 9, 17)
 PROMPT_TOKENS = 16
-TIMINGS = 3  # the first warms up
+TIMINGS = 4  # the first warms up
 
 
 def calibrate(scheduler: Scheduler, runner: ModelRunner, vocab_size: int, max_model_len: int,
@@ -54,22 +56,26 @@ def calibrate(scheduler: Scheduler, runner: ModelRunner, vocab_size: int, max_mo
         for batch in batches:
             scheduler.abort([request.request_id for request in requests[batch:]])
             decode.append(_fastest(scheduler, runner, lambda: None))
-        # Round after round over the counts, with a step of one row as each round's reference: a
-        # burst of other work slows one timing of each, and the ratios hold however busy the CPU.
+        # Round after round over the counts, with a step of one row for reference in each: a burst
+        # of other work slows one timing of each, and a round's ratios hold however busy the CPU.
         counts = (1, *rows)
-        fastest = [float("inf")] * len(counts)
-        for timing in range(TIMINGS):
-            for index, count in enumerate(counts):
+        rounds = []
+        for _ in range(TIMINGS):
+            seconds = []
+            for count in counts:
                 _draft(requests[0], count - 1, rng, vocab_size)
-                seconds = _step(scheduler, runner)
-                fastest[index] = fastest[index] if timing == 0 else min(fastest[index], seconds)
+                seconds.append(_step(scheduler, runner))
+            rounds.append(seconds)
+        timed = rounds[1:]  # the first warms up
+        verify = tuple(min(r[index] for r in timed) for index in range(1, len(counts)))
+        # More rows never cost less than one.
+        steps = tuple(max(1.0, statistics.median(r[index] / r[0] for r in timed)) for index in range(1, len(counts)))
     finally:
         scheduler.abort([request.request_id for request in requests])
         for request in requests:
             runner.forget(request.request_id)
         scheduler.spec_stats = SpecDecodeStats()
-    return StepCosts(CostCurve(batches[::-1], tuple(decode[::-1])), CostCurve(rows, tuple(fastest[1:])),
-                     CostCurve(rows, tuple(seconds / fastest[0] for seconds in fastest[1:])))
+    return StepCosts(CostCurve(batches[::-1], tuple(decode[::-1])), CostCurve(rows, verify), CostCurve(rows, steps))
 
 
 def _draft(request: Request, count: int, rng: random.Random, vocab_size: int) -> None:
