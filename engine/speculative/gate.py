@@ -99,6 +99,20 @@ class StepCosts:
         """Seconds of a step of `rows` rows, some of them drafts."""
         return min(self.verify.at(rows), min(self.verify_steps.at(rows), rows) * self.decode.at(1))
 
+    def added_s(self, drafts: int) -> float:
+        """What `drafts` drafts add to a step of one sequence."""
+        return self.verify_s(1 + drafts) - self.decode_s(1) if drafts else 0.0
+
+    def step_s(self, sequences: int, drafts: Sequence[int]) -> float:
+        """Seconds of a step of `sequences` decoding sequences, some verifying `drafts` drafts each:
+        at least the plain batch plus what each one's drafts add to a step of one sequence (the
+        verification curve was timed on one; in a batch the rows share the weights' streaming, but
+        not the attention or the path a step with drafts takes)."""
+        if not any(drafts):
+            return self.decode_s(sequences)
+        return max(self.verify_s(sequences + sum(drafts)),
+                   self.decode_s(sequences) + sum(self.added_s(n) for n in drafts))
+
     def observed(self, sequences: int, rows: int, seconds: float) -> StepCosts:
         """These costs with a decode step of `sequences` sequences and `rows` rows (more with drafts)
         timed at `seconds`, where faster (see CostCurve.faster)."""
@@ -147,21 +161,27 @@ def draft_counts(rates: Sequence[float], caps: Sequence[int], probes: Sequence[b
     request's j-th draft yielding a token with probability rate^j; `probes` take one draft whatever
     it costs; `other_rows`: rows of the step's other requests, one token each."""
     counts = [min(1, cap) if probe else 0 for cap, probe in zip(caps, probes, strict=True)]
-    rows = len(caps) + other_rows + sum(counts)
-    tokens = len(caps) + other_rows + sum(rate for rate, n in zip(rates, counts, strict=True) if n)
-    base = tokens / (costs.verify_s(rows) if any(counts) else costs.decode_s(rows))
-    best, best_taken, taken, planned = base * (1 + MARGIN), 0, [], list(counts)
+    sequences = len(caps) + other_rows
+    tokens = sequences + sum(rate for rate, n in zip(rates, counts, strict=True) if n)
+    rows, added = sequences + sum(counts), sum(costs.added_s(n) for n in counts)
+    plain = costs.decode_s(sequences)
+
+    def step_s() -> float:  # StepCosts.step_s, kept up to date draft by draft
+        return max(costs.verify_s(rows), plain + added) if rows > sequences else plain
+
+    best, best_taken, taken, planned = tokens / step_s() * (1 + MARGIN), 0, [], list(counts)
     odds = [(-rate ** (n + 1), i) for i, (rate, n, cap) in enumerate(zip(rates, counts, caps, strict=True))
             if n < cap and rate > 0]
     heapq.heapify(odds)
     while odds:
         negative_gain, i = heapq.heappop(odds)
         taken.append(i)
+        added += costs.added_s(planned[i] + 1) - costs.added_s(planned[i])
         planned[i] += 1
         rows += 1
         tokens -= negative_gain
-        if tokens / costs.verify_s(rows) > best:
-            best, best_taken = tokens / costs.verify_s(rows), len(taken)
+        if tokens / step_s() > best:
+            best, best_taken = tokens / step_s(), len(taken)
         if planned[i] < caps[i]:
             heapq.heappush(odds, (negative_gain * rates[i], i))
     for i in taken[:best_taken]:

@@ -205,3 +205,13 @@ def test_a_step_with_no_decoding_request_asks_the_gate_nothing():
     prefilling = _request()
     drafter.draft([prefilling])
     assert prefilling.draft_token_ids == [] and prefilling.shadow_token_ids == []
+
+
+@pytest.mark.parametrize("cpu", sorted(CPUS))
+def test_a_batch_with_drafts_costs_at_least_the_plain_batch_and_each_ones_drafts(cpu):
+    costs = CPUS[cpu]
+    for drafts in ([8], [8, 0], [4, 4, 0, 1], [8] * 7):
+        sequences = len(drafts)
+        least = costs.decode_s(sequences) + sum(costs.verify_s(1 + n) - costs.decode_s(1) for n in drafts if n)
+        assert costs.step_s(sequences, drafts) >= least - 1e-12
+    assert costs.step_s(3, [0, 0, 0]) == costs.decode_s(3)
