@@ -122,6 +122,11 @@ def _fuzz_grpc(channel: grpc.Channel, request: gateway_pb2.GenerateRequest) -> N
     try:
         responses = _generate(channel, request)
     except grpc.RpcError as error:
+        # A valid request whose objectives the workers cannot meet now is refused as overload, not as
+        # bad input: a TTFT of 100 ms arriving while the previous request still runs, say.
+        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and request.HasField("slo") \
+                and (error.details() or "").startswith("no worker can meet"):
+            return
         _assert_refusal_names_a_field(error, request)
         return
     assert responses[-1].chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
