@@ -37,6 +37,12 @@ def goes_higher(row: dict, slos: Sequence[Slo], stop_below: float) -> bool:
     return row["sustained"] and any(row["attainment"][s.name] >= stop_below for s in slos)
 
 
+def extension(row: dict, slo: Slo, factor: float = 1.25) -> float | None:
+    """The next rate up when the highest measured one still passes (the edge is above the starting
+    rates), a quarter higher; None once it fails."""
+    return round(row["rate"] * factor, 3) if passes(row, slo) else None
+
+
 def refinement(rows: Sequence[dict], slo: Slo, step_rps: float) -> float | None:
     """The rate halfway between the highest passing rate (every rate at or below it passes) and the
     lowest rate above it, while they are more than `step_rps` apart; None when the edge is found that

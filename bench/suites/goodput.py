@@ -19,7 +19,8 @@ order; within one configuration no prompt is sent twice while the pool lasts (th
 it wraps), so prefix caches do not flatter later rates.
 
 The sweep measures the starting rates upwards until one is not sustained (beyond it the queue only
-grows), then halves the gap between the highest passing and the lowest failing rate until it is at
+grows), goes on up by a quarter at a time while the highest still passes (at most `--refinements`
+more), then halves the gap between the highest passing and the lowest failing rate until it is at
 most `--step` (10%) of the best capacity seen so far in the run, or `--refinements` more rates.
 Per rate: TTFT and TPOT p50/p90/p99, attainment, offered and served rates. Results go to
 bench/results/goodput-WORKLOAD.json and .png (attainment vs rate per configuration; the plot needs
@@ -89,7 +90,7 @@ from bench.goodput.report import (
     rescore,
     routing_text,
 )
-from bench.goodput.sweep import RequestPool, goes_higher, refinement
+from bench.goodput.sweep import RequestPool, extension, goes_higher, refinement
 from bench.goodput.vllm_client import run_vllm_client
 from bench.suites.hf_export import ensure_export
 
@@ -229,8 +230,12 @@ def sweep(args: argparse.Namespace, name: str, served: Served, workload: Workloa
         return row
 
     for rate in args.rate_list:
-        if not goes_higher(measure(rate), args.slos, args.stop_below):
+        if not goes_higher(row := measure(rate), args.slos, args.stop_below):
             break
+    for _ in range(args.refinements):
+        if (rate := extension(row, args.slos[0])) is None:
+            break
+        row = measure(rate)
     for _ in range(args.refinements):
         step = args.step * max(best_capacity, capacity(rows, args.slos[0])["served_rps"])
         if (rate := refinement(rows, args.slos[0], step)) is None:

@@ -21,7 +21,7 @@ from bench.common.metrics import (
     token_timing,
 )
 from bench.common.workload import CHAT, LONG_PROMPT, BenchRequest, _conversations, _transcript, build_workload
-from bench.goodput.sweep import RequestPool, goes_higher, refinement
+from bench.goodput.sweep import RequestPool, extension, goes_higher, refinement
 from bench.goodput.vllm_client import results_from_vllm
 
 SLO = Slo("loose", ttft_s=2.0, tpot_s=0.1)
@@ -136,6 +136,12 @@ def test_the_sweep_refines_between_the_edge_rates_until_the_step():
     assert refinement(rows, SLO, step_rps=2.0) is None  # 4 and 6 are close enough
     assert refinement([_row(2.0, 1.0), _row(4.0, 0.95)], SLO, 0.1) is None  # nothing failed: no edge
     assert refinement([_row(2.0, 0.5)], SLO, 0.1) is None  # goodput 0: capacity tells the rest
+
+
+def test_the_sweep_extends_upwards_while_the_highest_rate_passes():
+    assert extension(_row(0.75, 0.95), SLO) == 0.938
+    assert extension(_row(0.75, 0.85), SLO) is None
+    assert extension(_row(0.75, 1.0, sustained=False), SLO) is None
 
 
 def test_the_sweep_goes_higher_only_while_a_rate_is_sustained_and_not_hopeless():
