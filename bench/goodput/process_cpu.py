@@ -24,7 +24,8 @@ def role_of(cmdline: list[str]) -> str:
         if command == "worker" and "--role" in args:
             return f"worker {args[args.index('--role') + 1]}"
         return command
-    return "vllm" if any("vllm" in part for part in cmdline) else "other"
+    # vLLM's engine core retitles itself "VLLM::EngineCore".
+    return "vllm" if any("vllm" in part.lower() for part in cmdline) else "other"
 
 
 def cpu_seconds(pids: Iterable[int]) -> dict[str, float]:

@@ -299,3 +299,4 @@ def test_server_processes_are_named_by_their_role():
         "worker prefill"
     assert role_of([python, "-m", "services.cli", "decode", "--threads", "1"]) == "decode"
     assert role_of(["/repo/bench/.cache/vllm-venv/bin/python", "-m", "bench.vllm.cli", "serve"]) == "vllm"
+    assert role_of(["VLLM::EngineCore"]) == "vllm"
