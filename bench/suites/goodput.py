@@ -291,6 +291,10 @@ def main(argv: Sequence[str]) -> int:
              else args.shape.pool) + WARMUP_REQUESTS
     workload = load_workload(args.shape, count, args.seed, args.synthetic, args.model)
     print(f"[goodput] workload: {workload.source}; CPU: {cpu_model()}", file=sys.stderr, flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + "-trace.jsonl", "w", encoding="utf-8") as trace:  # what `tandem advise --trace` reads
+        trace.writelines(json.dumps({"prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens}) + "\n"
+                         for r in workload.requests)
     load = {"start": load_average()}
     configs: dict[str, dict] = {}
     for name, target, gateway_log in _targets(args):
@@ -308,7 +312,6 @@ def main(argv: Sequence[str]) -> int:
     print(format_summary(configs, args.slos))
     if args.repeats > 1:
         print(format_repeats(configs, args.slos))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w", encoding="utf-8") as file:
         json.dump({
             "command": command_line(__name__, argv),

@@ -1,10 +1,11 @@
 """`tandem advise`: how many workers a workload needs and how much of its prompt work to
 disaggregate, from a worker's measured step model and a trace (services.gateway.advice).
 
-The step model is read from a running worker's load report (`--worker`, the model it fitted from
-the steps it ran: give it some traffic first) or given as JSON (`--step-model`, the fields of
-services.common.step_model.StepModel). The trace is JSON lines with `prompt_tokens` and
-`output_tokens` per request (`python -m bench goodput` writes its workloads' so). With `--rate` the
+The step model is read from a running decode or colocated worker's load report (tandem.v1.Decode's
+GetLoad: `--worker`, the model it fitted from the steps it ran: give it some traffic first) or given
+as JSON (`--step-model`, the fields of services.common.step_model.StepModel). The trace is JSON lines
+with `prompt_tokens` and `output_tokens` per request (`python -m bench goodput` writes its workload's
+as bench/results/goodput-WORKLOAD-trace.jsonl). With `--rate` the
 report is the smallest pool that meets the objectives at that rate; without, the most each pool
 size serves.
 """
@@ -28,7 +29,8 @@ class AdviseFlags:
     """The flags of `tandem advise`: one field per flag."""
 
     trace: str = flag("", "JSON lines, one request each with prompt_tokens and output_tokens (required)")
-    worker: str | None = flag(None, "HOST:PORT of a running worker whose fitted step model to use")
+    worker: str | None = flag(None, "HOST:PORT of a running decode or colocated worker whose fitted step model "
+                                    "to use")
     step_model: str | None = flag(None, "the step model as JSON (StepModel's fields), instead of --worker")
     chunk_tokens: int | None = flag(None, "prompt tokens a step computes at most (default: the worker's "
                                           "--max-num-batched-tokens, or 2048)")
