@@ -1,5 +1,6 @@
-"""A disaggregated mesh as real processes on loopback: prefill workers, decode workers and a gateway
-in front of them, started together (their model loads overlap) and stopped together.
+"""A mesh as real processes on loopback: prefill workers, decode workers, colocated workers (the
+flexible shape: each computes prompts, decodes them, or both) and a gateway in front of them,
+started together (their model loads overlap) and stopped together.
 
     mesh = start_mesh(prefill=2, decode=2, gateway_flags=["--ttft-slo-ms", "600000"])
     ... mesh.gateway.address, mesh.gateway.http_address, mesh.workers ...
@@ -9,7 +10,7 @@ in front of them, started together (their model loads overlap) and stopped toget
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from harness.ports import free_port
 from harness.worker import WorkerProcess, start_worker
@@ -24,11 +25,12 @@ class Mesh:
     prefill: list[WorkerProcess]
     decode: list[WorkerProcess]
     gateway: WorkerProcess
+    colocated: list[WorkerProcess] = field(default_factory=list)
 
     @property
     def workers(self) -> list[WorkerProcess]:
-        """The prefill and decode workers (the processes that hold KV blocks)."""
-        return [*self.prefill, *self.decode]
+        """The prefill, decode and colocated workers (the processes that hold KV blocks)."""
+        return [*self.prefill, *self.decode, *self.colocated]
 
     @property
     def processes(self) -> list[WorkerProcess]:
@@ -46,18 +48,20 @@ def start_mesh(
     worker_flags: Sequence[str] = WORKER_FLAGS,
     gateway_flags: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    colocated: int = 0,
 ) -> Mesh:
-    """Start the workers and a gateway over them (`--port 0 --http-port 0` plus `gateway_flags`),
-    with `env` added to their environment; return once every process is serving. If one fails to
-    start, the others are stopped."""
-    roles = ["prefill"] * prefill + ["decode"] * decode
+    """Start the workers (`colocated` of them `tandem worker --role colocated`) and a gateway over
+    them (`--port 0 --http-port 0` plus `gateway_flags`), with `env` added to their environment;
+    return once every process is serving. If one fails to start, the others are stopped."""
+    roles = ["prefill"] * prefill + ["decode"] * decode + ["colocated"] * colocated
     # Ports known before the start, so that the gateway starts with the workers.
     ports = [free_port() for _ in roles]
     addresses = {role: ",".join(f"127.0.0.1:{port}" for r, port in zip(roles, ports, strict=True) if r == role)
-                 for role in ("prefill", "decode")}
-    arg_lists = [[role, "--port", str(port), *worker_flags] for role, port in zip(roles, ports, strict=True)]
-    arg_lists.append(["gateway", "--port", "0", "--http-port", "0", "--prefill", addresses["prefill"],
-                      "--decode", addresses["decode"], *gateway_flags])
+                 for role in ("prefill", "decode", "colocated")}
+    arg_lists = [[*(["worker", "--role", role] if role == "colocated" else [role]), "--port", str(port),
+                  *worker_flags] for role, port in zip(roles, ports, strict=True)]
+    pools = [arg for role, pool in addresses.items() if pool for arg in (f"--{role}", pool)]
+    arg_lists.append(["gateway", "--port", "0", "--http-port", "0", *pools, *gateway_flags])
     processes = [start_worker(args, wait=False, env=env) for args in arg_lists]
     try:
         for process in processes:
@@ -67,4 +71,4 @@ def start_mesh(
             process.stop(timeout=10.0)
         raise
     *workers, gateway = processes
-    return Mesh(workers[:prefill], workers[prefill:], gateway)
+    return Mesh(workers[:prefill], workers[prefill:prefill + decode], gateway, workers[prefill + decode:])

@@ -3,9 +3,13 @@
 
 The load is the cancellation storm's (harness/storm.py: shared prompt prefixes, a quarter
 of the clients over HTTP, half of the requests cancelled before prefill, during the KV transfer or
-mid-decode), sent closed-loop by --concurrency clients until the time is up. Every --sample-s it
-records each process's RSS (/proc), each worker's KV blocks held by requests (LoadReport
-used_kv_blocks) and the outcomes so far.
+mid-decode), sent closed-loop by --concurrency clients until the time is up, or open-loop at
+Poisson arrivals of --rate requests/s (a sustained rate, such as the chat workload's goodput).
+`--lengths chat` gives its requests the goodput benchmark's chat lengths (prompts of 128-384
+tokens, outputs of 32-96) instead of the storm's short ones; `--shape flexible` soaks the default
+deployment's shape (`--colocated` colocated workers placing each request aggregated or split)
+instead of --prefill and --decode pools. Every --sample-s it records each process's RSS (/proc),
+each worker's KV blocks held by requests (LoadReport used_kv_blocks) and the outcomes so far.
 
 Verdict, all three needed:
 - flat memory: for every process, the least-squares slope of its RSS over the last two thirds of
@@ -15,7 +19,8 @@ Verdict, all three needed:
   its prefix cache) within a minute;
 - zero errors: every request completed with all its tokens or was cancelled by its own client.
 
-    python -m bench soak [--minutes 30] [--concurrency 6] [--sample-s 15] [--cancel-fraction 0.5] [--smoke]
+    python -m bench soak [--minutes 30] [--concurrency 6 | --rate R] [--lengths storm|chat]
+                         [--shape disagg|flexible] [--sample-s 15] [--cancel-fraction 0.5] [--smoke]
 
 Writes bench/results/soak.json (--smoke: 1 minute, one worker per pool, a sample every 2 s, its
 results under bench/results/smoke/); exits 1 unless the verdict passes. `make soak` runs it (it is not
@@ -25,11 +30,16 @@ part of `make bench`).
 from __future__ import annotations
 
 import itertools
+import random
 import statistics
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common.suite import suite_parser
 from bench.common.verdict import finish
@@ -43,6 +53,10 @@ FLAT_FLOOR_BYTES = 32 << 20
 FLAT_FRACTION = 0.05
 WARM_UP_FRACTION = 1 / 3
 PLAN_BATCH = 500
+# The goodput benchmark's chat lengths (bench/common/workload.py CHAT), as storm requests: a shared
+# 64-token prefix plus 64-320 tokens of its own, 32-96 tokens out.
+CHAT_LENGTHS = {"prefix_blocks": 4, "suffix_tokens": (64, 320), "max_tokens": (32, 96)}
+MAX_IN_FLIGHT = 256  # open loop: beyond this many requests running, an arrival waits for one to end
 
 
 def rss_growth(samples: list[tuple[float, int]]) -> tuple[float, float]:
@@ -65,24 +79,41 @@ def endless_plan(config: StormConfig, ttft_s: float) -> Iterator[LoadRequest]:
 
 
 class Load:
-    """`concurrency` client threads running the plan until `stop()`; `outcomes` grows as they end."""
+    """The plan's requests sent until `stop()`: closed loop by `concurrency` client threads, or
+    (with `rate`) open loop at Poisson arrivals of `rate` per second; `outcomes` grows as they end."""
 
-    def __init__(self, runner: LoadRunner, plan: Iterator[LoadRequest], concurrency: int) -> None:
+    def __init__(self, runner: LoadRunner, plan: Iterator[LoadRequest], concurrency: int,
+                 rate: float | None = None, seed: int = 0) -> None:
         self.outcomes: list[Outcome] = []
         self._runner, self._plan = runner, plan
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(concurrency)]
+        self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT) if rate else None
+        targets = [self._client] * concurrency if rate is None else [lambda: self._arrivals(rate, seed)]
+        self._threads = [threading.Thread(target=target, daemon=True) for target in targets]
         for thread in self._threads:
             thread.start()
 
+    def _next(self) -> LoadRequest:
+        with self._lock:
+            return next(self._plan)
+
+    def _run(self, request: LoadRequest) -> None:
+        outcome = self._runner.run(request)
+        with self._lock:
+            self.outcomes.append(outcome)
+
     def _client(self) -> None:
         while not self._stopped.is_set():
-            with self._lock:
-                request = next(self._plan)
-            outcome = self._runner.run(request)
-            with self._lock:
-                self.outcomes.append(outcome)
+            self._run(self._next())
+
+    def _arrivals(self, rate: float, seed: int) -> None:
+        assert self._pool is not None
+        gaps = random.Random(seed)
+        due = time.monotonic()
+        while not self._stopped.wait(max(0.0, due - time.monotonic())):
+            self._pool.submit(self._run, self._next())
+            due += gaps.expovariate(rate)
 
     def counts(self) -> Counter:
         """Outcomes so far by status."""
@@ -94,13 +125,25 @@ class Load:
         self._stopped.set()
         for thread in self._threads:
             thread.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 def names(mesh: Mesh) -> dict[str, int]:
     """A short name for every process, and its pid."""
     named = {f"prefill{i}": w.proc.pid for i, w in enumerate(mesh.prefill)}
     named |= {f"decode{i}": w.proc.pid for i, w in enumerate(mesh.decode)}
+    named |= {f"worker{i}": w.proc.pid for i, w in enumerate(mesh.colocated)}
     return named | {"gateway": mesh.gateway.proc.pid}
+
+
+def placement_counts(mesh: Mesh) -> dict[str, float]:
+    """The gateway's requests placed so far by kind (aggregated, disaggregated): the flexible shape's
+    soak should exercise both."""
+    with urllib.request.urlopen(f"http://{mesh.gateway.http_address}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return dict(Counter({s.labels["kind"]: s.value for family in text_string_to_metric_families(text)
+                         for s in family.samples if s.name == "tandem:placements_total"}))
 
 
 def main(argv: Sequence[str]) -> int:
@@ -108,6 +151,13 @@ def main(argv: Sequence[str]) -> int:
     parser = suite_parser(__name__, __doc__)
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--concurrency", type=int, default=6, help="clients, each with one request at a time")
+    parser.add_argument("--rate", type=float, default=None, help="open loop instead: Poisson arrivals of this "
+                        "many requests/s (e.g. the chat workload's goodput)")
+    parser.add_argument("--lengths", choices=("storm", "chat"), default="storm",
+                        help="the storm's short requests, or the goodput benchmark's chat lengths")
+    parser.add_argument("--shape", choices=("disagg", "flexible"), default="disagg",
+                        help="--prefill and --decode pools, or --colocated workers placing each request")
+    parser.add_argument("--colocated", type=int, default=2, help="colocated workers (--shape flexible)")
     parser.add_argument("--sample-s", type=float, default=15.0, help="seconds between samples")
     parser.add_argument("--prefill", type=int, default=2, help="prefill workers")
     parser.add_argument("--decode", type=int, default=2, help="decode workers")
@@ -117,17 +167,26 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--smoke", action="store_true", help="1 minute, a sample every 2 s, one worker per pool; "
                         "results under results/smoke/")
     args = parser.parse_args(argv)
+    if args.rate is not None and args.rate <= 0:
+        parser.error(f"--rate: must be positive, got {args.rate}")
     if args.smoke:
         args.minutes, args.sample_s, args.prefill, args.decode = 1.0, 2.0, 1, 1
-    config = StormConfig(concurrency=args.concurrency, cancel_fraction=args.cancel_fraction, seed=args.seed)
+    lengths = CHAT_LENGTHS if args.lengths == "chat" else {}
+    config = StormConfig(concurrency=args.concurrency, cancel_fraction=args.cancel_fraction, seed=args.seed,
+                         **lengths)
 
-    mesh = start_mesh(args.prefill, args.decode, gateway_flags=NO_SLO)
+    # The flexible shape is the default deployment's: its workers keep their default KV budget.
+    if args.shape == "flexible":
+        mesh = start_mesh(0, 0, ("--threads", "1"), gateway_flags=NO_SLO, colocated=args.colocated)
+    else:
+        mesh = start_mesh(args.prefill, args.decode, gateway_flags=NO_SLO)
     pids = names(mesh)
     workers = dict(zip(list(pids)[:-1], mesh.workers, strict=True))
     samples: list[dict] = []
     try:
         with LoadRunner(str(mesh.gateway.address), str(mesh.gateway.http_address)) as runner:
-            load = Load(runner, endless_plan(config, calm_ttft(runner, config)), args.concurrency)
+            load = Load(runner, endless_plan(config, calm_ttft(runner, config)), args.concurrency, args.rate,
+                        args.seed)
             started = time.monotonic()
             print(f"{'t (s)':>7}  RSS MiB " + " ".join(f"{n:>8}" for n in pids) + "  | KV blocks held "
                   + " ".join(f"{n:>8}" for n in workers) + "  | outcomes")
@@ -145,6 +204,7 @@ def main(argv: Sequence[str]) -> int:
                 time.sleep(min(args.sample_s, max(0.0, args.minutes * 60 - now)))
             load.stop()
             idle = wait_until_idle(mesh.workers)
+            placements = placement_counts(mesh)
     finally:
         codes = mesh.stop()
 
@@ -158,10 +218,10 @@ def main(argv: Sequence[str]) -> int:
                  f"waiting={r.waiting_requests} reserved={r.reserved_requests}" for r in idle if not is_idle(r)]
     problems += outcome_problems(load.outcomes)
     problems += [f"{name} exited with {code}" for name, code in codes.items() if code]
-    print(f"{len(load.outcomes)} requests: {dict(load.counts())}")
+    print(f"{len(load.outcomes)} requests: {dict(load.counts())}; placed {placements}")
     return finish(__name__, argv, {
         "settings": vars(args), "samples": samples,
         "rss_growth_bytes": {n: {"fitted": g, "allowed": a} for n, (g, a) in growth.items()},
-        "outcomes": dict(load.counts()),
+        "outcomes": dict(load.counts()), "placements": placements,
     }, problems, "flat memory, no leaked blocks, no errors besides deliberate cancellations", args.smoke)
 
