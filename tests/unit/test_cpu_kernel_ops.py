@@ -150,6 +150,35 @@ def test_decode_attention_stores_the_rows_and_matches_the_torch_path(variant, he
     assert torch.equal(alone[0], got[0])  # a sequence's result does not depend on its batch
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_attention_splits_one_long_sequence_over_threads_with_the_same_result(variant):
+    # One sequence has only its KV heads as tasks: at 1,200 positions its three are spread over two
+    # threads (the op splits by rows read, not by task count), each head still computed whole.
+    gen = torch.Generator().manual_seed(3)
+    length, block_size = 1200, 16
+    blocks = length // block_size + 1
+    k_cache, v_cache = torch.randn(2, blocks + 1, block_size, 3, 64, generator=gen).unbind(0)
+    tables = (torch.randperm(blocks, generator=gen) + 1).int().view(1, -1)
+    seq_lens = torch.tensor([length], dtype=torch.int32)
+    slots = torch.tensor([int(tables[0, (length - 1) // block_size]) * block_size + (length - 1) % block_size])
+    q, k, v = torch.randn(1, 9, 64, generator=gen), *torch.randn(2, 1, 3, 64, generator=gen).unbind(0)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(kernels(variant).decode_attention(q, k, v, k_cache.clone(), v_cache.clone(), slots,
+                                                             tables, seq_lens, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1])
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for cache, rows in ((want_k, k), (want_v, v)):
+        cache.view(-1, 3, 64)[slots] = rows
+    want = paged_decode_attention(q, want_k, want_v, tables, seq_lens, 0.125)
+    torch.testing.assert_close(results[1], want, rtol=1e-5, atol=1e-5)
+
+
 def _pairs_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Decode attention as the avx512bf16 build computes it over bf16 pages, in fp32 otherwise: the

@@ -34,9 +34,11 @@ namespace {
 using namespace tandem_qmm;
 
 constexpr int64_t kAhead = 16;   // rows ahead to prefetch
-// A batch of one sequence (three KV heads for the shipped model) is faster on one thread: split
-// 2:1 over two it took 37 us a layer against 31 (200 positions, AMD EPYC).
-constexpr int64_t kMinTasksPerThread = 4;
+// A batch of one sequence (three KV heads for the shipped model) is faster on one thread at a short
+// context: split 2:1 over two it took 37 us a layer against 31 (200 positions, AMD EPYC). What pays
+// for a thread is the rows it reads, not its task count: a thread takes at least this many context
+// rows (four tasks of 200), so one sequence of 2,500 positions is split over two threads.
+constexpr int64_t kMinRowsPerThread = 800;
 
 // The pages are scattered blocks whose rows are a KV-head stride apart: the hardware prefetcher
 // alone left the op waiting on them. With this and the eight-key scores, a decode batch of 32 at
@@ -467,8 +469,11 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, T* ke
   }
   float* outs = out.data_ptr<float>();
   const float* qs = q.data_ptr<float>();
-  const int64_t group = heads / kv_heads, q_seq = q.stride(0), q_head = q.stride(1);
-  at::parallel_for(0, batch * kv_heads, kMinTasksPerThread, [&](int64_t begin, int64_t end) {
+  const int64_t group = heads / kv_heads, q_seq = q.stride(0), q_head = q.stride(1), tasks = batch * kv_heads;
+  int64_t rows_total = 0;
+  for (int64_t b = 0; b < batch; ++b) rows_total += int64_t{lens[b]} * kv_heads;
+  const int64_t grain = std::max<int64_t>(1, (kMinRowsPerThread * tasks + rows_total - 1) / std::max<int64_t>(1, rows_total));
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> all_scores;
     std::vector<uint16_t> pairs;  // bf16 pages: the weights rounded to bf16, as pairs of keys
     std::vector<int64_t> rows;  // where each context position's row of this KV head starts in the pages
