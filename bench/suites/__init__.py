@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 SUITES = (
-    "engine_throughput", "speed", "decode_overhead", "fidelity", "weight_formats", "gptq_awq",
+    "engine_throughput", "speed", "decode_overhead", "cores", "fidelity", "weight_formats", "gptq_awq",
     "kv_transfer", "mesh_overhead", "links", "tracing_overhead", "version_routing", "hot_swap",
     "tensor_parallel", "kv_relay", "goodput", "speculative", "planner_sim",
     "cancel_storm", "overload", "soak", "hf_export",
