@@ -4,11 +4,8 @@ A request runs at once when some way of running it meets its SLO now, or when no
 idle workers (its SLO is out of reach whatever the load: waiting would not help, so it runs on the
 best option). Otherwise it waits, ordered by priority (higher first) then TTFT deadline (sooner
 first), and is placed as soon as a way meets its SLO with the time it has waited taken off its TTFT
-budget. Its last call comes when waiting longer would make it miss its TTFT: it is placed then if a
-way meets its own objectives, even though its prompt stalls the requests decoding there more than
-their TPOT slack was judged to allow (refusing it is a certain miss; the stall, spread over their
-outputs, rarely is one). At its TTFT deadline, or when a better-ranked request needs its place in a
-full queue, it is refused with a retry-after hint. Nothing here waits without a deadline.
+budget. At its TTFT deadline, or when a better-ranked request needs its place in a full queue, it
+is refused with a retry-after hint. Nothing here waits without a deadline.
 """
 
 from __future__ import annotations
@@ -40,9 +37,6 @@ C = TypeVar("C", bound=Claim)
 
 # Why admission refuses a request: the queue has no place for it, or its TTFT deadline passed in it.
 QUEUE_FULL, TTFT_DEADLINE = "queue_full", "ttft_deadline"
-# A waiting request's last call comes this share of its TTFT objective before its predicted first
-# token would no longer fit: predictions err, and the prompt may wait for a step in flight.
-LAST_CALL_SHARE = 0.1
 
 
 class Rejected(Exception):
@@ -108,18 +102,14 @@ class Admission(Generic[C]):
                          asyncio.get_running_loop().create_future())
         self._enqueue(waiter, decision)
         try:
-            last_call = deadline - decision.ttft_s - LAST_CALL_SHARE * request.slo.ttft_s
-            claim = await self._placed_by(waiter, last_call)
-            if claim is None:
-                claim = self._last_call(waiter)
-            if claim is None:
-                claim = await self._placed_by(waiter, deadline)
-            if claim is not None:
-                return claim
+            return await asyncio.wait_for(asyncio.shield(waiter.placed), max(0.0, deadline - self._clock()))
+        except TimeoutError:
+            if _placed(waiter):
+                return waiter.placed.result()  # placed just as the deadline passed
             self._remove(waiter)
             raise Rejected(f"no worker can meet TTFT {request.slo.ttft_s * 1e3:.0f} ms / TPOT "
                            f"{request.slo.tpot_s * 1e3:.0f} ms now: {decision.reasons[0]}",
-                           _retry_after(decision), TTFT_DEADLINE)
+                           _retry_after(decision), TTFT_DEADLINE) from None
         except asyncio.CancelledError:
             if _placed(waiter):  # the caller went away just as it was placed
                 waiter.placed.result().release()
@@ -128,30 +118,6 @@ class Admission(Generic[C]):
             if not waiter.placed.done():
                 self._remove(waiter)
                 waiter.placed.cancel()
-
-    async def _placed_by(self, waiter: _Waiter, moment: float) -> C | None:
-        """The waiter's claim if it is placed before the clock reads `moment`, else None."""
-        try:
-            return await asyncio.wait_for(asyncio.shield(waiter.placed), max(0.0, moment - self._clock()))
-        except TimeoutError:
-            return waiter.placed.result() if _placed(waiter) else None  # placed just as time ran out
-
-    def _last_call(self, waiter: _Waiter) -> C | None:
-        """Place the waiter now if a way meets its own objectives with the time it has left, the
-        running requests' TPOT slack aside (see the module docstring); None otherwise."""
-        left = waiter.deadline - self._clock()
-        if left <= 0:
-            return None
-        last = dataclasses.replace(waiter.request, slo=SloTargets(left, waiter.request.slo.tpot_s),
-                                   protect_running=False)
-        decision = self._placer.decide(last)
-        if not decision.meets_slo:
-            return None
-        self._remove(waiter)
-        claim = self._placer.claim(waiter.request, decision)
-        waiter.placed.set_result(claim)
-        log.info("last call: placed with %.0f ms of its TTFT left: %s", left * 1e3, decision.reasons[0])
-        return claim
 
     def changed(self) -> None:
         """Load changed (a report arrived, a request ended): try the waiting requests again, soon."""

@@ -154,9 +154,6 @@ class RouteRequest:
     # workers reporting it, so a prefill worker is paired only with a decode worker of that version.
     # None: any worker (a gateway of one model).
     version_key: str | None = None
-    # False at admission's last call (services.gateway.admission): only the request's own
-    # objectives count, not the stall its prompt costs the requests decoding where it is computed.
-    protect_running: bool = True
 
 
 @dataclass(frozen=True)
@@ -285,8 +282,7 @@ def _prefill_ttft(request: RouteRequest, site: WorkerView) -> float:
 def _disturbed(request: RouteRequest, site: WorkerView, tpot: float, policy: RoutingPolicy) -> float:
     """The TPOT to judge a way by when `site` computes the prompt: the request's own `tpot`, or the
     mixed step the site's running requests see meanwhile where they cannot absorb its stall."""
-    if (not request.protect_running or site.role == "prefill" or not site.sequences
-            or _absorbed(request, site, policy.tpot_slack_share)):
+    if site.role == "prefill" or not site.sequences or _absorbed(request, site, policy.tpot_slack_share):
         return tpot
     chunk = min(site.chunk_tokens, request.prompt_tokens)
     return max(tpot, site.step_model.step_s(chunk, site.sequences, site.context_tokens))

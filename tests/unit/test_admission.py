@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 import pytest
@@ -108,35 +107,6 @@ def test_a_request_still_waiting_at_its_ttft_deadline_is_rejected_with_a_retry_h
         assert "TTFT 100 ms" in str(rejected.value)
         assert rejected.value.reason == TTFT_DEADLINE
         assert admission.queued == 0 and placer.claimed == []
-
-    asyncio.run(scenario())
-
-
-class StallingPlacer(ScriptedPlacer):
-    """Every way meets the request's own objectives but stalls the running requests beyond their
-    TPOT slack: it meets only when the running requests are not protected (admission's last call)."""
-
-    def __init__(self) -> None:
-        super().__init__(capacity=0)
-        self.protected: list[bool] = []
-
-    def decide(self, request: RouteRequest, idle: bool = False) -> Decision:
-        self.protected.append(request.protect_running)
-        meets = idle or not request.protect_running
-        return Decision("d1", None, 0.2, 0.05, meets, 1.0, ("local prefill on d1: scripted",))
-
-
-def test_a_request_whose_prompt_only_stalls_others_is_placed_at_its_last_call_not_refused() -> None:
-    async def scenario() -> None:
-        placer = StallingPlacer()
-        admission = Admission(placer, max_queued=4)
-        started = time.monotonic()
-        claim = await admission.admit(req(ttft=0.5))
-        waited = time.monotonic() - started
-        # The last call: 0.5 s budget - 0.2 s predicted TTFT - 10% of the objective = 0.25 s.
-        assert 0.2 <= waited < 0.45
-        assert placer.claimed == [claim.request] and admission.queued == 0
-        assert placer.protected[-1] is False and placer.protected[0] is True
 
     asyncio.run(scenario())
 
