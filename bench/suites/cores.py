@@ -18,13 +18,13 @@ Writes bench/results/cores.json (--quick: smaller cases, under bench/results/smo
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from collections.abc import Sequence
 
 import torch
 
+from bench.common.call_timer import median_call_s
 from bench.common.engine_formats import engine_formats
 from bench.common.machine import describe
 from bench.common.model_quality import FIXED_TEXT
@@ -62,25 +62,15 @@ def attention_gbps(batch: int, length: int, dtype: torch.dtype, repeats: int) ->
             kernels.decode_attention(q, k, v, k_cache, v_cache, slots, tables, lens, HEAD_DIM ** -0.5)
 
     step()
-    seconds = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        step()
-        seconds.append(time.perf_counter() - started)
     read = LAYERS * batch * length * KV_HEADS * HEAD_DIM * 2 * caches[0][0].element_size()
-    return read / statistics.median(seconds) / 1e9
+    return read / median_call_s(step, repeats) / 1e9
 
 
 def stream_gbps(repeats: int) -> float:
     """Bytes per second torch's sum reads from a tensor far larger than the caches."""
     data = torch.ones(STREAM_BYTES // 4)
     data.sum()
-    seconds = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        data.sum()
-        seconds.append(time.perf_counter() - started)
-    return STREAM_BYTES / statistics.median(seconds) / 1e9
+    return STREAM_BYTES / median_call_s(data.sum, repeats) / 1e9
 
 
 def prompt_s(engine: Engine, tokens: list[int]) -> float:
@@ -101,16 +91,12 @@ def decode_step_s(engine: Engine, text: list[int], batch: int, context: int, ste
     decoding: set[str] = set()
     while len(decoding) < batch:
         decoding.update(output.request_id for output in engine.step() if output.new_token_ids)
-    seconds = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        engine.step()
-        seconds.append(time.perf_counter() - started)
+    seconds = median_call_s(engine.step, steps)
     for request_id in ids:
         engine.abort(request_id)
     while engine.has_unfinished():
         engine.step()
-    return statistics.median(seconds)
+    return seconds
 
 
 def main(argv: Sequence[str]) -> int:
