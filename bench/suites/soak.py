@@ -56,7 +56,7 @@ PLAN_BATCH = 500
 # The goodput benchmark's chat lengths (bench/common/workload.py CHAT), as storm requests: a shared
 # 64-token prefix plus 64-320 tokens of its own, 32-96 tokens out.
 CHAT_LENGTHS = {"prefix_blocks": 4, "suffix_tokens": (64, 320), "max_tokens": (32, 96)}
-MAX_IN_FLIGHT = 256  # open loop: beyond this many requests running, an arrival waits for one to end
+MAX_IN_FLIGHT = 256  # open loop: client threads sending at once (arrivals beyond them queue in the client)
 
 
 def rss_growth(samples: list[tuple[float, int]]) -> tuple[float, float]:
@@ -88,7 +88,6 @@ class Load:
         self._runner, self._plan = runner, plan
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT) if rate else None
         targets = [self._client] * concurrency if rate is None else [lambda: self._arrivals(rate, seed)]
         self._threads = [threading.Thread(target=target, daemon=True) for target in targets]
         for thread in self._threads:
@@ -108,12 +107,12 @@ class Load:
             self._run(self._next())
 
     def _arrivals(self, rate: float, seed: int) -> None:
-        assert self._pool is not None
         gaps = random.Random(seed)
         due = time.monotonic()
-        while not self._stopped.wait(max(0.0, due - time.monotonic())):
-            self._pool.submit(self._run, self._next())
-            due += gaps.expovariate(rate)
+        with ThreadPoolExecutor(MAX_IN_FLIGHT) as pool:  # leaving it waits for the requests in flight
+            while not self._stopped.wait(max(0.0, due - time.monotonic())):
+                pool.submit(self._run, self._next())
+                due += gaps.expovariate(rate)
 
     def counts(self) -> Counter:
         """Outcomes so far by status."""
@@ -125,8 +124,6 @@ class Load:
         self._stopped.set()
         for thread in self._threads:
             thread.join()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
 
 
 def names(mesh: Mesh) -> dict[str, int]:
