@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -469,11 +470,11 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, T* ke
   }
   float* outs = out.data_ptr<float>();
   const float* qs = q.data_ptr<float>();
-  const int64_t group = heads / kv_heads, q_seq = q.stride(0), q_head = q.stride(1), tasks = batch * kv_heads;
-  int64_t rows_total = 0;
-  for (int64_t b = 0; b < batch; ++b) rows_total += int64_t{lens[b]} * kv_heads;
-  const int64_t grain = std::max<int64_t>(1, (kMinRowsPerThread * tasks + rows_total - 1) / std::max<int64_t>(1, rows_total));
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+  const int64_t group = heads / kv_heads, q_seq = q.stride(0), q_head = q.stride(1);
+  // A task reads its sequence's rows: tasks per thread = kMinRowsPerThread / the mean length, rounded up.
+  const int64_t positions = std::accumulate(lens, lens + batch, int64_t{0});
+  const int64_t grain = std::max<int64_t>(1, (kMinRowsPerThread * batch + positions - 1) / std::max<int64_t>(1, positions));
+  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> all_scores;
     std::vector<uint16_t> pairs;  // bf16 pages: the weights rounded to bf16, as pairs of keys
     std::vector<int64_t> rows;  // where each context position's row of this KV head starts in the pages
