@@ -1,6 +1,7 @@
 """The decode stack (engine.model.decode_stack): a small decode batch's layers as one kernel call
-compute the same bits and write the same pages as the layers one op at a time in fp32, stay as
-close to fp32 as the layers in bf16, and it steps aside for every step it does not serve."""
+(a speculative verification's rows too) compute the same bits and write the same pages as the layers
+one op at a time in fp32, stay as close to fp32 as the layers in bf16, and it steps aside for every
+step it does not serve."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.reference import TorchPagedAttention
+from engine.attention.reference import SHORT_QUERY, TorchPagedAttention
 from engine.config import ModelConfig
 from engine.model.decode_stack import DecodeStack
 from engine.model.kernels import kernels
@@ -75,6 +76,23 @@ def _decode_batch(batch: int, gen: torch.Generator) -> tuple[torch.Tensor, torch
     return ids, torch.tensor([n - 1 for n in lens]), meta
 
 
+def _query_of(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """`rows` new tokens of one sequence after 3 cached ones, and a decode row of another after 9:
+    a speculative verification (or a prompt chunk) batched with a plain decode."""
+    lens = [3 + rows, 10]
+    blocks = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    width = -(-max(lens) // BLOCK_SIZE)
+    tables = [[blocks.pop() for _ in range(width)] for _ in lens]
+    positions = [*range(3, 3 + rows), 9]
+    owners = [0] * rows + [1]
+    slots = [tables[b][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for b, p in zip(owners, positions, strict=True)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor([0, rows, rows + 1], dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
+        query_lens_list=(rows, 1), seq_lens_list=tuple(lens))
+    return torch.randint(0, CONFIG.vocab_size, (rows + 1,), generator=gen), torch.tensor(positions), meta
+
+
 def _caches(gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (NUM_BLOCKS, BLOCK_SIZE, CONFIG.num_kv_heads, CONFIG.head_dim)
     return [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(CONFIG.num_layers)]
@@ -91,6 +109,23 @@ def test_the_stack_computes_the_layers_bits_and_writes_the_same_pages(variant, b
     caches = _caches(gen)
     copies = [(k.clone(), v.clone()) for k, v in caches]
     with torch.inference_mode():
+        stacked = model(ids, positions, caches, meta)
+        layered = layers(ids, positions, copies, meta)
+    assert torch.equal(stacked, layered)
+    for (k, v), (k_layered, v_layered) in zip(caches, copies, strict=True):
+        assert torch.equal(k, k_layered) and torch.equal(v, v_layered)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_speculative_verification_runs_as_the_stack_with_the_layers_bits(variant):
+    # Each verification row attends over its own prefix, this step's earlier rows included.
+    model, layers = _random_model(variant), _random_model(variant, stacked=False)
+    gen = torch.Generator().manual_seed(11)
+    ids, positions, meta = _query_of(FP16_MIN_ROWS - 2, gen)
+    caches = _caches(gen)
+    copies = [(k.clone(), v.clone()) for k, v in caches]
+    with torch.inference_mode():
+        assert model.stacked(model.embed(ids), *model.rotary(positions), caches, meta) is not None
         stacked = model(ids, positions, caches, meta)
         layered = layers(ids, positions, copies, meta)
     assert torch.equal(stacked, layered)
@@ -129,7 +164,7 @@ def test_in_bf16_the_stack_stays_as_close_to_fp32_as_the_layers_and_writes_only_
             assert torch.equal(rows, rows_before)  # nothing but this step's rows
 
 
-def test_the_stack_steps_aside_for_batches_prompts_and_per_layer_callbacks():
+def test_the_stack_steps_aside_for_large_batches_prompt_chunks_and_per_layer_callbacks():
     model = _random_model(VARIANTS[0])
     stack = model.stacked
     gen = torch.Generator().manual_seed(7)
@@ -143,10 +178,9 @@ def test_the_stack_steps_aside_for_batches_prompts_and_per_layer_callbacks():
         bf16_caches = [(k.bfloat16(), v.bfloat16()) for k, v in caches]
         ids, positions, meta = _decode_batch(BF16_MIN_ROWS, gen)  # in bf16 the bf16 copy's size
         assert bf16_stack(model.embed(ids).bfloat16(), *model.rotary(positions), bf16_caches, meta) is None
+        ids, positions, meta = _query_of(SHORT_QUERY + 1, gen)  # a prompt chunk: the layers' prompt path
+        assert stack(model.embed(ids), *model.rotary(positions), caches, meta) is None
         ids, positions, meta = _decode_batch(2, gen)
-        prompt = AttentionMetadata(meta.slot_mapping, torch.tensor([0, 2], dtype=torch.int32), meta.seq_lens[:1],
-                                   meta.block_tables[:1], (2,), meta.seq_lens_list[:1])
-        assert stack(model.embed(ids), *model.rotary(positions), caches, prompt) is None
         done: list[int] = []
         model(ids, positions, caches, meta, on_layer_done=done.append)  # a prefill worker's layer-by-layer push
         assert done == list(range(CONFIG.num_layers))

@@ -74,8 +74,10 @@ class DecodeStack : public torch::CustomClassHolder {
     layers_.back().products.push_back({packed, scale, offset, bias, bits, group_size, rows});
   }
 
-  // hidden fp32 [B, hidden] (one token per sequence) through every layer; the step's K/V are
-  // written into each layer's pages. Returns the last layer's output (before the final norm).
+  // hidden fp32 [B, hidden] through every layer; the step's K/V are written into each layer's pages.
+  // Row b attends as a decode row over block_tables[b]'s first seq_lens[b] positions (the rows of a
+  // speculative verification each over its own prefix). Returns the last layer's output (before the
+  // final norm).
   at::Tensor forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                      const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
