@@ -6,8 +6,8 @@ them on a path of their own, engine.model.decode_stack), then steps of the last 
 drafts, so that each computes 2, 3, 5, 9 ... rows up to num_speculative_tokens + 1, round after
 round, each round with a step of one row for reference. Each shape is timed three times after a
 warm-up step and the fastest time kept (another process on the CPU only ever slows a step down; the
-steps served refine the times: engine.speculative.gate), and each verification's ratio to the
-one-row step of its round is the median over the rounds.
+steps served refine the times: engine.speculative.gate), and each verification's cost in steps of
+one row is the median over the rounds of its ratio to the one-row step of its round.
 The requests then go and the acceptance counts start at zero; their full blocks may stay in the
 prefix cache until evicted. Well under a second for a 135M model on one AVX2 core.
 """
@@ -67,7 +67,6 @@ def calibrate(scheduler: Scheduler, runner: ModelRunner, vocab_size: int, max_mo
                 seconds.append(_step(scheduler, runner))
             rounds.append(seconds)
         timed = rounds[1:]  # the first warms up
-        verify = tuple(min(r[index] for r in timed) for index in range(1, len(counts)))
         # More rows never cost less than one.
         steps = tuple(max(1.0, statistics.median(r[index] / r[0] for r in timed)) for index in range(1, len(counts)))
     finally:
@@ -75,7 +74,7 @@ def calibrate(scheduler: Scheduler, runner: ModelRunner, vocab_size: int, max_mo
         for request in requests:
             runner.forget(request.request_id)
         scheduler.spec_stats = SpecDecodeStats()
-    return StepCosts(CostCurve(batches[::-1], tuple(decode[::-1])), CostCurve(rows, verify), CostCurve(rows, steps))
+    return StepCosts(CostCurve(batches[::-1], tuple(decode[::-1])), CostCurve(rows, steps), decode[-1])
 
 
 def _draft(request: Request, count: int, rng: random.Random, vocab_size: int) -> None:

@@ -19,6 +19,7 @@ spending at most PROBE_SHARE of its time on probes.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Sequence
@@ -36,14 +37,18 @@ PRIOR_WEIGHT = 8.0
 # Drafts must raise the expected tokens per second by this share: step times and acceptance are
 # estimates, and a tie is better spent without drafting.
 MARGIN = 0.05
+# Share of the way a verification's cost in steps of one row moves toward each one served, and the
+# recent one-row step toward each plain one served: about the last four count.
+LEARN = 0.25
 # At most this share of a silent request's time goes to probes.
 PROBE_SHARE = 0.02
 
 
 @dataclass(frozen=True)
 class CostCurve:
-    """Seconds of a step by the rows it computes, measured at `rows` (ascending); linear between
-    the measured counts and past the last two (in proportion to the rows from a single count)."""
+    """Seconds of a step by the rows it computes (or its cost in steps of one row), measured at
+    `rows` (ascending); linear between the measured counts and past the last two (in proportion to
+    the rows from a single count)."""
 
     rows: tuple[int, ...]
     seconds: tuple[float, ...]
@@ -58,8 +63,7 @@ class CostCurve:
         """Seconds of a step of `rows` rows."""
         if len(self.rows) == 1:
             return self.seconds[0] * rows / self.rows[0]
-        index = min(max(1, next((i for i, r in enumerate(self.rows) if r >= rows), len(self.rows) - 1)),
-                    len(self.rows) - 1)
+        index = min(max(1, bisect.bisect_left(self.rows, rows)), len(self.rows) - 1)
         r0, r1, s0, s1 = self.rows[index - 1], self.rows[index], self.seconds[index - 1], self.seconds[index]
         return max(s0 + (s1 - s0) * (rows - r0) / (r1 - r0), min(self.seconds))
 
@@ -71,6 +75,19 @@ class CostCurve:
         index = self.rows.index(rows)
         return CostCurve(self.rows, (*self.seconds[:index], seconds, *self.seconds[index + 1:]))
 
+    def learned(self, rows: int, value: float) -> CostCurve:
+        """This curve moved a LEARN share toward `value` at `rows`: the measured counts on either side
+        of it (or the nearest, outside them) by their weight in the interpolation at `rows`."""
+        if len(self.rows) == 1 or rows <= self.rows[0] or rows >= self.rows[-1]:
+            weights = {0 if rows <= self.rows[0] else len(self.rows) - 1: 1.0}
+        else:
+            above = next(i for i, r in enumerate(self.rows) if r >= rows)
+            share = (rows - self.rows[above - 1]) / (self.rows[above] - self.rows[above - 1])
+            weights = {above - 1: 1 - share, above: share}
+        factor = value / self.at(rows) - 1
+        return CostCurve(self.rows, tuple(s * (1 + LEARN * weights.get(i, 0.0) * factor)
+                                          for i, s in enumerate(self.seconds)))
+
     def describe(self) -> str:
         return ", ".join(f"{r}: {1e3 * s:.1f} ms" for r, s in zip(self.rows, self.seconds, strict=True))
 
@@ -78,18 +95,21 @@ class CostCurve:
 @dataclass(frozen=True)
 class StepCosts:
     """What steps cost on this engine: `decode` by its sequences, one row each (a path of its own on
-    some CPUs: engine.model.decode_stack), `verify` by its rows when one or more are drafts, and
-    `verify_steps` the same in steps of one row timed beside them.
+    some CPUs: engine.model.decode_stack), and `verify_steps` a lone request's verification by its
+    rows, in steps of one row; `one_row_s`, the recent one-row steps served, is what verifications
+    served are weighed against.
 
     Workers start together, so a start-up timing may find the CPU busy, and the steps served
-    correct it (`observed`): each curve keeps the fastest time seen at its row counts. But a
-    verification that looks too dear never runs, so is never timed again; the ratios keep such a
-    time in line with the one-row step that served steps correct, and a step of r rows never costs
-    more than r steps of one (it streams the weights once)."""
+    correct it (`observed`): the decode curve keeps the fastest time seen at its row counts. A
+    verification's ratio moves toward those served (LEARN), up as well as down: the start-up
+    timings keep each count's fastest of a few back-to-back steps, and verifications served between
+    one-row steps cost more (a 9-row one 4.5 steps against 3.9 timed at start-up, AMD EPYC), which
+    made bets that lost on chat look cheap. A step of r rows never costs more than r steps of one
+    (it streams the weights once)."""
 
     decode: CostCurve
-    verify: CostCurve
     verify_steps: CostCurve
+    one_row_s: float
 
     def decode_s(self, sequences: int) -> float:
         """Seconds of a decode step of `sequences` sequences, one row each."""
@@ -97,7 +117,7 @@ class StepCosts:
 
     def verify_s(self, rows: int) -> float:
         """Seconds of a step of `rows` rows, some of them drafts."""
-        return min(self.verify.at(rows), min(self.verify_steps.at(rows), rows) * self.decode.at(1))
+        return min(self.verify_steps.at(rows), rows) * self.decode.at(1)
 
     def added_s(self, drafts: int) -> float:
         """What `drafts` drafts add to a step of one sequence."""
@@ -115,14 +135,18 @@ class StepCosts:
 
     def observed(self, sequences: int, rows: int, seconds: float) -> StepCosts:
         """These costs with a decode step of `sequences` sequences and `rows` rows (more with drafts)
-        timed at `seconds`, where faster (see CostCurve.faster)."""
-        if rows > sequences:
-            return replace(self, verify=self.verify.faster(rows, seconds))
-        return replace(self, decode=self.decode.faster(rows, seconds))
+        timed at `seconds` (see the class)."""
+        if rows == sequences:
+            recent = self.one_row_s + LEARN * (seconds - self.one_row_s) if rows == 1 else self.one_row_s
+            return replace(self, decode=self.decode.faster(rows, seconds), one_row_s=recent)
+        if sequences == 1:
+            return replace(self, verify_steps=self.verify_steps.learned(rows, min(seconds / self.one_row_s, rows)))
+        return self
 
     def describe(self) -> str:
-        return (f"decode batch of {self.decode.describe()}; verification of {self.verify.describe()} "
-                f"({', '.join(f'{s:.2f}' for s in self.verify_steps.seconds)} steps of one row)")
+        ratios = zip(self.verify_steps.rows, self.verify_steps.seconds, strict=True)
+        return (f"decode batch of {self.decode.describe()}; verification of "
+                f"{', '.join(f'{r}: {s:.2f}' for r, s in ratios)} steps of one row")
 
 
 def record_verification(request: Request, num_drafts: int, accepted: int) -> None:
@@ -162,12 +186,16 @@ def draft_counts(rates: Sequence[float], caps: Sequence[int], probes: Sequence[b
     it costs; `other_rows`: rows of the step's other requests, one token each."""
     counts = [min(1, cap) if probe else 0 for cap, probe in zip(caps, probes, strict=True)]
     sequences = len(caps) + other_rows
+    # Each count's cost looked up once: this runs before every step, a tenth of a millisecond
+    # that a batch-1 step of 10 ms paid again and again through the curves' interpolation.
+    added_s = [costs.added_s(n) for n in range(max(caps, default=0) + 1)]
+    verify_s = [costs.verify_s(r) for r in range(sequences + sum(caps) + 1)]
     tokens = sequences + sum(rate for rate, n in zip(rates, counts, strict=True) if n)
-    rows, added = sequences + sum(counts), sum(costs.added_s(n) for n in counts)
+    rows, added = sequences + sum(counts), sum(added_s[n] for n in counts)
     plain = costs.decode_s(sequences)
 
     def step_s() -> float:  # StepCosts.step_s, kept up to date draft by draft
-        return max(costs.verify_s(rows), plain + added) if rows > sequences else plain
+        return max(verify_s[rows], plain + added) if rows > sequences else plain
 
     best, best_taken, taken, planned = tokens / step_s() * (1 + MARGIN), 0, [], list(counts)
     odds = [(-rate ** (n + 1), i) for i, (rate, n, cap) in enumerate(zip(rates, counts, caps, strict=True))
@@ -176,7 +204,7 @@ def draft_counts(rates: Sequence[float], caps: Sequence[int], probes: Sequence[b
     while odds:
         negative_gain, i = heapq.heappop(odds)
         taken.append(i)
-        added += costs.added_s(planned[i] + 1) - costs.added_s(planned[i])
+        added += added_s[planned[i] + 1] - added_s[planned[i]]
         planned[i] += 1
         rows += 1
         tokens -= negative_gain

@@ -95,7 +95,7 @@ def test_the_cost_gate_times_steps_at_start_up_and_leaves_the_engine_as_new(engi
     plain, _ = engines
     gated = make_engine(speculative=SpeculativeConfig(num_speculative_tokens=4))
     costs = gated._drafter.gate.costs  # type: ignore[union-attr]
-    assert costs.decode.rows == (1, 2, 4) and costs.verify.rows == (2, 3, 5)
+    assert costs.decode.rows == (1, 2, 4) and costs.verify_steps.rows == (2, 3, 5)
     assert not gated.has_unfinished() and gated.kv.num_free_blocks == gated.kv.num_blocks
     assert gated.scheduler.spec_stats == type(gated.scheduler.spec_stats)()
     prompts = _prompts(tokenizer)
