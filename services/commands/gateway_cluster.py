@@ -34,16 +34,16 @@ class ClusterFlags:
                                            "namespace)")
     k8s_prefill: str = flag("tandem-prefill", "name of the prefill pool's Service and Deployment")
     k8s_decode: str = flag("tandem-decode", "name of the decode pool's Service and Deployment")
-    k8s_colocated: str = flag("", "name of the colocated pool's Service (the flexible shape: one pool whose "
-                                  "workers compute prompts and decode); \"\" for none. Each --k8s-* named \"\" "
-                                  "is not watched")
+    k8s_colocated: str = flag("", "name of the colocated pool's Service and Deployment (the flexible shape: one "
+                                  "pool whose workers compute prompts and decode); \"\" for none. Each --k8s-* "
+                                  "named \"\" is not watched")
     planner: Literal["off", "recommend", "apply"] = flag(
         "recommend", "recommend: compute each pool's replicas; apply: also set them on the Deployments (one "
         "gateway replica at a time, through a Lease)")
     planner_deployment: tuple[str, ...] = flag(
-        (), "with --model-repository and --planner apply: the Deployment holding a version's prefill or decode "
-        "pool (repeat for each); a version's pool named by none is only recommended. Without a repository the "
-        "pools are --k8s-prefill/--k8s-decode", metavar="NAME@VERSION:ROLE=DEPLOYMENT")
+        (), "with --model-repository and --planner apply: the Deployment holding a version's prefill, decode or "
+        "colocated pool (repeat for each); a version's pool named by none is only recommended. Without a "
+        "repository the pools are --k8s-prefill/--k8s-decode/--k8s-colocated", metavar="NAME@VERSION:ROLE=DEPLOYMENT")
     planner_queue_drain_s: float = flag(120.0, "seconds within which the planner sizes the prefill pool to drain "
                                                "its queue (about how long a new replica takes to be ready)")
     planner_prefill_headroom_beta: float = flag(
@@ -53,6 +53,10 @@ class ClusterFlags:
     planner_interval: float = flag(15.0, "seconds between plans")
     prefill_replicas: str = flag("1:8", "MIN:MAX replicas of the prefill pool")
     decode_replicas: str = flag("1:8", "MIN:MAX replicas of the decode pool")
+    colocated_replicas: str = flag("1:8", "MIN:MAX replicas of the colocated pool (the flexible shape)")
+    planner_slo_use_target: float = flag(
+        0.8, "the colocated pool's target per replica: the share of its TTFT or TPOT objective (the larger) the "
+        "recent typical request would use on each worker, summed over the pool (tandem:pool_slo_use)")
     scale_down_window: float = flag(300.0, "seconds a lower replica count must stay recommended before a pool "
                                            "shrinks")
     scale_cooldown: float = flag(60.0, "seconds between two changes of a pool's replicas")
@@ -77,6 +81,8 @@ def planner_config(flags: ClusterFlags) -> PlannerConfig:
         tpot_s=flags.planner_tpot_ms / 1000,
         prefill=parse_bounds(flags.prefill_replicas, "--prefill-replicas"),
         decode=parse_bounds(flags.decode_replicas, "--decode-replicas"),
+        colocated=parse_bounds(flags.colocated_replicas, "--colocated-replicas"),
+        slo_use_target=flags.planner_slo_use_target,
         scale_down_window_s=flags.scale_down_window,
         cooldown_s=flags.scale_cooldown,
         interval_s=flags.planner_interval,
@@ -90,15 +96,17 @@ def pool_deployments(flags: ClusterFlags, per_version: bool) -> dict[Pool, str]:
     if not per_version:
         if flags.planner_deployment:
             raise ValueError("--planner-deployment: names a model version's pools, which needs --model-repository")
-        return {(None, "prefill"): flags.k8s_prefill, (None, "decode"): flags.k8s_decode}
+        named = {(None, "prefill"): flags.k8s_prefill, (None, "decode"): flags.k8s_decode,
+                 (None, "colocated"): flags.k8s_colocated}
+        return {pool: deployment for pool, deployment in named.items() if deployment}
     deployments: dict[Pool, str] = {}
     for value in flags.planner_deployment:
         pool, _, deployment = value.partition("=")
         version, _, role = pool.rpartition(":")
         name, at, version_name = version.partition("@")
-        if not (name and at and version_name and deployment) or role not in ("prefill", "decode"):
+        if not (name and at and version_name and deployment) or role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"--planner-deployment: {value!r} is not NAME@VERSION:ROLE=DEPLOYMENT "
-                             "(ROLE prefill or decode)")
+                             "(ROLE prefill, decode or colocated)")
         if (version, role) in deployments:
             raise ValueError(f"--planner-deployment: {version}'s {role} pool is named twice")
         deployments[version, role] = deployment

@@ -1,5 +1,9 @@
 """The planner: each interval, the replicas each pool needs for the demand the gateway sees.
 
+The fixed pools (prefill, decode) are sized from their workers' load reports and the prompt tokens
+routed to them; a colocated pool (the flexible shape) from what the recent typical request would
+use of the objectives on each of its workers (the gateway's `tandem:pool_slo_use`).
+
 A pool is one model version's workers of one role: with a model repository each version (a canary,
 say) runs on its own Deployments, so it is sized from its own workers' reports and the prompt
 tokens routed to it; a gateway of one model has one group of workers.
@@ -31,6 +35,7 @@ from services.gateway.planner_rules import (
     PlannerConfig,
     PrefillDemand,
     ScaleDecision,
+    colocated_replicas,
     decode_replicas,
     prefill_replicas,
 )
@@ -41,7 +46,7 @@ from services.gateway.workers import RemoteWorker
 log = logging.getLogger(__name__)
 
 Mode = Literal["off", "recommend", "apply"]
-ROLES: tuple[Role, ...] = ("prefill", "decode")
+ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
 
 
 class Planner:
@@ -78,6 +83,10 @@ class Planner:
             if worker.role in ROLES and (not self._per_version or worker.version_key is not None):
                 groups[worker.version_key if self._per_version else None].append(worker)
         arrivals = self._arrival_rates(now, groups)
+        slo_use: dict[str | None, float] = defaultdict(float)
+        for (version, role), use in self._registry.pool_slo_use().items():
+            if role == "colocated":
+                slo_use[version if self._per_version else None] += use
         recommended: dict[Pool, int | None] = {}
         for version, workers in groups.items():
             prefill = [w.report for w in workers if w.role == "prefill" and w.routable]
@@ -85,6 +94,10 @@ class Planner:
             recommended[version, "prefill"] = (
                 prefill_replicas(prefill_demand(arrivals[version], prefill), self.config) if prefill else None)
             recommended[version, "decode"] = decode_replicas(decode_demand(decode), self.config) if decode else None
+            if any(w.role == "colocated" for w in workers):
+                # No use before a request was placed (no typical request yet) or with no routable worker.
+                use = slo_use.get(version)
+                recommended[version, "colocated"] = None if use is None else colocated_replicas(use, self.config)
         self.recommended = recommended
         return recommended
 

@@ -32,6 +32,14 @@ replicas, since each step also has a fixed cost):
     replicas = max(ceil(replicas for TPOT / utilisation),
                    ceil(used KV blocks / (blocks per replica x KV utilisation)))
 
+Colocated (the flexible shape: every worker computes prompts and decodes): neither a prompt queue
+nor KV use says such a worker is full, so the pool is sized on the signal its HPA reads
+(services.gateway.pool_load): summed over its workers, the share of the TTFT or TPOT objective (the
+larger) the recent typical request would use on each, as the router predicts it. A replica is
+kept at `slo_use_target` of that, as the HPA's per-pod target keeps it:
+
+    replicas = ceil(summed use / slo_use_target)
+
 Counts are clamped to each pool's bounds. `ScaleDecision` then damps them: a higher count is
 taken at once, a lower one only once it has been the highest recommendation for a whole
 stabilisation window, and no change follows another within the cooldown.
@@ -70,8 +78,10 @@ class PlannerConfig:
     prefill_headroom_beta: float = 0.6  # prefill runs load + beta x sqrt(load) replicas
     target_utilisation: float = 0.8  # decode's, of its replicas' TPOT capacity
     kv_target_utilisation: float = 0.8
+    slo_use_target: float = 0.8  # colocated's, of each replica's objectives (the flexible overlay's HPA target)
     prefill: PoolBounds = field(default_factory=PoolBounds)
     decode: PoolBounds = field(default_factory=PoolBounds)
+    colocated: PoolBounds = field(default_factory=PoolBounds)
     scale_down_window_s: float = 300.0
     cooldown_s: float = 60.0
     interval_s: float = 15.0
@@ -80,7 +90,7 @@ class PlannerConfig:
         for name in ("queue_drain_s", "tpot_s", "interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
-        for name in ("target_utilisation", "kv_target_utilisation"):
+        for name in ("target_utilisation", "kv_target_utilisation", "slo_use_target"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name}: must be in (0, 1]")
         for name in ("prefill_headroom_beta", "scale_down_window_s", "cooldown_s"):
@@ -146,6 +156,12 @@ def decode_replicas(demand: DecodeDemand, config: PlannerConfig) -> int | None:
     if replicas := demand.replicas_for_tpot(config.tpot_s):
         sequences = math.ceil(replicas / config.target_utilisation)
     return config.decode.clamp(max(kv, sequences))
+
+
+def colocated_replicas(slo_use: float, config: PlannerConfig) -> int:
+    """Colocated replicas needed for a pool whose workers' summed use of the objectives is
+    `slo_use`, within bounds."""
+    return config.colocated.clamp(math.ceil(slo_use / config.slo_use_target))
 
 
 class ScaleDecision:

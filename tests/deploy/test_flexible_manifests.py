@@ -67,3 +67,12 @@ def test_workers_reach_one_another_and_the_gateway_only_their_grpc_port(objects)
     sources = {rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: rule.get("ports")
                for rule in policy["spec"]["ingress"] if "from" in rule}
     assert sources == {"worker": None, "gateway": [{"port": 50081}]}
+
+
+def test_the_gateway_may_scale_the_colocated_pool_and_no_other(objects):
+    """For the planner in apply mode (components/planner-apply in place of hpa.yaml)."""
+    (role,) = _find(objects, "Role", "gateway")
+    scale = [rule for rule in role["rules"] if "deployments/scale" in rule["resources"]]
+    assert [rule["resourceNames"] for rule in scale] == [["tandem-worker"]]
+    (deployment,) = _find(objects, "Deployment", "worker")
+    assert deployment["metadata"]["name"] == "tandem-worker"

@@ -27,12 +27,13 @@ def test_planner_flags_become_its_config():
     args = build_parser().parse_args([
         "gateway", "--prefill", "h:1", "--decode", "h:2", "--planner-queue-drain-s", "90", "--planner-tpot-ms", "40",
         "--planner-prefill-headroom-beta", "1.5", "--prefill-replicas", "2:6", "--scale-down-window", "120",
-        "--scale-cooldown", "30",
+        "--scale-cooldown", "30", "--colocated-replicas", "2:12", "--planner-slo-use-target", "0.7",
     ])
     config = planner_config(from_args(ClusterFlags, args))
     assert (config.queue_drain_s, config.tpot_s, config.prefill, config.decode) == (90, 0.04, PoolBounds(2, 6),
                                                                              PoolBounds(1, 8))
     assert (config.scale_down_window_s, config.cooldown_s, config.prefill_headroom_beta) == (120, 30, 1.5)
+    assert (config.colocated, config.slo_use_target) == (PoolBounds(2, 12), 0.7)
     assert (args.discovery, args.planner) == ("static", "recommend")
     defaults = planner_config(from_args(ClusterFlags, build_parser().parse_args(["gateway", "--prefill", "h:1",
                                                                                  "--decode", "h:2"])))
@@ -51,16 +52,21 @@ def test_a_model_versions_pools_are_named_by_planner_deployment_flags():
         return from_args(ClusterFlags, build_parser().parse_args(["gateway", "--prefill", "h:1", "--decode", "h:2",
                                                                   *flags]))
 
-    # One model: its pools are the --k8s-prefill/--k8s-decode Deployments, as before versions.
+    # One model: its pools are the --k8s-prefill/--k8s-decode/--k8s-colocated Deployments, as before
+    # versions; the flexible overlay names the colocated pool and empties the fixed ones.
     assert pool_deployments(args("--k8s-decode", "dec"), per_version=False) == {
         (None, "prefill"): "tandem-prefill", (None, "decode"): "dec"}
+    flexible = args("--k8s-prefill=", "--k8s-decode=", "--k8s-colocated=tandem-worker")
+    assert pool_deployments(flexible, per_version=False) == {(None, "colocated"): "tandem-worker"}
     canary = args("--planner-deployment", "smollm2@q4:prefill=tandem-prefill",
-                  "--planner-deployment", "smollm2@fp32:decode=tandem-decode-fp32")
+                  "--planner-deployment", "smollm2@fp32:decode=tandem-decode-fp32",
+                  "--planner-deployment", "smollm2@bf16:colocated=tandem-worker-bf16")
     assert pool_deployments(canary, per_version=True) == {
-        ("smollm2@q4", "prefill"): "tandem-prefill", ("smollm2@fp32", "decode"): "tandem-decode-fp32"}
+        ("smollm2@q4", "prefill"): "tandem-prefill", ("smollm2@fp32", "decode"): "tandem-decode-fp32",
+        ("smollm2@bf16", "colocated"): "tandem-worker-bf16"}
     with pytest.raises(ValueError, match="needs --model-repository"):
         pool_deployments(canary, per_version=False)
-    for bad in ("smollm2:prefill=d", "smollm2@q4:colocated=d", "smollm2@q4:prefill=", "@q4:decode=d"):
+    for bad in ("smollm2:prefill=d", "smollm2@q4:router=d", "smollm2@q4:prefill=", "@q4:decode=d"):
         with pytest.raises(ValueError, match="--planner-deployment"):
             pool_deployments(args("--planner-deployment", bad), per_version=True)
     twice = args(*["--planner-deployment", "m@v:decode=a"] * 2)

@@ -11,16 +11,20 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import math
 
 import pytest
 from fake_kube_api import FakeKubeApi
 from kubernetes import client
 from tandem.v1 import common_pb2
 
+from services.common.convert import step_model_to_proto
+from services.common.step_model import StepModel
 from services.gateway.kube import DeploymentScale, LeaseElection, Pool
 from services.gateway.planner import Planner, decode_demand, prefill_demand
 from services.gateway.planner_rules import PlannerConfig, PoolBounds
 from services.gateway.registry import WorkerRegistry
+from services.gateway.router import SloTargets
 
 CONFIG = PlannerConfig(queue_drain_s=1.0, tpot_s=0.1, target_utilisation=0.8, kv_target_utilisation=0.8,
                        prefill=PoolBounds(1, 6), decode=PoolBounds(1, 6), scale_down_window_s=0, cooldown_s=0)
@@ -129,6 +133,45 @@ def test_each_model_versions_pools_are_sized_from_its_own_workers_and_routed_tok
     asyncio.run(scenario())
 
 
+def flexible_registry() -> WorkerRegistry:
+    """The flexible shape's pool: two colocated workers, 1 ms a prompt token, 20 ms a decode step plus
+    2 ms a sequence, one idle and one running 6 sequences, with a 50 ms TPOT objective."""
+    model = StepModel(base_s=0.020, per_prompt_token_s=0.001, per_sequence_s=0.002)
+    registry = WorkerRegistry(colocated=["10.0.3.1:50081", "10.0.3.2:50081"],
+                              default_slo=SloTargets(ttft_s=1.0, tpot_s=0.050))
+    for worker, running in zip(registry.workers, (0, 6), strict=True):
+        worker.serving = True
+        worker.report = common_pb2.LoadReport(
+            role="colocated", block_size=16, total_kv_blocks=100, free_kv_blocks=100, model_name="m",
+            running_requests=running, step_model=step_model_to_proto(model), max_num_batched_tokens=512)
+    return registry
+
+
+def colocated_use(registry: WorkerRegistry) -> float:
+    """tandem:pool_slo_use of the colocated pool, over the versions its workers report."""
+    return sum(use for (_, role), use in registry.pool_slo_use().items() if role == "colocated")
+
+
+def test_a_colocated_pool_is_sized_on_what_the_typical_request_would_use_of_its_objectives():
+    """The flexible shape's planner signal is its HPA's (tandem:pool_slo_use): summed over the pool,
+    kept at 0.8 a replica; nothing before a request was placed, and no fixed pool is invented."""
+    async def scenario() -> None:
+        registry = flexible_registry()
+        planner = Planner(registry, CONFIG, clock=Clock())
+        assert planner.recommend() == {(None, "prefill"): None, (None, "decode"): None, (None, "colocated"): None}
+        request = registry.route_request(list(range(300)), max_tokens=100)
+        registry.claim(request, registry.decide(request)).release()
+        use = colocated_use(registry)
+        assert planner.recommend()[None, "colocated"] == math.ceil(use / 0.8) == 2
+        busy = registry.workers[1].report
+        busy.running_requests, busy.queued_prompt_tokens = 30, 3000
+        assert colocated_use(registry) > 2 * use
+        assert planner.recommend()[None, "colocated"] == min(6, math.ceil(colocated_use(registry) / 0.8)) > 2
+        await registry.close()
+
+    asyncio.run(scenario())
+
+
 def test_prefill_demand_counts_the_pools_queued_prompts():
     reports = [common_pb2.LoadReport(role="prefill", queued_prompt_tokens=300, waiting_requests=2,
                                      prefill_tokens_per_s=400.0),
@@ -161,13 +204,16 @@ def api():
 
 
 def planner_of(api: FakeKubeApi, registry: WorkerRegistry, identity: str, lease_s: int = 30,
-               wall_clock: WallClock | None = None, deployments: dict[Pool, str] | None = None) -> Planner:
-    """An apply-mode planner over `api`; with `deployments`, of a model repository's versions."""
+               wall_clock: WallClock | None = None, deployments: dict[Pool, str] | None = None,
+               per_version: bool | None = None) -> Planner:
+    """An apply-mode planner over `api`; with `deployments`, of a model repository's versions unless
+    `per_version` says otherwise."""
     api_client = client.ApiClient(api.configuration())
     scale = DeploymentScale(client.AppsV1Api(api_client), "tandem", deployments or DEPLOYMENTS)
     election = LeaseElection(client.CoordinationV1Api(api_client), "tandem", "tandem-planner", identity, lease_s,
                              wall_clock or WallClock())
-    return Planner(registry, CONFIG, scale, election, clock=Clock(), per_version=deployments is not None)
+    versions = deployments is not None if per_version is None else per_version
+    return Planner(registry, CONFIG, scale, election, clock=Clock(), per_version=versions)
 
 
 def test_apply_sets_the_scale_of_each_pool_from_the_leader_only(api):
@@ -209,6 +255,25 @@ def test_apply_scales_each_versions_own_deployments_and_leaves_an_unnamed_versio
         assert api.replicas == {"tandem-prefill": 1, "tandem-decode": 2, "tandem-prefill-fp32": 4}
         unscaled = [record.getMessage() for record in caplog.records if "recommended only" in record.getMessage()]
         assert unscaled == [f"planner: no Deployment named for the {FP32} decode pool: recommended only"]
+        await registry.close()
+
+    asyncio.run(scenario())
+
+
+def test_apply_scales_the_flexible_shapes_colocated_deployment(api):
+    """The flexible overlay with components/planner-apply: its one Deployment, --k8s-colocated."""
+    api.replicas.update({"tandem-worker": 1})
+
+    async def scenario() -> None:
+        registry = flexible_registry()
+        registry.workers[1].report.queued_prompt_tokens = 3000  # behind it a request misses its TTFT 3x
+        planner = planner_of(api, registry, "gateway-a", deployments={(None, "colocated"): "tandem-worker"},
+                             per_version=False)  # one model, as the flexible overlay runs it
+        request = registry.route_request(list(range(300)), max_tokens=100)
+        registry.claim(request, registry.decide(request)).release()
+        wanted = planner.recommend()[None, "colocated"]
+        await asyncio.to_thread(planner.apply)
+        assert wanted is not None and wanted >= 4 and api.patches == [("tandem-worker", wanted)]
         await registry.close()
 
     asyncio.run(scenario())
