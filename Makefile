@@ -118,6 +118,7 @@ bench: install $(BENCH_STAMP)
 	$(BENCH) cancel_storm
 	$(BENCH) overload
 	$(BENCH) hot_swap
+	$(BENCH) grammar_backends
 
 # Every Kubernetes overlay as kubectl would apply it (kubectl has kustomize built in).
 deploy-render:

@@ -8,6 +8,7 @@ incremental detokenization and stop strings here).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import threading
@@ -50,6 +51,7 @@ from engine.speculative.drafter import Drafter
 from engine.speculative.gate import DraftGate
 from engine.speculative.proposer import Proposer
 from engine.stop_strings import StopStringMatcher
+from engine.structured.grammars import Grammars
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -179,7 +181,17 @@ class Engine:
                 f"context of {self.max_model_len} tokens (at most {self.max_model_len - len(prompt)})"
             )
         output = list(check_resumable(resumed, params.max_tokens, vocab)) if resumed is not None else []
-        return Request(request_id, prompt, params, self.max_model_len, token_ids=prompt + output)
+        request = Request(request_id, prompt, params, self.max_model_len, token_ids=prompt + output)
+        if params.structured is not None:
+            request.grammar = self.grammars.state(params.structured, output)
+        return request
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Structured outputs' grammars against this model's tokenizer, built on first use (a
+        handler thread's `compile` or a constrained request)."""
+        return Grammars(self.tokenizer.backend_json(), self.model_config.vocab_size,
+                        sorted(self.scheduler.eos_token_ids))
 
     def _blocks_needed(self, request: Request) -> int:
         """Blocks for every known token plus the next one's slot."""

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured.state import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -55,6 +59,8 @@ class Request:
     silent_steps: int = 0
     shadow_token_ids: list[int] = field(default_factory=list)  # drafts proposed, not verified, from...
     shadow_from: int = 0  # ...this token index on
+    # Structured output: where the request is in its grammar (engine.structured), None without one.
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

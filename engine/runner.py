@@ -73,9 +73,12 @@ class ModelRunner:
         request = chunk.request
         generator = self._generator_for(request.request_id, request.params.seed)
         output = request.output_token_ids
+        # A structured output's row i may take what its grammar allows after the first i drafts.
+        allowed = None if request.grammar is None else request.grammar.allowed(chunk.draft_token_ids)
         return [
             SamplingRequestState(params=request.params, prompt_token_ids=request.prompt_token_ids,
-                                 output_token_ids=output + list(chunk.draft_token_ids[:i]), generator=generator)
+                                 output_token_ids=output + list(chunk.draft_token_ids[:i]), generator=generator,
+                                 allowed=None if allowed is None else allowed[i])
             for i in range(chunk.num_sampled_rows)
         ]
 

@@ -1,6 +1,8 @@
 """Turns a batch of logits into next tokens.
 
-Order of operations follows vLLM: logprobs come from the raw logits; then repetition, presence and
+Order of operations follows vLLM: a structured output's grammar mask first (tokens it forbids get
+-inf, so logprobs are those of the constrained distribution, as vLLM reports them); logprobs come
+from those logits; then repetition, presence and
 frequency penalties; then min_tokens blocks stop tokens; greedy rows take the argmax, the others are
 divided by their temperature, filtered by top-k, top-p and min-p, and sampled.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.model.kernels import cpu_kernels
@@ -35,6 +38,7 @@ class SamplingRequestState:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None  # per-request, seeded from params.seed; None = the sampler's shared one
+    allowed: np.ndarray | None = None  # a structured output's bitmask of the tokens its grammar allows here
 
 
 def _padded_ids(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -53,6 +57,13 @@ def _id_mask(rows: Sequence[Sequence[int]], vocab: int, device: torch.device) ->
     mask = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
     mask.scatter_(1, _padded_ids(rows, vocab, device), True)
     return mask[:, :vocab]
+
+
+def allowed_tokens(bitmasks: Sequence[np.ndarray], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(bitmasks), vocab] bool from int32 bitmasks (bit t % 32 of word t // 32 allows token t)."""
+    words = torch.from_numpy(np.stack(bitmasks))
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.view(len(bitmasks), -1)[:, :vocab].bool().to(device)
 
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
@@ -168,6 +179,11 @@ class Sampler:
         if logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits has {logits.shape[1]} columns, fewer than vocab_size={self.vocab_size}")
         raw = logits[:, : self.vocab_size].float()
+        constrained = [i for i, s in enumerate(states) if s.allowed is not None]
+        if constrained:
+            allowed = allowed_tokens([states[i].allowed for i in constrained], self.vocab_size, raw.device)
+            raw = raw.clone()
+            raw[constrained] = raw[constrained].masked_fill(~allowed, _NEG_INF)
         blocked = [self._blocked_ids(s) for s in states]
         if not any(blocked) and all(_is_plain_greedy(s.params) for s in states):
             return [(token, None) for token in greedy_tokens(raw).tolist()]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.structured.spec import StructuredOutput
+
 
 def _check(cond: bool, field_name: str, message: str) -> None:
     if not cond:
@@ -34,6 +36,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token; None = off
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None  # what the output must match (engine.structured)
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")

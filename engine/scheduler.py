@@ -7,6 +7,7 @@ work. A decode step is simply a request one token behind its target. Imports no 
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,9 @@ from engine.kv_connector.scheduler_side import KVConnectorScheduler
 from engine.request import FinishReason, Request, RequestStatus
 from engine.speculative.gate import record_verification
 from engine.speculative.stats import SpecDecodeStats
+from engine.structured.state import GrammarError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -289,6 +293,16 @@ class Scheduler:
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.params
+        if request.grammar is not None:
+            # As vLLM's scheduler does: the grammar takes each kept token, and a complete one ends
+            # the request (whatever min_tokens says: the grammar allows nothing more).
+            try:
+                request.grammar.accept((token,))
+            except GrammarError as error:
+                log.error("request %s: %s; aborted", request.request_id, error)
+                return FinishReason.ABORT
+            if request.grammar.finished:
+                return FinishReason.STOP
         if request.num_output_tokens >= params.min_tokens:
             if token in params.stop_token_ids:
                 return FinishReason.STOP

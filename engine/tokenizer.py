@@ -158,6 +158,10 @@ class Tokenizer:
         """Token ids of the rendered conversation; the template already wrote any BOS it wants."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
+    def backend_json(self) -> str:
+        """The `tokenizers` backend serialized (what a grammar library reads the vocabulary from)."""
+        return self._backend.to_str()
+
     def same_vocabulary(self, other: Tokenizer) -> bool:
         """Whether `other` maps every token to the same id (added tokens included)."""
         return self.vocab_size == other.vocab_size and \

@@ -60,6 +60,9 @@ class Drafter:
             drafts = self.proposer.propose_batch([draft for _, draft in wanted])
             for index, ((request, draft), tokens) in enumerate(zip(wanted, drafts, strict=True)):
                 if index < verified:
-                    request.draft_token_ids, request.shadow_token_ids = list(tokens[: draft.num_tokens]), []
+                    kept = list(tokens[: draft.num_tokens])
+                    if request.grammar is not None:  # drafts the grammar forbids are never verified
+                        kept = kept[: request.grammar.valid_prefix(kept)]
+                    request.draft_token_ids, request.shadow_token_ids = kept, []
                 else:
                     request.shadow_token_ids, request.shadow_from = list(tokens[: draft.num_tokens]), request.num_tokens

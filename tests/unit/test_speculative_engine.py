@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from disaggregated import run_disaggregated
+from engine_runs import output_tokens, run_requests
 from reference import check_against
 
 from engine.compose import build_engine
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.kv_cache.block_hash import hash_block
-from engine.outputs import RequestOutput
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
 from engine.speculative.config import SpeculativeConfig
@@ -38,24 +38,6 @@ def engines(make_engine):
     return make_engine(), make_engine(speculative=SPEC)
 
 
-def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]],
-         resumed: dict[str, Resumed] | None = None) -> dict[str, list[RequestOutput]]:
-    """Every request's outputs, all submitted together; the KV bookkeeping is checked every step."""
-    outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params, (resumed or {}).get(rid))
-    while engine.has_unfinished():
-        for output in engine.step():
-            outputs[output.request_id].append(output)
-        engine.kv.check_invariants()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    return outputs
-
-
-def _tokens(outputs: list[RequestOutput]) -> list[int]:
-    return [t for o in outputs for t in o.new_token_ids]
-
-
 def _prompts(tokenizer) -> dict[str, list[int]]:
     return {
         "copy": tokenizer.encode_chat([{"role": "user", "content": f"Repeat this passage exactly:\n\n{PASSAGE}"}]),
@@ -72,13 +54,14 @@ def test_greedy_output_is_identical_in_a_mixed_batch(engines, tokenizer):
     requests = {name: (ids, params) for name, ids in prompts.items()}
     # A request that cannot draft (no recurring n-gram in a two-token prompt) shares the batch.
     requests["short"] = (tokenizer.encode("Hello")[:2], params)
-    reference, ours = _run(plain, requests), _run(spec, requests)
+    reference, ours = run_requests(plain, requests), run_requests(spec, requests)
     names = sorted(requests)
     margins = [[lp.top[0][1] - lp.top[1][1] for o in reference[n] for lp in o.logprobs] for n in names]
-    check_against([_tokens(ours[n]) for n in names], [_tokens(reference[n]) for n in names], margins, "greedy")
+    check_against([output_tokens(ours[n]) for n in names], [output_tokens(reference[n]) for n in names], margins,
+                  "greedy")
     for name in names:
-        assert [lp.token_id for o in ours[name] for lp in o.logprobs] == _tokens(ours[name])
-        if _tokens(ours[name]) == _tokens(reference[name]):
+        assert [lp.token_id for o in ours[name] for lp in o.logprobs] == output_tokens(ours[name])
+        if output_tokens(ours[name]) == output_tokens(reference[name]):
             ours_lp = torch.tensor([lp.logprob for o in ours[name] for lp in o.logprobs])
             ref_lp = torch.tensor([lp.logprob for o in reference[name] for lp in o.logprobs])
             torch.testing.assert_close(ours_lp, ref_lp, atol=2e-3, rtol=0)
@@ -100,17 +83,17 @@ def test_the_cost_gate_times_steps_at_start_up_and_leaves_the_engine_as_new(engi
     assert gated.scheduler.spec_stats == type(gated.scheduler.spec_stats)()
     prompts = _prompts(tokenizer)
     requests = {name: (prompts[name], SamplingParams(max_tokens=24, temperature=0.0)) for name in ("copy", "chat")}
-    reference, ours = _run(plain, requests), _run(gated, requests)
-    assert {n: _tokens(o) for n, o in ours.items()} == {n: _tokens(o) for n, o in reference.items()}
+    reference, ours = run_requests(plain, requests), run_requests(gated, requests)
+    assert {n: output_tokens(o) for n, o in ours.items()} == {n: output_tokens(o) for n, o in reference.items()}
 
 
 def test_stops_and_penalties_behave_as_without_speculation(engines, tokenizer):
     plain, spec = engines
     ids = _prompts(tokenizer)["copy"]
-    reference = _run(plain, {"probe": (ids, SamplingParams(max_tokens=40, temperature=0.0))})["probe"]
+    reference = run_requests(plain, {"probe": (ids, SamplingParams(max_tokens=40, temperature=0.0))})["probe"]
     text = "".join(o.new_text for o in reference)
     stop_word = text.split()[12]  # well inside the copied run
-    stop_token = _tokens(reference)[20]
+    stop_token = output_tokens(reference)[20]
     cases = {
         "stop-string": SamplingParams(max_tokens=40, temperature=0.0, stop=(stop_word,)),
         "stop-token": SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(stop_token,)),
@@ -119,9 +102,9 @@ def test_stops_and_penalties_behave_as_without_speculation(engines, tokenizer):
         "penalties": SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5),
     }
     requests = {name: (ids, params) for name, params in cases.items()}
-    reference, ours = _run(plain, requests), _run(spec, requests)
+    reference, ours = run_requests(plain, requests), run_requests(spec, requests)
     for name in cases:
-        assert _tokens(ours[name]) == _tokens(reference[name]), name
+        assert output_tokens(ours[name]) == output_tokens(reference[name]), name
         assert "".join(o.new_text for o in ours[name]) == "".join(o.new_text for o in reference[name]), name
         assert (ours[name][-1].finish_reason, ours[name][-1].num_output_tokens) == (
             reference[name][-1].finish_reason, reference[name][-1].num_output_tokens), name
@@ -133,9 +116,9 @@ def test_seeded_sampling_draws_the_same_tokens(engines, tokenizer):
     ids = _prompts(tokenizer)["copy"]
     requests = {f"seed-{seed}": (ids, SamplingParams(max_tokens=32, temperature=0.7, top_p=0.95, seed=seed))
                 for seed in range(6)}
-    reference, ours = _run(plain, requests), _run(spec, requests)
+    reference, ours = run_requests(plain, requests), run_requests(spec, requests)
     for rid in requests:
-        assert _tokens(ours[rid]) == _tokens(reference[rid]), rid
+        assert output_tokens(ours[rid]) == output_tokens(reference[rid]), rid
     assert sum(o[-1].num_accepted_tokens for o in ours.values()) > 0
 
 
@@ -144,13 +127,13 @@ def test_resumed_requests_continue_identically(engines, tokenizer):
     plain, spec = engines
     ids = _prompts(tokenizer)["copy"]
     params = SamplingParams(max_tokens=40, temperature=0.0)
-    whole = _tokens(_run(plain, {"whole": (ids, params)})["whole"])
+    whole = output_tokens(run_requests(plain, {"whole": (ids, params)})["whole"])
     seeded = SamplingParams(max_tokens=40, temperature=0.8, seed=7)
-    whole_seeded = _tokens(_run(spec, {"whole": (ids, seeded)})["whole"])
-    resumed = _run(spec, {"greedy": (ids, params), "seeded": (ids, seeded)},
+    whole_seeded = output_tokens(run_requests(spec, {"whole": (ids, seeded)})["whole"])
+    resumed = run_requests(spec, {"greedy": (ids, params), "seeded": (ids, seeded)},
                    {"greedy": Resumed(tuple(whole[:13])), "seeded": Resumed(tuple(whole_seeded[:13]))})
-    assert whole[:13] + _tokens(resumed["greedy"]) == whole
-    assert whole_seeded[:13] + _tokens(resumed["seeded"]) == whole_seeded
+    assert whole[:13] + output_tokens(resumed["greedy"]) == whole
+    assert whole_seeded[:13] + output_tokens(resumed["seeded"]) == whole_seeded
 
 
 def test_aborts_and_preemption_leak_no_block_and_cache_only_verified_tokens(make_engine, tokenizer):
@@ -214,8 +197,8 @@ def tiny_engines(tmp_path_factory):
     # A prompt that holds the model's own greedy continuation of its last tokens, so that drafts are
     # often among the likely tokens and both outcomes of verification occur.
     head = [1, 2, 3]
-    greedy = _run(plain, {"g": (head, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))})["g"]
-    return plain, spec, head + _tokens(greedy) + head, config
+    greedy = run_requests(plain, {"g": (head, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))})["g"]
+    return plain, spec, head + output_tokens(greedy) + head, config
 
 
 def _exact_joint(engine: Engine, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
@@ -248,8 +231,8 @@ def test_sampled_tokens_follow_the_targets_distribution(tiny_engines):
     total, batch = 4000, 80
     counts: Counter[tuple[int, ...]] = Counter()
     for first in range(0, total, batch):
-        outputs = _run(spec, {f"r{first + i}": (prompt, params) for i in range(batch)})
-        counts.update(tuple(_tokens(o)) for o in outputs.values())
+        outputs = run_requests(spec, {f"r{first + i}": (prompt, params) for i in range(batch)})
+        counts.update(tuple(output_tokens(o)) for o in outputs.values())
     assert set(counts) <= set(expected)
     cells = [(counts[c], total * p) for c, p in expected.items() if total * p >= 5]
     rare = [(counts[c], total * p) for c, p in expected.items() if total * p < 5]
@@ -268,8 +251,8 @@ def test_seeded_draws_match_on_the_tiny_model(tiny_engines):
     plain, spec, prompt, _ = tiny_engines
     requests = {f"s{seed}": (prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True))
                 for seed in range(40)}
-    reference, ours = _run(plain, requests), _run(spec, requests)
-    assert {rid: _tokens(o) for rid, o in ours.items()} == {rid: _tokens(o) for rid, o in reference.items()}
+    reference, ours = run_requests(plain, requests), run_requests(spec, requests)
+    assert {rid: output_tokens(o) for rid, o in ours.items()} == {rid: output_tokens(o) for rid, o in reference.items()}
 
 
 def test_an_engine_takes_a_proposer_exactly_when_its_config_speculates():
@@ -292,8 +275,8 @@ def test_a_self_draft_changes_no_token_and_holds_no_block(tiny_engines):
                 for i in range(4)}
     requests |= {f"s{seed}": (prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True))
                  for seed in range(8)}
-    reference, ours = _run(plain, requests), _run(spec, requests)
-    assert {rid: _tokens(o) for rid, o in ours.items()} == {rid: _tokens(o) for rid, o in reference.items()}
+    reference, ours = run_requests(plain, requests), run_requests(spec, requests)
+    assert {rid: output_tokens(o) for rid, o in ours.items()} == {rid: output_tokens(o) for rid, o in reference.items()}
     stats = spec.scheduler.spec_stats
     assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens > 0
     draft = spec._drafter.proposer.draft  # type: ignore[union-attr]
@@ -324,10 +307,11 @@ def test_the_shipped_model_drafts_for_itself_in_its_own_4_bit_blocks(engines, ma
     prompts = _prompts(tokenizer)
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
     requests = {name: (prompts[name], params) for name in ("chat", "plain")}
-    reference, ours = _run(plain, requests), _run(spec, requests)
+    reference, ours = run_requests(plain, requests), run_requests(spec, requests)
     names = sorted(requests)
     margins = [[lp.top[0][1] - lp.top[1][1] for o in reference[n] for lp in o.logprobs] for n in names]
-    check_against([_tokens(ours[n]) for n in names], [_tokens(reference[n]) for n in names], margins, "self-draft")
+    check_against([output_tokens(ours[n]) for n in names], [output_tokens(reference[n]) for n in names], margins,
+                  "self-draft")
     draft = spec._drafter.proposer.draft  # type: ignore[union-attr]
     assert draft.formats.quantization == "gguf"
     assert spec.scheduler.spec_stats.num_accepted_tokens > 0.5 * spec.scheduler.spec_stats.num_draft_tokens
@@ -340,11 +324,11 @@ def test_a_decode_engine_drafts_on_pages_a_prefill_engine_shipped(engines, make_
     prompts = _prompts(tokenizer)
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
     names = ("chat", "copy")
-    reference = _run(plain, {name: (prompts[name], params) for name in names})
+    reference = run_requests(plain, {name: (prompts[name], params) for name in names})
     decode = make_engine(role="decode", speculative=DRAFT)
     ours = run_disaggregated(make_engine(role="prefill"), decode, [prompts[name] for name in names], params)
     margins = [[lp.top[0][1] - lp.top[1][1] for o in reference[n] for lp in o.logprobs] for n in names]
-    check_against(ours, [_tokens(reference[n]) for n in names], margins, "self-draft on a decode engine")
+    check_against(ours, [output_tokens(reference[n]) for n in names], margins, "self-draft on a decode engine")
     assert decode.scheduler.spec_stats.num_accepted_tokens > 0
     draft = decode._drafter.proposer.draft  # type: ignore[union-attr]
     assert decode.kv.usage == 0 and draft.kv.num_free_blocks == draft.kv.num_blocks
