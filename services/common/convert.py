@@ -7,11 +7,13 @@ types are named for checkers only.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import TYPE_CHECKING
 
 from tandem.v1 import common_pb2
 
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import StructuredOutput
 from services.common.chunk import Chunk, Timings, TokenLogprob, Usage
 from services.common.step_model import StepModel
 
@@ -52,7 +54,34 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
+        structured=structured_from_proto(msg.structured) if msg.HasField("structured") else None,
     )
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
+    """The engine's StructuredOutput of a proto; ValueError naming the field."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("sampling.structured: set, but with no kind")
+    if kind == "choice":
+        text = json.dumps(list(msg.choice.choices))
+    elif kind == "json_object":
+        text = ""
+    else:
+        text = getattr(msg, kind)
+    return StructuredOutput(kind, text, whitespace_flexible=not msg.disable_any_whitespace)
+
+
+def structured_to_proto(spec: StructuredOutput) -> common_pb2.StructuredOutput:
+    """The proto of an engine StructuredOutput."""
+    msg = common_pb2.StructuredOutput(disable_any_whitespace=not spec.whitespace_flexible)
+    if spec.kind == "choice":
+        msg.choice.choices.extend(json.loads(spec.text))
+    elif spec.kind == "json_object":
+        msg.json_object = True
+    else:
+        setattr(msg, spec.kind, spec.text)
+    return msg
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -77,6 +106,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.structured is not None:
+        msg.structured.CopyFrom(structured_to_proto(params.structured))
     return msg
 
 

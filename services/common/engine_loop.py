@@ -16,11 +16,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import grpc
+
 from engine.commands import Abort, AddRequest, Command, GetStats, ImportPages, Release, Reserve, StartDecode
 from engine.engine import Engine
 from engine.outputs import RequestOutput, StepTokens
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
+from engine.structured.grammars import GrammarsBusy
+from services.common.errors import StatusError
 from services.common.step_model import StepModelFit
 
 log = logging.getLogger(__name__)
@@ -109,6 +113,19 @@ class EngineLoop:
                 with self._wake:
                     self._wake.notify_all()
             raise
+
+    async def compile_grammar(self, params: SamplingParams, timeout_s: float | None) -> None:
+        """Compile a structured output's grammar before the request goes to the engine, on a thread
+        of its own, so the engine's loop only copies it (the grammars are the one part of the
+        engine a handler calls: thread-safe, and no engine state). ValueError naming the field if
+        it does not compile or not within the limit (or `timeout_s`, the request's remaining
+        deadline); RESOURCE_EXHAUSTED while every compile slot is taken."""
+        if params.structured is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured, timeout_s)
+        except GrammarsBusy as error:
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), retry_after_s=1.0) from None
 
     # ---- streams ----------------------------------------------------------------------------
     def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | Exception]:

@@ -64,6 +64,7 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
                 # Malformed, it is bad input here rather than a failed name lookup later.
                 split_address(request.prefill_address, "prefill_address")
             resumed = _resumed(request)
+            await worker.loop.compile_grammar(params, context.time_remaining())
             request_id = request.request_id or uuid.uuid4().hex
             config = worker.loop.engine.config
             recorder = DecodeRecorder(self.metrics.labelled(config.served_name, config.model_version), arrived_at,

@@ -46,6 +46,7 @@ class PrefillServicer(WorkerRpcs[RoleWorker], prefill_pb2_grpc.PrefillServicer):
             resumed = Resumed(tuple(request.output_token_ids)) if request.output_token_ids else None
             if worker.prefill_site is None:
                 raise WorkerError(Failure.UNAVAILABLE, f"{worker.worker_id} computes no prompt for other workers")
+            await worker.loop.compile_grammar(params, context.time_remaining())
             result = await worker.inflight.run(
                 request.request_id,
                 worker.prefill_site.prefill(request.request_id, request.prompt_token_ids, params, target, resumed),

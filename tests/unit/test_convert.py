@@ -13,6 +13,7 @@ from engine.formats import EngineFormats
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import StructuredOutput
 from services.common.chunk import Timings
 from services.common.convert import (
     finish_reason_from_proto,
@@ -82,6 +83,19 @@ def test_engine_params_survive_a_round_trip():
     assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
     greedy = SamplingParams(temperature=0.0)
     assert sampling_params_from_proto(sampling_params_to_proto(greedy)) == greedy
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutput("json", '{"type": "object"}'), StructuredOutput("json_object", whitespace_flexible=False),
+    StructuredOutput("regex", "[a-z]+"), StructuredOutput.choice(["yes", "no"]),
+    StructuredOutput("grammar", 'start: "x"'),
+    StructuredOutput("structural_tag", '{"structures": [], "triggers": []}'),
+])
+def test_a_structured_output_crosses_the_wire_whole(spec):
+    params = SamplingParams(structured=spec)
+    assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
+    with pytest.raises(ValueError, match=r"sampling\.structured: set, but with no kind"):
+        sampling_params_from_proto(common_pb2.SamplingParams(structured=common_pb2.StructuredOutput()))
 
 
 def _output(**overrides) -> RequestOutput:

@@ -7,6 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import StructuredOutput
 from services.common.errors import StatusError
 from services.gateway.openai_api.errors import api_error
 from services.gateway.openai_api.params import (
@@ -110,6 +111,23 @@ def test_engine_limits_name_the_body_field():
         sampling_params(completion(temperature=101), 4, None, None)
     with pytest.raises(ValueError, match=r"^seed:"):
         completion_requests(completion(n=2, seed=2**63 - 1), [ONE], "r")
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({}, None),
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"},
+                                                                 "strict": True}}},
+     StructuredOutput("json", '{"type": "object"}')),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, StructuredOutput.choice(["a", "b"])),
+    ({"structured_outputs": {"json": {"type": "integer"}, "disable_any_whitespace": True}},
+     StructuredOutput("json", '{"type": "integer"}', whitespace_flexible=False)),
+    ({"structured_outputs": {"grammar": 'start: "x"'}}, StructuredOutput("grammar", 'start: "x"')),
+])
+def test_response_format_and_structured_outputs_become_the_engines_constraint(fields, expected):
+    for body in (completion(**fields), chat(**fields)):
+        assert sampling_params(body, 4, None, None).structured == expected
 
 
 def test_unknown_fields_are_listed_known_ones_not():

@@ -11,6 +11,7 @@ from typing import TypeVar
 
 from engine.sampling_params import SamplingParams
 from services.gateway.openai_api.schema import MAX_CHOICES, ChatBody, CompletionBody, SamplingBody
+from services.gateway.openai_api.structured import structured_output
 from services.gateway.request import (
     ChatMessage,
     ChatPrompt,
@@ -102,6 +103,7 @@ def sampling_params(body: SamplingBody, max_tokens: int, logprobs: int | None, s
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
+        structured=structured_output(body.response_format, body.structured_outputs),
     )
 
 

@@ -11,6 +11,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.gateway.openai_api.structured import ResponseFormat, StructuredOutputsBody
+
 # Requests one body may fan out to (n times the prompts of a batch).
 MAX_CHOICES = 64
 MAX_TOP_LOGPROBS = 20
@@ -52,6 +54,9 @@ class SamplingBody(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Structured outputs (services.gateway.openai_api.structured).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
     # Tandem: per-request latency objectives (milliseconds) and priority (higher first).
     ttft_ms: int | None = Field(None, gt=0)
     tpot_ms: int | None = Field(None, gt=0)
