@@ -119,6 +119,7 @@ bench: install $(BENCH_STAMP)
 	$(BENCH) overload
 	$(BENCH) hot_swap
 	$(BENCH) grammar_backends
+	$(BENCH) structured
 
 # Every Kubernetes overlay as kubectl would apply it (kubectl has kustomize built in).
 deploy-render:

@@ -17,7 +17,7 @@ SUITES = (
     "engine_throughput", "speed", "decode_overhead", "cores", "fidelity", "weight_formats", "gptq_awq",
     "kv_transfer", "mesh_overhead", "links", "tracing_overhead", "version_routing", "hot_swap",
     "tensor_parallel", "kv_relay", "goodput", "speculative", "planner_sim",
-    "cancel_storm", "overload", "soak", "hf_export", "grammar_backends",
+    "cancel_storm", "overload", "soak", "hf_export", "grammar_backends", "structured",
 )
 
 

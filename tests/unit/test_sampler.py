@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,6 +12,7 @@ from engine.sampler import (
     Sampler,
     SamplingRequestState,
     TokenLogprobs,
+    allowed_tokens,
     apply_filters,
     apply_penalties,
     greedy_tokens,
@@ -283,3 +285,20 @@ def test_greedy_tokens_pick_what_argmax_picks_on_ties_and_nan():
     logits[2, 3], logits[2, 100] = 5.0, float("nan")  # NaN wins, as in argmax
     logits[3, 49151] = -1.0
     assert greedy_tokens(logits).tolist() == logits.argmax(dim=1).tolist() == [5, 0, 100, 0]
+
+
+def test_a_grammar_bitmask_allows_exactly_its_set_bits_and_masks_only_its_rows():
+    rng = np.random.default_rng(0)
+    vocab = 70  # not a multiple of 32: the last word's high bits are past the vocabulary
+    words = [rng.integers(-2**31, 2**31, size=3, dtype=np.int64).astype(np.int32) for _ in range(2)]
+    allowed = allowed_tokens(words, vocab, torch.device("cpu"))
+    expected = [[bool((int(row[t // 32]) >> (t % 32)) & 1) for t in range(vocab)] for row in words]
+    assert allowed.tolist() == expected
+    sampler = Sampler(vocab, [0])
+    logits = torch.randn(3, vocab)
+    states = [SamplingRequestState(SamplingParams(temperature=0.0), [1], [], None, allowed=words[0]),
+              SamplingRequestState(SamplingParams(temperature=0.0), [1], [], None),
+              SamplingRequestState(SamplingParams(temperature=1.0, seed=1), [1], [], None, allowed=words[1])]
+    first, free, drawn = (token for token, _ in sampler.sample(logits, states))
+    assert expected[0][first] and first == int(logits[0].masked_fill(~allowed[0], float("-inf")).argmax())
+    assert free == int(logits[1].argmax()) and expected[1][drawn]
