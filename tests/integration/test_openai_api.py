@@ -251,6 +251,18 @@ def test_unknown_fields_are_ignored(client, model_id):
     assert reply.usage.completion_tokens == 2
 
 
+def test_openai_fields_that_change_nothing_here_are_accepted_and_unserved_ones_refused(client, model_id):
+    reply = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=2, store=True,
+                                           metadata={"team": "a"}, service_tier="auto", prompt_cache_key="k",
+                                           tool_choice="none", parallel_tool_calls=False)
+    assert reply.usage.completion_tokens == 2
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=2, tools=[tool],
+                                       tool_choice="required")
+    assert refused.value.body["param"] in ("tools", "tool_choice") and "not served" in refused.value.body["message"]
+
+
 @pytest.mark.parametrize(("request_fields", "param", "words"), [
     ({"temperature": -1.0}, "temperature", "[0, 100]"),
     ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
@@ -260,6 +272,9 @@ def test_unknown_fields_are_ignored(client, model_id):
     ({"extra_body": {"min_tokens": 50}, "max_tokens": 10}, "min_tokens", "max_tokens=10"),
     ({"logprobs": 21}, "logprobs", "20"),
     ({"max_tokens": 10_000}, "max_tokens", "context"),
+    ({"echo": True}, "echo", "not served"),
+    ({"best_of": 2}, "best_of", "not served"),
+    ({"logit_bias": {"5": 10}}, "logit_bias", "not served"),
 ])
 def test_a_bad_value_is_a_400_naming_the_field(client, model_id, request_fields, param, words):
     with pytest.raises(openai.BadRequestError) as refused:

@@ -131,9 +131,21 @@ def test_response_format_and_structured_outputs_become_the_engines_constraint(fi
 
 
 def test_unknown_fields_are_listed_known_ones_not():
-    body = completion(best_of=2, user="u", stream_options={"include_usage": True, "continuous": True})
-    assert unknown_fields(body) == ["best_of", "stream_options.continuous"]
+    body = completion(best_of_everything=2, user="u", store=True, metadata={"k": "v"}, echo=False, best_of=1,
+                      stream_options={"include_usage": True, "continuous": True})
+    assert unknown_fields(body) == ["best_of_everything", "stream_options.continuous"]
     assert body.include_usage
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"best_of": 2}, "best_of"), ({"echo": True}, "echo"), ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"suffix": "end"}, "suffix"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"), ({"modalities": ["audio"]}, "modalities"),
+])
+def test_an_openai_field_that_would_change_the_output_unserved_is_refused_by_name(fields, param):
+    with pytest.raises(ValueError, match=f"^{param}: not served"):
+        unknown_fields(completion(**fields))
 
 
 @pytest.mark.parametrize(("fields", "param"), [

@@ -157,7 +157,8 @@ class OpenAIApi:
         return Response(status_code=200 if self.service.ready() else 503)
 
     def _target(self, body: SamplingBody, path: str) -> Target:
-        """The model version the body's `model` names for its caller; unknown fields are logged."""
+        """The model version the body's `model` names for its caller; unknown fields are logged, and
+        an OpenAI field this server refuses is a ValueError naming it."""
         unknown = unknown_fields(body)
         if unknown:
             log.warning("%s: ignoring unknown fields: %s", path, ", ".join(unknown))

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from engine.sampling_params import SamplingParams
+from services.gateway.openai_api.field_policy import check_fields
 from services.gateway.openai_api.schema import MAX_CHOICES, ChatBody, CompletionBody, SamplingBody
 from services.gateway.openai_api.structured import structured_output
 from services.gateway.request import (
@@ -30,8 +31,9 @@ COMPLETION_MAX_TOKENS = 16
 
 
 def unknown_fields(body: SamplingBody) -> list[str]:
-    """Fields of the body (and of its stream_options) that the API does not know, to log and ignore."""
-    unknown = list(body.model_extra or {})
+    """Fields of the body (and of its stream_options) that the API does not know, to log and ignore;
+    ValueError naming an OpenAI field this server refuses (services.gateway.openai_api.field_policy)."""
+    unknown = check_fields(body.model_extra or {})
     if body.stream_options is not None:
         unknown += [f"stream_options.{name}" for name in body.stream_options.model_extra or {}]
     return unknown
