@@ -2,9 +2,9 @@
 
 Order of operations follows vLLM: a structured output's grammar mask first (tokens it forbids get
 -inf, so logprobs are those of the constrained distribution, as vLLM reports them); logprobs come
-from those logits; then repetition, presence and
-frequency penalties; then min_tokens blocks stop tokens; greedy rows take the argmax, the others are
-divided by their temperature, filtered by top-k, top-p and min-p, and sampled.
+from those logits; then repetition, presence and frequency penalties and OpenAI's logit bias; then
+min_tokens blocks stop tokens; greedy rows take the argmax, the others are divided by their
+temperature, filtered by top-k, top-p and min-p, and sampled.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingRequestState]) -> torch.Tensor:
-    """Return `logits` with each row's repetition, presence and frequency penalties applied.
+    """Return `logits` with each row's repetition, presence and frequency penalties and its logit
+    bias applied.
 
     Repetition penalty (HF semantics) covers prompt and output tokens: positive logits are divided by
     it, negative ones multiplied. Presence and frequency penalties (OpenAI semantics) cover output
@@ -91,7 +92,12 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingRequestState]
     counts = counts[:, :vocab]
     frequency = _column([s.params.frequency_penalty for s in states], device)
     presence = _column([s.params.presence_penalty for s in states], device)
-    return logits - frequency * counts - presence * (counts > 0).float()
+    logits = logits - frequency * counts - presence * (counts > 0).float()
+    for row, state in enumerate(states):  # OpenAI's logit_bias: added as given, after the penalties
+        if state.params.logit_bias:
+            ids, biases = zip(*state.params.logit_bias, strict=True)
+            logits[row, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=device)
+    return logits
 
 
 def block_tokens(logits: torch.Tensor, blocked: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -37,6 +37,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token; None = off
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # what the output must match (engine.structured)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100]), OpenAI's
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
@@ -71,6 +72,12 @@ class SamplingParams:
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative")
         if self.logprobs is not None:
             _check(0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
+        for token, bias in self.logit_bias:
+            _check(token >= 0, "logit_bias", f"token id {token} is negative")
+            _check(-100.0 <= bias <= 100.0, "logit_bias",
+                   f"the bias of token {token} must be in [-100, 100], got {bias}")
+        _check(len({token for token, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias",
+               "a token id is given twice")
 
     @property
     def greedy(self) -> bool:
@@ -79,5 +86,6 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        """True when any repetition, presence or frequency penalty is active."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """True when any repetition, presence or frequency penalty or a logit bias is active."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))

@@ -55,6 +55,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
         structured=structured_from_proto(msg.structured) if msg.HasField("structured") else None,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 
@@ -108,6 +109,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         msg.logprobs = params.logprobs
     if params.structured is not None:
         msg.structured.CopyFrom(structured_to_proto(params.structured))
+    msg.logit_bias.update(dict(params.logit_bias))
     return msg
 
 

@@ -245,6 +245,18 @@ def test_vllm_sampling_extensions_are_honoured(client, grpc_client, model_id):
     assert reply.usage.completion_tokens == GREEDY["max_tokens"]
 
 
+def test_logit_bias_steers_the_tokens(client, model_id, tokenizer):
+    [equals] = tokenizer.encode("=", add_special_tokens=False)
+    pushed = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=3, temperature=0.0,
+                                       logit_bias={str(equals): 100})
+    assert pushed.choices[0].text == "==="
+    greedy = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=1, temperature=0.0)
+    first = tokenizer.encode(greedy.choices[0].text, add_special_tokens=False)[0]
+    avoided = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=1, temperature=0.0,
+                                        logit_bias={str(first): -100})
+    assert avoided.choices[0].text != greedy.choices[0].text
+
+
 def test_unknown_fields_are_ignored(client, model_id):
     reply = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2,
                                       extra_body={"no_such_field": {"x": 1}, "best_of_everything": True})
@@ -274,7 +286,8 @@ def test_openai_fields_that_change_nothing_here_are_accepted_and_unserved_ones_r
     ({"max_tokens": 10_000}, "max_tokens", "context"),
     ({"echo": True}, "echo", "not served"),
     ({"best_of": 2}, "best_of", "not served"),
-    ({"logit_bias": {"5": 10}}, "logit_bias", "not served"),
+    ({"logit_bias": {"49152": 10}}, "logit_bias", "outside the vocabulary"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
 ])
 def test_a_bad_value_is_a_400_naming_the_field(client, model_id, request_fields, param, words):
     with pytest.raises(openai.BadRequestError) as refused:

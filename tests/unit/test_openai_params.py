@@ -106,6 +106,15 @@ def test_chat_logprobs_are_a_flag_with_a_count_of_alternatives():
         chat_requests(chat(top_logprobs=3), ONE, 100, "r")
 
 
+def test_logit_bias_reaches_the_engine_and_bad_entries_name_the_field():
+    assert sampling_params(completion(logit_bias={"7": 5, "3": -100}), 4, None, None).logit_bias == (
+        (3, -100.0), (7, 5.0))
+    with pytest.raises(ValueError, match=r"^logit_bias: 'x' is not a token id"):
+        sampling_params(completion(logit_bias={"x": 1}), 4, None, None)
+    with pytest.raises(ValueError, match=r"^logit_bias: the bias of token 7 must be in \[-100, 100\]"):
+        sampling_params(completion(logit_bias={"7": 101}), 4, None, None)
+
+
 def test_engine_limits_name_the_body_field():
     with pytest.raises(ValueError, match=r"^temperature: must be in \[0, 100\]"):
         sampling_params(completion(temperature=101), 4, None, None)
@@ -132,13 +141,14 @@ def test_response_format_and_structured_outputs_become_the_engines_constraint(fi
 
 def test_unknown_fields_are_listed_known_ones_not():
     body = completion(best_of_everything=2, user="u", store=True, metadata={"k": "v"}, echo=False, best_of=1,
+                      logit_bias={},
                       stream_options={"include_usage": True, "continuous": True})
     assert unknown_fields(body) == ["best_of_everything", "stream_options.continuous"]
     assert body.include_usage
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"best_of": 2}, "best_of"), ({"echo": True}, "echo"), ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"best_of": 2}, "best_of"), ({"echo": True}, "echo"),
     ({"suffix": "end"}, "suffix"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"), ({"modalities": ["audio"]}, "modalities"),

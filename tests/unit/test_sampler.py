@@ -302,3 +302,14 @@ def test_a_grammar_bitmask_allows_exactly_its_set_bits_and_masks_only_its_rows()
     first, free, drawn = (token for token, _ in sampler.sample(logits, states))
     assert expected[0][first] and first == int(logits[0].masked_fill(~allowed[0], float("-inf")).argmax())
     assert free == int(logits[1].argmax()) and expected[1][drawn]
+
+
+def test_logit_bias_moves_only_its_tokens_and_leaves_the_reported_logprobs_raw():
+    sampler = Sampler(8, [0])
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0, 0.5, 0.1, 0.2, 0.3]] * 2)
+    pushed = SamplingParams(temperature=0.0, logit_bias=((6, 100.0), (2, -100.0)), logprobs=1)
+    plain = SamplingParams(temperature=0.0, logprobs=1)
+    (biased, biased_lp), (free, free_lp) = sampler.sample(
+        logits, [SamplingRequestState(pushed, [1], [], None), SamplingRequestState(plain, [1], [], None)])
+    assert (biased, free) == (6, 2)
+    assert biased_lp.top == free_lp.top  # logprobs of the model's own distribution, as vLLM reports them

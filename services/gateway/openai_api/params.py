@@ -106,7 +106,18 @@ def sampling_params(body: SamplingBody, max_tokens: int, logprobs: int | None, s
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
         structured=structured_output(body.response_format, body.structured_outputs),
+        logit_bias=_logit_bias(body.logit_bias or {}),
     )
+
+
+def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token ids as strings) as (id, bias) pairs; ValueError naming the field."""
+    pairs = []
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise ValueError(f"logit_bias: {key!r} is not a token id")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
 
 
 def _requests(

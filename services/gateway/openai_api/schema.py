@@ -54,6 +54,8 @@ class SamplingBody(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI's: token id (as a string) -> bias added to its logit, in [-100, 100].
+    logit_bias: dict[str, float] | None = None
     # Structured outputs (services.gateway.openai_api.structured).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
