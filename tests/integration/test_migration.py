@@ -10,6 +10,7 @@ decode worker running its request, and a fresh one takes its place (same port) b
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import urllib.request
@@ -195,6 +196,33 @@ def test_openai_stream_goes_on_when_its_decode_worker_is_killed(mesh, kill, refe
                    "migrated OpenAI stream")
     assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (
         len(tokenizer.encode(PROMPT)), MAX_TOKENS)
+    assert_no_leaks(_survivors(mesh, killed))
+
+
+def test_a_structured_output_resumes_its_grammar_on_the_new_worker(mesh, kill):
+    """The new decode worker rebuilds the grammar from the spec and the tokens already streamed: the
+    migrated reply still matches its schema (and ends when the schema is complete)."""
+    schema = {"type": "object", "properties": {"cities": {"type": "array", "items": {"type": "string",
+                                                                                     "maxLength": 12},
+                                                          "minItems": 3, "maxItems": 3}},
+              "required": ["cities"], "additionalProperties": False}
+    client = openai.OpenAI(base_url=f"http://{mesh.gateway.http_address}/v1", api_key="unused", max_retries=0,
+                           timeout=RPC_TIMEOUT_S)
+    [model] = client.models.list().data
+    texts, killed, finish = [], None, None
+    stream = client.completions.create(
+        model=model.id, prompt="Three cities of France, as JSON:", max_tokens=MAX_TOKENS, temperature=0.0,
+        stream=True, extra_body={"structured_outputs": {"json": schema}})
+    for event in stream:
+        if event.choices:
+            texts.append(event.choices[0].text)
+            finish = event.choices[0].finish_reason or finish
+        if killed is None and len(texts) >= KILL_AFTER_TOKENS:
+            killed = kill()
+    assert killed is not None and finish == "stop"
+    value = json.loads("".join(texts))
+    assert isinstance(value["cities"], list) and len(value["cities"]) == 3 and set(value) == {"cities"}
+    assert all(isinstance(city, str) and len(city) <= 12 for city in value["cities"])
     assert_no_leaks(_survivors(mesh, killed))
 
 
