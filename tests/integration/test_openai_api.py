@@ -257,6 +257,16 @@ def test_logit_bias_steers_the_tokens(client, model_id, tokenizer):
     assert avoided.choices[0].text != greedy.choices[0].text
 
 
+def test_echo_returns_the_prompt_before_the_completion_streamed_or_not(client, model_id):
+    plain = client.completions.create(model=model_id, prompt=PROMPT, **GREEDY)
+    echoed = client.completions.create(model=model_id, prompt=PROMPT, echo=True, **GREEDY)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens
+    stream = client.completions.create(model=model_id, prompt=PROMPT, echo=True, stream=True, **GREEDY)
+    texts = [event.choices[0].text for event in stream if event.choices]
+    assert texts[0].startswith(PROMPT) and "".join(texts) == echoed.choices[0].text
+
+
 def test_unknown_fields_are_ignored(client, model_id):
     reply = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2,
                                       extra_body={"no_such_field": {"x": 1}, "best_of_everything": True})
@@ -284,7 +294,7 @@ def test_openai_fields_that_change_nothing_here_are_accepted_and_unserved_ones_r
     ({"extra_body": {"min_tokens": 50}, "max_tokens": 10}, "min_tokens", "max_tokens=10"),
     ({"logprobs": 21}, "logprobs", "20"),
     ({"max_tokens": 10_000}, "max_tokens", "context"),
-    ({"echo": True}, "echo", "not served"),
+    ({"echo": True, "logprobs": 1}, "echo", "prompt's logprobs"),
     ({"best_of": 2}, "best_of", "not served"),
     ({"logit_bias": {"49152": 10}}, "logit_bias", "outside the vocabulary"),
     ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),

@@ -16,6 +16,7 @@ from services.gateway.openai_api.params import (
     chat_requests,
     completion_prompts,
     completion_requests,
+    echoed_prompts,
     sampling_params,
     unknown_fields,
 )
@@ -115,6 +116,17 @@ def test_logit_bias_reaches_the_engine_and_bad_entries_name_the_field():
         sampling_params(completion(logit_bias={"7": 101}), 4, None, None)
 
 
+def test_echo_gives_each_choice_its_prompt_text_and_is_refused_with_logprobs():
+    body = completion(echo=True, n=2, prompt=["ab", "cd"])
+    assert echoed_prompts(body, completion_prompts(body), str) == ["ab", "ab", "cd", "cd"]
+    tokens = completion(echo=True, prompt=[[5, 6]])
+    assert echoed_prompts(tokens, completion_prompts(tokens), lambda ids: f"<{ids[0]}>") == ["<5>"]
+    plain = completion(n=2)
+    assert echoed_prompts(plain, completion_prompts(plain), str) == ["", ""]
+    with pytest.raises(ValueError, match=r"^echo: with logprobs"):
+        completion_requests(completion(echo=True, logprobs=1), [ONE], "r")
+
+
 def test_engine_limits_name_the_body_field():
     with pytest.raises(ValueError, match=r"^temperature: must be in \[0, 100\]"):
         sampling_params(completion(temperature=101), 4, None, None)
@@ -148,7 +160,7 @@ def test_unknown_fields_are_listed_known_ones_not():
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"best_of": 2}, "best_of"), ({"echo": True}, "echo"),
+    ({"best_of": 2}, "best_of"),
     ({"suffix": "end"}, "suffix"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"), ({"modalities": ["audio"]}, "modalities"),

@@ -43,6 +43,7 @@ from services.gateway.openai_api.params import (
     chat_requests,
     completion_prompts,
     completion_requests,
+    echoed_prompts,
     unknown_fields,
 )
 from services.gateway.openai_api.responses import ChatFormat, Choice, CompletionFormat, usage_body
@@ -117,11 +118,14 @@ class OpenAIApi:
         body = CompletionBody.model_validate_json(raw)
         target = self._target(body, path)
         model = target.model
-        prompts = [_checked(model, prompt, "prompt") for prompt in completion_prompts(body)]
+        given = completion_prompts(body)
+        prompts = [_checked(model, prompt, "prompt") for prompt in given]
         reply_id = f"cmpl-{uuid.uuid4().hex}"
+        requests = completion_requests(body, prompts, reply_id)
         reply = CompletionFormat(reply_id, target.answered_as, int(time.time()), model.tokenizer,
-                                 body.logprobs is not None, target.fingerprint)
-        return Job(body, _callers(completion_requests(body, prompts, reply_id)), reply, target)
+                                 body.logprobs is not None, target.fingerprint,
+                                 echoed_prompts(body, given, model.tokenizer.decode))
+        return Job(body, _callers(requests), reply, target)
 
     def chat_job(self, raw: bytes, path: str) -> Job:
         """The job of a /v1/chat/completions body, as `completion_job`."""

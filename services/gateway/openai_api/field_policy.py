@@ -32,7 +32,6 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
     "tool_choice": lambda value: value in (None, "none"),
     "functions": _empty,
     "function_call": lambda value: value in (None, "none"),
-    "echo": _empty,
     "best_of": lambda value: value in (None, 1),
     "suffix": _empty,
     "prediction": _none,

@@ -6,7 +6,7 @@ A bad value raises ValueError("<field>: <what is wrong>"), which the API answers
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from engine.sampling_params import SamplingParams
@@ -71,7 +71,19 @@ def completion_requests(
     body: CompletionBody, prompts: Sequence[CheckedPrompt], request_id: str
 ) -> list[GenerateRequest]:
     """One core request per completion choice: `n` for each checked prompt, prompt-major."""
+    if body.echo and body.logprobs is not None:
+        raise ValueError("echo: with logprobs it returns the prompt's logprobs too, which this server does not "
+                         "compute; ask for one or the other")
     return _requests(body, prompts, request_id, body.max_tokens, body.logprobs)
+
+
+def echoed_prompts(body: CompletionBody, prompts: Sequence[Prompt],
+                   decode: Callable[[Sequence[int]], str]) -> list[str]:
+    """Each choice's prompt text with `echo` (a token prompt decoded), in the requests' order; "" without."""
+    if not body.echo:
+        return [""] * (len(prompts) * body.n)
+    texts = [prompt.text if isinstance(prompt, TextPrompt) else decode(prompt.ids) for prompt in prompts]
+    return [text for text in texts for _ in range(body.n)]
 
 
 def chat_requests(

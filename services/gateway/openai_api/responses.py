@@ -66,21 +66,30 @@ class CompletionFormat(ReplyFormat):
     """/v1/completions replies (object "text_completion" whether streamed or not, as OpenAI does)."""
 
     def __init__(self, reply_id: str, model: str, created: int, tokenizer: Tokenizer, logprobs: bool,
-                 fingerprint: str) -> None:
+                 fingerprint: str, echoes: Sequence[str] = ()) -> None:
+        """`echoes`: per choice, the prompt text its reply starts with (`echo`; "" for none)."""
         super().__init__("text_completion", reply_id, model, created, tokenizer, logprobs, fingerprint)
         self._offsets: dict[int, int] = {}  # per choice: text length streamed so far, for text_offset
+        self._echoes = list(echoes)
 
     def delta(self, index: int, chunk: Chunk) -> dict[str, Any]:
-        offset = self._offsets.get(index, 0)
-        self._offsets[index] = offset + len(chunk.text)
-        return {**self._head, "choices": [self._choice(index, chunk.text, chunk.logprobs, chunk.finish_reason, offset)]}
+        offset = self._offsets.get(index)
+        # A choice's first event carries its echoed prompt before its first tokens, as vLLM streams it.
+        text = chunk.text if offset is not None else self._echo(index) + chunk.text
+        offset = offset or 0
+        self._offsets[index] = offset + len(text)
+        return {**self._head, "choices": [self._choice(index, text, chunk.logprobs, chunk.finish_reason, offset)]}
 
     def complete(self, choices: Sequence[Choice], usage: dict[str, Any]) -> dict[str, Any]:
         return {
             **self._head,
-            "choices": [self._choice(index, c.text, c.logprobs, c.finish_reason, 0) for index, c in enumerate(choices)],
+            "choices": [self._choice(index, self._echo(index) + c.text, c.logprobs, c.finish_reason, 0)
+                        for index, c in enumerate(choices)],
             "usage": usage,
         }
+
+    def _echo(self, index: int) -> str:
+        return self._echoes[index] if index < len(self._echoes) else ""
 
     def _choice(self, index: int, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None,
                 offset: int) -> dict[str, Any]:

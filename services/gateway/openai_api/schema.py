@@ -75,6 +75,7 @@ class CompletionBody(SamplingBody):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False  # each choice's text starts with its prompt
 
 
 class TextPart(BaseModel):
