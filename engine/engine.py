@@ -180,9 +180,10 @@ class Engine:
                 f"max_tokens: {params.max_tokens} plus the prompt's {len(prompt)} tokens exceeds the model's "
                 f"context of {self.max_model_len} tokens (at most {self.max_model_len - len(prompt)})"
             )
-        biased = next((t for t, _ in params.logit_bias if t >= vocab), None)
-        if biased is not None:
-            raise ValueError(f"logit_bias: token id {biased} is outside the vocabulary [0, {vocab})")
+        for field, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("prediction", params.prediction)):
+            outside = next((t for t in ids if not 0 <= t < vocab), None)
+            if outside is not None:
+                raise ValueError(f"{field}: token id {outside} is outside the vocabulary [0, {vocab})")
         output = list(check_resumable(resumed, params.max_tokens, vocab)) if resumed is not None else []
         request = Request(request_id, prompt, params, self.max_model_len, token_ids=prompt + output)
         if params.structured is not None:

@@ -38,6 +38,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # what the output must match (engine.structured)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100]), OpenAI's
+    # OpenAI's `prediction`: the output the client expects, as tokens; a speculating engine drafts
+    # from it (engine.speculative.ngram), which changes the speed only, never the tokens.
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")

@@ -49,11 +49,11 @@ class Drafter:
             for request, _ in decoding:
                 follow_shadow(request)
             counts = self.gate.counts([request for request, _ in decoding], caps, len(running) - len(decoding))
-        wanted = [(request, DraftRequest(request.request_id, request.token_ids, count))
+        wanted = [(request, DraftRequest(request.request_id, request.token_ids, count, request.params.prediction))
                   for (request, _), count in zip(decoding, counts, strict=True) if count > 0]
         verified = len(wanted)
         if self.gate is not None and self.proposer.cheap:
-            wanted += [(request, DraftRequest(request.request_id, request.token_ids, cap))
+            wanted += [(request, DraftRequest(request.request_id, request.token_ids, cap, request.params.prediction))
                        for (request, cap), count in zip(decoding, counts, strict=True)
                        if count == 0 and not request.shadow_token_ids]
         if wanted:

@@ -28,29 +28,36 @@ class NgramProposer:
         self.max_n = max_n
 
     def propose_batch(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        """Each request's drafts, from its own tokens alone."""
-        return [self.propose(request.token_ids, request.num_tokens) for request in requests]
+        """Each request's drafts: from the output its client predicted first (its edit of a text
+        continues as the prediction does), else from its own tokens."""
+        drafts = []
+        for request in requests:
+            predicted = self.propose(request.token_ids, request.num_tokens, request.predicted)
+            drafts.append(predicted or self.propose(request.token_ids, request.num_tokens))
+        return drafts
 
-    def propose(self, token_ids: Sequence[int], num_tokens: int) -> list[int]:
-        """Up to `num_tokens` draft tokens to follow `token_ids`; empty when no n-gram recurs."""
+    def propose(self, token_ids: Sequence[int], num_tokens: int, source: Sequence[int] = ()) -> list[int]:
+        """Up to `num_tokens` draft tokens to follow `token_ids`, continuing the latest earlier
+        occurrence of its longest suffix n-gram in `token_ids` (or in `source` where given); empty
+        when none recurs."""
         length = len(token_ids)
         if num_tokens <= 0 or length < self.min_n + 1:
             return []
         # bytes.rfind searches in C; a token id is one aligned 4-byte item.
         data = array("I", token_ids).tobytes()
+        searched = source or token_ids
+        haystack = array("I", searched).tobytes() if source else data
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            start = self._latest_earlier(data, length, n)
+            # An occurrence must end before the searched tokens' last, so that at least one follows it.
+            start = self._latest(haystack, data[(length - n) * _ITEM :], (len(searched) - 1) * _ITEM)
             if start is not None:
                 follow = start + n
-                return list(token_ids[follow : follow + num_tokens])
+                return list(searched[follow : follow + num_tokens])
         return []
 
     @staticmethod
-    def _latest_earlier(data: bytes, length: int, n: int) -> int | None:
-        """Token index of the latest occurrence of the last `n` tokens that ends before the last
-        token (so at least one token follows it), or None."""
-        pattern = data[(length - n) * _ITEM :]
-        end = (length - 1) * _ITEM  # an occurrence must end by here
+    def _latest(data: bytes, pattern: bytes, end: int) -> int | None:
+        """Token index of the latest occurrence of `pattern` in `data` that ends by byte `end`, or None."""
         while True:
             found = data.rfind(pattern, 0, end)
             if found < 0:

@@ -9,11 +9,13 @@ from typing import ClassVar, Protocol
 
 @dataclass(frozen=True)
 class DraftRequest:
-    """One decoding request to draft for: its tokens so far and how many drafts it may take."""
+    """One decoding request to draft for: its tokens so far, how many drafts it may take, and the
+    output its client predicted (OpenAI's `prediction`; a proposer may draft from it)."""
 
     request_id: str
     token_ids: Sequence[int]
     num_tokens: int
+    predicted: Sequence[int] = ()
 
 
 class Proposer(Protocol):

@@ -56,6 +56,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
         structured=structured_from_proto(msg.structured) if msg.HasField("structured") else None,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        prediction=tuple(msg.prediction),
     )
 
 
@@ -110,6 +111,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
     if params.structured is not None:
         msg.structured.CopyFrom(structured_to_proto(params.structured))
     msg.logit_bias.update(dict(params.logit_bias))
+    msg.prediction.extend(params.prediction)
     return msg
 
 

@@ -267,6 +267,14 @@ def test_echo_returns_the_prompt_before_the_completion_streamed_or_not(client, m
     assert texts[0].startswith(PROMPT) and "".join(texts) == echoed.choices[0].text
 
 
+def test_a_prediction_changes_the_speed_only(client, model_id):
+    plain = client.chat.completions.create(model=model_id, messages=CHAT, **GREEDY)
+    text = plain.choices[0].message.content
+    predicted = client.chat.completions.create(model=model_id, messages=CHAT, **GREEDY,
+                                               prediction={"type": "content", "content": text})
+    assert predicted.choices[0].message.content == text
+
+
 def test_unknown_fields_are_ignored(client, model_id):
     reply = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2,
                                       extra_body={"no_such_field": {"x": 1}, "best_of_everything": True})

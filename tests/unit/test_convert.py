@@ -79,6 +79,7 @@ def test_engine_params_survive_a_round_trip():
         max_tokens=7, min_tokens=2, temperature=0.5, top_k=40, top_p=0.75, min_p=0.125, repetition_penalty=1.25,
         presence_penalty=0.5, frequency_penalty=-0.5, seed=123, stop=("\n\n", "END"), stop_token_ids=(2, 3),
         ignore_eos=True, logprobs=3, skip_special_tokens=False, logit_bias=((3, 0.5), (7, -100.0)),
+        prediction=(5, 9, 5),
     )
     assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
     greedy = SamplingParams(temperature=0.0)

@@ -17,6 +17,7 @@ from services.gateway.openai_api.params import (
     completion_prompts,
     completion_requests,
     echoed_prompts,
+    prediction_text,
     sampling_params,
     unknown_fields,
 )
@@ -127,6 +128,19 @@ def test_echo_gives_each_choice_its_prompt_text_and_is_refused_with_logprobs():
         completion_requests(completion(echo=True, logprobs=1), [ONE], "r")
 
 
+def test_a_prediction_is_its_text_and_reaches_the_engine_as_tokens():
+    assert prediction_text(chat()) == ""
+    assert prediction_text(chat(prediction={"type": "content", "content": "abc"})) == "abc"
+    parts = {"type": "content", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "c"}]}
+    assert prediction_text(chat(prediction=parts)) == "abc"
+    with pytest.raises(ValueError, match=r"^prediction\.content\.0: only text"):
+        prediction_text(chat(prediction={"type": "content", "content": [{"type": "image_url"}]}))
+    [request] = chat_requests(chat(max_tokens=4), ONE, 100, "r", [7, 8])
+    assert request.sampling.prediction == (7, 8)
+    with pytest.raises(ValueError, match=r"^prediction: 3 tokens"):
+        chat_requests(chat(), ONE, 2, "r", [1, 2, 3])
+
+
 def test_engine_limits_name_the_body_field():
     with pytest.raises(ValueError, match=r"^temperature: must be in \[0, 100\]"):
         sampling_params(completion(temperature=101), 4, None, None)
@@ -163,7 +177,7 @@ def test_unknown_fields_are_listed_known_ones_not():
     ({"best_of": 2}, "best_of"),
     ({"suffix": "end"}, "suffix"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
-    ({"prediction": {"type": "content", "content": "x"}}, "prediction"), ({"modalities": ["audio"]}, "modalities"),
+    ({"modalities": ["audio"]}, "modalities"),
 ])
 def test_an_openai_field_that_would_change_the_output_unserved_is_refused_by_name(fields, param):
     with pytest.raises(ValueError, match=f"^{param}: not served"):

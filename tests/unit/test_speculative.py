@@ -15,6 +15,7 @@ from engine.scheduler import Scheduler
 from engine.speculative.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from engine.speculative.drafter import Drafter
 from engine.speculative.ngram import NgramProposer
+from engine.speculative.proposer import DraftRequest
 from engine.speculative.verify import num_accepted
 
 BLOCK = 4
@@ -213,3 +214,13 @@ def test_the_drafter_takes_the_proposals_it_has_room_for():
     request.params = SamplingParams(max_tokens=3)  # room for the step's own token and one draft
     drafter.draft(s.running)
     assert request.draft_token_ids == [7]
+
+
+def test_the_ngram_proposer_drafts_from_the_clients_prediction_first():
+    proposer = NgramProposer(1, 3)
+    predicted = [10, 11, 12, 13, 14, 15]
+    # The output so far ends with 11 12: the prediction continues it with 13 14 15.
+    assert proposer.propose_batch([DraftRequest("r", [1, 2, 11, 12], 3, predicted)]) == [[13, 14, 15]]
+    # Nothing in the prediction matches: the request's own tokens are searched, as without one.
+    assert proposer.propose_batch([DraftRequest("r", [5, 6, 7, 5, 6], 2, predicted)]) == [[7, 5]]
+    assert proposer.propose([1, 2, 15], 2, predicted) == []  # its last token: nothing follows it

@@ -44,6 +44,7 @@ from services.gateway.openai_api.params import (
     completion_prompts,
     completion_requests,
     echoed_prompts,
+    prediction_text,
     unknown_fields,
 )
 from services.gateway.openai_api.responses import ChatFormat, Choice, CompletionFormat, usage_body
@@ -134,7 +135,9 @@ class OpenAIApi:
         model = target.model
         prompt = _checked(model, chat_prompt(body), "messages")
         reply_id = f"chatcmpl-{uuid.uuid4().hex}"
-        requests = chat_requests(body, prompt, self.service.limits.total_tokens(model.max_model_len), reply_id)
+        predicted = model.tokenizer.encode(prediction_text(body), add_special_tokens=False)
+        requests = chat_requests(body, prompt, self.service.limits.total_tokens(model.max_model_len), reply_id,
+                                 predicted)
         reply = ChatFormat(reply_id, target.answered_as, int(time.time()), model.tokenizer, body.logprobs,
                            target.fingerprint)
         return Job(body, _callers(requests), reply, target)

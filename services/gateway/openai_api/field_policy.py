@@ -34,7 +34,6 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
     "function_call": lambda value: value in (None, "none"),
     "best_of": lambda value: value in (None, 1),
     "suffix": _empty,
-    "prediction": _none,
     "audio": _none,
     "modalities": lambda value: value in (None, ["text"]),
     "web_search_options": _none,

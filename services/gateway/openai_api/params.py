@@ -87,18 +87,35 @@ def echoed_prompts(body: CompletionBody, prompts: Sequence[Prompt],
 
 
 def chat_requests(
-    body: ChatBody, prompt: CheckedPrompt, max_total_tokens: int, request_id: str
+    body: ChatBody, prompt: CheckedPrompt, max_total_tokens: int, request_id: str, prediction: Sequence[int] = ()
 ) -> list[GenerateRequest]:
     """One core request per chat choice. Without max_tokens (or max_completion_tokens) a reply may
-    fill the rest of the context (`max_total_tokens`: the model's, or a lower limit), as in vLLM."""
+    fill the rest of the context (`max_total_tokens`: the model's, or a lower limit), as in vLLM.
+    `prediction`: the tokens of the body's `prediction` (prediction_text)."""
     if body.top_logprobs and not body.logprobs:
         raise ValueError("top_logprobs: requires logprobs to be true")
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, max_total_tokens - len(prompt.ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _requests(body, [prompt], request_id, max_tokens, logprobs)
+    if len(prediction) > max_total_tokens:
+        raise ValueError(f"prediction: {len(prediction)} tokens, more than a reply may have ({max_total_tokens})")
+    return _requests(body, [prompt], request_id, max_tokens, logprobs, tuple(prediction))
 
 
-def sampling_params(body: SamplingBody, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+def prediction_text(body: ChatBody) -> str:
+    """The text of OpenAI's `prediction` ("" without one); its content parts must be text."""
+    if body.prediction is None:
+        return ""
+    content = body.prediction.content
+    if isinstance(content, str):
+        return content
+    for position, part in enumerate(content):
+        if part.type != "text":
+            raise ValueError(f"prediction.content.{position}: only text parts are served, got {part.type!r}")
+    return "".join(part.text for part in content)
+
+
+def sampling_params(body: SamplingBody, max_tokens: int, logprobs: int | None, seed: int | None,
+                    prediction: tuple[int, ...] = ()) -> SamplingParams:
     """The engine's SamplingParams of a body; unset fields take the engine's defaults."""
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(
@@ -119,6 +136,7 @@ def sampling_params(body: SamplingBody, max_tokens: int, logprobs: int | None, s
         skip_special_tokens=body.skip_special_tokens,
         structured=structured_output(body.response_format, body.structured_outputs),
         logit_bias=_logit_bias(body.logit_bias or {}),
+        prediction=prediction,
     )
 
 
@@ -134,12 +152,12 @@ def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
 
 def _requests(
     body: SamplingBody, prompts: Sequence[CheckedPrompt], request_id: str, max_tokens: int | None,
-    logprobs: int | None,
+    logprobs: int | None, prediction: tuple[int, ...] = (),
 ) -> list[GenerateRequest]:
     # With a seed, choice j samples with seed + j: reproducible, yet the n choices differ.
     params = [
         sampling_params(body, max_tokens or COMPLETION_MAX_TOKENS, logprobs,
-                        None if body.seed is None else body.seed + choice)
+                        None if body.seed is None else body.seed + choice, prediction)
         for choice in range(body.n)
     ]
     slo = RequestedSlo(ttft_ms=body.ttft_ms, tpot_ms=body.tpot_ms)

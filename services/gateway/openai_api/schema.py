@@ -7,7 +7,7 @@ engine defines are checked by engine SamplingParams. Fields not declared here ar
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -96,6 +96,15 @@ class MessageBody(BaseModel):
     content: str | list[TextPart] | None = None
 
 
+class PredictionBody(BaseModel):
+    """OpenAI's `prediction`: the reply's expected text (a string or text parts)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
 class ChatBody(SamplingBody):
     """POST /v1/chat/completions: a conversation."""
 
@@ -103,3 +112,4 @@ class ChatBody(SamplingBody):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prediction: PredictionBody | None = None
