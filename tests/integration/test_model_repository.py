@@ -74,10 +74,17 @@ def mesh(repository_file, tmp_path_factory):
     try:
         for process in processes:
             process.wait_ready()
-        # The gateway serves once one version's workers report; the tests need every version's.
+        # The gateway serves once one version's workers report; the tests need every worker: a
+        # version is listed as serving once any of its workers is, and a q4 request needs its decode
+        # worker too (a clean-clone run once got 503 for q4 with only its prefill worker routable).
+        gateway = processes[-1]
         deadline = time.monotonic() + TIMEOUT_S
-        while {entry["state"] for entry in _http(processes[-1], "/v1/models")[2]["data"]} != {"serving"}:
-            assert time.monotonic() < deadline, processes[-1].log_tail()
+        while not all(f" worker 127.0.0.1:{port} is SERVING" in gateway.log_path.read_text(errors="replace")
+                      for port in ports.values()):
+            assert time.monotonic() < deadline, gateway.log_tail()
+            time.sleep(0.2)
+        while {entry["state"] for entry in _http(gateway, "/v1/models")[2]["data"]} != {"serving"}:
+            assert time.monotonic() < deadline, gateway.log_tail()
             time.sleep(0.2)
         yield processes
     finally:
