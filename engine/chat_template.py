@@ -11,8 +11,11 @@ from datetime import datetime
 from typing import Any
 
 import jinja2
+from jinja2 import meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from engine.tool_prompt import template_arguments, with_default_tool_prompt
 
 
 class ChatTemplate:
@@ -24,24 +27,39 @@ class ChatTemplate:
         environment.filters["tojson"] = _tojson
         environment.globals["raise_exception"] = _raise_exception
         environment.globals["strftime_now"] = _strftime_now
+        self.has_tools = False
         try:
             self._template = environment.from_string(source)
+            # Whether it renders tools itself (engine.tool_prompt rewrites the conversation for one that does not).
+            self.has_tools = "tools" in meta.find_undeclared_variables(environment.parse(source))
         except jinja2.TemplateSyntaxError as error:
             raise ValueError(f"chat template does not compile: {error}") from error
         self._special_strings = dict(special_strings)
 
-    def render(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation; ValueError if the messages are malformed or rejected."""
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] = ()) -> str:
+        """The prompt text of a conversation; ValueError if the messages are malformed or rejected.
+
+        OpenAI's assistant `tool_calls`, `tool` messages and tool objects (`tools`): a template that
+        `has_tools` renders them itself (each call's arguments parsed, as Hugging Face templates
+        expect them); for one without, engine.tool_prompt rewrites them in the default tool format.
+        """
         conversation = _validated_messages(messages)
+        extra: dict[str, Any] = {}
+        if self.has_tools:
+            conversation = [_parsed_calls(message) for message in conversation]
+            extra = {"tools": list(tools)} if tools else {}
+        elif tools or any(message.get("tool_calls") or message["role"] == "tool" for message in conversation):
+            conversation = with_default_tool_prompt(conversation, tools)
         try:
             return self._template.render(
-                messages=conversation, add_generation_prompt=add_generation_prompt, **self._special_strings
+                messages=conversation, add_generation_prompt=add_generation_prompt, **extra, **self._special_strings
             )
         except (jinja2.TemplateError, TypeError) as error:  # TypeError: content the template cannot combine
             raise ValueError(f"chat template rejected the messages: {error}") from error
 
 
-def _validated_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, Any]]:
+def _validated_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} mappings")
     conversation = []
@@ -53,6 +71,14 @@ def _validated_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str,
                 raise ValueError(f"messages[{index}]['{key}'] must be a string")
         conversation.append(dict(message))
     return conversation
+
+
+def _parsed_calls(message: dict[str, Any]) -> dict[str, Any]:
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**call, "function": {**call["function"], "arguments": template_arguments(call["function"].get(
+        "arguments", "{}"))}} for call in message["tool_calls"]]
+    return {**message, "tool_calls": calls}
 
 
 def _raise_exception(message: str) -> None:

@@ -7,6 +7,7 @@ files describe and adds what HF tokenizers carry around it (BOS policy, chat tem
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -111,6 +112,7 @@ class Tokenizer:
             candidates = (backend.token_to_id(f"<0x{byte:02X}>") for byte in range(256))
             self.byte_fallback_ids = frozenset(token_id for token_id in candidates if token_id is not None)
 
+        self._special_strings = special_strings
         self._chat_template = ChatTemplate(chat_template, special_strings) if chat_template else None
         eos_ids = [self._eos_token_id, *extra_eos_ids, self._turn_terminator_id()]
         self.eos_token_ids = tuple(dict.fromkeys(i for i in eos_ids if i is not None))
@@ -145,18 +147,30 @@ class Tokenizer:
         """Text of `token_ids`; an invalid or incomplete UTF-8 sequence becomes U+FFFD, unknown ids are dropped."""
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] = ()) -> str:
         """Render a conversation with the model's chat template (sandboxed Jinja, as HF renders it).
 
+        `messages` may hold OpenAI's assistant `tool_calls` and `tool` messages, and `tools` its tool
+        objects (engine.chat_template says how they are rendered).
         Raises ValueError when there is no template, the messages are malformed or the template rejects them.
         """
         if self._chat_template is None:
             raise ValueError("this model's tokenizer has no chat template")
-        return self._chat_template.render(messages, add_generation_prompt)
+        return self._chat_template.render(messages, add_generation_prompt, tools)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] = ()) -> list[int]:
         """Token ids of the rendered conversation; the template already wrote any BOS it wants."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        return self.encode(text, add_special_tokens=False)
+
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """This tokenizer rendering chats with `source` instead of the model's template (vLLM's
+        `--chat-template`); ValueError if it does not compile."""
+        replaced = copy.copy(self)
+        replaced._chat_template = ChatTemplate(source, self._special_strings)
+        return replaced
 
     def backend_json(self) -> str:
         """The `tokenizers` backend serialized (what a grammar library reads the vocabulary from)."""

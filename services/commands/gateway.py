@@ -23,6 +23,7 @@ from services.common.config_flags import add_flags, flag, from_args
 from services.common.grpc_limits import GrpcLimits
 from services.gateway.limits import RequestLimits
 from services.gateway.router import RoutingPolicy
+from services.gateway.tools.choice import ToolFlags
 from services.repository.config import load_repository
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class GatewayFlags:
     keys: ApiKeyFlags = dataclasses.field(default_factory=ApiKeyFlags)
     tls: TlsFlags = dataclasses.field(default_factory=TlsFlags)
     cluster: ClusterFlags = dataclasses.field(default_factory=ClusterFlags)
+    tools: ToolFlags = dataclasses.field(default_factory=ToolFlags)
 
 
 # The gateway's own default --port.
@@ -116,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         if flags.model is not None:
             raise ValueError("--model: the repository names the models; give one or the other")
         repository = load_repository(flags.model_repository)
+        if flags.tools.chat_template is not None:
+            raise ValueError("--chat-template: a repository's models render chats with their own templates")
     warn_if_exposed("gateway", flags.address.host, channels.tls, authenticated=keys is not None)
 
     async def serve() -> int:
@@ -166,9 +170,9 @@ async def _serve(flags: GatewayFlags, registry: WorkerRegistry, channels: Channe
     interceptors = [ApiKeyInterceptor(keys)] if keys is not None else []
     server = RoleServer("gateway", flags.address.host, flags.address.port, flags.grace_period, credentials,
                         interceptors, channels.limits, flags.address.advertise_host)
-    server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(service),
+    server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(service, flags.tools),
                gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name)
-    app = traced_http(create_app(service, flags.requests))
+    app = traced_http(create_app(service, flags.requests, flags.tools))
     if keys is not None:
         app = ApiKeyMiddleware(app, keys, metrics_auth=flags.keys.metrics_auth == "on", rate_limits=service.rate_limits)
     https = channels.tls.uvicorn_kwargs() if channels.tls is not None else {}
@@ -208,4 +212,8 @@ def _catalog(flags: GatewayFlags, repository: ModelRepository | None) -> ModelCa
 
     if repository is not None:
         return ModelCatalog.load(repository, flags.max_model_len)
-    return ModelCatalog.single(ServedModel.load(flags.model, flags.max_model_len))
+    model = ServedModel.load(flags.model, flags.max_model_len)
+    if flags.tools.chat_template is not None:
+        with open(flags.tools.chat_template, encoding="utf-8") as template:
+            model = dataclasses.replace(model, tokenizer=model.tokenizer.with_chat_template(template.read()))
+    return ModelCatalog.single(model)

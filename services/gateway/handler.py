@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -20,8 +22,11 @@ from services.gateway.request import (
     RequestedSlo,
     TextPrompt,
     TokenPrompt,
+    ToolCall,
 )
 from services.gateway.service import GatewayService
+from services.gateway.tools.choice import Tool, ToolFlags, ToolUse, checked_tools, tool_use
+from services.gateway.tools.stream import call_id
 
 # Names the model version that served a Generate call (NAME@VERSION, or the model's name).
 MODEL_VERSION_TRAILER = "tandem-model-version"
@@ -30,8 +35,9 @@ MODEL_VERSION_TRAILER = "tandem-model-version"
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """tandem.v1.Gateway over a GatewayService."""
 
-    def __init__(self, service: GatewayService) -> None:
+    def __init__(self, service: GatewayService, tool_flags: ToolFlags | None = None) -> None:
         self.service = service
+        self.tool_flags = tool_flags or ToolFlags()
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -54,16 +60,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            core_request = generate_request_from_proto(request, current_caller())
+            core_request, tools = generate_request_from_proto(request, current_caller(), self.tool_flags)
         except ValueError as error:
             self.service.refused(request.request_id, "INVALID_ARGUMENT", str(error))
             await abort_with(context, error)
         trailers: list[tuple[str, str]] = []
+        text = ""
         try:
             target = self.service.target_for(core_request)
             trailers.append((MODEL_VERSION_TRAILER, target.fingerprint))
             async for chunk in self.service.generate(core_request, deadline, target):
-                yield gateway_pb2.GenerateResponse(request_id=chunk.request_id, chunk=chunk_to_proto(chunk))
+                response = gateway_pb2.GenerateResponse(request_id=chunk.request_id, chunk=chunk_to_proto(chunk))
+                text += chunk.text
+                if tools.parser is not None and chunk.finish_reason is not None:
+                    reading = tools.parser.read(text, final=True)
+                    response.content = reading.content or ""
+                    response.tool_calls.extend(gateway_pb2.ToolCall(id=call_id(), name=call.name,
+                                                                    arguments=call.arguments) for call in reading.calls)
+                yield response
         except (StatusError, ValueError) as error:
             await abort_with(context, error, [*trailers, *self._rate_limits(core_request)])
         context.set_trailing_metadata((*trailers, *self._rate_limits(core_request)))
@@ -75,16 +89,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return status.fields() if status is not None else []
 
 
-def generate_request_from_proto(msg: gateway_pb2.GenerateRequest, caller: Caller | None = None) -> GenerateRequest:
-    """The core's request for a GenerateRequest sent with `caller`'s key; ValueError naming the
-    field when it is unusable."""
+def generate_request_from_proto(msg: gateway_pb2.GenerateRequest, caller: Caller | None = None,
+                                tool_flags: ToolFlags | None = None) -> tuple[GenerateRequest, ToolUse]:
+    """The core's request for a GenerateRequest sent with `caller`'s key, and how its tools shape
+    the reply (services.gateway.tools.choice); ValueError naming the field when it is unusable."""
     try:
         sampling = sampling_params_from_proto(msg.sampling)
     except ValueError as error:
         raise ValueError(f"sampling.{error}") from error
+    described = _tools_from_proto(msg)
+    tools = _tool_use_from_proto(msg, described, tool_flags or ToolFlags())
+    if tools.constraint is not None:
+        if sampling.structured is not None:
+            raise ValueError("tool_choice: a required or named tool call constrains the reply itself; leave "
+                             "sampling.structured unset")
+        sampling = dataclasses.replace(sampling, structured=tools.constraint)
     slo = RequestedSlo(ttft_ms=msg.slo.ttft_ms or None, tpot_ms=msg.slo.tpot_ms or None)
-    return GenerateRequest(
-        prompt=_prompt_from_proto(msg),
+    request = GenerateRequest(
+        prompt=_prompt_from_proto(msg, described if tools.render_tools else []),
         sampling=sampling,
         model=msg.model,
         request_id=msg.request_id,
@@ -93,14 +115,42 @@ def generate_request_from_proto(msg: gateway_pb2.GenerateRequest, caller: Caller
         user=msg.user,
         caller=caller,
     )
+    return request, tools
 
 
-def _prompt_from_proto(msg: gateway_pb2.GenerateRequest) -> Prompt:
+def _tools_from_proto(msg: gateway_pb2.GenerateRequest) -> list[Tool]:
+    if msg.tools and msg.WhichOneof("prompt") != "chat":
+        raise ValueError("tools: only a chat prompt describes tools")
+    tools = []
+    for index, tool in enumerate(msg.tools):
+        try:
+            parameters = json.loads(tool.parameters_json) if tool.parameters_json else None
+        except ValueError as error:
+            raise ValueError(f"tools.{index}.parameters_json: not JSON: {error}") from None
+        if parameters is not None and not isinstance(parameters, dict):
+            raise ValueError(f"tools.{index}.parameters_json: a JSON schema is an object")
+        tools.append(Tool(tool.name, tool.description, parameters) if parameters is not None else
+                     Tool(tool.name, tool.description))
+    return checked_tools(tools)
+
+
+def _tool_use_from_proto(msg: gateway_pb2.GenerateRequest, tools: list[Tool], flags: ToolFlags) -> ToolUse:
+    kind = msg.tool_choice.WhichOneof("choice")
+    choice = getattr(msg.tool_choice, kind) if kind else None
+    if kind == "mode" and choice not in ("none", "auto", "required"):
+        raise ValueError(f"tool_choice.mode: {choice!r} is none of none, auto, required")
+    parallel = msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else True
+    return tool_use(tools, choice, parallel, flags)
+
+
+def _prompt_from_proto(msg: gateway_pb2.GenerateRequest, tools: list[Tool]) -> Prompt:
     kind = msg.WhichOneof("prompt")
     if kind == "text":
         return TextPrompt(msg.text)
     if kind == "token_ids":
         return TokenPrompt(tuple(msg.token_ids.ids))
     if kind == "chat":
-        return ChatPrompt(tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages))
+        return ChatPrompt(tuple(ChatMessage(m.role, m.content, tuple(ToolCall(c.id, c.name, c.arguments)
+                                                                     for c in m.tool_calls), m.tool_call_id)
+                                for m in msg.chat.messages), tuple(tools))
     raise ValueError("prompt: must be set (text, token_ids or chat)")

@@ -50,9 +50,9 @@ class ServedModel:
                     raise ValueError(f"token_ids: id {token_id} at position {position} is outside the "
                                      f"vocabulary of {self.tokenizer.vocab_size} tokens")
         else:
-            messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
+            messages = [message.openai() for message in prompt.messages]
             try:
-                kind, ids = "chat", self.tokenizer.encode_chat(messages)
+                kind, ids = "chat", self.tokenizer.encode_chat(messages, tools=[t.openai() for t in prompt.tools])
             except ValueError as error:
                 raise ValueError(f"chat: {error}") from error
         if not ids:

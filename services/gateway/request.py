@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 from services.gateway.caller import Caller
+from services.gateway.tools.choice import Tool
 
 
 @dataclass(frozen=True)
@@ -23,18 +25,43 @@ class TokenPrompt:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call an assistant made: its id, the function's name and its arguments (JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class ChatMessage:
-    """A chat turn: role "system", "user" or "assistant", and its text."""
+    """A chat turn: role "system", "user", "assistant" (which may hold `tool_calls`) or "tool" (the
+    result of the call `tool_call_id`), and its text."""
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+
+    def openai(self) -> dict[str, Any]:
+        """The message as OpenAI's message object (what chat templates render)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function",
+                                      "function": {"name": call.name, "arguments": call.arguments}}
+                                     for call in self.tool_calls]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """Chat turns, rendered with the model's chat template (which adds the generation prompt)."""
+    """Chat turns, rendered with the model's chat template (which adds the generation prompt), and
+    the tools it describes (services.gateway.tools.choice)."""
 
     messages: tuple[ChatMessage, ...]
+    tools: tuple[Tool, ...] = ()
 
 
 @dataclass(frozen=True)

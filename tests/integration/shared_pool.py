@@ -10,9 +10,12 @@ KV block is left behind, so that no module depends on what ran before it.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import openai
 from reference import PINNED_FLAGS
 
 from harness.ports import free_port
@@ -76,3 +79,24 @@ def gateway_args(prefill: list[list[str]], decode: list[list[str]], *flags: str)
 def start_gateway(prefill: list[WorkerProcess], decode: list[WorkerProcess], *flags: str) -> WorkerProcess:
     """A gateway process over these workers, once it serves."""
     return start_worker(gateway_args([w.args for w in prefill], [w.args for w in decode], *flags))
+
+
+@contextlib.contextmanager
+def pair_gateways(pool: Pool, *flags: Sequence[str]) -> Iterator[list[WorkerProcess]]:
+    """A gateway in front of each (prefill[i], decode[i]) pair, started together: (plain,
+    speculating), the i-th with `flags[i]` added (objectives no request misses)."""
+    processes = [start_worker(["gateway", "--port", "0", "--http-port", "0", "--prefill", str(pool.prefill[i].address),
+                               "--decode", str(pool.decode[i].address), *NO_SLO,
+                               *(flags[i] if i < len(flags) else ())], wait=False) for i in (0, 1)]
+    try:
+        for process in processes:
+            process.wait_ready()
+        yield processes
+    finally:
+        assert [process.stop() for process in processes] == [0, 0]
+
+
+def openai_client(gateway: WorkerProcess, timeout_s: float = 300.0) -> openai.OpenAI:
+    """The official SDK's client of a gateway's HTTP API."""
+    return openai.OpenAI(base_url=f"http://{gateway.http_address}/v1", api_key="unused", max_retries=0,
+                         timeout=timeout_s)

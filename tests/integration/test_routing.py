@@ -1,6 +1,6 @@
 """SLO routing and admission with real processes: colocated workers behind the gateway (each one a
-prefill site, a decode site or both for a request), prefix affinity across two prefill workers, and
-a burst the admission queue must bound."""
+prefill site, a decode site or both for a request), prefix affinity across two prefill workers, a
+burst the admission queue must bound, and constrained replies on colocated workers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import openai
 import pytest
+from constrained_replies import check_forced_tool_calls, check_json_schema_replies, check_structured_output_kinds
 from parity_prompts import travel_diary
 from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS, check_runs, engine_reference
@@ -89,6 +91,18 @@ def _decode_directly(worker: WorkerProcess, prompt: list[int], prefill_address: 
         SamplingParams(**GREEDY)), prefill_address=prefill_address)
     with grpc.insecure_channel(str(worker.address), options=channel_options()) as channel:
         return list(decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=RPC_TIMEOUT_S))
+
+
+def test_constrained_replies_and_tool_calls_on_colocated_workers(colocated):
+    """Each constraint kind and forced tool calls on colocated workers, where one worker samples
+    every token under the grammar (prompts split between them: the disaggregated modules)."""
+    client = openai.OpenAI(base_url=f"http://{colocated[-1].http_address}/v1", api_key="unused", max_retries=0,
+                           timeout=RPC_TIMEOUT_S)
+    model = client.models.list().data[0].id
+    check_json_schema_replies(client, model)
+    check_structured_output_kinds(client, model)
+    check_forced_tool_calls(client, model)
+    assert_no_leaks(colocated[:2])
 
 
 def test_a_colocated_worker_computes_a_prompt_that_another_decodes(colocated, make_engine, tokenizer):

@@ -2,31 +2,24 @@
 and vLLM's `structured_outputs` across the prefill-decode split (the prefill worker samples the
 first token under the grammar, the decode worker rebuilds it from that token), on a plain and on a
 speculating decode worker (the shared pool's decode[1]); constrained greedy output equals an
-in-process engine's; bad specs are 400s naming the field."""
+in-process engine's; bad specs are 400s naming the field. Colocated workers:
+tests/integration/test_routing.py."""
 
 from __future__ import annotations
 
 import json
-import re
 
-import jsonschema
 import openai
 import pydantic
 import pytest
+from constrained_replies import CHAT, CITY, PROMPT, check_json_schema_replies, check_structured_output_kinds
 from engine_runs import output_tokens, run_requests
-from shared_pool import NO_SLO, Pool
+from shared_pool import Pool, openai_client, pair_gateways
 
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import StructuredOutput
-from harness.worker import WorkerProcess, start_worker
 
 TIMEOUT_S = 300.0
-CITY = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
-                                         "population": {"type": "integer"},
-                                         "country": {"enum": ["France", "Italy", "Spain"]}},
-        "required": ["name", "population", "country"], "additionalProperties": False}
-PROMPT = "The three largest cities of France, as JSON:"
-CHAT = [{"role": "user", "content": "Describe the largest city of Italy as JSON."}]
 
 
 class City(pydantic.BaseModel):
@@ -38,25 +31,13 @@ class City(pydantic.BaseModel):
 @pytest.fixture(scope="module")
 def gateways(pool: Pool):
     """(plain, speculating): each pairs a prefill worker with one decode worker of the pool."""
-    args = [["gateway", "--port", "0", "--http-port", "0", "--prefill", str(pool.prefill[i].address),
-             "--decode", str(pool.decode[i].address), *NO_SLO] for i in (0, 1)]
-    processes = [start_worker(a, wait=False) for a in args]
-    try:
-        for process in processes:
-            process.wait_ready()
+    with pair_gateways(pool) as processes:
         yield processes
-    finally:
-        assert [process.stop() for process in processes] == [0, 0]
-
-
-def _client(gateway: WorkerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{gateway.http_address}/v1", api_key="unused", max_retries=0,
-                         timeout=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def clients(gateways) -> list[openai.OpenAI]:
-    return [_client(gateway) for gateway in gateways]
+    return [openai_client(gateway, TIMEOUT_S) for gateway in gateways]
 
 
 @pytest.fixture(scope="module")
@@ -66,32 +47,12 @@ def model_id(clients) -> str:
 
 @pytest.mark.parametrize("which", [0, 1], ids=["plain", "speculating"])
 def test_every_json_schema_reply_validates_at_both_temperatures(clients, model_id, which):
-    client = clients[which]
-    for temperature in (0.0, 1.0):
-        reply = client.chat.completions.create(
-            model=model_id, messages=CHAT, max_tokens=80, temperature=temperature, n=2, seed=7,
-            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}})
-        for choice in reply.choices:
-            assert choice.finish_reason == "stop", choice
-            jsonschema.validate(json.loads(choice.message.content), CITY)
+    check_json_schema_replies(clients[which], model_id)
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["plain", "speculating"])
 def test_vllm_structured_outputs_kinds_through_the_split(clients, model_id, which):
-    client = clients[which]
-    kinds = {
-        "regex": ({"regex": r"[0-9]{3}-[A-Z]{2}"}, lambda t: re.fullmatch(r"[0-9]{3}-[A-Z]{2}", t)),
-        "choice": ({"choice": ["Paris", "Lyon", "Marseille"]}, lambda t: t in ("Paris", "Lyon", "Marseille")),
-        "grammar": ({"grammar": 'start: "Answer: " ("yes" | "no")'}, lambda t: t in ("Answer: yes", "Answer: no")),
-        "json_object": ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
-    }
-    for name, (constraint, matches) in kinds.items():
-        # Any JSON object at temperature 1 may run past max_tokens: greedy only.
-        for temperature in (0.0,) if name == "json_object" else (0.0, 1.0):
-            reply = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=60, temperature=temperature,
-                                              seed=3, extra_body={"structured_outputs": constraint})
-            text = reply.choices[0].text
-            assert reply.choices[0].finish_reason == "stop" and matches(text), (name, temperature, text)
+    check_structured_output_kinds(clients[which], model_id)
 
 
 def test_constrained_greedy_output_is_the_in_process_engines(clients, model_id, make_engine, tokenizer):

@@ -9,7 +9,7 @@ import inspect
 import openai
 import pytest
 
-from services.gateway.openai_api.field_policy import DEPENDENT, NO_OPS, REFUSED
+from services.gateway.openai_api.field_policy import NO_OPS, REFUSED
 from services.gateway.openai_api.schema import ChatBody, CompletionBody
 
 CLIENT_ONLY = {"extra_headers", "extra_query", "extra_body", "timeout"}  # the SDK's, not the API's
@@ -25,7 +25,7 @@ def test_every_sdk_parameter_is_honoured_a_no_op_or_refused(method, body):
     create = client.chat.completions.create if method == "chat" else client.completions.create
     parameters = set(inspect.signature(create).parameters) - CLIENT_ONLY
     honoured = _declared(body)
-    unclassified = sorted(parameters - honoured - NO_OPS - REFUSED.keys() - DEPENDENT)
+    unclassified = sorted(parameters - honoured - NO_OPS - REFUSED.keys())
     assert not unclassified, f"{method}: decide for each whether it is served, a no-op or refused: {unclassified}"
     # A field is in one class only: a served one is never refused or dropped as a no-op.
-    assert not honoured & (NO_OPS | REFUSED.keys() | DEPENDENT)
+    assert not honoured & (NO_OPS | REFUSED.keys())

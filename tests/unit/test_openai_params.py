@@ -175,8 +175,8 @@ def test_unknown_fields_are_listed_known_ones_not():
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"best_of": 2}, "best_of"),
-    ({"suffix": "end"}, "suffix"), ({"tools": [{"type": "function"}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"suffix": "end"}, "suffix"), ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
     ({"modalities": ["audio"]}, "modalities"),
 ])
 def test_an_openai_field_that_would_change_the_output_unserved_is_refused_by_name(fields, param):

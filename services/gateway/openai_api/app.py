@@ -41,6 +41,7 @@ from services.gateway.openai_api.http_limits import ConcurrencyLimit, read_json_
 from services.gateway.openai_api.params import (
     chat_prompt,
     chat_requests,
+    chat_tools,
     completion_prompts,
     completion_requests,
     echoed_prompts,
@@ -53,6 +54,7 @@ from services.gateway.openai_api.streaming import Job, event_json, reply_events
 from services.gateway.openai_api.websocket import CompletionSocket
 from services.gateway.request import CheckedPrompt, GenerateRequest, Prompt
 from services.gateway.service import GatewayService
+from services.gateway.tools.choice import ToolFlags
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +66,11 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 T = TypeVar("T")
 
 
-def create_app(service: GatewayService, limits: RequestLimits = DEFAULT_REQUEST_LIMITS) -> Starlette:
-    """The HTTP API over `service`, within `limits`' body size and requests in flight."""
-    api = OpenAIApi(service, limits.max_body_bytes)
+def create_app(service: GatewayService, limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
+               tool_flags: ToolFlags | None = None) -> Starlette:
+    """The HTTP API over `service`, within `limits`' body size and requests in flight, serving tool
+    calls as `tool_flags` say."""
+    api = OpenAIApi(service, limits.max_body_bytes, tool_flags or ToolFlags())
     completions_ws = CompletionSocket(service, api.completion_job, limits.max_body_bytes)
     chat_ws = CompletionSocket(service, api.chat_job, limits.max_body_bytes)
 
@@ -106,9 +110,10 @@ def _answering_errors(endpoint: Endpoint) -> Endpoint:
 class OpenAIApi:
     """The endpoints, over one GatewayService."""
 
-    def __init__(self, service: GatewayService, max_body_bytes: int) -> None:
+    def __init__(self, service: GatewayService, max_body_bytes: int, tool_flags: ToolFlags) -> None:
         self.service = service
         self.max_body_bytes = max_body_bytes
+        self.tool_flags = tool_flags
         self.completions = _answering_errors(self._completions)
         self.chat_completions = _answering_errors(self._chat_completions)
         self.models = _answering_errors(self._models)
@@ -133,13 +138,14 @@ class OpenAIApi:
         body = ChatBody.model_validate_json(raw)
         target = self._target(body, path)
         model = target.model
-        prompt = _checked(model, chat_prompt(body), "messages")
+        tools, described = chat_tools(body, self.tool_flags)
+        prompt = _checked(model, chat_prompt(body, described), "messages")
         reply_id = f"chatcmpl-{uuid.uuid4().hex}"
         predicted = model.tokenizer.encode(prediction_text(body), add_special_tokens=False)
         requests = chat_requests(body, prompt, self.service.limits.total_tokens(model.max_model_len), reply_id,
-                                 predicted)
+                                 predicted, tools.constraint)
         reply = ChatFormat(reply_id, target.answered_as, int(time.time()), model.tokenizer, body.logprobs,
-                           target.fingerprint)
+                           target.fingerprint, tools.parser)
         return Job(body, _callers(requests), reply, target)
 
     async def _completions(self, request: Request) -> Response:

@@ -28,8 +28,6 @@ def _empty(value: Any) -> bool:
 
 # Refused while set to anything but a value that changes nothing (each predicate says which).
 REFUSED: dict[str, Callable[[Any], bool]] = {
-    "tools": _empty,
-    "tool_choice": lambda value: value in (None, "none"),
     "functions": _empty,
     "function_call": lambda value: value in (None, "none"),
     "best_of": lambda value: value in (None, 1),
@@ -41,8 +39,6 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
     "verbosity": _none,
     "moderation": _none,
 }
-# Meaningful only beside fields refused above: with those unset they change nothing.
-DEPENDENT = frozenset({"parallel_tool_calls"})
 
 
 def check_fields(extra: dict[str, Any]) -> list[str]:
@@ -51,4 +47,4 @@ def check_fields(extra: dict[str, Any]) -> list[str]:
     for name, value in extra.items():
         if name in REFUSED and not REFUSED[name](value):
             raise ValueError(f"{name}: not served by this server (it would change the output); leave it unset")
-    return [name for name in extra if name not in REFUSED and name not in NO_OPS and name not in DEPENDENT]
+    return [name for name in extra if name not in REFUSED and name not in NO_OPS]

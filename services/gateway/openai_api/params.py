@@ -10,8 +10,9 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import StructuredOutput
 from services.gateway.openai_api.field_policy import check_fields
-from services.gateway.openai_api.schema import MAX_CHOICES, ChatBody, CompletionBody, SamplingBody
+from services.gateway.openai_api.schema import MAX_CHOICES, ChatBody, CompletionBody, NamedToolChoice, SamplingBody
 from services.gateway.openai_api.structured import structured_output
 from services.gateway.request import (
     ChatMessage,
@@ -22,7 +23,9 @@ from services.gateway.request import (
     RequestedSlo,
     TextPrompt,
     TokenPrompt,
+    ToolCall,
 )
+from services.gateway.tools.choice import Tool, ToolFlags, ToolUse, checked_tools, tool_use
 
 T = TypeVar("T")
 
@@ -53,8 +56,8 @@ def completion_prompts(body: CompletionBody) -> list[Prompt]:
     return [TextPrompt(item) if isinstance(item, str) else TokenPrompt(tuple(item)) for item in prompt]
 
 
-def chat_prompt(body: ChatBody) -> ChatPrompt:
-    """The conversation of a chat body; content given as parts must be text parts."""
+def chat_prompt(body: ChatBody, tools: Sequence[Tool] = ()) -> ChatPrompt:
+    """The conversation of a chat body, describing `tools`; content given as parts must be text parts."""
     messages = []
     for position, message in enumerate(body.messages):
         content = message.content
@@ -63,8 +66,28 @@ def chat_prompt(body: ChatBody) -> ChatPrompt:
                 if part.type != "text":
                     raise ValueError(f"messages.{position}.content: only text parts are served, got {part.type!r}")
             content = "".join(part.text for part in content)
-        messages.append(ChatMessage(message.role, content or ""))
-    return ChatPrompt(tuple(messages))
+        if message.tool_calls and message.role != "assistant":
+            raise ValueError(f"messages.{position}.tool_calls: only an assistant message makes tool calls")
+        if message.role == "tool" and not message.tool_call_id:
+            raise ValueError(f"messages.{position}.tool_call_id: a tool message must name the call it answers")
+        calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or ())
+        messages.append(ChatMessage(message.role, content or "", calls, message.tool_call_id or ""))
+    return ChatPrompt(tuple(messages), tuple(tools))
+
+
+def chat_tools(body: ChatBody, flags: ToolFlags) -> tuple[ToolUse, tuple[Tool, ...]]:
+    """How the body's `tools` and `tool_choice` shape its reply, and the tools its prompt describes;
+    ValueError naming the field (services.gateway.tools.choice)."""
+    tools = checked_tools([Tool(t.function.name, t.function.description, t.function.parameters)
+                           if t.function.parameters is not None else Tool(t.function.name, t.function.description)
+                           for t in body.tools or ()])
+    choice = body.tool_choice
+    use = tool_use(tools, choice.function.name if isinstance(choice, NamedToolChoice) else choice,
+                   body.parallel_tool_calls, flags)
+    if use.constraint is not None and structured_output(body.response_format, body.structured_outputs) is not None:
+        raise ValueError("tool_choice: a required or named tool call constrains the reply itself; leave "
+                         "response_format and structured_outputs unset")
+    return use, tuple(tools) if use.render_tools else ()
 
 
 def completion_requests(
@@ -87,18 +110,20 @@ def echoed_prompts(body: CompletionBody, prompts: Sequence[Prompt],
 
 
 def chat_requests(
-    body: ChatBody, prompt: CheckedPrompt, max_total_tokens: int, request_id: str, prediction: Sequence[int] = ()
+    body: ChatBody, prompt: CheckedPrompt, max_total_tokens: int, request_id: str, prediction: Sequence[int] = (),
+    tool_constraint: StructuredOutput | None = None,
 ) -> list[GenerateRequest]:
     """One core request per chat choice. Without max_tokens (or max_completion_tokens) a reply may
     fill the rest of the context (`max_total_tokens`: the model's, or a lower limit), as in vLLM.
-    `prediction`: the tokens of the body's `prediction` (prediction_text)."""
+    `prediction`: the tokens of the body's `prediction` (prediction_text); `tool_constraint`: the
+    grammar of a required or named tool call (chat_tools), in place of the body's own."""
     if body.top_logprobs and not body.logprobs:
         raise ValueError("top_logprobs: requires logprobs to be true")
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, max_total_tokens - len(prompt.ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if len(prediction) > max_total_tokens:
         raise ValueError(f"prediction: {len(prediction)} tokens, more than a reply may have ({max_total_tokens})")
-    return _requests(body, [prompt], request_id, max_tokens, logprobs, tuple(prediction))
+    return _requests(body, [prompt], request_id, max_tokens, logprobs, tuple(prediction), tool_constraint)
 
 
 def prediction_text(body: ChatBody) -> str:
@@ -115,8 +140,9 @@ def prediction_text(body: ChatBody) -> str:
 
 
 def sampling_params(body: SamplingBody, max_tokens: int, logprobs: int | None, seed: int | None,
-                    prediction: tuple[int, ...] = ()) -> SamplingParams:
-    """The engine's SamplingParams of a body; unset fields take the engine's defaults."""
+                    prediction: tuple[int, ...] = (), constraint: StructuredOutput | None = None) -> SamplingParams:
+    """The engine's SamplingParams of a body; unset fields take the engine's defaults. `constraint`
+    replaces the body's structured output (a tool call's)."""
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(
         max_tokens=max_tokens,
@@ -134,7 +160,7 @@ def sampling_params(body: SamplingBody, max_tokens: int, logprobs: int | None, s
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
-        structured=structured_output(body.response_format, body.structured_outputs),
+        structured=constraint or structured_output(body.response_format, body.structured_outputs),
         logit_bias=_logit_bias(body.logit_bias or {}),
         prediction=prediction,
     )
@@ -152,12 +178,12 @@ def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
 
 def _requests(
     body: SamplingBody, prompts: Sequence[CheckedPrompt], request_id: str, max_tokens: int | None,
-    logprobs: int | None, prediction: tuple[int, ...] = (),
+    logprobs: int | None, prediction: tuple[int, ...] = (), constraint: StructuredOutput | None = None,
 ) -> list[GenerateRequest]:
     # With a seed, choice j samples with seed + j: reproducible, yet the n choices differ.
     params = [
         sampling_params(body, max_tokens or COMPLETION_MAX_TOKENS, logprobs,
-                        None if body.seed is None else body.seed + choice, prediction)
+                        None if body.seed is None else body.seed + choice, prediction, constraint)
         for choice in range(body.n)
     ]
     slo = RequestedSlo(ttft_ms=body.ttft_ms, tpot_ms=body.tpot_ms)

@@ -12,6 +12,8 @@ from typing import Any
 
 from engine.tokenizer import Tokenizer
 from services.common.chunk import Chunk, TokenLogprob, Usage
+from services.gateway.tools.parsers import ToolCallParser
+from services.gateway.tools.stream import ToolCallStream, call_id, finish_reason, message
 
 _LOWEST_LOGPROB = -9999.0
 
@@ -46,8 +48,8 @@ class ReplyFormat(ABC):
         self._logprobs = logprobs
 
     @abstractmethod
-    def delta(self, index: int, chunk: Chunk) -> dict[str, Any]:
-        """The stream event of a chunk of choice `index`."""
+    def delta(self, index: int, chunk: Chunk) -> dict[str, Any] | None:
+        """The stream event of a chunk of choice `index` (None: nothing to send yet)."""
 
     @abstractmethod
     def complete(self, choices: Sequence[Choice], usage: dict[str, Any]) -> dict[str, Any]:
@@ -103,11 +105,15 @@ class CompletionFormat(ReplyFormat):
 
 
 class ChatFormat(ReplyFormat):
-    """/v1/chat/completions replies: "chat.completion", or "chat.completion.chunk" events."""
+    """/v1/chat/completions replies: "chat.completion", or "chat.completion.chunk" events. With a
+    tool-call parser (services.gateway.tools), each choice's text is read into content and
+    `tool_calls`, streamed as OpenAI's deltas."""
 
     def __init__(self, reply_id: str, model: str, created: int, tokenizer: Tokenizer, logprobs: bool,
-                 fingerprint: str) -> None:
+                 fingerprint: str, tools: ToolCallParser | None = None) -> None:
         super().__init__("chat.completion.chunk", reply_id, model, created, tokenizer, logprobs, fingerprint)
+        self._tools = tools
+        self._streams: dict[int, ToolCallStream] = {}
 
     def opening(self, choices: int) -> list[dict[str, Any]]:
         # Each choice's stream starts by naming the speaker, as OpenAI's does.
@@ -119,29 +125,39 @@ class ChatFormat(ReplyFormat):
             for index in range(choices)
         ]
 
-    def delta(self, index: int, chunk: Chunk) -> dict[str, Any]:
+    def delta(self, index: int, chunk: Chunk) -> dict[str, Any] | None:
+        finish = chunk.finish_reason
+        if self._tools is None:
+            delta: dict[str, Any] = {"content": chunk.text} if chunk.text else {}
+        else:
+            stream = self._streams.setdefault(index, ToolCallStream(self._tools))
+            delta, reading = stream.feed(chunk.text, final=finish is not None)
+            finish = finish_reason(reading, finish)
+            if not delta and not chunk.logprobs and finish is None:
+                return None
         return {**self._head, "choices": [{
             "index": index,
-            "delta": {"content": chunk.text} if chunk.text else {},
+            "delta": delta,
             "logprobs": chat_logprobs(self._tokenizer, chunk.logprobs) if self._logprobs else None,
-            "finish_reason": chunk.finish_reason,
+            "finish_reason": finish,
         }]}
 
     def complete(self, choices: Sequence[Choice], usage: dict[str, Any]) -> dict[str, Any]:
-        return {
-            **self._head,
-            "object": "chat.completion",
-            "choices": [
-                {
-                    "index": index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(self._tokenizer, c.logprobs) if self._logprobs else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for index, c in enumerate(choices)
-            ],
-            "usage": usage,
-        }
+        replies = []
+        for index, c in enumerate(choices):
+            body: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if self._tools is not None:
+                reading = self._tools.read(c.text, final=True)
+                body = message(reading, [call_id() for _ in reading.calls])
+                finish = finish_reason(reading, finish)
+            replies.append({
+                "index": index,
+                "message": body,
+                "logprobs": chat_logprobs(self._tokenizer, c.logprobs) if self._logprobs else None,
+                "finish_reason": finish,
+            })
+        return {**self._head, "object": "chat.completion", "choices": replies, "usage": usage}
 
 
 def usage_body(usages: Sequence[Usage], n: int) -> dict[str, Any]:

@@ -7,7 +7,7 @@ engine defines are checked by engine SamplingParams. Fields not declared here ar
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -87,13 +87,67 @@ class TextPart(BaseModel):
     text: str = ""
 
 
+class FunctionCallBody(BaseModel):
+    """A call's function: its name and arguments (a JSON string)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallBody(BaseModel):
+    """One call an assistant message made."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
 class MessageBody(BaseModel):
-    """One chat turn."""
+    """One chat turn: an assistant's may hold `tool_calls`, a `tool` one answers `tool_call_id`."""
 
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallBody] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionBody(BaseModel):
+    """A tool's function: `parameters` is its arguments' JSON schema (none: it takes no arguments)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # served either way: the arguments of a constrained call always match
+
+
+class ToolBody(BaseModel):
+    """One entry of `tools`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionBody
+
+
+class NamedFunction(BaseModel):
+    """`tool_choice.function`."""
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the function to call."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class PredictionBody(BaseModel):
@@ -113,3 +167,7 @@ class ChatBody(SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     prediction: PredictionBody | None = None
+    # Tool calling (services.gateway.tools.choice).
+    tools: list[ToolBody] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True

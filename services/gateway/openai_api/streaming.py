@@ -35,9 +35,11 @@ async def reply_events(fan: FanOut, job: Job, include_usage: bool) -> AsyncItera
     async for index, chunk in fan.chunks():
         if chunk.usage is not None:
             usages[index] = chunk.usage
-        # Tokens held back (a partial character or a possible stop string) send nothing yet.
+        # Tokens held back (a partial character, a possible stop string, a tool call's start) send nothing yet.
         if chunk.text or chunk.logprobs or chunk.finish_reason:
-            yield job.reply.delta(index, chunk)
+            event = job.reply.delta(index, chunk)
+            if event is not None:
+                yield event
     if include_usage:
         yield job.reply.usage(usage_body([usages[index] for index in sorted(usages)], job.body.n))
 
