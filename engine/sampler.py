@@ -61,9 +61,10 @@ def _id_mask(rows: Sequence[Sequence[int]], vocab: int, device: torch.device) ->
 
 def allowed_tokens(bitmasks: Sequence[np.ndarray], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(bitmasks), vocab] bool from int32 bitmasks (bit t % 32 of word t // 32 allows token t):
-    the little-endian words' bytes unpacked low bit first, in numpy (8x faster than shifts in torch)."""
+    the little-endian words' bytes unpacked low bit first, in numpy (8x faster than shifts in torch),
+    and viewed as bool (0 and 1 bytes are valid bools) rather than converted: no copy on a CPU."""
     bits = np.unpackbits(np.stack(bitmasks).view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    return torch.from_numpy(bits).to(device=device, dtype=torch.bool)
+    return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bool).to(device=device)
 
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
