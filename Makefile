@@ -120,6 +120,8 @@ bench: install $(BENCH_STAMP)
 	$(BENCH) hot_swap
 	$(BENCH) grammar_backends
 	$(BENCH) structured
+	$(BENCH) structured_vllm
+	$(BENCH) prediction
 
 # Every Kubernetes overlay as kubectl would apply it (kubectl has kustomize built in).
 deploy-render:

@@ -21,7 +21,8 @@ COUNTERS = ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_acc
 
 
 class SpeculativeMesh:
-    """The processes; `runners` by system ("default", "ngram"); `stop()` ends them."""
+    """The processes; `runners` and their gateways' `http_addresses` by system ("default", "ngram");
+    `stop()` ends them."""
 
     def __init__(self, spec_json: str, env: dict[str, str] | None = None) -> None:
         self.processes: list[WorkerProcess] = []
@@ -33,11 +34,13 @@ class SpeculativeMesh:
             prefill, *decodes = (worker.wait_ready() for worker in workers)
             self.speculating = workers[2]
             self.runners = {}
+            self.http_addresses: dict[str, str] = {}
             for system, decode in zip(("default", "ngram"), decodes, strict=True):
                 gateway = start_worker(["gateway", "--port", "0", "--http-port", "0", "--prefill", prefill,
                                         "--decode", decode, "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"])
                 self.processes.append(gateway)
                 self.runners[system] = LoadRunner(str(gateway.address), str(gateway.http_address))
+                self.http_addresses[system] = str(gateway.http_address)
         except BaseException:
             self.stop()
             raise
