@@ -26,6 +26,11 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# A structural tag: free text in which "<city>" opens a record that must match CITY, then "</city>".
+TAG = {"structures": [{"begin": "<city>", "schema": CITY, "end": "</city>"}], "triggers": ["<city>"]}
+# A completion prompt whose greedy continuation writes tagged records (so the tag's grammar is used).
+TAGGED = ('<city>{"name": "Rome", "population": 2800000, "country": "Italy"}</city>\n'
+          '<city>{"name": "Madrid", "population": 3300000, "country": "Spain"}</city>\n')
 # vLLM's structured_outputs kinds and how to tell that a reply matches each.
 KINDS = {
     "regex": ({"regex": r"[0-9]{3}-[A-Z]{2}"}, lambda t: re.fullmatch(r"[0-9]{3}-[A-Z]{2}", t)),
@@ -55,6 +60,28 @@ def check_structured_output_kinds(client: openai.OpenAI, model: str) -> None:
                                               seed=3, extra_body={"structured_outputs": constraint})
             text = reply.choices[0].text
             assert reply.choices[0].finish_reason == "stop" and matches(text), (name, temperature, text)
+
+
+def tagged_records(text: str, cut: bool) -> int:
+    """How many tagged records `text` holds, each validated against CITY; AssertionError if one is
+    left open but the last where the reply was `cut` by max_tokens (a structure begun must end)."""
+    bodies = re.findall(r"<city>(.*?)</city>", text, flags=re.S)
+    for body in bodies:
+        jsonschema.validate(json.loads(body), CITY)
+    assert text.count("<city>") - len(bodies) in ((0, 1) if cut else (0,)), text
+    return len(bodies)
+
+
+def check_structural_tags(client: openai.OpenAI, model: str) -> None:
+    """vLLM's `structural_tag`: the records the model writes after each trigger all validate, at
+    temperatures 0 and 1 (greedy, it writes at least one)."""
+    constraint = {"structural_tag": json.dumps(TAG)}
+    for temperature in (0.0, 1.0):
+        reply = client.completions.create(model=model, prompt=TAGGED, max_tokens=60, temperature=temperature, seed=3,
+                                          extra_body={"structured_outputs": constraint})
+        choice = reply.choices[0]
+        records = tagged_records(choice.text, cut=choice.finish_reason == "length")
+        assert records >= 1 or temperature == 1.0, choice.text
 
 
 def check_forced_tool_calls(client: openai.OpenAI, model: str) -> None:

@@ -10,7 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import openai
 import pytest
-from constrained_replies import check_forced_tool_calls, check_json_schema_replies, check_structured_output_kinds
+from constrained_replies import (
+    check_forced_tool_calls,
+    check_json_schema_replies,
+    check_structural_tags,
+    check_structured_output_kinds,
+)
 from parity_prompts import travel_diary
 from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS, check_runs, engine_reference
@@ -101,6 +106,7 @@ def test_constrained_replies_and_tool_calls_on_colocated_workers(colocated):
     model = client.models.list().data[0].id
     check_json_schema_replies(client, model)
     check_structured_output_kinds(client, model)
+    check_structural_tags(client, model)
     check_forced_tool_calls(client, model)
     assert_no_leaks(colocated[:2])
 

@@ -12,7 +12,14 @@ import json
 import openai
 import pydantic
 import pytest
-from constrained_replies import CHAT, CITY, PROMPT, check_json_schema_replies, check_structured_output_kinds
+from constrained_replies import (
+    CHAT,
+    CITY,
+    PROMPT,
+    check_json_schema_replies,
+    check_structural_tags,
+    check_structured_output_kinds,
+)
 from engine_runs import output_tokens, run_requests
 from shared_pool import Pool, openai_client, pair_gateways
 
@@ -53,6 +60,7 @@ def test_every_json_schema_reply_validates_at_both_temperatures(clients, model_i
 @pytest.mark.parametrize("which", [0, 1], ids=["plain", "speculating"])
 def test_vllm_structured_outputs_kinds_through_the_split(clients, model_id, which):
     check_structured_output_kinds(clients[which], model_id)
+    check_structural_tags(clients[which], model_id)
 
 
 def test_constrained_greedy_output_is_the_in_process_engines(clients, model_id, make_engine, tokenizer):
