@@ -11,6 +11,7 @@ from typing import Literal, get_args
 from engine.model.paths import served_model_id
 from engine.speculative.config import FLAG as SPECULATIVE_FLAG
 from engine.speculative.config import SpeculativeConfig
+from engine.structured.config import StructuredOutputsConfig
 
 Role = Literal["colocated", "prefill", "decode"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -164,6 +165,7 @@ class EngineConfig:
     kv_cache_dtype: KVCacheDType = "auto"
     activation_quantization: ActivationQuantization = "auto"
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # Ranks (processes) the model is split across, Megatron-style (engine.parallel); each holds its
     # shard of the weights and of the KV cache, `cache` being each rank's budget.
     tensor_parallel_size: int = 1

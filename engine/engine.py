@@ -195,7 +195,7 @@ class Engine:
         """Structured outputs' grammars against this model's tokenizer, built on first use (a
         handler thread's `compile` or a constrained request)."""
         return Grammars(self.tokenizer.backend_json(), self.model_config.vocab_size,
-                        sorted(self.scheduler.eos_token_ids))
+                        sorted(self.scheduler.eos_token_ids), config=self.config.structured_outputs)
 
     def _blocks_needed(self, request: Request) -> int:
         """Blocks for every known token plus the next one's slot."""

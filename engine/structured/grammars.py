@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import llguidance
 
+from engine.structured.config import StructuredOutputsConfig
 from engine.structured.spec import StructuredOutput
 from engine.structured.state import GrammarError, GrammarState
 
@@ -52,8 +53,10 @@ class Grammars:
     """Specs compiled against one tokenizer (its byte-level vocabulary and end-of-sequence ids)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int],
-                 limits: GrammarLimits = GrammarLimits()) -> None:
+                 limits: GrammarLimits = GrammarLimits(),
+                 config: StructuredOutputsConfig | None = None) -> None:
         self.limits = limits
+        self.config = config or StructuredOutputsConfig()
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids)
         self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher | str] = OrderedDict()
         self._lock = threading.Lock()
@@ -67,6 +70,7 @@ class Grammars:
         """Compile `spec` (if not cached) on a thread of its own, waiting at most the time limit (or
         `timeout_s`, a request's remaining deadline, where shorter); ValueError naming the field if
         it does not compile (the library's reason) or in time, GrammarsBusy if no slot is free."""
+        spec = self.config.applied(spec)
         if self._cached(spec) is None:
             if not self._slots.acquire(blocking=False):
                 raise GrammarsBusy(f"{spec.field}: {self.limits.max_compiling} grammars are compiling; try again")
@@ -83,6 +87,7 @@ class Grammars:
     def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher for one request (compiling here, on the caller's thread, if no handler
         compiled the spec first: the offline engine's case); ValueError as `compile`."""
+        spec = self.config.applied(spec)
         result = self._cached(spec)
         if result is None:
             result = self._build(spec)

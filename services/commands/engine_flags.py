@@ -18,6 +18,7 @@ from engine.config import (
     SchedulerConfig,
 )
 from engine.speculative.config import SpeculativeConfig
+from engine.structured.config import StructuredOutputsConfig
 from services.common.config_flags import flag
 from services.repository.config import ModelVersion, load_repository
 
@@ -83,6 +84,10 @@ class EngineFlags:
         '\'{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4, '
         '"disable_by_batch_size": 8}\' (those are the defaults of the keys left out); off when not given',
         metavar="JSON")
+    structured_outputs_config: str | None = flag(
+        None, "structured outputs, in vLLM's keys: '{\"backend\": \"auto\", \"disable_any_whitespace\": false}' "
+        "(the defaults); backend auto or guidance is llguidance, vLLM's other backends are refused; give every "
+        "worker of a deployment the same value", metavar="JSON")
 
 
 def engine_config(flags: EngineFlags, role: Role) -> EngineConfig:
@@ -107,6 +112,8 @@ def flags_engine_config(flags: EngineFlags, role: Role) -> EngineConfig:
         kv_cache_dtype=flags.kv_cache_dtype,
         activation_quantization=flags.activation_quantization,
         speculative=None if flags.speculative_config is None else SpeculativeConfig.from_json(flags.speculative_config),
+        structured_outputs=StructuredOutputsConfig() if flags.structured_outputs_config is None else
+        StructuredOutputsConfig.from_json(flags.structured_outputs_config),
         tensor_parallel_size=flags.tensor_parallel_size,
         cache=CacheConfig(
             block_size=flags.block_size,

@@ -9,6 +9,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.model.paths import default_model_path
+from engine.structured.config import StructuredOutputsConfig
 from services.commands.engine_flags import CPU_PROMPT_BATCH_TOKENS, EngineFlags, engine_config
 from services.common.config_flags import add_flags, from_args, to_argv
 
@@ -46,6 +47,7 @@ ENGINE_FLAGS = ["--model", "/m.gguf", "--device", "cuda:1", "--dtype", "float16"
                 "--max-num-batched-tokens", "100", "--max-prompt-batch-tokens", "0", "--max-model-len", "512",
                 "--no-prefix-caching", "--activation-quantization", "none",
                 "--speculative-config", '{"num_speculative_tokens": 3}', "--tensor-parallel-size", "3",
+                "--structured-outputs-config", '{"disable_any_whitespace": true}',
                 "--model-repository", "/r.toml", "--model-version", "m@v", "--pool", "p"]
 
 
@@ -55,6 +57,12 @@ def test_engine_flags_pass_on_as_arguments_that_parse_back_to_the_same_values():
     assert _flags(*to_argv(flags)) == flags
     assert to_argv(_flags("--dtype", "float32")) == ["--dtype", "float32"]
     assert to_argv(_flags()) == []
+
+
+def test_structured_outputs_config_flag():
+    assert _config().structured_outputs == StructuredOutputsConfig()
+    given = _config("--structured-outputs-config", '{"backend": "guidance", "disable_any_whitespace": true}')
+    assert given.structured_outputs == StructuredOutputsConfig("guidance", disable_any_whitespace=True)
 
 
 def test_speculative_config_flag():
