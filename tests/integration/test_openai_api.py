@@ -286,11 +286,10 @@ def test_openai_fields_that_change_nothing_here_are_accepted_and_unserved_ones_r
                                            metadata={"team": "a"}, service_tier="auto", prompt_cache_key="k",
                                            tool_choice="none", parallel_tool_calls=False)
     assert reply.usage.completion_tokens == 2
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    # The deprecated function-calling fields (tools replace them) are refused, never ignored.
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=2, tools=[tool],
-                                       tool_choice="required")
-    assert refused.value.body["param"] in ("tools", "tool_choice") and "not served" in refused.value.body["message"]
+        client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=2, functions=[{"name": "f"}])
+    assert refused.value.body["param"] == "functions" and "not served" in refused.value.body["message"]
 
 
 @pytest.mark.parametrize(("request_fields", "param", "words"), [

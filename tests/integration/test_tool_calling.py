@@ -1,8 +1,9 @@
 """Tool calling through the disaggregated mesh with the official `openai` SDK: calls forced by
 `required` or a named function (constrained by the tools' schemas) on a plain and a speculating
 decode worker, calls parsed from the model's text for `auto` (the hermes parser), streamed deltas
-that reassemble into the non-streamed reply, a conversation carrying calls and their results, and
-400s naming the field; the gRPC API's calls. Colocated workers: tests/integration/test_routing.py."""
+that reassemble into the non-streamed reply, a conversation carrying calls and their results, 400s
+naming the field, the gRPC API's calls and the SDK's `parse` of a function tool. Colocated workers:
+tests/integration/test_routing.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 
 import grpc
 import openai
+import pydantic
 import pytest
 from constrained_replies import ASK, TOOLS, check_forced_tool_calls
 from shared_pool import Pool, openai_client, pair_gateways
@@ -135,3 +137,17 @@ def test_the_grpc_api_serves_the_same_calls(gateways, clients, model_id):
     assert (call.name, call.arguments) == ("get_time", whole.function.arguments)
     assert "".join(r.chunk.text for r in responses) == whole.function.arguments
     assert not any(r.tool_calls for r in responses[:-1])
+
+
+class GetTime(pydantic.BaseModel):
+    """Local time of a city."""
+
+    city: str = pydantic.Field(max_length=20)
+
+
+def test_the_sdks_parse_returns_tool_arguments_as_the_model_object(clients, model_id):
+    completion = clients[0].chat.completions.parse(
+        model=model_id, messages=ASK, max_tokens=40, temperature=0.0, tools=[openai.pydantic_function_tool(GetTime)],
+        tool_choice={"type": "function", "function": {"name": "GetTime"}})
+    [call] = completion.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, GetTime) and call.function.parsed_arguments.city

@@ -111,6 +111,19 @@ def test_constrained_greedy_output_is_the_same_alone_batched_speculating_and_res
     assert alone[:7] + output_tokens(resumed["a"]) == alone
 
 
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_every_kind_resumes_its_grammar_from_the_tokens_already_out(engine, prompts, kind):
+    """What a decode worker and a migrated request's new worker do: rebuild the grammar from the spec
+    and the output so far, then continue as the request would have."""
+    prompt = prompts[QUESTIONS.index("Describe the largest city of France as JSON.")]
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured=SPECS[kind])
+    alone = output_tokens(run_requests(engine, {"a": (prompt, params)})["a"])
+    assert len(alone) >= 2, (kind, alone)
+    cut = len(alone) // 2
+    resumed = run_requests(engine, {"a": (prompt, params)}, {"a": Resumed(tuple(alone[:cut]))})
+    assert alone[:cut] + output_tokens(resumed["a"]) == alone
+
+
 def test_drafts_the_grammar_forbids_are_cut_before_verification(engine, prompts):
     state = engine.grammars.state(SPECS["regex"], [])
     digits = engine.tokenizer.encode("123", add_special_tokens=False)

@@ -36,6 +36,10 @@ def test_auto_needs_both_flags_and_reads_with_the_named_parser():
     llama = ToolFlags(enable_auto_tool_choice=True, tool_call_parser="llama3_json")
     use = tool_use(TOOLS, "auto", True, llama)
     assert isinstance(use.parser, Llama3JsonParser) and use.constraint is None and use.render_tools
+    # Without parallel calls, auto's reply is at most its first call.
+    two = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_time", "arguments": {}}'
+    assert len(tool_use(TOOLS, "auto", True, AUTO).parser.read(two, final=True).calls) == 2
+    assert len(tool_use(TOOLS, "auto", False, AUTO).parser.read(two, final=True).calls) == 1
 
 
 def test_a_named_function_constrains_the_reply_to_its_arguments():

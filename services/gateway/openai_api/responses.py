@@ -132,7 +132,7 @@ class ChatFormat(ReplyFormat):
         else:
             stream = self._streams.setdefault(index, ToolCallStream(self._tools))
             delta, reading = stream.feed(chunk.text, final=finish is not None)
-            finish = finish_reason(reading, finish)
+            finish = finish_reason(self._tools, reading, finish)
             if not delta and not chunk.logprobs and finish is None:
                 return None
         return {**self._head, "choices": [{
@@ -150,7 +150,7 @@ class ChatFormat(ReplyFormat):
             if self._tools is not None:
                 reading = self._tools.read(c.text, final=True)
                 body = message(reading, [call_id() for _ in reading.calls])
-                finish = finish_reason(reading, finish)
+                finish = finish_reason(self._tools, reading, finish)
             replies.append({
                 "index": index,
                 "message": body,

@@ -22,6 +22,7 @@ import llguidance
 from engine.structured.spec import StructuredOutput
 from services.common.config_flags import flag
 from services.gateway.tools.parsers import (
+    FirstCallOnly,
     HermesParser,
     Llama3JsonParser,
     NamedParser,
@@ -104,7 +105,8 @@ def tool_use(tools: list[Tool], choice: str | None, parallel: bool, flags: ToolF
             raise ValueError("tool_choice: \"auto\" (the default with tools) needs the gateway started with "
                              "--enable-auto-tool-choice and --tool-call-parser; or ask for \"required\" or a "
                              "named function")
-        return ToolUse(None, PARSERS[flags.tool_call_parser](), render_tools=True)
+        parser = PARSERS[flags.tool_call_parser]()
+        return ToolUse(None, parser if parallel else FirstCallOnly(parser), render_tools=True)
     if choice == "required":
         calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [_call_schema(t) for t in tools]}}
         if not parallel:

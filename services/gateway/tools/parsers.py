@@ -41,6 +41,10 @@ class Reading:
 class ToolCallParser(ABC):
     """Reads the calls out of one reply's text."""
 
+    # Whether a reply that stopped after its calls finishes "tool_calls" (OpenAI's and vLLM's, but
+    # for a named function: "stop").
+    finishes_as_calls = True
+
     @abstractmethod
     def read(self, text: str, final: bool) -> Reading:
         """What `text` holds; with `final`, the reply (text whose calls do not parse is all content)."""
@@ -149,6 +153,8 @@ class RequiredParser(ToolCallParser):
 class NamedParser(ToolCallParser):
     """A named function: the grammar forces the reply to be its arguments' JSON."""
 
+    finishes_as_calls = False
+
     def __init__(self, name: str) -> None:
         self._name = name
 
@@ -159,6 +165,19 @@ class NamedParser(ToolCallParser):
         if final and not _parses(arguments):
             return Reading(_content(text), ())
         return Reading(None, (CallText(self._name, arguments, final),))
+
+
+class FirstCallOnly(ToolCallParser):
+    """`parallel_tool_calls: false` under auto: the reply is at most its first call (the grammar
+    bounds required ones; auto's text may hold more)."""
+
+    def __init__(self, parser: ToolCallParser) -> None:
+        self._parser = parser
+        self.finishes_as_calls = parser.finishes_as_calls
+
+    def read(self, text: str, final: bool) -> Reading:
+        reading = self._parser.read(text, final)
+        return Reading(reading.content, reading.calls[:1])
 
 
 def _call_list(text: str, start: int, separator: str) -> tuple[list[CallText], str]:

@@ -29,9 +29,10 @@ def message(reading: Reading, ids: list[str]) -> dict[str, Any]:
     return body
 
 
-def finish_reason(reading: Reading, engine_reason: str | None) -> str | None:
-    """A reply that stopped after its calls finishes with "tool_calls", as OpenAI's do."""
-    return "tool_calls" if reading.calls and engine_reason == "stop" else engine_reason
+def finish_reason(parser: ToolCallParser, reading: Reading, engine_reason: str | None) -> str | None:
+    """A reply that stopped after its calls finishes with "tool_calls", as OpenAI's do (a named
+    function's: "stop", as OpenAI's and vLLM's)."""
+    return "tool_calls" if reading.calls and engine_reason == "stop" and parser.finishes_as_calls else engine_reason
 
 
 @dataclass
