@@ -1,6 +1,7 @@
 """A decode worker killed (SIGKILL) mid-stream: the gateway resumes the request on the other decode
 worker from what the client already has, and the client's stream goes on as if nothing happened,
-through the gRPC API and the OpenAI HTTP API; with `--max-migrations 0` the client gets UNAVAILABLE.
+through the gRPC API and the OpenAI HTTP API, a structured output of every kind still matching its
+constraint; with `--max-migrations 0` the client gets UNAVAILABLE.
 
 Real processes on loopback: one prefill worker, two decode workers, and three gateways in front of
 them: the default limit, none, and one that knows the decode workers as colocated, so they compute
@@ -18,8 +19,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
+import jsonschema
 import openai
 import pytest
+from constrained_replies import TAG, TAGGED, tagged_records
 from reference import PINNED_FLAGS, ReferenceRun, check_runs, check_text, margins_of
 
 from engine.offline import Completion, generate
@@ -199,30 +202,46 @@ def test_openai_stream_goes_on_when_its_decode_worker_is_killed(mesh, kill, refe
     assert_no_leaks(_survivors(mesh, killed))
 
 
-def test_a_structured_output_resumes_its_grammar_on_the_new_worker(mesh, kill):
+CITY_LIST = {"type": "object", "properties": {"cities": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                      "minItems": 3, "maxItems": 3}},
+             "required": ["cities"], "additionalProperties": False}
+SENTENCES = ["Paris is the largest city of France, on the river Seine.",
+             "Lyon is the third city of France, where two rivers meet."]
+WORDS = r"([A-Z][a-z]{2,8}, ){5}[A-Z][a-z]{2,8}\."
+LIST_GRAMMAR = 'start: CITY (", " CITY)~5 "."\nCITY: /[A-Z][a-z]{2,8}/'
+# Every kind with replies long enough to be cut after KILL_AFTER_TOKENS: the constraint, the prompt
+# and the check of the whole reply.
+MIGRATED_KINDS = {
+    "json": ({"json": CITY_LIST}, "Three cities of France, as JSON:",
+             lambda text: jsonschema.validate(json.loads(text), CITY_LIST) is None),
+    "json_object": ({"json_object": True}, '{"country": "France", "capital": "Paris"}\n{"country": "Italy", '
+                    '"capital": "Rome"}\n', lambda text: isinstance(json.loads(text), dict)),
+    "regex": ({"regex": WORDS}, "Six cities of France:", lambda text: re.fullmatch(WORDS, text) is not None),
+    "choice": ({"choice": SENTENCES}, "The largest city of France:", lambda text: text in SENTENCES),
+    "grammar": ({"grammar": LIST_GRAMMAR}, "Six cities of France:", lambda text: re.fullmatch(WORDS, text) is not None),
+    "structural_tag": ({"structural_tag": json.dumps(TAG)}, TAGGED, lambda text: tagged_records(text, cut=True) >= 1),
+}
+
+
+@pytest.mark.parametrize("kind", list(MIGRATED_KINDS))
+def test_a_structured_output_resumes_its_grammar_on_the_new_worker(mesh, kill, kind):
     """The new decode worker rebuilds the grammar from the spec and the tokens already streamed: the
-    migrated reply still matches its schema (and ends when the schema is complete)."""
-    schema = {"type": "object", "properties": {"cities": {"type": "array", "items": {"type": "string",
-                                                                                     "maxLength": 12},
-                                                          "minItems": 3, "maxItems": 3}},
-              "required": ["cities"], "additionalProperties": False}
+    migrated reply still matches its constraint, whatever its kind (and ends when it is complete)."""
+    constraint, prompt, matches = MIGRATED_KINDS[kind]
     client = openai.OpenAI(base_url=f"http://{mesh.gateway.http_address}/v1", api_key="unused", max_retries=0,
                            timeout=RPC_TIMEOUT_S)
     [model] = client.models.list().data
     texts, killed, finish = [], None, None
-    stream = client.completions.create(
-        model=model.id, prompt="Three cities of France, as JSON:", max_tokens=MAX_TOKENS, temperature=0.0,
-        stream=True, extra_body={"structured_outputs": {"json": schema}})
+    stream = client.completions.create(model=model.id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+                                       stream=True, extra_body={"structured_outputs": constraint})
     for event in stream:
         if event.choices:
             texts.append(event.choices[0].text)
             finish = event.choices[0].finish_reason or finish
         if killed is None and len(texts) >= KILL_AFTER_TOKENS:
             killed = kill()
-    assert killed is not None and finish == "stop"
-    value = json.loads("".join(texts))
-    assert isinstance(value["cities"], list) and len(value["cities"]) == 3 and set(value) == {"cities"}
-    assert all(isinstance(city, str) and len(city) <= 12 for city in value["cities"])
+    text = "".join(texts)
+    assert killed is not None and (finish == "stop" or kind == "structural_tag") and matches(text), (kind, text)
     assert_no_leaks(_survivors(mesh, killed))
 
 
