@@ -119,14 +119,26 @@ def kill(mesh: Mesh) -> Iterator[Callable[[], WorkerProcess]]:
 
 
 def _replace(mesh: Mesh, killed: WorkerProcess) -> None:
+    """Restart the killed decode worker on its port; return once every gateway routes to it: SERVING
+    and its load reports arriving (the gateway's watch of them reconnects with a backoff, and a
+    request migrated off the other worker before that finds no worker to go to)."""
     address = _address(killed.args)
     seen = {gateway: _serving_lines(gateway, address) for gateway in mesh.gateways}
     mesh.decode[mesh.decode.index(killed)] = start_worker(killed.args)
     killed.log_path.unlink(missing_ok=True)
     deadline = time.monotonic() + DEADLINE_S
-    while any(_serving_lines(gateway, address) <= count for gateway, count in seen.items()):
-        assert time.monotonic() < deadline, "a gateway does not see the restarted decode worker"
+    while any(_serving_lines(gateway, address) <= count or not _routable(gateway, address)
+              for gateway, count in seen.items()):
+        assert time.monotonic() < deadline, "a gateway does not route to the restarted decode worker"
         time.sleep(0.1)
+
+
+def _routable(gateway: WorkerProcess, address: str) -> bool:
+    """Whether the gateway's tandem:worker_routable is 1 for the worker at `address`."""
+    with urllib.request.urlopen(f"http://{gateway.http_address}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return re.search(rf'^tandem:worker_routable{{[^}}]*worker="{re.escape(address)}"[^}}]*}} 1\.0$', text,
+                     re.MULTILINE) is not None
 
 
 def _serving_lines(gateway: WorkerProcess, address: str) -> int:
@@ -203,22 +215,27 @@ def test_openai_stream_goes_on_when_its_decode_worker_is_killed(mesh, kill, refe
 
 
 CITY_LIST = {"type": "object", "properties": {"cities": {"type": "array", "items": {"type": "string", "maxLength": 12},
-                                                      "minItems": 3, "maxItems": 3}},
+                                                      "minItems": 6, "maxItems": 6}},
              "required": ["cities"], "additionalProperties": False}
-SENTENCES = ["Paris is the largest city of France, on the river Seine.",
-             "Lyon is the third city of France, where two rivers meet."]
-WORDS = r"([A-Z][a-z]{2,8}, ){5}[A-Z][a-z]{2,8}\."
-LIST_GRAMMAR = 'start: CITY (", " CITY)~5 "."\nCITY: /[A-Z][a-z]{2,8}/'
-# Every kind with replies long enough to be cut after KILL_AFTER_TOKENS: the constraint, the prompt
-# and the check of the whole reply.
+SENTENCES = ["Paris is the largest city of France, on the river Seine, with more than two million people living "
+             "inside its ring road and twelve million in its region.",
+             "Lyon is the third city of France, where the Rhone and the Saone meet, known for its silk, its old town "
+             "and its food."]
+WORDS = r"([A-Z][a-z]{2,8}, ){11}[A-Z][a-z]{2,8}\."
+LIST_GRAMMAR = 'start: CITY (", " CITY)~11 "."\nCITY: /[A-Z][a-z]{2,8}/'
+OBJECTS = ('{"country": "France", "capital": "Paris", "largest cities": ["Paris", "Marseille", "Lyon", "Toulouse"], '
+           '"river": "Seine"}\n{"country": "Italy", "capital": "Rome", "largest cities": ["Rome", "Milan", "Naples", '
+           '"Turin"], "river": "Tiber"}\n')
+# Every kind with replies long enough (30 tokens and more) that the kill after KILL_AFTER_TOKENS
+# finds them running: the constraint, the prompt and the check of the whole reply.
 MIGRATED_KINDS = {
-    "json": ({"json": CITY_LIST}, "Three cities of France, as JSON:",
+    "json": ({"json": CITY_LIST}, "Six cities of France, as JSON:",
              lambda text: jsonschema.validate(json.loads(text), CITY_LIST) is None),
-    "json_object": ({"json_object": True}, '{"country": "France", "capital": "Paris"}\n{"country": "Italy", '
-                    '"capital": "Rome"}\n', lambda text: isinstance(json.loads(text), dict)),
-    "regex": ({"regex": WORDS}, "Six cities of France:", lambda text: re.fullmatch(WORDS, text) is not None),
+    "json_object": ({"json_object": True}, OBJECTS, lambda text: isinstance(json.loads(text), dict)),
+    "regex": ({"regex": WORDS}, "Twelve cities of France:", lambda text: re.fullmatch(WORDS, text) is not None),
     "choice": ({"choice": SENTENCES}, "The largest city of France:", lambda text: text in SENTENCES),
-    "grammar": ({"grammar": LIST_GRAMMAR}, "Six cities of France:", lambda text: re.fullmatch(WORDS, text) is not None),
+    "grammar": ({"grammar": LIST_GRAMMAR}, "Twelve cities of France:",
+                lambda text: re.fullmatch(WORDS, text) is not None),
     "structural_tag": ({"structural_tag": json.dumps(TAG)}, TAGGED, lambda text: tagged_records(text, cut=True) >= 1),
 }
 
