@@ -71,12 +71,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             trailers.append((MODEL_VERSION_TRAILER, target.fingerprint))
             async for chunk in self.service.generate(core_request, deadline, target):
                 response = gateway_pb2.GenerateResponse(request_id=chunk.request_id, chunk=chunk_to_proto(chunk))
-                text += chunk.text
-                if tools.parser is not None and chunk.finish_reason is not None:
-                    reading = tools.parser.read(text, final=True)
-                    response.content = reading.content or ""
-                    response.tool_calls.extend(gateway_pb2.ToolCall(id=call_id(), name=call.name,
-                                                                    arguments=call.arguments) for call in reading.calls)
+                if tools.parser is not None:
+                    text += chunk.text
+                    if chunk.finish_reason is not None:
+                        reading = tools.parser.read(text, final=True)
+                        response.content = reading.content or ""
+                        response.tool_calls.extend(gateway_pb2.ToolCall(id=call_id(), name=call.name,
+                                                                        arguments=call.arguments)
+                                                   for call in reading.calls)
                 yield response
         except (StatusError, ValueError) as error:
             await abort_with(context, error, [*trailers, *self._rate_limits(core_request)])
@@ -129,8 +131,7 @@ def _tools_from_proto(msg: gateway_pb2.GenerateRequest) -> list[Tool]:
             raise ValueError(f"tools.{index}.parameters_json: not JSON: {error}") from None
         if parameters is not None and not isinstance(parameters, dict):
             raise ValueError(f"tools.{index}.parameters_json: a JSON schema is an object")
-        tools.append(Tool(tool.name, tool.description, parameters) if parameters is not None else
-                     Tool(tool.name, tool.description))
+        tools.append(Tool.declared(tool.name, tool.description, parameters))
     return checked_tools(tools)
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import openai
 import pytest
-from shared_pool import Pool, start_pool
+from shared_pool import Pool, openai_client, start_pool
 
 from harness.leak_check import assert_no_leaks
+from harness.worker import WorkerProcess
 
 _HERE = Path(__file__).parent
 _running: list[Pool] = []
@@ -25,6 +27,18 @@ def shared_pool() -> Pool:
     _running.append(pool)
     yield pool
     _stop_pool()
+
+
+@pytest.fixture(scope="module")
+def clients(gateways: list[WorkerProcess]) -> list[openai.OpenAI]:
+    """The SDK's client of each gateway a module puts in front of the pool (its `gateways` fixture)."""
+    return [openai_client(gateway) for gateway in gateways]
+
+
+@pytest.fixture(scope="module")
+def model_id(clients: list[openai.OpenAI]) -> str:
+    """The model those gateways serve."""
+    return clients[0].models.list().data[0].id
 
 
 @pytest.fixture(scope="module")

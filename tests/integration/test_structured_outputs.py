@@ -21,12 +21,10 @@ from constrained_replies import (
     check_structured_output_kinds,
 )
 from engine_runs import output_tokens, run_requests
-from shared_pool import Pool, openai_client, pair_gateways
+from shared_pool import Pool, pair_gateways
 
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import StructuredOutput
-
-TIMEOUT_S = 300.0
 
 
 class City(pydantic.BaseModel):
@@ -40,16 +38,6 @@ def gateways(pool: Pool):
     """(plain, speculating): each pairs a prefill worker with one decode worker of the pool."""
     with pair_gateways(pool) as processes:
         yield processes
-
-
-@pytest.fixture(scope="module")
-def clients(gateways) -> list[openai.OpenAI]:
-    return [openai_client(gateway, TIMEOUT_S) for gateway in gateways]
-
-
-@pytest.fixture(scope="module")
-def model_id(clients) -> str:
-    return clients[0].models.list().data[0].id
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["plain", "speculating"])

@@ -14,7 +14,7 @@ import openai
 import pydantic
 import pytest
 from constrained_replies import ASK, TOOLS, check_forced_tool_calls
-from shared_pool import Pool, openai_client, pair_gateways
+from shared_pool import Pool, pair_gateways
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 TIMEOUT_S = 300.0
@@ -38,16 +38,6 @@ def gateways(pool: Pool):
     second, in front of the speculating one, does not."""
     with pair_gateways(pool, AUTO_FLAGS) as processes:
         yield processes
-
-
-@pytest.fixture(scope="module")
-def clients(gateways) -> list[openai.OpenAI]:
-    return [openai_client(gateway, TIMEOUT_S) for gateway in gateways]
-
-
-@pytest.fixture(scope="module")
-def model_id(clients) -> str:
-    return clients[0].models.list().data[0].id
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["plain", "speculating"])

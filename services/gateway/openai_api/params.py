@@ -78,8 +78,7 @@ def chat_prompt(body: ChatBody, tools: Sequence[Tool] = ()) -> ChatPrompt:
 def chat_tools(body: ChatBody, flags: ToolFlags) -> tuple[ToolUse, tuple[Tool, ...]]:
     """How the body's `tools` and `tool_choice` shape its reply, and the tools its prompt describes;
     ValueError naming the field (services.gateway.tools.choice)."""
-    tools = checked_tools([Tool(t.function.name, t.function.description, t.function.parameters)
-                           if t.function.parameters is not None else Tool(t.function.name, t.function.description)
+    tools = checked_tools([Tool.declared(t.function.name, t.function.description, t.function.parameters)
                            for t in body.tools or ()])
     choice = body.tool_choice
     use = tool_use(tools, choice.function.name if isinstance(choice, NamedToolChoice) else choice,

@@ -58,6 +58,11 @@ class Tool:
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=lambda: dict(_NO_PARAMETERS))
 
+    @classmethod
+    def declared(cls, name: str, description: str, parameters: dict[str, Any] | None) -> Tool:
+        """The tool as a request declares it (`parameters` None: it takes no arguments)."""
+        return cls(name, description) if parameters is None else cls(name, description, parameters)
+
     def openai(self) -> dict[str, Any]:
         """The tool as OpenAI's tool object (what chat templates render)."""
         return {"type": "function", "function": {"name": self.name, "description": self.description,
