@@ -55,8 +55,43 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): each token's `top_k` experts of
+    `num_experts` by the router's softmax, their SwiGLU outputs summed by those probabilities
+    (renormalised over the top k where `normalize_top_k`), plus, for Qwen2-MoE, a shared expert of
+    `shared_intermediate_size` features always run and scaled by sigmoid(its gate) where `shared_gate`.
+
+    A rank's shard holds the experts `experts_held` (a range of ids: all of them, or its share under
+    expert parallelism), each with `intermediate_size` features (its share under tensor parallelism).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalize_top_k: bool
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    shared_gate: bool = False
+    experts_held: tuple[int, int] | None = None  # [first, last) held here; None: every expert
+
+    @property
+    def held(self) -> range:
+        """The ids of the experts this shard computes."""
+        first, last = self.experts_held or (0, self.num_experts)
+        return range(first, last)
+
+    def __post_init__(self) -> None:
+        _require(self.num_experts > 0, "num_experts", f"must be positive, got {self.num_experts}")
+        _require(0 < self.top_k <= self.num_experts, "num_experts_per_tok",
+                 f"must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        _require(self.intermediate_size > 0, "moe_intermediate_size", f"must be positive, got {self.intermediate_size}")
+        _require(self.shared_intermediate_size >= 0, "shared_expert_intermediate_size",
+                 f"must not be negative, got {self.shared_intermediate_size}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2 with QKV bias)."""
+    """Shape of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2 with QKV bias, Qwen3 with
+    per-head q/k norms), its MLP dense or a mixture of experts (`moe`)."""
 
     vocab_size: int
     hidden_size: int
@@ -74,6 +109,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before the rotary embedding
+    moe: MoEConfig | None = None  # None: every layer's MLP is dense
+    architecture: str = "LlamaForCausalLM"  # the HF class name it was read as, for load reports
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -169,6 +207,9 @@ class EngineConfig:
     # Ranks (processes) the model is split across, Megatron-style (engine.parallel); each holds its
     # shard of the weights and of the KV cache, `cache` being each rank's budget.
     tensor_parallel_size: int = 1
+    # A mixture of experts' experts split whole over those ranks (EP size = TP size, as vLLM's
+    # --enable-expert-parallel without data parallelism) instead of each expert's features.
+    enable_expert_parallel: bool = False
     # What the worker serves the weights as (vLLM's served_model_name; None: the file's name up to
     # its first dot), and which of the model repository's versions they are ("" outside one).
     served_model_name: str | None = None

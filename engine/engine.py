@@ -78,7 +78,7 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device)
         size = config.tensor_parallel_size
-        layout = TensorParallelLayout(size, 0)
+        layout = TensorParallelLayout.of(config, 0)
         if files is not None:  # a size the model cannot take is refused before any rank starts
             layout.check(files.config)
         # The other ranks of a tensor-parallel engine start loading beside this one (engine.parallel).

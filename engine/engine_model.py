@@ -64,6 +64,7 @@ def load_engine_model(config: EngineConfig, files: ModelFiles | None, layout: Te
     else:
         check_requested(config.quantization, files.stored_format, files.source)
         shard = shard_files(files, layout)
+    layout.check(files.config)  # at size 1 no tensor was cut, yet an expert layout of a dense model is refused
     quantization = choose_quantization(config.quantization, files.quantized_as, config.device)
     formats = resolve_formats(config, hardware, quantization)
     block_size = config.cache.block_size

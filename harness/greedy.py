@@ -33,6 +33,7 @@ class Checkpoint:
     path: str | None
     quantization: str = "none"
     cpu_weights: str = "fp32"
+    expert_parallel: bool = False  # a mixture of experts' experts split whole over the ranks
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def _rank(rank: int, size: int, port: int, checkpoint: Checkpoint, prompt: list[
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
-        layout = TensorParallelLayout(size, rank)
+        layout = TensorParallelLayout(size, rank, checkpoint.expert_parallel)
         model, _ = load(checkpoint, layout, group=dist.group.WORLD)
         run = greedy(model, prompt, steps)
         if rank == 0:

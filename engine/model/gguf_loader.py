@@ -61,7 +61,9 @@ def load_gguf(path: str, dtype: torch.dtype, keep: KeepWeight | None = None) -> 
             if heads is not None:
                 array = array[_rope_row_order(shape[0], heads)]
             weight = _to_tensor(array, dtype)
-        weights[name] = weight if keep is None else keep(config, name, weight)
+        held = weight if keep is None else keep(config, name, weight)
+        if held is not None:
+            weights[name] = held
     return config, weights, dequantized
 
 

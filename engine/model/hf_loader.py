@@ -5,18 +5,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig, RopeScaling
+from engine.config import MoEConfig, ModelConfig, RopeScaling
 from engine.model.gptq_awq import take_quantized
 from engine.model.quant_config import CheckpointQuantization, check_requested, read_checkpoint_quantization
 from engine.model.quantized import KeepWeight, QuantizedWeight
 
-_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                  "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # a bias on q/k/v, never on o
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Mixtral's checkpoint names for its MoE tensors; the model reads Qwen-MoE's ("mlp.gate", "mlp.experts.E.gate_proj").
+_MIXTRAL_NAMES = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.w[123])\.weight")
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 _SHARD_INDEX = "model.safetensors.index.json"
 
@@ -47,16 +54,21 @@ def load_hf_dir(path: str, dtype: torch.dtype, requested: str = "auto", keep: Ke
     tensors: dict[str, torch.Tensor] = {}
     for shard in safetensors_files(path):
         with safe_open(shard, framework="pt") as file:
-            for name in file.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
-                tensor = file.get_tensor(name)
+            for stored in file.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
+                tensor = file.get_tensor(stored)
+                name = model_tensor_name(stored)
                 if keep is not None and quantization is None:
-                    tensor = keep(config, name, tensor.to(dtype))
+                    held = keep(config, name, tensor.to(dtype))
+                    if held is None:
+                        continue
+                    tensor = held
                 tensors[name] = tensor
     quantized = {} if quantization is None else take_quantized(tensors, quantization)
     weights = {name: tensor.to(dtype) for name, tensor in tensors.items()}
     if keep is not None and quantization is not None:  # packed layers are cut once unpacked
-        quantized = {name: keep(config, name, weight) for name, weight in quantized.items()}
-        weights = {name: keep(config, name, weight) for name, weight in weights.items()}
+        quantized = {name: held for name, weight in quantized.items()
+                     if (held := keep(config, name, weight)) is not None}
+        weights = {name: held for name, weight in weights.items() if (held := keep(config, name, weight)) is not None}
     # Old Llama checkpoints carry RoPE buffers; tied checkpoints may still store the head (transformers
     # ignores it and ties), so neither is a weight this model has.
     for name in [n for n in weights if n.endswith("rotary_emb.inv_freq")]:
@@ -67,6 +79,18 @@ def load_hf_dir(path: str, dtype: torch.dtype, requested: str = "auto", keep: Ke
             raise ValueError("lm_head.qweight: a packed LM head on a model with tie_word_embeddings is not supported")
     _drop_zero_biases(weights, quantized, config)
     return HFCheckpoint(config, weights, quantized, quantization)
+
+
+def model_tensor_name(name: str) -> str:
+    """The name the model reads a checkpoint tensor under: Mixtral's MoE tensors renamed, every other as stored."""
+    match = _MIXTRAL_NAMES.fullmatch(name)
+    if match is None:
+        return name
+    layer, part = match.groups()
+    if part == "gate":
+        return f"{layer}mlp.gate.weight"
+    _, expert, which = part.split(".")
+    return f"{layer}mlp.experts.{expert}.{_MIXTRAL_EXPERT[which]}.weight"
 
 
 def _drop_zero_biases(weights: dict[str, torch.Tensor], quantized: dict[str, QuantizedWeight],
@@ -99,13 +123,14 @@ def config_from_hf(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     architectures = raw.get("architectures") or []
     if not architectures or architectures[0] not in _ARCHITECTURES:
         raise ValueError(f"unsupported architectures {architectures!r}; supported: {', '.join(_ARCHITECTURES)}")
-    is_qwen2 = architectures[0] == "Qwen2ForCausalLM"
+    architecture = architectures[0]
+    qkv_bias = architecture in _QKV_BIAS and bool(raw.get("qkv_bias", True))
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act: unsupported {raw['hidden_act']!r} (only 'silu')")
     if raw.get("mlp_bias", False):
         raise ValueError("mlp_bias: unsupported")
-    if not is_qwen2 and raw.get("attention_bias", False):
-        raise ValueError("attention_bias: unsupported for Llama/Mistral (it includes an o_proj bias)")
+    if architecture not in _QKV_BIAS and raw.get("attention_bias", False):
+        raise ValueError(f"attention_bias: unsupported for {architecture} (it includes an o_proj bias)")
     max_positions = int(raw["max_position_embeddings"])
     _reject_sliding_window(raw, max_positions)
     num_heads = int(raw["num_attention_heads"])
@@ -123,12 +148,34 @@ def config_from_hf(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         rope_theta=float(rope_params.get("rope_theta", raw.get("rope_theta", 10000.0))),
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=is_qwen2,
+        attention_bias=qkv_bias,
         rope_scaling=_rope_scaling(rope_params, max_positions),
         bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         name=name,
+        qk_norm=architecture in _QK_NORM,
+        moe=_moe_config(raw, architecture),
+        architecture=architecture,
     )
+
+
+def _moe_config(raw: dict[str, Any], architecture: str) -> MoEConfig | None:
+    """The MoE MLP of a Mixtral, Qwen2-MoE or Qwen3-MoE config; ValueError naming a variant not served."""
+    if architecture == "MixtralForCausalLM":
+        return MoEConfig(num_experts=int(raw["num_local_experts"]), top_k=int(raw["num_experts_per_tok"]),
+                         intermediate_size=int(raw["intermediate_size"]), normalize_top_k=True)
+    if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return None
+    # Dense layers among the sparse ones (Qwen's mlp_only_layers, decoder_sparse_step > 1) are not served.
+    if raw.get("mlp_only_layers"):
+        raise ValueError(f"mlp_only_layers: unsupported {raw['mlp_only_layers']!r} (every layer must be sparse)")
+    if int(raw.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError(f"decoder_sparse_step: unsupported {raw['decoder_sparse_step']} (only 1)")
+    shared = int(raw.get("shared_expert_intermediate_size") or 0) if architecture == "Qwen2MoeForCausalLM" else 0
+    return MoEConfig(num_experts=int(raw.get("num_experts") or raw["num_local_experts"]),
+                     top_k=int(raw["num_experts_per_tok"]), intermediate_size=int(raw["moe_intermediate_size"]),
+                     normalize_top_k=bool(raw.get("norm_topk_prob", False)), shared_intermediate_size=shared,
+                     shared_gate=shared > 0)
 
 
 def _reject_sliding_window(raw: dict[str, Any], max_positions: int) -> None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.model.moe import Expert, SparseMoE
 from engine.model.quantized import QuantizedWeight
 from engine.model.quantized_linear import QuantizedLinear
 from engine.model.rope import RotaryEmbedding, apply_rotary
@@ -84,8 +85,10 @@ class LlamaDecoderLayer(torch.nn.Module):
     """One pre-norm block; q/k/v and gate/up are fused so each is a single product.
 
     The products (`linears`) are built by `LlamaForCausalLM.load_weights` in the weight format
-    chosen at load; the norms' weights (and Qwen2's QKV bias) are parameters; `norm`, `rotate`
-    and `gate` compute RMSNorm, the rotary embedding and SwiGLU's gating (`ModelPlan`).
+    chosen at load, and so is the mixture of experts (`moe`) that replaces the dense MLP where the
+    model has one; the norms' weights (Qwen3's per-head q/k norms too, and Qwen2's QKV bias) are
+    parameters; `norm`, `rotate` and `gate` compute RMSNorm, the rotary embedding and SwiGLU's
+    gating (`ModelPlan`).
     """
 
     def __init__(self, config: ModelConfig, attention: AttentionBackend, plan: ModelPlan) -> None:
@@ -100,7 +103,10 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.qkv_bias = _empty_parameter(qkv_rows) if config.attention_bias else None
         self.input_layernorm = _empty_parameter(config.hidden_size)
         self.post_attention_layernorm = _empty_parameter(config.hidden_size)
+        self.q_norm = _empty_parameter(config.head_dim) if config.qk_norm else None
+        self.k_norm = _empty_parameter(config.head_dim) if config.qk_norm else None
         self.linears: dict[str, Product] = {}
+        self.moe: Product | None = None  # the MoE MLP (made whole across ranks), where the model has one
         self.norm = plan.norm
         self.rotate = plan.rotate
         self.gate = plan.gate
@@ -117,17 +123,23 @@ class LlamaDecoderLayer(torch.nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.linears["qkv"](self.norm(hidden, self.input_layernorm, self.eps))
         qk_heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            qk = torch.cat((self.norm(q, self.q_norm, self.eps), self.norm(k, self.k_norm, self.eps)), dim=1)
         # Q and K rotate by the same angles, so they are rotated together in one pass.
-        qk = self.rotate(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim), cos, sin)
+        qk = self.rotate(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return hidden + self.linears["o"](out.reshape(num_tokens, -1))
 
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden + SwiGLU(norm(hidden))."""
-        gate_up = self.linears["gate_up"](self.norm(hidden, self.post_attention_layernorm, self.eps))
-        return hidden + self.linears["down"](self.gate(gate_up))
+        """hidden + SwiGLU(norm(hidden)), or + the mixture of experts over norm(hidden)."""
+        normed = self.norm(hidden, self.post_attention_layernorm, self.eps)
+        if self.moe is not None:
+            return hidden + self.moe(normed)
+        return hidden + self.linears["down"](self.gate(self.linears["gate_up"](normed)))
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -232,12 +244,19 @@ class LlamaForCausalLM(torch.nn.Module):
             parameter(layer.post_attention_layernorm, f"{prefix}post_attention_layernorm.weight")
             if layer.qkv_bias is not None:
                 layer.qkv_bias.copy_(torch.cat([weights[f"{attn}{p}_proj.bias"] for p in "qkv"]))  # type: ignore[misc]
+            if layer.q_norm is not None and layer.k_norm is not None:
+                parameter(layer.q_norm, f"{attn}q_norm.weight")
+                parameter(layer.k_norm, f"{attn}k_norm.weight")
             layer.linears = {
                 "qkv": formats.product("qkv", parts(*(f"{attn}{p}_proj.weight" for p in "qkv")), layer.qkv_bias),
                 "o": row_parallel(formats.product("o", parts(f"{attn}o_proj.weight"))),
-                "gate_up": formats.product("gate_up", parts(f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight")),
-                "down": row_parallel(formats.product("down", parts(f"{mlp}down_proj.weight"))),
             }
+            if self.config.moe is None:
+                layer.linears["gate_up"] = formats.product("gate_up", parts(f"{mlp}gate_proj.weight",
+                                                                            f"{mlp}up_proj.weight"))
+                layer.linears["down"] = row_parallel(formats.product("down", parts(f"{mlp}down_proj.weight")))
+            else:
+                layer.moe = row_parallel(self._moe(mlp, weights, formats, layer.gate))
         embedding = weights["model.embed_tokens.weight"]
         if self.config.tie_word_embeddings:
             self.embed, self.head = formats.tied("model.embed_tokens.weight", embedding)
@@ -246,6 +265,24 @@ class LlamaForCausalLM(torch.nn.Module):
             self.head = formats.product("lm_head", parts("lm_head.weight"))
         if sharded is not None:
             self.embed = sharded.embedding(self.embed)
+
+    def _moe(self, mlp: str, weights: Mapping[str, Weight], formats: WeightFormat, gate: Gate) -> SparseMoE:
+        """One layer's mixture of experts from the tensors under `mlp` ("model.layers.N.mlp.")."""
+        moe = self.config.moe
+        assert moe is not None
+
+        def expert(prefix: str, kind: str) -> Expert:
+            gate_up = formats.product(f"{kind}_gate_up", [(f"{prefix}{p}_proj.weight", weights[f"{prefix}{p}_proj.weight"])
+                                                          for p in ("gate", "up")])
+            down = formats.product(f"{kind}_down", [(f"{prefix}down_proj.weight", weights[f"{prefix}down_proj.weight"])])
+            return Expert(gate_up, down, gate)
+
+        experts = {e: expert(f"{mlp}experts.{e}.", "expert") for e in moe.held}
+        shared = expert(f"{mlp}shared_expert.", "shared_expert") if moe.shared_intermediate_size else None
+        shared_gate = (formats.unquantized("shared_expert_gate", f"{mlp}shared_expert_gate.weight",
+                                           weights[f"{mlp}shared_expert_gate.weight"]) if moe.shared_gate else None)
+        router = formats.unquantized("router", f"{mlp}gate.weight", weights[f"{mlp}gate.weight"])
+        return SparseMoE(moe, router, experts, shared, shared_gate)
 
     def _weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF tensor name -> the shape the model expects."""
@@ -265,12 +302,33 @@ class LlamaForCausalLM(torch.nn.Module):
                 if config.attention_bias:
                     shapes[f"{prefix}self_attn.{proj}_proj.bias"] = (rows,)
             shapes[f"{prefix}self_attn.o_proj.weight"] = (hidden, q_rows)
-            shapes[f"{prefix}mlp.gate_proj.weight"] = (inter, hidden)
-            shapes[f"{prefix}mlp.up_proj.weight"] = (inter, hidden)
-            shapes[f"{prefix}mlp.down_proj.weight"] = (hidden, inter)
+            if config.qk_norm:
+                shapes[f"{prefix}self_attn.q_norm.weight"] = (config.head_dim,)
+                shapes[f"{prefix}self_attn.k_norm.weight"] = (config.head_dim,)
+            shapes.update(_mlp_shapes(config, f"{prefix}mlp."))
             shapes[f"{prefix}input_layernorm.weight"] = (hidden,)
             shapes[f"{prefix}post_attention_layernorm.weight"] = (hidden,)
         return shapes
+
+
+def _mlp_shapes(config: ModelConfig, mlp: str) -> dict[str, tuple[int, ...]]:
+    """The MLP's tensors under `mlp`: dense SwiGLU, or the router, the experts held and the shared expert."""
+    hidden, moe = config.hidden_size, config.moe
+
+    def swiglu(prefix: str, inter: int) -> dict[str, tuple[int, ...]]:
+        return {f"{prefix}gate_proj.weight": (inter, hidden), f"{prefix}up_proj.weight": (inter, hidden),
+                f"{prefix}down_proj.weight": (hidden, inter)}
+
+    if moe is None:
+        return swiglu(mlp, config.intermediate_size)
+    shapes = {f"{mlp}gate.weight": (moe.num_experts, hidden)}
+    for expert in moe.held:
+        shapes.update(swiglu(f"{mlp}experts.{expert}.", moe.intermediate_size))
+    if moe.shared_intermediate_size:
+        shapes.update(swiglu(f"{mlp}shared_expert.", moe.shared_intermediate_size))
+    if moe.shared_gate:
+        shapes[f"{mlp}shared_expert_gate.weight"] = (1, hidden)
+    return shapes
 
 
 def _not_loaded(x: torch.Tensor) -> torch.Tensor:

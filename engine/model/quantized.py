@@ -71,6 +71,7 @@ class QuantizedWeight:
 
 
 Weight = torch.Tensor | QuantizedWeight
-# (the model's config, a tensor's HF name, the tensor as read) -> the part of it to hold
-# (a tensor-parallel rank's shard: engine.parallel.shard.shard_tensor)
-KeepWeight = Callable[["ModelConfig", str, Weight], Weight]
+# (the model's config, a tensor's HF name, the tensor as read) -> the part of it to hold (a
+# tensor-parallel rank's shard: engine.parallel.shard.shard_tensor), None for none of it (an expert
+# another rank holds)
+KeepWeight = Callable[["ModelConfig", str, Weight], Weight | None]

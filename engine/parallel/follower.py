@@ -31,7 +31,7 @@ def follow(config: EngineConfig, rank: int, port: int, threads: int) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group = join_group(port, rank, config.tensor_parallel_size, device)
-    loaded = load_engine_model(config, None, TensorParallelLayout(config.tensor_parallel_size, rank), group, device)
+    loaded = load_engine_model(config, None, TensorParallelLayout.of(config, rank), group, device)
     group.barrier().wait()
     model, cache = loaded.model, loaded.cache
     heads = RankKVHeads(loaded.config, config.tensor_parallel_size, group)

@@ -7,10 +7,16 @@ all-reduce completes. Integer-group weights (engine.model.quantized) split the s
 keeps whole groups, a column split must fall on a group boundary (refused by name otherwise), and a
 GPTQ act-order weight, whose columns are a permutation of the input features, is refused under a
 column split rather than regrouped. Norm weights are replicated.
+
+A mixture of experts' tensors split as engine.parallel.layout says: each expert's (and the shared
+expert's) gate/up rows and down columns by the rank's share of their intermediate features, or under
+expert parallelism whole experts, the others' not held at all; the router and the shared expert's
+gate are replicated.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -69,13 +75,32 @@ _SPLITS = {
     "down_proj.weight": (columns, "inter"),
     "embed_tokens.weight": (rows, "vocab"), "lm_head.weight": (rows, "vocab"),
 }
+_EXPERT = re.compile(r".*\.mlp\.(?:experts\.(\d+)|shared_expert)\.(gate|up|down)_proj\.weight")
 
 
-def shard_tensor(layout: TensorParallelLayout, config: ModelConfig, name: str, weight: Weight) -> Weight:
-    """Rank `layout.rank`'s part of one tensor of `config`'s model (norms: the whole tensor). A
-    loader calls it on each tensor as it reads it (engine.model.loader), so a rank never holds the
-    whole model. ValueError naming the numbers for a size the model cannot take."""
+def _shard_expert(layout: TensorParallelLayout, config: ModelConfig, name: str, weight: Weight,
+                  match: re.Match[str]) -> Weight | None:
+    expert, proj = match.groups()
+    if expert is None:
+        keep = layout.shared_intermediate(config)
+    elif int(expert) not in layout.experts(config):
+        return None
+    else:
+        keep = layout.expert_intermediate(config)
+    if len(keep) == weight.shape[0 if proj != "down" else 1]:
+        return weight
+    return columns(name, weight, keep) if proj == "down" else rows(name, weight, keep)
+
+
+def shard_tensor(layout: TensorParallelLayout, config: ModelConfig, name: str, weight: Weight) -> Weight | None:
+    """Rank `layout.rank`'s part of one tensor of `config`'s model (norms: the whole tensor; None:
+    an expert another rank holds). A loader calls it on each tensor as it reads it
+    (engine.model.loader), so a rank never holds the whole model. ValueError naming the numbers for
+    a size the model cannot take."""
     layout.check(config)
+    expert = _EXPERT.fullmatch(name) if config.moe is not None else None
+    if expert is not None:
+        return _shard_expert(layout, config, name, weight, expert)
     rule = _SPLITS.get(".".join(name.split(".")[-2:]))
     if rule is None:
         return weight
@@ -90,7 +115,8 @@ def shard_tensor(layout: TensorParallelLayout, config: ModelConfig, name: str, w
 def shard_weights(weights: Mapping[str, Weight], config: ModelConfig,
                   layout: TensorParallelLayout) -> dict[str, Weight]:
     """Rank `layout.rank`'s tensors, under the same names, shaped for `layout.shard_config(config)`."""
-    return {name: shard_tensor(layout, config, name, weight) for name, weight in weights.items()}
+    return {name: held for name, weight in weights.items()
+            if (held := shard_tensor(layout, config, name, weight)) is not None}
 
 
 def shard_files(files: ModelFiles, layout: TensorParallelLayout) -> ModelFiles:

@@ -79,6 +79,11 @@ class EngineFlags:
         _ENGINE.tensor_parallel_size, "processes the model is split across (its heads, MLP features and "
         "vocabulary), each holding its shard of the weights and a KV cache of --kv-cache-mib; prefill and "
         "decode workers of different sizes exchange KV")
+    enable_expert_parallel: bool = flag(
+        _ENGINE.enable_expert_parallel, "a mixture-of-experts model's experts split whole over the "
+        "--tensor-parallel-size ranks (EP size = TP size), each token's hidden state computed by its experts' "
+        "ranks and summed back; attention stays tensor-parallel. Refused for a dense model, or experts the "
+        "ranks do not divide")
     speculative_config: str | None = flag(
         None, "speculative decoding on decode and colocated workers, in vLLM's keys: "
         '\'{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4, '
@@ -115,6 +120,7 @@ def flags_engine_config(flags: EngineFlags, role: Role) -> EngineConfig:
         structured_outputs=StructuredOutputsConfig() if flags.structured_outputs_config is None else
         StructuredOutputsConfig.from_json(flags.structured_outputs_config),
         tensor_parallel_size=flags.tensor_parallel_size,
+        enable_expert_parallel=flags.enable_expert_parallel,
         cache=CacheConfig(
             block_size=flags.block_size,
             num_blocks=flags.kv_cache_blocks,
