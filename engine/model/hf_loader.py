@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.config import MoEConfig, ModelConfig, RopeScaling
+from engine.config import ModelConfig, MoEConfig, RopeScaling
 from engine.model.gptq_awq import take_quantized
 from engine.model.quant_config import CheckpointQuantization, check_requested, read_checkpoint_quantization
 from engine.model.quantized import KeepWeight, QuantizedWeight

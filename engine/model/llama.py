@@ -15,6 +15,7 @@ from engine.model.moe import Expert, SparseMoE
 from engine.model.quantized import QuantizedWeight
 from engine.model.quantized_linear import QuantizedLinear
 from engine.model.rope import RotaryEmbedding, apply_rotary
+from engine.model.weight_shapes import weight_shapes
 
 if TYPE_CHECKING:
     from engine.model.weight_formats import WeightFormat
@@ -272,10 +273,11 @@ class LlamaForCausalLM(torch.nn.Module):
         assert moe is not None
 
         def expert(prefix: str, kind: str) -> Expert:
-            gate_up = formats.product(f"{kind}_gate_up", [(f"{prefix}{p}_proj.weight", weights[f"{prefix}{p}_proj.weight"])
-                                                          for p in ("gate", "up")])
-            down = formats.product(f"{kind}_down", [(f"{prefix}down_proj.weight", weights[f"{prefix}down_proj.weight"])])
-            return Expert(gate_up, down, gate)
+            def parts(*projections: str) -> list[tuple[str, Weight]]:
+                return [(f"{prefix}{p}_proj.weight", weights[f"{prefix}{p}_proj.weight"]) for p in projections]
+
+            return Expert(formats.product(f"{kind}_gate_up", parts("gate", "up")),
+                          formats.product(f"{kind}_down", parts("down")), gate)
 
         experts = {e: expert(f"{mlp}experts.{e}.", "expert") for e in moe.held}
         shared = expert(f"{mlp}shared_expert.", "shared_expert") if moe.shared_intermediate_size else None
@@ -286,49 +288,7 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def _weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF tensor name -> the shape the model expects."""
-        config = self.config
-        hidden, inter = config.hidden_size, config.intermediate_size
-        q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        shapes: dict[str, tuple[int, ...]] = {
-            "model.embed_tokens.weight": (config.vocab_size, hidden),
-            "model.norm.weight": (hidden,),
-        }
-        if not config.tie_word_embeddings:
-            shapes["lm_head.weight"] = (config.vocab_size, hidden)
-        for index in range(config.num_layers):
-            prefix = f"model.layers.{index}."
-            for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
-                shapes[f"{prefix}self_attn.{proj}_proj.weight"] = (rows, hidden)
-                if config.attention_bias:
-                    shapes[f"{prefix}self_attn.{proj}_proj.bias"] = (rows,)
-            shapes[f"{prefix}self_attn.o_proj.weight"] = (hidden, q_rows)
-            if config.qk_norm:
-                shapes[f"{prefix}self_attn.q_norm.weight"] = (config.head_dim,)
-                shapes[f"{prefix}self_attn.k_norm.weight"] = (config.head_dim,)
-            shapes.update(_mlp_shapes(config, f"{prefix}mlp."))
-            shapes[f"{prefix}input_layernorm.weight"] = (hidden,)
-            shapes[f"{prefix}post_attention_layernorm.weight"] = (hidden,)
-        return shapes
-
-
-def _mlp_shapes(config: ModelConfig, mlp: str) -> dict[str, tuple[int, ...]]:
-    """The MLP's tensors under `mlp`: dense SwiGLU, or the router, the experts held and the shared expert."""
-    hidden, moe = config.hidden_size, config.moe
-
-    def swiglu(prefix: str, inter: int) -> dict[str, tuple[int, ...]]:
-        return {f"{prefix}gate_proj.weight": (inter, hidden), f"{prefix}up_proj.weight": (inter, hidden),
-                f"{prefix}down_proj.weight": (hidden, inter)}
-
-    if moe is None:
-        return swiglu(mlp, config.intermediate_size)
-    shapes = {f"{mlp}gate.weight": (moe.num_experts, hidden)}
-    for expert in moe.held:
-        shapes.update(swiglu(f"{mlp}experts.{expert}.", moe.intermediate_size))
-    if moe.shared_intermediate_size:
-        shapes.update(swiglu(f"{mlp}shared_expert.", moe.shared_intermediate_size))
-    if moe.shared_gate:
-        shapes[f"{mlp}shared_expert_gate.weight"] = (1, hidden)
-    return shapes
+        return weight_shapes(self.config)
 
 
 def _not_loaded(x: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,8 @@ class TensorParallelLayout:
         else:
             problems += self._feature_problems(moe.intermediate_size, "intermediate features of each expert")
         if moe is not None and moe.shared_intermediate_size:
-            problems += self._feature_problems(moe.shared_intermediate_size, "intermediate features of the shared expert")
+            problems += self._feature_problems(moe.shared_intermediate_size,
+                                               "intermediate features of the shared expert")
         if config.vocab_size < size:
             problems.append(f"the vocabulary of {config.vocab_size}")
         if problems:
