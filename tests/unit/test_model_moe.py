@@ -98,7 +98,8 @@ def test_the_grouped_forward_is_the_per_token_definition_and_a_shard_its_experts
     hidden, inter, count = 32, 16, 6
     config = MoEConfig(num_experts=count, top_k=2, intermediate_size=inter, normalize_top_k=normalize)
     router = torch.randn(count, hidden)
-    weights = [(torch.randn(inter, hidden), torch.randn(inter, hidden), torch.randn(hidden, inter)) for _ in range(count)]
+    weights = [(torch.randn(inter, hidden), torch.randn(inter, hidden), torch.randn(hidden, inter))
+               for _ in range(count)]
 
     def moe(held: range) -> SparseMoE:
         experts = {e: Expert(lambda x, g=weights[e][0], u=weights[e][1]: torch.cat((x @ g.T, x @ u.T), -1),
@@ -148,7 +149,7 @@ def test_variants_not_served_are_named(raw: dict, fragment: str) -> None:
 def test_layouts_the_model_cannot_take_name_the_numbers(tmp_path: Path) -> None:
     save_moe("qwen2_moe_shared", tmp_path)
     config = load_model_files(str(tmp_path), torch.float32).config
-    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide .*the 8 experts"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide .*the 8 experts"):
         TensorParallelLayout(3, 0, expert_parallel=True).check(config)
     with pytest.raises(ValueError, match="the 64 intermediate features of each expert into groups of 32"):
         TensorParallelLayout(4, 0).check(config)
