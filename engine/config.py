@@ -216,6 +216,13 @@ class EngineConfig:
     model_version: str = ""
 
     @property
+    def parallel_sizes(self) -> dict[str, int]:
+        """The ranks of each kind of parallelism the model is split by, named as load reports,
+        metrics ("tandem:<name>") and traces ("tandem.<name>") say them."""
+        return {"tensor_parallel_size": self.tensor_parallel_size,
+                "expert_parallel_size": self.tensor_parallel_size if self.enable_expert_parallel else 1}
+
+    @property
     def served_name(self) -> str:
         """The model name load reports, metrics and traces carry."""
         return self.served_model_name or served_model_id(self.model)

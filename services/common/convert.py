@@ -229,6 +229,7 @@ def load_report(load: WorkerLoad) -> common_pb2.LoadReport:
         kv_cache_dtype=load.formats.kv_cache_dtype,
         activation_quantization=load.formats.activation_quantization,
         tensor_parallel_size=load.tensor_parallel_size,
+        expert_parallel_size=load.expert_parallel_size,
         model_name=load.model_name,
         model_version=load.model_version,
         kv_layout=load.kv_layout,

@@ -83,6 +83,8 @@ def _engine_families(engine: WatchedEngine) -> Iterator[Metric]:
          "scaling signal).", stats.num_waiting_tokens),
         ("tandem:tensor_parallel_size", "Ranks the worker's model is split across (tensor parallelism).",
          loop.engine.config.tensor_parallel_size),
+        ("tandem:expert_parallel_size", "Ranks the worker's experts are split across whole (expert parallelism; "
+         "1: none).", loop.engine.config.parallel_sizes["expert_parallel_size"]),
     ]
     if engine.reserved_requests is not None:
         gauges.append(("tandem:kv_reserved_requests", "Requests whose KV is reserved here and still arriving.",

@@ -68,7 +68,7 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
             request_id = request.request_id or uuid.uuid4().hex
             config = worker.loop.engine.config
             recorder = DecodeRecorder(self.metrics.labelled(config.served_name, config.model_version), arrived_at,
-                                      len(request.output_token_ids), config.tensor_parallel_size,
+                                      len(request.output_token_ids), config.parallel_sizes,
                                       request.slo.tpot_ms / 1000 if request.slo.tpot_ms else None)
             await worker.inflight.run(request_id, self._stream(worker, request_id, request, params, resumed, context,
                                                                recorder))

@@ -3,6 +3,8 @@ trace (at its end, from the request's progress record)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from engine.outputs import RequestOutput
 from services.common.failure import Failure, WorkerError
 from services.common.worker_metrics import WorkerMetrics
@@ -19,13 +21,14 @@ class DecodeRecorder:
     failure (`failed`), then call `trace` once it ended, however."""
 
     def __init__(self, metrics: WorkerMetrics, arrived_at: float, resumed_tokens: int = 0,
-                 tensor_parallel_size: int = 1, tpot_objective_s: float | None = None) -> None:
-        """`arrived_at`, `resumed_tokens`: as DecodeProgress's; `tensor_parallel_size`: the ranks the
-        worker's model is split across, for the trace; `tpot_objective_s`: the TPOT objective the
-        gateway routed the request against (None: it sent none, and none is counted)."""
+                 parallel_sizes: Mapping[str, int] | None = None, tpot_objective_s: float | None = None) -> None:
+        """`arrived_at`, `resumed_tokens`: as DecodeProgress's; `parallel_sizes`: the ranks the
+        worker's model is split across (EngineConfig.parallel_sizes), for the trace;
+        `tpot_objective_s`: the TPOT objective the gateway routed the request against (None: it sent
+        none, and none is counted)."""
         self._metrics = metrics
         self.progress = DecodeProgress(arrived_at, resumed_tokens, on_enter=self._entered)
-        self._tensor_parallel_size = tensor_parallel_size
+        self._parallel_sizes = dict(parallel_sizes or {})
         self._tpot_objective_s = tpot_objective_s
         self._admitted = False
         self._finished: RequestOutput | None = None
@@ -72,7 +75,7 @@ class DecodeRecorder:
         if not tracing_active():
             return
         progress = self.progress
-        set_attributes({"tandem.tensor_parallel_size": self._tensor_parallel_size})
+        set_attributes({f"tandem.{name}": size for name, size in self._parallel_sizes.items()})
         reserved = progress.began(DecodeStage.RESERVED)
         if reserved is not None:
             add_span("decode.reserve", progress.arrived_at, reserved,

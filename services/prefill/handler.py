@@ -53,7 +53,7 @@ class PrefillServicer(WorkerRpcs[RoleWorker], prefill_pb2_grpc.PrefillServicer):
             )
         except Exception as exc:
             await abort_with(context, exc)
-        record_prefill(result, self.metrics, worker.loop.engine.config.tensor_parallel_size)
+        record_prefill(result, self.metrics, worker.loop.engine.config.parallel_sizes)
         return _response(result)
 
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from services.common.prefill_site import PrefillResult
 from services.common.worker_metrics import WorkerMetrics
 from services.observability.spans import add_span, set_attributes, tracing_active
 
 
-def record_prefill(result: PrefillResult, metrics: WorkerMetrics, tensor_parallel_size: int = 1) -> None:
+def record_prefill(result: PrefillResult, metrics: WorkerMetrics, parallel_sizes: Mapping[str, int]) -> None:
     """Metrics of one delivered prefill, and (when traced) its queue, compute and transfer spans as
-    children of the Prefill RPC's span, which says the ranks the worker's model is split across."""
+    children of the Prefill RPC's span, which says the ranks the worker's model is split across
+    (`parallel_sizes`: EngineConfig.parallel_sizes)."""
     output = result.output
     prompt_tokens, cached_tokens = output.num_prompt_tokens, output.num_cached_tokens
     metrics.prompt_tokens.inc(prompt_tokens)
@@ -24,7 +27,7 @@ def record_prefill(result: PrefillResult, metrics: WorkerMetrics, tensor_paralle
         "tandem.prefill.queue_s": result.queue_s,
         "tandem.prefill.compute_s": result.compute_s,
         "tandem.kv.transfer_s": result.transfer_s,
-        "tandem.tensor_parallel_size": tensor_parallel_size,
+        **{f"tandem.{name}": size for name, size in parallel_sizes.items()},
     })
     add_span("prefill.queue", result.added_at, result.started_at, {"tandem.queue_s": result.queue_s})
     add_span("prefill.compute", result.started_at, result.done_at, {

@@ -1,0 +1,171 @@
+"""A mixture-of-experts model disaggregated across worker processes of different expert layouts
+(each 2-rank worker and its other rank, gloo): prefill with experts split whole over 2 ranks
+(`--enable-expert-parallel`) -> decode with every expert's features split over 2 ranks, and -> a
+one-process decode worker, decode as the one-process engine does; load reports and metrics say each
+worker's layout; a cancel mid-transfer and a killed rank on either side leave no block held. The
+model is a random Mixtral of small shapes saved by the test (a real MoE checkpoint would not fit the
+suite's time), so its tokens are compared with the one-process engine, not with text."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from reference import check_against
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from transformers import MixtralConfig
+
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import Engine
+from engine.offline import generate
+from engine.sampling_params import SamplingParams
+from harness.worker import WorkerProcess, running, start_worker
+from services.common.convert import sampling_params_to_proto
+from services.common.server import channel_options
+from tests.unit.test_model_hf import save_random_model, save_word_tokenizer
+
+VOCAB = 96
+FORMATS = ["--dtype", "float32", "--quantization", "none", "--cpu-weights", "fp32"]
+COMMON = ["--port", "0", "--threads", "1", "--kv-cache-mib", "16", "--max-num-batched-tokens", "32", *FORMATS]
+DEADLINE_S = 120.0  # generous bound for the polls below; no test asserts elapsed time
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+_killed: set[int] = set()  # pids of workers a test took down on purpose (they exit 1)
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return [int(t) for t in torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("mixtral")
+    save_random_model(MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                    num_experts_per_tok=2, max_position_embeddings=1024, sliding_window=None,
+                                    initializer_range=0.1), directory)
+    save_word_tokenizer(directory, VOCAB)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def workers(model_dir) -> Iterator[dict[str, WorkerProcess]]:
+    """Every worker of the module, started at once: prefill_ep2, decode_tp2, decode_tp1, and the
+    victims of the rank kills."""
+    ep2, tp2 = ["--tensor-parallel-size", "2", "--enable-expert-parallel"], ["--tensor-parallel-size", "2"]
+    roles = {"prefill_ep2": ("prefill", *ep2), "decode_tp2": ("decode", *tp2), "decode_tp1": ("decode",),
+             "victim_prefill_ep2": ("prefill", *ep2), "victim_decode_ep2": ("decode", *ep2)}
+    started = {name: start_worker([role, "--model", str(model_dir), *COMMON, *flags, *(
+        ["--kv-backend", "torch_dist"] if role == "decode" else [])], wait=False)
+        for name, (role, *flags) in roles.items()}
+    try:
+        for worker in started.values():
+            worker.wait_ready()
+        yield started
+    finally:
+        codes = {name: (worker.stop(), worker.proc.pid in _killed) for name, worker in started.items()}
+    assert all(code == (1 if killed else 0) for code, killed in codes.values()), codes
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), dtype="float32", quantization="none", cpu_weights="fp32",
+                               cache=CacheConfig(num_blocks=64)))
+
+
+def _expected(engine: Engine, prompts: list[list[int]], params: SamplingParams):
+    completions = generate(engine, prompts, SamplingParams(**{**params.__dict__, "logprobs": 2}))
+    return ([c.token_ids for c in completions],
+            [[top[0][1] - top[1][1] for top in (lp.top for lp in c.logprobs)] for c in completions])
+
+
+def _load(worker: WorkerProcess) -> common_pb2.LoadReport:
+    stub_type = decode_pb2_grpc.DecodeStub if worker.args[0] == "decode" else prefill_pb2_grpc.PrefillStub
+    with grpc.insecure_channel(worker.address, options=channel_options()) as channel:
+        return stub_type(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=30)
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _no_blocks_used(*workers: WorkerProcess) -> None:
+    _until(lambda: not any(_load(w).used_kv_blocks for w in workers), "blocks still held")
+
+
+def _call(decode: WorkerProcess, prefill: WorkerProcess, prompt: list[int], params: SamplingParams):
+    channel = grpc.insecure_channel(decode.address, options=channel_options())
+    request = decode_pb2.DecodeRequest(prompt_token_ids=prompt, sampling=sampling_params_to_proto(params),
+                                       prefill_address=prefill.address)
+    return decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=300)
+
+
+@pytest.mark.parametrize("decode_name", ["decode_tp2", "decode_tp1"])
+def test_prefill_ep2_to_decode_of_another_layout_decodes_as_one_process(workers, engine, decode_name):
+    prefill, decode = workers["prefill_ep2"], workers[decode_name]
+    prompts = [_prompt(21, 1), _prompt(70, 2)]
+    expected, margins = _expected(engine, prompts, GREEDY)
+    ours = [[t for chunk in _call(decode, prefill, prompt, GREEDY) for t in chunk.token_ids] for prompt in prompts]
+    check_against(ours, expected, margins, f"prefill EP 2 -> {decode_name}")
+    _no_blocks_used(prefill, decode)
+    layouts = {name: (_load(workers[name]).tensor_parallel_size, _load(workers[name]).expert_parallel_size)
+               for name in ("prefill_ep2", decode_name)}
+    assert layouts == {"prefill_ep2": (2, 2), decode_name: (2, 1) if decode_name == "decode_tp2" else (1, 1)}
+    with urllib.request.urlopen(f"http://{prefill.metrics_address}/metrics", timeout=30) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    assert [sample.value for sample in families["tandem:expert_parallel_size"].samples] == [2]
+
+
+def test_cancel_mid_transfer_between_expert_layouts_frees_every_block(workers):
+    prefill, decode = workers["prefill_ep2"], workers["decode_tp2"]
+    call = _call(decode, prefill, _prompt(600, 3), LONG)
+    # A 600-token prompt takes many 32-token steps, each pushing its pages.
+    _until(lambda: _load(prefill).running_requests > 0, "the prefill never started")
+    call.cancel()
+    _no_blocks_used(prefill, decode)
+
+
+def _kill_a_rank_mid_transfer(victim: WorkerProcess, prefill: WorkerProcess, decode: WorkerProcess,
+                              prompt: list[int], failed: set[grpc.StatusCode], engine: Engine) -> None:
+    """Kill `victim`'s other rank while `prefill` computes the prompt for `decode`: the request ends
+    with a status of `failed`, or, where every page had arrived by then, with the engine's tokens."""
+    ranks = victim.tensor_parallel_ranks()
+    assert len(ranks) == 1
+    call = _call(decode, prefill, prompt, LONG)
+    _until(lambda: _load(prefill).running_requests > 0, "the prefill never started")
+    _killed.add(victim.proc.pid)
+    os.kill(ranks[0], signal.SIGKILL)
+    try:
+        tokens = [t for chunk in call for t in chunk.token_ids]
+    except grpc.RpcError as error:
+        assert error.code() in failed, (error.code(), error.details())
+    else:
+        expected, margins = _expected(engine, [prompt], LONG)
+        check_against([tokens], expected, margins, "served despite the killed rank")
+    assert victim.proc.wait(DEADLINE_S) == 1, victim.log_tail()
+    _until(lambda: not any(running(pid) for pid in ranks), "a rank outlived its worker")
+    survivor = decode if victim is prefill else prefill
+    _no_blocks_used(survivor)
+
+
+def test_a_killed_expert_parallel_prefill_rank_leaves_no_block_held_on_the_decode_side(workers, engine):
+    prefill = workers["victim_prefill_ep2"]
+    _kill_a_rank_mid_transfer(prefill, prefill, workers["decode_tp1"], _prompt(600, 4),
+                              {grpc.StatusCode.UNAVAILABLE}, engine)
+
+
+def test_a_killed_expert_parallel_decode_rank_leaves_no_block_held_on_the_prefill_side(workers, engine):
+    decode = workers["victim_decode_ep2"]
+    _kill_a_rank_mid_transfer(decode, workers["prefill_ep2"], decode, _prompt(600, 5),
+                              {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE}, engine)
