@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERLAYS = ["cpu", "gpu"]
+OVERLAYS = ["cpu", "gpu", "gpu-moe"]
 POOLS = ["prefill", "decode"]
 KUBERNETES_VERSION = "1.33.0"
 # Custom resources whose schemas kubernetes-validate does not ship; their structure is checked below.
@@ -197,6 +197,23 @@ def test_gpu_overlay_puts_workers_on_gpus_in_bf16_the_decode_pool_at_tensor_para
         assert any(env["name"].startswith("NCCL_") for env in container["env"])
         assert deployment["spec"]["template"]["spec"]["tolerations"]
         assert container["image"].endswith("-cuda")
+
+
+def test_the_moe_overlay_runs_decode_with_experts_split_whole_beside_prefill_of_another_layout():
+    objects = _render("gpu-moe")
+    layouts = {}
+    for pool in POOLS:
+        (deployment,) = _find(objects, "Deployment", pool)
+        container = _container(deployment)
+        size = int(_flag(container, "tensor-parallel-size") or 1)
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == size
+        layouts[pool] = (size, "--enable-expert-parallel" in container["args"])
+        # Both pools serve the same checkpoint from the read-only models volume.
+        assert _flag(container, "model") == "/models/Qwen3-30B-A3B"
+        assert container["volumeMounts"] == [{"name": "models", "mountPath": "/models", "readOnly": True}]
+        (volume,) = deployment["spec"]["template"]["spec"]["volumes"]
+        assert volume["persistentVolumeClaim"] == {"claimName": "tandem-models", "readOnly": True}
+    assert layouts == {"prefill": (2, False), "decode": (4, True)}
 
 
 def render_with_components(tmp_path: Path, *components: str) -> list[dict]:
