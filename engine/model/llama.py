@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
-from engine.model.moe import Expert, SparseMoE
+from engine.model.moe_weights import build_moe
 from engine.model.quantized import QuantizedWeight
 from engine.model.quantized_linear import QuantizedLinear
 from engine.model.rope import RotaryEmbedding, apply_rotary
@@ -257,7 +257,7 @@ class LlamaForCausalLM(torch.nn.Module):
                                                                             f"{mlp}up_proj.weight"))
                 layer.linears["down"] = row_parallel(formats.product("down", parts(f"{mlp}down_proj.weight")))
             else:
-                layer.moe = row_parallel(self._moe(mlp, weights, formats, layer.gate))
+                layer.moe = row_parallel(build_moe(self.config.moe, mlp, weights, formats, layer.gate))
         embedding = weights["model.embed_tokens.weight"]
         if self.config.tie_word_embeddings:
             self.embed, self.head = formats.tied("model.embed_tokens.weight", embedding)
@@ -266,25 +266,6 @@ class LlamaForCausalLM(torch.nn.Module):
             self.head = formats.product("lm_head", parts("lm_head.weight"))
         if sharded is not None:
             self.embed = sharded.embedding(self.embed)
-
-    def _moe(self, mlp: str, weights: Mapping[str, Weight], formats: WeightFormat, gate: Gate) -> SparseMoE:
-        """One layer's mixture of experts from the tensors under `mlp` ("model.layers.N.mlp.")."""
-        moe = self.config.moe
-        assert moe is not None
-
-        def expert(prefix: str, kind: str) -> Expert:
-            def parts(*projections: str) -> list[tuple[str, Weight]]:
-                return [(f"{prefix}{p}_proj.weight", weights[f"{prefix}{p}_proj.weight"]) for p in projections]
-
-            return Expert(formats.product(f"{kind}_gate_up", parts("gate", "up")),
-                          formats.product(f"{kind}_down", parts("down")), gate)
-
-        experts = {e: expert(f"{mlp}experts.{e}.", "expert") for e in moe.held}
-        shared = expert(f"{mlp}shared_expert.", "shared_expert") if moe.shared_intermediate_size else None
-        shared_gate = (formats.unquantized("shared_expert_gate", f"{mlp}shared_expert_gate.weight",
-                                           weights[f"{mlp}shared_expert_gate.weight"]) if moe.shared_gate else None)
-        router = formats.unquantized("router", f"{mlp}gate.weight", weights[f"{mlp}gate.weight"])
-        return SparseMoE(moe, router, experts, shared, shared_gate)
 
     def _weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF tensor name -> the shape the model expects."""

@@ -24,6 +24,9 @@ from engine.config import MoEConfig
 
 Product = Callable[[torch.Tensor], torch.Tensor]
 Gate = Callable[[torch.Tensor], torch.Tensor]  # gate_up [T, 2I] -> silu(gate) * up [T, I]
+# (the rows routed to held experts, sorted by expert; Routing.bounds; the held experts) -> each
+# row's output of its expert: the per-expert loop here, or engine.model.triton_moe on CUDA
+Experts = Callable[[torch.Tensor, list[int], range], torch.Tensor]
 
 
 class Expert:
@@ -36,6 +39,20 @@ class Expert:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.gate(self.gate_up(x)))
+
+
+class ExpertLoop:
+    """Each held expert hit runs its products (its weight format's, engine.model.weight_formats)
+    once over all its rows."""
+
+    def __init__(self, experts: dict[int, Expert]) -> None:
+        self.experts = experts
+
+    def __call__(self, gathered: torch.Tensor, bounds: list[int], held: range) -> torch.Tensor:
+        first = bounds[held.start]
+        parts = [self.experts[e](gathered[bounds[e] - first : bounds[e + 1] - first])
+                 for e in held if bounds[e + 1] > bounds[e]]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class Routing:
@@ -58,13 +75,11 @@ class Routing:
 
 class SparseMoE:
     """The MoE MLP of one layer (see the module): `router` gives [T, num_experts] logits, `experts`
-    the experts this shard holds by id, `shared` the shared expert and `shared_gate` its [T, 1] gate
-    logit (Qwen2-MoE), else None."""
+    computes the experts this shard holds, `shared` is the shared expert and `shared_gate` its
+    [T, 1] gate logit (Qwen2-MoE), else None."""
 
-    def __init__(self, config: MoEConfig, router: Product, experts: dict[int, Expert],
+    def __init__(self, config: MoEConfig, router: Product, experts: Experts,
                  shared: Expert | None = None, shared_gate: Product | None = None) -> None:
-        if sorted(experts) != list(config.held):
-            raise ValueError(f"experts {sorted(experts)} are not the held range {config.held}")
         self.config = config
         self.router = router
         self.experts = experts
@@ -77,10 +92,7 @@ class SparseMoE:
         first, last = routing.bounds[held.start], routing.bounds[held.stop]
         out = torch.zeros_like(x)
         if last > first:
-            gathered = x.index_select(0, routing.rows[first:last])
-            parts = [self.experts[e](gathered[routing.bounds[e] - first : routing.bounds[e + 1] - first])
-                     for e in held if routing.bounds[e + 1] > routing.bounds[e]]
-            computed = parts[0] if len(parts) == 1 else torch.cat(parts)
+            computed = self.experts(x.index_select(0, routing.rows[first:last]), routing.bounds, held)
             out.index_add_(0, routing.rows[first:last], computed * routing.weights[first:last])
         if self.shared is not None:
             shared = self.shared(x)

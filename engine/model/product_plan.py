@@ -64,6 +64,7 @@ Kernel = Literal[
     "linear_dequantized",  # F.linear over the weight dequantized per call: no copy kept
     "fbgemm_fp16",  # fbgemm's fp16 product over a float weight packed once
     "onednn_fp32",  # oneDNN's fp32 product over a float weight packed once
+    "triton_grouped",  # on CUDA, every held expert's product in one Triton launch (engine.model.triton_moe)
 ]
 
 

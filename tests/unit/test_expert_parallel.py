@@ -16,7 +16,7 @@ from engine.attention.reference import TorchPagedAttention
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.model.loader import build_model, load_model_files
-from engine.model.moe import SparseMoE
+from engine.model.moe import ExpertLoop, SparseMoE
 from engine.offline import generate
 from engine.parallel.layout import TensorParallelLayout
 from engine.parallel.shard import shard_tensor
@@ -53,7 +53,7 @@ def test_a_rank_reads_only_its_experts(tmp_path: Path) -> None:
     assert files.weights["model.layers.0.mlp.shared_expert.down_proj.weight"].shape == (64, 32)
     model = build_model(replace(files, config=layout.shard_config(whole.config)), TorchPagedAttention(), "cpu")
     moe = model.layers[1].moe
-    assert isinstance(moe, SparseMoE) and sorted(moe.experts) == [6, 7]
+    assert isinstance(moe, SparseMoE) and isinstance(moe.experts, ExpertLoop) and sorted(moe.experts.experts) == [6, 7]
 
 
 @pytest.mark.parametrize(("variant", "size", "expert_parallel"), [

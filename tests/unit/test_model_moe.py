@@ -17,7 +17,7 @@ from engine.config import CacheConfig, EngineConfig, MoEConfig
 from engine.engine import Engine
 from engine.model.hf_loader import config_from_hf
 from engine.model.loader import build_model, load_model_files
-from engine.model.moe import Expert, SparseMoE
+from engine.model.moe import Expert, ExpertLoop, SparseMoE
 from engine.model.quantized_linear import QuantizedLinear
 from engine.offline import generate
 from engine.parallel.layout import TensorParallelLayout
@@ -102,9 +102,11 @@ def test_the_grouped_forward_is_the_per_token_definition_and_a_shard_its_experts
                for _ in range(count)]
 
     def moe(held: range) -> SparseMoE:
-        experts = {e: Expert(lambda x, g=weights[e][0], u=weights[e][1]: torch.cat((x @ g.T, x @ u.T), -1),
-                             lambda x, d=weights[e][2]: x @ d.T,
-                             lambda gu: torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]) for e in held}
+        experts = ExpertLoop({
+            e: Expert(lambda x, g=weights[e][0], u=weights[e][1]: torch.cat((x @ g.T, x @ u.T), -1),
+                      lambda x, d=weights[e][2]: x @ d.T,
+                      lambda gu: torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:])
+            for e in held})
         return SparseMoE(replace(config, experts_held=(held.start, held.stop)), lambda x: x @ router.T, experts)
 
     x = torch.randn(rows, hidden)
@@ -127,7 +129,7 @@ def test_int8_and_bf16_experts_track_fp32(formats: dict, tmp_path: Path) -> None
     moe = model.layers[0].moe
     assert isinstance(moe, SparseMoE)
     if formats.get("quantization") == "int8":
-        assert isinstance(moe.experts[0].gate_up, QuantizedLinear)
+        assert isinstance(moe.experts, ExpertLoop) and isinstance(moe.experts.experts[0].gate_up, QuantizedLinear)
     logits = run_chunks(model, tokens, [24]).float()
     assert (logits - exact).abs().mean().item() < 0.05 * exact.abs().mean().item()
     assert (logits.argmax(-1) == exact.argmax(-1)).float().mean().item() >= 0.9
