@@ -161,3 +161,25 @@ def test_layouts_the_model_cannot_take_name_the_numbers(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="enable_expert_parallel: dense \\(LlamaForCausalLM\\) is a dense model"):
         TensorParallelLayout(1, 0, expert_parallel=True).check(dense)
     assert TensorParallelLayout(2, 1, expert_parallel=True).shard_config(config).moe.held == range(4, 8)
+
+
+def test_an_moe_model_speculates_and_takes_an_int8_kv_cache_like_any_model(tmp_path: Path) -> None:
+    """n-gram speculation keeps greedy tokens exact (verification is the target's own argmax); an int8
+    KV cache is another format, judged by its greedy agreement with the exact one."""
+    from engine.compose import build_engine
+    from engine.speculative.config import SpeculativeConfig
+
+    save_moe("qwen3_moe_qk_norm", tmp_path)
+    # Repetitive prompts, so prompt lookup proposes drafts.
+    prompts = [[5, 6, 7, 8] * 6, [int(t) for t in torch.randint(0, VOCAB, (30,), generator=torch.Generator())]]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(model=str(tmp_path), **EXACT, cache=CacheConfig(num_blocks=32))
+    plain = [c.token_ids for c in generate(Engine(config), prompts, params)]
+    speculative = build_engine(replace(config, speculative=SpeculativeConfig(
+        num_speculative_tokens=4, prompt_lookup_min=1, disable_by_batch_size=None, gate="off")))
+    assert [c.token_ids for c in generate(speculative, prompts, params)] == plain
+    assert speculative.scheduler.spec_stats.num_accepted_tokens > 0
+    int8_kv = [c.token_ids for c in generate(Engine(replace(config, kv_cache_dtype="int8")), prompts, params)]
+    # A random model's logits are close everywhere, so a greedy run parts where rounding moves one;
+    # each prompt's first token (its logits read every prompt page in int8) agrees.
+    assert [ours[0] for ours in int8_kv] == [exact[0] for exact in plain]
