@@ -210,6 +210,12 @@ class EngineConfig:
     # A mixture of experts' experts split whole over those ranks (EP size = TP size, as vLLM's
     # --enable-expert-parallel without data parallelism) instead of each expert's features.
     enable_expert_parallel: bool = False
+    # Ranks (processes, each holding the whole model) a long prompt's prefill is split across by
+    # sequence (vLLM's --prefill-context-parallel-size; engine.parallel.context_parallel): a step that
+    # computes one whole prompt of at least `prefill_context_parallel_min_tokens` tokens, nothing
+    # cached, gives each rank a contiguous slice of its tokens.
+    prefill_context_parallel_size: int = 1
+    prefill_context_parallel_min_tokens: int = 1024
     # What the worker serves the weights as (vLLM's served_model_name; None: the file's name up to
     # its first dot), and which of the model repository's versions they are ("" outside one).
     served_model_name: str | None = None
@@ -220,7 +226,13 @@ class EngineConfig:
         """The ranks of each kind of parallelism the model is split by, named as load reports,
         metrics ("tandem:<name>") and traces ("tandem.<name>") say them."""
         return {"tensor_parallel_size": self.tensor_parallel_size,
-                "expert_parallel_size": self.tensor_parallel_size if self.enable_expert_parallel else 1}
+                "expert_parallel_size": self.tensor_parallel_size if self.enable_expert_parallel else 1,
+                "prefill_context_parallel_size": self.prefill_context_parallel_size}
+
+    @property
+    def world_size(self) -> int:
+        """The processes of this engine: its tensor-parallel or its prefill context-parallel ranks."""
+        return self.tensor_parallel_size * self.prefill_context_parallel_size
 
     @property
     def served_name(self) -> str:
@@ -231,6 +243,13 @@ class EngineConfig:
         _require(self.role in ("colocated", "prefill", "decode"), "role", f"unknown role {self.role!r}")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size",
                  f"must be at least 1, got {self.tensor_parallel_size}")
+        _require(self.prefill_context_parallel_size >= 1, "prefill_context_parallel_size",
+                 f"must be at least 1, got {self.prefill_context_parallel_size}")
+        _require(self.prefill_context_parallel_size == 1 or self.tensor_parallel_size == 1,
+                 "prefill_context_parallel_size", f"{self.prefill_context_parallel_size} with tensor_parallel_size "
+                 f"{self.tensor_parallel_size} is not served (each context-parallel rank holds the whole model)")
+        _require(self.prefill_context_parallel_min_tokens >= 2, "prefill_context_parallel_min_tokens",
+                 f"must be at least 2, got {self.prefill_context_parallel_min_tokens}")
         if self.speculative is not None and self.role == "prefill":
             raise ValueError(f"{SPECULATIVE_FLAG}: the prefill role samples only a prompt's first token, so it "
                              "cannot speculate; give the flag to decode or colocated workers")

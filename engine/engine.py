@@ -37,6 +37,7 @@ from engine.outputs import (
     StepTokens,
     TooLargeForKV,
 )
+from engine.parallel.context_parallel import ContextParallelPrefill
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.kv_heads import kv_head_ranges
 from engine.parallel.layout import TensorParallelLayout
@@ -81,14 +82,15 @@ class Engine:
         layout = TensorParallelLayout.of(config, 0)
         if files is not None:  # a size the model cannot take is refused before any rank starts
             layout.check(files.config)
-        # The other ranks of a tensor-parallel engine start loading beside this one (engine.parallel).
-        self._parallel = TensorParallelGroup(config) if size > 1 else None
+        # The other ranks of a tensor- or context-parallel engine start loading beside this one (engine.parallel).
+        self._parallel = TensorParallelGroup(config) if config.world_size > 1 else None
+        tensor_parallel = self._parallel if size > 1 else None
         # The other ranks run what rank 0 sends in the order it sends it: a step (its plan and every
         # collective of its forward pass) and a move of pages from another thread never interleave.
         self._ranks_busy: contextlib.AbstractContextManager = threading.Lock() if size > 1 else contextlib.nullcontext()
         try:
             loaded = load_engine_model(config, files, layout,
-                                       None if self._parallel is None else self._parallel.group, self.device)
+                                       None if tensor_parallel is None else tensor_parallel.group, self.device)
             if self._parallel is not None:
                 self._parallel.ready(loaded.config)
         except BaseException:
@@ -111,19 +113,23 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint)
         eos = set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)
         sampler = Sampler(loaded.config.vocab_size, sorted(eos))
-        plans = None if self._parallel is None else self._parallel.send
-        self.runner = ModelRunner(loaded.model, loaded.cache, sampler, self.device, plans)
+        plans = None if tensor_parallel is None else tensor_parallel.send
+        context = None if self._parallel is None or tensor_parallel is not None else ContextParallelPrefill(
+            loaded.model, self._parallel.group, self._parallel.send, config.prefill_context_parallel_size,
+            config.prefill_context_parallel_min_tokens)
+        self.runner = ModelRunner(loaded.model, loaded.cache, sampler, self.device, plans, context)
         page = self.kv_format.page_shape(block_size, loaded.config.num_kv_heads, loaded.config.head_dim)
         policy = KVConnectorPolicy.of(config)
         self.connector = KVConnector(policy, KVConnectorWorker(
-            loaded.cache, tuple(page), block_size, loaded.config.num_layers, self._parallel, self._ranks_busy))
+            loaded.cache, tuple(page), block_size, loaded.config.num_layers, tensor_parallel, self._ranks_busy))
         self.scheduler = Scheduler(config.scheduler, self.kv, eos_token_ids=eos, connector=self.connector.scheduler)
         self._text: dict[str, _TextState] = {}
         self.last_step_tokens = StepTokens()
         self._drafter = None if spec is None or proposer is None else Drafter(spec, proposer, self._draft_gate())
-        log.info("engine ready: %s, KV connector: %s, tensor_parallel_size=%d, %d KV blocks of %d tokens%s, "
-                 "kv_cache=%s, attention=%s", loaded.config.name, policy.describe(), size, num_blocks, block_size,
-                 " on each rank" if size > 1 else "", self.kv_format.name, loaded.attention)
+        log.info("engine ready: %s, KV connector: %s, %s, %d KV blocks of %d tokens%s, kv_cache=%s, attention=%s",
+                 loaded.config.name, policy.describe(),
+                 ", ".join(f"{name}={value}" for name, value in config.parallel_sizes.items()), num_blocks,
+                 block_size, " on each rank" if size > 1 else "", self.kv_format.name, loaded.attention)
 
     def _draft_gate(self) -> DraftGate | None:
         """The gate on verification costs timed now, on this CPU (None with `gate: "off"`)."""

@@ -9,6 +9,7 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.cache_engine import CacheEngine
 from engine.model.llama import LlamaForCausalLM
+from engine.parallel.context_parallel import ContextParallelPrefill
 from engine.parallel.step_plan import StepPlan
 from engine.sampler import Sampler, SamplingRequestState, TokenLogprobs
 from engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -21,14 +22,17 @@ class ModelRunner:
     """Owns the model, the KV cache tensors, the sampler and each seeded request's generator."""
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, sampler: Sampler, device: torch.device,
-                 plans: Callable[[StepPlan], None] | None = None) -> None:
+                 plans: Callable[[StepPlan], None] | None = None,
+                 context: ContextParallelPrefill | None = None) -> None:
         """`plans` hands each step's inputs to the other ranks of a tensor-parallel engine before this
-        rank runs it (engine.parallel.step_plan)."""
+        rank runs it (engine.parallel.step_plan); `context` splits long prompts across the ranks of a
+        prefill context-parallel engine (engine.parallel.context_parallel)."""
         self.model = model
         self.cache = cache
         self.sampler = sampler
         self.device = device
         self._plans = plans
+        self._context = context
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -43,9 +47,15 @@ class ModelRunner:
         if out.is_empty:
             return {}
         input_ids, positions, meta, sample_rows = self._prepare(out)
-        if self._plans is not None:
-            self._plans(StepPlan(input_ids, positions, meta, sample_rows, list(export_blocks)))
-        hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done)
+        bounds = None if self._context is None else self._context.split(out)
+        if bounds is not None and self._context is not None:
+            # The one prompt's last token, whose logits it samples, is the one row computed here.
+            hidden = self._context.run(input_ids, bounds, meta, self.cache.kv_caches, on_layer_done)
+            sample_rows = [0]
+        else:
+            if self._plans is not None:
+                self._plans(StepPlan(input_ids, positions, meta, sample_rows, list(export_blocks)))
+            hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done)
         sampling = [c for c in out.chunks if c.samples]
         if not sampling:
             return {}

@@ -1,7 +1,8 @@
 """Ranks 1.. of a tensor-parallel engine: load this rank's shard of the model and its KV cache,
 then run every forward pass rank 0's step plans describe, taking part in the collectives, and take
 this rank's heads of the pages rank 0 imports (engine.parallel.kv_heads), until a STOP plan or the
-group breaks. Only rank 0 schedules and samples."""
+group breaks. Ranks 1.. of a prefill context-parallel engine load the whole model and compute their
+slice of each split prompt (engine.parallel.context_parallel). Only rank 0 schedules and samples."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.engine_model import load_engine_model
+from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.cache_engine import CacheEngine
+from engine.parallel.context_parallel import run_slice, wrap_attention
 from engine.parallel.kv_heads import RankKVHeads
 from engine.parallel.layout import TensorParallelLayout
 from engine.parallel.process_group import join_group, rank_device
-from engine.parallel.step_plan import PagesPlan, StepPlan, receive_plan
+from engine.parallel.step_plan import PagesPlan, SequencePlan, StepPlan, receive_plan
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +34,17 @@ def follow(config: EngineConfig, rank: int, port: int, threads: int) -> None:
     device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = join_group(port, rank, config.tensor_parallel_size, device)
+    group = join_group(port, rank, config.world_size, device)
+    if config.prefill_context_parallel_size > 1:
+        _follow_splits(config, rank, group, device)
+        return
     loaded = load_engine_model(config, None, TensorParallelLayout.of(config, rank), group, device)
     group.barrier().wait()
     model, cache = loaded.model, loaded.cache
     heads = RankKVHeads(loaded.config, config.tensor_parallel_size, group)
     try:
         while (plan := receive_plan(group, device)) is not None:
+            assert not isinstance(plan, SequencePlan), plan
             if isinstance(plan, PagesPlan):
                 _import_pages(plan, cache, heads)
                 continue
@@ -45,6 +53,25 @@ def follow(config: EngineConfig, rank: int, port: int, threads: int) -> None:
                 model.compute_logits(hidden[torch.tensor(plan.sample_rows, device=device)])
     except RuntimeError as error:  # rank 0 or another rank is gone: nothing left to follow
         log.error("tensor-parallel rank %d stops: %s", rank, error)
+
+
+def _follow_splits(config: EngineConfig, rank: int, group: dist.ProcessGroup,
+                   device: torch.device) -> None:
+    """A context-parallel rank: the whole model, and its cache as scratch for each split prompt
+    (blocks 0.. in order, so a token's slot is its position); rank 0 keeps the pages."""
+    loaded = load_engine_model(config, None, TensorParallelLayout(1, 0), None, device)
+    group.barrier().wait()
+    attention = wrap_attention(loaded.model, group, rank)
+    cache = loaded.cache
+    try:
+        while (plan := receive_plan(group, device)) is not None:
+            assert isinstance(plan, SequencePlan), plan
+            tokens = plan.input_ids.numel()
+            table = torch.arange(blocks_for(tokens, cache.block_size), device=device)
+            run_slice(loaded.model, attention, group, rank, plan.input_ids, plan.bounds,
+                      torch.arange(tokens, device=device), table, cache.kv_caches)
+    except RuntimeError as error:  # rank 0 or another rank is gone: nothing left to follow
+        log.error("prefill context-parallel rank %d stops: %s", rank, error)
 
 
 def _exporter(plan: StepPlan, cache: CacheEngine, heads: RankKVHeads) -> Callable[[int], None] | None:

@@ -17,7 +17,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.parallel.follower import follow
 from engine.parallel.kv_heads import RankKVHeads
 from engine.parallel.process_group import JOIN_TIMEOUT, join_group, rank_device
-from engine.parallel.step_plan import PagesPlan, StepPlan, send_plan
+from engine.parallel.step_plan import PagesPlan, SequencePlan, StepPlan, send_plan
 
 
 class TensorParallelGroup:
@@ -26,7 +26,8 @@ class TensorParallelGroup:
     def __init__(self, config: EngineConfig) -> None:
         """Start ranks 1.. of `config.tensor_parallel_size` (each loads its shard of the model and
         follows rank 0's step plans: engine.parallel.follower) and join them."""
-        size = config.tensor_parallel_size
+        size = config.world_size
+        self._tensor_parallel = config.tensor_parallel_size > 1
         self._store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
         context = multiprocessing.get_context("spawn")
         self.followers = [context.Process(target=follow, args=(config, rank, self._store.port, torch.get_num_threads()),
@@ -39,9 +40,10 @@ class TensorParallelGroup:
     def ready(self, model: ModelConfig) -> None:
         """Wait until every rank has loaded its shard of `model`; RuntimeError if one could not."""
         self.group.barrier().wait()
-        self.kv_heads = RankKVHeads(model, len(self.followers) + 1, self.group)
+        if self._tensor_parallel:  # context-parallel ranks keep no pages
+            self.kv_heads = RankKVHeads(model, len(self.followers) + 1, self.group)
 
-    def send(self, plan: StepPlan | PagesPlan) -> None:
+    def send(self, plan: StepPlan | PagesPlan | SequencePlan) -> None:
         """Have every other rank run `plan` (a forward pass, or moving pages) beside this one."""
         send_plan(self.group, plan)
 

@@ -1,8 +1,9 @@
 """What rank 0 of a tensor-parallel engine has the other ranks do, as one int64 tensor after a fixed
 header (a broadcast, never pickle): a STEP (the token ids, positions and attention metadata of the
 packed batch, the rows whose logits are computed and the blocks whose pages leave the engine after
-each layer), an IMPORT of one layer's pages outside a step (engine.parallel.kv_heads), or STOP,
-which ends the followers' loop."""
+each layer), an IMPORT of one layer's pages outside a step (engine.parallel.kv_heads), a SEQUENCE
+(a prompt split across prefill context-parallel ranks: its tokens and the slices' bounds,
+engine.parallel.context_parallel), or STOP, which ends the followers' loop."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from engine.attention.metadata import AttentionMetadata
 
-STEP, STOP, IMPORT = 1, 2, 4
+STEP, STOP, IMPORT, SEQUENCE = 1, 2, 4, 8
 _HEADER = 6  # STEP: kind, tokens, sequences, block-table width, sampled rows, exported blocks
 
 
@@ -36,16 +37,30 @@ class PagesPlan:
     block_ids: list[int]
 
 
+@dataclass(frozen=True)
+class SequencePlan:
+    """A whole prompt whose prefill the context-parallel ranks split: rank r computes its tokens
+    [bounds[r], bounds[r + 1])."""
+
+    input_ids: torch.Tensor  # [T] int64
+    bounds: list[int]
+
+
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
     group.broadcast([tensor], options).wait()
 
 
-def send_plan(group: dist.ProcessGroup, plan: StepPlan | PagesPlan | None) -> None:
+def send_plan(group: dist.ProcessGroup, plan: StepPlan | PagesPlan | SequencePlan | None) -> None:
     """Rank 0: send `plan` to the other ranks (None: tell them to stop)."""
     if plan is None:
         _broadcast(group, torch.tensor([STOP, 0, 0, 0, 0, 0], dtype=torch.int64))
+        return
+    if isinstance(plan, SequencePlan):
+        _broadcast(group, torch.tensor([SEQUENCE, plan.input_ids.numel(), len(plan.bounds), 0, 0, 0],
+                                       dtype=torch.int64))
+        _broadcast(group, torch.cat([plan.input_ids.cpu(), torch.tensor(plan.bounds, dtype=torch.int64)]))
         return
     if isinstance(plan, PagesPlan):
         _broadcast(group, torch.tensor([IMPORT, plan.layer, len(plan.block_ids), 0, 0, 0], dtype=torch.int64))
@@ -63,13 +78,17 @@ def send_plan(group: dist.ProcessGroup, plan: StepPlan | PagesPlan | None) -> No
     _broadcast(group, body)
 
 
-def receive_plan(group: dist.ProcessGroup, device: torch.device) -> StepPlan | PagesPlan | None:
+def receive_plan(group: dist.ProcessGroup, device: torch.device) -> StepPlan | PagesPlan | SequencePlan | None:
     """The other ranks: the next plan rank 0 sends, its tensors on `device`; None when told to stop."""
     header = torch.empty(_HEADER, dtype=torch.int64)
     _broadcast(group, header)
     kind, tokens, sequences, width, sampled, exported = header.tolist()
     if kind == STOP:
         return None
+    if kind == SEQUENCE:
+        body = torch.empty(tokens + sequences, dtype=torch.int64)
+        _broadcast(group, body)
+        return SequencePlan(body[:tokens].to(device), body[tokens:].tolist())
     if kind == IMPORT:
         layer, blocks = tokens, sequences
         block_ids = torch.empty(blocks, dtype=torch.int64)

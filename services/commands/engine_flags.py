@@ -84,6 +84,14 @@ class EngineFlags:
         "--tensor-parallel-size ranks (EP size = TP size), each token's hidden state computed by its experts' "
         "ranks and summed back; attention stays tensor-parallel. Refused for a dense model, or experts the "
         "ranks do not divide")
+    prefill_context_parallel_size: int = flag(
+        _ENGINE.prefill_context_parallel_size, "processes (each holding the whole model) a long prompt's prefill "
+        "is split across by sequence: a step computing one whole prompt of --prefill-context-parallel-min-tokens "
+        "or more, nothing cached, gives each a contiguous slice of its tokens; the K/V of each layer are "
+        "all-gathered and the pages kept by the worker's own process. Not with --tensor-parallel-size")
+    prefill_context_parallel_min_tokens: int = flag(
+        _ENGINE.prefill_context_parallel_min_tokens, "the shortest prompt --prefill-context-parallel-size splits "
+        "(shorter ones run on one process: the gathers would cost more than the split saves)")
     speculative_config: str | None = flag(
         None, "speculative decoding on decode and colocated workers, in vLLM's keys: "
         '\'{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4, '
@@ -121,6 +129,8 @@ def flags_engine_config(flags: EngineFlags, role: Role) -> EngineConfig:
         StructuredOutputsConfig.from_json(flags.structured_outputs_config),
         tensor_parallel_size=flags.tensor_parallel_size,
         enable_expert_parallel=flags.enable_expert_parallel,
+        prefill_context_parallel_size=flags.prefill_context_parallel_size,
+        prefill_context_parallel_min_tokens=flags.prefill_context_parallel_min_tokens,
         cache=CacheConfig(
             block_size=flags.block_size,
             num_blocks=flags.kv_cache_blocks,

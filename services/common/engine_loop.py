@@ -168,9 +168,9 @@ class EngineLoop:
     # ---- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
-        # A tensor-parallel rank may die while the worker is idle, or while pages are imported on a
-        # receiver's thread: look now and then, not only when a step fails.
-        watch = _RANK_CHECK_S if engine.config.tensor_parallel_size > 1 else None
+        # A tensor- or context-parallel rank may die while the worker is idle, or while pages are
+        # imported on a receiver's thread: look now and then, not only when a step fails.
+        watch = _RANK_CHECK_S if engine.config.world_size > 1 else None
         while True:
             lost = None
             with self._wake:
@@ -240,8 +240,8 @@ class EngineLoop:
             self._deliver(output.request_id, output)
 
     def _lost_rank(self) -> str | None:
-        """Which other rank of a tensor-parallel engine is gone, if one is (never at size 1)."""
-        return self.engine.lost_rank() if self.engine.config.tensor_parallel_size > 1 else None
+        """Which other rank of a tensor- or context-parallel engine is gone, if one is (never at size 1)."""
+        return self.engine.lost_rank() if self.engine.config.world_size > 1 else None
 
     def _fail(self, exc: BaseException, what: str) -> None:
         """A step (or a command) failed: no request may be stranded, so abort them all and tell

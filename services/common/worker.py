@@ -48,6 +48,7 @@ class WorkerLoad:
     formats: EngineFormats  # what the engine computes in, fixed at its start-up
     tensor_parallel_size: int  # ranks the model is split across
     expert_parallel_size: int  # ranks its experts are split across whole (1: none)
+    prefill_context_parallel_size: int  # processes a long prompt's prefill is split across (1: none)
     model_name: str  # the served model's name
     model_version: str  # its version in the model repository ("" outside one)
     kv_layout: str  # what its KV pages mean (KVLayout.page_fingerprint)
@@ -103,6 +104,7 @@ class RoleWorker:
             formats=self.formats,
             tensor_parallel_size=self.loop.engine.config.tensor_parallel_size,
             expert_parallel_size=self.loop.engine.config.parallel_sizes["expert_parallel_size"],
+            prefill_context_parallel_size=self.loop.engine.config.prefill_context_parallel_size,
             model_name=self.loop.engine.config.served_name,
             model_version=self.loop.engine.config.model_version,
             kv_layout=self.kv_layout,

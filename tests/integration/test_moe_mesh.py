@@ -1,8 +1,9 @@
 """A mixture-of-experts model disaggregated across worker processes of different expert layouts
 (each 2-rank worker and its other rank, gloo): prefill with experts split whole over 2 ranks
 (`--enable-expert-parallel`) -> decode with every expert's features split over 2 ranks, and -> a
-one-process decode worker, decode as the one-process engine does; load reports and metrics say each
-worker's layout; a cancel mid-transfer and a killed rank on either side leave no block held. The
+one-process decode worker, decode as the one-process engine does, and so does a prompt whose
+prefill 2 processes split by sequence (--prefill-context-parallel-size); load reports and metrics
+say each worker's layout; a cancel mid-transfer and a killed rank on either side leave no block held. The
 model is a random Mixtral of small shapes saved by the test (a real MoE checkpoint would not fit the
 suite's time), so its tokens are compared with the one-process engine, not with text."""
 
@@ -58,11 +59,14 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def workers(model_dir) -> Iterator[dict[str, WorkerProcess]]:
-    """Every worker of the module, started at once: prefill_ep2, decode_tp2, decode_tp1, and the
-    victims of the rank kills."""
+    """Every worker of the module, started at once: prefill_ep2, prefill_cp2 (a long prompt's prefill
+    split over 2 processes by sequence), decode_tp2, decode_tp1, and the victims of the rank kills."""
     ep2, tp2 = ["--tensor-parallel-size", "2", "--enable-expert-parallel"], ["--tensor-parallel-size", "2"]
+    cp2 = ["--prefill-context-parallel-size", "2", "--prefill-context-parallel-min-tokens", "48",
+           "--max-num-batched-tokens", "1024"]  # after COMMON's budget: whole prompts, so they split
     roles = {"prefill_ep2": ("prefill", *ep2), "decode_tp2": ("decode", *tp2), "decode_tp1": ("decode",),
-             "victim_prefill_ep2": ("prefill", *ep2), "victim_decode_ep2": ("decode", *ep2)}
+             "prefill_cp2": ("prefill", *cp2), "victim_prefill_ep2": ("prefill", *ep2),
+             "victim_decode_ep2": ("decode", *ep2), "victim_prefill_cp2": ("prefill", *cp2)}
     started = {name: start_worker([role, "--model", str(model_dir), *COMMON, *flags, *(
         ["--kv-backend", "torch_dist"] if role == "decode" else [])], wait=False)
         for name, (role, *flags) in roles.items()}
@@ -127,6 +131,16 @@ def test_prefill_ep2_to_decode_of_another_layout_decodes_as_one_process(workers,
     assert [sample.value for sample in families["tandem:expert_parallel_size"].samples] == [2]
 
 
+def test_a_prompt_split_by_sequence_on_the_prefill_side_decodes_as_one_process(workers, engine):
+    prefill, decode = workers["prefill_cp2"], workers["decode_tp2"]
+    prompts = [_prompt(300, 7), _prompt(21, 8)]  # split, and not (below the threshold)
+    expected, margins = _expected(engine, prompts, GREEDY)
+    ours = [[t for chunk in _call(decode, prefill, prompt, GREEDY) for t in chunk.token_ids] for prompt in prompts]
+    check_against(ours, expected, margins, "prefill context parallel 2 -> decode TP 2")
+    _no_blocks_used(prefill, decode)
+    assert _load(prefill).prefill_context_parallel_size == 2
+
+
 def test_cancel_mid_transfer_between_expert_layouts_frees_every_block(workers):
     prefill, decode = workers["prefill_ep2"], workers["decode_tp2"]
     call = _call(decode, prefill, _prompt(600, 3), LONG)
@@ -163,6 +177,21 @@ def test_a_killed_expert_parallel_prefill_rank_leaves_no_block_held_on_the_decod
     prefill = workers["victim_prefill_ep2"]
     _kill_a_rank_mid_transfer(prefill, prefill, workers["decode_tp1"], _prompt(600, 4),
                               {grpc.StatusCode.UNAVAILABLE}, engine)
+
+
+def test_a_killed_context_parallel_rank_takes_its_idle_worker_down_and_the_decode_side_holds_nothing(workers):
+    """A whole prompt splits in one step here, too quick to kill a rank inside: the rank dies while
+    its worker idles, which the worker's rank watch notices."""
+    prefill, decode = workers["victim_prefill_cp2"], workers["decode_tp1"]
+    ranks = prefill.tensor_parallel_ranks()
+    assert len(ranks) == 1
+    _killed.add(prefill.proc.pid)
+    os.kill(ranks[0], signal.SIGKILL)
+    assert prefill.proc.wait(DEADLINE_S) == 1, prefill.log_tail()
+    with pytest.raises(grpc.RpcError) as failed:
+        list(_call(decode, prefill, _prompt(300, 9), GREEDY))
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+    _no_blocks_used(decode)
 
 
 def test_a_killed_expert_parallel_decode_rank_leaves_no_block_held_on_the_prefill_side(workers, engine):

@@ -150,7 +150,8 @@ def test_load_report_counts_used_blocks_from_usage():
     report = load_report(WorkerLoad(worker_id="decode@x:1", role="decode", stats=stats, prefill_tokens_per_s=1000.0,
                                     decode_step_s=0.02, step_model=StepModel(), reserved_requests=1,
                                     finished_requests=9, kv_delivery_wait_s=0.0, formats=FORMATS,
-                                    tensor_parallel_size=3, model_name="smollm2", model_version="q4",
+                                    tensor_parallel_size=3, expert_parallel_size=3, prefill_context_parallel_size=1,
+                                    model_name="smollm2", model_version="q4",
                                     kv_layout="smollm2:ab|30|3|64|bfloat16|16"))
     assert report.used_kv_blocks == 3  # 0.3 * 10 is 2.9999...: rounded, not truncated
     assert (report.free_kv_blocks, report.total_kv_blocks, report.cached_kv_blocks) == (7, 10, 4)
@@ -160,7 +161,7 @@ def test_load_report_counts_used_blocks_from_usage():
     assert (report.worker_id, report.role) == ("decode@x:1", "decode")
     assert (report.dtype, report.quantization, report.cpu_weights, report.kv_cache_dtype) == (
         "bfloat16", "none", "plain", "bfloat16")
-    assert report.tensor_parallel_size == 3
+    assert (report.tensor_parallel_size, report.expert_parallel_size, report.prefill_context_parallel_size) == (3, 3, 1)
     assert (report.model_name, report.model_version) == ("smollm2", "q4")
     assert report.kv_layout == "smollm2:ab|30|3|64|bfloat16|16"
 
