@@ -1,9 +1,11 @@
-"""llama.cpp (llama-cpp-python) on a GGUF file: each workload case's prompts one after another, greedy.
+"""llama.cpp (llama-cpp-python) on a GGUF file: each workload case's prompts one after another, greedy,
+or (a workload with `"batched": true`) all of a case's prompts at once (bench/llamacpp/batched.py).
 
 Runs in the venv bench/llamacpp/build.py makes, from the repository's root:
 `python -m bench.llamacpp.offline --workload PATH` prints one `BENCH-RESULT {json}` line. It imports
 the standard library, numpy, llama_cpp and bench's standard-library modules only: that venv has no
-Tandem. One sequence at a time, so only batch-1 cases (one prompt, or prompts timed in turn) fit it.
+Tandem. The default mode serves one sequence at a time, so only batch-1 cases (one prompt, or
+prompts timed in turn) fit it; the batched mode serves a case's prompts as concurrent sequences.
 """
 
 from __future__ import annotations
@@ -48,5 +50,14 @@ def llama_cpp_generate(workload: dict) -> dict:
             "cases": run_cases(workload, run)}
 
 
+def measure(workload: dict) -> dict:
+    """The workload's mode: one sequence at a time, or every prompt of a case together."""
+    if workload.get("batched"):
+        from bench.llamacpp.batched import llama_cpp_batched
+
+        return llama_cpp_batched(workload)
+    return llama_cpp_generate(workload)
+
+
 if __name__ == "__main__":
-    sys.exit(worker_main(llama_cpp_generate, __doc__))
+    sys.exit(worker_main(measure, __doc__))
