@@ -130,8 +130,9 @@ class WeightFormat:
         """y = x·Wᵀ over `weight` in float whatever the format: a MoE router, whose few rows decide
         which experts run (vLLM and llama.cpp's converters keep it unquantized too)."""
         stacked = dense(weight, self.dtype).to(self.device)
-        # Never rounded to fp16 (`--cpu-weights fp16`): a routing flip changes a token's experts.
-        plan = plan_dense(stacked, "fp32" if self.cpu_weights == "fp16" else self.cpu_weights)
+        # Never rounded to fp16 (`--cpu-weights fp16`): a routing flip changes a token's experts. Never
+        # packed for oneDNN either: its call costs more than a product of a few hundred weights a row.
+        plan = plan_dense(stacked, "plain")
         self.plans.append((kind, plan))
         return Linear(stacked, plan)
 
