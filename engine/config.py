@@ -89,6 +89,15 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class PipelineStage:
+    """The layers one pipeline stage holds: its ModelConfig.num_layers from `first_layer` on, of the
+    model's `model_layers`."""
+
+    first_layer: int
+    model_layers: int
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2 with QKV bias, Qwen3 with
     per-head q/k norms), its MLP dense or a mixture of experts (`moe`)."""
@@ -112,6 +121,22 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before the rotary embedding
     moe: MoEConfig | None = None  # None: every layer's MLP is dense
     architecture: str = "LlamaForCausalLM"  # the HF class name it was read as, for load reports
+    stage: PipelineStage | None = None  # a pipeline stage's part of the layers; None: all of them
+
+    @property
+    def first_layer(self) -> int:
+        """The model's index of this config's first layer (0 but for a later pipeline stage)."""
+        return 0 if self.stage is None else self.stage.first_layer
+
+    @property
+    def first_stage(self) -> bool:
+        """Whether the layers start at the model's first (the stage embeds the tokens)."""
+        return self.first_layer == 0
+
+    @property
+    def last_stage(self) -> bool:
+        """Whether the layers end at the model's last (the stage computes the logits)."""
+        return self.stage is None or self.first_layer + self.num_layers == self.stage.model_layers
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -216,6 +241,10 @@ class EngineConfig:
     # cached, gives each rank a contiguous slice of its tokens.
     prefill_context_parallel_size: int = 1
     prefill_context_parallel_min_tokens: int = 1024
+    # Stage processes the decoder layers are split across in contiguous ranges, each holding its
+    # layers' weights and KV blocks; a step's sequences go through them in micro-batches
+    # (engine.parallel.pipeline).
+    pipeline_parallel_size: int = 1
     # What the worker serves the weights as (vLLM's served_model_name; None: the file's name up to
     # its first dot), and which of the model repository's versions they are ("" outside one).
     served_model_name: str | None = None
@@ -227,12 +256,13 @@ class EngineConfig:
         metrics ("tandem:<name>") and traces ("tandem.<name>") say them."""
         return {"tensor_parallel_size": self.tensor_parallel_size,
                 "expert_parallel_size": self.tensor_parallel_size if self.enable_expert_parallel else 1,
-                "prefill_context_parallel_size": self.prefill_context_parallel_size}
+                "prefill_context_parallel_size": self.prefill_context_parallel_size,
+                "pipeline_parallel_size": self.pipeline_parallel_size}
 
     @property
     def world_size(self) -> int:
-        """The processes of this engine: its tensor-parallel or its prefill context-parallel ranks."""
-        return self.tensor_parallel_size * self.prefill_context_parallel_size
+        """The processes of this engine: its tensor-parallel, prefill context-parallel or pipeline ranks."""
+        return self.tensor_parallel_size * self.prefill_context_parallel_size * self.pipeline_parallel_size
 
     @property
     def served_name(self) -> str:
@@ -248,6 +278,13 @@ class EngineConfig:
         _require(self.prefill_context_parallel_size == 1 or self.tensor_parallel_size == 1,
                  "prefill_context_parallel_size", f"{self.prefill_context_parallel_size} with tensor_parallel_size "
                  f"{self.tensor_parallel_size} is not served (each context-parallel rank holds the whole model)")
+        _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size",
+                 f"must be at least 1, got {self.pipeline_parallel_size}")
+        others = {name: size for name, size in (("tensor_parallel_size", self.tensor_parallel_size),
+                                                ("prefill_context_parallel_size", self.prefill_context_parallel_size))
+                  if size > 1}
+        _require(self.pipeline_parallel_size == 1 or not others, "pipeline_parallel_size",
+                 f"{self.pipeline_parallel_size} with {', '.join(f'{n} {s}' for n, s in others.items())} is not served")
         _require(self.prefill_context_parallel_min_tokens >= 2, "prefill_context_parallel_min_tokens",
                  f"must be at least 2, got {self.prefill_context_parallel_min_tokens}")
         if self.speculative is not None and self.role == "prefill":

@@ -41,6 +41,8 @@ from engine.parallel.context_parallel import ContextParallelPrefill
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.kv_heads import kv_head_ranges
 from engine.parallel.layout import TensorParallelLayout
+from engine.parallel.pipeline import PipelineStages
+from engine.parallel.pipeline_layout import PipelineLayout
 from engine.request import FinishReason, Request
 from engine.resume import Resumed, check_resumable, replay_text
 from engine.runner import ModelRunner, SampledToken
@@ -80,17 +82,21 @@ class Engine:
         self.device = torch.device(config.device)
         size = config.tensor_parallel_size
         layout = TensorParallelLayout.of(config, 0)
+        pipeline = PipelineLayout(config.pipeline_parallel_size, 0)
         if files is not None:  # a size the model cannot take is refused before any rank starts
             layout.check(files.config)
+            pipeline.check(files.config)
         # The other ranks of a tensor- or context-parallel engine start loading beside this one (engine.parallel).
         self._parallel = TensorParallelGroup(config) if config.world_size > 1 else None
         tensor_parallel = self._parallel if size > 1 else None
         # The other ranks run what rank 0 sends in the order it sends it: a step (its plan and every
         # collective of its forward pass) and a move of pages from another thread never interleave.
-        self._ranks_busy: contextlib.AbstractContextManager = threading.Lock() if size > 1 else contextlib.nullcontext()
+        self._ranks_busy: contextlib.AbstractContextManager = (
+            threading.Lock() if config.world_size > 1 else contextlib.nullcontext())
         try:
             loaded = load_engine_model(config, files, layout,
-                                       None if tensor_parallel is None else tensor_parallel.group, self.device)
+                                       None if tensor_parallel is None else tensor_parallel.group, self.device,
+                                       pipeline)
             if self._parallel is not None:
                 self._parallel.ready(loaded.config)
         except BaseException:
@@ -113,15 +119,22 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint)
         eos = set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)
         sampler = Sampler(loaded.config.vocab_size, sorted(eos))
-        plans = None if tensor_parallel is None else tensor_parallel.send
-        context = None if self._parallel is None or tensor_parallel is not None else ContextParallelPrefill(
-            loaded.model, self._parallel.group, self._parallel.send, config.prefill_context_parallel_size,
-            config.prefill_context_parallel_min_tokens)
-        self.runner = ModelRunner(loaded.model, loaded.cache, sampler, self.device, plans, context)
+        context, stages = None, None
+        if self._parallel is not None and config.prefill_context_parallel_size > 1:
+            context = ContextParallelPrefill(loaded.model, self._parallel.group, self._parallel.send,
+                                             config.prefill_context_parallel_size,
+                                             config.prefill_context_parallel_min_tokens)
+        if self._parallel is not None and pipeline.size > 1:
+            stages = PipelineStages(loaded.model, loaded.config, pipeline, self._parallel.group, loaded.cache,
+                                    self._parallel.send)
+        # Every step's plan goes to tensor-parallel ranks and to pipeline stages.
+        plans = None if self._parallel is None or context is not None else self._parallel.send
+        self.runner = ModelRunner(loaded.model, loaded.cache, sampler, self.device, plans, context, stages)
         page = self.kv_format.page_shape(block_size, loaded.config.num_kv_heads, loaded.config.head_dim)
         policy = KVConnectorPolicy.of(config)
         self.connector = KVConnector(policy, KVConnectorWorker(
-            loaded.cache, tuple(page), block_size, loaded.config.num_layers, tensor_parallel, self._ranks_busy))
+            loaded.cache, tuple(page), block_size, loaded.config.num_layers, tensor_parallel, self._ranks_busy,
+            stages))
         self.scheduler = Scheduler(config.scheduler, self.kv, eos_token_ids=eos, connector=self.connector.scheduler)
         self._text: dict[str, _TextState] = {}
         self.last_step_tokens = StepTokens()

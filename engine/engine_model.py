@@ -21,9 +21,11 @@ from engine.model.kernels import cpu_kernels
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import ModelFiles, build_model, load_model_files
 from engine.model.quant_config import check_requested
+from engine.model.quantized import Weight
 from engine.model.weight_formats import choose_quantization
 from engine.parallel.collectives import TensorParallelSharding
 from engine.parallel.layout import TensorParallelLayout
+from engine.parallel.pipeline_layout import PipelineLayout
 from engine.parallel.shard import shard_files, shard_tensor
 
 
@@ -43,11 +45,13 @@ class EngineModel:
 
 
 def load_engine_model(config: EngineConfig, files: ModelFiles | None, layout: TensorParallelLayout,
-                      group: object | None, device: torch.device) -> EngineModel:
+                      group: object | None, device: torch.device,
+                      stage: PipelineLayout | None = None) -> EngineModel:
     """Resolve `config`'s formats on `device`, load the model (or use already loaded `files`) and
     keep rank `layout.rank`'s shard, made whole with the other ranks of `group` (a process group;
-    None at size 1). ValueError naming the field for a format the device has no kernel for, or a
-    tensor-parallel size the model cannot split."""
+    None at size 1), of pipeline stage `stage`'s layers (None: every layer). ValueError naming the
+    field for a format the device has no kernel for, or a size the model cannot be split by."""
+    stage = stage or PipelineLayout()
     hardware = probe(config.device)
     dtype_name = choose_dtype(config.dtype, hardware).dtype
     dtype = TORCH_DTYPES[dtype_name]
@@ -58,17 +62,22 @@ def load_engine_model(config: EngineConfig, files: ModelFiles | None, layout: Te
                                          None if cpu_ops is None else cpu_ops.decode_attention,
                                          None if cpu_ops is None else cpu_ops.prefill_attention)
     if files is None:  # each rank reads only its shard: the whole model is never in one process
-        keep = None if layout.size == 1 else functools.partial(shard_tensor, layout)
+        keep = None if layout.size == stage.size == 1 else functools.partial(_keep, layout, stage)
         files = load_model_files(config.model, dtype, config.quantization, keep)
         shard = files if layout.size == 1 else replace(files, config=layout.shard_config(files.config))
     else:
         check_requested(config.quantization, files.stored_format, files.source)
         shard = shard_files(files, layout)
+        shard = replace(shard, weights={name: weight for name, weight in shard.weights.items()
+                                        if stage.keep(files.config, name, weight) is not None})
     layout.check(files.config)  # at size 1 no tensor was cut, yet an expert layout of a dense model is refused
+    shard = replace(shard, config=stage.stage_config(shard.config))
     quantization = choose_quantization(config.quantization, files.quantized_as, config.device)
     formats = resolve_formats(config, hardware, quantization)
     block_size = config.cache.block_size
-    block_bytes = bytes_per_block(shard.config, block_size, kv)  # checks the format fits the model
+    # Every pipeline stage holds as many blocks as the stage of the most layers can.
+    block_bytes = bytes_per_block(replace(shard.config, num_layers=stage.budget_layers(files.config)), block_size,
+                                  kv)  # checks the format fits the model
     sharding = None if group is None else TensorParallelSharding(layout, files.config, group)
     model = build_model(shard, attention, device, quantization, formats.cpu_weights, dtype,
                         PARTS.get(formats.activation_quantization, 0), sharding)
@@ -76,3 +85,11 @@ def load_engine_model(config: EngineConfig, files: ModelFiles | None, layout: Te
     num_blocks = config.cache.num_blocks or max(1, (config.cache.memory_bytes or 0) // block_bytes)
     cache = CacheEngine(shard.config, num_blocks, block_size, kv, device)
     return EngineModel(files.config, files.source, dtype, quantization, formats, kv, model, cache, attention.name)
+
+
+def _keep(layout: TensorParallelLayout, stage: PipelineLayout, config: ModelConfig, name: str,
+          weight: Weight) -> Weight | None:
+    """A rank's part of a tensor as it is read: only its pipeline stage's, and of that its shard."""
+    if stage.keep(config, name, weight) is None:
+        return None
+    return weight if layout.size == 1 else shard_tensor(layout, config, name, weight)

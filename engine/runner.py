@@ -10,6 +10,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.cache_engine import CacheEngine
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel.context_parallel import ContextParallelPrefill
+from engine.parallel.pipeline import PipelineStages
 from engine.parallel.step_plan import StepPlan
 from engine.sampler import Sampler, SamplingRequestState, TokenLogprobs
 from engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -23,16 +24,18 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, sampler: Sampler, device: torch.device,
                  plans: Callable[[StepPlan], None] | None = None,
-                 context: ContextParallelPrefill | None = None) -> None:
-        """`plans` hands each step's inputs to the other ranks of a tensor-parallel engine before this
-        rank runs it (engine.parallel.step_plan); `context` splits long prompts across the ranks of a
-        prefill context-parallel engine (engine.parallel.context_parallel)."""
+                 context: ContextParallelPrefill | None = None, stages: PipelineStages | None = None) -> None:
+        """`plans` hands each step's inputs to the other ranks of a tensor- or pipeline-parallel engine
+        before this rank runs it (engine.parallel.step_plan); `context` splits long prompts across the
+        ranks of a prefill context-parallel engine (engine.parallel.context_parallel); `stages` runs a
+        pipeline-parallel engine's step through its stages (engine.parallel.pipeline)."""
         self.model = model
         self.cache = cache
         self.sampler = sampler
         self.device = device
         self._plans = plans
         self._context = context
+        self._stages = stages
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -46,20 +49,10 @@ class ModelRunner:
         which the other ranks of a tensor-parallel engine gather beside it."""
         if out.is_empty:
             return {}
-        input_ids, positions, meta, sample_rows = self._prepare(out)
-        bounds = None if self._context is None else self._context.split(out)
-        if bounds is not None and self._context is not None:
-            # The one prompt's last token, whose logits it samples, is the one row computed here.
-            hidden = self._context.run(input_ids, bounds, meta, self.cache.kv_caches, on_layer_done)
-            sample_rows = [0]
-        else:
-            if self._plans is not None:
-                self._plans(StepPlan(input_ids, positions, meta, sample_rows, list(export_blocks)))
-            hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done)
+        logits = self._forward(out, on_layer_done, export_blocks)
         sampling = [c for c in out.chunks if c.samples]
-        if not sampling:
+        if logits is None:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         states = [state for c in sampling for state in self._row_states(c)]
         rewind = {c.request.request_id: self._generators[c.request.request_id].get_state() for c in sampling
                   if c.draft_token_ids and c.request.request_id in self._generators}
@@ -77,6 +70,25 @@ class ModelRunner:
                 self.sampler.advance(generator, len(kept))
             new_tokens[request_id] = kept
         return new_tokens
+
+    def _forward(self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None,
+                 export_blocks: Sequence[int]) -> torch.Tensor | None:
+        """The step's forward pass (on this rank, or with the others): the sampled rows' logits (None
+        where no row is sampled: a prompt chunk short of its end)."""
+        input_ids, positions, meta, sample_rows = self._prepare(out)
+        bounds = None if self._context is None else self._context.split(out)
+        if bounds is not None and self._context is not None:
+            # The one prompt's last token, whose logits it samples, is the one row computed here.
+            return self.model.compute_logits(self._context.run(input_ids, bounds, meta, self.cache.kv_caches,
+                                                               on_layer_done))
+        if self._plans is not None:
+            self._plans(StepPlan(input_ids, positions, meta, sample_rows, list(export_blocks)))
+        if self._stages is not None:
+            return self._stages.step(input_ids, positions, meta, sample_rows, self.cache.kv_caches, on_layer_done)
+        hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done)
+        if not sample_rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
 
     def _row_states(self, chunk: ScheduledChunk) -> list[SamplingRequestState]:
         """One sampling state per sampled row; row i sees the first i drafts as output already."""

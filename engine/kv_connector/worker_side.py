@@ -14,6 +14,7 @@ import torch
 from engine.kv_cache.cache_engine import CacheEngine, check_pages
 from engine.kv_connector.export import KVExport, KVExports
 from engine.parallel.group import TensorParallelGroup
+from engine.parallel.pipeline import PipelineStages
 from engine.parallel.step_plan import PagesPlan
 from engine.scheduler import ScheduledChunk
 
@@ -24,12 +25,16 @@ class KVConnectorWorker:
     """Moves one engine's pages: its exported requests, and imports into its cache."""
 
     def __init__(self, cache: CacheEngine, page_shape: tuple[int, ...], block_size: int, num_layers: int,
-                 parallel: TensorParallelGroup | None, ranks_busy: contextlib.AbstractContextManager) -> None:
-        """`page_shape`: a page of all the model's KV heads; `ranks_busy`: held while rank 0 has the
-        other ranks run something (a step, or a move of pages from another thread), so never two at once."""
+                 parallel: TensorParallelGroup | None, ranks_busy: contextlib.AbstractContextManager,
+                 stages: PipelineStages | None = None) -> None:
+        """`page_shape`: a page of all the model's KV heads; `parallel`: a tensor-parallel engine's
+        group; `ranks_busy`: held while rank 0 has the other ranks run something (a step, or a move
+        of pages from another thread), so never two at once; `stages`: a pipeline-parallel engine's,
+        through which the pages of the layers other stages hold come and go."""
         self._cache = cache
         self._page_shape = page_shape
         self._parallel = parallel
+        self._stages = stages
         self._ranks_busy = ranks_busy
         self._exports = KVExports(block_size, num_layers)
 
@@ -61,6 +66,8 @@ class KVConnectorWorker:
     def _whole_pages(self, layer: int, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Some blocks' pages of one layer, of all KV heads: at tensor-parallel size > 1 joined from
         every rank, which gather the blocks the step's plan named after each layer."""
+        if self._stages is not None and layer not in self._stages.local_layers:
+            return self._stages.receive_pages(layer, len(block_ids), self._cache.kv_caches[0][0].device)
         k, v = self._cache.gather_blocks(layer, block_ids)
         if self._parallel is None:
             return k, v
@@ -70,6 +77,11 @@ class KVConnectorWorker:
     def import_pages(self, layer: int, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write received pages of one layer (of all the model's KV heads) into `block_ids`; at
         tensor-parallel size > 1 each rank takes the heads it holds. Any thread."""
+        if self._stages is not None and layer not in self._stages.local_layers:
+            k, v = self._pages_for_ranks(len(block_ids), k, v)
+            with self._ranks_busy:  # pages land on a receiver's thread, maybe while a step runs
+                self._stages.send_pages(PagesPlan(layer, list(block_ids)), k, v)
+            return
         if self._parallel is not None and block_ids:
             k, v = self._pages_for_ranks(len(block_ids), k, v)
             with self._ranks_busy:  # pages land on a receiver's thread, maybe while a step runs

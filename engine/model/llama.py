@@ -174,10 +174,13 @@ class LlamaForCausalLM(torch.nn.Module):
     ) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] for the packed new tokens of all sequences.
 
-        `on_layer_done(i)` runs as soon as layer i has written its K/V (before its MLP), so a
-        layer-by-layer KV transfer can start while the rest of the stack computes.
+        `on_layer_done(i)` runs as soon as layer i (the model's index) has written its K/V (before its
+        MLP), so a layer-by-layer KV transfer can start while the rest of the stack computes. A
+        pipeline stage's model (config.stage) takes the previous stage's hidden states in place of
+        `input_ids` unless it is the first, and returns its last layer's output unless it is the last.
         """
-        hidden = self.embed(input_ids)
+        config = self.config
+        hidden = self.embed(input_ids) if config.first_stage else input_ids
         cos, sin = self.rotary.forward(positions)
         if self.stacked is not None and on_layer_done is None:
             stacked = self.stacked(hidden, cos, sin, kv_caches, meta)
@@ -186,9 +189,9 @@ class LlamaForCausalLM(torch.nn.Module):
         for index, layer in enumerate(self.layers):
             hidden = layer.attention_block(hidden, cos, sin, kv_caches[index], meta)
             if on_layer_done is not None:
-                on_layer_done(index)
+                on_layer_done(config.first_layer + index)
             hidden = layer.mlp_block(hidden)
-        return self.final_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return self.final_norm(hidden, self.norm, config.rms_norm_eps) if config.last_stage else hidden
 
     def keep_first_layers(self, num_layers: int) -> None:
         """Keep only the first `num_layers` layers (an early-exit draft), the decode stack built over them."""
@@ -237,8 +240,10 @@ class LlamaForCausalLM(torch.nn.Module):
 
         sharded = self.plan.sharding
         row_parallel = (lambda product: product) if sharded is None else sharded.row_parallel
-        parameter(self.norm, "model.norm.weight")
-        for index, layer in enumerate(self.layers):
+        config = self.config
+        if config.last_stage:
+            parameter(self.norm, "model.norm.weight")
+        for index, layer in enumerate(self.layers, start=config.first_layer):
             prefix = f"model.layers.{index}."
             attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
             parameter(layer.input_layernorm, f"{prefix}input_layernorm.weight")
@@ -258,13 +263,15 @@ class LlamaForCausalLM(torch.nn.Module):
                 layer.linears["down"] = row_parallel(formats.product("down", parts(f"{mlp}down_proj.weight")))
             else:
                 layer.moe = row_parallel(build_moe(self.config.moe, mlp, weights, formats, layer.gate))
-        embedding = weights["model.embed_tokens.weight"]
-        if self.config.tie_word_embeddings:
-            self.embed, self.head = formats.tied("model.embed_tokens.weight", embedding)
+        # A pipeline stage holds the embedding if it is the first (and, tied, the last: as the head).
+        if config.tie_word_embeddings and (config.first_stage or config.last_stage):
+            self.embed, self.head = formats.tied("model.embed_tokens.weight", weights["model.embed_tokens.weight"])
         else:
-            self.embed = formats.embedding(embedding)
-            self.head = formats.product("lm_head", parts("lm_head.weight"))
-        if sharded is not None:
+            if config.first_stage:
+                self.embed = formats.embedding(weights["model.embed_tokens.weight"])
+            if config.last_stage:
+                self.head = formats.product("lm_head", parts("lm_head.weight"))
+        if sharded is not None and config.first_stage:
             self.embed = sharded.embedding(self.embed)
 
     def _weight_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -97,7 +97,9 @@ def build_model(files: ModelFiles, attention: AttentionBackend, device: str | to
     ops = cpu_kernels(device) if dtype in KERNEL_DTYPES else None
     plan = ModelPlan(sharding=sharding)
     if ops is not None:  # one op for each instead of torch's three to eight (121 in a batch-1 step)
-        stack = None if sharding is not None else functools.partial(DecodeStack.build, ops=ops)
+        # A rank whose products join other ranks' or a pipeline stage's layers run one by one.
+        whole = sharding is None and files.config.stage is None
+        stack = functools.partial(DecodeStack.build, ops=ops) if whole else None
         plan = ModelPlan(ops.rms_norm, ops.rotary, ops.silu_mul, stack, sharding)
     with torch.device(device):
         model = LlamaForCausalLM(files.config, attention, plan)

@@ -9,13 +9,19 @@ Shapes = dict[str, tuple[int, ...]]
 
 
 def weight_shapes(config: ModelConfig) -> Shapes:
-    """HF tensor name -> the shape the model `config` describes expects (a shard's config: its part)."""
+    """HF tensor name -> the shape the model `config` describes expects (a shard's or a pipeline
+    stage's config: its part)."""
     hidden = config.hidden_size
     q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    shapes: Shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    for index in range(config.num_layers):
+    shapes: Shapes = {}
+    # A pipeline stage's: the embedding on the first (a tied one on the last too), the head on the last.
+    if config.first_stage or (config.last_stage and config.tie_word_embeddings):
+        shapes["model.embed_tokens.weight"] = (config.vocab_size, hidden)
+    if config.last_stage:
+        shapes["model.norm.weight"] = (hidden,)
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    for index in range(config.first_layer, config.first_layer + config.num_layers):
         prefix = f"model.layers.{index}."
         for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
             shapes[f"{prefix}self_attn.{proj}_proj.weight"] = (rows, hidden)

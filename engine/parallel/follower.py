@@ -2,7 +2,9 @@
 then run every forward pass rank 0's step plans describe, taking part in the collectives, and take
 this rank's heads of the pages rank 0 imports (engine.parallel.kv_heads), until a STOP plan or the
 group breaks. Ranks 1.. of a prefill context-parallel engine load the whole model and compute their
-slice of each split prompt (engine.parallel.context_parallel). Only rank 0 schedules and samples."""
+slice of each split prompt (engine.parallel.context_parallel); those of a pipeline-parallel engine
+their stage's layers, and run them over each step (engine.parallel.pipeline). Only rank 0 schedules
+and samples."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from engine.kv_cache.cache_engine import CacheEngine
 from engine.parallel.context_parallel import run_slice, wrap_attention
 from engine.parallel.kv_heads import RankKVHeads
 from engine.parallel.layout import TensorParallelLayout
+from engine.parallel.pipeline import follow_pages, follow_step
+from engine.parallel.pipeline_layout import PipelineLayout
 from engine.parallel.process_group import join_group, rank_device
 from engine.parallel.step_plan import PagesPlan, SequencePlan, StepPlan, receive_plan
 
@@ -37,6 +41,9 @@ def follow(config: EngineConfig, rank: int, port: int, threads: int) -> None:
     group = join_group(port, rank, config.world_size, device)
     if config.prefill_context_parallel_size > 1:
         _follow_splits(config, rank, group, device)
+        return
+    if config.pipeline_parallel_size > 1:
+        _follow_stage(config, PipelineLayout(config.pipeline_parallel_size, rank), group, device)
         return
     loaded = load_engine_model(config, None, TensorParallelLayout.of(config, rank), group, device)
     group.barrier().wait()
@@ -72,6 +79,20 @@ def _follow_splits(config: EngineConfig, rank: int, group: dist.ProcessGroup,
                       torch.arange(tokens, device=device), table, cache.kv_caches)
     except RuntimeError as error:  # rank 0 or another rank is gone: nothing left to follow
         log.error("prefill context-parallel rank %d stops: %s", rank, error)
+
+
+def _follow_stage(config: EngineConfig, layout: PipelineLayout, group: dist.ProcessGroup, device: torch.device) -> None:
+    """A pipeline stage after the first: its layers, their KV cache, and every step's micro-batches."""
+    loaded = load_engine_model(config, None, TensorParallelLayout(1, 0), None, device, layout)
+    group.barrier().wait()
+    try:
+        while (plan := receive_plan(group, device)) is not None:
+            if isinstance(plan, PagesPlan):
+                follow_pages(loaded.config, layout, group, plan, loaded.cache)
+            elif isinstance(plan, StepPlan):
+                follow_step(loaded.model, loaded.config, layout, group, plan, loaded.cache)
+    except RuntimeError as error:  # rank 0 or another stage is gone: nothing left to follow
+        log.error("pipeline stage %d stops: %s", layout.stage, error)
 
 
 def _exporter(plan: StepPlan, cache: CacheEngine, heads: RankKVHeads) -> Callable[[int], None] | None:

@@ -92,6 +92,11 @@ class EngineFlags:
     prefill_context_parallel_min_tokens: int = flag(
         _ENGINE.prefill_context_parallel_min_tokens, "the shortest prompt --prefill-context-parallel-size splits "
         "(shorter ones run on one process: the gathers would cost more than the split saves)")
+    pipeline_parallel_size: int = flag(
+        _ENGINE.pipeline_parallel_size, "processes the decoder layers are split across in contiguous ranges "
+        "(stages), each holding its layers' weights and KV blocks; a step's sequences pass through them in "
+        "micro-batches so the stages overlap. Prefill and decode workers of different sizes exchange KV. Not "
+        "with --tensor-parallel-size or --prefill-context-parallel-size")
     speculative_config: str | None = flag(
         None, "speculative decoding on decode and colocated workers, in vLLM's keys: "
         '\'{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4, '
@@ -131,6 +136,7 @@ def flags_engine_config(flags: EngineFlags, role: Role) -> EngineConfig:
         enable_expert_parallel=flags.enable_expert_parallel,
         prefill_context_parallel_size=flags.prefill_context_parallel_size,
         prefill_context_parallel_min_tokens=flags.prefill_context_parallel_min_tokens,
+        pipeline_parallel_size=flags.pipeline_parallel_size,
         cache=CacheConfig(
             block_size=flags.block_size,
             num_blocks=flags.kv_cache_blocks,

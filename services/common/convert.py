@@ -231,6 +231,7 @@ def load_report(load: WorkerLoad) -> common_pb2.LoadReport:
         tensor_parallel_size=load.tensor_parallel_size,
         expert_parallel_size=load.expert_parallel_size,
         prefill_context_parallel_size=load.prefill_context_parallel_size,
+        pipeline_parallel_size=load.pipeline_parallel_size,
         model_name=load.model_name,
         model_version=load.model_version,
         kv_layout=load.kv_layout,

@@ -49,6 +49,7 @@ class WorkerLoad:
     tensor_parallel_size: int  # ranks the model is split across
     expert_parallel_size: int  # ranks its experts are split across whole (1: none)
     prefill_context_parallel_size: int  # processes a long prompt's prefill is split across (1: none)
+    pipeline_parallel_size: int  # stage processes its layers are split across (1: none)
     model_name: str  # the served model's name
     model_version: str  # its version in the model repository ("" outside one)
     kv_layout: str  # what its KV pages mean (KVLayout.page_fingerprint)
@@ -105,6 +106,7 @@ class RoleWorker:
             tensor_parallel_size=self.loop.engine.config.tensor_parallel_size,
             expert_parallel_size=self.loop.engine.config.parallel_sizes["expert_parallel_size"],
             prefill_context_parallel_size=self.loop.engine.config.prefill_context_parallel_size,
+            pipeline_parallel_size=self.loop.engine.config.pipeline_parallel_size,
             model_name=self.loop.engine.config.served_name,
             model_version=self.loop.engine.config.model_version,
             kv_layout=self.kv_layout,

@@ -87,6 +87,8 @@ def _engine_families(engine: WatchedEngine) -> Iterator[Metric]:
          "1: none).", loop.engine.config.parallel_sizes["expert_parallel_size"]),
         ("tandem:prefill_context_parallel_size", "Processes a long prompt's prefill is split across by sequence "
          "(1: none).", loop.engine.config.prefill_context_parallel_size),
+        ("tandem:pipeline_parallel_size", "Stage processes the worker's layers are split across (1: none).",
+         loop.engine.config.pipeline_parallel_size),
     ]
     if engine.reserved_requests is not None:
         gauges.append(("tandem:kv_reserved_requests", "Requests whose KV is reserved here and still arriving.",

@@ -151,6 +151,7 @@ def test_load_report_counts_used_blocks_from_usage():
                                     decode_step_s=0.02, step_model=StepModel(), reserved_requests=1,
                                     finished_requests=9, kv_delivery_wait_s=0.0, formats=FORMATS,
                                     tensor_parallel_size=3, expert_parallel_size=3, prefill_context_parallel_size=1,
+                                    pipeline_parallel_size=2,
                                     model_name="smollm2", model_version="q4",
                                     kv_layout="smollm2:ab|30|3|64|bfloat16|16"))
     assert report.used_kv_blocks == 3  # 0.3 * 10 is 2.9999...: rounded, not truncated
