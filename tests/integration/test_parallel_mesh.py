@@ -1,11 +1,12 @@
-"""A mixture-of-experts model disaggregated across worker processes of different expert layouts
-(each 2-rank worker and its other rank, gloo): prefill with experts split whole over 2 ranks
-(`--enable-expert-parallel`) -> decode with every expert's features split over 2 ranks, and -> a
-one-process decode worker, decode as the one-process engine does, and so does a prompt whose
-prefill 2 processes split by sequence (--prefill-context-parallel-size); load reports and metrics
-say each worker's layout; a cancel mid-transfer and a killed rank on either side leave no block held. The
-model is a random Mixtral of small shapes saved by the test (a real MoE checkpoint would not fit the
-suite's time), so its tokens are compared with the one-process engine, not with text."""
+"""Worker processes of every parallel layout, disaggregated (each multi-process worker with its other
+ranks, gloo), serving one mixture-of-experts model: prefill with experts split whole over 2 ranks
+(--enable-expert-parallel) -> decode with every expert's features split over 2 ranks, and -> a
+one-process decode worker; a prompt whose prefill 2 processes split by sequence
+(--prefill-context-parallel-size); prefill PP 2 -> decode PP 1 and PP 1 -> PP 2 (--pipeline-parallel-size).
+Each decodes as the one-process engine does; load reports and metrics say each worker's layout; a
+cancel mid-transfer and a killed rank on either side leave no block held. The model is a random
+Mixtral of small shapes saved by the test (a real MoE checkpoint would not fit the suite's time), so
+its tokens are compared with the one-process engine, not with text."""
 
 from __future__ import annotations
 
@@ -60,13 +61,17 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def workers(model_dir) -> Iterator[dict[str, WorkerProcess]]:
     """Every worker of the module, started at once: prefill_ep2, prefill_cp2 (a long prompt's prefill
-    split over 2 processes by sequence), decode_tp2, decode_tp1, and the victims of the rank kills."""
+    split over 2 processes by sequence), prefill_pp2, prefill_tp1, decode_tp2, decode_pp2, decode_tp1,
+    and the victims of the rank kills."""
     ep2, tp2 = ["--tensor-parallel-size", "2", "--enable-expert-parallel"], ["--tensor-parallel-size", "2"]
     cp2 = ["--prefill-context-parallel-size", "2", "--prefill-context-parallel-min-tokens", "48",
            "--max-num-batched-tokens", "1024"]  # after COMMON's budget: whole prompts, so they split
+    pp2 = ["--pipeline-parallel-size", "2"]
     roles = {"prefill_ep2": ("prefill", *ep2), "decode_tp2": ("decode", *tp2), "decode_tp1": ("decode",),
-             "prefill_cp2": ("prefill", *cp2), "victim_prefill_ep2": ("prefill", *ep2),
-             "victim_decode_ep2": ("decode", *ep2), "victim_prefill_cp2": ("prefill", *cp2)}
+             "prefill_cp2": ("prefill", *cp2), "prefill_pp2": ("prefill", *pp2), "decode_pp2": ("decode", *pp2),
+             "prefill_tp1": ("prefill",), "victim_prefill_ep2": ("prefill", *ep2),
+             "victim_decode_ep2": ("decode", *ep2), "victim_prefill_cp2": ("prefill", *cp2),
+             "victim_prefill_pp2": ("prefill", *pp2), "victim_decode_pp2": ("decode", *pp2)}
     started = {name: start_worker([role, "--model", str(model_dir), *COMMON, *flags, *(
         ["--kv-backend", "torch_dist"] if role == "decode" else [])], wait=False)
         for name, (role, *flags) in roles.items()}
@@ -141,9 +146,25 @@ def test_a_prompt_split_by_sequence_on_the_prefill_side_decodes_as_one_process(w
     assert _load(prefill).prefill_context_parallel_size == 2
 
 
-def test_cancel_mid_transfer_between_expert_layouts_frees_every_block(workers):
-    prefill, decode = workers["prefill_ep2"], workers["decode_tp2"]
-    call = _call(decode, prefill, _prompt(600, 3), LONG)
+@pytest.mark.parametrize(("prefill_name", "decode_name"), [("prefill_pp2", "decode_tp1"),
+                                                          ("prefill_tp1", "decode_pp2")])
+def test_pipeline_layouts_pair_both_ways_and_decode_as_one_process(workers, engine, prefill_name, decode_name):
+    prefill, decode = workers[prefill_name], workers[decode_name]
+    prompts = [_prompt(21, 10), _prompt(70, 11)]
+    expected, margins = _expected(engine, prompts, GREEDY)
+    ours = [[t for chunk in _call(decode, prefill, prompt, GREEDY) for t in chunk.token_ids] for prompt in prompts]
+    check_against(ours, expected, margins, f"{prefill_name} -> {decode_name}")
+    _no_blocks_used(prefill, decode)
+    assert (_load(prefill).pipeline_parallel_size, _load(decode).pipeline_parallel_size) == (
+        (2, 1) if prefill_name == "prefill_pp2" else (1, 2))
+
+
+@pytest.mark.parametrize(("prefill_name", "decode_name"), [("prefill_ep2", "decode_tp2"),
+                                                          ("prefill_pp2", "decode_tp1"),
+                                                          ("prefill_tp1", "decode_pp2")])
+def test_cancel_mid_transfer_between_layouts_frees_every_block(workers, prefill_name, decode_name):
+    prefill, decode = workers[prefill_name], workers[decode_name]
+    call = _call(decode, prefill, _prompt(600, 3 + len(prefill_name) + len(decode_name)), LONG)
     # A 600-token prompt takes many 32-token steps, each pushing its pages.
     _until(lambda: _load(prefill).running_requests > 0, "the prefill never started")
     call.cancel()
@@ -197,4 +218,16 @@ def test_a_killed_context_parallel_rank_takes_its_idle_worker_down_and_the_decod
 def test_a_killed_expert_parallel_decode_rank_leaves_no_block_held_on_the_prefill_side(workers, engine):
     decode = workers["victim_decode_ep2"]
     _kill_a_rank_mid_transfer(decode, workers["prefill_ep2"], decode, _prompt(600, 5),
+                              {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE}, engine)
+
+
+def test_a_killed_pipeline_stage_on_the_prefill_side_leaves_no_block_held_on_the_decode_side(workers, engine):
+    prefill = workers["victim_prefill_pp2"]
+    _kill_a_rank_mid_transfer(prefill, prefill, workers["decode_tp1"], _prompt(600, 12),
+                              {grpc.StatusCode.UNAVAILABLE}, engine)
+
+
+def test_a_killed_pipeline_stage_on_the_decode_side_leaves_no_block_held_on_the_prefill_side(workers, engine):
+    decode = workers["victim_decode_pp2"]
+    _kill_a_rank_mid_transfer(decode, workers["prefill_tp1"], decode, _prompt(600, 13),
                               {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE}, engine)
