@@ -280,11 +280,9 @@ class EngineConfig:
                  f"{self.tensor_parallel_size} is not served (each context-parallel rank holds the whole model)")
         _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size",
                  f"must be at least 1, got {self.pipeline_parallel_size}")
-        others = {name: size for name, size in (("tensor_parallel_size", self.tensor_parallel_size),
-                                                ("prefill_context_parallel_size", self.prefill_context_parallel_size))
-                  if size > 1}
-        _require(self.pipeline_parallel_size == 1 or not others, "pipeline_parallel_size",
-                 f"{self.pipeline_parallel_size} with {', '.join(f'{n} {s}' for n, s in others.items())} is not served")
+        _require(self.pipeline_parallel_size == 1 or self.prefill_context_parallel_size == 1,
+                 "pipeline_parallel_size", f"{self.pipeline_parallel_size} with prefill_context_parallel_size "
+                 f"{self.prefill_context_parallel_size} is not served")
         _require(self.prefill_context_parallel_min_tokens >= 2, "prefill_context_parallel_min_tokens",
                  f"must be at least 2, got {self.prefill_context_parallel_min_tokens}")
         if self.speculative is not None and self.role == "prefill":

@@ -95,7 +95,7 @@ class Engine:
             threading.Lock() if config.world_size > 1 else contextlib.nullcontext())
         try:
             loaded = load_engine_model(config, files, layout,
-                                       None if tensor_parallel is None else tensor_parallel.group, self.device,
+                                       None if tensor_parallel is None else tensor_parallel.tensor_group, self.device,
                                        pipeline)
             if self._parallel is not None:
                 self._parallel.ready(loaded.config)
@@ -125,7 +125,7 @@ class Engine:
                                              config.prefill_context_parallel_size,
                                              config.prefill_context_parallel_min_tokens)
         if self._parallel is not None and pipeline.size > 1:
-            stages = PipelineStages(loaded.model, loaded.config, pipeline, self._parallel.group, loaded.cache,
+            stages = PipelineStages(loaded.model, loaded.config, pipeline, size, self._parallel.group, loaded.cache,
                                     self._parallel.send)
         # Every step's plan goes to tensor-parallel ranks and to pipeline stages.
         plans = None if self._parallel is None or context is not None else self._parallel.send

@@ -21,9 +21,9 @@ from engine.kv_cache.cache_engine import CacheEngine
 from engine.parallel.context_parallel import run_slice, wrap_attention
 from engine.parallel.kv_heads import RankKVHeads
 from engine.parallel.layout import TensorParallelLayout
-from engine.parallel.pipeline import follow_pages, follow_step
+from engine.parallel.pipeline import StageRank
 from engine.parallel.pipeline_layout import PipelineLayout
-from engine.parallel.process_group import join_group, rank_device
+from engine.parallel.process_group import join_group, rank_device, stage_prefix
 from engine.parallel.step_plan import PagesPlan, SequencePlan, StepPlan, receive_plan
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,11 @@ def follow(config: EngineConfig, rank: int, port: int, threads: int) -> None:
         _follow_splits(config, rank, group, device)
         return
     if config.pipeline_parallel_size > 1:
-        _follow_stage(config, PipelineLayout(config.pipeline_parallel_size, rank), group, device)
+        stage, tensor_rank = divmod(rank, config.tensor_parallel_size)
+        tensor = None if config.tensor_parallel_size == 1 else join_group(
+            port, tensor_rank, config.tensor_parallel_size, device, prefix=stage_prefix(stage))
+        _follow_stage(config, PipelineLayout(config.pipeline_parallel_size, stage), tensor_rank, group, tensor,
+                      device)
         return
     loaded = load_engine_model(config, None, TensorParallelLayout.of(config, rank), group, device)
     group.barrier().wait()
@@ -81,16 +85,22 @@ def _follow_splits(config: EngineConfig, rank: int, group: dist.ProcessGroup,
         log.error("prefill context-parallel rank %d stops: %s", rank, error)
 
 
-def _follow_stage(config: EngineConfig, layout: PipelineLayout, group: dist.ProcessGroup, device: torch.device) -> None:
-    """A pipeline stage after the first: its layers, their KV cache, and every step's micro-batches."""
-    loaded = load_engine_model(config, None, TensorParallelLayout(1, 0), None, device, layout)
+def _follow_stage(config: EngineConfig, layout: PipelineLayout, tensor_rank: int, group: dist.ProcessGroup,
+                  tensor: dist.ProcessGroup | None, device: torch.device) -> None:
+    """A rank of a pipeline stage (other than rank 0): its shard of its stage's layers, their KV cache,
+    and every step's micro-batches; `tensor` is its stage's tensor-parallel group (None at TP 1)."""
+    tensor_layout = TensorParallelLayout.of(config, tensor_rank)
+    loaded = load_engine_model(config, None, tensor_layout, tensor, device, layout)
     group.barrier().wait()
+    heads = None if tensor is None else RankKVHeads(loaded.config, config.tensor_parallel_size, tensor)
+    rank = StageRank(loaded.model, loaded.config, layout, config.tensor_parallel_size, tensor_rank, group, heads,
+                     loaded.cache)
     try:
         while (plan := receive_plan(group, device)) is not None:
             if isinstance(plan, PagesPlan):
-                follow_pages(loaded.config, layout, group, plan, loaded.cache)
+                rank.import_pages(plan)
             elif isinstance(plan, StepPlan):
-                follow_step(loaded.model, loaded.config, layout, group, plan, loaded.cache)
+                rank.step(plan)
     except RuntimeError as error:  # rank 0 or another stage is gone: nothing left to follow
         log.error("pipeline stage %d stops: %s", layout.stage, error)
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig, ModelConfig
 from engine.parallel.follower import follow
 from engine.parallel.kv_heads import RankKVHeads
-from engine.parallel.process_group import JOIN_TIMEOUT, join_group, rank_device
+from engine.parallel.process_group import JOIN_TIMEOUT, join_group, rank_device, stage_prefix
 from engine.parallel.step_plan import PagesPlan, SequencePlan, StepPlan, send_plan
 
 
@@ -28,6 +28,7 @@ class TensorParallelGroup:
         follows rank 0's step plans: engine.parallel.follower) and join them."""
         size = config.world_size
         self._tensor_parallel = config.tensor_parallel_size > 1
+        self._tensor_size = config.tensor_parallel_size
         self._store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
         context = multiprocessing.get_context("spawn")
         self.followers = [context.Process(target=follow, args=(config, rank, self._store.port, torch.get_num_threads()),
@@ -36,12 +37,17 @@ class TensorParallelGroup:
         for process in self.followers:
             process.start()
         self.group = join_group(self._store.port, 0, size, rank_device(config, 0), self._store)
+        # The group of the tensor-parallel ranks: all of them, or with pipeline stages the first stage's.
+        self.tensor_group = self.group
+        if self._tensor_parallel and config.pipeline_parallel_size > 1:
+            self.tensor_group = join_group(self._store.port, 0, config.tensor_parallel_size, rank_device(config, 0),
+                                           self._store, stage_prefix(0))
 
     def ready(self, model: ModelConfig) -> None:
         """Wait until every rank has loaded its shard of `model`; RuntimeError if one could not."""
         self.group.barrier().wait()
-        if self._tensor_parallel:  # context-parallel ranks keep no pages
-            self.kv_heads = RankKVHeads(model, len(self.followers) + 1, self.group)
+        if self._tensor_parallel:  # context-parallel ranks keep no pages; stages relay their own
+            self.kv_heads = RankKVHeads(model, self._tensor_size, self.tensor_group)
 
     def send(self, plan: StepPlan | PagesPlan | SequencePlan) -> None:
         """Have every other rank run `plan` (a forward pass, or moving pages) beside this one."""

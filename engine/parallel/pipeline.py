@@ -15,6 +15,11 @@ rank 0 its layers' pages once its micro-batches are done (rank 0 hands them on l
 own first), and a page of a layer another stage holds goes from rank 0 to that stage on import. A
 layer's pages leave after the stage's whole step, not as soon as the layer wrote them: with
 micro-batches a layer is complete only when the last micro-batch has passed it.
+
+With tensor parallelism every stage is that many ranks (world rank = stage x TP + tensor rank), its
+collectives within the stage's own group; hidden states go from each rank to the next stage's rank of
+the same tensor rank (they are whole after a stage's all-reduces), and pages join within a stage
+(engine.parallel.kv_heads) before its first rank sends them on, or split there when they arrive.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.kv_cache.cache_engine import CacheEngine
 from engine.model.llama import LlamaForCausalLM
+from engine.parallel.kv_heads import RankKVHeads
 from engine.parallel.pipeline_layout import PipelineLayout, micro_batches
 from engine.parallel.step_plan import PagesPlan, StepPlan
 
@@ -60,36 +66,45 @@ def _receive(group: dist.ProcessGroup, shape: Sequence[int], dtype: torch.dtype,
     return tensor
 
 
+def _whole_page(cache: CacheEngine, whole: ModelConfig) -> tuple[tuple[int, ...], torch.dtype]:
+    """One page of all the model's KV heads in `cache`'s format (a tensor-parallel rank holds some)."""
+    k_cache = cache.kv_caches[0][0]
+    block_size, _, row = k_cache.shape[1:]
+    return (block_size, whole.num_kv_heads, row), k_cache.dtype
+
+
 class PipelineStages:
     """Rank 0's side: its stage of each step, the logits from the last, and the pages of the layers
     other stages hold."""
 
-    def __init__(self, model: LlamaForCausalLM, whole: ModelConfig, layout: PipelineLayout,
+    def __init__(self, model: LlamaForCausalLM, whole: ModelConfig, layout: PipelineLayout, tensor_size: int,
                  group: dist.ProcessGroup, cache: CacheEngine, announce: Callable[[PagesPlan], None]) -> None:
-        """`whole`: the whole model's config; `cache`: this stage's KV cache; `announce` tells every
-        stage what comes (engine.parallel.group's broadcast of plans)."""
+        """`whole`: the whole model's config; `tensor_size`: each stage's tensor-parallel ranks;
+        `group`: every rank's; `cache`: this rank's KV cache; `announce` tells every rank what comes
+        (engine.parallel.group's broadcast of plans)."""
         self.model = model
         self.whole = whole
         self.layout = layout
+        self.tensor_size = tensor_size
         self.group = group
-        k_cache = cache.kv_caches[0][0]
-        self._page = (tuple(k_cache.shape[1:]), k_cache.dtype)
+        self._page = _whole_page(cache, whole)
         self._announce = announce
         self.local_layers = layout.layers(whole, 0)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, sample_rows: list[int],
              kv_caches: Caches, on_layer_done: Callable[[int], None] | None) -> torch.Tensor | None:
-        """Run stage 0 of a step every stage has the plan of; the sampled rows' logits [rows, vocab]
+        """Run stage 0 of a step every rank has the plan of; the sampled rows' logits [rows, vocab]
         (None where no row is sampled)."""
         sends = _Sends(self.group)
         batches = micro_batches(meta, sample_rows, self.layout.size)
         for index, batch in enumerate(batches):
             rows = slice(batch.rows.start, batch.rows.stop)
-            sends.send(self.model(input_ids[rows], positions[rows], kv_caches, batch.meta), 1, _HIDDEN + index)
+            out = self.model(input_ids[rows], positions[rows], kv_caches, batch.meta)
+            sends.send(out, self.tensor_size, _HIDDEN + index)
         if on_layer_done is not None:  # every layer's pages, in order: this stage's, then the others'
             for layer in range(self.whole.num_layers):
                 on_layer_done(layer)
-        last = self.layout.size - 1
+        last = (self.layout.size - 1) * self.tensor_size
         logits = [_receive(self.group, (len(batch.sample_rows), self.whole.vocab_size), torch.float32,
                            input_ids.device, last, _LOGITS + index)
                   for index, batch in enumerate(batches) if batch.sample_rows]
@@ -99,47 +114,80 @@ class PipelineStages:
     def receive_pages(self, layer: int, blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The pages of `blocks` exported blocks of layer `layer`, which its stage sends after the step."""
         shape, dtype = self._page
-        pages = _receive(self.group, (2, blocks, *shape), dtype, device, self.layout.stage_of(self.whole, layer),
-                         _PAGES_OUT + layer)
+        source = self.layout.stage_of(self.whole, layer) * self.tensor_size
+        pages = _receive(self.group, (2, blocks, *shape), dtype, device, source, _PAGES_OUT + layer)
         return pages[0], pages[1]
 
     def send_pages(self, plan: PagesPlan, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Hand received pages of a layer another stage holds to it, every stage told first."""
+        """Hand received pages of a layer another stage holds to it, every rank told first."""
         self._announce(plan)
         sends = _Sends(self.group)
-        sends.send(torch.stack([k, v]), self.layout.stage_of(self.whole, plan.layer), _PAGES_IN + plan.layer)
+        sends.send(torch.stack([k, v]), self.layout.stage_of(self.whole, plan.layer) * self.tensor_size,
+                   _PAGES_IN + plan.layer)
         sends.wait()
 
 
-def follow_step(model: LlamaForCausalLM, whole: ModelConfig, layout: PipelineLayout, group: dist.ProcessGroup,
-                plan: StepPlan, cache: CacheEngine) -> None:
-    """Stage `layout.stage` (> 0) of a step: each micro-batch from the stage before, through this
-    stage's layers, on to the next (the last: the sampled rows' logits to rank 0); then, for an
-    exported request, this stage's layers' pages to rank 0."""
-    stage, last = layout.stage, layout.size - 1
-    device, dtype = model.norm.device, model.norm.dtype
-    sends = _Sends(group)
-    for index, batch in enumerate(micro_batches(plan.meta, plan.sample_rows, layout.size)):
-        hidden = _receive(group, (len(batch.rows), whole.hidden_size), dtype, device, stage - 1, _HIDDEN + index)
-        rows = slice(batch.rows.start, batch.rows.stop)
-        out = model(hidden, plan.positions[rows], cache.kv_caches, batch.meta)
-        if stage < last:
-            sends.send(out, stage + 1, _HIDDEN + index)
-        elif batch.sample_rows:
-            sends.send(model.compute_logits(out[torch.tensor(batch.sample_rows, device=device)]), 0, _LOGITS + index)
-    if plan.export_blocks:
-        for local, layer in enumerate(layout.layers(whole)):
-            sends.send(torch.stack(cache.gather_blocks(local, plan.export_blocks)), 0, _PAGES_OUT + layer)
-    sends.wait()
+class StageRank:
+    """A rank of a pipeline-parallel engine other than rank 0: its stage's part of every step, and of
+    every import of pages. `heads` joins and splits pages within the stage (None at TP 1)."""
 
+    def __init__(self, model: LlamaForCausalLM, whole: ModelConfig, layout: PipelineLayout, tensor_size: int,
+                 tensor_rank: int, group: dist.ProcessGroup, heads: RankKVHeads | None, cache: CacheEngine) -> None:
+        self.model = model
+        self.whole = whole
+        self.layout = layout
+        self.tensor_size = tensor_size
+        self.tensor_rank = tensor_rank
+        self.group = group
+        self.heads = heads
+        self.cache = cache
+        self.held = layout.layers(whole)
 
-def follow_pages(whole: ModelConfig, layout: PipelineLayout, group: dist.ProcessGroup, plan: PagesPlan,
-                 cache: CacheEngine) -> None:
-    """Take the pages rank 0 received for a layer this stage holds (other stages: nothing to do)."""
-    held = layout.layers(whole)
-    if plan.layer not in held:
-        return
-    k_cache = cache.kv_caches[0][0]
-    pages = _receive(group, (2, len(plan.block_ids), *k_cache.shape[1:]), k_cache.dtype, k_cache.device, 0,
-                     _PAGES_IN + plan.layer)
-    cache.scatter_blocks(plan.layer - held.start, plan.block_ids, pages[0], pages[1])
+    def _rank(self, stage: int) -> int:
+        """The world rank of stage `stage`'s rank of this tensor rank."""
+        return stage * self.tensor_size + self.tensor_rank
+
+    def step(self, plan: StepPlan) -> None:
+        """This rank's part of a step: each micro-batch from the stage before (stage 0: from the
+        tokens), through this stage's layers, on to the next (the last stage's first rank: the
+        sampled rows' logits to rank 0); then an exported request's pages of this stage's layers."""
+        stage, last = self.layout.stage, self.layout.size - 1
+        device, dtype = self.model.norm.device, self.model.norm.dtype
+        sends = _Sends(self.group)
+        for index, batch in enumerate(micro_batches(plan.meta, plan.sample_rows, self.layout.size)):
+            rows = slice(batch.rows.start, batch.rows.stop)
+            inputs = plan.input_ids[rows] if stage == 0 else _receive(
+                self.group, (len(batch.rows), self.whole.hidden_size), dtype, device, self._rank(stage - 1),
+                _HIDDEN + index)
+            out = self.model(inputs, plan.positions[rows], self.cache.kv_caches, batch.meta)
+            if stage < last:
+                sends.send(out, self._rank(stage + 1), _HIDDEN + index)
+            elif batch.sample_rows:  # the logits join across the stage's ranks; its first sends them
+                logits = self.model.compute_logits(out[torch.tensor(batch.sample_rows, device=device)])
+                if self.tensor_rank == 0:
+                    sends.send(logits, 0, _LOGITS + index)
+        if plan.export_blocks:
+            for local, layer in enumerate(self.held):
+                k, v = self.cache.gather_blocks(local, plan.export_blocks)
+                if self.heads is not None and self.tensor_rank > 0:
+                    self.heads.send(k, v)  # to the stage's first rank (stage 0: rank 0's on_layer_done)
+                    continue
+                if self.heads is not None:
+                    k, v = self.heads.gather(k, v)
+                sends.send(torch.stack([k, v]), 0, _PAGES_OUT + layer)
+        sends.wait()
+
+    def import_pages(self, plan: PagesPlan) -> None:
+        """Take this rank's part of pages rank 0 received for a layer of this stage (else nothing)."""
+        if plan.layer not in self.held:
+            return
+        k_cache = self.cache.kv_caches[0][0]
+        blocks = len(plan.block_ids)
+        if self.tensor_rank == 0 and self.layout.stage > 0:  # from rank 0, pages of all the heads
+            shape, dtype = _whole_page(self.cache, self.whole)
+            pages = _receive(self.group, (2, blocks, *shape), dtype, k_cache.device, 0, _PAGES_IN + plan.layer)
+            k, v = (pages[0], pages[1]) if self.heads is None else self.heads.scatter(pages[0], pages[1])
+        else:  # the stage's first rank splits them (stage 0's: rank 0, engine.kv_connector.worker_side)
+            assert self.heads is not None
+            k, v = self.heads.receive(k_cache.shape[1:], blocks, k_cache.dtype, k_cache.device)
+        self.cache.scatter_blocks(plan.layer - self.held.start, plan.block_ids, k, v)

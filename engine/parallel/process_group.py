@@ -27,11 +27,14 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 
 def join_group(port: int, rank: int, size: int, device: torch.device,
-               store: dist.Store | None = None) -> dist.ProcessGroup:
+               store: dist.Store | None = None, prefix: str = "") -> dist.ProcessGroup:
     """Rank `rank`'s side of the group whose store listens on loopback `port` (rank 0 passes the
-    store it hosts)."""
+    store it hosts); with `prefix`, a group of some of the engine's processes (a pipeline stage's
+    tensor-parallel ranks) meeting under that prefix of the same store."""
     if store is None:
         store = dist.TCPStore("127.0.0.1", port, size, False, timeout=JOIN_TIMEOUT)
+    if prefix:
+        store = dist.PrefixStore(prefix, store)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = IDLE_TIMEOUT
@@ -40,3 +43,8 @@ def join_group(port: int, rank: int, size: int, device: torch.device,
     gloo._timeout = IDLE_TIMEOUT
     gloo._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     return dist.ProcessGroupGloo(store, rank, size, gloo)
+
+
+def stage_prefix(stage: int) -> str:
+    """The store prefix under which pipeline stage `stage`'s tensor-parallel ranks form their group."""
+    return f"stage{stage}/"

@@ -95,8 +95,9 @@ class EngineFlags:
     pipeline_parallel_size: int = flag(
         _ENGINE.pipeline_parallel_size, "processes the decoder layers are split across in contiguous ranges "
         "(stages), each holding its layers' weights and KV blocks; a step's sequences pass through them in "
-        "micro-batches so the stages overlap. Prefill and decode workers of different sizes exchange KV. Not "
-        "with --tensor-parallel-size or --prefill-context-parallel-size")
+        "micro-batches so the stages overlap; with --tensor-parallel-size each stage is that many ranks (TP x PP "
+        "processes). Prefill and decode workers of different sizes exchange KV. Not with "
+        "--prefill-context-parallel-size")
     speculative_config: str | None = flag(
         None, "speculative decoding on decode and colocated workers, in vLLM's keys: "
         '\'{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4, '

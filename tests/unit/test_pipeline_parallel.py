@@ -90,12 +90,13 @@ def model_dir(tmp_path_factory) -> Path:
     return directory
 
 
-def test_stages_decode_a_continuous_batch_as_one_process(model_dir: Path) -> None:
+@pytest.mark.parametrize(("tensor", "stages"), [(1, 3), (2, 2)])
+def test_stages_decode_a_continuous_batch_as_one_process(model_dir: Path, tensor: int, stages: int) -> None:
     config = EngineConfig(model=str(model_dir), **EXACT, cache=CacheConfig(num_blocks=48))
     prompts = [_prompt(n, n) for n in (5, 40, 17, 90)]
     params = [replace(GREEDY, max_tokens=n) for n in (12, 6, 9, 10)]
     whole = generate(Engine(config), prompts, params)
-    engine = Engine(replace(config, pipeline_parallel_size=3))
+    engine = Engine(replace(config, pipeline_parallel_size=stages, tensor_parallel_size=tensor))
     followers = list(engine._parallel.followers)  # the test checks they are gone after close()
     try:
         split = generate(engine, prompts, params)
@@ -104,33 +105,34 @@ def test_stages_decode_a_continuous_batch_as_one_process(model_dir: Path) -> Non
         engine.close()
     assert all(not process.is_alive() for process in followers)
     check_against([c.token_ids for c in split], [c.token_ids for c in whole], [_margins(c) for c in whole],
-                  "engine at PP 3")
+                  f"engine at TP {tensor} x PP {stages}")
     firsts = [(a.logprobs[0].top[0][1], b.logprobs[0].top[0][1]) for a, b in zip(split, whole, strict=True)]
     assert max(abs(a - b) for a, b in firsts) < 1e-4
 
 
-@pytest.mark.parametrize(("prefill_size", "decode_size"), [(2, 1), (1, 3)])
-def test_pages_move_between_pipeline_layouts_and_decode_as_one_process(model_dir, prefill_size, decode_size) -> None:
+@pytest.mark.parametrize(("prefill", "decode"), [((1, 2), (1, 1)), ((1, 1), (1, 3)), ((2, 2), (1, 1)),
+                                                ((1, 1), (2, 2))])
+def test_pages_move_between_pipeline_layouts_and_decode_as_one_process(model_dir, prefill, decode) -> None:
+    """Layouts as (TP, PP): the pages of a TP x PP engine join and split within each stage."""
     config = EngineConfig(model=str(model_dir), **EXACT, cache=CacheConfig(num_blocks=32))
     prompts = [_prompt(37, 1), _prompt(70, 2)]
     whole = generate(Engine(config), prompts, GREEDY)
     engines = []
     try:
-        engines.append(Engine(replace(config, role="prefill", pipeline_parallel_size=prefill_size)))
-        engines.append(Engine(replace(config, role="decode", pipeline_parallel_size=decode_size)))
+        for role, (tensor, stages) in (("prefill", prefill), ("decode", decode)):
+            engines.append(Engine(replace(config, role=role, tensor_parallel_size=tensor,
+                                          pipeline_parallel_size=stages)))
         moved = run_disaggregated(engines[0], engines[1], prompts, GREEDY)
         assert all(e.kv.num_free_blocks == e.kv.num_blocks and not e.scheduler.requests for e in engines)
     finally:
         for engine in engines:
             engine.close()
     check_against(moved, [c.token_ids for c in whole], [_margins(c) for c in whole],
-                  f"prefill PP {prefill_size} -> decode PP {decode_size}")
+                  f"prefill TP x PP {prefill} -> decode TP x PP {decode}")
 
 
 def test_layouts_not_served_are_named() -> None:
     with pytest.raises(ValueError, match="pipeline_parallel_size: must be at least 1, got 0"):
         EngineConfig(pipeline_parallel_size=0)
-    with pytest.raises(ValueError, match="pipeline_parallel_size: 2 with tensor_parallel_size 2 is not served"):
-        EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="pipeline_parallel_size: 2 with prefill_context_parallel_size 2"):
         EngineConfig(pipeline_parallel_size=2, prefill_context_parallel_size=2)
