@@ -88,3 +88,17 @@ def test_engines_of_different_expert_layouts_exchange_kv_and_hold_nothing_after(
         for engine in engines:
             engine.close()
     check_against(moved, [c.token_ids for c in whole], [_margins(c) for c in whole], "prefill EP 2 -> decode EP 1")
+
+
+def test_pipeline_stages_of_expert_parallel_ranks_decode_as_one_process(tmp_path: Path) -> None:
+    save_moe("qwen2_moe_shared", tmp_path)
+    config = EngineConfig(model=str(tmp_path), **EXACT, cache=CacheConfig(num_blocks=24))
+    prompts = [_prompt(9), _prompt(33), _prompt(20)]
+    whole = generate(Engine(config), prompts, GREEDY)
+    engine = Engine(replace(config, tensor_parallel_size=2, enable_expert_parallel=True, pipeline_parallel_size=2))
+    try:
+        split = generate(engine, prompts, GREEDY)
+    finally:
+        engine.close()
+    check_against([c.token_ids for c in split], [c.token_ids for c in whole], [_margins(c) for c in whole],
+                  "EP 2 x PP 2")
