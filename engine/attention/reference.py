@@ -25,6 +25,10 @@ KERNEL_PAGES = (torch.float32, torch.bfloat16)  # the page dtypes DenseDecode re
 # which for a few rows costs more than the attention itself (docs/benchmarks.md, "Decisions settled
 # by experiments").
 SHORT_QUERY = 17
+# A prompt chunk of at least this many queries after cached positions attends in two flash passes
+# (prefix, then causal over itself) instead of one masked pass that computes the masked pairs too:
+# it pays once the chunk is a good part of its context (a split prefill's later slices).
+SPLIT_QUERY = 256
 
 
 def gather_context(
@@ -103,12 +107,29 @@ def _causal_over_context(
     gqa = num_heads != keys.shape[1]
     if query_len == seq_len:
         out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+    elif q.device.type == "cpu" and query_len >= SPLIT_QUERY:
+        out = _prefix_then_causal(queries, keys, values, seq_len - query_len, scale)
     else:
         # The queries are the last query_len positions, so query j sees keys 0..seq_len-query_len+j.
         offset = seq_len - query_len
         mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril(diagonal=offset)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out[0].transpose(0, 1).to(q.dtype)
+
+
+def _prefix_then_causal(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, offset: int,
+                        scale: float) -> torch.Tensor:
+    """Queries that are the last of a context after `offset` earlier positions, as two passes of
+    CPU flash attention joined by their log-sum-exps: over the prefix (no mask) and over their own
+    positions (causal). A mask over the whole context makes SDPA compute every masked pair too."""
+    repeat = queries.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    prefix, prefix_lse = flash(queries, keys[:, :, :offset], values[:, :, :offset], 0.0, False, scale=scale)
+    own, own_lse = flash(queries, keys[:, :, offset:], values[:, :, offset:], 0.0, True, scale=scale)
+    lse = torch.logaddexp(prefix_lse, own_lse)
+    return (prefix * torch.exp(prefix_lse - lse).unsqueeze(-1).to(prefix.dtype)
+            + own * torch.exp(own_lse - lse).unsqueeze(-1).to(own.dtype))
 
 
 class TorchPagedAttention:

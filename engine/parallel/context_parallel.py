@@ -4,7 +4,10 @@
 each holding the whole model. A step that computes one whole prompt of at least
 `--prefill-context-parallel-min-tokens` tokens with nothing cached (`split`) gives rank r the
 contiguous slice of tokens [bounds[r], bounds[r + 1]): every product, norm and MLP of a token runs on
-the rank holding it, so each rank computes about 1/N of the prompt.
+the rank holding it. A later slice's queries attend over more keys, so the slices are cut for equal
+work, not equal tokens: tokens [0, x) cost c_p·x + c_a·x²/2 (c_p a token's products, c_a one
+query-key pair's attention, per layer: `attention_ratio` = c_a / c_p), and rank r's slice ends
+where that reaches (r + 1)/N of the whole (the first slices are the longer).
 
 Attention is the one place tokens meet. Each layer, every rank's slice of K and V is all-gathered
 (one collective of [slice, KV heads, 2 x head size], the padded slices of every rank), written into
@@ -12,8 +15,7 @@ each rank's cache, and each rank's queries attend over the prompt up to their ow
 rather than a ring: the pages must land in rank 0's cache anyway (that is where the request decodes
 or whence they are exported, layer by layer, as any prefill's), and with grouped KV heads a layer's
 K/V are a small part of its traffic; a ring would bound each rank's K/V memory to two slices, which
-pays for contexts beyond one rank's memory, not here. Slices are equal in tokens, so later ranks
-attend over more keys (a zigzag split would balance that; the products dominate at these lengths).
+pays for contexts beyond one rank's memory, not here.
 
 Only rank 0 keeps the pages: the other ranks write the prompt into blocks 0.. of their own cache as
 scratch for the step, so a prompt with a cached prefix (whose pages only rank 0 holds), a chunk of a
@@ -23,27 +25,53 @@ final hidden state is broadcast from the rank holding it, and rank 0 samples.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from engine.attention.metadata import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel.step_plan import SequencePlan
 from engine.scheduler import SchedulerOutput
 
 
-def split(out: SchedulerOutput, size: int, min_tokens: int) -> list[int] | None:
-    """The slices' bounds (size + 1 token indices) when this step is one whole prompt computed from
-    its start (nothing cached, no drafts) of at least `min_tokens` tokens; None otherwise."""
+def split(out: SchedulerOutput, size: int, min_tokens: int, attention_ratio: float) -> list[int] | None:
+    """The slices' bounds (size + 1 token indices, each slice of equal work: see the module) when
+    this step is one whole prompt computed from its start (nothing cached, no drafts) of at least
+    `min_tokens` tokens; None otherwise."""
     if size == 1 or len(out.chunks) != 1:
         return None
     chunk = out.chunks[0]
     whole = chunk.start == 0 and chunk.num_tokens == chunk.request.num_tokens and not chunk.draft_token_ids
-    if not whole or chunk.num_tokens < max(min_tokens, size):
+    tokens = chunk.num_tokens
+    if not whole or tokens < max(min_tokens, size):
         return None
-    return [rank * chunk.num_tokens // size for rank in range(size + 1)]
+    total = tokens + attention_ratio * tokens * tokens / 2
+
+    def end(share: float) -> int:  # the x where x + ratio·x²/2 = share, in whole tokens
+        target = share * total
+        x = target if attention_ratio == 0 else (math.sqrt(1 + 2 * attention_ratio * target) - 1) / attention_ratio
+        return round(x)
+
+    bounds = [0, *(end(rank / size) for rank in range(1, size)), tokens]
+    # Every rank keeps at least one token.
+    for rank in range(1, size):
+        bounds[rank] = min(max(bounds[rank], bounds[rank - 1] + 1), tokens - (size - rank))
+    return bounds
+
+
+def attention_ratio(config: ModelConfig) -> float:
+    """One query-key pair's attention over one token's products, per layer, in multiply-adds (the
+    experts a token runs, for a mixture of experts)."""
+    attention = config.hidden_size * (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    attention += config.num_heads * config.head_dim * config.hidden_size
+    moe = config.moe
+    mlp = 3 * config.hidden_size * (config.intermediate_size if moe is None else
+                                    moe.top_k * moe.intermediate_size + moe.shared_intermediate_size)
+    return 2 * config.num_heads * config.head_dim / (attention + mlp)
 
 
 class ContextParallelAttention:
@@ -147,10 +175,11 @@ class ContextParallelPrefill:
         self._send = send
         self.size = size
         self.min_tokens = min_tokens
+        self.attention_ratio = attention_ratio(model.config)
 
     def split(self, out: SchedulerOutput) -> list[int] | None:
         """The slices' bounds where this step splits, else None."""
-        return split(out, self.size, self.min_tokens)
+        return split(out, self.size, self.min_tokens, self.attention_ratio)
 
     def run(self, input_ids: torch.Tensor, bounds: list[int], meta: AttentionMetadata,
             kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],

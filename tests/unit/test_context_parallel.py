@@ -48,13 +48,25 @@ def _out(*chunks: tuple[int, int, int]) -> SchedulerOutput:
 
 
 def test_only_a_step_of_one_whole_fresh_prompt_over_the_threshold_splits() -> None:
-    assert split(_out((100, 0, 100)), 2, 64) == [0, 50, 100]
-    assert split(_out((101, 0, 101)), 3, 64) == [0, 33, 67, 101]
-    assert split(_out((100, 0, 100)), 1, 64) is None  # one rank
-    assert split(_out((63, 0, 63)), 2, 64) is None  # below the threshold
-    assert split(_out((100, 16, 84)), 2, 64) is None  # a cached prefix: its pages are rank 0's alone
-    assert split(_out((200, 0, 100)), 2, 64) is None  # a chunk of a longer prompt
-    assert split(_out((100, 0, 100), (40, 39, 1)), 2, 64) is None  # in company
+    assert split(_out((100, 0, 100)), 2, 64, 0.0) == [0, 50, 100]
+    assert split(_out((101, 0, 101)), 3, 64, 0.0) == [0, 34, 67, 101]
+    assert split(_out((100, 0, 100)), 1, 64, 0.0) is None  # one rank
+    assert split(_out((63, 0, 63)), 2, 64, 0.0) is None  # below the threshold
+    assert split(_out((100, 16, 84)), 2, 64, 0.0) is None  # a cached prefix: its pages are rank 0's alone
+    assert split(_out((200, 0, 100)), 2, 64, 0.0) is None  # a chunk of a longer prompt
+    assert split(_out((100, 0, 100), (40, 39, 1)), 2, 64, 0.0) is None  # in company
+
+
+def test_slices_are_cut_for_equal_work_the_first_longer_where_attention_counts() -> None:
+    ratio = 0.01  # a query-key pair costs a hundredth of a token's products
+    bounds = split(_out((1000, 0, 1000)), 2, 64, ratio)
+    assert bounds is not None and bounds[0] == 0 and bounds[2] == 1000 and 600 < bounds[1] < 800
+
+    def work(start: int, end: int) -> float:
+        return (end - start) + ratio * (end * end - start * start) / 2
+
+    assert abs(work(0, bounds[1]) - work(bounds[1], 1000)) < 0.01 * work(0, 1000)
+    assert split(_out((5, 0, 5)), 4, 2, 10.0) == [0, 2, 3, 4, 5]  # every rank keeps a token
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +112,10 @@ def test_split_prompts_decode_as_one_process_and_short_or_cached_ones_run_on_ran
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
     finally:
         engine.close()
-    assert splits == [[0, 100, 200, 301], [0, 30, 60, 90]]
+    # The long prompt and the 90-token one split (three slices each, the first the longest); the
+    # others ran on rank 0.
+    assert [(b[0], b[-1], len(b)) for b in splits] == [(0, 301, 4), (0, 90, 4)]
+    assert all(b[1] - b[0] >= b[2] - b[1] >= b[3] - b[2] for b in splits)
     check_against([c.token_ids for c in ours], [c.token_ids for c in whole], [_margins(c) for c in whole],
                   "prefill context parallel 3")
     first = [c.logprobs[0].top[0][1] for c in ours], [c.logprobs[0].top[0][1] for c in whole]

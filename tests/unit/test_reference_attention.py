@@ -50,6 +50,28 @@ def test_prefill_feeds_sdpa_batched_tensors_and_stays_exact(monkeypatch):
         torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_chunk_after_a_prefix_attends_in_two_flash_passes_as_one_masked_pass_would(dtype):
+    """A chunk of SPLIT_QUERY queries or more after cached positions: prefix and causal passes joined
+    by their log-sum-exps (context parallelism's later slices) compute the masked attention."""
+    torch.manual_seed(1)
+    block_size, heads, kv_heads, head_dim, cached = 16, 6, 2, 16, 200
+    query_len = reference.SPLIT_QUERY + 44
+    seq_len = cached + query_len
+    blocks = -(-seq_len // block_size)
+    k_cache = torch.randn(blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    table = torch.randperm(blocks, dtype=torch.int32)[None, :]
+    q = torch.randn(query_len, heads, head_dim, dtype=dtype)
+    out = paged_prefill_attention(q, k_cache, v_cache, table, torch.tensor([0, query_len]), torch.tensor([seq_len]),
+                                  head_dim**-0.5)
+    keys = k_cache[table[0].long()].reshape(-1, kv_heads, head_dim)[:seq_len].float()
+    values = v_cache[table[0].long()].reshape(-1, kv_heads, head_dim)[:seq_len].float()
+    expected = _naive(q.float(), keys, values, cached)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("codec", [FP8_E4M3, INT8], ids=lambda c: c.name)
 def test_a_quantized_cache_is_read_as_its_decoded_values(codec):
     torch.manual_seed(0)
