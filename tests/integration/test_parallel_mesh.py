@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -22,22 +21,19 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from reference import check_against
-from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from transformers import MixtralConfig
+from worker_calls import DEADLINE_S, decode_call, kill_a_rank_mid_transfer, load_report, no_blocks_used, until
 
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
-from harness.worker import WorkerProcess, running, start_worker
-from services.common.convert import sampling_params_to_proto
-from services.common.server import channel_options
+from harness.worker import WorkerProcess, start_worker
 from tests.unit.test_model_hf import save_random_model, save_word_tokenizer
 
 VOCAB = 96
 FORMATS = ["--dtype", "float32", "--quantization", "none", "--cpu-weights", "fp32"]
 COMMON = ["--port", "0", "--threads", "1", "--kv-cache-mib", "16", "--max-num-batched-tokens", "32", *FORMATS]
-DEADLINE_S = 120.0  # generous bound for the polls below; no test asserts elapsed time
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 _killed: set[int] = set()  # pids of workers a test took down on purpose (they exit 1)
@@ -96,28 +92,10 @@ def _expected(engine: Engine, prompts: list[list[int]], params: SamplingParams):
             [[top[0][1] - top[1][1] for top in (lp.top for lp in c.logprobs)] for c in completions])
 
 
-def _load(worker: WorkerProcess) -> common_pb2.LoadReport:
-    stub_type = decode_pb2_grpc.DecodeStub if worker.args[0] == "decode" else prefill_pb2_grpc.PrefillStub
-    with grpc.insecure_channel(worker.address, options=channel_options()) as channel:
-        return stub_type(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=30)
-
-
-def _until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
-def _no_blocks_used(*workers: WorkerProcess) -> None:
-    _until(lambda: not any(_load(w).used_kv_blocks for w in workers), "blocks still held")
-
-
-def _call(decode: WorkerProcess, prefill: WorkerProcess, prompt: list[int], params: SamplingParams):
-    channel = grpc.insecure_channel(decode.address, options=channel_options())
-    request = decode_pb2.DecodeRequest(prompt_token_ids=prompt, sampling=sampling_params_to_proto(params),
-                                       prefill_address=prefill.address)
-    return decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=300)
+def _served(prefill: WorkerProcess, decode: WorkerProcess, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's greedy tokens, computed by `prefill` and decoded by `decode`."""
+    return [[t for chunk in decode_call(decode, prefill, prompt, GREEDY) for t in chunk.token_ids]
+            for prompt in prompts]
 
 
 @pytest.mark.parametrize("decode_name", ["decode_tp2", "decode_tp1"])
@@ -125,10 +103,10 @@ def test_prefill_ep2_to_decode_of_another_layout_decodes_as_one_process(workers,
     prefill, decode = workers["prefill_ep2"], workers[decode_name]
     prompts = [_prompt(21, 1), _prompt(70, 2)]
     expected, margins = _expected(engine, prompts, GREEDY)
-    ours = [[t for chunk in _call(decode, prefill, prompt, GREEDY) for t in chunk.token_ids] for prompt in prompts]
+    ours = _served(prefill, decode, prompts)
     check_against(ours, expected, margins, f"prefill EP 2 -> {decode_name}")
-    _no_blocks_used(prefill, decode)
-    layouts = {name: (_load(workers[name]).tensor_parallel_size, _load(workers[name]).expert_parallel_size)
+    no_blocks_used(prefill, decode)
+    layouts = {name: (load_report(workers[name]).tensor_parallel_size, load_report(workers[name]).expert_parallel_size)
                for name in ("prefill_ep2", decode_name)}
     assert layouts == {"prefill_ep2": (2, 2), decode_name: (2, 1) if decode_name == "decode_tp2" else (1, 1)}
     with urllib.request.urlopen(f"http://{prefill.metrics_address}/metrics", timeout=30) as response:
@@ -140,10 +118,10 @@ def test_a_prompt_split_by_sequence_on_the_prefill_side_decodes_as_one_process(w
     prefill, decode = workers["prefill_cp2"], workers["decode_tp2"]
     prompts = [_prompt(300, 7), _prompt(21, 8)]  # split, and not (below the threshold)
     expected, margins = _expected(engine, prompts, GREEDY)
-    ours = [[t for chunk in _call(decode, prefill, prompt, GREEDY) for t in chunk.token_ids] for prompt in prompts]
+    ours = _served(prefill, decode, prompts)
     check_against(ours, expected, margins, "prefill context parallel 2 -> decode TP 2")
-    _no_blocks_used(prefill, decode)
-    assert _load(prefill).prefill_context_parallel_size == 2
+    no_blocks_used(prefill, decode)
+    assert load_report(prefill).prefill_context_parallel_size == 2
 
 
 @pytest.mark.parametrize(("prefill_name", "decode_name"), [("prefill_pp2", "decode_tp1"),
@@ -152,10 +130,10 @@ def test_pipeline_layouts_pair_both_ways_and_decode_as_one_process(workers, engi
     prefill, decode = workers[prefill_name], workers[decode_name]
     prompts = [_prompt(21, 10), _prompt(70, 11)]
     expected, margins = _expected(engine, prompts, GREEDY)
-    ours = [[t for chunk in _call(decode, prefill, prompt, GREEDY) for t in chunk.token_ids] for prompt in prompts]
+    ours = _served(prefill, decode, prompts)
     check_against(ours, expected, margins, f"{prefill_name} -> {decode_name}")
-    _no_blocks_used(prefill, decode)
-    assert (_load(prefill).pipeline_parallel_size, _load(decode).pipeline_parallel_size) == (
+    no_blocks_used(prefill, decode)
+    assert (load_report(prefill).pipeline_parallel_size, load_report(decode).pipeline_parallel_size) == (
         (2, 1) if prefill_name == "prefill_pp2" else (1, 2))
 
 
@@ -164,34 +142,24 @@ def test_pipeline_layouts_pair_both_ways_and_decode_as_one_process(workers, engi
                                                           ("prefill_tp1", "decode_pp2")])
 def test_cancel_mid_transfer_between_layouts_frees_every_block(workers, prefill_name, decode_name):
     prefill, decode = workers[prefill_name], workers[decode_name]
-    call = _call(decode, prefill, _prompt(600, 3 + len(prefill_name) + len(decode_name)), LONG)
+    call = decode_call(decode, prefill, _prompt(600, 3 + len(prefill_name) + len(decode_name)), LONG)
     # A 600-token prompt takes many 32-token steps, each pushing its pages.
-    _until(lambda: _load(prefill).running_requests > 0, "the prefill never started")
+    until(lambda: load_report(prefill).running_requests > 0, "the prefill never started")
     call.cancel()
-    _no_blocks_used(prefill, decode)
+    no_blocks_used(prefill, decode)
 
 
 def _kill_a_rank_mid_transfer(victim: WorkerProcess, prefill: WorkerProcess, decode: WorkerProcess,
                               prompt: list[int], failed: set[grpc.StatusCode], engine: Engine) -> None:
-    """Kill `victim`'s other rank while `prefill` computes the prompt for `decode`: the request ends
-    with a status of `failed`, or, where every page had arrived by then, with the engine's tokens."""
-    ranks = victim.tensor_parallel_ranks()
-    assert len(ranks) == 1
-    call = _call(decode, prefill, prompt, LONG)
-    _until(lambda: _load(prefill).running_requests > 0, "the prefill never started")
+    """Kill `victim`'s other rank mid-transfer (worker_calls.kill_a_rank_mid_transfer)."""
+    assert len(victim.tensor_parallel_ranks()) == 1
     _killed.add(victim.proc.pid)
-    os.kill(ranks[0], signal.SIGKILL)
-    try:
-        tokens = [t for chunk in call for t in chunk.token_ids]
-    except grpc.RpcError as error:
-        assert error.code() in failed, (error.code(), error.details())
-    else:
-        expected, margins = _expected(engine, [prompt], LONG)
-        check_against([tokens], expected, margins, "served despite the killed rank")
-    assert victim.proc.wait(DEADLINE_S) == 1, victim.log_tail()
-    _until(lambda: not any(running(pid) for pid in ranks), "a rank outlived its worker")
-    survivor = decode if victim is prefill else prefill
-    _no_blocks_used(survivor)
+
+    def expected(prompt: list[int]) -> tuple[list[int], list[float]]:
+        ids, margins = _expected(engine, [prompt], LONG)
+        return ids[0], margins[0]
+
+    kill_a_rank_mid_transfer(victim, prefill, decode, prompt, LONG, failed, expected)
 
 
 def test_a_killed_expert_parallel_prefill_rank_leaves_no_block_held_on_the_decode_side(workers, engine):
@@ -210,9 +178,9 @@ def test_a_killed_context_parallel_rank_takes_its_idle_worker_down_and_the_decod
     os.kill(ranks[0], signal.SIGKILL)
     assert prefill.proc.wait(DEADLINE_S) == 1, prefill.log_tail()
     with pytest.raises(grpc.RpcError) as failed:
-        list(_call(decode, prefill, _prompt(300, 9), GREEDY))
+        list(decode_call(decode, prefill, _prompt(300, 9), GREEDY))
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
-    _no_blocks_used(decode)
+    no_blocks_used(decode)
 
 
 def test_a_killed_expert_parallel_decode_rank_leaves_no_block_held_on_the_prefill_side(workers, engine):

@@ -7,28 +7,22 @@ covers every rank."""
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 
 import grpc
 import pytest
 from parity_prompts import parity_prompt_ids
 from reference import PINNED_FLAGS, check_against, margins_of
-from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from worker_calls import decode_call, kill_a_rank_mid_transfer, load_report, no_blocks_used, until
 
 from engine.config import SchedulerConfig
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
-from harness.worker import WorkerProcess, running, start_worker
-from services.common.convert import sampling_params_to_proto
-from services.common.server import channel_options
+from harness.worker import WorkerProcess, start_worker
 
 CHUNK_TOKENS = "200"  # prefill in chunks that end mid-block: a partly filled block's pages go twice
 COMMON = ["--port", "0", "--threads", "1", "--kv-cache-mib", "64", *PINNED_FLAGS]
-DEADLINE_S = 120.0  # generous bound for the polls below; no test asserts elapsed time
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 BACKENDS = ["grpc", "torch_dist"]
@@ -71,46 +65,22 @@ def reference(make_engine, prompts) -> tuple[list[list[int]], list[list[float]]]
             [[top[0][1] - top[1][1] for top in (lp.top for lp in c.logprobs)] for c in completions])
 
 
-def _load(worker: WorkerProcess) -> common_pb2.LoadReport:
-    stub_type = decode_pb2_grpc.DecodeStub if worker.args[0] == "decode" else prefill_pb2_grpc.PrefillStub
-    with grpc.insecure_channel(worker.address, options=channel_options()) as channel:
-        return stub_type(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=30)
-
-
-def _until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
-def _no_blocks_used(*workers: WorkerProcess) -> None:
-    _until(lambda: not any(_load(w).used_kv_blocks for w in workers), "blocks still held")
-
-
-def _call(decode: WorkerProcess, prefill: WorkerProcess, prompt: list[int], params: SamplingParams):
-    channel = grpc.insecure_channel(decode.address, options=channel_options())
-    request = decode_pb2.DecodeRequest(prompt_token_ids=prompt, sampling=sampling_params_to_proto(params),
-                                       prefill_address=prefill.address)
-    return decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=300)
-
-
 def _decodes_as_one_process(prefill: WorkerProcess, decode: WorkerProcess, prompts, reference, what: str) -> None:
     expected, margins = reference
     # Twice: the second time both sides hit their prefix caches (per rank), so fewer pages move.
     for attempt in range(2):
-        chunks = [list(_call(decode, prefill, prompt, GREEDY)) for prompt in prompts]
+        chunks = [list(decode_call(decode, prefill, prompt, GREEDY)) for prompt in prompts]
         ours = [[t for c in stream for t in c.token_ids] for stream in chunks]
         check_against(ours, expected, margins, f"{what}, attempt {attempt}")
         assert attempt == 0 or chunks[1][-1].usage.cached_tokens >= 16
-    _no_blocks_used(prefill, decode)
+    no_blocks_used(prefill, decode)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_tp3_to_decode_tp1_decodes_as_one_process(workers, backend, prompts, reference):
     prefill, decode = workers["prefill_tp3"], workers[f"decode_tp1_{backend}"]
     _decodes_as_one_process(prefill, decode, prompts, reference, f"prefill TP 3 -> decode TP 1 over {backend}")
-    assert (_load(prefill).tensor_parallel_size, _load(decode).tensor_parallel_size) == (3, 1)
+    assert (load_report(prefill).tensor_parallel_size, load_report(decode).tensor_parallel_size) == (3, 1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -120,11 +90,11 @@ def test_prefill_tp1_to_decode_tp3_decodes_as_one_process(workers, backend, prom
 
 
 def _cancel_mid_transfer(prefill: WorkerProcess, decode: WorkerProcess, prompt: list[int]) -> None:
-    call = _call(decode, prefill, prompt, LONG)
+    call = decode_call(decode, prefill, prompt, LONG)
     # A fresh ~1,000-token prompt takes several 200-token steps, each pushing its pages.
-    _until(lambda: _load(prefill).running_requests > 0, "the prefill never started")
+    until(lambda: load_report(prefill).running_requests > 0, "the prefill never started")
     call.cancel()
-    _no_blocks_used(prefill, decode)
+    no_blocks_used(prefill, decode)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -137,27 +107,16 @@ def test_cancel_mid_transfer_between_layouts_frees_every_block(workers, backend,
 
 def _kill_a_rank_mid_transfer(victim: WorkerProcess, prefill: WorkerProcess, decode: WorkerProcess,
                               prompt: list[int], failed: set[grpc.StatusCode], make_engine) -> None:
-    """Kill one of `victim`'s ranks while `prefill` computes the prompt for `decode`: the request ends
-    with a status of `failed`, or, where the prefill had delivered every page by then, with the tokens
-    the one-process engine computes."""
-    ranks = victim.tensor_parallel_ranks()
-    assert len(ranks) == 2
-    call = _call(decode, prefill, prompt, LONG)
-    _until(lambda: _load(prefill).running_requests > 0, "the prefill never started")
-    _killed.add(victim.proc.pid)
-    os.kill(ranks[-1], signal.SIGKILL)
-    try:
-        tokens = [t for chunk in call for t in chunk.token_ids]
-    except grpc.RpcError as error:
-        assert error.code() in failed, (error.code(), error.details())
-    else:
+    """Kill one of `victim`'s two other ranks mid-transfer (worker_calls.kill_a_rank_mid_transfer)."""
+    assert len(victim.tensor_parallel_ranks()) == 2
+
+    def expected(prompt: list[int]) -> tuple[list[int], list[float]]:
         engine = make_engine(scheduler=SchedulerConfig(max_num_batched_tokens=int(CHUNK_TOKENS)))
-        [expected] = generate(engine, [prompt], replace(LONG, logprobs=2))
-        check_against([tokens], [expected.token_ids], [margins_of(expected)], "served despite the killed rank")
-    assert victim.proc.wait(DEADLINE_S) == 1, victim.log_tail()
-    _until(lambda: not any(running(pid) for pid in ranks), "a rank outlived its worker")
-    survivor = decode if victim is prefill else prefill
-    _no_blocks_used(survivor)
+        [completion] = generate(engine, [prompt], replace(LONG, logprobs=2))
+        return completion.token_ids, margins_of(completion)
+
+    _killed.add(victim.proc.pid)
+    kill_a_rank_mid_transfer(victim, prefill, decode, prompt, LONG, failed, expected)
 
 
 # These take TP 3 workers of their own down (the victims), so that no other test depends on running

@@ -10,7 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import LlamaConfig
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -21,22 +20,13 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from tests.disaggregated import run_disaggregated
-from tests.reference import check_against
-from tests.unit.test_model_hf import save_random_model, save_word_tokenizer
+from tests.reference import check_against, margins_of
+from tests.unit.test_model_hf import VOCAB, random_prompt, save_random_model, save_word_tokenizer
 
 pytestmark = pytest.mark.ranks
 
-VOCAB = 96
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
 EXACT = dict(dtype="float32", quantization="none", cpu_weights="fp32")
-
-
-def _prompt(length: int, seed: int) -> list[int]:
-    return [int(t) for t in torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))]
-
-
-def _margins(completion) -> list[float]:
-    return [top[0][1] - top[1][1] for top in (logprob.top for logprob in completion.logprobs)]
 
 
 def _out(*chunks: tuple[int, int, int]) -> SchedulerOutput:
@@ -101,8 +91,8 @@ def _spied(engine: Engine) -> list[list[int]]:
 
 def test_split_prompts_decode_as_one_process_and_short_or_cached_ones_run_on_rank_0(model_dir: Path) -> None:
     config = _config(model_dir, prefill_context_parallel_min_tokens=64)
-    long, other = _prompt(301, 1), _prompt(90, 2)
-    prompts = [long, other, _prompt(20, 3), long[:200] + _prompt(70, 4)]  # the last hits long's prefix
+    long, other = random_prompt(301, 1), random_prompt(90, 2)
+    prompts = [long, other, random_prompt(20, 3), long[:200] + random_prompt(70, 4)]  # the last hits long's prefix
     whole = [generate(Engine(config), [prompt], GREEDY)[0] for prompt in prompts]
     engine = Engine(replace(config, prefill_context_parallel_size=3))
     try:
@@ -116,7 +106,7 @@ def test_split_prompts_decode_as_one_process_and_short_or_cached_ones_run_on_ran
     # others ran on rank 0.
     assert [(b[0], b[-1], len(b)) for b in splits] == [(0, 301, 4), (0, 90, 4)]
     assert all(b[1] - b[0] >= b[2] - b[1] >= b[3] - b[2] for b in splits)
-    check_against([c.token_ids for c in ours], [c.token_ids for c in whole], [_margins(c) for c in whole],
+    check_against([c.token_ids for c in ours], [c.token_ids for c in whole], [margins_of(c) for c in whole],
                   "prefill context parallel 3")
     first = [c.logprobs[0].top[0][1] for c in ours], [c.logprobs[0].top[0][1] for c in whole]
     assert max(abs(a - b) for a, b in zip(*first, strict=True)) < 1e-4
@@ -124,7 +114,7 @@ def test_split_prompts_decode_as_one_process_and_short_or_cached_ones_run_on_ran
 
 def test_a_split_prefill_exports_its_pages_to_a_decode_engine(model_dir: Path) -> None:
     config = _config(model_dir, prefill_context_parallel_min_tokens=32)
-    prompts = [_prompt(150, 5), _prompt(77, 6)]
+    prompts = [random_prompt(150, 5), random_prompt(77, 6)]
     whole = generate(Engine(config), prompts, GREEDY)
     engines = [Engine(replace(config, role="prefill", prefill_context_parallel_size=2)),
                Engine(replace(config, role="decode"))]
@@ -136,7 +126,7 @@ def test_a_split_prefill_exports_its_pages_to_a_decode_engine(model_dir: Path) -
         for engine in engines:
             engine.close()
     assert len(splits) == 2
-    check_against(moved, [c.token_ids for c in whole], [_margins(c) for c in whole],
+    check_against(moved, [c.token_ids for c in whole], [margins_of(c) for c in whole],
                   "prefill context parallel 2 -> decode")
 
 

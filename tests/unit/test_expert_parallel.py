@@ -23,20 +23,13 @@ from engine.parallel.shard import shard_tensor
 from engine.sampling_params import SamplingParams
 from harness.greedy import Checkpoint, greedy, greedy_on_ranks
 from tests.disaggregated import run_disaggregated
-from tests.reference import check_against
-from tests.unit.test_model_moe import EXACT, VOCAB, save_moe
+from tests.reference import check_against, margins_of
+from tests.unit.test_model_hf import random_prompt
+from tests.unit.test_model_moe import EXACT, save_moe
 
 pytestmark = pytest.mark.ranks
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
-
-
-def _prompt(length: int) -> list[int]:
-    return [int(t) for t in torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(length))]
-
-
-def _margins(completion) -> list[float]:
-    return [top[0][1] - top[1][1] for top in (logprob.top for logprob in completion.logprobs)]
 
 
 def test_a_rank_reads_only_its_experts(tmp_path: Path) -> None:
@@ -61,7 +54,7 @@ def test_a_rank_reads_only_its_experts(tmp_path: Path) -> None:
 def test_expert_and_tensor_parallel_ranks_decode_as_one_process(variant, size, expert_parallel, tmp_path: Path):
     save_moe(variant, tmp_path / "model")
     checkpoint = Checkpoint(str(tmp_path / "model"), expert_parallel=expert_parallel)
-    prompt = _prompt(21)
+    prompt = random_prompt(21, 21)
     whole = greedy(build_model(load_model_files(checkpoint.path, torch.float32, "none"), TorchPagedAttention(), "cpu",
                                "none", "fp32"), prompt, 6)
     split = greedy_on_ranks(size, checkpoint, prompt, 6, str(tmp_path / "rank0.pt"))
@@ -73,7 +66,7 @@ def test_expert_and_tensor_parallel_ranks_decode_as_one_process(variant, size, e
 def test_engines_of_different_expert_layouts_exchange_kv_and_hold_nothing_after(tmp_path: Path) -> None:
     save_moe("mixtral", tmp_path)
     config = EngineConfig(model=str(tmp_path), **EXACT, cache=CacheConfig(num_blocks=24))
-    prompts = [_prompt(17), _prompt(40)]
+    prompts = [random_prompt(17, 17), random_prompt(40, 40)]
     whole = generate(Engine(config), prompts, GREEDY)
     engines = []
     try:
@@ -87,18 +80,18 @@ def test_engines_of_different_expert_layouts_exchange_kv_and_hold_nothing_after(
     finally:
         for engine in engines:
             engine.close()
-    check_against(moved, [c.token_ids for c in whole], [_margins(c) for c in whole], "prefill EP 2 -> decode EP 1")
+    check_against(moved, [c.token_ids for c in whole], [margins_of(c) for c in whole], "prefill EP 2 -> decode EP 1")
 
 
 def test_pipeline_stages_of_expert_parallel_ranks_decode_as_one_process(tmp_path: Path) -> None:
     save_moe("qwen2_moe_shared", tmp_path)
     config = EngineConfig(model=str(tmp_path), **EXACT, cache=CacheConfig(num_blocks=24))
-    prompts = [_prompt(9), _prompt(33), _prompt(20)]
+    prompts = [random_prompt(9, 9), random_prompt(33, 33), random_prompt(20, 20)]
     whole = generate(Engine(config), prompts, GREEDY)
     engine = Engine(replace(config, tensor_parallel_size=2, enable_expert_parallel=True, pipeline_parallel_size=2))
     try:
         split = generate(engine, prompts, GREEDY)
     finally:
         engine.close()
-    check_against([c.token_ids for c in split], [c.token_ids for c in whole], [_margins(c) for c in whole],
+    check_against([c.token_ids for c in split], [c.token_ids for c in whole], [margins_of(c) for c in whole],
                   "EP 2 x PP 2")

@@ -59,6 +59,11 @@ def save_word_tokenizer(directory: Path, vocab: int) -> None:
     backend.save(str(directory / "tokenizer.json"))
 
 
+def random_prompt(length: int, seed: int, vocab: int = VOCAB) -> list[int]:
+    """`length` token ids below `vocab`, the same for the same seed."""
+    return [int(t) for t in torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed))]
+
+
 def single_sequence_meta(start: int, end: int) -> AttentionMetadata:
     """Metadata for tokens [start, end) of one sequence laid out over blocks 7, 6, 5, ... (not in order)."""
     block_table = torch.arange(NUM_BLOCKS - 1, -1, -1, dtype=torch.int32)

@@ -20,22 +20,13 @@ from engine.offline import generate
 from engine.parallel.pipeline_layout import PipelineLayout, micro_batches
 from engine.sampling_params import SamplingParams
 from tests.disaggregated import run_disaggregated
-from tests.reference import check_against
-from tests.unit.test_model_hf import save_random_model, save_word_tokenizer
+from tests.reference import check_against, margins_of
+from tests.unit.test_model_hf import VOCAB, random_prompt, save_random_model, save_word_tokenizer
 
 pytestmark = pytest.mark.ranks
 
-VOCAB = 96
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
 EXACT = dict(dtype="float32", quantization="none", cpu_weights="fp32")
-
-
-def _prompt(length: int, seed: int) -> list[int]:
-    return [int(t) for t in torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))]
-
-
-def _margins(completion) -> list[float]:
-    return [top[0][1] - top[1][1] for top in (logprob.top for logprob in completion.logprobs)]
 
 
 def test_stages_take_contiguous_layers_the_first_ones_more_and_their_own_tensors(model_files) -> None:
@@ -93,7 +84,7 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(("tensor", "stages"), [(1, 3), (2, 2)])
 def test_stages_decode_a_continuous_batch_as_one_process(model_dir: Path, tensor: int, stages: int) -> None:
     config = EngineConfig(model=str(model_dir), **EXACT, cache=CacheConfig(num_blocks=48))
-    prompts = [_prompt(n, n) for n in (5, 40, 17, 90)]
+    prompts = [random_prompt(n, n) for n in (5, 40, 17, 90)]
     params = [replace(GREEDY, max_tokens=n) for n in (12, 6, 9, 10)]
     whole = generate(Engine(config), prompts, params)
     engine = Engine(replace(config, pipeline_parallel_size=stages, tensor_parallel_size=tensor))
@@ -104,7 +95,7 @@ def test_stages_decode_a_continuous_batch_as_one_process(model_dir: Path, tensor
     finally:
         engine.close()
     assert all(not process.is_alive() for process in followers)
-    check_against([c.token_ids for c in split], [c.token_ids for c in whole], [_margins(c) for c in whole],
+    check_against([c.token_ids for c in split], [c.token_ids for c in whole], [margins_of(c) for c in whole],
                   f"engine at TP {tensor} x PP {stages}")
     firsts = [(a.logprobs[0].top[0][1], b.logprobs[0].top[0][1]) for a, b in zip(split, whole, strict=True)]
     assert max(abs(a - b) for a, b in firsts) < 1e-4
@@ -115,7 +106,7 @@ def test_stages_decode_a_continuous_batch_as_one_process(model_dir: Path, tensor
 def test_pages_move_between_pipeline_layouts_and_decode_as_one_process(model_dir, prefill, decode) -> None:
     """Layouts as (TP, PP): the pages of a TP x PP engine join and split within each stage."""
     config = EngineConfig(model=str(model_dir), **EXACT, cache=CacheConfig(num_blocks=32))
-    prompts = [_prompt(37, 1), _prompt(70, 2)]
+    prompts = [random_prompt(37, 1), random_prompt(70, 2)]
     whole = generate(Engine(config), prompts, GREEDY)
     engines = []
     try:
@@ -127,7 +118,7 @@ def test_pages_move_between_pipeline_layouts_and_decode_as_one_process(model_dir
     finally:
         for engine in engines:
             engine.close()
-    check_against(moved, [c.token_ids for c in whole], [_margins(c) for c in whole],
+    check_against(moved, [c.token_ids for c in whole], [margins_of(c) for c in whole],
                   f"prefill TP x PP {prefill} -> decode TP x PP {decode}")
 
 
