@@ -4,6 +4,8 @@ From Python a batch-1 step spends a large part of its time in dispatch and the P
 torch calls, some 40 a layer (`python -m bench decode_overhead`). The kernels' DecodeStack holds
 every layer's packed weights and runs the same kernels in the same order from C++, so the step
 computes the same bits (tests/unit/test_decode_stack.py) and pays one call for all the layers.
+A mixture-of-experts layer (no shared expert, every expert held) runs in it too, for one-row
+steps: the router, its top k and the chosen experts' products as SparseMoE's batch-1 path has them.
 
 It serves a step only where every product's plan would have taken those kernels: a step of short
 queries (decode rows, and speculative verifications: engine.attention.reference.SHORT_QUERY) whose
@@ -31,7 +33,9 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.reference import SHORT_QUERY, TorchPagedAttention
 from engine.model.kernels import KERNEL_DTYPES, Kernels
-from engine.model.llama import LlamaForCausalLM
+from engine.model.linear import Linear
+from engine.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+from engine.model.moe import ExpertLoop, SparseMoE
 from engine.model.quantized_linear import QuantizedLinear
 
 PRODUCTS = ("qkv", "o", "gate_up", "down")  # the order DecodeStack takes a layer's products in
@@ -52,8 +56,15 @@ class DecodeStack:
         for layer in model.layers:
             self._stack.add_layer(layer.input_layernorm.detach().float(),
                                   layer.post_attention_layernorm.detach().float())
-            for name in PRODUCTS:
-                product = layer.linears[name]
+            products = [layer.linears[name] for name in PRODUCTS if name in layer.linears]
+            if isinstance(layer.moe, SparseMoE):  # build() checked the router and the experts
+                moe, loop = layer.moe, layer.moe.experts
+                assert isinstance(moe.router, Linear) and isinstance(loop, ExpertLoop)
+                self._stack.add_router(moe.router.weight.detach().float(), moe.config.top_k, moe.config.normalize_top_k)
+                experts = [loop.experts[e] for e in sorted(loop.experts)]
+                products += [part for expert in experts for part in (expert.gate_up, expert.down)]
+                limits.append(2)  # one row: the layers' own batch-1 path (SparseMoE._one_row)
+            for product in products:
                 assert isinstance(product, QuantizedLinear)  # build() checked
                 w = product.weight
                 self._stack.add_product(w.packed, w.scale, w.offset, product.bias32, w.bits, w.group_size, w.rows)
@@ -71,7 +82,7 @@ class DecodeStack:
             model.norm.dtype in KERNEL_DTYPES
             and isinstance(attention, TorchPagedAttention) and attention.dense_decode is not None
             and model.config.head_dim % 8 == 0
-            and all(_kernel_product(layer.linears.get(name), ops) for layer in layers for name in PRODUCTS)
+            and all(_kernel_products(layer, ops) for layer in layers)
         )
         return cls(model, ops) if served else None
 
@@ -86,6 +97,20 @@ class DecodeStack:
                                          [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
                                          block_tables, seq_lens)
         return out.to(self._dtype)
+
+
+def _kernel_products(layer: LlamaDecoderLayer, ops: Kernels) -> bool:
+    """Whether every product of the layer runs on these kernels: its four, or with a mixture of
+    experts (no shared expert, every expert held) its attention's two and every expert's."""
+    linears, moe = layer.linears, layer.moe
+    if moe is None:
+        return all(_kernel_product(linears.get(name), ops) for name in PRODUCTS)
+    if not (isinstance(moe, SparseMoE) and isinstance(moe.experts, ExpertLoop) and moe.shared is None
+            and isinstance(moe.router, Linear) and moe.router.plan.bands[0].kernel == "linear"
+            and len(moe.experts.experts) == moe.config.num_experts):
+        return False
+    experts = [part for expert in moe.experts.experts.values() for part in (expert.gate_up, expert.down)]
+    return all(_kernel_product(product, ops) for product in (linears.get("qkv"), linears.get("o"), *experts))
 
 
 def _kernel_product(product: object, ops: Kernels) -> bool:

@@ -6,13 +6,14 @@ step it does not serve."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.reference import SHORT_QUERY, TorchPagedAttention
-from engine.config import ModelConfig
+from engine.config import ModelConfig, MoEConfig
 from engine.model.decode_stack import DecodeStack
 from engine.model.kernels import kernels
 from engine.model.kernels.build import cpu_flags, runnable
@@ -28,6 +29,10 @@ NUM_BLOCKS = 32
 # Small shapes of the shipped model's kind (GQA, head_dim a multiple of 8), with Qwen2's QKV bias.
 CONFIG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=16, attention_bias=True)
+# The same with a mixture of experts in every layer (Mixtral's and Qwen3-MoE's kind: no shared expert).
+MOE_CONFIG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+                         num_kv_heads=2, head_dim=16, moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=64,
+                                                                    normalize_top_k=True))
 
 
 def _q4_1(rows: int, cols: int, gen: torch.Generator) -> QuantizedWeight:
@@ -38,7 +43,8 @@ def _q4_1(rows: int, cols: int, gen: torch.Generator) -> QuantizedWeight:
                            offset=-torch.rand(rows, groups, generator=gen) * 0.15, bits=4, group_size=32)
 
 
-def _random_model(variant: str, dtype: torch.dtype = torch.float32, stacked: bool = True) -> LlamaForCausalLM:
+def _random_model(variant: str, dtype: torch.dtype = torch.float32, stacked: bool = True,
+                  config: ModelConfig = CONFIG) -> LlamaForCausalLM:
     """The same random weights in either dtype (fp32: with the fp16 copy, as --dtype auto serves it
     on a CPU without native bf16), the products on the same build as the stack, so that both round
     alike; with `stacked`, small decode steps run as the stack."""
@@ -47,7 +53,7 @@ def _random_model(variant: str, dtype: torch.dtype = torch.float32, stacked: boo
     fp32 = dtype == torch.float32
     stack = functools.partial(DecodeStack.build, ops=ops) if stacked else None
     plan = ModelPlan(ops.rms_norm, ops.rotary, ops.silu_mul, stack) if fp32 else ModelPlan(decode_stack=stack)
-    model = LlamaForCausalLM(CONFIG, TorchPagedAttention(dense_decode=ops.decode_attention), plan)
+    model = LlamaForCausalLM(config, TorchPagedAttention(dense_decode=ops.decode_attention), plan)
     model.to(dtype=dtype)
     weights = {}
     for name, shape in model._weight_shapes().items():
@@ -114,6 +120,26 @@ def test_the_stack_computes_the_layers_bits_and_writes_the_same_pages(variant, b
     assert torch.equal(stacked, layered)
     for (k, v), (k_layered, v_layered) in zip(caches, copies, strict=True):
         assert torch.equal(k, k_layered) and torch.equal(v, v_layered)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_mixture_of_experts_runs_as_the_stack_at_one_row_with_the_layers_bits(variant):
+    model = _random_model(variant, config=MOE_CONFIG)
+    layers = _random_model(variant, stacked=False, config=MOE_CONFIG)
+    stack = model.stacked
+    assert isinstance(stack, DecodeStack) and stack.max_rows == 1
+    gen = torch.Generator().manual_seed(7)
+    ids, positions, meta = _decode_batch(1, gen)
+    caches = _caches(gen)
+    copies = [(k.clone(), v.clone()) for k, v in caches]
+    with torch.inference_mode():
+        assert torch.equal(model(ids, positions, caches, meta), layers(ids, positions, copies, meta))
+        two = _decode_batch(2, gen)
+        assert stack(model.embed(two[0]), *model.rotary.forward(two[1]), caches, two[2]) is None  # rows > 1
+    for (k, v), (k_layered, v_layered) in zip(caches, copies, strict=True):
+        assert torch.equal(k, k_layered) and torch.equal(v, v_layered)
+    shared = replace(MOE_CONFIG, moe=replace(MOE_CONFIG.moe, shared_intermediate_size=64, shared_gate=True))
+    assert _random_model(variant, config=shared).stacked is None  # a shared expert: the layers run
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
