@@ -47,6 +47,8 @@ ENGINE_FLAGS = ["--model", "/m.gguf", "--device", "cuda:1", "--dtype", "float16"
                 "--max-num-batched-tokens", "100", "--max-prompt-batch-tokens", "0", "--max-model-len", "512",
                 "--no-prefix-caching", "--activation-quantization", "none",
                 "--speculative-config", '{"num_speculative_tokens": 3}', "--tensor-parallel-size", "3",
+                "--enable-expert-parallel", "--pipeline-parallel-size", "2", "--prefill-context-parallel-size", "2",
+                "--prefill-context-parallel-min-tokens", "64",
                 "--structured-outputs-config", '{"disable_any_whitespace": true}',
                 "--model-repository", "/r.toml", "--model-version", "m@v", "--pool", "p"]
 
@@ -73,6 +75,18 @@ def test_speculative_config_flag():
         _config("--speculative-config", '{"num_speculative_tokens": 0}')
     with pytest.raises(ValueError, match="--speculative-config: the prefill role"):
         engine_config(_flags("--speculative-config", "{}"), "prefill")
+
+
+def test_the_parallel_layout_flags_reach_the_engine_config():
+    config = _config("--tensor-parallel-size", "2", "--enable-expert-parallel", "--pipeline-parallel-size", "3")
+    assert (config.tensor_parallel_size, config.enable_expert_parallel, config.pipeline_parallel_size) == (2, True, 3)
+    assert config.parallel_sizes == {"tensor_parallel_size": 2, "expert_parallel_size": 2,
+                                     "prefill_context_parallel_size": 1, "pipeline_parallel_size": 3}
+    split = _config("--prefill-context-parallel-size", "2", "--prefill-context-parallel-min-tokens", "64")
+    assert (split.prefill_context_parallel_size, split.prefill_context_parallel_min_tokens) == (2, 64)
+    assert split.world_size == 2
+    with pytest.raises(ValueError, match="pipeline_parallel_size: 2 with prefill_context_parallel_size 2"):
+        _config("--pipeline-parallel-size", "2", "--prefill-context-parallel-size", "2")
 
 
 def test_every_engine_flag_is_named_after_its_attribute_so_it_passes_on():
