@@ -125,8 +125,7 @@ class Engine:
                                              config.prefill_context_parallel_size,
                                              config.prefill_context_parallel_min_tokens)
         if self._parallel is not None and pipeline.size > 1:
-            stages = PipelineStages(loaded.model, loaded.config, pipeline, size, self._parallel.group, loaded.cache,
-                                    self._parallel.send)
+            stages = PipelineStages(loaded, pipeline, size, self._parallel.group, self._parallel.send)
         # Every step's plan goes to tensor-parallel ranks and to pipeline stages.
         plans = None if self._parallel is None or context is not None else self._parallel.send
         self.runner = ModelRunner(loaded.model, loaded.cache, sampler, self.device, plans, context, stages)

@@ -55,15 +55,23 @@ class ExpertLoop:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def top_experts(logits: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top k experts ([T, k] each: their probabilities, renormalised over the k where the
+    model says so, and their ids) from the router's logits, the softmax in float32."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, experts = torch.topk(probs, config.top_k, dim=-1)
+    if config.normalize_top_k:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top, experts
+
+
 class Routing:
     """The (row, expert) pairs of a batch sorted by expert: `rows[i]` is the input row of pair i,
     `weights[i]` its routing weight; expert e's pairs are `bounds[e]:bounds[e + 1]`."""
 
-    def __init__(self, logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype) -> None:
-        probs = torch.softmax(logits.float(), dim=-1)
-        top, experts = torch.topk(probs, top_k, dim=-1)
-        if normalize:
-            top = top / top.sum(dim=-1, keepdim=True)
+    def __init__(self, logits: torch.Tensor, config: MoEConfig, dtype: torch.dtype) -> None:
+        top, experts = top_experts(logits, config)
+        top_k = config.top_k
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         self.rows = torch.div(order, top_k, rounding_mode="floor")
@@ -99,21 +107,18 @@ class SparseMoE:
     def _one_row(self, x: torch.Tensor) -> torch.Tensor:
         """A batch-1 decode step's row: its k experts' outputs summed by their weights, without the
         sorting and gathering that only group rows (a dozen ops a layer a decode step pays in dispatch)."""
-        probs = torch.softmax(self.router(x).float(), dim=-1)
-        top, experts = torch.topk(probs[0], self.config.top_k)
-        if self.config.normalize_top_k:
-            top = top / top.sum()
-        weights = top.to(x.dtype).tolist()
+        top, experts = top_experts(self.router(x), self.config)
+        weights = top[0].to(x.dtype).tolist()
         held = self.config.held
         loop = self.experts
         assert isinstance(loop, ExpertLoop)
         # In expert order, as the grouped path adds them.
         parts = [weight * loop.experts[expert](x)
-                 for expert, weight in sorted(zip(experts.tolist(), weights, strict=True)) if expert in held]
+                 for expert, weight in sorted(zip(experts[0].tolist(), weights, strict=True)) if expert in held]
         return torch.zeros_like(x) if not parts else parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
-        routing = Routing(self.router(x), self.config.top_k, self.config.normalize_top_k, x.dtype)
+        routing = Routing(self.router(x), self.config, x.dtype)
         held = self.config.held
         first, last = routing.bounds[held.start], routing.bounds[held.stop]
         out = torch.zeros_like(x)

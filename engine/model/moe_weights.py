@@ -33,9 +33,9 @@ def build_moe(moe: MoEConfig, mlp: str, weights: Mapping[str, Weight], formats: 
     else:
         experts = ExpertLoop({e: expert(f"{mlp}experts.{e}.", "expert") for e in moe.held})
     shared = expert(f"{mlp}shared_expert.", "shared_expert") if moe.shared_intermediate_size else None
-    shared_gate = (formats.unquantized("shared_expert_gate", f"{mlp}shared_expert_gate.weight",
-                                       weights[f"{mlp}shared_expert_gate.weight"]) if moe.shared_gate else None)
-    router = formats.unquantized("router", f"{mlp}gate.weight", weights[f"{mlp}gate.weight"])
+    shared_gate = (formats.unquantized("shared_expert_gate", weights[f"{mlp}shared_expert_gate.weight"])
+                   if moe.shared_gate else None)
+    router = formats.unquantized("router", weights[f"{mlp}gate.weight"])
     return SparseMoE(moe, router, experts, shared, shared_gate)
 
 

@@ -126,15 +126,15 @@ class WeightFormat:
             first += rows
         return products[0] if len(products) == 1 else ConcatenatedProducts(products)
 
-    def unquantized(self, kind: str, name: str, weight: Weight) -> Product:
+    def unquantized(self, kind: str, weight: Weight) -> Product:
         """y = x·Wᵀ over `weight` in float whatever the format: a MoE router, whose few rows decide
         which experts run (vLLM and llama.cpp's converters keep it unquantized too)."""
-        stacked = dense(weight, self.dtype).to(self.device)
+        values = dense(weight, self.dtype).to(self.device)
         # Never rounded to fp16 (`--cpu-weights fp16`): a routing flip changes a token's experts. Never
         # packed for oneDNN either: its call costs more than a product of a few hundred weights a row.
-        plan = plan_dense(stacked, "plain")
+        plan = plan_dense(values, "plain")
         self.plans.append((kind, plan))
-        return Linear(stacked, plan)
+        return Linear(values, plan)
 
     def tied(self, name: str, weight: Weight) -> tuple[Callable[[torch.Tensor], torch.Tensor], Product]:
         """The embedding lookup and the LM head over one tied weight, sharing its storage."""

@@ -25,6 +25,7 @@ final hidden state is broadcast from the rank holding it, and rank 0 samples.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 
@@ -84,31 +85,33 @@ class ContextParallelAttention:
         self.codec = inner.codec  # type: ignore[attr-defined]
         self.group = group
         self.rank = rank
-        self._slots: torch.Tensor | None = None  # every token's slot in this rank's cache
-        self._bounds: list[int] = []
+        # During a split step: each rank's slice length, and the other ranks' tokens (their rows of
+        # the gathered K/V, and their slots in this rank's cache), the same for every layer.
+        self._lengths: list[int] | None = None
+        self._others = torch.empty(0, dtype=torch.long)
+        self._other_slots = torch.empty(0, dtype=torch.long)
 
     def begin(self, slots: torch.Tensor, bounds: list[int]) -> None:
         """The coming forward pass is this rank's slice of a split prompt whose tokens go to `slots`."""
-        self._slots, self._bounds = slots, bounds
+        self._lengths = [end - start for start, end in itertools.pairwise(bounds)]
+        start, end = bounds[self.rank], bounds[self.rank + 1]
+        self._others = torch.cat([torch.arange(0, start), torch.arange(end, len(slots))]).to(slots.device)
+        self._other_slots = slots[self._others]
 
     def end(self) -> None:
-        self._slots = None
+        self._lengths = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """See AttentionBackend.forward; in a split step the other ranks' K/V are written first."""
-        if self._slots is not None:
-            keys, values = self._gather(k, v)
-            mine = range(self._bounds[self.rank], self._bounds[self.rank + 1])
-            others = torch.cat([torch.arange(0, mine.start), torch.arange(mine.stop, len(self._slots))])
-            if len(others):
-                index = others.to(keys.device)
-                self.codec.write(k_cache, v_cache, self._slots[index], keys[index], values[index])
+        if self._lengths is not None:
+            keys, values = self._gather(k, v, self._lengths)
+            if len(self._others):
+                self.codec.write(k_cache, v_cache, self._other_slots, keys[self._others], values[self._others])
         return self.inner.forward(q, k, v, k_cache, v_cache, meta, scale)
 
-    def _gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank's slice of K and V, in token order (slices padded to the longest for the gather)."""
-        lengths = [end - start for start, end in zip(self._bounds, self._bounds[1:], strict=False)]
         longest = max(lengths)
         mine = torch.cat((k, v), dim=-1)
         padded = torch.nn.functional.pad(mine, (0, 0, 0, 0, 0, longest - mine.shape[0])).contiguous()

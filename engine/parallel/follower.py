@@ -93,8 +93,7 @@ def _follow_stage(config: EngineConfig, layout: PipelineLayout, tensor_rank: int
     loaded = load_engine_model(config, None, tensor_layout, tensor, device, layout)
     group.barrier().wait()
     heads = None if tensor is None else RankKVHeads(loaded.config, config.tensor_parallel_size, tensor)
-    rank = StageRank(loaded.model, loaded.config, layout, config.tensor_parallel_size, tensor_rank, group, heads,
-                     loaded.cache)
+    rank = StageRank(loaded, layout, config.tensor_parallel_size, tensor_rank, group, heads)
     try:
         while (plan := receive_plan(group, device)) is not None:
             if isinstance(plan, PagesPlan):

@@ -27,7 +27,6 @@ class TensorParallelGroup:
         """Start ranks 1.. of `config.tensor_parallel_size` (each loads its shard of the model and
         follows rank 0's step plans: engine.parallel.follower) and join them."""
         size = config.world_size
-        self._tensor_parallel = config.tensor_parallel_size > 1
         self._tensor_size = config.tensor_parallel_size
         self._store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
         context = multiprocessing.get_context("spawn")
@@ -39,14 +38,14 @@ class TensorParallelGroup:
         self.group = join_group(self._store.port, 0, size, rank_device(config, 0), self._store)
         # The group of the tensor-parallel ranks: all of them, or with pipeline stages the first stage's.
         self.tensor_group = self.group
-        if self._tensor_parallel and config.pipeline_parallel_size > 1:
+        if self._tensor_size > 1 and config.pipeline_parallel_size > 1:
             self.tensor_group = join_group(self._store.port, 0, config.tensor_parallel_size, rank_device(config, 0),
                                            self._store, stage_prefix(0))
 
     def ready(self, model: ModelConfig) -> None:
         """Wait until every rank has loaded its shard of `model`; RuntimeError if one could not."""
         self.group.barrier().wait()
-        if self._tensor_parallel:  # context-parallel ranks keep no pages; stages relay their own
+        if self._tensor_size > 1:  # context-parallel ranks keep no pages; stages relay their own
             self.kv_heads = RankKVHeads(model, self._tensor_size, self.tensor_group)
 
     def send(self, plan: StepPlan | PagesPlan | SequencePlan) -> None:

@@ -30,9 +30,7 @@ import torch
 import torch.distributed as dist
 
 from engine.attention.metadata import AttentionMetadata
-from engine.config import ModelConfig
-from engine.kv_cache.cache_engine import CacheEngine
-from engine.model.llama import LlamaForCausalLM
+from engine.engine_model import EngineModel
 from engine.parallel.kv_heads import RankKVHeads
 from engine.parallel.pipeline_layout import PipelineLayout, micro_batches
 from engine.parallel.step_plan import PagesPlan, StepPlan
@@ -66,30 +64,29 @@ def _receive(group: dist.ProcessGroup, shape: Sequence[int], dtype: torch.dtype,
     return tensor
 
 
-def _whole_page(cache: CacheEngine, whole: ModelConfig) -> tuple[tuple[int, ...], torch.dtype]:
-    """One page of all the model's KV heads in `cache`'s format (a tensor-parallel rank holds some)."""
-    k_cache = cache.kv_caches[0][0]
-    block_size, _, row = k_cache.shape[1:]
-    return (block_size, whole.num_kv_heads, row), k_cache.dtype
+def _whole_page(loaded: EngineModel) -> tuple[tuple[int, ...], torch.dtype]:
+    """One page of all the model's KV heads in its KV format (a tensor-parallel rank holds some)."""
+    whole, kv = loaded.config, loaded.kv_format
+    return kv.page_shape(loaded.cache.block_size, whole.num_kv_heads, whole.head_dim), kv.storage_dtype
 
 
 class PipelineStages:
     """Rank 0's side: its stage of each step, the logits from the last, and the pages of the layers
     other stages hold."""
 
-    def __init__(self, model: LlamaForCausalLM, whole: ModelConfig, layout: PipelineLayout, tensor_size: int,
-                 group: dist.ProcessGroup, cache: CacheEngine, announce: Callable[[PagesPlan], None]) -> None:
-        """`whole`: the whole model's config; `tensor_size`: each stage's tensor-parallel ranks;
-        `group`: every rank's; `cache`: this rank's KV cache; `announce` tells every rank what comes
-        (engine.parallel.group's broadcast of plans)."""
-        self.model = model
-        self.whole = whole
+    def __init__(self, loaded: EngineModel, layout: PipelineLayout, tensor_size: int, group: dist.ProcessGroup,
+                 announce: Callable[[PagesPlan], None]) -> None:
+        """`loaded`: rank 0's model and cache; `tensor_size`: each stage's tensor-parallel ranks;
+        `group`: every rank's; `announce` tells every rank what comes (engine.parallel.group's
+        broadcast of plans)."""
+        self.model = loaded.model
+        self.whole = loaded.config
         self.layout = layout
         self.tensor_size = tensor_size
         self.group = group
-        self._page = _whole_page(cache, whole)
+        self._page = _whole_page(loaded)
         self._announce = announce
-        self.local_layers = layout.layers(whole, 0)
+        self.local_layers = layout.layers(self.whole, 0)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, sample_rows: list[int],
              kv_caches: Caches, on_layer_done: Callable[[int], None] | None) -> torch.Tensor | None:
@@ -131,17 +128,18 @@ class StageRank:
     """A rank of a pipeline-parallel engine other than rank 0: its stage's part of every step, and of
     every import of pages. `heads` joins and splits pages within the stage (None at TP 1)."""
 
-    def __init__(self, model: LlamaForCausalLM, whole: ModelConfig, layout: PipelineLayout, tensor_size: int,
-                 tensor_rank: int, group: dist.ProcessGroup, heads: RankKVHeads | None, cache: CacheEngine) -> None:
-        self.model = model
-        self.whole = whole
+    def __init__(self, loaded: EngineModel, layout: PipelineLayout, tensor_size: int, tensor_rank: int,
+                 group: dist.ProcessGroup, heads: RankKVHeads | None) -> None:
+        self.model = loaded.model
+        self.whole = loaded.config
         self.layout = layout
         self.tensor_size = tensor_size
         self.tensor_rank = tensor_rank
         self.group = group
         self.heads = heads
-        self.cache = cache
-        self.held = layout.layers(whole)
+        self.cache = loaded.cache
+        self._page = _whole_page(loaded)
+        self.held = layout.layers(self.whole)
 
     def _rank(self, stage: int) -> int:
         """The world rank of stage `stage`'s rank of this tensor rank."""
@@ -184,7 +182,7 @@ class StageRank:
         k_cache = self.cache.kv_caches[0][0]
         blocks = len(plan.block_ids)
         if self.tensor_rank == 0 and self.layout.stage > 0:  # from rank 0, pages of all the heads
-            shape, dtype = _whole_page(self.cache, self.whole)
+            shape, dtype = self._page
             pages = _receive(self.group, (2, blocks, *shape), dtype, k_cache.device, 0, _PAGES_IN + plan.layer)
             k, v = (pages[0], pages[1]) if self.heads is None else self.heads.scatter(pages[0], pages[1])
         else:  # the stage's first rank splits them (stage 0's: rank 0, engine.kv_connector.worker_side)
