@@ -174,6 +174,26 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class KVTierConfig:
+    """KV tiers below the worker's memory (engine.kv_tiers): blocks the prefix cache computed are
+    written to them in the background and loaded back on a later prompt's hit. Off unless named."""
+
+    # The node's host tier owner's Unix socket (`tandem kv-host-tier`), shared by the node's workers.
+    host_socket: str | None = None
+    # A directory this worker alone keeps blocks in, surviving restarts, bounded by `disk_bytes`.
+    disk_dir: str | None = None
+    disk_bytes: int = 4 * 1024**3
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any lower tier is configured."""
+        return self.host_socket is not None or self.disk_dir is not None
+
+    def __post_init__(self) -> None:
+        _require(self.disk_bytes > 0, "kv_disk_tier_mib", f"must be positive, got {self.disk_bytes} bytes")
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Token-budget continuous batching (vLLM v1 style)."""
 
@@ -215,6 +235,7 @@ class EngineConfig:
     attention_backend: AttentionBackendName = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     cache: CacheConfig = field(default_factory=CacheConfig)
+    kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # float32 on CPU: how the matrix products hold their weights (engine.model.linear). "fp16" rounds
     # them to fp16 for a product that reads half the bytes (and gives quantized products an fp16
@@ -285,6 +306,8 @@ class EngineConfig:
                  f"{self.prefill_context_parallel_size} is not served")
         _require(self.prefill_context_parallel_min_tokens >= 2, "prefill_context_parallel_min_tokens",
                  f"must be at least 2, got {self.prefill_context_parallel_min_tokens}")
+        _require(not self.kv_tiers.enabled or self.world_size == 1, "kv_host_tier",
+                 f"KV tiers serve a single-process engine, not a world of {self.world_size} ranks")
         if self.speculative is not None and self.role == "prefill":
             raise ValueError(f"{SPECULATIVE_FLAG}: the prefill role samples only a prompt's first token, so it "
                              "cannot speculate; give the flag to decode or colocated workers")

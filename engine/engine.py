@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,10 +23,13 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_model import load_engine_model
 from engine.kv_cache.blocks import blocks_for
+from engine.kv_cache.cache_engine import bytes_per_block
+from engine.kv_cache.kv_events import KVEvents
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_connector.connector import KVConnector
 from engine.kv_connector.export import KVExport
 from engine.kv_connector.policy import DEFAULT_KV_WAIT_S, KVConnectorPolicy
+from engine.kv_connector.tier_mover import open_tiers
 from engine.kv_connector.worker_side import KVConnectorWorker
 from engine.model.loader import ModelFiles
 from engine.outputs import (
@@ -58,6 +62,9 @@ from engine.structured.grammars import Grammars
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+# An engine whose only work is a lower tier's load waits this long for it per step instead of spinning.
+_TIER_WAIT_S = 0.005
 
 
 @dataclass
@@ -134,7 +141,13 @@ class Engine:
         self.connector = KVConnector(policy, KVConnectorWorker(
             loaded.cache, tuple(page), block_size, loaded.config.num_layers, tensor_parallel, self._ranks_busy,
             stages))
-        self.scheduler = Scheduler(config.scheduler, self.kv, eos_token_ids=eos, connector=self.connector.scheduler)
+        self.kv_events = KVEvents()
+        block_bytes = bytes_per_block(loaded.config, block_size, self.kv_format)
+        self.tiers = open_tiers(config.kv_tiers, loaded.cache, block_bytes, self.kv_events, self.connector.write_pages)
+        if self.tiers is not None:
+            self.kv.track_new_cached()
+        self.scheduler = Scheduler(config.scheduler, self.kv, eos_token_ids=eos, connector=self.connector.scheduler,
+                                   tier_loads=self.tiers)
         self._text: dict[str, _TextState] = {}
         self.last_step_tokens = StepTokens()
         self._drafter = None if spec is None or proposer is None else Drafter(spec, proposer, self._draft_gate())
@@ -240,9 +253,10 @@ class Engine:
         return known
 
     def has_unfinished(self) -> bool:
-        """True while any request is waiting or running, or a deadline of the KV connector has passed
-        (the next step frees what it held)."""
-        return self.scheduler.has_work() or self.connector.scheduler.is_due()
+        """True while any request is waiting or running, a deadline of the KV connector has passed
+        (the next step frees what it held), or the lower tiers' mover has blocks to hand back."""
+        return (self.scheduler.has_work() or self.connector.scheduler.is_due()
+                or (self.tiers is not None and self.tiers.busy))
 
     def next_kv_deadline(self) -> float | None:
         """When (time.monotonic()) the KV connector's next deadline passes: a step after it frees the
@@ -260,6 +274,7 @@ class Engine:
         for request_id in self.scheduler.expire():
             log.warning("request %s: aborted, its KV connector deadline passed", request_id)
             self._forget(request_id)
+        self._move_tiers()
         if self._drafter is not None:
             self._drafter.draft(self.scheduler.running)
         out = self.scheduler.schedule()
@@ -276,6 +291,8 @@ class Engine:
             self._drafter.observe(len(decoding), draft_rows, time.perf_counter() - started)
         before = {c.request.request_id: c.request.num_output_tokens for c in out.chunks}
         self.scheduler.update(out, {rid: [token for token, _ in tokens] for rid, tokens in sampled.items()})
+        if self.tiers is not None:
+            self.tiers.store(self.kv.take_new_cached())
         outputs = []
         for chunk in out.chunks:
             request = chunk.request
@@ -292,6 +309,17 @@ class Engine:
             if output.finished:
                 self._forget(output.request_id)
         return outputs
+
+    def _move_tiers(self) -> None:
+        """Unpin the blocks the lower tiers have copied, and run the requests whose prefix they loaded
+        (waiting a moment for one when nothing else could run)."""
+        if self.tiers is None:
+            return
+        idle = not (self.scheduler.running or self.scheduler.waiting)
+        unpin, loaded = self.tiers.done(_TIER_WAIT_S if idle else 0.0)
+        self.kv.unpin(unpin)
+        for request_id, blocks in loaded:
+            self.scheduler.loaded(request_id, blocks)
 
     def _postprocess(self, request: Request, results: Sequence[SampledToken]) -> RequestOutput:
         """Detokenize the step's new tokens (those the scheduler kept) one by one, as one-token steps
@@ -394,7 +422,10 @@ class Engine:
         return None if self._parallel is None else self._parallel.lost_rank()
 
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel engine (nothing to do at size 1)."""
+        """Stop the other ranks of a tensor-parallel engine and the lower tiers' mover."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
         if self._parallel is not None:
             self._parallel.close()
             self._parallel = None
@@ -415,5 +446,13 @@ class Engine:
             num_context_tokens=sum(request.num_tokens for request in self.scheduler.running),
             spec_decode=self.scheduler.spec_stats.snapshot() if self.config.speculative is not None else None,
             num_preemptions=self.scheduler.total_preemptions,
+            **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict[str, Any]:
+        loading = self.scheduler.tier_loading
+        if self.tiers is None or loading is None:
+            return {}
+        return {"kv_tiers": self.tiers.tiers.stats(), "external_prefix_cache_queries": loading.queried_tokens,
+                "external_prefix_cache_hits": loading.hit_tokens}
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampler import TokenLogprobs
 from engine.speculative.stats import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from engine.kv_tiers.tiers import TierStats
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,11 @@ class EngineStats:
     num_context_tokens: int = 0  # tokens of context the running requests attend to
     spec_decode: SpecDecodeStats | None = None  # totals so far, where the engine speculates
     num_preemptions: int = 0  # requests preempted so far (their KV dropped, to recompute later)
+    # Lower KV tiers (engine.kv_tiers): each configured tier's counters and contents, and prompt tokens
+    # looked up there after a device prefix miss and loaded back (vLLM's external prefix cache).
+    kv_tiers: Mapping[str, TierStats] = field(default_factory=dict)
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
 
 @dataclass(frozen=True)

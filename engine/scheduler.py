@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from engine.config import SchedulerConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_connector.scheduler_side import KVConnectorScheduler
+from engine.kv_connector.tier_loading import TierLoading, TierLoads
 from engine.request import FinishReason, Request, RequestStatus
 from engine.speculative.gate import record_verification
 from engine.speculative.stats import SpecDecodeStats
@@ -80,6 +81,7 @@ class Scheduler:
         *,
         eos_token_ids: Iterable[int] = (),
         connector: KVConnectorScheduler | None = None,
+        tier_loads: TierLoads | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -90,6 +92,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every request that holds state here
         self.total_preemptions = 0
         self.spec_stats = SpecDecodeStats()
+        # Requests whose prefix a lower KV tier holds wait here while it loads (None: no tiers).
+        self.tier_loading = None if tier_loads is None else TierLoading(kv, self.connector, tier_loads)
 
     # ---- admission -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -206,9 +210,12 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         prompt_limit = self.config.max_prompt_batch_tokens
         prompt_tokens = sum(c.num_tokens for c in out.chunks if c.start < c.request.num_prompt_tokens)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + self._num_loading < self.config.max_num_seqs:
             request = self.waiting[0]
             cached_blocks, num_cached = self._cached_prefix(request)
+            if self.tier_loading is not None and self.tier_loading.start(request, cached_blocks, num_cached):
+                self.waiting.popleft()
+                continue
             num_new = request.num_tokens - num_cached
             if prompt_limit is not None and prompt_tokens and prompt_tokens + num_new > prompt_limit:
                 break
@@ -228,6 +235,17 @@ class Scheduler:
             budget -= num_new
             prompt_tokens += num_new
         return budget
+
+    @property
+    def _num_loading(self) -> int:
+        return 0 if self.tier_loading is None else len(self.tier_loading.requests)
+
+    def loaded(self, request_id: str, blocks_loaded: int) -> None:
+        """A lower tier's load for the request ended with its first `blocks_loaded` blocks written:
+        it joins the running batch, to compute the rest of its prompt (nothing if it ended meanwhile)."""
+        request = None if self.tier_loading is None else self.tier_loading.finish(request_id, blocks_loaded)
+        if request is not None:
+            self.running.append(request)
 
     def _cached_prefix(self, request: Request) -> tuple[list[int], int]:
         return self.kv.find_cached_prefix(request.token_ids)
@@ -323,6 +341,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        elif self.tier_loading is not None:
+            self.tier_loading.discard(request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         if reason is not FinishReason.ABORT and self.connector.keeps(request):
@@ -342,6 +362,8 @@ class Scheduler:
         expired = self.connector.expired()
         for request_id in expired:
             request = self.requests.pop(request_id, None)
+            if self.tier_loading is not None:
+                self.tier_loading.discard(request_id)
             if request is not None and not request.is_finished:
                 request.status = RequestStatus.FINISHED
                 request.finish_reason = FinishReason.ABORT
@@ -381,4 +403,4 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """True while anything is waiting or running."""
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._num_loading)

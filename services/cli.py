@@ -19,6 +19,7 @@ _COMMAND_MODULES = (
     "services.commands.mesh",
     "services.commands.probe",
     "services.commands.advise",
+    "services.commands.host_tier",
 )
 
 

@@ -93,25 +93,27 @@ class BlockPool:
                 else:
                     self._free.append(block_id)
 
-    def register(self, block_id: int, block_hash: bytes) -> None:
-        """Record that referenced, full ``block_id`` holds the content named by ``block_hash``.
+    def register(self, block_id: int, block_hash: bytes) -> bool:
+        """Record that referenced, full ``block_id`` holds the content named by ``block_hash``; whether
+        it newly did.
 
         If another block already holds that hash the first mapping wins and ``block_id`` stays unhashed:
         the duplicate is freed normally and the prefix cache keeps one copy. A no-op without caching.
         """
         if not self._enable_caching:
-            return
+            return False
         if self._ref_counts[block_id] == 0:
             raise ValueError(f"block {block_id} is unreferenced and cannot be registered")
         current = self._hash_by_block.get(block_id)
         if current is not None:
             if current != block_hash:
                 raise ValueError(f"block {block_id} is already registered under a different hash")
-            return
+            return False
         if block_hash in self._block_by_hash:
-            return
+            return False
         self._block_by_hash[block_hash] = block_id
         self._hash_by_block[block_id] = block_hash
+        return True
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent."""

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.kv_cache.block_hash import hash_block
+from engine.kv_cache.block_hash import hash_block, prompt_block_hashes
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.blocks import blocks_for
 
@@ -37,6 +37,9 @@ class KVCacheManager:
         self._enable_prefix_caching = enable_prefix_caching
         self._salt = salt
         self._requests: dict[str, _RequestBlocks] = {}
+        # Blocks newly hashed since `take_new_cached`, kept only for lower tiers (which copy them).
+        self._new_cached: list[tuple[int, bytes]] | None = None
+        self._pinned: Counter[int] = Counter()
 
     @property
     def block_size(self) -> int:
@@ -70,6 +73,35 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         """A copy of the request's block table (block ids in token order)."""
         return list(self._requests[request_id].table)
+
+    def prefix_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Chain hashes of the blocks `find_cached_prefix` could return for `token_ids` (all full
+        blocks but one holding the last token): what a lower tier is asked for."""
+        max_blocks = max(0, (len(token_ids) - 1) // self._block_size)
+        return prompt_block_hashes(token_ids[:max_blocks * self._block_size], self._block_size, self._salt)
+
+    def track_new_cached(self) -> None:
+        """From now on, remember each block newly hashed until `take_new_cached` hands it on."""
+        self._new_cached = []
+
+    def take_new_cached(self) -> list[tuple[int, bytes]]:
+        """The blocks hashed since the last call that still hold their hash, each pinned (a
+        reference taken, so its pages stay as they are until `unpin`)."""
+        if not self._new_cached:
+            return []
+        taken, self._new_cached = self._new_cached, []
+        # A block hashed by a reservation's start may have been reclaimed since (its request ended).
+        pinned = [(block_id, block_hash) for block_id, block_hash in taken
+                  if self._pool.block_hash(block_id) == block_hash]
+        for block_id, _ in pinned:
+            self._pool.touch(block_id)
+        self._pinned.update(block_id for block_id, _ in pinned)
+        return pinned
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        """Drop the references `take_new_cached` took."""
+        self._pinned.subtract(block_ids)
+        self._pool.decref(block_ids)
 
     def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
         """Longest chain of cached full blocks matching the start of ``token_ids``: (block ids, tokens covered).
@@ -139,7 +171,8 @@ class KVCacheManager:
             start = index * self._block_size
             parent = request.hashes[-1] if request.hashes else None
             block_hash = hash_block(parent, token_ids[start:start + self._block_size], self._salt)
-            self._pool.register(request.table[index], block_hash)
+            if self._pool.register(request.table[index], block_hash) and self._new_cached is not None:
+                self._new_cached.append((request.table[index], block_hash))
             request.hashes.append(block_hash)
 
     def trim(self, request_id: str, num_total_tokens: int) -> None:
@@ -168,6 +201,7 @@ class KVCacheManager:
         """Raise AssertionError if pool or request bookkeeping is inconsistent."""
         self._pool.check_invariants()
         holders = Counter(block_id for request in self._requests.values() for block_id in request.table)
+        holders.update(+self._pinned)
         for block_id in range(self._pool.num_blocks):
             assert self._pool.ref_count(block_id) == holders[block_id], f"block {block_id} ref count != holders"
         for request_id, request in self._requests.items():

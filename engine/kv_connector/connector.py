@@ -45,5 +45,10 @@ class KVConnector:
                      k: torch.Tensor, v: torch.Tensor) -> None:
         """Write received pages of one layer into blocks of a live reservation (any thread): KeyError if
         the reservation has ended, ValueError for a block it does not cover or pages that do not fit."""
-        with self.scheduler.writing(reservation.request_id, reservation.ticket, block_ids):
+        self.write_pages(reservation.request_id, reservation.ticket, layer, block_ids, k, v)
+
+    def write_pages(self, request_id: str, ticket: int, layer: int, block_ids: Sequence[int],
+                    k: torch.Tensor, v: torch.Tensor) -> None:
+        """`import_pages` by the reservation's request id and ticket (a lower tier's load writes so)."""
+        with self.scheduler.writing(request_id, ticket, block_ids):
             self.worker.import_pages(layer, block_ids, k, v)

@@ -1,0 +1,170 @@
+"""A worker's KV tiers below its memory, together: the node's host tier (engine.kv_tiers.host_tier_client)
+and its own disk tier (engine.kv_tiers.disk_tier), both keyed by the chain hashes the prefix cache,
+the wire and the gateway's index use. No torch: pages arrive and leave as bytes
+(engine.kv_connector.tier_mover turns them into blocks).
+
+A block computed on this worker is written to both tiers; one loaded back comes from the host tier
+if it has it (memory), else from disk. Lookups run on the engine thread (one socket round trip for a
+whole prompt); stores and loads on the mover's thread. What each tier stores and drops is reported
+to `events` (the engine's block events, which the gateway's exact index follows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from engine.config import KVTierConfig
+from engine.kv_tiers.block_record import pack_record, unpack_record
+from engine.kv_tiers.disk_tier import DiskTier
+from engine.kv_tiers.host_tier_client import HostTierClient
+
+LowerTier = Literal["host", "disk"]
+
+
+class TierEvents(Protocol):
+    """Where the tiers report what they hold and how fast they load (the engine's block events)."""
+
+    def stored(self, tier: LowerTier, block_hashes: Sequence[bytes]) -> None: ...
+
+    def removed(self, tier: LowerTier, block_hashes: Sequence[bytes]) -> None: ...
+
+    def record_load(self, tier: LowerTier, blocks: int, seconds: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """Counters since start-up and what a tier holds now (Prometheus reads them)."""
+
+    hits: int
+    misses: int
+    corrupt: int
+    errors: int
+    bytes_written: int
+    bytes_read: int
+    stored_blocks: int
+    stored_bytes: int
+    capacity_bytes: int
+    loaded_blocks: int
+    load_seconds: float
+
+
+class KVTiers:
+    """The configured lower tiers of one worker, for blocks of `payload_size` bytes of pages."""
+
+    def __init__(self, config: KVTierConfig, payload_size: int, events: TierEvents) -> None:
+        self.payload_size = payload_size
+        self._events = events
+        self._disk = None if config.disk_dir is None else DiskTier(config.disk_dir, config.disk_bytes)
+        # Two connections: the engine thread's lookups never wait behind the mover's transfers.
+        self._lookups = self._moves = None
+        if config.host_socket is not None:
+            self._lookups, self._moves = HostTierClient(config.host_socket), HostTierClient(config.host_socket)
+        self._host_tier_id = b""
+        self._host_held: set[bytes] = set()  # what this worker stored in the host tier and was not evicted
+        self._host = {"hits": 0, "misses": 0, "corrupt": 0, "bytes_written": 0, "bytes_read": 0}
+        self._loads: dict[LowerTier, tuple[int, float]] = {"host": (0, 0.0), "disk": (0, 0.0)}
+        if self._disk is not None:
+            events.stored("disk", self._disk.hashes())  # a restarted worker's disk still holds its blocks
+
+    @property
+    def host_tier_id(self) -> str:
+        """The host tier's id (hex) as last seen, "" without one or before reaching it."""
+        return self._host_tier_id.hex()
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def available(self, block_hashes: Sequence[bytes]) -> int:
+        """How many of `block_hashes`, from the first, some lower tier holds."""
+        held = self._lookups.has(block_hashes) if self._lookups is not None else [False] * len(block_hashes)
+        self._follow_owner(self._lookups)
+        count = 0
+        for block_hash, in_host in zip(block_hashes, held, strict=True):
+            if not (in_host or (self._disk is not None and block_hash in self._disk)):
+                break
+            count += 1
+        return count
+
+    # ---- the mover's thread ---------------------------------------------------------------------
+    def store(self, block_hash: bytes, payload: bytes) -> None:
+        """Write a block to every tier that lacks it."""
+        record = None
+        if self._moves is not None and block_hash not in self._host_held:
+            record = pack_record(block_hash, payload)
+            evicted = self._moves.put(block_hash, record)
+            self._follow_owner(self._moves)
+            if evicted is not None:
+                self._host["bytes_written"] += len(record)
+                self._host_held.add(block_hash)
+                self._host_held.difference_update(evicted)
+                self._events.stored("host", [block_hash])
+                if evicted:
+                    self._events.removed("host", evicted)
+        if self._disk is not None and block_hash not in self._disk:
+            before = self._disk.stats.write_errors
+            evicted = self._disk.put(block_hash, payload)
+            if self._disk.stats.write_errors == before:
+                self._events.stored("disk", [block_hash])
+            if evicted:
+                self._events.removed("disk", evicted)
+
+    def load(self, block_hash: bytes) -> tuple[LowerTier, memoryview] | None:
+        """A block's pages, checked, and the tier they came from; None if no tier has it intact."""
+        if self._moves is not None:
+            record = self._moves.get(block_hash)
+            self._follow_owner(self._moves)
+            payload = None if record is None else unpack_record(block_hash, record, self.payload_size)
+            if payload is not None:
+                self._host["hits"] += 1
+                self._host["bytes_read"] += len(record)
+                return "host", payload
+            self._host["misses"] += 1
+            if record is not None:
+                self._host["corrupt"] += 1
+        if self._disk is not None:
+            held = block_hash in self._disk
+            payload = self._disk.get(block_hash, self.payload_size)
+            if payload is not None:
+                return "disk", payload
+            if held:  # it failed its check and was dropped
+                self._events.removed("disk", [block_hash])
+        return None
+
+    def record_load(self, tier: LowerTier, blocks: int, seconds: float) -> None:
+        """A measured load-back, for the router's estimate of a lower tier's cost."""
+        total_blocks, total_seconds = self._loads[tier]
+        self._loads[tier] = (total_blocks + blocks, total_seconds + seconds)
+        self._events.record_load(tier, blocks, seconds)
+
+    def _follow_owner(self, client: HostTierClient | None) -> None:
+        """Forget what a previous host tier owner held once a new one answers (it restarted empty)."""
+        if client is None or not client.tier_id or client.tier_id == self._host_tier_id:
+            return
+        if self._host_held:
+            self._events.removed("host", sorted(self._host_held))
+            self._host_held.clear()
+        self._host_tier_id = client.tier_id
+
+    # ---- metrics ----------------------------------------------------------------------------------
+    def stats(self) -> dict[LowerTier, TierStats]:
+        """Each configured tier's counters and contents."""
+        out: dict[LowerTier, TierStats] = {}
+        if self._lookups is not None and self._moves is not None:
+            host = self._host
+            out["host"] = TierStats(host["hits"], host["misses"], host["corrupt"],
+                                    self._lookups.errors + self._moves.errors, host["bytes_written"],
+                                    host["bytes_read"], len(self._host_held), 0, 0, *self._loads["host"])
+        if self._disk is not None:
+            disk = self._disk.stats
+            out["disk"] = TierStats(disk.hits, disk.misses, disk.corrupt, disk.write_errors, disk.bytes_written,
+                                    disk.bytes_read, disk.stored_blocks, disk.stored_bytes, self._disk.capacity_bytes,
+                                    *self._loads["disk"])
+        return out
+
+    def close(self) -> None:
+        """Close the host tier connections and release the disk tier's directory."""
+        for client in (self._lookups, self._moves):
+            if client is not None:
+                client.close()
+        if self._disk is not None:
+            self._disk.close()

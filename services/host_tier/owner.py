@@ -1,0 +1,146 @@
+"""The host tier's owner: one process per node holding KV block records in its memory, bounded,
+evicted least recently used first, for every worker of the node (engine.kv_tiers.host_tier_wire).
+
+Why one owner process and a Unix socket, not a shared-memory arena the workers map: the owner alone
+decides what is stored, so a worker killed mid-write cannot leave a half-written block visible (a
+record is stored only once all its bytes arrived, and it carries its own check); the workers need
+only a socket path, which in Kubernetes is a hostPath directory, where a shared arena would need
+the pods to share the node's IPC namespace; and a worker restart or an owner restart is just a
+reconnect. The price is one copy through the kernel each way, which docs/benchmarks.md measures
+against the time it saves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import socketserver
+import threading
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+
+from engine.kv_cache.block_hash import HASH_SIZE
+from engine.kv_tiers.host_tier_wire import (
+    GET,
+    HAS,
+    HELLO,
+    MAX_RECORD,
+    MISSING,
+    PUT,
+    U32,
+    U64,
+    recv_exact,
+    recv_hashes,
+    recv_u32,
+    recv_u64,
+)
+
+log = logging.getLogger(__name__)
+
+
+class HostTierStore:
+    """The records by chain hash, at most `capacity_bytes` of them; thread-safe."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_mib: must be positive, got {capacity_bytes} bytes")
+        self.capacity_bytes = capacity_bytes
+        self.tier_id = uuid.uuid4().bytes  # a restarted owner is a new tier: what workers knew of it is gone
+        self._records: OrderedDict[bytes, bytes] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def has(self, hashes: list[bytes]) -> bytes:
+        """One byte per hash: 1 where held."""
+        with self._lock:
+            return bytes(int(h in self._records) for h in hashes)
+
+    def put(self, block_hash: bytes, record: bytes) -> list[bytes]:
+        """Store a record (refused if larger than the whole tier); the hashes evicted for it."""
+        with self._lock:
+            if block_hash in self._records:
+                self._records.move_to_end(block_hash)
+                return []
+            if len(record) > self.capacity_bytes:
+                return []
+            self._records[block_hash] = record
+            self._bytes += len(record)
+            evicted = []
+            while self._bytes > self.capacity_bytes:
+                old, dropped = self._records.popitem(last=False)
+                self._bytes -= len(dropped)
+                evicted.append(old)
+            return evicted
+
+    def get(self, block_hash: bytes) -> bytes | None:
+        """The record stored under `block_hash`, or None."""
+        with self._lock:
+            record = self._records.get(block_hash)
+            if record is not None:
+                self._records.move_to_end(block_hash)
+            return record
+
+
+class _Connection(socketserver.BaseRequestHandler):
+    """One worker's connection: requests answered in order until it closes."""
+
+    server: HostTierServer
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        store = self.server.store
+        try:
+            while True:
+                opcode = sock.recv(1)
+                if not opcode:
+                    return
+                sock.sendall(self._answer(opcode[0], sock, store))
+        except (ConnectionError, ValueError) as error:
+            log.info("host tier: a worker's connection ended: %s", error)
+
+    @staticmethod
+    def _answer(opcode: int, sock: socket.socket, store: HostTierStore) -> bytes:
+        if opcode == HELLO:
+            return store.tier_id + U64.pack(store.capacity_bytes)
+        if opcode == HAS:
+            return store.has(recv_hashes(sock, recv_u32(sock)))
+        if opcode == PUT:
+            block_hash = recv_exact(sock, HASH_SIZE)
+            length = recv_u64(sock)
+            if length > MAX_RECORD:
+                raise ValueError(f"a record of {length} bytes")
+            evicted = store.put(block_hash, recv_exact(sock, length))
+            return U32.pack(len(evicted)) + b"".join(evicted)
+        if opcode == GET:
+            record = store.get(recv_exact(sock, HASH_SIZE))
+            return U64.pack(MISSING) if record is None else U64.pack(len(record)) + record
+        raise ValueError(f"unknown opcode {opcode}")
+
+
+class HostTierServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """The owner's server on a Unix socket path, one thread per worker connection."""
+
+    daemon_threads = True
+
+    def __init__(self, path: str | Path, capacity_bytes: int) -> None:
+        self.store = HostTierStore(capacity_bytes)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # A socket left by an owner that died is replaced; a live owner's is not.
+        if path.exists():
+            if _answers(path):
+                raise ValueError(f"socket: {str(path)!r} already has a live host tier owner")
+            path.unlink()
+        super().__init__(str(path), _Connection)
+        os.chmod(path, 0o660)
+
+
+def _answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+        return True
