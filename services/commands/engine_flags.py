@@ -13,6 +13,7 @@ from engine.config import (
     DTypeOption,
     EngineConfig,
     KVCacheDType,
+    KVTierConfig,
     Quantization,
     Role,
     SchedulerConfig,
@@ -30,6 +31,7 @@ _MIB = 1024 * 1024
 _ENGINE = EngineConfig()
 _CACHE = CacheConfig()
 _SCHEDULER = SchedulerConfig()
+_TIERS = KVTierConfig()
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,14 @@ class EngineFlags:
         f"0: no limit (default: {CPU_PROMPT_BATCH_TOKENS} on CPU, none on GPU)")
     max_model_len: int | None = flag(None, "longest prompt plus output (default: the model's context length)")
     no_prefix_caching: bool = flag(False, "compute every prompt in full instead of reusing cached blocks")
+    kv_host_tier: str | None = flag(
+        None, "the node's KV host tier (`tandem kv-host-tier --socket PATH`): blocks the prefix cache computed are "
+        "copied there in the background and a later prompt's prefix loads back from it, on any worker of the node",
+        metavar="SOCKET")
+    kv_disk_tier: str | None = flag(
+        None, "a directory this worker keeps KV blocks in, below the host tier: bounded by --kv-disk-tier-mib, "
+        "least recently used first, surviving restarts; every block is checked when read back", metavar="DIR")
+    kv_disk_tier_mib: int = flag(_TIERS.disk_bytes // _MIB, "the disk tier's bound, MiB")
     tensor_parallel_size: int = flag(
         _ENGINE.tensor_parallel_size, "processes the model is split across (its heads, MLP features and "
         "vocabulary), each holding its shard of the weights and a KV cache of --kv-cache-mib; prefill and "
@@ -144,6 +154,8 @@ def flags_engine_config(flags: EngineFlags, role: Role) -> EngineConfig:
             memory_bytes=None if flags.kv_cache_blocks else flags.kv_cache_mib * _MIB,
             enable_prefix_caching=not flags.no_prefix_caching,
         ),
+        kv_tiers=KVTierConfig(host_socket=flags.kv_host_tier, disk_dir=flags.kv_disk_tier,
+                              disk_bytes=flags.kv_disk_tier_mib * _MIB),
         scheduler=SchedulerConfig(max_num_seqs=flags.max_num_seqs, max_num_batched_tokens=flags.max_num_batched_tokens,
                                   max_prompt_batch_tokens=_prompt_batch_tokens(flags)),
     )

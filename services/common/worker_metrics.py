@@ -101,9 +101,48 @@ def _engine_families(engine: WatchedEngine) -> Iterator[Metric]:
                                       "recompute later) to make room for others.", labels=per_model())
     preemptions.add_metric(labels, stats.num_preemptions)
     yield preemptions
+    if stats.kv_tiers:
+        yield from _kv_tier_families(stats, labels)
     spec = loop.engine.config.speculative
     if stats.spec_decode is not None and spec is not None:
         yield from _spec_decode_counters(stats.spec_decode, spec.num_speculative_tokens, labels)
+
+
+# Per lower KV tier (engine.kv_tiers), labelled tier="host"|"disk": (name, help, TierStats field, counter?).
+_TIER_FAMILIES = (
+    ("tandem:kv_tier_hits", "Blocks loaded back from the tier, checked.", "hits", True),
+    ("tandem:kv_tier_misses", "Blocks looked for in the tier and not found intact.", "misses", True),
+    ("tandem:kv_tier_corrupt_blocks", "Blocks that failed their check when read back (each also a miss).",
+     "corrupt", True),
+    ("tandem:kv_tier_errors", "Tier operations that failed (a full or gone disk, an unreachable host tier owner).",
+     "errors", True),
+    ("tandem:kv_tier_written_bytes", "Bytes of blocks written to the tier.", "bytes_written", True),
+    ("tandem:kv_tier_read_bytes", "Bytes of blocks read back from the tier.", "bytes_read", True),
+    ("tandem:kv_tier_loaded_blocks", "Blocks loaded into the KV cache from the tier.", "loaded_blocks", True),
+    ("tandem:kv_tier_load_seconds", "Time spent loading blocks from the tier into the KV cache.", "load_seconds", True),
+    ("tandem:kv_tier_blocks", "Blocks the tier holds (the host tier: those this worker stored there).",
+     "stored_blocks", False),
+    ("tandem:kv_tier_bytes", "Bytes the tier holds (the disk tier).", "stored_bytes", False),
+    ("tandem:kv_tier_capacity_bytes", "The tier's bound in bytes (the disk tier).", "capacity_bytes", False),
+)
+
+
+def _kv_tier_families(stats: EngineStats, labels: list[str]) -> Iterator[Metric]:
+    """vLLM's external prefix cache counters (prompt tokens) and each lower tier's own families."""
+    for name, documentation, value in (
+            ("vllm:external_prefix_cache_queries", "Prompt tokens looked up in the lower KV tiers after a device "
+             "prefix-cache miss.", stats.external_prefix_cache_queries),
+            ("vllm:external_prefix_cache_hits", "Prompt tokens loaded back from the lower KV tiers.",
+             stats.external_prefix_cache_hits)):
+        counter = CounterMetricFamily(name, documentation, labels=per_model())
+        counter.add_metric(labels, value)
+        yield counter
+    for name, documentation, field, is_counter in _TIER_FAMILIES:
+        kind = CounterMetricFamily if is_counter else GaugeMetricFamily
+        family = kind(name, documentation, labels=per_model(["tier"]))
+        for tier, tier_stats in stats.kv_tiers.items():
+            family.add_metric([*labels, tier], getattr(tier_stats, field))
+        yield family
 
 
 def _spec_decode_counters(stats: SpecDecodeStats, num_speculative_tokens: int, labels: list[str]) -> Iterator[Metric]:

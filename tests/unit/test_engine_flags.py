@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, KVTierConfig
 from engine.model.paths import default_model_path
 from engine.structured.config import StructuredOutputsConfig
 from services.commands.engine_flags import CPU_PROMPT_BATCH_TOKENS, EngineFlags, engine_config
@@ -48,7 +48,8 @@ ENGINE_FLAGS = ["--model", "/m.gguf", "--device", "cuda:1", "--dtype", "float16"
                 "--no-prefix-caching", "--activation-quantization", "none",
                 "--speculative-config", '{"num_speculative_tokens": 3}', "--tensor-parallel-size", "3",
                 "--enable-expert-parallel", "--pipeline-parallel-size", "2", "--prefill-context-parallel-size", "2",
-                "--prefill-context-parallel-min-tokens", "64",
+                "--prefill-context-parallel-min-tokens", "64", "--kv-host-tier", "/run/h.sock",
+                "--kv-disk-tier", "/var/kv", "--kv-disk-tier-mib", "10",
                 "--structured-outputs-config", '{"disable_any_whitespace": true}',
                 "--model-repository", "/r.toml", "--model-version", "m@v", "--pool", "p"]
 
@@ -75,6 +76,14 @@ def test_speculative_config_flag():
         _config("--speculative-config", '{"num_speculative_tokens": 0}')
     with pytest.raises(ValueError, match="--speculative-config: the prefill role"):
         engine_config(_flags("--speculative-config", "{}"), "prefill")
+
+
+def test_the_kv_tier_flags_reach_the_engine_config():
+    assert not _config().kv_tiers.enabled
+    config = _config("--kv-host-tier", "/run/h.sock", "--kv-disk-tier", "/var/kv", "--kv-disk-tier-mib", "10")
+    assert config.kv_tiers == KVTierConfig(host_socket="/run/h.sock", disk_dir="/var/kv", disk_bytes=10 * 1024**2)
+    with pytest.raises(ValueError, match="kv_host_tier: KV tiers serve a single-process engine"):
+        _config("--kv-disk-tier", "/var/kv", "--tensor-parallel-size", "2")
 
 
 def test_the_parallel_layout_flags_reach_the_engine_config():

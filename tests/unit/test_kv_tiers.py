@@ -1,0 +1,283 @@
+"""The lower KV tiers without a model: block records, the disk tier, the host tier's owner and
+client, and the two together (engine.kv_tiers). Real files, real Unix sockets, real processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.config import KVTierConfig
+from engine.kv_cache.block_hash import hash_block
+from engine.kv_tiers.block_record import HEADER_SIZE, pack_record, unpack_record
+from engine.kv_tiers.disk_tier import DiskTier
+from engine.kv_tiers.host_tier_client import HostTierClient
+from engine.kv_tiers.host_tier_wire import PUT, U64
+from engine.kv_tiers.tiers import KVTiers
+
+PAYLOAD = 100_000  # ten blocks fill the owners' 1 MiB
+_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def block(index: int) -> tuple[bytes, bytes]:
+    """A block's chain hash and a payload that differs per block."""
+    return hash_block(None, [index]), bytes((index + i) % 256 for i in range(PAYLOAD))
+
+
+class Events:
+    """The tiers' reports, as the engine's block events receive them."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[bytes]] = {"host": set(), "disk": set()}
+        self.loads: list[tuple[str, int]] = []
+
+    def stored(self, tier, hashes) -> None:
+        self.held[tier].update(hashes)
+
+    def removed(self, tier, hashes) -> None:
+        self.held[tier].difference_update(hashes)
+
+    def record_load(self, tier, blocks, seconds) -> None:
+        self.loads.append((tier, blocks))
+
+
+@pytest.fixture
+def owner(tmp_path):
+    """A host tier owner process (`tandem kv-host-tier`, 1 MiB) on a socket under tmp_path; `restart()`
+    kills it and starts another."""
+    path = tmp_path / "host.sock"
+
+    class Owner:
+        def __init__(self) -> None:
+            self.process: subprocess.Popen | None = None
+            self.start()
+
+        def start(self) -> None:
+            self.process = subprocess.Popen([sys.executable, "-m", "services.cli", "kv-host-tier", "--socket",
+                                             str(path), "--capacity-mib", "1"], env=_ENV)
+            deadline = time.monotonic() + 60
+            while not _answers(path):
+                assert time.monotonic() < deadline and self.process.poll() is None, "the owner did not start"
+                time.sleep(0.05)
+
+        def stop(self) -> None:
+            self.process.kill()
+            self.process.wait()
+
+        def restart(self) -> None:
+            self.stop()
+            self.start()
+
+    running = Owner()
+    yield running
+    running.stop()
+
+
+def _answers(path: Path) -> bool:
+    client = HostTierClient(str(path))
+    client.has([bytes(32)])
+    client.close()
+    return client.errors == 0
+
+
+def test_block_record_checks_hash_length_and_bytes() -> None:
+    block_hash, payload = block(1)
+    record = pack_record(block_hash, payload)
+    assert bytes(unpack_record(block_hash, record, PAYLOAD)) == payload
+    other_hash, _ = block(2)
+    flipped = bytearray(record)
+    flipped[-1] ^= 1
+    assert unpack_record(other_hash, record, PAYLOAD) is None  # filed under another block's name
+    assert unpack_record(block_hash, bytes(flipped), PAYLOAD) is None  # a damaged byte
+    assert unpack_record(block_hash, record[:-1], PAYLOAD) is None  # truncated
+    assert unpack_record(block_hash, record, PAYLOAD + 1) is None  # another layout's block size
+
+
+def test_disk_tier_bounds_its_bytes_least_recently_used_first(tmp_path) -> None:
+    tier = DiskTier(tmp_path, 3 * (PAYLOAD + HEADER_SIZE))
+    hashes = [block(i)[0] for i in range(4)]
+    for i in range(3):
+        assert tier.put(*block(i)) == []
+    assert tier.get(hashes[0], PAYLOAD) is not None  # block 0 is now the most recent
+    assert tier.put(*block(3)) == [hashes[1]]
+    assert tier.hashes() == [hashes[2], hashes[0], hashes[3]]
+    assert tier.leading([hashes[2], hashes[0], hashes[1], hashes[3]]) == 2
+    assert sorted(p.name for p in tmp_path.glob("*.kvb")) == sorted(f"{h.hex()}.kvb" for h in tier.hashes())
+
+
+def test_disk_tier_survives_a_restart_and_drops_half_written_files(tmp_path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    for i in range(3):
+        tier.put(*block(i))
+    tier.close()
+    (tmp_path / "leftover.kvb.123.tmp").write_bytes(b"half")
+    again = DiskTier(tmp_path, 1 << 20)
+    assert set(again.hashes()) == {block(i)[0] for i in range(3)}
+    assert not list(tmp_path.glob("*.tmp"))
+    block_hash, payload = block(1)
+    assert bytes(again.get(block_hash, PAYLOAD)) == payload
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "swap"])
+def test_a_damaged_block_file_is_a_counted_miss_and_is_dropped(tmp_path, damage) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    (block_hash, payload), (other_hash, other_payload) = block(1), block(2)
+    tier.put(block_hash, payload)
+    tier.put(other_hash, other_payload)
+    path = tmp_path / f"{block_hash.hex()}.kvb"
+    data = path.read_bytes()
+    if damage == "flip":
+        path.write_bytes(data[:-7] + bytes([data[-7] ^ 0x10]) + data[-6:])
+    elif damage == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:  # another block's record under this block's name
+        shutil.copy(tmp_path / f"{other_hash.hex()}.kvb", path)
+    assert tier.get(block_hash, PAYLOAD) is None
+    assert (tier.stats.corrupt, tier.stats.misses) == (1, 1)
+    assert block_hash not in tier and not path.exists()
+    assert bytes(tier.get(other_hash, PAYLOAD)) == other_payload
+
+
+def test_a_directory_gone_while_serving_counts_write_errors_and_misses(tmp_path) -> None:
+    directory = tmp_path / "tier"
+    tier = DiskTier(directory, 1 << 20)
+    tier.put(*block(1))
+    shutil.rmtree(directory)
+    assert tier.put(*block(2)) == []
+    assert tier.stats.write_errors == 1 and block(2)[0] not in tier
+    assert tier.get(block(1)[0], PAYLOAD) is None and tier.stats.misses == 1
+
+
+def test_a_directory_that_cannot_be_used_is_a_start_up_error(tmp_path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("not a directory")
+    with pytest.raises(ValueError, match="kv_disk_tier: cannot use directory"):
+        DiskTier(a_file / "tier", 1 << 20)
+    DiskTier(tmp_path / "tier", 1 << 20)
+    with pytest.raises(ValueError, match="in use by another worker"):
+        DiskTier(tmp_path / "tier", 1 << 20)
+
+
+_WRITER = textwrap.dedent("""
+    import resource, signal, sys
+    from engine.kv_cache.block_hash import hash_block
+    from engine.kv_tiers.disk_tier import DiskTier
+    directory, mode = sys.argv[1], sys.argv[2]
+    tier = DiskTier(directory, 1 << 30)
+    if mode == "full":
+        # A file size limit makes the kernel refuse the writes (EFBIG), as a full disk does (ENOSPC).
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+    for i in range(1_000_000):
+        tier.put(hash_block(None, [i]), bytes(300_000))
+        if i == 2:
+            print(tier.stats.write_errors, len(tier.hashes()), flush=True)
+            if mode == "full":
+                break
+""")
+
+
+def _writer(directory: Path, mode: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _WRITER, str(directory), mode], stdout=subprocess.PIPE, text=True,
+                            env=_ENV)
+
+
+def test_a_full_disk_counts_write_errors_and_stores_nothing(tmp_path) -> None:
+    writer = _writer(tmp_path, "full")
+    assert writer.communicate(timeout=120)[0].split() == ["3", "0"]
+    assert writer.returncode == 0
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.kvb"))
+
+
+def test_a_worker_killed_mid_write_leaves_only_intact_blocks(tmp_path) -> None:
+    writer = _writer(tmp_path, "kill")
+    assert writer.stdout.readline().split() == ["0", "3"]
+    time.sleep(0.3)
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(timeout=30)
+    tier = DiskTier(tmp_path, 1 << 30)
+    assert not list(tmp_path.glob("*.tmp"))
+    assert len(tier.hashes()) >= 3
+    for block_hash in tier.hashes():
+        assert tier.get(block_hash, 300_000) is not None
+    assert tier.stats.corrupt == 0
+
+
+def test_host_tier_owner_stores_evicts_and_serves_many_clients(owner, tmp_path) -> None:
+    first, second = HostTierClient(str(tmp_path / "host.sock")), HostTierClient(str(tmp_path / "host.sock"))
+    records = {block(i)[0]: pack_record(*block(i)) for i in range(11)}
+    hashes = list(records)
+    for block_hash in hashes[:10]:
+        assert first.put(block_hash, records[block_hash]) == []
+    assert second.has(hashes) == [True] * 10 + [False]
+    assert second.get(hashes[3]) == records[hashes[3]]
+    assert first.put(hashes[10], records[hashes[10]]) == [hashes[0]]  # the least recently used goes
+    assert first.get(hashes[0]) is None
+    assert first.tier_id == second.tier_id != b""
+
+
+def test_a_client_that_dies_mid_put_stores_nothing(owner, tmp_path) -> None:
+    block_hash, payload = block(1)
+    record = pack_record(block_hash, payload)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dying:
+        dying.connect(str(tmp_path / "host.sock"))
+        dying.sendall(bytes([PUT]) + block_hash + U64.pack(len(record)) + record[: len(record) // 2])
+    client = HostTierClient(str(tmp_path / "host.sock"))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and client.has([block_hash]) != [False]:
+        time.sleep(0.01)
+    assert client.has([block_hash]) == [False]
+    assert client.put(block_hash, record) == [] and client.get(block_hash) == record
+
+
+def test_kv_tiers_fill_both_tiers_and_load_from_memory_first(owner, tmp_path) -> None:
+    events = Events()
+    config = KVTierConfig(host_socket=str(tmp_path / "host.sock"), disk_dir=str(tmp_path / "disk"))
+    tiers = KVTiers(config, PAYLOAD, events)
+    hashes = [block(i)[0] for i in range(3)]
+    for i in range(2):
+        tiers.store(*block(i))
+    assert tiers.available(hashes) == 2
+    assert events.held == {"host": set(hashes[:2]), "disk": set(hashes[:2])}
+    tier, payload = tiers.load(hashes[1])
+    assert (tier, bytes(payload)) == ("host", block(1)[1])
+    assert tiers.load(hashes[2]) is None
+    assert tiers.host_tier_id != ""
+    tiers.close()
+
+
+def test_a_restarted_owner_is_a_new_empty_tier_and_the_disk_still_answers(owner, tmp_path) -> None:
+    events = Events()
+    config = KVTierConfig(host_socket=str(tmp_path / "host.sock"), disk_dir=str(tmp_path / "disk"))
+    tiers = KVTiers(config, PAYLOAD, events)
+    tiers.store(*block(1))
+    old_id = tiers.host_tier_id
+    owner.restart()
+    block_hash, payload = block(1)
+    time.sleep(1.1)  # the client retries a lost owner at most once a second
+    for _ in range(2):  # the first call finds the old connection closed
+        found = tiers.load(block_hash)
+    assert found is not None and found[0] == "disk" and bytes(found[1]) == payload
+    assert tiers.available([block_hash]) == 1
+    assert tiers.host_tier_id not in ("", old_id)
+    assert events.held["host"] == set()  # what the old owner held was reported gone
+    tiers.close()
+
+
+def test_an_absent_owner_is_a_miss_and_a_count(tmp_path) -> None:
+    tiers = KVTiers(KVTierConfig(host_socket=str(tmp_path / "nobody.sock")), PAYLOAD, Events())
+    tiers.store(*block(1))
+    assert tiers.available([block(1)[0]]) == 0
+    assert tiers.load(block(1)[0]) is None
+    assert tiers.stats()["host"].errors >= 1
+    tiers.close()
