@@ -237,3 +237,28 @@ def test_the_planner_apply_component_leaves_the_replicas_to_the_planner(tmp_path
     assert not [obj for obj in objects if obj["kind"] in AUTOSCALER_KINDS]
     (gateway,) = _find(objects, "Deployment", "gateway")
     assert [arg for arg in _container(gateway)["args"] if arg.startswith("--planner")] == ["--planner=apply"]
+
+
+def test_the_cpu_overlay_runs_a_host_tier_per_node_and_gives_each_worker_it_and_a_disk_tier():
+    objects = _render("cpu")
+    (daemon,) = [obj for obj in objects if obj["kind"] == "DaemonSet"]
+    owner = _container(daemon)
+    socket_path = _flag(owner, "socket")
+    host_volume = daemon["spec"]["template"]["spec"]["volumes"][0]
+    assert owner["args"][0] == "kv-host-tier" and host_volume["hostPath"]["path"] == os.path.dirname(socket_path)
+    for pool in POOLS:
+        (deployment,) = _find(objects, "Deployment", pool)
+        container = _container(deployment)
+        assert _flag(container, "kv-host-tier") == socket_path
+        mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+        volumes = {volume["name"]: volume for volume in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert volumes[mounts[os.path.dirname(socket_path)]]["hostPath"] == host_volume["hostPath"]
+        assert "emptyDir" in volumes[mounts[_flag(container, "kv-disk-tier")]]
+
+
+def test_the_kv_tiers_component_keeps_the_tls_volumes(tmp_path):
+    objects = render_with_components(tmp_path, "tls", "kv-tiers")
+    for pool in POOLS:
+        (deployment,) = _find(objects, "Deployment", pool)
+        names = {volume["name"] for volume in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert {"tls", "kv-host-tier", "kv-disk-tier"} <= names
