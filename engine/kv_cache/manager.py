@@ -39,7 +39,6 @@ class KVCacheManager:
         self._requests: dict[str, _RequestBlocks] = {}
         # Blocks newly hashed since `take_new_cached`, kept only for lower tiers (which copy them).
         self._new_cached: list[tuple[int, bytes]] | None = None
-        self._pinned: Counter[int] = Counter()
 
     @property
     def block_size(self) -> int:
@@ -85,23 +84,13 @@ class KVCacheManager:
         self._new_cached = []
 
     def take_new_cached(self) -> list[tuple[int, bytes]]:
-        """The blocks hashed since the last call that still hold their hash, each pinned (a
-        reference taken, so its pages stay as they are until `unpin`)."""
+        """The blocks hashed since the last call (block id, chain hash) that still hold their hash."""
         if not self._new_cached:
             return []
         taken, self._new_cached = self._new_cached, []
         # A block hashed by a reservation's start may have been reclaimed since (its request ended).
-        pinned = [(block_id, block_hash) for block_id, block_hash in taken
-                  if self._pool.block_hash(block_id) == block_hash]
-        for block_id, _ in pinned:
-            self._pool.touch(block_id)
-        self._pinned.update(block_id for block_id, _ in pinned)
-        return pinned
-
-    def unpin(self, block_ids: Sequence[int]) -> None:
-        """Drop the references `take_new_cached` took."""
-        self._pinned.subtract(block_ids)
-        self._pool.decref(block_ids)
+        return [(block_id, block_hash) for block_id, block_hash in taken
+                if self._pool.block_hash(block_id) == block_hash]
 
     def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
         """Longest chain of cached full blocks matching the start of ``token_ids``: (block ids, tokens covered).
@@ -201,7 +190,6 @@ class KVCacheManager:
         """Raise AssertionError if pool or request bookkeeping is inconsistent."""
         self._pool.check_invariants()
         holders = Counter(block_id for request in self._requests.values() for block_id in request.table)
-        holders.update(+self._pinned)
         for block_id in range(self._pool.num_blocks):
             assert self._pool.ref_count(block_id) == holders[block_id], f"block {block_id} ref count != holders"
         for request_id, request in self._requests.items():

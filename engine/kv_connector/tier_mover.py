@@ -1,9 +1,11 @@
 """Moving blocks between the KV cache and the lower tiers (engine.kv_tiers.tiers), on a thread of
 its own so that neither a write nor a load ever holds up a step.
 
-Stores: the blocks the prefix cache newly hashed, pinned by the engine (a reference each, so no
-request can take and overwrite them) until their pages have been copied out; the engine unpins
-them when `done` hands them back. Loads: a waiting request's prefix, read and checked block by
+Stores: the blocks the prefix cache newly hashed are copied out of the cache on the engine thread,
+as the step that computed them ends (a memory copy, small beside the step), and written to the tiers
+from the copy: the cache's blocks are never held for a tier, so a slow disk never leaves the pool
+short. Copies waiting for the thread are bounded (`MAX_QUEUED_BYTES`); past it a store is dropped
+and counted, never waited for. Loads: a waiting request's prefix, read and checked block by
 block, written into its reserved blocks one layer at a time through the KV connector (the same
 ownership rule as pages from a prefill worker: a write into a reservation that ended is refused);
 the first block that no tier has intact ends the load there. Loads go before stores: a load is a
@@ -31,6 +33,10 @@ from engine.kv_tiers.tiers import KVTiers, LowerTier, TierEvents
 
 log = logging.getLogger(__name__)
 
+# Pages copied out for the tiers and not yet written: beyond this, new stores are dropped (a slow or
+# stuck disk then costs later hits, not memory without bound).
+MAX_QUEUED_BYTES = 512 * 1024 * 1024
+
 # (request id, ticket, layer, block ids, k, v): write pages under a live reservation (KeyError once
 # it ended): the engine's KVConnector.import_pages.
 PageWriter = Callable[[str, int, int, Sequence[int], torch.Tensor, torch.Tensor], None]
@@ -46,7 +52,8 @@ class _Load:
 
 @dataclass(frozen=True)
 class _Store:
-    blocks: tuple[tuple[int, bytes], ...]
+    block_hashes: tuple[bytes, ...]
+    payloads: torch.Tensor  # [blocks, payload bytes] uint8, a copy
 
 
 class TierMover:
@@ -64,10 +71,9 @@ class TierMover:
         self._order = 0
         self._done_lock = threading.Lock()
         self._done = threading.Condition(self._done_lock)
-        self._unpin: list[int] = []
         self._loaded: list[tuple[str, int]] = []
-        self._pending = 0  # jobs submitted and not yet handed back by `done` (the engine thread's)
-        self._finished = 0  # jobs the thread finished since the last `done`
+        self._queued_bytes = 0  # store copies not yet written (under _done_lock)
+        self.dropped_blocks = 0  # stores dropped at MAX_QUEUED_BYTES
         self._thread = threading.Thread(target=self._run, name="kv-tier-mover", daemon=True)
         self._thread.start()
 
@@ -86,25 +92,28 @@ class TierMover:
         self._submit(0, _Load(request_id, ticket, tuple(block_ids), tuple(block_hashes)))
 
     def store(self, blocks: Sequence[tuple[int, bytes]]) -> None:
-        """Copy pinned blocks (block id, chain hash) to the tiers; `done` hands their ids back."""
-        if blocks:
-            self._submit(1, _Store(tuple(blocks)))
-
-    @property
-    def busy(self) -> bool:
-        """Whether a job is queued, running, or finished and not yet handed back by `done`."""
-        return self._pending > 0
-
-    def done(self, wait_s: float = 0.0) -> tuple[list[int], list[tuple[str, int]]]:
-        """The blocks whose copies are made (to unpin), and the loads that ended (request id, blocks
-        written); waits up to `wait_s` for something to end when nothing has."""
+        """Copy newly hashed blocks (block id, chain hash) out of the cache for the tiers that lack them."""
+        blocks = [(block_id, block_hash) for block_id, block_hash in blocks if not self._tiers.holds(block_hash)]
+        if not blocks:
+            return
+        size = len(blocks) * self._cache.num_layers * 2 * self._page_bytes
         with self._done:
-            if not self._finished and wait_s > 0:
+            if self._queued_bytes + size > MAX_QUEUED_BYTES:
+                self.dropped_blocks += len(blocks)
+                return
+            self._queued_bytes += size
+        ids = [block_id for block_id, _ in blocks]
+        pages = [page.view(torch.uint8).reshape(len(ids), -1) for layer in range(self._cache.num_layers)
+                 for page in self._cache.gather_blocks(layer, ids)]
+        self._submit(1, _Store(tuple(h for _, h in blocks), torch.cat(pages, dim=1)))
+
+    def done(self, wait_s: float = 0.0) -> list[tuple[str, int]]:
+        """The loads that ended (request id, blocks written); waits up to `wait_s` for one when none has."""
+        with self._done:
+            if not self._loaded and wait_s > 0:
                 self._done.wait(wait_s)
-            unpin, loaded = self._unpin, self._loaded
-            self._pending -= self._finished
-            self._unpin, self._loaded, self._finished = [], [], 0
-        return unpin, loaded
+            loaded, self._loaded = self._loaded, []
+        return loaded
 
     def close(self) -> None:
         """Stop the thread (after the jobs queued before) and close the tiers."""
@@ -114,7 +123,6 @@ class TierMover:
 
     def _submit(self, priority: int, job: _Load | _Store | None) -> None:
         self._order += 1
-        self._pending += job is not None
         self._jobs.put((priority, self._order, job))
 
     # ---- the mover's thread -----------------------------------------------------------------------
@@ -134,18 +142,13 @@ class TierMover:
             with self._done:
                 if isinstance(job, _Load):
                     self._loaded.append((job.request_id, written))
+                    self._done.notify_all()
                 else:
-                    self._unpin.extend(block_id for block_id, _ in job.blocks)
-                self._finished += 1
-                self._done.notify_all()
+                    self._queued_bytes -= job.payloads.numel()
 
     def _run_store(self, job: _Store) -> None:
-        ids = [block_id for block_id, _ in job.blocks]
-        layers = [self._cache.gather_blocks(layer, ids) for layer in range(self._cache.num_layers)]
-        # [blocks, bytes of one block's pages in payload order]
-        pages = torch.stack([page.view(torch.uint8).reshape(len(ids), -1) for kv in layers for page in kv], dim=1)
-        payloads = pages.reshape(len(ids), -1).numpy()
-        for index, (_, block_hash) in enumerate(job.blocks):
+        payloads = job.payloads.numpy()
+        for index, block_hash in enumerate(job.block_hashes):
             self._tiers.store(block_hash, payloads[index].tobytes())
 
     def _run_load(self, job: _Load) -> int:

@@ -85,6 +85,11 @@ class KVTiers:
             count += 1
         return count
 
+    def holds(self, block_hash: bytes) -> bool:
+        """Whether every tier already has the block (as far as this worker knows): no copy needed."""
+        in_host = self._moves is None or block_hash in self._host_held
+        return in_host and (self._disk is None or block_hash in self._disk)
+
     # ---- the mover's thread ---------------------------------------------------------------------
     def store(self, block_hash: bytes, payload: bytes) -> None:
         """Write a block to every tier that lacks it."""

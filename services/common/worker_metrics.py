@@ -133,7 +133,9 @@ def _kv_tier_families(stats: EngineStats, labels: list[str]) -> Iterator[Metric]
             ("vllm:external_prefix_cache_queries", "Prompt tokens looked up in the lower KV tiers after a device "
              "prefix-cache miss.", stats.external_prefix_cache_queries),
             ("vllm:external_prefix_cache_hits", "Prompt tokens loaded back from the lower KV tiers.",
-             stats.external_prefix_cache_hits)):
+             stats.external_prefix_cache_hits),
+            ("tandem:kv_tier_dropped_blocks", "Blocks not copied to the lower KV tiers because their writes "
+             "were too far behind.", stats.kv_tier_dropped_blocks)):
         counter = CounterMetricFamily(name, documentation, labels=per_model())
         counter.add_metric(labels, value)
         yield counter

@@ -99,11 +99,11 @@ def test_second_turn_from_the_host_tier_answers_as_fresh_on_another_worker(make_
     tiers = KVTierConfig(host_socket=host_owner)
     first = make_engine(cache=SMALL_CACHE, kv_tiers=tiers)
     second_turn(first)
+    first.close()  # its mover finishes what it was writing
     neighbour = make_engine(cache=SMALL_CACHE, kv_tiers=tiers)  # another worker of the same node
     tokens, cached = answer(neighbour, prompt)
     assert tokens == expected
     assert cached > 0 and neighbour.stats().kv_tiers["host"].hits * SMALL_CACHE.block_size == cached
-    first.close()
     neighbour.close()
 
 
