@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_model import load_engine_model
 from engine.kv_cache.blocks import blocks_for
+from engine.kv_cache.kv_events import KVEvents
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_connector.connector import KVConnector
 from engine.kv_connector.export import KVExport
@@ -116,7 +117,13 @@ class Engine:
         # The weight format is part of the model: KV computed with other weights is neither reused nor accepted.
         weights = f"{loaded.dtype}|{loaded.quantization}|{self.formats.activation_quantization}"
         self.fingerprint = hashlib.sha256(f"{loaded.config!r}|{weights}".encode()).digest()
-        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint)
+        # Every KV tier's block events, which the worker's load reports carry to the gateway's exact index.
+        self.kv_events = KVEvents()
+        # The shared host tier this engine's evicted blocks go to (its blocks any engine attached to it
+        # can load); "" for none. Set by the host tier when one is attached.
+        self.host_tier_id = ""
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint,
+                                 events=self.kv_events)
         eos = set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)
         sampler = Sampler(loaded.config.vocab_size, sorted(eos))
         context, stages = None, None

@@ -57,6 +57,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         structured=structured_from_proto(msg.structured) if msg.HasField("structured") else None,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         prediction=tuple(msg.prediction),
+        cache_salt=msg.cache_salt,
     )
 
 
@@ -103,6 +104,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
         skip_special_tokens=params.skip_special_tokens,
+        cache_salt=params.cache_salt,
     )
     if params.seed is not None:
         msg.seed = params.seed
