@@ -16,6 +16,19 @@ import struct
 from collections.abc import Sequence
 
 HASH_SIZE = hashlib.sha256().digest_size
+# A text a worker and the gateway both tokenize (each with its own tokenizer for the model) and hash
+# with the worker's salt when the worker registers: equal hashes say that the gateway's routing hashes
+# name the worker's blocks. Long enough for a few blocks at any usual block size, and varied (digits,
+# punctuation, accents, a newline) so that tokenizers that differ at all differ on it.
+PROBE_TEXT = (
+    "Tandem block-hash probe, version 1.\n"
+    "The quick brown fox jumps over the lazy dog; 0123456789 times, at 3.14 km/h! "
+    "Zoë's café served crème brûlée and naïve coöperation to 42 guests on 2026-12-07. "
+    "Pack my box with five dozen liquor jugs: (a) {b} [c] <d> e@f.g #h $i %j ^k &l *m. "
+    "How vexingly quick daft zebras jump, and sphinx of black quartz, judge my vow. "
+    "Every block of this text is hashed by the worker and by the gateway alike, "
+    "and the two chains must agree, block after block, from the first to the last."
+)
 _ROOT_HASH = bytes(HASH_SIZE)
 
 
