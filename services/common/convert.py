@@ -247,6 +247,7 @@ def load_report(load: WorkerLoad, events: EventBatch | None = None) -> common_pb
         kv_events_reset=events is not None and events.reset,
         kv_load_s_per_block=load.kv_load_s_per_block,
         host_tier_id=load.host_tier_id,
+        kv_events_seq=events.cursor if events is not None else load.kv_events_seq,
     )
 
 

@@ -60,6 +60,7 @@ class WorkerLoad:
     probe_block_hashes: tuple[bytes, ...] = ()  # block_hash.PROBE_TEXT's, by its tokenizer and salt
     kv_load_s_per_block: dict[str, float] = field(default_factory=dict)  # per lower tier, measured
     host_tier_id: str = ""  # the shared host tier it is attached to ("" for none)
+    kv_events_seq: int = 0  # block events reported so far
 
 
 class RoleWorker:
@@ -125,6 +126,7 @@ class RoleWorker:
             probe_block_hashes=self.probe_block_hashes,
             kv_load_s_per_block=dict(self.kv_events.load_s_per_block()),
             host_tier_id=self.loop.engine.host_tier_id,
+            kv_events_seq=self.kv_events.next_seq,
         )
 
     async def close(self) -> None:

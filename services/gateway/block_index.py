@@ -73,6 +73,12 @@ class BlockIndex:
         """The worker is gone, restarted, or its reports are not to be believed."""
         self._workers.pop(address, None)
 
+    def counts(self, address: str) -> dict[Tier, int]:
+        """How many blocks each of the worker's tiers holds, as its events said (its own host-tier
+        reports only)."""
+        worker = self._workers.get(address)
+        return {tier: len(held) for tier, held in worker.held.items()} if worker is not None else {}
+
     @property
     def size(self) -> int:
         """Block entries held, over every worker and tier."""

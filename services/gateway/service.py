@@ -104,11 +104,14 @@ class GatewayService:
                                          served_formats(worker.report for worker in workers)))
         return listings
 
-    def worker_health(self) -> list[dict[str, str | bool]]:
-        """Each worker as the health detail shows it: address, role, routable, and its prefix
-        information ("exact", or why the index refuses it: services.gateway.hash_probe)."""
+    def worker_health(self) -> list[dict[str, object]]:
+        """Each worker as the health detail shows it: address, role, routable, its prefix information
+        ("exact", or why the index refuses it: services.gateway.hash_probe), the blocks its tiers
+        hold by its events, and how many of its events the index has applied."""
         return [{"address": worker.address, "role": worker.role, "routable": worker.routable,
-                 "prefix_index": self.registry.probe.refusal(worker.address) or "exact"}
+                 "prefix_index": self.registry.probe.refusal(worker.address) or "exact",
+                 "kv_blocks": self.registry.blocks.counts(worker.address),
+                 "kv_events_seq": worker.report.kv_events_seq if worker.report is not None else None}
                 for worker in self.registry.workers]
 
     def probe_tokens(self, version_key: str | None) -> list[int] | None:

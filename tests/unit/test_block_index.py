@@ -17,7 +17,8 @@ def test_a_prefix_run_takes_each_block_from_the_fastest_tier_and_ends_at_the_fir
     assert hit.device_blocks == 1 and hit.lower_blocks == {"host": 1, "disk": 2}
     assert index.prefix("w", [H[5], *H[:4]]).blocks == {}  # the first block missing: nothing
     assert index.prefix("other", H).blocks == {}
-    assert index.size == 6
+    assert index.size == 6 and index.counts("w") == {"device": 1, "host": 1, "disk": 4}
+    assert index.counts("other") == {}
 
 
 def test_events_accumulate_a_reset_replaces_and_forget_drops() -> None:

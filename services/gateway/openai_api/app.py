@@ -167,8 +167,8 @@ class OpenAIApi:
 
     async def health(self, request: Request) -> Response:
         """200 once the model is loaded and each pool has a serving worker; 503 before. The body
-        details each worker: its role, whether it is routed to, and whether the exact prefix index
-        uses its block events ("exact") or refuses them, and why."""
+        details each worker: its role, whether it is routed to, whether the exact prefix index uses its
+        block events ("exact") or refuses them, and why, and the blocks each of its tiers holds."""
         return JSONResponse({"workers": self.service.worker_health()}, status_code=200 if self.service.ready() else 503)
 
     def _target(self, body: SamplingBody, path: str) -> Target:
