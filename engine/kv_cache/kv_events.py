@@ -10,6 +10,7 @@ missed events asks for a replay, and in Dynamo's indexer, which rebuilds a worke
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -93,8 +94,10 @@ class KVEvents:
         with self._lock:
             oldest = self._log[0].seq if self._log else self._next_seq
             if cursor is not None and oldest <= cursor <= self._next_seq:
-                events = tuple(event for event in self._log if event.seq >= cursor)
-                return EventBatch(events, reset=False, cursor=self._next_seq)
+                # Numbers are consecutive: the newest `next_seq - cursor` events, taken from the end
+                # (a stream keeping up reads a few of a long log).
+                newest = itertools.islice(reversed(self._log), self._next_seq - cursor)
+                return EventBatch(tuple(reversed(list(newest))), reset=False, cursor=self._next_seq)
             # Numbered below the log's next event: a stream whose snapshot is this one reads on after it.
             snapshot = tuple(BlockEvent(self._next_seq - 1, tier, True, tuple(hashes))
                              for tier, hashes in self._held.items() if hashes)
