@@ -123,7 +123,10 @@ class Engine:
         # The weight format is part of the model: KV computed with other weights is neither reused nor accepted.
         weights = f"{loaded.dtype}|{loaded.quantization}|{self.formats.activation_quantization}"
         self.fingerprint = hashlib.sha256(f"{loaded.config!r}|{weights}".encode()).digest()
-        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint)
+        # Every KV tier's block events, which the worker's load reports carry to the gateway's exact index.
+        self.kv_events = KVEvents()
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint,
+                                 events=self.kv_events)
         eos = set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)
         sampler = Sampler(loaded.config.vocab_size, sorted(eos))
         context, stages = None, None
@@ -141,7 +144,6 @@ class Engine:
         self.connector = KVConnector(policy, KVConnectorWorker(
             loaded.cache, tuple(page), block_size, loaded.config.num_layers, tensor_parallel, self._ranks_busy,
             stages))
-        self.kv_events = KVEvents()
         block_bytes = bytes_per_block(loaded.config, block_size, self.kv_format)
         self.tiers = open_tiers(config.kv_tiers, loaded.cache, block_bytes, self.kv_events, self.connector.write_pages)
         if self.tiers is not None:
@@ -308,6 +310,12 @@ class Engine:
             if output.finished:
                 self._forget(output.request_id)
         return outputs
+
+    @property
+    def host_tier_id(self) -> str:
+        """The node's host tier this engine's blocks go to (any engine attached to it can load them),
+        as its owner last answered; "" for none."""
+        return "" if self.tiers is None else self.tiers.tiers.host_tier_id
 
     def _move_tiers(self) -> None:
         """Run the requests whose prefix the lower tiers loaded (waiting a moment for one when nothing

@@ -72,6 +72,11 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def cache_salt(self) -> bytes:
+        """The salt of its first KV block's hash (SamplingParams.cache_salt; empty for none)."""
+        return self.params.cache_salt.encode()
+
+    @property
     def num_tokens(self) -> int:
         """Prompt plus output tokens so far."""
         return len(self.token_ids)

@@ -41,6 +41,10 @@ class SamplingParams:
     # OpenAI's `prediction`: the output the client expects, as tokens; a speculating engine drafts
     # from it (engine.speculative.ngram), which changes the speed only, never the tokens.
     prediction: tuple[int, ...] = ()
+    # vLLM's `cache_salt`: not a sampling choice, but it travels wherever the request's sampling does
+    # (prefill, decode, a migration). Hashed into the request's first KV block, so that only requests
+    # carrying the same salt (one tenant's) share cached prefix blocks; "" for none.
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
@@ -81,6 +85,8 @@ class SamplingParams:
                    f"the bias of token {token} must be in [-100, 100], got {bias}")
         _check(len({token for token, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias",
                "a token id is given twice")
+        _check(isinstance(self.cache_salt, str), "cache_salt",
+               f"must be a string, got {type(self.cache_salt).__name__}")
 
     @property
     def greedy(self) -> bool:

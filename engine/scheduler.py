@@ -130,7 +130,7 @@ class Scheduler:
             raise ValueError(f"request_id: {request_id!r} is not waiting for KV")
         self.connector.end(request_id)  # no page lands in a block a step computes with
         request.num_computed_tokens = request.num_tokens
-        self.kv.cache_blocks(request_id, request.token_ids, request.num_computed_tokens)
+        self.kv.cache_blocks(request_id, request.token_ids, request.num_computed_tokens, request.cache_salt)
         request.append_output(first_token)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -248,7 +248,7 @@ class Scheduler:
             self.running.append(request)
 
     def _cached_prefix(self, request: Request) -> tuple[list[int], int]:
-        return self.kv.find_cached_prefix(request.token_ids)
+        return self.kv.find_cached_prefix(request.token_ids, request.cache_salt)
 
     def _chunk(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         return ScheduledChunk(
@@ -292,7 +292,8 @@ class Scheduler:
             request.num_computed_tokens = min(computed, request.num_tokens)
             if accepted < drafts:
                 self.kv.trim(request.request_id, request.num_computed_tokens)
-            self.kv.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+            self.kv.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens,
+                                 request.cache_salt)
             if reason is not None:
                 self.finish(request.request_id, reason)
                 finished.append(request)

@@ -39,10 +39,12 @@ from tandem.v1 import common_pb2
 
 from bench.common.call_timer import drain_s, median_call_s
 from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
-from engine.kv_cache.block_hash import prompt_block_hashes
+from engine.kv_cache.block_hash import PROBE_TEXT, prompt_block_hashes
 from harness.repository_files import two_versions
 from services.gateway.admission import Admission
+from services.gateway.block_index import TierEvent
 from services.gateway.catalog import CatalogEntry, ModelCatalog
+from services.gateway.hash_probe import ProbeReport
 from services.gateway.model import ServedModel
 from services.gateway.registry import WorkerRegistry
 from services.gateway.router import SloTargets
@@ -52,6 +54,8 @@ QUEUED = 100
 TARGET_RATIO = 1.2
 SLO = SloTargets(ttft_s=2.0, tpot_s=0.1)
 PROMPT = tuple(range(1000, 2000))  # 1,000 tokens, a 512-token prefix of it cached on one prefill worker
+SALT = b"fingerprint"  # the workers' block-hash salt
+PROBE = tuple(ord(c) for c in PROBE_TEXT)  # the probe text by a stand-in tokenizer (code points)
 MAX_TOKENS = 64
 BLOCK_SIZE = 16
 TOTAL_BLOCKS = 4000
@@ -82,24 +86,29 @@ def _fleet(groups: int, port: int) -> tuple[list[str], list[str]]:
 
 
 def _load(registry: WorkerRegistry, keys: Sequence[tuple[str, str]]) -> None:
-    """Give every worker a report (group g of 2 prefill + 2 decode serving keys[g]) and record the
-    prompt's prefix at each group's first prefill worker, as routing it there would have."""
-    hashes = prompt_block_hashes(PROMPT, BLOCK_SIZE)[:512 // BLOCK_SIZE]
+    """Give every worker a report (group g of 2 prefill + 2 decode serving keys[g]), hashes the
+    gateway accepts, and the prompt's prefix on each group's first prefill worker's device, as that
+    worker's block events would have said."""
+    hashes = prompt_block_hashes(PROMPT, BLOCK_SIZE, SALT)[:512 // BLOCK_SIZE]
+    registry.probe.probe_tokens = lambda version_key: PROBE
     prefill = [w for w in registry.workers if w.role == "prefill"]
     decode = [w for w in registry.workers if w.role == "decode"]
     for group, (name, version) in enumerate(keys):
         layout = f"pages-{name}-{version}"  # a version's prefill and decode workers pair
-        common = {"block_size": BLOCK_SIZE, "total_kv_blocks": TOTAL_BLOCKS, "step_model": STEP,
-                  "max_num_batched_tokens": 2048, "kv_layout": layout, "model_name": name, "model_version": version}
+        common = {"block_size": BLOCK_SIZE, "block_hash_salt": SALT, "total_kv_blocks": TOTAL_BLOCKS,
+                  "step_model": STEP, "max_num_batched_tokens": 2048, "kv_layout": layout, "model_name": name,
+                  "model_version": version}
         for worker, queued in zip(prefill[2 * group:2 * group + 2], PREFILL_QUEUES, strict=True):
             worker.report = common_pb2.LoadReport(role="prefill", queued_prompt_tokens=queued,
                                                   free_kv_blocks=TOTAL_BLOCKS, **common)
         for worker, (sequences, context, free) in zip(decode[2 * group:2 * group + 2], DECODE_LOADS, strict=True):
             worker.report = common_pb2.LoadReport(role="decode", running_requests=sequences, context_tokens=context,
                                                   free_kv_blocks=free, **common)
-        registry.prefix_index.record(prefill[2 * group].address, hashes, TOTAL_BLOCKS)
+        registry.blocks.apply(prefill[2 * group].address, "", [TierEvent("device", True, hashes)], reset=True)
+    probe = tuple(prompt_block_hashes(PROBE, BLOCK_SIZE, SALT))
     for worker in registry.workers:
         worker.serving = True
+        registry.probe.check(worker.address, ProbeReport(worker.version_key, BLOCK_SIZE, SALT, probe))
 
 
 def setups(folder: Path) -> list[Setup]:

@@ -6,20 +6,26 @@ Every block is in exactly one state:
 - evictable: hashed but unreferenced; still findable by hash, kept in LRU order of when it was freed and
   reclaimed (losing its hash) only once the free list is empty, so cached prefixes live as long as possible.
 - referenced: ref count > 0, held by one or more requests' block tables.
+
+With `events`, a block named by a hash is reported stored on the "device" tier, and one whose hash is
+dropped (reclaimed) removed: the gateway's exact prefix index follows them (engine.kv_cache.kv_events).
 """
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
+from engine.kv_cache.kv_events import KVEvents
+
 
 class BlockPool:
     """Pure bookkeeping over block ids ``0 .. num_blocks - 1``; the KV tensors live elsewhere."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, events: KVEvents | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self._num_blocks = num_blocks
         self._enable_caching = enable_caching
+        self._events = events
         self._ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
@@ -63,14 +69,18 @@ class BlockPool:
         if n > self.num_free:
             return None
         block_ids = []
+        dropped = []
         for _ in range(n):
             if self._free:
                 block_id = self._free.popleft()
             else:
                 block_id, _ = self._evictable.popitem(last=False)
-                del self._block_by_hash[self._hash_by_block.pop(block_id)]
+                dropped.append(self._hash_by_block.pop(block_id))
+                del self._block_by_hash[dropped[-1]]
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
+        if dropped and self._events is not None:
+            self._events.removed("device", dropped)
         return block_ids
 
     def touch(self, block_id: int) -> None:
@@ -113,6 +123,8 @@ class BlockPool:
             return False
         self._block_by_hash[block_hash] = block_id
         self._hash_by_block[block_id] = block_hash
+        if self._events is not None:
+            self._events.stored("device", [block_hash])
         return True
 
     def check_invariants(self) -> None:

@@ -2,7 +2,8 @@
 
 Prefix caching follows vLLM v1: full blocks whose KV has been computed are hashed as a chain and can be
 shared read-only by later requests with the same prefix; the block holding a prompt's last token is always
-computed fresh, so a shared block is never written.
+computed fresh, so a shared block is never written. A request's `cache_salt` goes into its first block's
+hash (engine.kv_cache.block_hash), so only requests with the same salt share blocks.
 """
 
 from collections import Counter
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from engine.kv_cache.block_hash import hash_block, prompt_block_hashes
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.blocks import blocks_for
+from engine.kv_cache.kv_events import KVEvents
 
 
 @dataclass
@@ -29,10 +31,11 @@ class KVCacheManager:
     """Allocates, shares, caches and frees KV blocks for requests identified by string ids."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 salt: bytes = b"") -> None:
+                 salt: bytes = b"", events: KVEvents | None = None) -> None:
+        """`events` hears of every block the prefix cache names or drops (tier "device")."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        self._pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, events=events)
         self._block_size = block_size
         self._enable_prefix_caching = enable_prefix_caching
         self._salt = salt
@@ -73,11 +76,12 @@ class KVCacheManager:
         """A copy of the request's block table (block ids in token order)."""
         return list(self._requests[request_id].table)
 
-    def prefix_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+    def prefix_hashes(self, token_ids: Sequence[int], cache_salt: bytes = b"") -> list[bytes]:
         """Chain hashes of the blocks `find_cached_prefix` could return for `token_ids` (all full
         blocks but one holding the last token): what a lower tier is asked for."""
         max_blocks = max(0, (len(token_ids) - 1) // self._block_size)
-        return prompt_block_hashes(token_ids[:max_blocks * self._block_size], self._block_size, self._salt)
+        return prompt_block_hashes(token_ids[:max_blocks * self._block_size], self._block_size, self._salt,
+                                   cache_salt)
 
     def track_new_cached(self) -> None:
         """From now on, remember each block newly hashed until `take_new_cached` hands it on."""
@@ -92,7 +96,7 @@ class KVCacheManager:
         return [(block_id, block_hash) for block_id, block_hash in taken
                 if self._pool.block_hash(block_id) == block_hash]
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+    def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: bytes = b"") -> tuple[list[int], int]:
         """Longest chain of cached full blocks matching the start of ``token_ids``: (block ids, tokens covered).
 
         Read-only. At most ``(len(token_ids) - 1) // block_size`` blocks are returned so that at least the
@@ -105,7 +109,8 @@ class KVCacheManager:
         parent: bytes | None = None
         for index in range(max_blocks):
             start = index * self._block_size
-            parent = hash_block(parent, token_ids[start:start + self._block_size], self._salt)
+            parent = hash_block(parent, token_ids[start:start + self._block_size], self._salt,
+                                cache_salt if index == 0 else b"")
             block_id = self._pool.lookup(parent)
             if block_id is None:
                 break
@@ -144,7 +149,8 @@ class KVCacheManager:
         request.num_tokens = num_total_tokens
         return True
 
-    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                     cache_salt: bytes = b"") -> None:
         """Hash and register the request's blocks that are full within ``num_computed_tokens`` computed tokens.
 
         Call only once those tokens' KV is actually written. Incremental: already-hashed blocks are skipped.
@@ -159,7 +165,8 @@ class KVCacheManager:
         for index in range(len(request.hashes), num_full):
             start = index * self._block_size
             parent = request.hashes[-1] if request.hashes else None
-            block_hash = hash_block(parent, token_ids[start:start + self._block_size], self._salt)
+            block_hash = hash_block(parent, token_ids[start:start + self._block_size], self._salt,
+                                    cache_salt if index == 0 else b"")
             if self._pool.register(request.table[index], block_hash) and self._new_cached is not None:
                 self._new_cached.append((request.table[index], block_hash))
             request.hashes.append(block_hash)

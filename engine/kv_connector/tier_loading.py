@@ -51,7 +51,7 @@ class TierLoading:
     def start(self, request: Request, cached_blocks: list[int], num_cached: int) -> bool:
         """Start loading what lower tiers hold after the request's device prefix hit; False (nothing
         changed) when they hold none of it or the blocks cannot be had now."""
-        hashes = self._kv.prefix_hashes(request.token_ids)[len(cached_blocks):]
+        hashes = self._kv.prefix_hashes(request.token_ids, request.cache_salt)[len(cached_blocks):]
         if not hashes:
             return False
         count = self._loads.available(hashes)
@@ -85,7 +85,7 @@ class TierLoading:
         self.hit_tokens += blocks_loaded * self._kv.block_size
         if request.num_preemptions == 0:
             request.num_cached_tokens = computed
-        self._kv.cache_blocks(request_id, request.token_ids, computed)
+        self._kv.cache_blocks(request_id, request.token_ids, computed, request.cache_salt)
         request.status = RequestStatus.RUNNING
         return request
 

@@ -45,6 +45,12 @@ class HostTierClient:
         self._retry_at = 0.0
         self._lock = threading.Lock()
 
+    def hello(self) -> bytes:
+        """Connect if not connected; the owner's tier id (b"" when unreachable)."""
+        with self._lock:
+            self._connected()
+        return self.tier_id
+
     def has(self, hashes: Sequence[bytes]) -> list[bool]:
         """Which of `hashes` the owner holds (none when unreachable)."""
         if not hashes:

@@ -67,6 +67,9 @@ class KVTiers:
         self._loads: dict[LowerTier, tuple[int, float]] = {"host": (0, 0.0), "disk": (0, 0.0)}
         if self._disk is not None:
             events.stored("disk", self._disk.hashes())  # a restarted worker's disk still holds its blocks
+        if self._lookups is not None:
+            self._lookups.hello()  # the tier id, for the first load report
+            self._follow_owner(self._lookups)
 
     @property
     def host_tier_id(self) -> str:

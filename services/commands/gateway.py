@@ -158,6 +158,7 @@ async def _serve(flags: GatewayFlags, registry: WorkerRegistry, channels: Channe
     # The model's name labels the metrics; it is known without reading the model file.
     metrics = GatewayMetrics(repository.models[0].name if repository is not None else served_model_id(flags.model))
     metrics.watch_workers(lambda: [(w.role, w.address, w.routable, w.version_key) for w in registry.workers])
+    metrics.watch_prefix_index(lambda: registry.blocks.size, registry.probe.refused, lambda: registry.probe.mismatches)
     metrics.registry.register(PoolSloUse(metrics.model_name, registry.pool_slo_use))
     service = GatewayService(registry, metrics, flags.max_queued_requests, limits=flags.requests,
                              migration=MigrationPolicy(flags.max_migrations))

@@ -18,6 +18,7 @@ from services.common.chunk import Chunk, Timings, TokenLogprob, Usage
 from services.common.step_model import StepModel
 
 if TYPE_CHECKING:
+    from engine.kv_cache.kv_events import EventBatch
     from engine.outputs import RequestOutput
     from engine.sampler import TokenLogprobs
     from services.common.worker import WorkerLoad
@@ -57,6 +58,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         structured=structured_from_proto(msg.structured) if msg.HasField("structured") else None,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         prediction=tuple(msg.prediction),
+        cache_salt=msg.cache_salt,
     )
 
 
@@ -103,6 +105,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
         skip_special_tokens=params.skip_special_tokens,
+        cache_salt=params.cache_salt,
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -200,8 +203,9 @@ def chunk_to_proto(chunk: Chunk) -> common_pb2.TokenChunk:
     return msg
 
 
-def load_report(load: WorkerLoad) -> common_pb2.LoadReport:
-    """A worker's LoadReport."""
+def load_report(load: WorkerLoad, events: EventBatch | None = None) -> common_pb2.LoadReport:
+    """A worker's LoadReport, with the block `events` a load stream reads next (None: none, as a
+    single GetLoad answer carries)."""
     stats = load.stats
     return common_pb2.LoadReport(
         worker_id=load.worker_id,
@@ -236,6 +240,14 @@ def load_report(load: WorkerLoad) -> common_pb2.LoadReport:
         model_version=load.model_version,
         kv_layout=load.kv_layout,
         retiring_versions=load.retiring_versions,
+        block_hash_salt=load.block_hash_salt,
+        probe_block_hashes=load.probe_block_hashes,
+        kv_events=[common_pb2.KVBlockEvent(tier=event.tier, stored=event.stored, block_hashes=event.block_hashes)
+                   for event in (events.events if events is not None else ())],
+        kv_events_reset=events is not None and events.reset,
+        kv_load_s_per_block=load.kv_load_s_per_block,
+        host_tier_id=load.host_tier_id,
+        kv_events_seq=events.cursor if events is not None else load.kv_events_seq,
     )
 
 

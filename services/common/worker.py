@@ -4,13 +4,14 @@ they report. Transport-free: the gRPC side of it is `services.common.worker_rpcs
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.commands import GetStats
 from engine.compose import build_engine
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.formats import EngineFormats
+from engine.kv_cache.block_hash import PROBE_TEXT, prompt_block_hashes
 from engine.outputs import EngineStats
 from kvtransfer.descriptor import KVLayout
 from services.common.engine_loop import EngineLoop
@@ -54,6 +55,12 @@ class WorkerLoad:
     model_version: str  # its version in the model repository ("" outside one)
     kv_layout: str  # what its KV pages mean (KVLayout.page_fingerprint)
     retiring_versions: tuple[str, ...] = ()  # NAME@VERSION still served after a hot swap (decode side)
+    # What the gateway's exact prefix index needs besides the block events (LoadReport says more).
+    block_hash_salt: bytes = b""  # the salt of its blocks' chain hashes
+    probe_block_hashes: tuple[bytes, ...] = ()  # block_hash.PROBE_TEXT's, by its tokenizer and salt
+    kv_load_s_per_block: dict[str, float] = field(default_factory=dict)  # per lower tier, measured
+    host_tier_id: str = ""  # the shared host tier it is attached to ("" for none)
+    kv_events_seq: int = 0  # block events reported so far
 
 
 class RoleWorker:
@@ -68,6 +75,10 @@ class RoleWorker:
         self.loop = loop
         self.formats = loop.engine.formats  # immutable: safe to read off the engine thread
         self.kv_layout = KVLayout.of_engine(loop.engine).page_fingerprint
+        engine = loop.engine
+        self.kv_events = engine.kv_events  # thread-safe: read by the load streams off the engine thread
+        self.probe_block_hashes = tuple(prompt_block_hashes(engine.tokenizer.encode(PROBE_TEXT),
+                                                            engine.kv.block_size, engine.fingerprint))
         self.draining = draining
         self.inflight = InflightRequests()
 
@@ -111,6 +122,11 @@ class RoleWorker:
             model_version=self.loop.engine.config.model_version,
             kv_layout=self.kv_layout,
             retiring_versions=retiring_versions,
+            block_hash_salt=self.loop.engine.fingerprint,
+            probe_block_hashes=self.probe_block_hashes,
+            kv_load_s_per_block=dict(self.kv_events.load_s_per_block()),
+            host_tier_id=self.loop.engine.host_tier_id,
+            kv_events_seq=self.kv_events.next_seq,
         )
 
     async def close(self) -> None:

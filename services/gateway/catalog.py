@@ -97,6 +97,14 @@ class ModelCatalog:
                if len(model.weights) < len(model.versions) else "")
             for model in self.repository.models)
 
+    def model_for(self, version_key: str | None) -> ServedModel | None:
+        """The model a worker reporting `version_key` (NAME@VERSION) serves, as this gateway loaded
+        it: the one model of a gateway without a repository; None for a version not served."""
+        if self.repository is None:
+            return self.entries[0].model
+        entry = self._by_key.get(version_key or "")
+        return entry.model if entry is not None else None
+
     @property
     def default_name(self) -> str:
         """The model a request that names none gets."""

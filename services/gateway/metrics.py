@@ -8,6 +8,13 @@ rejections and SLO attainment.
 worker the router may send requests to, 0 for one it knows but skips (health not SERVING, or no load
 report yet, as while a link between them is down and after, until the channel reconnects).
 
+The exact prefix index (services.gateway.block_index), read at each scrape (`watch_prefix_index`):
+`tandem:prefix_index_blocks` (block entries over every worker and tier), `tandem:prefix_refused_workers`
+(workers whose block hashes disagree with the gateway's, or are not yet checked: routed as holding
+nothing), `tandem:prefix_probe_mismatches` (registration checks that failed). Per request,
+`tandem:prefix_hit_tokens{tier}`: the prompt tokens its prefill site held, by the tier ("device",
+"host", "disk") they came from (retries included).
+
 `tandem:planner_recommended_replicas{role}` is read from the planner at each scrape
 (`watch_planner`): the replicas it recommends for each model version's pool of each role, absent
 while a pool cannot be measured.
@@ -48,7 +55,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.gateway.admission import QUEUE_FULL, TTFT_DEADLINE
@@ -110,6 +117,9 @@ class GatewayMetrics(RequestMetrics):
         self._time_per_output_token = self._histogram("vllm:request_time_per_output_token_seconds",
                                                       "A request's decode time per output token after the first.",
                                                       ITL_BUCKETS)
+        self._prefix_hit_tokens = Counter("tandem:prefix_hit_tokens",
+                                          "Prompt tokens the chosen prefill site held, by the KV tier they come from.",
+                                          per_model(["tier"]), registry=self.registry)
         self._params_n = self._histogram("vllm:request_params_n", "The n request parameter.", PARAMS_N_BUCKETS)
         self._length_families: _RequestLengths | None = None
         super().__init__(registry, model_name)
@@ -167,6 +177,18 @@ class GatewayMetrics(RequestMetrics):
         """Export `tandem:planner_recommended_replicas` from `recommended()`: the planner's replicas
         by (NAME@VERSION, or None for a gateway of one model; role), read at every scrape."""
         self.registry.register(_PlannerRecommendations(self.model_name, recommended))
+
+    def watch_prefix_index(self, blocks: Callable[[], int], refused: Callable[[], Iterable[str]],
+                           mismatches: Callable[[], int]) -> None:
+        """Export the exact prefix index's size, the workers whose block events it refuses (by
+        address) and the failed registration checks, read at every scrape."""
+        self.registry.register(_PrefixIndexStats(blocks, refused, mismatches))
+
+    def prefix_hit(self, tokens_by_tier: Mapping[str, int]) -> None:
+        """Count a placed request's prompt tokens its prefill site held, by tier."""
+        for tier, tokens in tokens_by_tier.items():
+            if tokens:
+                self._prefix_hit_tokens.labels(*self.model, tier).inc(tokens)
 
     def routed(self, pool: str, worker: str) -> None:
         """Count a request sent to `worker` of `pool` ("prefill" or "decode")."""
@@ -237,6 +259,28 @@ class _WorkerStates(Collector):
             # A worker's own report names its model; before one came it counts as the gateway's first.
             family.add_metric([*_model_labels(self._model_name, version_key), role, address], 1.0 if routable else 0.0)
         yield family
+
+
+class _PrefixIndexStats(Collector):
+    """The exact prefix index's size and refusals, as the registry holds them when scraped."""
+
+    def __init__(self, blocks: Callable[[], int], refused: Callable[[], Iterable[str]],
+                 mismatches: Callable[[], int]) -> None:
+        self._blocks = blocks
+        self._refused = refused
+        self._mismatches = mismatches
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        yield GaugeMetricFamily("tandem:prefix_index_blocks", "Block entries in the gateway's exact prefix index, "
+                                "over every worker and KV tier.", value=float(self._blocks()))
+        refused = GaugeMetricFamily("tandem:prefix_refused_workers", "1 for each worker whose block events the "
+                                    "gateway refuses (hashes that disagree, or not yet checked).", labels=["worker"])
+        for address in self._refused():
+            refused.add_metric([address], 1.0)
+        yield refused
+        yield CounterMetricFamily("tandem:prefix_probe_mismatches", "Workers' registration hash checks that "
+                                  "failed: their block hashes disagreed with the gateway's.",
+                                  value=float(self._mismatches()))
 
 
 class _PlannerRecommendations(Collector):

@@ -13,20 +13,26 @@ import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+from tandem.v1 import common_pb2
+
 from engine.kv_cache.block_hash import prompt_block_hashes
+from engine.kv_cache.kv_events import TIERS
 from services.common.channels import PLAINTEXT, Channels
+from services.gateway.block_index import BlockIndex, TierEvent
+from services.gateway.hash_probe import HashProbe, ProbeReport
 from services.gateway.pool_load import RecentRequests
-from services.gateway.prefix_index import PrefixIndex
 from services.gateway.router import (
     DEFAULT_POLICY,
     DEFAULT_SLO,
     Decision,
+    Loadable,
     NoWorkerError,
     Role,
     RouteRequest,
     RoutingPolicy,
     SloTargets,
     WorkerView,
+    held_tokens,
     route,
     slo_use,
 )
@@ -46,7 +52,12 @@ class Placement:
         self.decode = decode
         self.prefill = prefill
         self._prefilling = prefill or decode
-        self._uncached = request.prompt_tokens - request.cached_tokens.get(self._prefilling.address, 0)
+        address = self._prefilling.address
+        self._uncached = request.prompt_tokens - held_tokens(request, address)
+        # The prompt tokens the prefill site holds, by the tier they come from (for the metrics).
+        loadable = request.loadable.get(address)
+        self.prefix_hit_tokens: dict[str, int] = {"device": request.cached_tokens.get(address, 0),
+                                                  **(loadable.tokens_by_tier if loadable is not None else {})}
         self._context = request.prompt_tokens + request.max_tokens // 2
         self._on_release = on_release
         self._released = False
@@ -96,7 +107,10 @@ class WorkerRegistry:
         self._sleep = sleep
         self._started = False
         self._retiring: dict[asyncio.Task, RemoteWorker] = {}
-        self.prefix_index = PrefixIndex()
+        # Which worker holds which block in which tier, from their block events, and whether each
+        # worker's hashes agree with the gateway's (set `probe.probe_tokens` once tokenizers load).
+        self.blocks = BlockIndex()
+        self.probe = HashProbe()
         self.recent = RecentRequests()
         self._listeners: list[Callable[[], None]] = []
         self._workers: dict[str, RemoteWorker] = {}
@@ -105,7 +119,7 @@ class WorkerRegistry:
             for address in addresses:
                 if address in self._workers:
                     raise ValueError(f"worker {address} is listed twice")
-                self._workers[address] = RemoteWorker(address, role, self._changed, self._channels)
+                self._workers[address] = self._remote(address, role)
         self._turns = itertools.count()
 
     @property
@@ -130,7 +144,7 @@ class WorkerRegistry:
     def add(self, role: Role, address: str) -> None:
         """Route to a new worker (once it is SERVING); a no-op for one already known."""
         if address not in self._workers:
-            self._workers[address] = worker = RemoteWorker(address, role, self._changed, self._channels)
+            self._workers[address] = worker = self._remote(address, role)
             if self._started:
                 worker.start()
 
@@ -139,7 +153,7 @@ class WorkerRegistry:
         worker = self._workers.get(address)
         if worker is not None and worker.role == role:
             del self._workers[address]
-            self.prefix_index.forget(address)
+            self._reported(worker, None)
             task = asyncio.create_task(self._retire(worker, self._retire_after_s))
             self._retiring[task] = worker
             task.add_done_callback(self._retiring.pop)
@@ -177,22 +191,38 @@ class WorkerRegistry:
 
     # ---- placing requests ------------------------------------------------------------------------
     def route_request(self, prompt_token_ids: Sequence[int], max_tokens: int,
-                      slo: SloTargets | None = None, version_key: str | None = None) -> RouteRequest:
-        """A request as the router sees it, with the prefix each worker likely holds; only workers
-        reporting `version_key` (NAME@VERSION; None: any) may serve it."""
+                      slo: SloTargets | None = None, version_key: str | None = None,
+                      cache_salt: str = "") -> RouteRequest:
+        """A request as the router sees it, with the prefix each worker holds on its device and can
+        load from its lower tiers (by the exact index of their block events, the prompt hashed with
+        each worker's salt and the request's `cache_salt`); only workers reporting `version_key`
+        (NAME@VERSION; None: any) may serve it. A worker whose hashes disagree with the gateway's
+        (services.gateway.hash_probe) holds nothing here."""
         cached: dict[str, int] = {}
-        hashes_by_size: dict[int, list[bytes]] = {}
+        loadable: dict[str, Loadable] = {}
+        hashes_by_key: dict[tuple[int, bytes], list[bytes]] = {}
         for worker in self._workers.values():
             # Not routed to, or another version's (decide never offers it this request).
-            if worker.report is None or not worker.offers(version_key):
+            report = worker.report
+            if report is None or not worker.offers(version_key) or self.probe.refusal(worker.address) is not None:
                 continue
-            block_size = worker.report.block_size
-            hashes = _block_hashes(hashes_by_size, prompt_token_ids, block_size)
-            tokens = self.prefix_index.cached_tokens(worker.address, hashes, block_size)
-            if tokens:
-                cached[worker.address] = tokens
-        return RouteRequest(len(prompt_token_ids), max_tokens, slo or self.default_slo, cached,
-                            tuple(prompt_token_ids), version_key)
+            block_size = report.block_size
+            key = (block_size, report.block_hash_salt)
+            hashes = hashes_by_key.get(key)
+            if hashes is None:
+                hashes = hashes_by_key[key] = prompt_block_hashes(prompt_token_ids, block_size, report.block_hash_salt,
+                                                                  cache_salt.encode())
+            hit = self.blocks.prefix(worker.address, hashes)
+            if hit.device_blocks:
+                cached[worker.address] = hit.device_blocks * block_size
+            lower = hit.lower_blocks
+            if lower:
+                # A tier never loaded from has no measured cost: counted as free until it has.
+                load_s = sum(blocks * report.kv_load_s_per_block.get(tier, 0.0) for tier, blocks in lower.items())
+                loadable[worker.address] = Loadable({tier: blocks * block_size for tier, blocks in lower.items()},
+                                                    load_s)
+        return RouteRequest(len(prompt_token_ids), max_tokens, slo or self.default_slo, cached, loadable,
+                            version_key)
 
     def decide(self, request: RouteRequest, idle: bool = False, exclude: frozenset[str] = frozenset()) -> Decision:
         """The router's decision over the workers' current views (or idle ones); NoWorkerError if
@@ -202,20 +232,11 @@ class WorkerRegistry:
         return route(request, views, next(self._turns), self._policy)
 
     def claim(self, request: RouteRequest, decision: Decision) -> Placement:
-        """Count the request against the decision's workers and remember where its prefix went."""
+        """Count the request against the decision's workers (where its prefix goes, their block
+        events will say)."""
         decode = self._workers[decision.decode]
         prefill = self._workers[decision.prefill] if decision.prefill else None
         self.recent.observe(request.prompt_tokens, request.max_tokens)
-        hashes_by_size: dict[int, list[bytes]] = {}
-        # The prompt's KV ends up in the prefill worker's cache and the decode worker's (one worker
-        # when it prefilled locally).
-        for worker in {prefill or decode, decode}:
-            report = worker.report
-            if report is None or not request.token_ids:
-                continue
-            block_size = report.block_size
-            hashes = _block_hashes(hashes_by_size, request.token_ids, block_size)
-            self.prefix_index.record(worker.address, hashes, report.total_kv_blocks)
         return Placement(decision, decode, prefill, request, self._changed)
 
     def pool_slo_use(self) -> dict[tuple[str | None, Role], float]:
@@ -235,6 +256,22 @@ class WorkerRegistry:
         for listener in self._listeners:
             listener()
 
+    def _remote(self, address: str, role: Role) -> RemoteWorker:
+        return RemoteWorker(address, role, self._changed, self._channels, self._reported)
+
+    def _reported(self, worker: RemoteWorker, report: common_pb2.LoadReport | None) -> None:
+        """Take a worker's block events into the index and judge its hashes; None: forget it (its
+        stream broke, it restarted or it was removed: its next stream starts with a snapshot)."""
+        if report is None:
+            self.blocks.forget(worker.address)
+            self.probe.forget(worker.address)
+            return
+        events = [TierEvent(event.tier, event.stored, event.block_hashes) for event in report.kv_events
+                  if event.tier in TIERS]
+        self.blocks.apply(worker.address, report.host_tier_id, events, report.kv_events_reset)
+        self.probe.check(worker.address, ProbeReport(worker.version_key, report.block_size, report.block_hash_salt,
+                                                     tuple(report.probe_block_hashes)))
+
 
 def _for_version(view: WorkerView, worker: RemoteWorker, version_key: str | None) -> WorkerView:
     """The worker's view for a request of `version_key`: one holding it only as a retiring version
@@ -242,15 +279,6 @@ def _for_version(view: WorkerView, worker: RemoteWorker, version_key: str | None
     if version_key is None or worker.version_key == version_key:
         return view
     return dataclasses.replace(view, prefills_for_others=False)
-
-
-def _block_hashes(by_size: dict[int, list[bytes]], token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The prompt's block hashes at `block_size`, computed once per size (`by_size` keeps them):
-    hashing a long prompt costs far more than a prefix lookup, and the workers share a size."""
-    hashes = by_size.get(block_size)
-    if hashes is None:
-        hashes = by_size[block_size] = prompt_block_hashes(token_ids, block_size)
-    return hashes
 
 
 __all__ = ["NoWorkerError", "Placement", "WorkerRegistry"]

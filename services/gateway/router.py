@@ -7,9 +7,10 @@ colocated worker is either or both. For every (P, D) the router predicts the req
 token on P and its time per output token on D from each worker's reported step model
 (services.common.step_model):
 
-- TTFT = P's queue + P computing the tokens it does not already hold (prefix affinity), in chunks
-  beside P's running batch where P decodes too, + the hops, + P's recent KV delivery wait when P is
-  not D;
+- TTFT = P's queue + P computing the tokens it does not already hold (prefix affinity: the blocks
+  its device holds are free, those in its host or disk tier cost their load-back at P's reported
+  seconds per block instead of their compute), in chunks beside P's running batch where P decodes
+  too, + the hops, + P's recent KV delivery wait when P is not D;
 - TPOT = one decode step of D's batch with this request added, at the context that batch will hold;
   and where P decodes too, P's running requests see mixed steps while the prompt's chunks run:
   either each stays within the TPOT objective, or the stall they add (the prompts' compute) fits
@@ -139,17 +140,31 @@ class WorkerView:
 
 
 @dataclass(frozen=True)
+class Loadable:
+    """Prompt tokens past those on a worker's device that its lower KV tiers hold, by tier: loaded
+    back, not computed, in `load_s` seconds."""
+
+    tokens_by_tier: Mapping[str, int]
+    load_s: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.tokens_by_tier.values())
+
+
+@dataclass(frozen=True)
 class RouteRequest:
     """What routing needs of a request."""
 
     prompt_tokens: int
     max_tokens: int
     slo: SloTargets
-    # Prompt tokens each worker (by address) already holds in its prefix cache, as far as the
-    # gateway knows; missing means none.
+    # Prompt tokens each worker (by address) holds in its device prefix cache, by the gateway's exact
+    # index of the workers' block events; missing means none.
     cached_tokens: Mapping[str, int] = field(default_factory=dict)
-    # The prompt itself, for the gateway's prefix bookkeeping (the rules use only the counts).
-    token_ids: tuple[int, ...] = ()
+    # The leading prompt tokens after those that each worker can load back from its host or disk
+    # tier; missing means none.
+    loadable: Mapping[str, Loadable] = field(default_factory=dict)
     # NAME@VERSION of the model version the request is for: the registry offers the rules only the
     # workers reporting it, so a prefill worker is paired only with a decode worker of that version.
     # None: any worker (a gateway of one model).
@@ -257,8 +272,21 @@ def _fits(request: RouteRequest, decode: WorkerView) -> bool:
 
 
 def _uncached(request: RouteRequest, worker: WorkerView) -> int:
-    cached = min(request.cached_tokens.get(worker.address, 0), request.prompt_tokens - 1)
-    return request.prompt_tokens - max(0, cached)
+    """The prompt tokens `worker` must compute: neither on its device nor loadable from a lower tier
+    (the last token always is computed)."""
+    return request.prompt_tokens - held_tokens(request, worker.address)
+
+
+def held_tokens(request: RouteRequest, address: str) -> int:
+    """The prompt tokens the worker at `address` need not compute: on its device or loadable."""
+    loadable = request.loadable.get(address)
+    held = request.cached_tokens.get(address, 0) + (loadable.tokens if loadable is not None else 0)
+    return max(0, min(held, request.prompt_tokens - 1))
+
+
+def _load_s(request: RouteRequest, worker: WorkerView) -> float:
+    loadable = request.loadable.get(worker.address)
+    return loadable.load_s if loadable is not None else 0.0
 
 
 def _tpot(request: RouteRequest, decode: WorkerView) -> float:
@@ -276,7 +304,7 @@ def _prefill_ttft(request: RouteRequest, site: WorkerView) -> float:
     sequences, context = (0, 0) if site.role == "prefill" else (site.sequences, site.context_tokens)
     queue = model.prefill_s(site.queued_prompt_tokens, chunk, sequences, context)
     compute = model.prefill_s(_uncached(request, site), chunk, sequences, context)
-    return queue + compute + HOP_S
+    return queue + compute + _load_s(request, site) + HOP_S
 
 
 def _disturbed(request: RouteRequest, site: WorkerView, tpot: float, policy: RoutingPolicy) -> float:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from engine.kv_cache.block_hash import PROBE_TEXT
 from services.common.chunk import Chunk
 from services.common.errors import StatusError
 from services.gateway.admission import Admission, Rejected
@@ -71,6 +72,7 @@ class GatewayService:
         self.migration = migration or MigrationPolicy()
         self.admission: Admission[Placement] = Admission(registry, max_queued)
         registry.on_change(self.admission.changed)
+        registry.probe.probe_tokens = self.probe_tokens
         self.catalog: ModelCatalog | None = None
         self._capture_content = capture_content()
 
@@ -102,6 +104,22 @@ class GatewayService:
                                          served_formats(worker.report for worker in workers)))
         return listings
 
+    def worker_health(self) -> list[dict[str, object]]:
+        """Each worker as the health detail shows it: address, role, routable, its prefix information
+        ("exact", or why the index refuses it: services.gateway.hash_probe), the blocks its tiers
+        hold by its events, and how many of its events the index has applied."""
+        return [{"address": worker.address, "role": worker.role, "routable": worker.routable,
+                 "prefix_index": self.registry.probe.refusal(worker.address) or "exact",
+                 "kv_blocks": self.registry.blocks.counts(worker.address),
+                 "kv_events_seq": worker.report.kv_events_seq if worker.report is not None else None}
+                for worker in self.registry.workers]
+
+    def probe_tokens(self, version_key: str | None) -> list[int] | None:
+        """The hash probe's text (engine.kv_cache.block_hash.PROBE_TEXT) as the tokenizer of the model
+        a worker reports serving tokenizes it; None while the models load or for one not served."""
+        model = self.catalog.model_for(version_key) if self.catalog is not None else None
+        return model.tokenizer.encode(PROBE_TEXT) if model is not None else None
+
     def target_for(self, request: GenerateRequest) -> Target:
         """The version the request's `model` names for its caller: its `user`, else its API key's
         name (services.gateway.catalog); StatusError as `resolve`."""
@@ -129,7 +147,8 @@ class GatewayService:
         workers reporting `version_key` (NAME@VERSION; None: any). StatusError RESOURCE_EXHAUSTED
         (with a retry-after hint) when refused (told to `observation`), UNAVAILABLE when no worker
         could take it at all."""
-        route_request = self.registry.route_request(prompt, request.sampling.max_tokens, slo, version_key)
+        route_request = self.registry.route_request(prompt, request.sampling.max_tokens, slo, version_key,
+                                                    request.sampling.cache_salt)
         try:
             if exclude:  # a retry after a refusal: no queueing, the best other worker now
                 return self.registry.claim(route_request, self.registry.decide(route_request, exclude=exclude))
@@ -226,6 +245,7 @@ class GatewayService:
                     placement = await self.place(request, progress.context(prompt), slo, arrived_at, observation,
                                                  refused, version_key)
                     observation.placed(route, placement.decision, slo)
+                    self.metrics.prefix_hit(placement.prefix_hit_tokens)
             except StatusError:
                 if not refusals:
                     raise

@@ -45,9 +45,12 @@ class RemoteWorker:
     this gateway sent it since."""
 
     def __init__(self, address: str, role: Role, on_change: Callable[[], None] = lambda: None,
-                 channels: Channels = PLAINTEXT) -> None:
+                 channels: Channels = PLAINTEXT,
+                 on_report: Callable[[RemoteWorker, common_pb2.LoadReport | None], None] = lambda w, r: None) -> None:
         """`on_change` runs whenever its health or load changes (admission re-tries waiting requests);
-        `channels` opens its channel (TLS, message sizes)."""
+        `channels` opens its channel (TLS, message sizes); `on_report` gets each report it takes (with
+        its block events) and None when its reports stop (the stream broke, or one was refused): the
+        next stream's first report starts its blocks afresh."""
         self.address = address
         self.role = role
         self.channel = channels.open(address, _RECONNECT_OPTIONS)
@@ -62,6 +65,7 @@ class RemoteWorker:
         self.prompt_tokens_sent = 0  # every prompt token it computed for us (the planner's arrival rate)
         self.decoding: set[DecodeProgress] = set()  # the requests this gateway streams from it (decode, colocated)
         self._on_change = on_change
+        self._on_report = on_report
         self._refusing = False  # the latest report was refused
         self._tasks: list[asyncio.Task] = []
 
@@ -217,6 +221,7 @@ class RemoteWorker:
                 log.info("%s worker %s: load reports carry block_size again", self.role, self.address)
             self._refusing = False
             self.report = report
+            self._on_report(self, report)
         self._on_change()
 
     async def _watch_load(self) -> None:
@@ -229,6 +234,7 @@ class RemoteWorker:
                 log.debug("%s worker %s: load watch: %s: %s", self.role, self.address, error.code().name,
                           error.details())
             self.report = None
+            self._on_report(self, None)
             await asyncio.sleep(_RESUBSCRIBE_S)
 
 

@@ -53,11 +53,12 @@ def test_a_decode_worker_removed_mid_stream_finishes_it_then_closes(workers):
         registry.add("prefill", prefill_address)
         registry.add("decode", decode_address)
         assert await registry.wait_routable(DEADLINE_S)
-        routed = registry.route_request(list(range(100, 160)), MAX_TOKENS)
+        prompt = list(range(100, 160))
+        routed = registry.route_request(prompt, MAX_TOKENS)
         placement = registry.claim(routed, registry.decide(routed))
         decode, prefill = placement.decode, placement.prefill
         assert prefill is not None
-        request = decode_pb2.DecodeRequest(prompt_token_ids=routed.token_ids,
+        request = decode_pb2.DecodeRequest(prompt_token_ids=prompt,
                                            sampling=sampling_params_to_proto(params),
                                            prefill_address=prefill.address)
         chunks = []

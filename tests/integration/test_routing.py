@@ -1,11 +1,16 @@
 """SLO routing and admission with real processes: colocated workers behind the gateway (each one a
-prefill site, a decode site or both for a request), prefix affinity across two prefill workers, a
-burst the admission queue must bound, and constrained replies on colocated workers."""
+prefill site, a decode site or both for a request), prefix affinity by the gateway's exact index of the
+workers' block events (a conversation's next turn, two prefill workers, tenants' cache salts, a worker
+whose hashes disagree), a burst the admission queue must bound, and constrained replies on colocated
+workers."""
 
 from __future__ import annotations
 
+import functools
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import grpc
 import openai
@@ -16,11 +21,18 @@ from constrained_replies import (
     check_structural_tags,
     check_structured_output_kinds,
 )
+from exact_index import (
+    check_index_agrees,
+    health_detail,
+    listed_address,
+    start_wrong_hashing_peer,
+    wait_until_caught_up,
+)
 from parity_prompts import travel_diary
 from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS, check_runs, engine_reference
-from routing_metrics import increase, placements
-from shared_pool import gateway_args
+from routing_metrics import increase, placements, poll
+from shared_pool import NO_SLO, gateway_args, openai_client
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 
 from engine.sampling_params import SamplingParams
@@ -33,6 +45,7 @@ from services.common.server import channel_options
 
 FLAGS = ["--threads", "1", "--kv-cache-mib", "128", *PINNED_FLAGS]
 RPC_TIMEOUT_S = 300.0
+T = TypeVar("T")
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
 
@@ -139,6 +152,8 @@ def test_the_gateway_places_a_request_on_one_colocated_worker_or_two(colocated, 
     with TandemClient(str(gateway.address)) as client:
         first = client.generate(token_ids=shared, **{**GREEDY, "max_tokens": 32}, timeout=RPC_TIMEOUT_S)
         next(first)  # streaming: the gateway counts it on its worker until the stream ends
+        for worker in workers:  # the prompt's blocks, cached before its first token, reach the index
+            wait_until_caught_up(gateway, worker)
         got, _ = _tokens(client.generate(token_ids=second, **GREEDY, timeout=RPC_TIMEOUT_S))
         _tokens(first)
     check_runs([got], expected, "a prompt computed on one worker and decoded on the other")
@@ -164,11 +179,127 @@ def test_requests_sharing_a_system_prompt_go_to_the_prefill_worker_holding_it(po
                 prompt = system + tokenizer.encode(f" Question {question}: where did they go next?")
                 _, last = _tokens(client.generate(token_ids=prompt, **GREEDY, timeout=RPC_TIMEOUT_S))
                 cached.append(last.usage.cached_tokens)
+                for worker in prefills:  # a client's next request comes after the worker's events
+                    wait_until_caught_up(gateway, worker)
         served = [load_report(worker).finished_requests - b for worker, b in zip(prefills, before, strict=True)]
         assert sorted(served) == [0, 5], served  # every request went where the prefix was
         assert cached[0] < 320 <= min(cached[1:]), cached
     finally:
         _stop(started)
+
+
+def _counters(gateway: WorkerProcess, name: str, *labels: str) -> dict[tuple[str, ...], float]:
+    """The gateway's counter `name` now, by the values of `labels`."""
+    with urllib.request.urlopen(f"http://{gateway.http_address}/metrics", timeout=30) as reply:
+        families = text_string_to_metric_families(reply.read().decode())
+        return {tuple(sample.labels[label] for label in labels): sample.value for family in families
+                if family.name == name for sample in family.samples if sample.name.endswith("_total")}
+
+
+def _sites(gateway: WorkerProcess, run: Callable[[], T]) -> tuple[T, set[str], set[str]]:
+    """Run `run()` through the gateway: (its result, the workers that computed its prompt, those that
+    decoded it)."""
+    before = _counters(gateway, "tandem:routing_decisions", "pool", "worker")
+    result = run()
+    routed = increase(before, _counters(gateway, "tandem:routing_decisions", "pool", "worker"))  # type: ignore[arg-type]
+    decode = {worker for pool, worker in routed if pool == "decode"}
+    prefill = {worker for pool, worker in routed if pool == "prefill" and worker != "local"}
+    return result, prefill or decode, decode
+
+
+def test_a_conversations_next_turn_goes_to_the_worker_holding_its_first_turn(colocated):
+    # Each conversation's first turn lands on either worker (turn order, by load); its second turn
+    # extends it, and goes where the gateway's exact index says the first turn's blocks are.
+    *workers, gateway = colocated
+    client = openai_client(gateway, RPC_TIMEOUT_S)
+    model = client.models.list().data[0].id
+    chat = functools.partial(client.chat.completions.create, model=model, max_tokens=8, temperature=0)
+    hits_before = _counters(gateway, "tandem:prefix_hit_tokens", "tier")
+    expected_hits = 0
+    for topic in ("canals", "mountains", "markets"):
+        messages = [{"role": "system", "content": f"A conversation about {topic}.\n{travel_diary()[:1200]}"},
+                    {"role": "user", "content": "Where did they go first?"}]
+        first, computed, decoded = _sites(gateway, functools.partial(chat, messages=list(messages)))
+        holders = computed | decoded  # the prompt's blocks are cached where it was computed and decoded
+        for worker in workers:
+            wait_until_caught_up(gateway, worker)  # as a person's reply would come after them
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And where next?"}]
+        second, computed, _ = _sites(gateway, functools.partial(chat, messages=messages))
+        assert computed <= holders, (topic, computed, holders)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert cached >= first.usage.prompt_tokens // 16 * 16 - 16, (topic, cached, first.usage.prompt_tokens)
+        expected_hits += cached
+    hits = increase(hits_before, _counters(gateway, "tandem:prefix_hit_tokens", "tier"))  # type: ignore[arg-type]
+    assert hits.get(("device",), 0) >= expected_hits, hits  # the router counted the prefixes it routed by
+    check_index_agrees(gateway, workers)  # idle now: the index holds what their prefix caches hold
+    assert_no_leaks(workers)
+
+
+def _decode_salted(worker: WorkerProcess, prompt: list[int], cache_salt: str) -> int:
+    """Decode.Generate on `worker` with `cache_salt` (the gRPC API's field); its cached prompt tokens."""
+    sampling = sampling_params_to_proto(SamplingParams(**GREEDY, cache_salt=cache_salt))
+    with grpc.insecure_channel(str(worker.address), options=channel_options()) as channel:
+        chunks = list(decode_pb2_grpc.DecodeStub(channel).Generate(
+            decode_pb2.DecodeRequest(prompt_token_ids=prompt, sampling=sampling), timeout=RPC_TIMEOUT_S))
+    return chunks[-1].usage.cached_tokens
+
+
+def test_a_cache_salt_keeps_two_tenants_prefixes_apart(colocated, tokenizer):
+    *workers, gateway = colocated
+    client = openai_client(gateway, RPC_TIMEOUT_S)
+    model = client.models.list().data[0].id
+    prompt = f"Tenant test.\n{travel_diary()[:1200]}"
+
+    def cached(salt: str | None) -> int:
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
+                                          extra_body={"cache_salt": salt} if salt is not None else None)
+        for worker in workers:
+            wait_until_caught_up(gateway, worker)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") >= 16  # the gateway hashed the salt as the engine did: found its blocks
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0  # no salt is a tenant of its own
+    # On the worker holding tenant a's blocks, the engine itself keeps them from b (the gRPC API's field).
+    ids = tokenizer.encode(f"Tenant engine test.\n{travel_diary()[:1200]}")
+    assert _decode_salted(workers[0], ids, "tenant-a") == 0
+    assert _decode_salted(workers[0], ids, "tenant-a") >= 16
+    assert _decode_salted(workers[0], ids, "tenant-b") == 0
+    for bad in ("", 7):
+        with pytest.raises(openai.BadRequestError, match="cache_salt"):
+            client.completions.create(model=model, prompt="Hello", max_tokens=1, extra_body={"cache_salt": bad})
+        with pytest.raises(openai.BadRequestError, match="cache_salt"):
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=1,
+                                           extra_body={"cache_salt": bad})
+    assert_no_leaks(workers)
+
+
+def test_a_worker_hashing_blocks_differently_is_refused_loudly_and_still_routed_by_load(colocated):
+    # The peer is the misbehaving worker: its load reports' probe hashes are not the probe text's.
+    real = colocated[0]
+    peer, peer_address = start_wrong_hashing_peer(load_report(real).model_name)
+    try:
+        [gateway] = _start(["gateway", "--port", "0", "--http-port", "0", *NO_SLO,
+                            "--colocated", f"{listed_address(real)},{peer_address}"])
+        try:
+            poll(lambda: health_detail(gateway)[listed_address(real)]["prefix_index"] == "exact",
+                 "the real worker's hashes accepted", 60.0)
+            detail = health_detail(gateway)[peer_address]
+            assert detail["prefix_index"].startswith("refused: probe block 0 differs"), detail
+            assert detail["routable"]  # routed by its load, as holding nothing
+            with urllib.request.urlopen(f"http://{gateway.http_address}/metrics", timeout=30) as reply:
+                families = {family.name: family for family in text_string_to_metric_families(reply.read().decode())}
+            refused = {s.labels["worker"]: s.value for s in families["tandem:prefix_refused_workers"].samples}
+            assert refused == {peer_address: 1.0}
+            assert [s.value for s in families["tandem:prefix_probe_mismatches"].samples if s.name.endswith("_total")] \
+                == [1.0]
+            assert f"worker {peer_address}: its KV block hashes disagree" in gateway.log_tail(400)
+        finally:
+            _stop([gateway])
+    finally:
+        peer.stop(None)
 
 
 def test_a_burst_beyond_capacity_is_bounded_refused_with_retry_after_and_then_served(tokenizer):

@@ -10,6 +10,7 @@ import pytest
 from tandem.v1 import common_pb2
 
 from engine.formats import EngineFormats
+from engine.kv_cache.kv_events import KVEvents
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -79,7 +80,7 @@ def test_engine_params_survive_a_round_trip():
         max_tokens=7, min_tokens=2, temperature=0.5, top_k=40, top_p=0.75, min_p=0.125, repetition_penalty=1.25,
         presence_penalty=0.5, frequency_penalty=-0.5, seed=123, stop=("\n\n", "END"), stop_token_ids=(2, 3),
         ignore_eos=True, logprobs=3, skip_special_tokens=False, logit_bias=((3, 0.5), (7, -100.0)),
-        prediction=(5, 9, 5),
+        prediction=(5, 9, 5), cache_salt="tenant-a",
     )
     assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
     greedy = SamplingParams(temperature=0.0)
@@ -165,6 +166,32 @@ def test_load_report_counts_used_blocks_from_usage():
     assert (report.tensor_parallel_size, report.expert_parallel_size, report.prefill_context_parallel_size) == (3, 3, 1)
     assert (report.model_name, report.model_version) == ("smollm2", "q4")
     assert report.kv_layout == "smollm2:ab|30|3|64|bfloat16|16"
+
+
+def test_load_report_carries_a_streams_block_events_and_what_checks_them():
+    stats = EngineStats(num_running=0, num_waiting=0, num_waiting_tokens=0, num_free_blocks=10, num_total_blocks=10,
+                        num_cached_blocks=0, kv_usage=0.0, block_size=16, max_num_batched_tokens=512)
+    load = WorkerLoad(worker_id="colocated@x:1", role="colocated", stats=stats, prefill_tokens_per_s=0.0,
+                      decode_step_s=0.0, step_model=StepModel(), reserved_requests=0, finished_requests=0,
+                      kv_delivery_wait_s=0.0, formats=FORMATS, tensor_parallel_size=1, expert_parallel_size=1,
+                      prefill_context_parallel_size=1, pipeline_parallel_size=1, model_name="m", model_version="",
+                      kv_layout="", block_hash_salt=b"salt", probe_block_hashes=(b"p" * 32,),
+                      kv_load_s_per_block={"host": 0.001}, host_tier_id="node-1", kv_events_seq=7)
+    events = KVEvents()
+    events.stored("device", [b"a" * 32, b"b" * 32])
+    events.removed("device", [b"a" * 32])
+    first = events.read(None)
+    report = load_report(load, first)
+    assert report.kv_events_reset and report.kv_events_seq == 2
+    assert [(e.tier, e.stored, list(e.block_hashes)) for e in report.kv_events] == [("device", True, [b"b" * 32])]
+    events.stored("disk", [b"c" * 32])
+    report = load_report(load, events.read(first.cursor))
+    assert not report.kv_events_reset and report.kv_events_seq == 3
+    assert [(e.tier, e.stored, list(e.block_hashes)) for e in report.kv_events] == [("disk", True, [b"c" * 32])]
+    assert (report.block_hash_salt, list(report.probe_block_hashes)) == (b"salt", [b"p" * 32])
+    assert (dict(report.kv_load_s_per_block), report.host_tier_id) == ({"host": 0.001}, "node-1")
+    single = load_report(load)  # GetLoad: no stream, no events; the count so far
+    assert not single.kv_events and not single.kv_events_reset and single.kv_events_seq == 7
 
 
 def test_convert_and_server_import_no_torch():

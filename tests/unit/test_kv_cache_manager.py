@@ -346,3 +346,19 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 KVCacheMachine.TestCase.settings = settings(max_examples=examples(200), stateful_step_count=30, deadline=None)
 TestKVCacheMachine = KVCacheMachine.TestCase
+
+
+def test_a_cache_salt_keeps_tenants_prefixes_apart():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, salt=b"model")
+    prompt = list(range(9))
+    assert kv.allocate_slots("a", 9)
+    kv.cache_blocks("a", prompt, 9, cache_salt=b"tenant-a")
+    assert kv.find_cached_prefix(prompt, b"tenant-a")[1] == 8
+    assert kv.find_cached_prefix(prompt, b"tenant-b") == ([], 0)
+    assert kv.find_cached_prefix(prompt) == ([], 0)  # no salt is a tenant of its own
+    salted = prompt_block_hashes(prompt, BS, b"model", cache_salt=b"tenant-a")
+    plain = prompt_block_hashes(prompt, BS, b"model")
+    assert salted[0] == hash_block(None, prompt[:4], b"model", b"tenant-a") != plain[0]
+    assert salted[1] == hash_block(salted[0], prompt[4:8], b"model")  # only the first block carries it
+    with pytest.raises(ValueError, match="cache_salt"):
+        hash_block(salted[0], prompt[4:8], b"model", b"tenant-a")

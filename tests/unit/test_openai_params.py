@@ -141,6 +141,18 @@ def test_a_prediction_is_its_text_and_reaches_the_engine_as_tokens():
         chat_requests(chat(), ONE, 2, "r", [1, 2, 3])
 
 
+def test_a_cache_salt_reaches_the_engine_and_a_bad_one_names_the_field():
+    [request] = chat_requests(chat(cache_salt="tenant-a"), ONE, 100, "r")
+    assert request.sampling.cache_salt == "tenant-a"
+    [request] = completion_requests(completion(), [ONE], "r")
+    assert request.sampling.cache_salt == ""
+    for bad in ("", 7, ["a"]):
+        for body in (completion, chat):
+            with pytest.raises(ValidationError) as refused:
+                body(cache_salt=bad)
+            assert [error["loc"] for error in refused.value.errors()] == [("cache_salt",)]
+
+
 def test_engine_limits_name_the_body_field():
     with pytest.raises(ValueError, match=r"^temperature: must be in \[0, 100\]"):
         sampling_params(completion(temperature=101), 4, None, None)

@@ -7,7 +7,15 @@ import dataclasses
 import pytest
 
 from services.common.step_model import StepModel
-from services.gateway.router import NoWorkerError, RouteRequest, RoutingPolicy, SloTargets, WorkerView, route
+from services.gateway.router import (
+    Loadable,
+    NoWorkerError,
+    RouteRequest,
+    RoutingPolicy,
+    SloTargets,
+    WorkerView,
+    route,
+)
 
 # Roughly this machine's single core: 4 ms per prompt token, 60 ms per decode step plus 5 ms per sequence.
 CPU = StepModel(base_s=0.060, per_prompt_token_s=0.004, per_sequence_s=0.005, per_context_token_s=0.000001)
@@ -41,6 +49,19 @@ def test_an_idle_pool_gets_a_disaggregated_pair_that_meets_the_slo() -> None:
 def test_the_prefill_worker_holding_the_longest_prefix_wins() -> None:
     decision = route(request(640, cached={"p2": 512}), [prefill("p1"), prefill("p2"), decode("d1")])
     assert decision.prefill == "p2"
+
+
+def test_a_lower_tier_prefix_costs_its_load_back_not_its_compute() -> None:
+    # p1 holds 512 of the 640 tokens in its host tier, p2 the same on its device: both compute 128.
+    held = {"p1": Loadable({"host": 512}, load_s=0.05)}
+    on_host = route(RouteRequest(640, 64, SLO, loadable=held), [prefill("p1"), decode("d1")])
+    on_device = route(request(640, cached={"p1": 512}), [prefill("p1"), decode("d1")])
+    assert on_host.ttft_s == pytest.approx(on_device.ttft_s + 0.05)
+    assert on_host.ttft_s < route(request(640), [prefill("p1"), decode("d1")]).ttft_s
+    # A load-back slower than computing the prompt loses to a worker that computes it.
+    slow = {"p1": Loadable({"disk": 512}, load_s=30.0)}
+    workers = [prefill("p1"), prefill("p2"), decode("d1")]
+    assert route(RouteRequest(640, 64, SLO, loadable=slow), workers).prefill == "p2"
 
 
 def test_the_prefill_worker_with_the_shorter_queue_wins() -> None:

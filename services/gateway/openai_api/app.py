@@ -166,8 +166,10 @@ class OpenAIApi:
         } for listing in self.service.models()]})
 
     async def health(self, request: Request) -> Response:
-        """200 once the model is loaded and each pool has a serving worker; 503 before."""
-        return Response(status_code=200 if self.service.ready() else 503)
+        """200 once the model is loaded and each pool has a serving worker; 503 before. The body
+        details each worker: its role, whether it is routed to, whether the exact prefix index uses its
+        block events ("exact") or refuses them, and why, and the blocks each of its tiers holds."""
+        return JSONResponse({"workers": self.service.worker_health()}, status_code=200 if self.service.ready() else 503)
 
     def _target(self, body: SamplingBody, path: str) -> Target:
         """The model version the body's `model` names for its caller; unknown fields are logged, and

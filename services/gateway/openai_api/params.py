@@ -162,6 +162,7 @@ def sampling_params(body: SamplingBody, max_tokens: int, logprobs: int | None, s
         structured=constraint or structured_output(body.response_format, body.structured_outputs),
         logit_bias=_logit_bias(body.logit_bias or {}),
         prediction=prediction,
+        cache_salt=body.cache_salt or "",
     )
 
 

@@ -59,6 +59,9 @@ class SamplingBody(BaseModel):
     # Structured outputs (services.gateway.openai_api.structured).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    # vLLM's: hashed into the prompt's first KV block, so that only requests with the same salt (one
+    # tenant's) share cached prefixes.
+    cache_salt: str | None = Field(None, min_length=1, strict=True)
     # Tandem: per-request latency objectives (milliseconds) and priority (higher first).
     ttft_ms: int | None = Field(None, gt=0)
     tpot_ms: int | None = Field(None, gt=0)
