@@ -1,8 +1,9 @@
 """A worker's connection to its node's host tier owner (services.host_tier.owner). No torch.
 
 The owner may be absent, restarted or slow to start: every operation that cannot reach it is a miss
-(or a write not made) and a count, never an error for a request. A failed connection is retried at
-most once a second. A restarted owner has a new tier id and none of the old blocks; `tier_id` says
+(or a write not made) and a count, never an error for a request. A connection lost mid-operation is
+remade at once (the owner may have restarted); one that cannot be made is retried at most once a
+second. A restarted owner has a new tier id and none of the old blocks; `tier_id` says
 which owner answered last, so the caller can forget what it knew of the previous one.
 """
 
@@ -74,17 +75,18 @@ class HostTierClient:
 
     def _call(self, message: bytes, read: Callable[[socket.socket], T]) -> T | None:
         with self._lock:
-            sock = self._connected()
-            if sock is None:
-                self.errors += 1
-                return None
-            try:
-                sock.sendall(message)
-                return read(sock)
-            except OSError:
-                self._drop()
-                self.errors += 1
-                return None
+            # A connection that was up may have lost a restarted owner: one fresh try at once.
+            for _ in range(2 if self._sock is not None else 1):
+                sock = self._connected()
+                if sock is None:
+                    break
+                try:
+                    sock.sendall(message)
+                    return read(sock)
+                except OSError:
+                    self._drop()
+            self.errors += 1
+            return None
 
     def _connected(self) -> socket.socket | None:
         if self._sock is not None:
@@ -109,7 +111,6 @@ class HostTierClient:
         if self._sock is not None:
             self._sock.close()
         self._sock = None
-        self._retry_at = time.monotonic() + RETRY_S
 
     def close(self) -> None:
         """Close the connection."""
