@@ -300,3 +300,12 @@ def test_server_processes_are_named_by_their_role():
     assert role_of([python, "-m", "services.cli", "decode", "--threads", "1"]) == "decode"
     assert role_of(["/repo/bench/.cache/vllm-venv/bin/python", "-m", "bench.vllm.cli", "serve"]) == "vllm"
     assert role_of(["VLLM::EngineCore"]) == "vllm"
+
+
+def test_sharegpt_conversations_are_long_enough_and_seeded():
+    from bench.common.workload import sharegpt_conversations
+
+    first = sharegpt_conversations(5, min_turns=7, seed=1)
+    assert len(first) == 5 and all(len(turns) >= 7 for turns in first)
+    assert sharegpt_conversations(5, min_turns=7, seed=1) == first
+    assert sharegpt_conversations(5, min_turns=7, seed=2) != first
