@@ -127,7 +127,8 @@ def format_table(rows: dict[str, dict], args: argparse.Namespace) -> str:
              f"long prompts ({args.long_requests} x {args.long_tokens}) tok/s | vs {REFERENCE} | KV blocks in "
              f"{args.kv_cache_mib} MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, row in rows.items():
-        lines.append(f"| {name} ({row['kv_format']}) | {row['kv_bytes_per_token']:.0f} | {row['bytes_ratio']:.3f} | "
+        label = name if name == row["kv_format"] else f"{name} ({row['kv_format']})"
+        lines.append(f"| {label} | {row['kv_bytes_per_token']:.0f} | {row['bytes_ratio']:.3f} | "
                      f"{row['decode_tpot_s'] * 1000:.2f} | {row['tpot_speedup']:.2f} | "
                      f"{row['long_tokens_per_s']:.0f} | {row['long_throughput_ratio']:.2f} | {row['long_kv_blocks']} |")
     return "\n".join(lines)

@@ -162,3 +162,18 @@ def test_fp8_with_triton_on_a_gpu_without_fp8_fails_before_loading_naming_the_fl
     config = EngineConfig(model="/nonexistent.gguf", device="cuda", attention_backend="triton", kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match=r"^kv_cache_dtype: fp8_e4m3 has no kernel for attention backend 'triton'"):
         Engine(config)
+
+
+def test_int4_on_a_model_whose_head_dim_it_cannot_group_fails_at_start_up_naming_both(tmp_path):
+    from transformers import LlamaConfig
+
+    from tests.unit.test_model_hf import save_random_model, save_word_tokenizer
+
+    save_random_model(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  max_position_embeddings=64), tmp_path)
+    save_word_tokenizer(tmp_path, 96)
+    config = EngineConfig(model=str(tmp_path), dtype="float32", quantization="none", kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype: int4 needs a head_dim divisible by its scale group of "
+                                         r"32 elements, the model's head_dim is 16$"):
+        Engine(config)
