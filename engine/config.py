@@ -23,7 +23,7 @@ CpuWeightsOption = Literal["auto", "fp16", "fp32", "plain"]
 # vLLM's flag names and values. "auto" quantization: the file's own blocks where a kernel serves them,
 # else none; "auto" KV cache dtype: the model's dtype.
 Quantization = Literal["auto", "none", "gguf", "int8", "gptq", "awq"]
-KVCacheDType = Literal["auto", "fp8", "fp8_e4m3", "int8"]
+KVCacheDType = Literal["auto", "fp8", "fp8_e4m3", "int8", "int4"]
 # Tandem's own: whether the products of integer-group weights quantize their activations to int8
 # (engine.model.int8_activations): "int8" one byte per activation, "int16" 15 bits as two int8 parts;
 # "auto" int8 where a CPU's kernels multiply int8 faster than bf16.

@@ -120,9 +120,11 @@ class Engine:
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         num_blocks, block_size = loaded.cache.num_blocks, config.cache.block_size
-        # The weight format is part of the model: KV computed with other weights is neither reused nor accepted.
+        # The weight format is part of the model: KV computed with other weights is neither reused nor
+        # accepted. So is the KV format: a block's hash names its pages, and pages of another format
+        # (int4 codes against bf16 values) are other bytes for the same tokens.
         weights = f"{loaded.dtype}|{loaded.quantization}|{self.formats.activation_quantization}"
-        self.fingerprint = hashlib.sha256(f"{loaded.config!r}|{weights}".encode()).digest()
+        self.fingerprint = hashlib.sha256(f"{loaded.config!r}|{weights}|{self.kv_format.name}".encode()).digest()
         # Every KV tier's block events, which the worker's load reports carry to the gateway's exact index.
         self.kv_events = KVEvents()
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint,

@@ -1,5 +1,5 @@
 """The formats the fidelity suite scores, one row each: the EngineConfig fields that select it, the
-row it is held against and issue 20's bound on its perplexity.
+row it is held against and issue 20's bound on its perplexity (issue 44's for the KV formats).
 
 A row names EngineConfig fields, not flags, so that a format another branch adds is a row here as soon
 as its field accepts the value; until then the engine refuses it at start-up (a ValueError naming the
@@ -18,7 +18,8 @@ class Format:
     """One row: `settings` are EngineConfig fields; `bound` the largest relative rise of perplexity
     over row `against` the issue allows (None: reported, no bound); `checkpoint` names the suite flag
     that gives the model this format needs, if the shipped one is not in it, and `built` the checkpoint
-    of the shipped model (harness/quant_checkpoints.py's SHIPPED_LAYOUTS) used without that flag."""
+    of the shipped model (harness/quant_checkpoints.py's SHIPPED_LAYOUTS) used without that flag;
+    `retrieval` whether the long-context retrieval check (bench/fidelity/retrieval.py) scores it too."""
 
     name: str
     description: str
@@ -27,11 +28,12 @@ class Format:
     bound: float | None = None
     checkpoint: str | None = None
     built: str | None = None
+    retrieval: bool = False
 
 
 FORMATS: tuple[Format, ...] = (
     Format(REFERENCE, "fp32 weights and arithmetic, exact (the dequantized GGUF)",
-           {"dtype": "float32", "quantization": "none", "cpu_weights": "fp32"}, against=None),
+           {"dtype": "float32", "quantization": "none", "cpu_weights": "fp32"}, against=None, retrieval=True),
     Format("fp32-fp16w", "fp32 arithmetic, weights rounded to fp16 (fbgemm's fp16-weight product)",
            {"dtype": "float32", "quantization": "none", "cpu_weights": "fp16"}),
     Format("bf16", "bf16 weights and activations", {"dtype": "bfloat16", "quantization": "none"}, bound=0.01),
@@ -60,10 +62,13 @@ FORMATS: tuple[Format, ...] = (
     Format("int8-a8", "int8 weights, bf16 activations quantized to int8 blocks of 32 for each product",
            {"dtype": "bfloat16", "quantization": "int8", "activation_quantization": "int8"},
            against="bf16", bound=0.02),
+    # The KV formats, held against fp32's full-precision KV with everything else the same.
     Format("kv-fp8", "fp8 (e4m3) KV cache, fp32 weights and activations",
-           {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "fp8"}, bound=0.01),
+           {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "fp8"}, bound=0.01, retrieval=True),
     Format("kv-int8", "int8 KV cache, fp32 weights and activations",
-           {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "int8"}, bound=0.01),
+           {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "int8"}, bound=0.01, retrieval=True),
+    Format("kv-int4", "int4 KV cache (a float16 scale per 32 elements), fp32 weights and activations",
+           {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "int4"}, bound=0.05, retrieval=True),
     # Held against the shipped model's fp32, so only a checkpoint of it is comparable: --gptq-model and
     # --awq-model give one, else the bench builds one from the HF export (round to nearest, no calibration).
     Format("gptq", "a GPTQ checkpoint of the model, fp32 activations", {"dtype": "float32", "quantization": "gptq"},

@@ -49,5 +49,22 @@ def format_table(formats: list[Format], results: dict[str, dict], greedy_tokens:
     return "\n".join(lines)
 
 
+def retrieval_table(formats: list[Format], results: dict[str, dict], lengths: list[int]) -> str:
+    """One line per retrieval row: how many of the planted-fact prompts of each length it answered
+    with their code; a row without hits says why."""
+    lines = ["| format | " + " | ".join(f"found at {length} tokens" for length in lengths) + " |",
+             "|---|" + "---:|" * len(lengths)]
+    for fmt in (f for f in formats if f.retrieval):
+        result = results.get(fmt.name, {})
+        found = result.get("hits")
+        if found is None:
+            reason = result.get("skipped") or result.get("failed") or "not run"
+            lines.append(f"| {fmt.name} | " + " | ".join("-" for _ in lengths) + f" | {reason}")
+            continue
+        lines.append(f"| {fmt.name} | " + " | ".join(
+            f"{sum(found[str(length)])} of {len(found[str(length)])}" for length in lengths) + " |")
+    return "\n".join(lines)
+
+
 def _bound(fmt: Format) -> str:
     return "-" if fmt.bound is None else f"+{fmt.bound:.1%}"

@@ -10,13 +10,17 @@ into bench/.cache/quant-checkpoints/), with prefix caching off, and is scored on
 - its rise over the row it is held against (fp32; for the GGUF blocks, the same weights dequantized
   at the same activation dtype) and issue 20's bound for it;
 - greedy agreement with fp32: the first differing token of 64, for 8 prompts of 128 tokens taken
-  from between the windows.
+  from between the windows;
+- for fp32 and the KV formats (a row's `retrieval`), long-context retrieval: a fact planted at a
+  varying depth of 10 prompts of each --retrieval-lengths length, found by the greedy answer or not
+  (bench/fidelity/retrieval.py). The default lengths are those where fp32 finds it in at least 8 of
+  10 (docs/benchmarks.md).
 
 A format this checkout's engine refuses at start-up is a skipped row carrying the engine's message;
 a format that fails while it is measured is a FAILED row, and the suite exits 1.
 
     python -m bench fidelity [--formats fp32,bf16,gguf,...] [--threads N] [--gptq-model DIR]
-                             [--awq-model DIR] [--quick] [--out PATH]
+                             [--awq-model DIR] [--retrieval-lengths N,...] [--quick] [--out PATH]
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from bench.common.model_quality import FIXED_TEXT, first_difference, perplexity,
 from bench.common.paths import HF_EXPORT_DIR, QUANT_CHECKPOINTS_DIR
 from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 from bench.fidelity.formats import NAMES, REFERENCE, Format, selected
-from bench.fidelity.report import format_table, verdict
+from bench.fidelity.report import format_table, retrieval_table, verdict
+from bench.fidelity.retrieval import PlantedPrompt, planted_prompts, retrieval_hits
 from bench.suites.hf_export import ensure_export
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
@@ -48,6 +53,8 @@ from engine.tokenizer import Tokenizer
 from harness.quant_checkpoints import shipped_checkpoint
 
 KV_CACHE_BYTES = 256 << 20  # room for the longest window and every greedy prompt at once, in fp32
+# Where fp32 finds the planted fact in at least 8 of 10 prompts (docs/benchmarks.md, fidelity).
+RETRIEVAL_LENGTHS = "256,512,768"
 SIZES = ("windows", "window_tokens", "chunk_tokens", "prompts", "prompt_tokens", "tokens")
 
 
@@ -90,7 +97,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     built = "(default: one built from the HF export, round to nearest, in bench/.cache/quant-checkpoints/)"
     parser.add_argument("--gptq-model", default=None, help=f"a GPTQ checkpoint of the shipped model {built}")
     parser.add_argument("--awq-model", default=None, help=f"an AWQ checkpoint of the shipped model {built}")
+    parser.add_argument("--retrieval-lengths", default=RETRIEVAL_LENGTHS,
+                        help="prompt lengths (tokens) of the long-context retrieval check, comma-separated")
+    parser.add_argument("--retrieval-prompts", type=int, default=10, help="planted-fact prompts per length")
     args = parse_sizes(parser, argv, __name__)
+    if args.quick:
+        args.retrieval_lengths, args.retrieval_prompts = "256", 2
+    try:
+        args.lengths = [int(n) for n in args.retrieval_lengths.split(",")]
+    except ValueError:
+        parser.error(f"--retrieval-lengths: comma-separated token counts, got {args.retrieval_lengths!r}")
     try:
         args.format_list = selected(args.formats)
     except ValueError as error:
@@ -139,6 +155,19 @@ def measure(config: EngineConfig | str, args: argparse.Namespace, windows: list[
     return {"perplexity": score, "greedy": outputs, "seconds": time.perf_counter() - started, "engine": formats}
 
 
+def retrieval(fmt: Format, outcome: dict, prompts: dict[int, list[PlantedPrompt]]) -> dict:
+    """The row's hits per length (`hits`), or why it has none: not a retrieval row, its engine was
+    refused, or the check failed (`failed`)."""
+    if not fmt.retrieval or "perplexity" not in outcome:
+        return {}
+    try:
+        found = retrieval_hits(fmt.settings, prompts, KV_CACHE_BYTES)
+    except Exception as error:  # one broken format must not hide the others' rows
+        traceback.print_exc()
+        return {"failed": f"retrieval: {type(error).__name__}: {error}"}
+    return {"hits": {str(length): found[length] for length in found}}
+
+
 def main(argv: Sequence[str]) -> int:
     """Score every chosen format, print the table, write the results; 1 if a format failed."""
     args = parse_args(argv)
@@ -147,6 +176,8 @@ def main(argv: Sequence[str]) -> int:
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     load = {"start": load_average()}
     windows, prompts = text_spans(args)
+    tokenizer, filler = Tokenizer.from_path(default_model_path()), FIXED_TEXT.read_text(encoding="utf-8")
+    planted = {length: planted_prompts(tokenizer, filler, length, args.retrieval_prompts) for length in args.lengths}
     results: dict[str, dict] = {}
     for fmt in args.format_list:
         print(f"[fidelity] {fmt.name}: {fmt.description} (load {load_average()})", file=sys.stderr, flush=True)
@@ -155,6 +186,11 @@ def main(argv: Sequence[str]) -> int:
         print(f"[fidelity] {fmt.name}: " + (f"perplexity {outcome['perplexity']:.3f} in {outcome['seconds']:.0f} s"
                                             if "perplexity" in outcome else
                                             next(f"{k}: {v}" for k, v in outcome.items())), file=sys.stderr, flush=True)
+        outcome.update(retrieval(fmt, outcome, planted))
+        if "hits" in outcome:
+            print(f"[fidelity] {fmt.name}: retrieval hits " + ", ".join(
+                f"{sum(found)}/{len(found)} at {length}" for length, found in outcome["hits"].items()),
+                file=sys.stderr, flush=True)
     reference = results[REFERENCE].get("greedy")
     for result in results.values():
         if reference is not None and "greedy" in result:
@@ -164,14 +200,18 @@ def main(argv: Sequence[str]) -> int:
     load["end"] = load_average()
     machine = describe()
     print(format_table(args.format_list, results, args.tokens))
+    print(f"\n{retrieval_table(args.format_list, results, args.lengths)}")
     print(f"\n{args.windows} windows x {args.window_tokens} tokens of {FIXED_TEXT.name}, chunks of "
           f"{args.chunk_tokens}; {args.prompts} greedy prompts x {args.prompt_tokens} tokens; "
           f"{machine['processor']} ({', '.join(machine['isa'])}), {torch.get_num_threads()} torch threads; "
-          f"load average {load['start']} -> {load['end']}")
+          f"load average {load['start']} -> {load['end']}; retrieval: {args.retrieval_prompts} planted-fact "
+          f"prompts per length")
     write_results(args.out, {
         "command": command_line(__name__, argv), "started": started, "machine": machine,
         "torch_threads": torch.get_num_threads(), "load_average": load, "text": FIXED_TEXT.name,
         "sizes": {k: getattr(args, k) for k in SIZES},
+        "retrieval": {"lengths": args.lengths, "prompts": args.retrieval_prompts,
+                      "codes": {length: [p.code for p in batch] for length, batch in planted.items()}},
         "formats": {f.name: {**dataclasses.asdict(f), **results[f.name], **verdict(f, results)}
                     for f in args.format_list},
     })

@@ -58,9 +58,10 @@ def _triton_failure(device: str, codec: KVCodec) -> str | None:
         from engine.attention.triton_paged import triton_paged_decode_attention
 
         generator = torch.Generator().manual_seed(0)
-        k_cache, v_cache = torch.randn(2, 2, 16, 2, 16, generator=generator).to(device).unbind(0)
+        # head_dim 32: one int4 scale group (engine.kv_cache.codec.INT4_GROUP).
+        k_cache, v_cache = torch.randn(2, 2, 16, 2, 32, generator=generator).to(device).unbind(0)
         k_cache, v_cache = codec.encode(k_cache), codec.encode(v_cache)
-        q = torch.randn(2, 4, 16, generator=generator).to(device)
+        q = torch.randn(2, 4, 32, generator=generator).to(device)
         block_tables = torch.tensor([[1, 0], [0, 1]], dtype=torch.int32, device=device)
         seq_lens = torch.tensor([19, 7], dtype=torch.int32, device=device)
         got = triton_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.25, codec)

@@ -10,6 +10,8 @@ merge the partial results in a second kernel.
 A quantized cache (engine.kv_cache.codec) is read as it is stored: 1-byte codes and one float32
 scale per (token, KV head) row. The scales never multiply the codes: a key's scale multiplies its
 column of scores, a value's scale its column of probabilities, so each costs one product per key.
+An int4 cache's scales belong to groups of a row's elements, not to whole rows, so there the tile
+is widened in registers instead: each byte's two nibbles, less 8, times their group's float16 scale.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KV_TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr,
+    PACKED: tl.constexpr, SCALE_GROUP: tl.constexpr,  # int4: scales per group of SCALE_GROUP elements
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -93,10 +96,10 @@ def _paged_attention_kernel(
         slot = block_id.to(tl.int64)
         in_block = kv_pos % BLOCK_SIZE
         kv_mask = kv_valid[:, None] & dim_valid[None, :]
-        k_offsets = slot[:, None] * stride_kb + in_block[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
-        k = tl.load(k_cache_ptr + k_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        k = _load_tile(k_cache_ptr, k_scale_ptr, slot, in_block, kv_head, dims, kv_mask,
+                       stride_kb, stride_kt, stride_kh, stride_ksb, stride_kst, stride_ksh, PACKED, SCALE_GROUP)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if SCALED:
+        if SCALED and not PACKED:
             k_scale_offsets = slot * stride_ksb + in_block * stride_kst + kv_head * stride_ksh
             scores = scores * tl.load(k_scale_ptr + k_scale_offsets, mask=kv_valid, other=0.0)[None, :]
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
@@ -108,10 +111,10 @@ def _paged_attention_kernel(
         probs = tl.exp2(scores - shift[:, None])
         rescale = tl.exp2(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(probs, 1)
-        v_offsets = slot[:, None] * stride_vb + in_block[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
-        v = tl.load(v_cache_ptr + v_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        v = _load_tile(v_cache_ptr, v_scale_ptr, slot, in_block, kv_head, dims, kv_mask,
+                       stride_vb, stride_vt, stride_vh, stride_vsb, stride_vst, stride_vsh, PACKED, SCALE_GROUP)
         weights = probs
-        if SCALED:
+        if SCALED and not PACKED:
             v_scale_offsets = slot * stride_vsb + in_block * stride_vst + kv_head * stride_vsh
             weights = probs * tl.load(v_scale_ptr + v_scale_offsets, mask=kv_valid, other=0.0)[None, :]
         acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision=DOT_PRECISION)
@@ -129,6 +132,26 @@ def _paged_attention_kernel(
         lse = row_max + tl.log2(safe_sum)
         lse_offsets = (q_start + q_idx) * stride_lt + head * stride_lh + split
         tl.store(lse_ptr + lse_offsets, lse, mask=row_valid)
+
+
+@triton.jit
+def _load_tile(
+    cache_ptr, scale_ptr, slot, in_block, kv_head, dims, mask,
+    stride_b, stride_t, stride_h, stride_sb, stride_st, stride_sh, PACKED: tl.constexpr, SCALE_GROUP: tl.constexpr,
+):
+    """A tile of K (or V) rows as float32 [KV_TILE, HEAD_DIM_PAD]: the values or 1-byte codes as
+    stored, or (PACKED, int4) element d as the low (even d) or high (odd d) nibble of byte d // 2,
+    less 8, times the float16 scale of group d // SCALE_GROUP."""
+    row = slot[:, None] * stride_b + in_block[:, None] * stride_t + kv_head * stride_h
+    if PACKED:
+        packed = tl.load(cache_ptr + row + (dims // 2)[None, :], mask=mask, other=0).to(tl.int32)
+        codes = ((packed >> ((dims % 2) * 4)[None, :]) & 15) - 8
+        scale_row = slot[:, None] * stride_sb + in_block[:, None] * stride_st + kv_head * stride_sh
+        scales = tl.load(scale_ptr + scale_row + (dims // SCALE_GROUP)[None, :], mask=mask, other=0.0)
+        tile = codes.to(tl.float32) * scales.to(tl.float32)
+    else:
+        tile = tl.load(cache_ptr + row + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tile
 
 
 @triton.jit
@@ -222,6 +245,8 @@ def _paged_attention(
         # Codes are exact in tf32; what decides is the dtype the values are computed in.
         DOT_PRECISION="ieee" if (q.dtype if codec.scaled else k_cache.dtype) == torch.float32 else "tf32",
         SCALED=codec.scaled,
+        PACKED=codec.packed,
+        SCALE_GROUP=head_dim // k_scales.shape[-1] if codec.packed else 1,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

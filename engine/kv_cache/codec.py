@@ -17,11 +17,28 @@ was chunked). Per-token rows cost 4 bytes in head_dim + 4 (6% at head_dim 64) an
 pure function of its tokens' K and V, so chunked prefill, prefix-cache hits and pages shipped to a
 decode worker hold the same bytes. Scales inside the page mean that whatever moves pages (block
 copies, both transfer backends, their checksums) moves the scales with them.
+
+"int4" packs symmetric 4-bit codes two to a byte (element 2i in the low nibble, stored as code + 8)
+and gives every group of INT4_GROUP consecutive elements of a row its own float16 scale, max|group|
+/ 7, after the row's codes:
+
+    page [block_size, num_kv_heads, head_dim / 2 + 2 * head_dim / 32] uint8
+
+Fifteen levels cannot share one scale across a row: keys carry outlier channels (on the shipped
+model a key channel's largest |value| is 6 to 26 times a row's median), and one row-wide scale of
+max / 7 would round most of the row's other elements to zero. A group of 32 with a float16 scale is
+llama.cpp's q4_0 block (its `--cache-type-k q4_0`), 4.5 bits an element: at head_dim 64 a row is 36 bytes against
+bf16's 128. Smaller groups buy little on the shipped model: the mean |logit - fp32 cache's| over two
+parity prompts was 1.19 and 1.11 with groups of 32, 1.52 and 0.91 of 16 (5 bits an element), 0.70
+and 0.69 of 8 (6 bits), where int8 (8.5 bits) gives 0.14: past 32 the 15 levels themselves are the
+error, and the format for quality is int8. Scales are per row and group, never per block, for the
+same reason as the 1-byte formats' (a page a pure function of its tokens).
 """
 
 from __future__ import annotations
 
 import functools
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -31,6 +48,7 @@ from engine.dtypes import TORCH_DTYPES
 from engine.kv_cache.page_copy import copy_rows, gather_blocks
 
 SCALE_BYTES = 4  # one float32 per row
+INT4_GROUP = 32  # elements of a row sharing one int4 scale (see the module docstring)
 # vLLM's spelling for "fp8" when no format is named.
 _ALIASES = {"fp8": "fp8_e4m3"}
 
@@ -38,7 +56,8 @@ _ALIASES = {"fp8": "fp8_e4m3"}
 class KVCodec(Protocol):
     """Writes a step's K (or V) rows into cache slots and reads whole blocks back for attention."""
 
-    scaled: ClassVar[bool]  # pages hold codes with per-row scales (else the values themselves)
+    scaled: ClassVar[bool]  # pages hold codes with their scales (else the values themselves)
+    packed: ClassVar[bool]  # 4-bit codes, two a byte, a scale per group of elements (else per row)
 
     def row_width(self, head_dim: int) -> int:
         """Elements of one (token, KV head) row of a page."""
@@ -60,7 +79,8 @@ class KVCodec(Protocol):
 
     def kernel_operands(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What a kernel reads: the values or codes [num_blocks, block_size, num_kv_heads,
-        head_dim], and the scales [num_blocks, block_size, num_kv_heads, 1] float32 (None if dense)."""
+        head_dim] (head_dim / 2 bytes if packed), and the scales [num_blocks, block_size,
+        num_kv_heads, groups] (one group, float32, unless packed; None if dense)."""
         ...
 
 
@@ -69,6 +89,7 @@ class DenseKV:
     """Pages hold the values themselves, in the cache's dtype."""
 
     scaled: ClassVar[bool] = False
+    packed: ClassVar[bool] = False
 
     def row_width(self, head_dim: int) -> int:
         """See `KVCodec.row_width`."""
@@ -93,8 +114,32 @@ class DenseKV:
         return cache, None
 
 
+class _EncodedRows(ABC):
+    """Writing and reading for codecs whose pages hold encoded rows: `encode` and `decode` say how."""
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """See `KVCodec.encode`."""
+
+    @abstractmethod
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [..., row_width] uint8 -> values [..., head_dim] in `dtype`."""
+
+    def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """See `KVCodec.write`: each row's scales are computed here, from the row alone. K and V are
+        encoded together: a decode step's rows are few, and each op's fixed cost is what counts."""
+        rows = self.encode(torch.stack((k, v)))
+        for cache, encoded in ((k_cache, rows[0]), (v_cache, rows[1])):
+            copy_rows(cache.view(-1, *encoded.shape[1:]), slot_mapping, encoded)
+
+    def read(self, cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """See `KVCodec.read`."""
+        return self.decode(gather_blocks(cache, block_ids), dtype)
+
+
 @dataclass(frozen=True)
-class ScaledKV:
+class ScaledKV(_EncodedRows):
     """Pages hold 1-byte codes, each row followed by its float32 scale (see the module docstring)."""
 
     name: str
@@ -105,6 +150,7 @@ class ScaledKV:
     # one element at a time there, slower than the look-up (int8 converts vectorised).
     table_on_cpu: bool
     scaled: ClassVar[bool] = True
+    packed: ClassVar[bool] = False
 
     def row_width(self, head_dim: int) -> int:
         """See `KVCodec.row_width`."""
@@ -135,18 +181,6 @@ class ScaledKV:
             values = codes.float().mul_(scale)
         return values.to(dtype)
 
-    def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
-        """See `KVCodec.write`: each row's scale is computed here, from the row alone. K and V are
-        encoded together: a decode step's rows are few, and each op's fixed cost is what counts."""
-        rows = self.encode(torch.stack((k, v)))
-        for cache, encoded in ((k_cache, rows[0]), (v_cache, rows[1])):
-            copy_rows(cache.view(-1, *encoded.shape[1:]), slot_mapping, encoded)
-
-    def read(self, cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """See `KVCodec.read`."""
-        return self.decode(gather_blocks(cache, block_ids), dtype)
-
     def kernel_operands(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """See `KVCodec.kernel_operands`: views into the cache, no copy."""
         return self._split(cache)
@@ -154,6 +188,59 @@ class ScaledKV:
     def _split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         head_dim = rows.shape[-1] - SCALE_BYTES
         return rows[..., :head_dim].view(self.code_dtype), rows[..., head_dim:].view(torch.float32)
+
+
+@dataclass(frozen=True)
+class Int4KV(_EncodedRows):
+    """Pages hold 4-bit codes two a byte, each row followed by a float16 scale per group of
+    `group_size` elements (see the module docstring)."""
+
+    name: str = "int4"
+    group_size: int = INT4_GROUP
+    max_code: ClassVar[int] = 7  # symmetric: -7..7, so 0 is exact and the sign costs no offset
+    scaled: ClassVar[bool] = True
+    packed: ClassVar[bool] = True
+
+    def row_width(self, head_dim: int) -> int:
+        """See `KVCodec.row_width`: head_dim / 2 code bytes and 2 bytes per group's scale."""
+        if head_dim % self.group_size:
+            raise ValueError(f"kv_cache_dtype: {self.name} needs a head_dim divisible by its scale group of "
+                             f"{self.group_size} elements, the model's head_dim is {head_dim}")
+        return head_dim // 2 + head_dim // self.group_size * 2
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """See `KVCodec.encode`: [..., row_width] uint8, the packed codes, then the groups' scales."""
+        groups = x.float().unflatten(-1, (-1, self.group_size))
+        # Rounded to float16 before dividing, so the codes are those of the scale stored. A group of
+        # zeros (or below float16's normal range) gets its smallest normal scale: finite, codes ~0.
+        half = torch.finfo(torch.float16)
+        scale = groups.abs().amax(-1, keepdim=True).div_(self.max_code).clamp_(half.tiny, half.max).half()
+        # The clamp catches only a group beyond float16's range; float16 rounding of the scale moves
+        # |x / scale| past 7 by less than half a step.
+        codes = (groups / scale).round_().clamp_(-self.max_code, self.max_code).flatten(-2)
+        nibbles = (codes + 8).to(torch.uint8)
+        packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+        return torch.cat((packed, scale.squeeze(-1).view(torch.uint8)), dim=-1)
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [..., row_width] uint8 -> values [..., head_dim] in `dtype`: each byte's two codes
+        looked up in a table of the 256 bytes' pairs (one gather), then scaled by their group's."""
+        packed, scale = self.kernel_operands(rows)
+        pairs = _nibble_pairs(packed.device).index_select(0, packed.reshape(-1).to(torch.int32))
+        groups = pairs.view(*packed.shape[:-1], scale.shape[-1], self.group_size)
+        return groups.mul_(scale.float().unsqueeze(-1)).flatten(-2).to(dtype)
+
+    def kernel_operands(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """See `KVCodec.kernel_operands`: views into the cache, no copy."""
+        code_bytes = cache.shape[-1] * self.group_size // (self.group_size + 4)
+        return cache[..., :code_bytes], cache[..., code_bytes:].view(torch.float16)
+
+
+@functools.cache
+def _nibble_pairs(device: torch.device) -> torch.Tensor:
+    """[256, 2] float32: the int4 codes (low nibble, high nibble) each byte holds."""
+    byte = torch.arange(256, dtype=torch.int32)
+    return (torch.stack((byte & 15, byte >> 4), dim=-1) - 8).float().to(device)
 
 
 @functools.cache
@@ -165,12 +252,13 @@ def _byte_values(code_dtype: torch.dtype) -> torch.Tensor:
 DENSE = DenseKV()
 FP8_E4M3 = ScaledKV("fp8_e4m3", torch.float8_e4m3fn, max_code=448.0, rounds=False, table_on_cpu=True)
 INT8 = ScaledKV("int8", torch.int8, max_code=127.0, rounds=True, table_on_cpu=False)
+INT4 = Int4KV()
 
 
 @dataclass(frozen=True)
 class KVFormat:
-    """What a page holds: `name` is what KV layouts carry (a model dtype's name, "fp8_e4m3" or
-    "int8"), `storage_dtype` the cache tensor's element type, `codec` how to write and read it."""
+    """What a page holds: `name` is what KV layouts carry (a model dtype's name, "fp8_e4m3", "int8"
+    or "int4"), `storage_dtype` the cache tensor's element type, `codec` how to write and read it."""
 
     name: str
     storage_dtype: torch.dtype
@@ -186,7 +274,7 @@ class KVFormat:
         return rows * heads * width * self.storage_dtype.itemsize
 
 
-_SCALED = {codec.name: codec for codec in (FP8_E4M3, INT8)}
+_SCALED: dict[str, KVCodec] = {codec.name: codec for codec in (FP8_E4M3, INT8, INT4)}
 KV_FORMATS: dict[str, KVFormat] = {
     **{name: KVFormat(name, dtype, DENSE) for name, dtype in TORCH_DTYPES.items()},
     **{name: KVFormat(name, torch.uint8, codec) for name, codec in _SCALED.items()},

@@ -34,7 +34,7 @@ def side(request: pytest.FixtureRequest) -> Iterator[tuple[Receivers, Child]]:
     receivers.close()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8_e4m3", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8_e4m3", "int8", "int4"])
 def test_layers_arrive_bit_exact(side: tuple[Receivers, Child], dtype: str) -> None:
     receivers, child = side
     layout, cache = layout_of(dtype), FakeCache(layout_of(dtype))
@@ -48,6 +48,8 @@ def test_layers_arrive_bit_exact(side: tuple[Receivers, Child], dtype: str) -> N
     assert sent == received == 2 * layout.num_layers * NUM_BLOCKS * layout.block_bytes
     if dtype in ("fp8_e4m3", "int8"):  # one byte a value plus a float32 scale per 64: 68 / 256 of fp32
         assert layout.block_bytes * 256 == layout_of("float32").block_bytes * 68
+    if dtype == "int4":  # half a byte a value plus a float16 scale per 32: 36 / 256 of fp32
+        assert layout.block_bytes * 256 == layout_of("float32").block_bytes * 36
 
 
 def test_interleaved_transfers_share_and_reuse_the_pair(side: tuple[Receivers, Child]) -> None:

@@ -1,4 +1,4 @@
-"""--kv-cache-dtype fp8 / int8 on the shipped model: logits and greedy decoding against the fp32
+"""--kv-cache-dtype fp8 / int8 / int4 on the shipped model: logits and greedy decoding against the fp32
 cache's, the blocks a budget buys, the layouts peers compare, and the start-up refusal.
 
 Every engine here computes in float32 with unquantized weights, so only the KV cache differs.
@@ -13,12 +13,13 @@ from parity_prompts import PLAIN, parity_prompt_ids
 from engine.attention.metadata import AttentionMetadata
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
+from engine.kv_cache.block_hash import prompt_block_hashes
 from engine.kv_cache.blocks import blocks_for
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
 from kvtransfer.descriptor import KVLayout
 
-QUANTIZED = ["fp8", "int8"]
+QUANTIZED = ["fp8", "int8", "int4"]
 # Bounds on |logit - fp32-cache logit| over every position of the four plain parity prompts (1,165
 # positions, contexts up to 1,081 tokens, 49,152 logits each). Measured on an AMD EPYC (AVX2), one
 # thread: max 3.50 and mean 0.24 for fp8 e4m3, max 1.00 and mean 0.13 for int8 (the worst prompt's
@@ -26,9 +27,11 @@ QUANTIZED = ["fp8", "int8"]
 # as their steps do: e4m3 keeps 3 mantissa bits (a value is off by up to 1/16 of itself), int8 a
 # 254th of its row's largest value. A fault in the codec moves far more than this: the scales of
 # another row or head, or none, put values off by their own size and logits by many units on
-# average, where these bounds allow a quarter and an eighth of one.
-MAX_BOUND = {"fp8": 7.0, "int8": 2.0}
-MEAN_BOUND = {"fp8": 0.5, "int8": 0.25}
+# average, where these bounds allow a quarter and an eighth of one. int4 (15 levels per group of 32
+# elements) measured max 11.82 and mean 1.28 (AMD EPYC, AVX2, one thread): its bounds are about
+# twice the max and 1.6x the mean, still below what a codec fault (values off by their own size) moves.
+MAX_BOUND = {"fp8": 7.0, "int8": 2.0, "int4": 24.0}
+MEAN_BOUND = {"fp8": 0.5, "int8": 0.25, "int4": 2.0}
 # Bound on |logprob - fp32-cache logprob| of each greedy token while both caches chose the same
 # tokens (the first from the prompt's pass, the rest from decode steps reading the cache). Measured on
 # the same CPU over 16 tokens of all eight parity prompts: max 0.36 for fp8, 0.13 for int8 (each
@@ -36,7 +39,8 @@ MEAN_BOUND = {"fp8": 0.5, "int8": 0.25}
 # of the eighth); about twice that. The test decodes seven of them: the ~1,000-token travel diary's
 # prefill would cost each engine seconds, and the logits test already reads the cache at every one
 # of its positions.
-DECODE_BOUND = {"fp8": 0.75, "int8": 0.3}
+# int4: max 0.92 while it agreed (it first differed at tokens -, 0, 3, 0, 0, 7, 6 of the seven prompts).
+DECODE_BOUND = {"fp8": 0.75, "int8": 0.3, "int4": 1.5}
 GREEDY_TOKENS = 12
 # 102 blocks of fp32 KV (the eight prompts and their tokens need 88), 385 of fp8 or int8.
 BUDGET = 72 * 1024 * 1024
@@ -116,13 +120,35 @@ def test_a_budget_holds_the_blocks_of_one_byte_elements_plus_scales(engines):
     rows = 2 * 30 * 16 * 3
     assert engines["auto"].kv.num_blocks == BUDGET // (rows * 256) == 102
     assert engines["fp8"].kv.num_blocks == engines["int8"].kv.num_blocks == BUDGET // (rows * 68) == 385
+    # 32 bytes of two codes each and two float16 scales a row.
+    assert engines["int4"].kv.num_blocks == BUDGET // (rows * 36) == 728
 
 
 def test_peers_with_different_kv_dtypes_have_layouts_that_name_it(engines):
-    auto, fp8, int8 = (KVLayout.of_engine(engines[kv]) for kv in ("auto", "fp8", "int8"))
-    assert auto.mismatch(fp8) == "dtype: float32 here, fp8_e4m3 there"
-    assert fp8.mismatch(int8) == "dtype: fp8_e4m3 here, int8 there"
+    auto, fp8, int8, int4 = (KVLayout.of_engine(engines[kv]) for kv in ("auto", *QUANTIZED))
+    # The model field carries the engine's fingerprint, which names the KV format too.
+    assert auto.mismatch(fp8) == f"model: {auto.model} here, {fp8.model} there; dtype: float32 here, fp8_e4m3 there"
+    assert fp8.mismatch(int8).endswith("; dtype: fp8_e4m3 here, int8 there")
+    assert int8.mismatch(int4).endswith("; dtype: int8 here, int4 there")
     assert fp8.block_shape == (16, 3, 68) and fp8.block_bytes * 256 == auto.block_bytes * 68
+    assert int4.block_shape == (16, 3, 36) and int4.block_bytes * 256 == auto.block_bytes * 36
+
+
+def test_the_same_tokens_make_other_block_hashes_in_another_kv_format(engines):
+    """A block's identity includes its KV format: the prefix cache (and the tiers and the wire,
+    which key blocks by the same chain hash) never hand an int4 page to an fp32 cache or back."""
+    prompt = list(range(1000, 1040))  # two full blocks of 16 and a partial one
+    formats = ("auto", "int8", "int4")
+    for kv in formats:
+        generate(engines[kv], [prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    hashes = {kv: set(prompt_block_hashes(prompt, 16, engines[kv].fingerprint)) for kv in formats}
+    assert all(len(chain) == 2 for chain in hashes.values())
+    assert not hashes["auto"] & hashes["int8"] and not hashes["auto"] & hashes["int4"]
+    assert not hashes["int8"] & hashes["int4"]
+    for kv in formats:  # each engine cached the prompt's blocks under its own hashes, and only those
+        pool = engines[kv].kv._pool
+        held = {pool.block_hash(b) for b in range(engines[kv].kv.num_blocks)}
+        assert hashes[kv] <= held and not held & set().union(*(hashes[other] for other in formats if other != kv))
 
 
 def test_fp8_with_triton_on_a_gpu_without_fp8_fails_before_loading_naming_the_flag(monkeypatch):
@@ -135,4 +161,19 @@ def test_fp8_with_triton_on_a_gpu_without_fp8_fails_before_loading_naming_the_fl
     monkeypatch.setattr(selector, "_nvidia_capability", lambda device: (8, 0))
     config = EngineConfig(model="/nonexistent.gguf", device="cuda", attention_backend="triton", kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match=r"^kv_cache_dtype: fp8_e4m3 has no kernel for attention backend 'triton'"):
+        Engine(config)
+
+
+def test_int4_on_a_model_whose_head_dim_it_cannot_group_fails_at_start_up_naming_both(tmp_path):
+    from transformers import LlamaConfig
+
+    from tests.unit.test_model_hf import save_random_model, save_word_tokenizer
+
+    save_random_model(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  max_position_embeddings=64), tmp_path)
+    save_word_tokenizer(tmp_path, 96)
+    config = EngineConfig(model=str(tmp_path), dtype="float32", quantization="none", kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype: int4 needs a head_dim divisible by its scale group of "
+                                         r"32 elements, the model's head_dim is 16$"):
         Engine(config)

@@ -8,7 +8,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
-from engine.kv_cache.codec import FP8_E4M3, INT8, KV_FORMATS, kv_format
+from engine.kv_cache.codec import FP8_E4M3, INT4, INT8, KV_FORMATS, kv_format
 
 SCALED = [FP8_E4M3, INT8]
 # The shipped model's KV shape (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64).
@@ -54,16 +54,44 @@ def test_fp8_error_is_at_most_half_a_step_of_e4m3() -> None:
     assert (error <= half_step * (1 + 1e-5)).all()
 
 
-@pytest.mark.parametrize("codec", SCALED, ids=lambda c: c.name)
+def test_an_int4_row_is_its_packed_codes_then_a_float16_scale_per_group_of_32() -> None:
+    x = _rows()
+    rows = INT4.encode(x)
+    assert rows.shape == (64, 3, 36) and rows.dtype == torch.uint8  # 32 code bytes, 2 scales of 2 bytes
+    scale = rows[..., 32:].contiguous().view(torch.float16)
+    assert torch.equal(scale, (x.unflatten(-1, (2, 32)).abs().amax(-1) / 7).half())
+    low, high = (rows[..., :32] & 15).int() - 8, (rows[..., :32] >> 4).int() - 8  # elements 2i and 2i + 1
+    codes = torch.stack((low, high), dim=-1).flatten(-2)
+    assert codes.abs().amax() == 7 and codes.min() >= -7
+    want = codes.unflatten(-1, (2, 32)) * scale.float().unsqueeze(-1)
+    assert torch.equal(INT4.decode(rows, torch.float32), want.flatten(-2))
+
+
+def test_int4_error_is_at_most_half_its_own_groups_step() -> None:
+    # The outlier channels (0 and 1) widen only the first group's step: the second group keeps a
+    # step of its own size, which one scale per row would have made 20x coarser.
+    x = _rows()
+    step = (x.unflatten(-1, (2, 32)).abs().amax(-1, keepdim=True) / 7).half().float()
+    error = (INT4.decode(INT4.encode(x), torch.float32) - x).unflatten(-1, (2, 32)).abs()
+    assert (error <= step / 2 * (1 + 1e-3)).all()
+    assert error[..., 1, :].mean() < error[..., 0, :].mean() / 5
+
+
+@pytest.mark.parametrize("codec", [*SCALED, INT4], ids=lambda c: c.name)
 def test_a_zero_row_decodes_to_zeros(codec) -> None:
     assert torch.equal(codec.decode(codec.encode(torch.zeros(2, 3, 64)), torch.float32), torch.zeros(2, 3, 64))
 
 
-@pytest.mark.parametrize("codec", SCALED, ids=lambda c: c.name)
+# Half a format's largest step, relative to its row's largest value (int4's groups only finer).
+HALF_STEP = {"fp8_e4m3": 16 / 448, "int8": 0.5 / 127, "int4": 0.5 / 7}
+
+
+@pytest.mark.parametrize("codec", [*SCALED, INT4], ids=lambda c: c.name)
 def test_later_tokens_of_a_partly_filled_block_leave_the_earlier_rows_alone(codec) -> None:
     # Scales are per token and head: a later, much larger token neither clips nor requantizes the
     # rows already in its block, so a page is the same whatever chunks wrote it.
-    cache, values = torch.zeros(2, 16, 3, 68, dtype=torch.uint8), torch.zeros(2, 16, 3, 68, dtype=torch.uint8)
+    width = codec.row_width(64)
+    cache, values = torch.zeros(2, 16, 3, width, dtype=torch.uint8), torch.zeros(2, 16, 3, width, dtype=torch.uint8)
     first, later = _rows(1)[:5], 100 * _rows(2)[:3]
     codec.write(cache, values, torch.arange(16, 21), first, -first)
     before = cache[1, :5].clone()
@@ -71,15 +99,16 @@ def test_later_tokens_of_a_partly_filled_block_leave_the_earlier_rows_alone(code
     assert torch.equal(cache[1, :5], before)
     assert torch.equal(cache[1, 5:8], codec.encode(later)) and torch.equal(values[1, 5:8], codec.encode(-later))
     read = codec.read(cache, torch.tensor([1]), torch.float32)[0]
-    # Within half of e4m3's top step (16 of 448) of each row's largest value.
-    assert ((read[5:8] - later).abs() <= later.abs().amax(-1, keepdim=True) * 16 / 448 * (1 + 1e-5)).all()
+    # Within half of the format's top step of each row's largest value.
+    assert ((read[5:8] - later).abs() <= later.abs().amax(-1, keepdim=True) * HALF_STEP[codec.name] * (1 + 1e-3)).all()
 
 
 def test_kv_cache_dtype_names_a_format() -> None:
     assert kv_format("auto", "bfloat16") is KV_FORMATS["bfloat16"]
     assert kv_format("fp8", "float32") is kv_format("fp8_e4m3", "bfloat16") is KV_FORMATS["fp8_e4m3"]
     assert kv_format("int8", "float32").codec is INT8
-    supported = r"\(supported: auto, fp8, fp8_e4m3, int8\)"
+    assert kv_format("int4", "bfloat16").codec is INT4
+    supported = r"\(supported: auto, fp8, fp8_e4m3, int8, int4\)"
     with pytest.raises(ValueError, match=rf"^kv_cache_dtype: unknown format 'fp4' {supported}"):
         kv_format("fp4", "float32")
 
@@ -87,6 +116,9 @@ def test_kv_cache_dtype_names_a_format() -> None:
 def test_a_head_dim_the_scales_cannot_follow_is_refused() -> None:
     with pytest.raises(ValueError, match=r"^kv_cache_dtype: int8 needs a head_dim divisible by 4"):
         KV_FORMATS["int8"].page_shape(16, 3, 62)
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype: int4 needs a head_dim divisible by its scale group of 32 "
+                                         r"elements, the model's head_dim is 80$"):
+        KV_FORMATS["int4"].page_shape(16, 3, 80)
 
 
 def test_a_quantized_block_costs_one_byte_an_element_plus_its_scales() -> None:
@@ -94,6 +126,7 @@ def test_a_quantized_block_costs_one_byte_an_element_plus_its_scales() -> None:
     rows = 2 * 30 * 16 * 3  # K and V rows of one block across the layers
     assert per_block == {"float32": rows * 64 * 4, "bfloat16": rows * 64 * 2, "int8": rows * (64 + 4)}
     assert bytes_per_block(SMOLLM, 16, KV_FORMATS["fp8_e4m3"]) == per_block["int8"]
+    assert bytes_per_block(SMOLLM, 16, KV_FORMATS["int4"]) == rows * (32 + 2 * 2)  # 4.5 bits an element
     # So a budget holds 128/68 = 1.88x the blocks of a bf16 cache, 3.76x those of an fp32 one.
     budget = 512 * 1024 * 1024
     assert budget // per_block["int8"] == 2741 and budget // per_block["bfloat16"] == 1456

@@ -62,7 +62,7 @@ def test_a_layout_without_tensor_parallel_fields_reads_as_one_rank_holding_every
 
 def test_unknown_dtype_is_refused() -> None:
     with pytest.raises(ValueError, match="dtype"):
-        replace(LAYOUT, dtype="int4")
+        replace(LAYOUT, dtype="int2")
 
 
 @pytest.mark.parametrize("layout", [LAYOUT, replace(LAYOUT, tensor_parallel_size=3, kv_head_ranges=((0, 1), (1, 2),

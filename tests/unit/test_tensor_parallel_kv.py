@@ -3,7 +3,7 @@ hand inside one process (tests.disaggregated) while each engine's other ranks ar
 (gloo): a prefill engine's pages carry every KV head whatever its size, and a decode engine's ranks
 each take their own, so every pairing decodes as the one-process engine does. The shipped model at
 TP 3 on either side, and a random model whose 2 KV heads are replicated at TP 4 (comparing layouts of
-the same weights is the point), in an int8 KV cache so the scales travel with their heads."""
+the same weights is the point), in int8 and int4 KV caches so the scales travel with their heads."""
 
 from __future__ import annotations
 
@@ -75,13 +75,16 @@ def test_the_shipped_model_moves_between_layouts_and_decodes_as_one_process(pref
                   f"prefill TP {prefill_size} -> decode TP {decode_size}")
 
 
-def test_a_random_model_with_replicated_kv_heads_moves_int8_pages_between_tp_4_and_tp_2(tmp_path: Path):
+# int4's scales belong to groups of 32 elements of a row: head_dim 32 gives it one per row and head.
+@pytest.mark.parametrize(("kv_cache_dtype", "head_dim"), [("int8", 16), ("int4", 32)])
+def test_a_random_model_with_replicated_kv_heads_moves_quantized_pages_between_tp_4_and_tp_2(
+        tmp_path: Path, kv_cache_dtype: str, head_dim: int):
     save_random_model(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                                  num_attention_heads=8, num_key_value_heads=2, head_dim=head_dim,
                                   max_position_embeddings=128, initializer_range=0.1), tmp_path)
     save_word_tokenizer(tmp_path, 96)
     config = EngineConfig(model=str(tmp_path), dtype="float32", quantization="none", cpu_weights="fp32",
-                          kv_cache_dtype="int8", cache=CacheConfig(num_blocks=16))
+                          kv_cache_dtype=kv_cache_dtype, cache=CacheConfig(num_blocks=16))
     prompts = [[int(t) for t in torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n))]
                for n in (21, 35)]
     whole = generate(Engine(config), prompts, GREEDY)

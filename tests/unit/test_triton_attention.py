@@ -30,7 +30,7 @@ from engine.attention.triton_paged import (
     triton_paged_decode_attention,
 )
 from engine.kv_cache.blocks import blocks_for
-from engine.kv_cache.codec import DENSE, FP8_E4M3, INT8
+from engine.kv_cache.codec import DENSE, FP8_E4M3, INT4, INT8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_TOL = 1e-5 if DEVICE == "cpu" else 1e-4
@@ -191,16 +191,23 @@ def test_forward_decode_batch_matches_torch_backend():
     _backends_agree((9, 3, 16, 64), query_lens=[1, 1, 1], seq_lens=[400, 33, 1])
 
 
-@pytest.mark.parametrize("codec", [FP8_E4M3, INT8], ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [FP8_E4M3, INT8, INT4], ids=lambda c: c.name)
 def test_quantized_cache_mixed_batch_matches_torch_backend(codec):
-    # The kernel reads codes and applies each row's scale to its scores and probabilities; the
-    # torch backend decodes the rows first: the same numbers up to float32 rounding.
+    # The kernel reads codes and applies each row's scale to its scores and probabilities (int4:
+    # widens each tile by its groups' scales); the torch backend decodes the rows first: the same
+    # numbers up to float32 rounding.
     _backends_agree((9, 3, 16, 64), query_lens=[1, 12, 17, 1], seq_lens=[20, 29, 17, 32], codec=codec)
 
 
-@pytest.mark.parametrize("codec", [FP8_E4M3, INT8], ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [FP8_E4M3, INT8, INT4], ids=lambda c: c.name)
 def test_quantized_cache_split_decode_matches_torch_backend(codec):
     _backends_agree((9, 3, 16, 64), query_lens=[1, 1], seq_lens=[400, 5], codec=codec)
+
+
+@pytest.mark.parametrize("shape", [(8, 2, 32, 128), (4, 4, 16, 96)])
+def test_int4_cache_of_several_groups_and_a_padded_head_dim_matches_torch_backend(shape):
+    # Four scale groups a row; head_dim 96 pads to 128 lanes, whose masked bytes must read as zeros.
+    _backends_agree(shape, query_lens=[1, 9, 1], seq_lens=[40, 9, 3], codec=INT4)
 
 
 def test_bf16_inputs_close_to_fp32_reference():
