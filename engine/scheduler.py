@@ -131,6 +131,7 @@ class Scheduler:
         self.connector.end(request_id)  # no page lands in a block a step computes with
         request.num_computed_tokens = request.num_tokens
         self.kv.cache_blocks(request_id, request.token_ids, request.num_computed_tokens, request.cache_salt)
+        self.kv.free_outside_window(request_id, request.num_computed_tokens)
         request.append_output(first_token)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -294,6 +295,7 @@ class Scheduler:
                 self.kv.trim(request.request_id, request.num_computed_tokens)
             self.kv.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens,
                                  request.cache_salt)
+            self.kv.free_outside_window(request.request_id, request.num_computed_tokens)
             if reason is not None:
                 self.finish(request.request_id, reason)
                 finished.append(request)

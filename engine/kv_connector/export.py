@@ -4,6 +4,10 @@ A request added with a `KVExport` gets its pages pushed layer by layer while lat
 as soon as a layer has written the step's KV, the engine gathers the blocks of each such request that
 the receiver does not hold yet and hands them to the request's sink. Only the engine knows the
 blocks; the sink sees destination indices (0 is the first block the receiver lacks).
+
+Under a sliding window (engine.kv_cache.window) every block of the prompt still ships: a chunk's
+blocks are gathered in the step that wrote them, before the window frees them, and the receiver
+reserves the whole prompt, freeing the blocks its window hides once the pages are in.
 """
 
 from __future__ import annotations
