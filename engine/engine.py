@@ -403,8 +403,9 @@ class Engine:
         if ticket is None:
             return NoKVRoom(self._blocks_needed(request), self.kv.num_free_blocks)
         self._text[request_id] = text
-        return KVReservation(request_id, tuple(self.kv.block_table(request_id)), request.num_cached_tokens,
-                             self.kv.block_size, ticket)
+        # The sender skips the head this engine has: its prefix-cache hit, or what its window hides.
+        unsent = max(request.num_cached_tokens, self.kv.hidden_head(request.num_tokens) * self.kv.block_size)
+        return KVReservation(request_id, tuple(self.kv.block_table(request_id)), unsent, self.kv.block_size, ticket)
 
     def import_kv(self, reservation: KVReservation, layer: int, block_ids: Sequence[int],
                   k: torch.Tensor, v: torch.Tensor) -> None:

@@ -154,18 +154,31 @@ class KVCacheManager:
             block_ids.append(block_id)
         return block_ids, len(block_ids) * self._block_size
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+    def hidden_head(self, num_tokens: int) -> int:
+        """Leading blocks that no query at `num_tokens` or later sees: a request whose first
+        `num_tokens` tokens' KV arrives from elsewhere need neither hold nor receive them. 0 without
+        a window, and with sinks (what they hide is not a head)."""
+        if self._window is None or self._window.sink_tokens:
+            return 0
+        return len(self._window.unneeded_blocks(num_tokens, self._block_size))
+
+    def allocate_slots(self, request_id: str, num_total_tokens: int, cached_blocks: Sequence[int] = (),
+                       hidden_blocks: int = 0) -> bool:
         """Grow the request's table to cover ``num_total_tokens`` tokens; False (changing nothing) if out of blocks.
 
         ``cached_blocks`` (from ``find_cached_prefix``, called just before) are accepted only on a request's
-        first call and become the head of its table.
+        first call and become the head of its table; so are ``hidden_blocks`` FREED entries instead
+        (``hidden_head``: never allocated, never read).
         """
         request = self._requests.get(request_id)
-        if request is not None and cached_blocks:
+        if request is not None and (cached_blocks or hidden_blocks):
             raise ValueError(f"request {request_id!r} already has blocks; cached_blocks apply to its first call")
+        if cached_blocks and hidden_blocks:
+            raise ValueError("cached_blocks and hidden_blocks: a table's head is one or the other")
         if request is None:
             cached_hashes = self._hashes_of_cached(cached_blocks)
-            held, held_tokens = len(cached_blocks), len(cached_blocks) * self._block_size
+            held = len(cached_blocks) + hidden_blocks
+            held_tokens = held * self._block_size
         else:
             held, held_tokens = len(request.table), request.num_tokens
         if num_total_tokens < held_tokens:
@@ -180,7 +193,8 @@ class KVCacheManager:
         if request is None:
             for block_id in cached_blocks:
                 self._pool.touch(block_id)
-            request = _RequestBlocks(table=list(cached_blocks), hashes=cached_hashes)
+            request = _RequestBlocks(table=list(cached_blocks) + [FREED] * hidden_blocks, hashes=cached_hashes,
+                                     freed_until=hidden_blocks)
             self._requests[request_id] = request
         request.table.extend(self._pool.allocate(num_new))
         request.num_tokens = num_total_tokens
@@ -204,7 +218,9 @@ class KVCacheManager:
             parent = request.hashes[-1] if request.hashes else None
             block_hash = hash_block(parent, token_ids[start:start + self._block_size], self._salt,
                                     cache_salt if index == 0 else b"")
-            if self._pool.register(request.table[index], block_hash) and self._new_cached is not None:
+            # A hidden head block (FREED) is chained through, never cached.
+            if (request.table[index] != FREED and self._pool.register(request.table[index], block_hash)
+                    and self._new_cached is not None):
                 self._new_cached.append((request.table[index], block_hash))
             request.hashes.append(block_hash)
 

@@ -20,6 +20,7 @@ from engine.kv_cache.window import KVWindow, check_window_served
 from engine.model.hf_loader import config_from_hf
 from engine.model.loader import build_model, load_model_files
 from engine.offline import generate
+from engine.outputs import KVReservation
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from kvtransfer.descriptor import KVLayout
@@ -128,11 +129,16 @@ def test_preempted_and_speculating_requests_keep_their_tokens(tmp_path: Path) ->
 
 
 def test_a_windowed_prompt_prefilled_in_chunks_on_one_engine_decodes_on_another(tmp_path: Path) -> None:
-    """Every block a chunk wrote ships in the step that wrote it, before the window frees it; the
-    decode engine reserves the whole prompt and frees what its window hides once the pages are in."""
+    """A chunk's blocks ship in the step that wrote them, before the window frees them; the decode
+    engine neither holds nor receives the head its first query's window hides."""
     save_mistral(tmp_path)
     colocated, _ = run_holding(windowed_engine(tmp_path), PROMPTS, GREEDY)
     prefill, decode = windowed_engine(tmp_path, role="prefill"), windowed_engine(tmp_path, role="decode")
+    reservation = decode.reserve("probe", PROMPTS[2], GREEDY)
+    # 60 tokens: the query at 60 sees 45..60, so blocks 0..4 (tokens 0..39) are neither held nor sent.
+    assert isinstance(reservation, KVReservation) and reservation.num_cached_tokens == 40
+    assert len(reservation.blocks_to_fill) == 3 and decode.kv.usage == 3 / decode.kv.num_blocks
+    decode.abort("probe")
     assert run_disaggregated(prefill, decode, PROMPTS, GREEDY) == colocated
     # Again: the decode engine's prefix hit (the blocks it still caches) ships only the rest.
     assert run_disaggregated(prefill, decode, PROMPTS, GREEDY) == colocated
@@ -150,17 +156,17 @@ def test_combinations_not_served_are_refused_naming_option_and_model(tmp_path: P
 
 
 def test_the_serving_window_keeps_sinks_frees_the_middle_and_is_its_own_kv_identity(make_engine) -> None:
-    window = CacheConfig(block_size=16, num_blocks=64, sliding_window=48, sink_tokens=4)
+    window = CacheConfig(block_size=16, num_blocks=64, sliding_window=32, sink_tokens=4)
     streaming, full = make_engine(cache=window), make_engine(cache=replace(window, sliding_window=None, sink_tokens=0))
-    assert streaming.window == KVWindow(48, sink_tokens=16)  # sinks rounded up to a whole block
+    assert streaming.window == KVWindow(32, sink_tokens=16)  # sinks rounded up to a whole block
     assert streaming.fingerprint != full.fingerprint
     assert KVLayout.of_engine(streaming).page_fingerprint != KVLayout.of_engine(full).page_fingerprint
-    short = [random_prompt(20, seed=3, vocab=1000)]
-    params = replace(GREEDY, max_tokens=20)
+    short = [random_prompt(12, seed=3, vocab=1000)]
+    params = replace(GREEDY, max_tokens=16)
     # Within the window every token is seen: the same tokens as full attention.
     assert run_holding(streaming, short, params)[0] == run_holding(full, short, params)[0]
-    long_prompt = [random_prompt(100, seed=4, vocab=1000)]
-    tokens, most = run_holding(streaming, long_prompt, replace(GREEDY, max_tokens=40))
-    assert len(tokens[0]) == 40
-    # 140 tokens span 9 blocks; after each step a request holds its sink block and the window's.
-    assert most <= 1 + blocks_for(48, 16) + 1 < 9
+    long_prompt = [random_prompt(70, seed=4, vocab=1000)]
+    tokens, most = run_holding(streaming, long_prompt, replace(GREEDY, max_tokens=30))
+    assert len(tokens[0]) == 30
+    # 100 tokens span 7 blocks; after each step a request holds its sink block and the window's.
+    assert most <= 1 + blocks_for(32, 16) + 1 < 7
