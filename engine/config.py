@@ -122,6 +122,8 @@ class ModelConfig:
     moe: MoEConfig | None = None  # None: every layer's MLP is dense
     architecture: str = "LlamaForCausalLM"  # the HF class name it was read as, for load reports
     stage: PipelineStage | None = None  # a pipeline stage's part of the layers; None: all of them
+    # Mistral-style: each query attends to the last `sliding_window` positions only (itself included).
+    sliding_window: int | None = None
 
     @property
     def first_layer(self) -> int:
@@ -149,6 +151,8 @@ class ModelConfig:
         )
         _require(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
         _require(self.rope_theta > 0, "rope_theta", "must be positive")
+        if self.sliding_window is not None:
+            _require(self.sliding_window > 0, "sliding_window", f"must be positive, got {self.sliding_window}")
 
 
 @dataclass(frozen=True)
@@ -159,9 +163,19 @@ class CacheConfig:
     num_blocks: int | None = None
     memory_bytes: int | None = 512 * 1024 * 1024
     enable_prefix_caching: bool = True
+    # StreamingLLM on a full-attention model: each query attends to the last `sliding_window`
+    # positions and the first `sink_tokens` (rounded up to whole blocks); the blocks between are
+    # freed. Keys keep their positions, so a request stays within the model's context (engine.kv_cache.window).
+    sliding_window: int | None = None
+    sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0, "block_size", f"must be positive, got {self.block_size}")
+        if self.sliding_window is not None:
+            _require(self.sliding_window > 0, "kv_sliding_window", f"must be positive, got {self.sliding_window}")
+        _require(self.sink_tokens >= 0, "kv_sink_tokens", f"must not be negative, got {self.sink_tokens}")
+        _require(self.sink_tokens == 0 or self.sliding_window is not None, "kv_sink_tokens",
+                 "applies only with kv_sliding_window")
         _require(
             self.num_blocks is not None or self.memory_bytes is not None,
             "num_blocks",

@@ -124,11 +124,15 @@ class Engine:
         # accepted. So is the KV format: a block's hash names its pages, and pages of another format
         # (int4 codes against bf16 values) are other bytes for the same tokens.
         weights = f"{loaded.dtype}|{loaded.quantization}|{self.formats.activation_quantization}"
-        self.fingerprint = hashlib.sha256(f"{loaded.config!r}|{weights}|{self.kv_format.name}".encode()).digest()
+        # So is the window it was computed under (the config names a model's own; this, the serving option's sinks).
+        window = "" if loaded.window is None else loaded.window.policy
+        kv = f"{self.kv_format.name}|{window}"
+        self.fingerprint = hashlib.sha256(f"{loaded.config!r}|{weights}|{kv}".encode()).digest()
+        self.window = loaded.window
         # Every KV tier's block events, which the worker's load reports carry to the gateway's exact index.
         self.kv_events = KVEvents()
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint,
-                                 events=self.kv_events)
+                                 events=self.kv_events, window=loaded.window)
         eos = set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)
         sampler = Sampler(loaded.config.vocab_size, sorted(eos))
         context, stages = None, None
@@ -180,7 +184,7 @@ class Engine:
         `release` (engine.kv_connector.policy bounds how long); without, it decodes here (unless this
         engine decodes nothing: role prefill)."""
         request = self._new_request(request_id, prompt_token_ids, params, resumed)
-        too_large = self._too_large(request)
+        too_large = self._too_large(request, computed_here=True)
         if too_large is not None:
             raise ValueError(str(too_large))
         text = self._text_state(params, resumed)
@@ -232,12 +236,18 @@ class Engine:
         return Grammars(self.tokenizer.backend_json(), self.model_config.vocab_size,
                         sorted(self.scheduler.eos_token_ids), config=self.config.structured_outputs)
 
-    def _blocks_needed(self, request: Request) -> int:
-        """Blocks for every known token plus the next one's slot."""
-        return blocks_for(request.num_tokens + 1, self.kv.block_size)
+    def _blocks_needed(self, request: Request, computed_here: bool = False) -> int:
+        """Blocks for every known token plus the next one's slot; for a request `computed_here` (not
+        reserved: a reservation takes every page at once) under a sliding window with chunked
+        prefill, the most it holds at once (its blocks outside the window are freed as it goes)."""
+        needed = blocks_for(request.num_tokens + 1, self.kv.block_size)
+        if self.window is None or not computed_here or not self.config.scheduler.enable_chunked_prefill:
+            return needed
+        chunk = self.config.scheduler.max_num_batched_tokens
+        return min(needed, self.window.max_held_blocks(self.kv.block_size, chunk))
 
-    def _too_large(self, request: Request) -> TooLargeForKV | None:
-        needed = self._blocks_needed(request)
+    def _too_large(self, request: Request, computed_here: bool = False) -> TooLargeForKV | None:
+        needed = self._blocks_needed(request, computed_here)
         if needed <= self.kv.num_blocks:
             return None
         return TooLargeForKV(request.num_prompt_tokens, needed, self.kv.num_blocks)
@@ -396,8 +406,9 @@ class Engine:
         if ticket is None:
             return NoKVRoom(self._blocks_needed(request), self.kv.num_free_blocks)
         self._text[request_id] = text
-        return KVReservation(request_id, tuple(self.kv.block_table(request_id)), request.num_cached_tokens,
-                             self.kv.block_size, ticket)
+        # The sender skips the head this engine has: its prefix-cache hit, or what its window hides.
+        unsent = max(request.num_cached_tokens, self.kv.hidden_head(request.num_tokens) * self.kv.block_size)
+        return KVReservation(request_id, tuple(self.kv.block_table(request_id)), unsent, self.kv.block_size, ticket)
 
     def import_kv(self, reservation: KVReservation, layer: int, block_ids: Sequence[int],
                   k: torch.Tensor, v: torch.Tensor) -> None:

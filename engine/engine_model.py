@@ -9,13 +9,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.attention.selector import select_attention_backend
+from engine.attention.selector import select_attention_backend, windowed_attention
 from engine.config import EngineConfig, ModelConfig
 from engine.dtypes import TORCH_DTYPES
 from engine.formats import EngineFormats, choose_dtype, resolve_formats
 from engine.hardware import probe
 from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
 from engine.kv_cache.codec import KVFormat, kv_format
+from engine.kv_cache.window import KVWindow, check_window_served, kv_window
 from engine.model.int8_activations import PARTS
 from engine.model.kernels import cpu_kernels
 from engine.model.llama import LlamaForCausalLM
@@ -42,6 +43,7 @@ class EngineModel:
     model: LlamaForCausalLM
     cache: CacheEngine
     attention: str  # the attention backend's name
+    window: KVWindow | None  # the sliding window attention runs with; None: full attention
 
 
 def load_engine_model(config: EngineConfig, files: ModelFiles | None, layout: TensorParallelLayout,
@@ -72,6 +74,10 @@ def load_engine_model(config: EngineConfig, files: ModelFiles | None, layout: Te
                                         if stage.keep(files.config, name, weight) is not None})
     layout.check(files.config)  # at size 1 no tensor was cut, yet an expert layout of a dense model is refused
     shard = replace(shard, config=stage.stage_config(shard.config))
+    window = kv_window(config, files.config)
+    check_window_served(config, files.config, window)
+    if window is not None:
+        attention = windowed_attention(attention, window)
     quantization = choose_quantization(config.quantization, files.quantized_as, config.device)
     formats = resolve_formats(config, hardware, quantization)
     block_size = config.cache.block_size
@@ -84,7 +90,8 @@ def load_engine_model(config: EngineConfig, files: ModelFiles | None, layout: Te
     # --kv-cache-mib is each rank's budget: every rank holds the same number of blocks of its heads.
     num_blocks = config.cache.num_blocks or max(1, (config.cache.memory_bytes or 0) // block_bytes)
     cache = CacheEngine(shard.config, num_blocks, block_size, kv, device)
-    return EngineModel(files.config, files.source, dtype, quantization, formats, kv, model, cache, attention.name)
+    return EngineModel(files.config, files.source, dtype, quantization, formats, kv, model, cache, attention.name,
+                       window)
 
 
 def _keep(layout: TensorParallelLayout, stage: PipelineLayout, config: ModelConfig, name: str,

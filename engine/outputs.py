@@ -72,7 +72,8 @@ class KVReservation:
     """The blocks reserved for an incoming prompt's KV (engine.kv_connector).
 
     The first `num_cached_tokens // block_size` blocks were already in this engine's prefix
-    cache; only the rest must be filled by the sender. Every write into them names the reservation
+    cache, or are hidden by its sliding window (never held: engine.kv_cache.manager.FREED); only
+    the rest must be filled by the sender. Every write into them names the reservation
     (`ticket` tells it from an earlier one of the same request id).
     """
 

@@ -125,7 +125,9 @@ class ModelRunner:
             seq_lens.append(end)
             sample_rows.extend(range(query_start[-1] - chunk.num_sampled_rows, query_start[-1]))
         width = max(len(c.block_table) for c in out.chunks)
-        tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in out.chunks]
+        # Padding, and the entries of blocks freed outside a sliding window, name block 0: the
+        # attention backends never read a position their window hides (engine.kv_cache.window).
+        tables = [[max(block, 0) for block in c.block_table] + [0] * (width - len(c.block_table)) for c in out.chunks]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.long),
             query_start_loc=self._tensor(query_start, torch.int32),

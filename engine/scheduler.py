@@ -105,7 +105,8 @@ class Scheduler:
 
     def reserve(self, request: Request, timeout_s: float) -> int | None:
         """Allocate blocks for every known token of a request whose KV comes from elsewhere (the
-        prompt, and a resumed request's output), reusing locally cached prefix blocks.
+        prompt, and a resumed request's output), reusing locally cached prefix blocks; none for a
+        head its sliding window hides (KVCacheManager.hidden_head).
 
         The request then waits (WAITING_FOR_KV) for its pages, at most `timeout_s` seconds; its
         reservation's ticket, or None if the blocks cannot be had.
@@ -113,12 +114,19 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         cached_blocks, num_cached = self._cached_prefix(request)
-        if not self.kv.allocate_slots(request.request_id, request.num_tokens, cached_blocks):
+        # Under a sliding window the head no later query sees is neither held nor sent (unless the
+        # prefix cache holds more than it: then those blocks come, and the window frees them at start).
+        hidden = self.kv.hidden_head(request.num_tokens)
+        if hidden <= len(cached_blocks):
+            hidden = 0
+        else:
+            cached_blocks, num_cached = [], 0
+        if not self.kv.allocate_slots(request.request_id, request.num_tokens, cached_blocks, hidden):
             return None
         request.num_cached_tokens = num_cached
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = request
-        to_fill = self.kv.block_table(request.request_id)[len(cached_blocks):]
+        to_fill = self.kv.block_table(request.request_id)[len(cached_blocks) + hidden:]
         return self.connector.reserved(request.request_id, to_fill, timeout_s)
 
     def start_reserved(self, request_id: str, first_token: int) -> Request:
@@ -131,6 +139,7 @@ class Scheduler:
         self.connector.end(request_id)  # no page lands in a block a step computes with
         request.num_computed_tokens = request.num_tokens
         self.kv.cache_blocks(request_id, request.token_ids, request.num_computed_tokens, request.cache_salt)
+        self.kv.free_outside_window(request_id, request.num_computed_tokens)
         request.append_output(first_token)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -294,6 +303,7 @@ class Scheduler:
                 self.kv.trim(request.request_id, request.num_computed_tokens)
             self.kv.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens,
                                  request.cache_salt)
+            self.kv.free_outside_window(request.request_id, request.num_computed_tokens)
             if reason is not None:
                 self.finish(request.request_id, reason)
                 finished.append(request)

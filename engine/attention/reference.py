@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.windowed import windowed_attention
 from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.codec import DENSE, KVCodec
+from engine.kv_cache.window import KVWindow
 
 # (q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale) -> out: stores a decode
 # batch's K/V and attends, over dense pages (engine.model.kernels' decode_attention).
@@ -141,15 +143,17 @@ class TorchPagedAttention:
     reads the pages in place, instead of a gather, a mask and SDPA per layer (over bf16 pages it
     computes in fp32 and rounds its output to bf16 once). Given
     `dense_prefill`, a bf16 prompt chunk over a dense cache attends through it instead of SDPA.
+    Given a `window`, every sequence attends through it (engine.attention.windowed), without the ops.
     """
 
     name = "torch"
 
     def __init__(self, codec: KVCodec = DENSE, dense_decode: DenseDecode | None = None,
-                 dense_prefill: DensePrefill | None = None) -> None:
+                 dense_prefill: DensePrefill | None = None, window: KVWindow | None = None) -> None:
         self.codec = codec
-        self.dense_decode = dense_decode if codec is DENSE else None
-        self.dense_prefill = dense_prefill if codec is DENSE else None
+        self.window = window
+        self.dense_decode = dense_decode if codec is DENSE and window is None else None
+        self.dense_prefill = dense_prefill if codec is DENSE and window is None else None
 
     def forward(
         self,
@@ -171,6 +175,8 @@ class TorchPagedAttention:
                                     block_tables, seq_lens, scale)
             return out.to(q.dtype)
         self.codec.write(k_cache, v_cache, meta.slot_mapping, k, v)
+        if self.window is not None:
+            return windowed_attention(q, k_cache, v_cache, meta, scale, self.codec, self.window)
         if meta.max_query_len == 1:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.codec)
         return self._mixed(q, k_cache, v_cache, meta, scale)

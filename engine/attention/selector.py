@@ -13,6 +13,7 @@ import torch
 from engine.attention.metadata import AttentionBackend
 from engine.attention.reference import DenseDecode, DensePrefill, TorchPagedAttention, paged_decode_attention
 from engine.kv_cache.codec import DENSE, FP8_E4M3, KVCodec
+from engine.kv_cache.window import KVWindow
 
 logger = logging.getLogger(__name__)
 
@@ -106,3 +107,17 @@ def select_attention_backend(
         raise ValueError(f"attention backend 'triton' is unavailable on {device}: {reason}")
     logger.warning("falling back to the torch attention backend on %s: %s", device, reason)
     return TorchPagedAttention(codec)
+
+
+def windowed_attention(backend: AttentionBackend, window: KVWindow) -> AttentionBackend:
+    """`backend`'s kind, attending through `window`. The torch backend loses the CPU kernels' ops
+    (decode_attention.cpp, prefill_attention.cpp, and with them the decode stack, which needs the
+    decode op): they attend over whole contexts, and a window's freed blocks must never be read, so a
+    windowed model takes torch's gathers of only the blocks it holds instead."""
+    if isinstance(backend, TorchPagedAttention):
+        return TorchPagedAttention(backend.codec, window=window)
+    from engine.attention.triton_paged import TritonPagedAttention
+
+    if isinstance(backend, TritonPagedAttention):
+        return TritonPagedAttention(backend.codec, window)
+    raise ValueError(f"attention backend {backend.name!r} has no sliding window")

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.codec import DENSE, KVCodec
+from engine.kv_cache.window import KVWindow
 
 _LOG2E = 1.4426950408889634
 _KV_TILE = 64  # keys per inner-loop step
@@ -30,6 +31,7 @@ _MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows on a GPU
 _TARGET_PROGRAMS = 128  # roughly one wave of programs on a large GPU
 _MIN_KEYS_PER_SPLIT = 256  # below this a split's launch and merge cost more than it saves
 _MAX_SPLITS = 32
+_FULL = 2**31 - 1  # the window of full attention: every earlier position
 
 
 @triton.jit
@@ -37,6 +39,7 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    window, sinks,  # a query sees the last `window` positions and the first `sinks` (engine.kv_cache.window)
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -81,6 +84,9 @@ def _paged_attention_kernel(
 
     # Causality: nothing past this tile's last query is visible to any of its rows.
     kv_end = tl.minimum(seq_len, seq_len - query_len + (q_tile + 1) * BLOCK_Q)
+    # Nothing before this tile's first query's window (but the sinks) is visible to any of its rows:
+    # those blocks may be freed and hold anything, so they are never loaded, not just masked.
+    kv_start = seq_len - query_len + q_tile * BLOCK_Q - window + 1
     num_tiles = tl.cdiv(kv_end, KV_TILE)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     first_tile = split * tiles_per_split
@@ -91,7 +97,7 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     for tile in range(first_tile, last_tile):
         kv_pos = tile * KV_TILE + tl.arange(0, KV_TILE)
-        kv_valid = kv_pos < kv_end
+        kv_valid = (kv_pos < kv_end) & ((kv_pos >= kv_start) | (kv_pos < sinks))
         block_id = tl.load(block_tables_ptr + seq * stride_bt + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0)
         slot = block_id.to(tl.int64)
         in_block = kv_pos % BLOCK_SIZE
@@ -102,7 +108,8 @@ def _paged_attention_kernel(
         if SCALED and not PACKED:
             k_scale_offsets = slot * stride_ksb + in_block * stride_kst + kv_head * stride_ksh
             scores = scores * tl.load(k_scale_ptr + k_scale_offsets, mask=kv_valid, other=0.0)[None, :]
-        visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+        in_window = (kv_pos[None, :] > q_pos[:, None] - window) | (kv_pos[None, :] < sinks)
+        visible = (kv_pos[None, :] <= q_pos[:, None]) & in_window & kv_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
 
         new_max = tl.maximum(row_max, tl.max(scores, 1))
@@ -199,6 +206,7 @@ def _paged_attention(
     max_query_len: int,
     max_seq_len: int,
     codec: KVCodec,
+    window: KVWindow | None = None,
 ) -> torch.Tensor:
     """Launch the kernel(s); the host-side maxima size the grid without a device sync."""
     if q.stride(-1) != 1:
@@ -232,6 +240,7 @@ def _paged_attention(
         q, k_cache, v_cache, k_scales, v_scales, partial, lse,
         block_tables, query_start_loc, seq_lens,
         scale * _LOG2E,
+        _FULL if window is None else window.size, 0 if window is None else window.sink_tokens,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -276,22 +285,25 @@ def triton_paged_decode_attention(
     seq_lens: torch.Tensor,  # [B]
     scale: float,
     codec: KVCodec = DENSE,
+    window: KVWindow | None = None,
 ) -> torch.Tensor:
     """Triton twin of `reference.paged_decode_attention` (reads the longest context back to the host)."""
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return _paged_attention(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, 1, int(seq_lens.max()), codec
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, 1, int(seq_lens.max()), codec, window
     )
 
 
 class TritonPagedAttention:
     """The Triton backend: one kernel launch per layer for decode, prefill or a mix of both; pages
-    are written through `codec` and read by the kernel as stored."""
+    are written through `codec` and read by the kernel as stored; with a `window`, each query
+    attends through it."""
 
     name = "triton"
 
-    def __init__(self, codec: KVCodec = DENSE) -> None:
+    def __init__(self, codec: KVCodec = DENSE, window: KVWindow | None = None) -> None:
         self.codec = codec
+        self.window = window
 
     def forward(
         self,
@@ -307,5 +319,5 @@ class TritonPagedAttention:
         self.codec.write(k_cache, v_cache, meta.slot_mapping, k, v)
         return _paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-            meta.max_query_len, meta.max_seq_len, self.codec,
+            meta.max_query_len, meta.max_seq_len, self.codec, self.window,
         )

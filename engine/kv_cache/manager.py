@@ -4,6 +4,11 @@ Prefix caching follows vLLM v1: full blocks whose KV has been computed are hashe
 shared read-only by later requests with the same prefix; the block holding a prompt's last token is always
 computed fresh, so a shared block is never written. A request's `cache_salt` goes into its first block's
 hash (engine.kv_cache.block_hash), so only requests with the same salt share blocks.
+
+Under a sliding window (engine.kv_cache.window) the blocks no later query sees are freed as the
+request advances: its table keeps their places, holding FREED, so block i still holds tokens
+[i * block_size, (i + 1) * block_size). Freed blocks keep their hashes in the prefix cache (their KV
+is still right for that prefix) until the pool reclaims them.
 """
 
 from collections import Counter
@@ -14,6 +19,10 @@ from engine.kv_cache.block_hash import hash_block, prompt_block_hashes
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.kv_events import KVEvents
+from engine.kv_cache.window import KVWindow
+
+# A table entry whose block was freed (outside the window): never read, never written.
+FREED = -1
 
 
 @dataclass
@@ -25,13 +34,19 @@ class _RequestBlocks:
     num_tokens: int = 0
     # Chain hashes of table[:len(hashes)]; kept so cache_blocks only hashes new blocks.
     hashes: list[bytes] = field(default_factory=list)
+    # Table entries before this index and past the sinks are FREED (sliding window).
+    freed_until: int = 0
+
+    def held(self) -> list[int]:
+        """The blocks the request holds a reference on, in table order."""
+        return [block_id for block_id in self.table if block_id != FREED]
 
 
 class KVCacheManager:
     """Allocates, shares, caches and frees KV blocks for requests identified by string ids."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 salt: bytes = b"", events: KVEvents | None = None) -> None:
+                 salt: bytes = b"", events: KVEvents | None = None, window: KVWindow | None = None) -> None:
         """`events` hears of every block the prefix cache names or drops (tier "device")."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -39,6 +54,7 @@ class KVCacheManager:
         self._block_size = block_size
         self._enable_prefix_caching = enable_prefix_caching
         self._salt = salt
+        self._window = window
         self._requests: dict[str, _RequestBlocks] = {}
         # Blocks newly hashed since `take_new_cached`, kept only for lower tiers (which copy them).
         self._new_cached: list[tuple[int, bytes]] | None = None
@@ -73,7 +89,7 @@ class KVCacheManager:
         return request_id in self._requests
 
     def block_table(self, request_id: str) -> list[int]:
-        """A copy of the request's block table (block ids in token order)."""
+        """A copy of the request's block table (block ids in token order; FREED outside a window)."""
         return list(self._requests[request_id].table)
 
     def prefix_hashes(self, token_ids: Sequence[int], cache_salt: bytes = b"") -> list[bytes]:
@@ -96,6 +112,27 @@ class KVCacheManager:
         return [(block_id, block_hash) for block_id, block_hash in taken
                 if self._pool.block_hash(block_id) == block_hash]
 
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds (its table less the entries freed outside a window)."""
+        return len(self._requests[request_id].held())
+
+    def free_outside_window(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the request's blocks that no query at `num_computed_tokens` or later sees (a no-op
+        without a window). Call once those tokens are hashed (cache_blocks): a freed block stays
+        findable by its hash until the pool reclaims it."""
+        if self._window is None:
+            return
+        request = self._requests[request_id]
+        unneeded = self._window.unneeded_blocks(num_computed_tokens, self._block_size)
+        first = max(unneeded.start, request.freed_until)
+        # A block is hashed before it goes, so cache_blocks never meets a FREED entry.
+        stop = min(unneeded.stop, len(request.hashes)) if self._enable_prefix_caching else unneeded.stop
+        # Head first, as `free` releases tails last: older blocks are reclaimed sooner.
+        self._pool.decref(request.table[first:stop])
+        for index in range(first, stop):
+            request.table[index] = FREED
+        request.freed_until = max(request.freed_until, stop)
+
     def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: bytes = b"") -> tuple[list[int], int]:
         """Longest chain of cached full blocks matching the start of ``token_ids``: (block ids, tokens covered).
 
@@ -117,18 +154,31 @@ class KVCacheManager:
             block_ids.append(block_id)
         return block_ids, len(block_ids) * self._block_size
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+    def hidden_head(self, num_tokens: int) -> int:
+        """Leading blocks that no query at `num_tokens` or later sees: a request whose first
+        `num_tokens` tokens' KV arrives from elsewhere need neither hold nor receive them. 0 without
+        a window, and with sinks (what they hide is not a head)."""
+        if self._window is None or self._window.sink_tokens:
+            return 0
+        return len(self._window.unneeded_blocks(num_tokens, self._block_size))
+
+    def allocate_slots(self, request_id: str, num_total_tokens: int, cached_blocks: Sequence[int] = (),
+                       hidden_blocks: int = 0) -> bool:
         """Grow the request's table to cover ``num_total_tokens`` tokens; False (changing nothing) if out of blocks.
 
         ``cached_blocks`` (from ``find_cached_prefix``, called just before) are accepted only on a request's
-        first call and become the head of its table.
+        first call and become the head of its table; so are ``hidden_blocks`` FREED entries instead
+        (``hidden_head``: never allocated, never read).
         """
         request = self._requests.get(request_id)
-        if request is not None and cached_blocks:
+        if request is not None and (cached_blocks or hidden_blocks):
             raise ValueError(f"request {request_id!r} already has blocks; cached_blocks apply to its first call")
+        if cached_blocks and hidden_blocks:
+            raise ValueError("cached_blocks and hidden_blocks: a table's head is one or the other")
         if request is None:
             cached_hashes = self._hashes_of_cached(cached_blocks)
-            held, held_tokens = len(cached_blocks), len(cached_blocks) * self._block_size
+            held = len(cached_blocks) + hidden_blocks
+            held_tokens = held * self._block_size
         else:
             held, held_tokens = len(request.table), request.num_tokens
         if num_total_tokens < held_tokens:
@@ -143,7 +193,8 @@ class KVCacheManager:
         if request is None:
             for block_id in cached_blocks:
                 self._pool.touch(block_id)
-            request = _RequestBlocks(table=list(cached_blocks), hashes=cached_hashes)
+            request = _RequestBlocks(table=list(cached_blocks) + [FREED] * hidden_blocks, hashes=cached_hashes,
+                                     freed_until=hidden_blocks)
             self._requests[request_id] = request
         request.table.extend(self._pool.allocate(num_new))
         request.num_tokens = num_total_tokens
@@ -167,7 +218,9 @@ class KVCacheManager:
             parent = request.hashes[-1] if request.hashes else None
             block_hash = hash_block(parent, token_ids[start:start + self._block_size], self._salt,
                                     cache_salt if index == 0 else b"")
-            if self._pool.register(request.table[index], block_hash) and self._new_cached is not None:
+            # A hidden head block (FREED) is chained through, never cached.
+            if (request.table[index] != FREED and self._pool.register(request.table[index], block_hash)
+                    and self._new_cached is not None):
                 self._new_cached.append((request.table[index], block_hash))
             request.hashes.append(block_hash)
 
@@ -191,19 +244,20 @@ class KVCacheManager:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
-        self._pool.decref(reversed(request.table))
+        self._pool.decref(reversed(request.held()))
 
     def check_invariants(self) -> None:
         """Raise AssertionError if pool or request bookkeeping is inconsistent."""
         self._pool.check_invariants()
-        holders = Counter(block_id for request in self._requests.values() for block_id in request.table)
+        holders = Counter(block_id for request in self._requests.values() for block_id in request.held())
         for block_id in range(self._pool.num_blocks):
             assert self._pool.ref_count(block_id) == holders[block_id], f"block {block_id} ref count != holders"
         for request_id, request in self._requests.items():
             assert len(request.table) == blocks_for(request.num_tokens, self._block_size), f"{request_id}: table size"
             assert len(request.hashes) <= len(request.table), f"{request_id}: more hashes than blocks"
             for block_id, block_hash in zip(request.table[:len(request.hashes)], request.hashes, strict=True):
-                assert self._pool.block_hash(block_id) in (None, block_hash), f"{request_id}: block hash mismatch"
+                assert block_id == FREED or self._pool.block_hash(block_id) in (None, block_hash), (
+                    f"{request_id}: block hash mismatch")
 
     def _hashes_of_cached(self, cached_blocks: Sequence[int]) -> list[bytes]:
         if len(set(cached_blocks)) != len(cached_blocks):

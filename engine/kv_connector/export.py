@@ -4,6 +4,12 @@ A request added with a `KVExport` gets its pages pushed layer by layer while lat
 as soon as a layer has written the step's KV, the engine gathers the blocks of each such request that
 the receiver does not hold yet and hands them to the request's sink. Only the engine knows the
 blocks; the sink sees destination indices (0 is the first block the receiver lacks).
+
+Under a sliding window (engine.kv_cache.window) a chunk's blocks are gathered in the step that
+wrote them, before the window frees them. A model's own window hides a head of the prompt from the
+receiver's first query: the receiver counts it as held (`receiver_cached_tokens`), so only the
+window's blocks ship. With sinks what is hidden is not a head, and every block ships; the receiver
+frees the hidden ones once the pages are in.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ _ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", 
                   "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # a bias on q/k/v, never on o
 _QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Every layer windowed alike; Qwen's configs window only the layers from max_window_layers on.
+_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")
 # Mixtral's checkpoint names for its MoE tensors; the model reads Qwen-MoE's ("mlp.gate", "mlp.experts.E.gate_proj").
 _MIXTRAL_NAMES = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.w[123])\.weight")
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
@@ -132,7 +134,7 @@ def config_from_hf(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     if architecture not in _QKV_BIAS and raw.get("attention_bias", False):
         raise ValueError(f"attention_bias: unsupported for {architecture} (it includes an o_proj bias)")
     max_positions = int(raw["max_position_embeddings"])
-    _reject_sliding_window(raw, max_positions)
+    window = _sliding_window(raw, architecture, max_positions)
     num_heads = int(raw["num_attention_heads"])
     rope_params = _rope_parameters(raw)
     eos = raw.get("eos_token_id")
@@ -156,6 +158,7 @@ def config_from_hf(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         qk_norm=architecture in _QK_NORM,
         moe=_moe_config(raw, architecture),
         architecture=architecture,
+        sliding_window=window,
     )
 
 
@@ -178,12 +181,18 @@ def _moe_config(raw: dict[str, Any], architecture: str) -> MoEConfig | None:
                      shared_gate=shared > 0)
 
 
-def _reject_sliding_window(raw: dict[str, Any], max_positions: int) -> None:
-    # A window at least as long as the context never hides a token, so full attention is exact.
+def _sliding_window(raw: dict[str, Any], architecture: str, max_positions: int) -> int | None:
+    """The window every layer attends through, or None for full attention; ValueError for a
+    window on only some layers (Qwen2's max_window_layers), which is not served."""
     window = raw.get("sliding_window")
     enabled = raw.get("use_sliding_window", True)
-    if enabled and window is not None and int(window) < max_positions:
-        raise ValueError(f"sliding_window: unsupported ({window} < max_position_embeddings={max_positions})")
+    # A window at least as long as the context never hides a token, so full attention is exact.
+    if not enabled or window is None or int(window) >= max_positions:
+        return None
+    if architecture not in _WINDOWED:
+        raise ValueError(f"sliding_window: unsupported for {architecture} ({window} < max_position_embeddings="
+                         f"{max_positions}; served for {', '.join(_WINDOWED)})")
+    return int(window)
 
 
 def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:

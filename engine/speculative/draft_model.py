@@ -68,7 +68,8 @@ class DraftModel:
         self.tokenizer = Tokenizer.from_path(loaded.source)
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        self.kv = KVCacheManager(loaded.cache.num_blocks, config.cache.block_size, enable_prefix_caching=True)
+        self.kv = KVCacheManager(loaded.cache.num_blocks, config.cache.block_size, enable_prefix_caching=True,
+                                 window=loaded.window)
         # Drafts ignore EOS (the target decides where a request ends), so no token ends a draft early.
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(loaded.model, loaded.cache, Sampler(self.vocab_size, ()), device)

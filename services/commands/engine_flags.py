@@ -70,6 +70,12 @@ class EngineFlags:
     kv_cache_mib: int = flag((_CACHE.memory_bytes or 0) // _MIB, "KV cache budget in MiB")
     kv_cache_blocks: int | None = flag(None, "explicit KV block count (overrides MiB)")
     block_size: int = flag(_CACHE.block_size, "tokens per KV cache block")
+    kv_sliding_window: int | None = flag(
+        _CACHE.sliding_window, "StreamingLLM on a full-attention model: each query attends to the last N positions "
+        "(and the --kv-sink-tokens first); the blocks between are freed. Keys keep their positions, so a request "
+        "stays within --max-model-len. Refused for a model with its own sliding_window", metavar="N")
+    kv_sink_tokens: int = flag(_CACHE.sink_tokens, "with --kv-sliding-window: the first tokens every query still "
+                               "attends to (attention sinks), rounded up to whole blocks")
     max_num_seqs: int = flag(_SCHEDULER.max_num_seqs, "requests a step may run at once")
     max_num_batched_tokens: int = flag(_SCHEDULER.max_num_batched_tokens, "tokens a step may compute")
     max_prompt_batch_tokens: int | None = flag(
@@ -153,6 +159,8 @@ def flags_engine_config(flags: EngineFlags, role: Role) -> EngineConfig:
             num_blocks=flags.kv_cache_blocks,
             memory_bytes=None if flags.kv_cache_blocks else flags.kv_cache_mib * _MIB,
             enable_prefix_caching=not flags.no_prefix_caching,
+            sliding_window=flags.kv_sliding_window,
+            sink_tokens=flags.kv_sink_tokens,
         ),
         kv_tiers=KVTierConfig(host_socket=flags.kv_host_tier, disk_dir=flags.kv_disk_tier,
                               disk_bytes=flags.kv_disk_tier_mib * _MIB),

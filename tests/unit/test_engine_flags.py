@@ -43,7 +43,8 @@ def test_formats_default_to_auto_which_the_engine_resolves_and_the_flags_choose_
 
 ENGINE_FLAGS = ["--model", "/m.gguf", "--device", "cuda:1", "--dtype", "float16", "--attention-backend", "triton",
                 "--threads", "2", "--cpu-weights", "plain", "--quantization", "none", "--kv-cache-dtype", "int8",
-                "--kv-cache-mib", "64", "--kv-cache-blocks", "9", "--block-size", "32", "--max-num-seqs", "3",
+                "--kv-cache-mib", "64", "--kv-cache-blocks", "9", "--block-size", "32",
+                "--kv-sliding-window", "64", "--kv-sink-tokens", "4", "--max-num-seqs", "3",
                 "--max-num-batched-tokens", "100", "--max-prompt-batch-tokens", "0", "--max-model-len", "512",
                 "--no-prefix-caching", "--activation-quantization", "none",
                 "--speculative-config", '{"num_speculative_tokens": 3}', "--tensor-parallel-size", "3",

@@ -362,3 +362,62 @@ def test_a_cache_salt_keeps_tenants_prefixes_apart():
     assert salted[1] == hash_block(salted[0], prompt[4:8], b"model")  # only the first block carries it
     with pytest.raises(ValueError, match="cache_salt"):
         hash_block(salted[0], prompt[4:8], b"model", b"tenant-a")
+
+
+# --- a sliding window ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_window_frees_the_blocks_behind_it_and_keeps_their_places(caching):
+    from engine.kv_cache.manager import FREED
+    from engine.kv_cache.window import KVWindow
+
+    manager = KVCacheManager(8, BS, enable_prefix_caching=caching, window=KVWindow(6, sink_tokens=BS))
+    tokens = list(range(20))
+    computed(manager, "a", tokens)
+    # A query at 20 or later sees 15..20 and the sink block 0: blocks 1, 2 (tokens 4..11) go; 3 (12..15) stays.
+    manager.free_outside_window("a", 20)
+    assert manager.block_table("a") == [0, FREED, FREED, 3, 4]
+    assert manager.num_held_blocks("a") == 3 and manager.num_free_blocks == 5
+    manager.check_invariants()
+    # Growing appends after the freed places; freeing again is idempotent; freeing all skips them.
+    assert manager.allocate_slots("a", 21)
+    manager.free_outside_window("a", 20)
+    assert manager.block_table("a")[:3] == [0, FREED, FREED] and len(manager.block_table("a")) == 6
+    manager.check_invariants()
+    manager.free("a")
+    assert manager.num_free_blocks == 8
+    manager.check_invariants()
+    # The freed blocks kept their hashes: the whole prefix is a hit until the pool reclaims them.
+    assert manager.find_cached_prefix(tokens)[1] == (16 if caching else 0)
+
+
+def test_a_block_is_freed_only_once_hashed():
+    from engine.kv_cache.window import KVWindow
+
+    manager = KVCacheManager(8, BS, window=KVWindow(2))
+    assert manager.allocate_slots("a", 12)
+    manager.free_outside_window("a", 12)  # nothing hashed yet: nothing goes
+    assert manager.num_held_blocks("a") == 3
+    manager.cache_blocks("a", list(range(12)), 12)
+    manager.free_outside_window("a", 12)
+    assert manager.num_held_blocks("a") == 1
+
+
+def test_a_hidden_head_is_never_held_and_chained_through_but_never_cached():
+    from engine.kv_cache.manager import FREED
+    from engine.kv_cache.window import KVWindow
+
+    manager = KVCacheManager(8, BS, window=KVWindow(5))
+    tokens = list(range(14))
+    # A query at 14 sees 10..14: blocks 0 and 1 (tokens 0..7) are hidden.
+    assert manager.hidden_head(14) == 2 and KVCacheManager(8, BS).hidden_head(14) == 0
+    assert KVCacheManager(8, BS, window=KVWindow(5, sink_tokens=BS)).hidden_head(14) == 0
+    assert manager.allocate_slots("a", 14, hidden_blocks=2)
+    assert manager.block_table("a")[:2] == [FREED, FREED] and manager.num_held_blocks("a") == 2
+    manager.cache_blocks("a", tokens, 14)
+    manager.free_outside_window("a", 14)
+    manager.check_invariants()
+    assert manager.num_cached_blocks == 1  # block 2 (tokens 8..11), under its whole-prefix hash
+    manager.free("a")
+    assert manager.find_cached_prefix(tokens) == ([], 0)  # the chain's head was never here
+    manager.check_invariants()

@@ -145,7 +145,6 @@ def test_legacy_rope_scaling_and_eos_list() -> None:
 
 
 @pytest.mark.parametrize("extra, fragment", [
-    ({"sliding_window": 64}, "sliding_window"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
     ({"hidden_act": "gelu"}, "hidden_act"),
 ])
