@@ -67,7 +67,8 @@ FORMATS: tuple[Format, ...] = (
            {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "fp8"}, bound=0.01, retrieval=True),
     Format("kv-int8", "int8 KV cache, fp32 weights and activations",
            {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "int8"}, bound=0.01, retrieval=True),
-    Format("kv-int4", "int4 KV cache (a float16 scale per 32 elements), fp32 weights and activations",
+    Format("kv-int4", "int4 KV cache (rotated rows, a float16 scale and minimum per 16 elements), fp32 weights "
+           "and activations",
            {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "int4"}, bound=0.05, retrieval=True),
     # Held against the shipped model's fp32, so only a checkpoint of it is comparable: --gptq-model and
     # --awq-model give one, else the bench builds one from the HF export (round to nearest, no calibration).

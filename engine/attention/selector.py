@@ -59,7 +59,7 @@ def _triton_failure(device: str, codec: KVCodec) -> str | None:
         from engine.attention.triton_paged import triton_paged_decode_attention
 
         generator = torch.Generator().manual_seed(0)
-        # head_dim 32: one int4 scale group (engine.kv_cache.codec.INT4_GROUP).
+        # head_dim 32: two int4 scale groups (engine.kv_cache.codec.INT4_GROUP).
         k_cache, v_cache = torch.randn(2, 2, 16, 2, 32, generator=generator).to(device).unbind(0)
         k_cache, v_cache = codec.encode(k_cache), codec.encode(v_cache)
         q = torch.randn(2, 4, 32, generator=generator).to(device)

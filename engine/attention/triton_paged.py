@@ -11,7 +11,9 @@ A quantized cache (engine.kv_cache.codec) is read as it is stored: 1-byte codes 
 scale per (token, KV head) row. The scales never multiply the codes: a key's scale multiplies its
 column of scores, a value's scale its column of probabilities, so each costs one product per key.
 An int4 cache's scales belong to groups of a row's elements, not to whole rows, so there the tile
-is widened in registers instead: each byte's two nibbles, less 8, times their group's float16 scale.
+is widened in registers instead: each byte's two nibbles times their group's float16 scale plus its
+minimum. Its rows are stored rotated (an orthogonal H, its own inverse): the kernel attends with Hq,
+since Hq . Hk = q . k, and the weighted sum of rotated values it returns is rotated back.
 """
 
 from __future__ import annotations
@@ -148,14 +150,17 @@ def _load_tile(
 ):
     """A tile of K (or V) rows as float32 [KV_TILE, HEAD_DIM_PAD]: the values or 1-byte codes as
     stored, or (PACKED, int4) element d as the low (even d) or high (odd d) nibble of byte d // 2,
-    less 8, times the float16 scale of group d // SCALE_GROUP."""
+    times the float16 scale of group d // SCALE_GROUP plus its minimum (masked lanes read 0)."""
     row = slot[:, None] * stride_b + in_block[:, None] * stride_t + kv_head * stride_h
     if PACKED:
         packed = tl.load(cache_ptr + row + (dims // 2)[None, :], mask=mask, other=0).to(tl.int32)
-        codes = ((packed >> ((dims % 2) * 4)[None, :]) & 15) - 8
-        scale_row = slot[:, None] * stride_sb + in_block[:, None] * stride_st + kv_head * stride_sh
-        scales = tl.load(scale_ptr + scale_row + (dims // SCALE_GROUP)[None, :], mask=mask, other=0.0)
-        tile = codes.to(tl.float32) * scales.to(tl.float32)
+        codes = (packed >> ((dims % 2) * 4)[None, :]) & 15
+        # Each group's float16 (scale, minimum) pair, contiguous after the codes.
+        pair = scale_ptr + slot[:, None] * stride_sb + in_block[:, None] * stride_st + kv_head * stride_sh
+        pair += (dims // SCALE_GROUP * 2)[None, :]
+        scales = tl.load(pair, mask=mask, other=0.0).to(tl.float32)
+        minima = tl.load(pair + 1, mask=mask, other=0.0).to(tl.float32)
+        tile = codes.to(tl.float32) * scales + minima
     else:
         tile = tl.load(cache_ptr + row + dims[None, :], mask=mask, other=0.0).to(tl.float32)
     return tile
@@ -209,6 +214,7 @@ def _paged_attention(
     window: KVWindow | None = None,
 ) -> torch.Tensor:
     """Launch the kernel(s); the host-side maxima size the grid without a device sync."""
+    q = codec.kernel_basis(q)
     if q.stride(-1) != 1:
         q = q.contiguous()
     k_cache, k_scales, k_scale_strides = _kernel_operands(codec, k_cache)
@@ -255,7 +261,7 @@ def _paged_attention(
         DOT_PRECISION="ieee" if (q.dtype if codec.scaled else k_cache.dtype) == torch.float32 else "tf32",
         SCALED=codec.scaled,
         PACKED=codec.packed,
-        SCALE_GROUP=head_dim // k_scales.shape[-1] if codec.packed else 1,
+        SCALE_GROUP=head_dim // k_scales.shape[-2] if codec.packed else 1,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -265,7 +271,7 @@ def _paged_attention(
             out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         )
-    return out
+    return codec.kernel_basis(out)
 
 
 def _kernel_operands(codec: KVCodec, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:

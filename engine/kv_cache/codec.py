@@ -18,21 +18,32 @@ pure function of its tokens' K and V, so chunked prefill, prefix-cache hits and 
 decode worker hold the same bytes. Scales inside the page mean that whatever moves pages (block
 copies, both transfer backends, their checksums) moves the scales with them.
 
-"int4" packs symmetric 4-bit codes two to a byte (element 2i in the low nibble, stored as code + 8)
-and gives every group of INT4_GROUP consecutive elements of a row its own float16 scale, max|group|
-/ 7, after the row's codes:
+"int4" rotates each row by H, the normalized Walsh-Hadamard matrix of size head_dim (of the largest
+power of two dividing it, repeated along the diagonal), then stores 4-bit codes two to a byte
+(element 2i in the low nibble) and, for every group of INT4_GROUP consecutive elements, a float16
+scale and minimum, (max - min) / 15 and min of the group, after the row's codes:
 
-    page [block_size, num_kv_heads, head_dim / 2 + 2 * head_dim / 32] uint8
+    page [block_size, num_kv_heads, head_dim / 2 + 4 * head_dim / 16] uint8
 
-Fifteen levels cannot share one scale across a row: keys carry outlier channels (on the shipped
-model a key channel's largest |value| is 6 to 26 times a row's median), and one row-wide scale of
-max / 7 would round most of the row's other elements to zero. A group of 32 with a float16 scale is
-llama.cpp's q4_0 block (its `--cache-type-k q4_0`), 4.5 bits an element: at head_dim 64 a row is 36 bytes against
-bf16's 128. Smaller groups buy little on the shipped model: the mean |logit - fp32 cache's| over two
-parity prompts was 1.19 and 1.11 with groups of 32, 1.52 and 0.91 of 16 (5 bits an element), 0.70
-and 0.69 of 8 (6 bits), where int8 (8.5 bits) gives 0.14: past 32 the 15 levels themselves are the
-error, and the format for quality is int8. Scales are per row and group, never per block, for the
-same reason as the 1-byte formats' (a page a pure function of its tokens).
+Sixteen levels cannot follow a row whose channels differ in size: keys carry outlier channels (on
+the shipped model a key channel's largest |value| is 6 to 26 times a row's median), which set their
+group's step and round the group's other elements to a few codes. H is orthogonal and symmetric, so
+it is its own inverse and keeps dot products (Hq . Hk = q . k): rotated, every element is a signed
+mix of all the channels and the outliers' size spreads over the row (QuaRot, SpinQuant), so each
+group's range is closer to its elements' typical size. The rotation is per row, so a page stays a
+pure function of its tokens. Reading undoes it: the torch backend decodes and multiplies by H; the
+Triton kernel attends with Hq over the rotated keys and rotates the weighted sum of rotated values
+back (engine.attention.triton_paged).
+
+Measured on the shipped model (perplexity of the fidelity suite's 8 windows of 512 tokens, chunks
+of 128, fp32 weights, against fp32 KV): without rotation, symmetric codes (-7..7) and a float16
+scale per 32 (llama.cpp's q4_0, 36 bytes a row at head_dim 64) +20.4%, asymmetric +7.8%; rotated,
+symmetric per 32 +8.1%, per 16 +6.9%, asymmetric per 32 (40 bytes) +5.6% (its keys alone +4.4%, its
+values alone +0.5%), asymmetric per 16 (48 bytes, 6 bits an element) +3.5%, the only one within the
+fidelity bound of +5% (the others were simulated, quantizing and restoring K and V in front of an
+fp32 cache with the same arithmetic; the last is this codec). That is this format: 0.375x bf16's
+bytes, against int8's 0.53x. Scales are per row and group, never per block, for the same reason as
+the 1-byte formats' (a page a pure function of its tokens).
 """
 
 from __future__ import annotations
@@ -48,7 +59,7 @@ from engine.dtypes import TORCH_DTYPES
 from engine.kv_cache.page_copy import copy_rows, gather_blocks
 
 SCALE_BYTES = 4  # one float32 per row
-INT4_GROUP = 32  # elements of a row sharing one int4 scale (see the module docstring)
+INT4_GROUP = 16  # elements of a rotated row sharing one int4 scale and minimum (see the module docstring)
 # vLLM's spelling for "fp8" when no format is named.
 _ALIASES = {"fp8": "fp8_e4m3"}
 
@@ -79,8 +90,15 @@ class KVCodec(Protocol):
 
     def kernel_operands(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What a kernel reads: the values or codes [num_blocks, block_size, num_kv_heads,
-        head_dim] (head_dim / 2 bytes if packed), and the scales [num_blocks, block_size,
-        num_kv_heads, groups] (one group, float32, unless packed; None if dense)."""
+        head_dim] (head_dim / 2 bytes if packed), and the scales: [num_blocks, block_size,
+        num_kv_heads, 1] float32, or if packed float16 (scale, minimum) pairs [num_blocks,
+        block_size, num_kv_heads, groups, 2]; None if dense."""
+        ...
+
+    def kernel_basis(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows [..., head_dim] in the basis the kernel operands hold K and V in, and back (the
+        change of basis is its own inverse): a kernel attends with kernel_basis(q) and returns
+        kernel_basis of what it computed. x itself unless the codec rotates rows."""
         ...
 
 
@@ -112,6 +130,10 @@ class DenseKV:
     def kernel_operands(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """See `KVCodec.kernel_operands`."""
         return cache, None
+
+    def kernel_basis(self, x: torch.Tensor) -> torch.Tensor:
+        """See `KVCodec.kernel_basis`: x itself."""
+        return x
 
 
 class _EncodedRows(ABC):
@@ -185,6 +207,10 @@ class ScaledKV(_EncodedRows):
         """See `KVCodec.kernel_operands`: views into the cache, no copy."""
         return self._split(cache)
 
+    def kernel_basis(self, x: torch.Tensor) -> torch.Tensor:
+        """See `KVCodec.kernel_basis`: x itself."""
+        return x
+
     def _split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         head_dim = rows.shape[-1] - SCALE_BYTES
         return rows[..., :head_dim].view(self.code_dtype), rows[..., head_dim:].view(torch.float32)
@@ -192,55 +218,81 @@ class ScaledKV(_EncodedRows):
 
 @dataclass(frozen=True)
 class Int4KV(_EncodedRows):
-    """Pages hold 4-bit codes two a byte, each row followed by a float16 scale per group of
-    `group_size` elements (see the module docstring)."""
+    """Pages hold a rotated row's 4-bit codes two a byte, then a float16 scale and minimum per group
+    of `group_size` elements (see the module docstring)."""
 
     name: str = "int4"
     group_size: int = INT4_GROUP
-    max_code: ClassVar[int] = 7  # symmetric: -7..7, so 0 is exact and the sign costs no offset
+    max_code: ClassVar[int] = 15  # asymmetric: codes 0..15 from the group's minimum up
     scaled: ClassVar[bool] = True
     packed: ClassVar[bool] = True
 
     def row_width(self, head_dim: int) -> int:
-        """See `KVCodec.row_width`: head_dim / 2 code bytes and 2 bytes per group's scale."""
+        """See `KVCodec.row_width`: head_dim / 2 code bytes, 4 bytes per group's scale and minimum."""
         if head_dim % self.group_size:
             raise ValueError(f"kv_cache_dtype: {self.name} needs a head_dim divisible by its scale group of "
                              f"{self.group_size} elements, the model's head_dim is {head_dim}")
-        return head_dim // 2 + head_dim // self.group_size * 2
+        return head_dim // 2 + head_dim // self.group_size * 4
+
+    def kernel_basis(self, x: torch.Tensor) -> torch.Tensor:
+        """See `KVCodec.kernel_basis`: x rotated (the rotation is its own inverse), in x's dtype."""
+        return (x.float() @ _rotation(x.shape[-1], x.device)).to(x.dtype)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """See `KVCodec.encode`: [..., row_width] uint8, the packed codes, then the groups' scales."""
-        groups = x.float().unflatten(-1, (-1, self.group_size))
-        # Rounded to float16 before dividing, so the codes are those of the scale stored. A group of
-        # zeros (or below float16's normal range) gets its smallest normal scale: finite, codes ~0.
+        """See `KVCodec.encode`: [..., row_width] uint8, the rotated row's packed codes, then each
+        group's float16 (scale, minimum)."""
+        groups = (x.float() @ _rotation(x.shape[-1], x.device)).unflatten(-1, (-1, self.group_size))
+        # Both rounded to float16 first, so the codes are those of the scale and minimum stored. A
+        # constant group (or one narrower than float16's normal range) gets its smallest normal
+        # scale: finite, and its codes ~0 above a minimum that is then the group's value.
         half = torch.finfo(torch.float16)
-        scale = groups.abs().amax(-1, keepdim=True).div_(self.max_code).clamp_(half.tiny, half.max).half()
-        # The clamp catches only a group beyond float16's range; float16 rounding of the scale moves
-        # |x / scale| past 7 by less than half a step.
-        codes = (groups / scale).round_().clamp_(-self.max_code, self.max_code).flatten(-2)
-        nibbles = (codes + 8).to(torch.uint8)
+        low = groups.amin(-1, keepdim=True).clamp_(half.min, half.max).half()
+        width = groups.amax(-1, keepdim=True) - low.float()
+        scale = width.div_(self.max_code).clamp_(half.tiny, half.max).half()
+        # The clamp catches a float16 rounding of the minimum or scale that puts an end of the group
+        # a fraction of a step outside 0..15.
+        codes = ((groups - low.float()) / scale.float()).round_().clamp_(0, self.max_code).flatten(-2)
+        nibbles = codes.to(torch.uint8)
         packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-        return torch.cat((packed, scale.squeeze(-1).view(torch.uint8)), dim=-1)
+        pairs = torch.cat((scale, low), dim=-1)  # [..., groups, 2]
+        return torch.cat((packed, pairs.flatten(-2).view(torch.uint8)), dim=-1)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows [..., row_width] uint8 -> values [..., head_dim] in `dtype`: each byte's two codes
-        looked up in a table of the 256 bytes' pairs (one gather), then scaled by their group's."""
-        packed, scale = self.kernel_operands(rows)
-        pairs = _nibble_pairs(packed.device).index_select(0, packed.reshape(-1).to(torch.int32))
-        groups = pairs.view(*packed.shape[:-1], scale.shape[-1], self.group_size)
-        return groups.mul_(scale.float().unsqueeze(-1)).flatten(-2).to(dtype)
+        looked up in a table of the 256 bytes' pairs (one gather), times their group's scale plus its
+        minimum, rotated back."""
+        packed, pairs = self.kernel_operands(rows)
+        codes = _nibble_pairs(packed.device).index_select(0, packed.reshape(-1).to(torch.int32))
+        groups = codes.view(*packed.shape[:-1], pairs.shape[-2], self.group_size)
+        pairs = pairs.float()
+        rotated = groups.mul_(pairs[..., :1]).add_(pairs[..., 1:]).flatten(-2)
+        return (rotated @ _rotation(rotated.shape[-1], rotated.device)).to(dtype)
 
     def kernel_operands(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """See `KVCodec.kernel_operands`: views into the cache, no copy."""
-        code_bytes = cache.shape[-1] * self.group_size // (self.group_size + 4)
-        return cache[..., :code_bytes], cache[..., code_bytes:].view(torch.float16)
+        """See `KVCodec.kernel_operands`: views into the cache, no copy; the scales are float16
+        (scale, minimum) pairs, [..., groups, 2]."""
+        # A row is head_dim / 2 code bytes and 4 * head_dim / group_size bytes of pairs.
+        code_bytes = cache.shape[-1] * self.group_size // (self.group_size + 8)
+        return cache[..., :code_bytes], cache[..., code_bytes:].view(torch.float16).unflatten(-1, (-1, 2))
 
 
 @functools.cache
 def _nibble_pairs(device: torch.device) -> torch.Tensor:
     """[256, 2] float32: the int4 codes (low nibble, high nibble) each byte holds."""
     byte = torch.arange(256, dtype=torch.int32)
-    return (torch.stack((byte & 15, byte >> 4), dim=-1) - 8).float().to(device)
+    return torch.stack((byte & 15, byte >> 4), dim=-1).float().to(device)
+
+
+@functools.cache
+def _rotation(head_dim: int, device: torch.device) -> torch.Tensor:
+    """[head_dim, head_dim] float32: the normalized Walsh-Hadamard matrix of the largest power of two
+    dividing head_dim (at most head_dim), repeated along the diagonal. Symmetric and orthogonal, so
+    it is its own inverse and keeps dot products: q . k = (q H) . (k H)."""
+    size = head_dim & -head_dim  # the largest power of two dividing head_dim
+    hadamard = torch.ones(1, 1)
+    while hadamard.shape[0] < size:  # Sylvester's construction: [[H, H], [H, -H]]
+        hadamard = torch.cat((torch.cat((hadamard, hadamard), 1), torch.cat((hadamard, -hadamard), 1)))
+    return torch.block_diag(*[hadamard / size**0.5] * (head_dim // size)).to(device)
 
 
 @functools.cache

@@ -35,8 +35,8 @@ def test_prefill_export_import_decode_equals_colocated(make_engine, tokenizer, p
 
 
 # fp8: 64 codes and a float32 scale a row (int8 pages travel the same way); int4: 32 bytes of
-# two codes each and a float16 scale per 32 elements.
-@pytest.mark.parametrize(("kv_cache_dtype", "row_bytes"), [("fp8", 68), ("int4", 36)])
+# two codes each and a float16 scale and minimum per 16 elements.
+@pytest.mark.parametrize(("kv_cache_dtype", "row_bytes"), [("fp8", 68), ("int4", 48)])
 def test_quantized_pages_carry_their_scales_to_the_decode_engine(make_engine, tokenizer, kv_cache_dtype, row_bytes):
     # A quantized prefill engine's pages hold codes and scales; a decode engine of the same KV dtype
     # continues exactly as one engine with that cache would.

@@ -54,36 +54,54 @@ def test_fp8_error_is_at_most_half_a_step_of_e4m3() -> None:
     assert (error <= half_step * (1 + 1e-5)).all()
 
 
-def test_an_int4_row_is_its_packed_codes_then_a_float16_scale_per_group_of_32() -> None:
+def _hadamard(n: int) -> torch.Tensor:
+    """The normalized Walsh-Hadamard matrix of size n (a power of two): entry (i, j) is the sign
+    (-1)^popcount(i & j), over sqrt(n)."""
+    index = torch.arange(n)
+    bits = index[:, None] & index[None, :]
+    parity = sum((bits >> b) & 1 for b in range(n.bit_length()))
+    return (1 - 2 * (parity % 2)).float() / n**0.5
+
+
+def test_an_int4_row_is_its_rotated_codes_then_a_float16_scale_and_minimum_per_group_of_16() -> None:
     x = _rows()
     rows = INT4.encode(x)
-    assert rows.shape == (64, 3, 36) and rows.dtype == torch.uint8  # 32 code bytes, 2 scales of 2 bytes
-    scale = rows[..., 32:].contiguous().view(torch.float16)
-    assert torch.equal(scale, (x.unflatten(-1, (2, 32)).abs().amax(-1) / 7).half())
-    low, high = (rows[..., :32] & 15).int() - 8, (rows[..., :32] >> 4).int() - 8  # elements 2i and 2i + 1
-    codes = torch.stack((low, high), dim=-1).flatten(-2)
-    assert codes.abs().amax() == 7 and codes.min() >= -7
-    want = codes.unflatten(-1, (2, 32)) * scale.float().unsqueeze(-1)
-    assert torch.equal(INT4.decode(rows, torch.float32), want.flatten(-2))
+    assert rows.shape == (64, 3, 48) and rows.dtype == torch.uint8  # 32 code bytes, 4 groups' 2 + 2 bytes
+    rotated = (x @ _hadamard(64)).unflatten(-1, (4, 16))
+    pairs = rows[..., 32:].contiguous().view(torch.float16).unflatten(-1, (4, 2)).float()
+    scale, low = pairs[..., 0], pairs[..., 1]
+    assert torch.equal(low, rotated.amin(-1).half().float())
+    assert torch.equal(scale, ((rotated.amax(-1) - low) / 15).half().float())
+    low_codes, high_codes = (rows[..., :32] & 15).int(), (rows[..., :32] >> 4).int()  # elements 2i and 2i + 1
+    codes = torch.stack((low_codes, high_codes), dim=-1).flatten(-2).unflatten(-1, (4, 16))
+    assert (codes.amin(-1) == 0).all() and (codes.amax(-1) == 15).all()  # each group spans all 16 levels
+    want = (codes * scale[..., None] + low[..., None]).flatten(-2) @ _hadamard(64)
+    torch.testing.assert_close(INT4.decode(rows, torch.float32), want)
 
 
-def test_int4_error_is_at_most_half_its_own_groups_step() -> None:
-    # The outlier channels (0 and 1) widen only the first group's step: the second group keeps a
-    # step of its own size, which one scale per row would have made 20x coarser.
+def test_int4_error_is_at_most_half_its_own_groups_step_in_the_rotated_basis() -> None:
+    # The rotation spreads the outlier channels (0 and 1) over every element of the row, and, being
+    # orthogonal, keeps the error's length: a row's error is at most the length of its half steps.
     x = _rows()
-    step = (x.unflatten(-1, (2, 32)).abs().amax(-1, keepdim=True) / 7).half().float()
-    error = (INT4.decode(INT4.encode(x), torch.float32) - x).unflatten(-1, (2, 32)).abs()
-    assert (error <= step / 2 * (1 + 1e-3)).all()
-    assert error[..., 1, :].mean() < error[..., 0, :].mean() / 5
+    rotated = (x @ _hadamard(64)).unflatten(-1, (4, 16))
+    step = ((rotated.amax(-1, keepdim=True) - rotated.amin(-1, keepdim=True)) / 15).expand_as(rotated)
+    decoded = INT4.decode(INT4.encode(x), torch.float32)
+    error = (decoded @ _hadamard(64)).unflatten(-1, (4, 16)) - rotated
+    assert (error.abs() <= step / 2 * (1 + 1e-2)).all()
+    half_steps = (step / 2).flatten(-2).norm(dim=-1)
+    assert ((decoded - x).norm(dim=-1) <= half_steps * (1 + 1e-2)).all()
+
+
+def test_int4_rotation_is_its_own_inverse_and_keeps_dot_products() -> None:
+    q, k = _rows(1), _rows(2)
+    assert torch.allclose(INT4.kernel_basis(INT4.kernel_basis(q)), q, atol=1e-4)
+    want = (q * k).sum(-1)
+    assert torch.allclose((INT4.kernel_basis(q) * INT4.kernel_basis(k)).sum(-1), want, atol=1e-3 * want.abs().max())
 
 
 @pytest.mark.parametrize("codec", [*SCALED, INT4], ids=lambda c: c.name)
 def test_a_zero_row_decodes_to_zeros(codec) -> None:
     assert torch.equal(codec.decode(codec.encode(torch.zeros(2, 3, 64)), torch.float32), torch.zeros(2, 3, 64))
-
-
-# Half a format's largest step, relative to its row's largest value (int4's groups only finer).
-HALF_STEP = {"fp8_e4m3": 16 / 448, "int8": 0.5 / 127, "int4": 0.5 / 7}
 
 
 @pytest.mark.parametrize("codec", [*SCALED, INT4], ids=lambda c: c.name)
@@ -99,8 +117,7 @@ def test_later_tokens_of_a_partly_filled_block_leave_the_earlier_rows_alone(code
     assert torch.equal(cache[1, :5], before)
     assert torch.equal(cache[1, 5:8], codec.encode(later)) and torch.equal(values[1, 5:8], codec.encode(-later))
     read = codec.read(cache, torch.tensor([1]), torch.float32)[0]
-    # Within half of the format's top step of each row's largest value.
-    assert ((read[5:8] - later).abs() <= later.abs().amax(-1, keepdim=True) * HALF_STEP[codec.name] * (1 + 1e-3)).all()
+    torch.testing.assert_close(read[5:8], codec.decode(codec.encode(later), torch.float32))
 
 
 def test_kv_cache_dtype_names_a_format() -> None:
@@ -116,9 +133,9 @@ def test_kv_cache_dtype_names_a_format() -> None:
 def test_a_head_dim_the_scales_cannot_follow_is_refused() -> None:
     with pytest.raises(ValueError, match=r"^kv_cache_dtype: int8 needs a head_dim divisible by 4"):
         KV_FORMATS["int8"].page_shape(16, 3, 62)
-    with pytest.raises(ValueError, match=r"^kv_cache_dtype: int4 needs a head_dim divisible by its scale group of 32 "
-                                         r"elements, the model's head_dim is 80$"):
-        KV_FORMATS["int4"].page_shape(16, 3, 80)
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype: int4 needs a head_dim divisible by its scale group of 16 "
+                                         r"elements, the model's head_dim is 72$"):
+        KV_FORMATS["int4"].page_shape(16, 3, 72)
 
 
 def test_a_quantized_block_costs_one_byte_an_element_plus_its_scales() -> None:
@@ -126,7 +143,7 @@ def test_a_quantized_block_costs_one_byte_an_element_plus_its_scales() -> None:
     rows = 2 * 30 * 16 * 3  # K and V rows of one block across the layers
     assert per_block == {"float32": rows * 64 * 4, "bfloat16": rows * 64 * 2, "int8": rows * (64 + 4)}
     assert bytes_per_block(SMOLLM, 16, KV_FORMATS["fp8_e4m3"]) == per_block["int8"]
-    assert bytes_per_block(SMOLLM, 16, KV_FORMATS["int4"]) == rows * (32 + 2 * 2)  # 4.5 bits an element
+    assert bytes_per_block(SMOLLM, 16, KV_FORMATS["int4"]) == rows * (32 + 4 * 4)  # 6 bits an element
     # So a budget holds 128/68 = 1.88x the blocks of a bf16 cache, 3.76x those of an fp32 one.
     budget = 512 * 1024 * 1024
     assert budget // per_block["int8"] == 2741 and budget // per_block["bfloat16"] == 1456

@@ -75,7 +75,7 @@ def test_the_shipped_model_moves_between_layouts_and_decodes_as_one_process(pref
                   f"prefill TP {prefill_size} -> decode TP {decode_size}")
 
 
-# int4's scales belong to groups of 32 elements of a row: head_dim 32 gives it one per row and head.
+# int4's scales belong to groups of 16 elements of a row: head_dim 32 gives it two per row and head.
 @pytest.mark.parametrize(("kv_cache_dtype", "head_dim"), [("int8", 16), ("int4", 32)])
 def test_a_random_model_with_replicated_kv_heads_moves_quantized_pages_between_tp_4_and_tp_2(
         tmp_path: Path, kv_cache_dtype: str, head_dim: int):

@@ -194,8 +194,9 @@ def test_forward_decode_batch_matches_torch_backend():
 @pytest.mark.parametrize("codec", [FP8_E4M3, INT8, INT4], ids=lambda c: c.name)
 def test_quantized_cache_mixed_batch_matches_torch_backend(codec):
     # The kernel reads codes and applies each row's scale to its scores and probabilities (int4:
-    # widens each tile by its groups' scales); the torch backend decodes the rows first: the same
-    # numbers up to float32 rounding.
+    # widens each tile by its groups' scales and minima, and attends in the rotated basis); the
+    # torch backend decodes the rows first (int4: rotates them back): the same numbers up to
+    # float32 rounding.
     _backends_agree((9, 3, 16, 64), query_lens=[1, 12, 17, 1], seq_lens=[20, 29, 17, 32], codec=codec)
 
 
@@ -206,7 +207,8 @@ def test_quantized_cache_split_decode_matches_torch_backend(codec):
 
 @pytest.mark.parametrize("shape", [(8, 2, 32, 128), (4, 4, 16, 96)])
 def test_int4_cache_of_several_groups_and_a_padded_head_dim_matches_torch_backend(shape):
-    # Four scale groups a row; head_dim 96 pads to 128 lanes, whose masked bytes must read as zeros.
+    # Eight and six scale groups a row; head_dim 96 (rotated in three blocks of 32) pads to 128
+    # lanes, whose masked bytes must read as zeros.
     _backends_agree(shape, query_lens=[1, 9, 1], seq_lens=[40, 9, 3], codec=INT4)
 
 
