@@ -199,6 +199,8 @@ def test_an_openai_field_that_would_change_the_output_unserved_is_refused_by_nam
 @pytest.mark.parametrize(("fields", "param"), [
     ({"n": 0}, "n"), ({"max_tokens": "lots"}, "max_tokens"), ({"logprobs": 21}, "logprobs"),
     ({"ttft_ms": 0}, "ttft_ms"), ({"stop": 3}, "stop"), ({"prompt": None}, "prompt"),
+    # Past the wire's integer types (the fuzz found ttft_ms 2**32 answered "Value out of range").
+    ({"ttft_ms": 2**32}, "ttft_ms"), ({"tpot_ms": 2**32}, "tpot_ms"), ({"priority": 2**31}, "priority"),
 ])
 def test_schema_errors_are_400s_naming_the_field(fields, param):
     with pytest.raises(ValidationError) as invalid:

@@ -62,10 +62,10 @@ class SamplingBody(BaseModel):
     # vLLM's: hashed into the prompt's first KV block, so that only requests with the same salt (one
     # tenant's) share cached prefixes.
     cache_salt: str | None = Field(None, min_length=1, strict=True)
-    # Tandem: per-request latency objectives (milliseconds) and priority (higher first).
-    ttft_ms: int | None = Field(None, gt=0)
-    tpot_ms: int | None = Field(None, gt=0)
-    priority: int = 0
+    # Tandem: per-request latency objectives (milliseconds: uint32 on the wire) and priority (higher first).
+    ttft_ms: int | None = Field(None, gt=0, lt=2**32)
+    tpot_ms: int | None = Field(None, gt=0, lt=2**32)
+    priority: int = Field(0, ge=-2**31, lt=2**31)  # int32 on the wire
 
     @property
     def include_usage(self) -> bool:
