@@ -38,6 +38,13 @@ def wait_until_caught_up(gateway: WorkerProcess, worker: WorkerProcess) -> None:
          f"the gateway's index reaching event {seq} of {worker.address}", 60.0)
 
 
+def wait_until_trusted(gateway: WorkerProcess, workers: Sequence[WorkerProcess]) -> None:
+    """Wait until the gateway has checked every worker's probe hashes and uses their block events (a
+    worker's first reports may arrive before the gateway's tokenizer for its model has loaded)."""
+    poll(lambda: all(health_detail(gateway)[listed_address(w)]["prefix_index"] == "exact" for w in workers),
+         "the gateway trusting every worker's block events", 60.0)
+
+
 def check_index_agrees(gateway: WorkerProcess, workers: Sequence[WorkerProcess]) -> None:
     """The gateway's index holds, for each idle worker, exactly as many device blocks as the worker's
     own prefix cache, once it has caught up with the worker's events."""
