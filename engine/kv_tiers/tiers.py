@@ -109,9 +109,8 @@ class KVTiers:
                 if evicted:
                     self._events.removed("host", evicted)
         if self._disk is not None and block_hash not in self._disk:
-            before = self._disk.stats.write_errors
             evicted = self._disk.put(block_hash, payload)
-            if self._disk.stats.write_errors == before:
+            if block_hash in self._disk:  # not when the disk refused the write
                 self._events.stored("disk", [block_hash])
             if evicted:
                 self._events.removed("disk", evicted)
