@@ -312,7 +312,10 @@ def _disturbed(request: RouteRequest, site: WorkerView, tpot: float, policy: Rou
     mixed step the site's running requests see meanwhile where they cannot absorb its stall."""
     if site.role == "prefill" or not site.sequences or _absorbed(request, site, policy.tpot_slack_share):
         return tpot
-    chunk = min(site.chunk_tokens, request.prompt_tokens)
+    # The tokens it computes, not the prompt's: a prompt mostly in the site's cache stalls its batch
+    # for one short chunk, and counting the whole prompt made a worker holding a conversation's
+    # history look as costly as one recomputing it (the next turn then went to the other).
+    chunk = min(site.chunk_tokens, _uncached(request, site))
     return max(tpot, site.step_model.step_s(chunk, site.sequences, site.context_tokens))
 
 

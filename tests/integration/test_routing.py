@@ -208,11 +208,6 @@ def _sites(gateway: WorkerProcess, run: Callable[[], T]) -> tuple[T, set[str], s
     return result, prefill or decode, decode
 
 
-@pytest.mark.xfail(reason="a known defect, open: after test_a_colocated_worker_computes_a_prompt_that_another_decodes "
-                   "ran on the same mesh, the gateway sees no cached tokens for the first turn's blocks (the index's "
-                   "block count and event sequence agree with the worker's) and computes the second turn on the other "
-                   "worker; alone, this test passes. Reproduce: pytest tests/integration/test_routing.py -k "
-                   "'colocated_worker_computes or conversations_next'", strict=False)
 def test_a_conversations_next_turn_goes_to_the_worker_holding_its_first_turn(colocated):
     # Each conversation's first turn lands on either worker (turn order, by load); its second turn
     # extends it, and goes where the gateway's exact index says the first turn's blocks are.

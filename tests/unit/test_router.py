@@ -219,3 +219,15 @@ def test_a_prefill_worker_is_paired_only_with_a_decode_worker_whose_pages_mean_t
     assert route(request(), workers[:2]).prefill is None
     # A worker that reports no layout pairs with any (the KV handshake still checks).
     assert route(request(), [prefill("p1"), workers[1]]).prefill == "p1"
+
+
+def test_a_busy_worker_holding_the_history_computes_the_next_turn_for_an_idle_one() -> None:
+    # c1 holds 896 of the next turn's 930 tokens but still reports the previous turn running (its
+    # report predates the turn's end: no slack known); c2 is idle and holds nothing. Computing 34
+    # tokens on c1 stalls its batch for a short chunk, not for the whole prompt, so c1 computes the
+    # turn (for c2, which decodes it) instead of c2 recomputing all 930.
+    workers = [decode("c1", sequences=1, role="colocated", chunk=2048),
+               decode("c2", role="colocated", chunk=2048)]
+    policy = RoutingPolicy(split_ttft_share=0.25)
+    decision = route(request(930, cached={"c1": 896}, slo=SloTargets(600.0, 600.0)), workers, policy=policy)
+    assert (decision.prefill, decision.decode) == ("c1", "c2"), decision.reasons
