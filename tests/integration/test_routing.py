@@ -143,6 +143,20 @@ def test_a_colocated_worker_computes_a_prompt_that_another_decodes(colocated, ma
     assert_no_leaks(colocated[:2])
 
 
+def test_a_colocated_worker_counts_the_prefix_hits_of_a_prompt_it_computes_itself(colocated, tokenizer):
+    # Its vllm:prefix_cache_hits counted only the hits of prompts other workers computed for it.
+    worker, _, gateway = colocated
+    prompt = tokenizer.encode(f"Hit counting.\n{travel_diary()}")[:300]
+
+    def hits() -> float:
+        return _counters(gateway, "vllm:prefix_cache_hits", metrics_address=str(worker.metrics_address))[()]
+
+    _decode_directly(worker, prompt)
+    before = hits()
+    cached = _decode_directly(worker, prompt)[-1].usage.cached_tokens
+    assert cached >= 256 and hits() - before == cached, (cached, before, hits())
+
+
 def test_the_gateway_places_a_request_on_one_colocated_worker_or_two(colocated, make_engine, tokenizer):
     # While X streams a request whose prompt it computed (aggregated), a request sharing that long
     # prompt is cheaper computed by X, which holds its prefix, and decoded by the idle Y (disaggregated).
@@ -190,9 +204,11 @@ def test_requests_sharing_a_system_prompt_go_to_the_prefill_worker_holding_it(po
         _stop(started)
 
 
-def _counters(gateway: WorkerProcess, name: str, *labels: str, suffix: str = "_total") -> dict[tuple[str, ...], float]:
-    """The gateway's counter `name` now (or, `suffix` "", a gauge's), by the values of `labels`."""
-    with urllib.request.urlopen(f"http://{gateway.http_address}/metrics", timeout=30) as reply:
+def _counters(gateway: WorkerProcess, name: str, *labels: str, suffix: str = "_total",
+              metrics_address: str | None = None) -> dict[tuple[str, ...], float]:
+    """The gateway's counter `name` now (or, `suffix` "", a gauge's; or, at its `metrics_address`, a
+    worker's), by the values of `labels`."""
+    with urllib.request.urlopen(f"http://{metrics_address or gateway.http_address}/metrics", timeout=30) as reply:
         families = text_string_to_metric_families(reply.read().decode())
         return {tuple(sample.labels[label] for label in labels): sample.value for family in families
                 if family.name == name for sample in family.samples if sample.name == name + suffix}
