@@ -37,9 +37,9 @@ def working_set(conversations: list[list[str]], reply_tokens: int, tokenizer) ->
     return sum(lengths), max(lengths)
 
 
-def worker_counters(metrics_address: str, prefixes: Sequence[str]) -> dict[str, float]:
-    """A worker's Prometheus samples whose family names start with one of `prefixes`, by sample
-    name (and `{tier}` where the sample has that label)."""
+def worker_counters(metrics_address: str, prefixes: Sequence[str], label: str = "tier") -> dict[str, float]:
+    """A process's Prometheus samples whose family names start with one of `prefixes`, by sample
+    name (and `{value}` where the sample has the label `label`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=30) as response:
@@ -48,6 +48,6 @@ def worker_counters(metrics_address: str, prefixes: Sequence[str]) -> dict[str, 
     for family in text_string_to_metric_families(text):
         if family.name.startswith(tuple(prefixes)):
             for sample in family.samples:
-                tier = sample.labels.get("tier")
-                counters[sample.name + (f"{{{tier}}}" if tier else "")] = sample.value
+                value = sample.labels.get(label)
+                counters[sample.name + (f"{{{value}}}" if value else "")] = sample.value
     return counters
