@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from bench.common.workload import sharegpt_conversations
 
@@ -22,6 +23,26 @@ def human_turns(conversations: int, turns: int, seed: int, tokenizer) -> list[li
     chosen = sharegpt_conversations(conversations, 2 * turns - 1, seed)
     return [[tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:MAX_TURN_TOKENS])
              for text in messages[:2 * turns - 1:2]] for messages in chosen]
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    """The conversations' human turns, and the tokens of their last prompts (with stand-in replies)."""
+
+    conversations: list[list[str]]
+    working_set_tokens: int  # every conversation's last prompt
+    longest_tokens: int  # the longest of them
+
+    def kv_blocks(self, tokens: int, reply_tokens: int, block_size: int) -> int:
+        """KV blocks for a cache of `tokens`, but at least the longest request with room to spare
+        (a smoke run's working set is small)."""
+        return max(-(-(self.longest_tokens + 2 * reply_tokens) // block_size) + 1, tokens // block_size)
+
+
+def chat_workload(conversations: int, turns: int, seed: int, reply_tokens: int, tokenizer) -> ChatWorkload:
+    """`conversations` of `turns` human turns each, sized with `reply_tokens` replies."""
+    chosen = human_turns(conversations, turns, seed, tokenizer)
+    return ChatWorkload(chosen, *working_set(chosen, reply_tokens, tokenizer))
 
 
 def working_set(conversations: list[list[str]], reply_tokens: int, tokenizer) -> tuple[int, int]:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.common.conversations import human_turns, worker_counters, working_set
+from bench.common.conversations import chat_workload, worker_counters
 from bench.common.machine import describe
 from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 
@@ -112,10 +112,9 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     tokenizer = Tokenizer.from_path(default_model_path())
-    conversations = human_turns(args.conversations, args.turns, args.seed, tokenizer)
-    total, longest = working_set(conversations, args.max_tokens, tokenizer)
-    # At least the longest request fits (a smoke run's working set is small).
-    blocks = max(-(-(longest + 2 * args.max_tokens) // BLOCK_SIZE) + 1, int(total * args.budget_fraction) // BLOCK_SIZE)
+    workload = chat_workload(args.conversations, args.turns, args.seed, args.max_tokens, tokenizer)
+    conversations, total = workload.conversations, workload.working_set_tokens
+    blocks = workload.kv_blocks(int(total * args.budget_fraction), args.max_tokens, BLOCK_SIZE)
     load = {"start": load_average()}
     runs = {}
     for system in SYSTEMS:

@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from bench.common.conversations import human_turns, worker_counters, working_set
+from bench.common.conversations import chat_workload, worker_counters
 from bench.common.machine import describe
 from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 
@@ -143,11 +143,9 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     tokenizer = Tokenizer.from_path(default_model_path())
-    conversations = human_turns(args.conversations, args.turns, args.seed, tokenizer)
-    total, longest = working_set(conversations, args.max_tokens, tokenizer)
-    # Each worker holds at least the longest request (a smoke run's working set is small).
-    blocks = max(-(-(longest + 2 * args.max_tokens) // BLOCK_SIZE) + 1,
-                 int(total * args.pool_fraction / WORKERS) // BLOCK_SIZE)
+    workload = chat_workload(args.conversations, args.turns, args.seed, args.max_tokens, tokenizer)
+    conversations, total = workload.conversations, workload.working_set_tokens
+    blocks = workload.kv_blocks(int(total * args.pool_fraction / WORKERS), args.max_tokens, BLOCK_SIZE)
     replies: list[list[str | None]] = [[None] * args.turns for _ in conversations]
     load = {"start": load_average()}
     runs, summaries = {}, {}
