@@ -12,6 +12,7 @@ from __future__ import annotations
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from bench.common.workload import sharegpt_conversations
 
@@ -29,6 +30,7 @@ def human_turns(conversations: int, turns: int, seed: int, tokenizer) -> list[li
 class ChatWorkload:
     """The conversations' human turns, and the tokens of their last prompts (with stand-in replies)."""
 
+    tokenizer: Any  # the shipped model's (engine.tokenizer.Tokenizer)
     conversations: list[list[str]]
     working_set_tokens: int  # every conversation's last prompt
     longest_tokens: int  # the longest of them
@@ -39,10 +41,15 @@ class ChatWorkload:
         return max(-(-(self.longest_tokens + 2 * reply_tokens) // block_size) + 1, tokens // block_size)
 
 
-def chat_workload(conversations: int, turns: int, seed: int, reply_tokens: int, tokenizer) -> ChatWorkload:
-    """`conversations` of `turns` human turns each, sized with `reply_tokens` replies."""
+def chat_workload(conversations: int, turns: int, seed: int, reply_tokens: int) -> ChatWorkload:
+    """`conversations` of `turns` human turns each, sized with `reply_tokens` replies by the shipped
+    model's tokenizer."""
+    from engine.model.paths import default_model_path
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_path(default_model_path())
     chosen = human_turns(conversations, turns, seed, tokenizer)
-    return ChatWorkload(chosen, *working_set(chosen, reply_tokens, tokenizer))
+    return ChatWorkload(tokenizer, chosen, *working_set(chosen, reply_tokens, tokenizer))
 
 
 def working_set(conversations: list[list[str]], reply_tokens: int, tokenizer) -> tuple[int, int]:

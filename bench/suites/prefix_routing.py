@@ -137,14 +137,10 @@ def _summary(run: dict) -> dict:
 
 def main(argv: Sequence[str]) -> int:
     """Both modes; the table and the JSON results."""
-    from engine.model.paths import default_model_path
-    from engine.tokenizer import Tokenizer
-
     args = parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    tokenizer = Tokenizer.from_path(default_model_path())
-    workload = chat_workload(args.conversations, args.turns, args.seed, args.max_tokens, tokenizer)
-    conversations, total = workload.conversations, workload.working_set_tokens
+    workload = chat_workload(args.conversations, args.turns, args.seed, args.max_tokens)
+    conversations, total, tokenizer = workload.conversations, workload.working_set_tokens, workload.tokenizer
     blocks = workload.kv_blocks(int(total * args.pool_fraction / WORKERS), args.max_tokens, BLOCK_SIZE)
     replies: list[list[str | None]] = [[None] * args.turns for _ in conversations]
     load = {"start": load_average()}
