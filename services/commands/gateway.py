@@ -21,6 +21,7 @@ from services.commands.gateway_cluster import ClusterFlags
 from services.commands.security_flags import ApiKeyFlags, TlsFlags
 from services.common.config_flags import add_flags, flag, from_args
 from services.common.grpc_limits import GrpcLimits
+from services.gateway.approximate_index import PrefixIndexKind
 from services.gateway.limits import RequestLimits
 from services.gateway.router import RoutingPolicy
 from services.gateway.tools.choice import ToolFlags
@@ -41,6 +42,10 @@ class GatewayFlags:
     ttft_slo_ms: float = flag(2000.0, "time-to-first-token objective for requests that set none")
     tpot_slo_ms: float = flag(100.0, "time-per-output-token objective for requests that set none")
     routing: RoutingPolicy = dataclasses.field(default_factory=RoutingPolicy)
+    prefix_index: PrefixIndexKind = flag(
+        "exact", "where the router looks up which worker caches a prompt's prefix: exact, the workers' own block "
+        "events (their hashes checked at registration); approximate, the gateway's record of where it placed each "
+        "prompt, bounded by each worker's KV size (for workers whose events cannot be trusted or reached)")
     max_queued_requests: int = flag(256, "requests that may wait for capacity at once; beyond it they get "
                                          "RESOURCE_EXHAUSTED")
     max_migrations: int = flag(2, "times a request may resume on another decode worker when its own fails "
@@ -124,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
 
     async def serve() -> int:
         # Built on the running loop: its gRPC channels belong to it.
-        registry = WorkerRegistry(**pools, default_slo=slo, channels=channels, policy=flags.routing)
+        registry = WorkerRegistry(**pools, default_slo=slo, channels=channels, policy=flags.routing,
+                                  prefix_index=flags.prefix_index)
         return await _serve(flags, registry, channels, keys, repository)
 
     tracing = setup_tracing("gateway")
@@ -158,7 +164,8 @@ async def _serve(flags: GatewayFlags, registry: WorkerRegistry, channels: Channe
     # The model's name labels the metrics; it is known without reading the model file.
     metrics = GatewayMetrics(repository.models[0].name if repository is not None else served_model_id(flags.model))
     metrics.watch_workers(lambda: [(w.role, w.address, w.routable, w.version_key) for w in registry.workers])
-    metrics.watch_prefix_index(lambda: registry.blocks.size, registry.probe.refused, lambda: registry.probe.mismatches)
+    metrics.watch_prefix_index(registry.prefix_index, lambda: registry.blocks.size, registry.probe.refused,
+                               lambda: registry.probe.mismatches)
     metrics.registry.register(PoolSloUse(metrics.model_name, registry.pool_slo_use))
     service = GatewayService(registry, metrics, flags.max_queued_requests, limits=flags.requests,
                              migration=MigrationPolicy(flags.max_migrations))

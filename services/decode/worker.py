@@ -185,6 +185,8 @@ class DecodeWorker(RoleWorker):
         async for output in self.loop.generate(request_id, prompt_token_ids, params, resumed):
             if progress.stage is DecodeStage.RESERVING:
                 progress.enter(DecodeStage.DECODING, time.perf_counter())
+                # The prompt's prefix-cache hit here, which the worker's vllm:prefix_cache_hits counts.
+                progress.local_cached_tokens = min(output.num_cached_tokens, len(prompt_token_ids))
             yield output
         progress.enter(DecodeStage.DONE, time.perf_counter())
 

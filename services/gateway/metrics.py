@@ -8,8 +8,10 @@ rejections and SLO attainment.
 worker the router may send requests to, 0 for one it knows but skips (health not SERVING, or no load
 report yet, as while a link between them is down and after, until the channel reconnects).
 
-The exact prefix index (services.gateway.block_index), read at each scrape (`watch_prefix_index`):
-`tandem:prefix_index_blocks` (block entries over every worker and tier), `tandem:prefix_refused_workers`
+The prefix index, read at each scrape (`watch_prefix_index`): `tandem:prefix_index_info{index}` (1, for
+the index routing uses: "exact", services.gateway.block_index, or "approximate",
+services.gateway.approximate_index), `tandem:prefix_index_blocks` (block entries over every worker
+and tier), and for the exact index `tandem:prefix_refused_workers`
 (workers whose block hashes disagree with the gateway's, or are not yet checked: routed as holding
 nothing), `tandem:prefix_probe_mismatches` (registration checks that failed). Per request,
 `tandem:prefix_hit_tokens{tier}`: the prompt tokens its prefill site held, by the tier ("device",
@@ -178,11 +180,11 @@ class GatewayMetrics(RequestMetrics):
         by (NAME@VERSION, or None for a gateway of one model; role), read at every scrape."""
         self.registry.register(_PlannerRecommendations(self.model_name, recommended))
 
-    def watch_prefix_index(self, blocks: Callable[[], int], refused: Callable[[], Iterable[str]],
+    def watch_prefix_index(self, kind: str, blocks: Callable[[], int], refused: Callable[[], Iterable[str]],
                            mismatches: Callable[[], int]) -> None:
-        """Export the exact prefix index's size, the workers whose block events it refuses (by
-        address) and the failed registration checks, read at every scrape."""
-        self.registry.register(_PrefixIndexStats(blocks, refused, mismatches))
+        """Export which prefix index routing uses (`kind`), its size, the workers whose block events
+        it refuses (by address) and the failed registration checks, read at every scrape."""
+        self.registry.register(_PrefixIndexStats(kind, blocks, refused, mismatches))
 
     def prefix_hit(self, tokens_by_tier: Mapping[str, int]) -> None:
         """Count a placed request's prompt tokens its prefill site held, by tier."""
@@ -262,16 +264,21 @@ class _WorkerStates(Collector):
 
 
 class _PrefixIndexStats(Collector):
-    """The exact prefix index's size and refusals, as the registry holds them when scraped."""
+    """Which prefix index routing uses, its size and refusals, as the registry holds them when scraped."""
 
-    def __init__(self, blocks: Callable[[], int], refused: Callable[[], Iterable[str]],
+    def __init__(self, kind: str, blocks: Callable[[], int], refused: Callable[[], Iterable[str]],
                  mismatches: Callable[[], int]) -> None:
+        self._kind = kind
         self._blocks = blocks
         self._refused = refused
         self._mismatches = mismatches
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        yield GaugeMetricFamily("tandem:prefix_index_blocks", "Block entries in the gateway's exact prefix index, "
+        info = GaugeMetricFamily("tandem:prefix_index_info", "1 for the prefix index routing uses (exact: the "
+                                 "workers' block events; approximate: the gateway's placements).", labels=["index"])
+        info.add_metric([self._kind], 1.0)
+        yield info
+        yield GaugeMetricFamily("tandem:prefix_index_blocks", "Block entries in the gateway's prefix index, "
                                 "over every worker and KV tier.", value=float(self._blocks()))
         refused = GaugeMetricFamily("tandem:prefix_refused_workers", "1 for each worker whose block events the "
                                     "gateway refuses (hashes that disagree, or not yet checked).", labels=["worker"])

@@ -18,6 +18,7 @@ from tandem.v1 import common_pb2
 from engine.kv_cache.block_hash import prompt_block_hashes
 from engine.kv_cache.kv_events import TIERS
 from services.common.channels import PLAINTEXT, Channels
+from services.gateway.approximate_index import ApproximateIndex, PrefixIndexKind
 from services.gateway.block_index import BlockIndex, TierEvent
 from services.gateway.hash_probe import HashProbe, ProbeReport
 from services.gateway.pool_load import RecentRequests
@@ -92,14 +93,16 @@ class WorkerRegistry:
 
     def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = (), colocated: Sequence[str] = (),
                  default_slo: SloTargets = DEFAULT_SLO, retire_after_s: float = 10.0, channels: Channels = PLAINTEXT,
-                 policy: RoutingPolicy = DEFAULT_POLICY,
+                 policy: RoutingPolicy = DEFAULT_POLICY, prefix_index: PrefixIndexKind = "exact",
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         """Addresses (host:port) of each pool's first workers; channels (opened by `channels`: TLS, message
         sizes) open on `start`; pools may start empty when discovery fills them. A
         removed worker's channel stays open at least `retire_after_s` (waited with `sleep`), then
         until its streams end: a request placed before the removal may still retry there, and must
         get the worker's own answer (a retryable UNAVAILABLE once it drains), not a closed channel.
-        `policy` is the router's (services.gateway.router.route)."""
+        `policy` is the router's (services.gateway.router.route); `prefix_index` which index says
+        where prompts' prefixes are cached: the workers' block events ("exact") or the gateway's own
+        placements ("approximate")."""
         self.default_slo = default_slo
         self._policy = policy
         self._channels = channels
@@ -107,9 +110,11 @@ class WorkerRegistry:
         self._sleep = sleep
         self._started = False
         self._retiring: dict[asyncio.Task, RemoteWorker] = {}
-        # Which worker holds which block in which tier, from their block events, and whether each
-        # worker's hashes agree with the gateway's (set `probe.probe_tokens` once tokenizers load).
-        self.blocks = BlockIndex()
+        # Which worker holds which block in which tier, from their block events (or, approximate,
+        # from where prompts were placed), and whether each worker's hashes agree with the gateway's
+        # (set `probe.probe_tokens` once tokenizers load; the approximate index needs no agreement).
+        self.prefix_index = prefix_index
+        self.blocks: BlockIndex | ApproximateIndex = BlockIndex() if prefix_index == "exact" else ApproximateIndex()
         self.probe = HashProbe()
         self.recent = RecentRequests()
         self._listeners: list[Callable[[], None]] = []
@@ -194,17 +199,19 @@ class WorkerRegistry:
                       slo: SloTargets | None = None, version_key: str | None = None,
                       cache_salt: str = "") -> RouteRequest:
         """A request as the router sees it, with the prefix each worker holds on its device and can
-        load from its lower tiers (by the exact index of their block events, the prompt hashed with
-        each worker's salt and the request's `cache_salt`); only workers reporting `version_key`
-        (NAME@VERSION; None: any) may serve it. A worker whose hashes disagree with the gateway's
+        load from its lower tiers (by the prefix index, the prompt hashed with each worker's salt and
+        the request's `cache_salt`); only workers reporting `version_key` (NAME@VERSION; None: any)
+        may serve it. With the exact index, a worker whose hashes disagree with the gateway's
         (services.gateway.hash_probe) holds nothing here."""
         cached: dict[str, int] = {}
         loadable: dict[str, Loadable] = {}
         hashes_by_key: dict[tuple[int, bytes], list[bytes]] = {}
+        block_hashes: dict[str, list[bytes]] = {}
         for worker in self._workers.values():
             # Not routed to, or another version's (decide never offers it this request).
             report = worker.report
-            if report is None or not worker.offers(version_key) or self.probe.refusal(worker.address) is not None:
+            if report is None or not worker.offers(version_key) or (
+                    self.prefix_index == "exact" and self.probe.refusal(worker.address) is not None):
                 continue
             block_size = report.block_size
             key = (block_size, report.block_hash_salt)
@@ -212,6 +219,7 @@ class WorkerRegistry:
             if hashes is None:
                 hashes = hashes_by_key[key] = prompt_block_hashes(prompt_token_ids, block_size, report.block_hash_salt,
                                                                   cache_salt.encode())
+            block_hashes[worker.address] = hashes
             hit = self.blocks.prefix(worker.address, hashes)
             if hit.device_blocks:
                 cached[worker.address] = hit.device_blocks * block_size
@@ -222,7 +230,7 @@ class WorkerRegistry:
                 loadable[worker.address] = Loadable({tier: blocks * block_size for tier, blocks in lower.items()},
                                                     load_s)
         return RouteRequest(len(prompt_token_ids), max_tokens, slo or self.default_slo, cached, loadable,
-                            version_key)
+                            version_key, block_hashes)
 
     def decide(self, request: RouteRequest, idle: bool = False, exclude: frozenset[str] = frozenset()) -> Decision:
         """The router's decision over the workers' current views (or idle ones); NoWorkerError if
@@ -233,10 +241,16 @@ class WorkerRegistry:
 
     def claim(self, request: RouteRequest, decision: Decision) -> Placement:
         """Count the request against the decision's workers (where its prefix goes, their block
-        events will say)."""
+        events will say; the approximate index records it at once)."""
         decode = self._workers[decision.decode]
         prefill = self._workers[decision.prefill] if decision.prefill else None
         self.recent.observe(request.prompt_tokens, request.max_tokens)
+        if isinstance(self.blocks, ApproximateIndex):
+            # The prompt's blocks end up cached where it is computed and where it is decoded.
+            for worker in {prefill or decode, decode}:
+                hashes = request.block_hashes.get(worker.address)
+                if hashes and worker.report is not None:
+                    self.blocks.record(worker.address, hashes, worker.report.total_kv_blocks)
         return Placement(decision, decode, prefill, request, self._changed)
 
     def pool_slo_use(self) -> dict[tuple[str | None, Role], float]:
@@ -260,11 +274,14 @@ class WorkerRegistry:
         return RemoteWorker(address, role, self._changed, self._channels, self._reported)
 
     def _reported(self, worker: RemoteWorker, report: common_pb2.LoadReport | None) -> None:
-        """Take a worker's block events into the index and judge its hashes; None: forget it (its
-        stream broke, it restarted or it was removed: its next stream starts with a snapshot)."""
+        """Take a worker's block events into the exact index and judge its hashes; None: forget it
+        (its stream broke, it restarted or it was removed: its next stream starts with a snapshot, and
+        its cache may have been emptied)."""
         if report is None:
             self.blocks.forget(worker.address)
             self.probe.forget(worker.address)
+            return
+        if not isinstance(self.blocks, BlockIndex):
             return
         events = [TierEvent(event.tier, event.stored, event.block_hashes) for event in report.kv_events
                   if event.tier in TIERS]

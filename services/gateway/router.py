@@ -159,8 +159,8 @@ class RouteRequest:
     prompt_tokens: int
     max_tokens: int
     slo: SloTargets
-    # Prompt tokens each worker (by address) holds in its device prefix cache, by the gateway's exact
-    # index of the workers' block events; missing means none.
+    # Prompt tokens each worker (by address) holds in its device prefix cache, by the gateway's prefix
+    # index (exact, of the workers' block events, or approximate); missing means none.
     cached_tokens: Mapping[str, int] = field(default_factory=dict)
     # The leading prompt tokens after those that each worker can load back from its host or disk
     # tier; missing means none.
@@ -169,6 +169,9 @@ class RouteRequest:
     # workers reporting it, so a prefill worker is paired only with a decode worker of that version.
     # None: any worker (a gateway of one model).
     version_key: str | None = None
+    # The prompt's block hashes as each worker (by address) names its blocks: the approximate prefix
+    # index (services.gateway.approximate_index) records them where the request is placed.
+    block_hashes: Mapping[str, Sequence[bytes]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

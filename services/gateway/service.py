@@ -106,10 +106,16 @@ class GatewayService:
 
     def worker_health(self) -> list[dict[str, object]]:
         """Each worker as the health detail shows it: address, role, routable, its prefix information
-        ("exact", or why the index refuses it: services.gateway.hash_probe), the blocks its tiers
-        hold by its events, and how many of its events the index has applied."""
+        ("approximate" with that index; else "exact", or why the exact index refuses it:
+        services.gateway.hash_probe), the blocks its tiers hold by the index, and how many of its
+        events the gateway has received."""
+        def prefix_index(address: str) -> str:
+            if self.registry.prefix_index == "approximate":
+                return "approximate"
+            return self.registry.probe.refusal(address) or "exact"
+
         return [{"address": worker.address, "role": worker.role, "routable": worker.routable,
-                 "prefix_index": self.registry.probe.refusal(worker.address) or "exact",
+                 "prefix_index": prefix_index(worker.address),
                  "kv_blocks": self.registry.blocks.counts(worker.address),
                  "kv_events_seq": worker.report.kv_events_seq if worker.report is not None else None}
                 for worker in self.registry.workers]

@@ -7,6 +7,7 @@ workers."""
 from __future__ import annotations
 
 import functools
+import json
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -142,6 +143,20 @@ def test_a_colocated_worker_computes_a_prompt_that_another_decodes(colocated, ma
     assert_no_leaks(colocated[:2])
 
 
+def test_a_colocated_worker_counts_the_prefix_hits_of_a_prompt_it_computes_itself(colocated, tokenizer):
+    # Its vllm:prefix_cache_hits counted only the hits of prompts other workers computed for it.
+    worker, _, gateway = colocated
+    prompt = tokenizer.encode(f"Hit counting.\n{travel_diary()}")[:300]
+
+    def hits() -> float:
+        return _counters(gateway, "vllm:prefix_cache_hits", metrics_address=str(worker.metrics_address))[()]
+
+    _decode_directly(worker, prompt)
+    before = hits()
+    cached = _decode_directly(worker, prompt)[-1].usage.cached_tokens
+    assert cached >= 256 and hits() - before == cached, (cached, before, hits())
+
+
 def test_the_gateway_places_a_request_on_one_colocated_worker_or_two(colocated, make_engine, tokenizer):
     # While X streams a request whose prompt it computed (aggregated), a request sharing that long
     # prompt is cheaper computed by X, which holds its prefix, and decoded by the idle Y (disaggregated).
@@ -189,12 +204,14 @@ def test_requests_sharing_a_system_prompt_go_to_the_prefill_worker_holding_it(po
         _stop(started)
 
 
-def _counters(gateway: WorkerProcess, name: str, *labels: str) -> dict[tuple[str, ...], float]:
-    """The gateway's counter `name` now, by the values of `labels`."""
-    with urllib.request.urlopen(f"http://{gateway.http_address}/metrics", timeout=30) as reply:
+def _counters(gateway: WorkerProcess, name: str, *labels: str, suffix: str = "_total",
+              metrics_address: str | None = None) -> dict[tuple[str, ...], float]:
+    """The gateway's counter `name` now (or, `suffix` "", a gauge's; or, at its `metrics_address`, a
+    worker's), by the values of `labels`."""
+    with urllib.request.urlopen(f"http://{metrics_address or gateway.http_address}/metrics", timeout=30) as reply:
         families = text_string_to_metric_families(reply.read().decode())
         return {tuple(sample.labels[label] for label in labels): sample.value for family in families
-                if family.name == name for sample in family.samples if sample.name.endswith("_total")}
+                if family.name == name for sample in family.samples if sample.name == name + suffix}
 
 
 def _sites(gateway: WorkerProcess, run: Callable[[], T]) -> tuple[T, set[str], set[str]]:
@@ -236,6 +253,39 @@ def test_a_conversations_next_turn_goes_to_the_worker_holding_its_first_turn(col
     assert hits.get(("device",), 0) >= expected_hits, hits  # the router counted the prefixes it routed by
     check_index_agrees(gateway, workers)  # idle now: the index holds what their prefix caches hold
     assert_no_leaks(workers)
+
+
+def test_the_approximate_index_sends_a_conversations_next_turn_where_it_placed_the_first(colocated):
+    # A second gateway over the same workers, routing by where it placed prompts (no block events):
+    # the second turn goes where the first was computed or decoded, without waiting for any event.
+    *workers, _ = colocated
+    [gateway] = _start(["gateway", "--port", "0", "--http-port", "0", "--ttft-slo-ms", "600000",
+                        "--tpot-slo-ms", "600000", "--split-ttft-share", "0.25", "--prefix-index", "approximate",
+                        "--colocated", ",".join(listed_address(worker) for worker in workers)])
+    try:
+        with urllib.request.urlopen(f"http://{gateway.http_address}/health", timeout=30) as reply:
+            body = json.load(reply)
+        assert body["prefix_index"] == "approximate", body
+        assert {worker["prefix_index"] for worker in body["workers"]} == {"approximate"}, body
+        info = _counters(gateway, "tandem:prefix_index_info", "index", suffix="")
+        assert info == {("approximate",): 1.0}, info
+        client = openai_client(gateway, RPC_TIMEOUT_S)
+        chat = functools.partial(client.chat.completions.create, model=client.models.list().data[0].id, max_tokens=8,
+                                 temperature=0)
+        for topic in ("rivers", "islands"):
+            messages = [{"role": "system", "content": f"Approximate routing, {topic}.\n{travel_diary()[:1200]}"},
+                        {"role": "user", "content": "Where did they go first?"}]
+            first, computed, decoded = _sites(gateway, functools.partial(chat, messages=list(messages)))
+            messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "And where next?"}]
+            second, computed_next, _ = _sites(gateway, functools.partial(chat, messages=messages))
+            assert computed_next <= computed | decoded, (topic, computed_next, computed, decoded)
+            cached = second.usage.prompt_tokens_details.cached_tokens
+            assert cached >= first.usage.prompt_tokens // 16 * 16 - 16, (topic, cached, first.usage.prompt_tokens)
+        assert_no_leaks(workers)
+    finally:
+        _stop([gateway])
+
 
 
 def _decode_salted(worker: WorkerProcess, prompt: list[int], cache_salt: str) -> int:

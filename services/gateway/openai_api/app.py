@@ -167,9 +167,12 @@ class OpenAIApi:
 
     async def health(self, request: Request) -> Response:
         """200 once the model is loaded and each pool has a serving worker; 503 before. The body
-        details each worker: its role, whether it is routed to, whether the exact prefix index uses its
-        block events ("exact") or refuses them, and why, and the blocks each of its tiers holds."""
-        return JSONResponse({"workers": self.service.worker_health()}, status_code=200 if self.service.ready() else 503)
+        names the prefix index routing uses ("exact" or "approximate", --prefix-index) and details
+        each worker: its role, whether it is routed to, whether the exact prefix index uses its block
+        events ("exact") or refuses them, and why ("approximate" with that index), and the blocks
+        each of its tiers holds by the index."""
+        return JSONResponse({"prefix_index": self.service.registry.prefix_index,
+                             "workers": self.service.worker_health()}, status_code=200 if self.service.ready() else 503)
 
     def _target(self, body: SamplingBody, path: str) -> Target:
         """The model version the body's `model` names for its caller; unknown fields are logged, and
