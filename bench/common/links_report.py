@@ -58,13 +58,15 @@ def print_table(args: argparse.Namespace, in_process: dict[int, float], loopback
                   f"{_ms(row['delivery_wait_s'])} | {row['transfer_alone_s'] * 1e3:.1f} | {hidden} |")
     print(f"\nhidden = 1 - delivery wait / transfer alone on the same link (target >= {HIDDEN_TARGET:.0%} at 1gbit)")
     print(f"\nPer KV setting on the hosts, ratios against {BASELINE.label} on the same link and prompt size:\n")
-    print("| KV | link | prompt | bytes/token | vs | wire floor (ms) | transfer alone (ms) | vs | TTFT p50 (ms) | vs |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| KV | link | prompt | bytes/token | vs | wire floor (ms) | transfer alone (ms) | vs | delivery wait (ms) "
+          "| TTFT p50 (ms) | vs |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in setting_rows(hosts):
         vs = row["vs"]
         print(f"| {row['kv']} | {row['link']} | {row['prompt']} | {row['kv_bytes_per_token']:,.0f} | "
               f"{_times(vs['kv_bytes_per_token'])} | {_ms(row['wire_s'])} | {_ms(row['transfer_alone_s'])} | "
-              f"{_times(vs['transfer_alone_s'])} | {_ms(row['ttft_s'])} | {_times(vs['ttft_s'])} |")
+              f"{_times(vs['transfer_alone_s'])} | {_ms(row['delivery_wait_s'])} | {_ms(row['ttft_s'])} | "
+              f"{_times(vs['ttft_s'])} |")
     print("\nbytes/token: shipped by the prefill worker's senders per prompt token; wire floor: those bytes at "
           "the link's rate")
     print(f"\nThe checksum on the same link, the rig's {kv_rig.PROMPT_TOKENS}-token prompt "
