@@ -240,7 +240,7 @@ class Hosts:
     def cap(self, name: str, rate: str) -> None:
         """Cap what host `name` sends to `rate` (tc's units: "1gbit", "200mbit") with a token bucket
         (tbf) holding at most 10 ms of it (64 KiB at least, a whole GSO packet); replaces a cap."""
-        rate_bytes = _rate_bits(rate) // 8
+        rate_bytes = rate_bits(rate) // 8
         burst = max(rate_bytes // 100, 64 * 1024)
         _run(_TC, "-n", self.netns(name), "qdisc", "replace", "dev", _HOST_IF, "root", "tbf", "rate", rate,
              "burst", str(burst), "latency", "50ms")
@@ -261,7 +261,7 @@ class Hosts:
                 _run(_IP, "link", "del", self._client_link)
 
 
-def _rate_bits(rate: str) -> int:
+def rate_bits(rate: str) -> int:
     """tc's rate words in bits per second: "1gbit" -> 10**9, "200mbit" -> 2 * 10**8."""
     match = re.fullmatch(r"(\d+)(kbit|mbit|gbit|bit)", rate)
     if match is None:

@@ -3,10 +3,10 @@
 suites.
 
 The prompt is 512 tokens of the default model's shape (30 layers, 3 KV heads, head_dim 64, blocks
-of 16, fp32: about 23.6 MB; in a quantized KV format, fp8_e4m3 or int8, 1-byte codes plus a float32
-scale per row: about 6.3 MB), sent layer by layer; a run is timed from the command that starts the
-sender to the receiver's completion, and each receiver's first run (pairing, handshakes) is a
-warm-up. Every function takes the layout to send (default: fp32).
+of 16, fp32: about 23.6 MB; fp8_e4m3 or int8, 1-byte codes plus a float32 scale per row: about 6.3
+MB; int4, 4-bit codes and a float16 scale and minimum per 16: about 4.4 MB), sent layer by layer; a
+run is timed from the command that starts the sender to the receiver's completion, and each
+receiver's first run (pairing, handshakes) is a warm-up. Every function takes the layout to send (default: fp32).
 """
 
 from __future__ import annotations

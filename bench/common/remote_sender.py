@@ -2,8 +2,8 @@
 stdout, one JSON line a message, so that it can run on another host (`ip netns exec`, see
 harness.hosts), where a multiprocessing pipe cannot follow.
 
-    sender = RemoteSender(hosts.exec_argv("prefill-1"))
-    run = kv_rig.BackendRun(sender, receiver)   # sender speaks what BackendRun sends and receives
+    sender = RemoteSender(hosts.exec_argv("prefill-1"), "int4")  # the pages' KV format
+    run = kv_rig.BackendRun(sender, receiver, kv_rig.layout_of("int4"))  # what BackendRun sends and receives
     ... run.once() ...
     sender.close()
 """
@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import IO
 
+from bench.common.kv_rig import LAYOUT, layout_of, sender_process
 from harness.paths import REPO
 
 
@@ -50,11 +51,13 @@ class LineConnection:
 
 
 class RemoteSender(LineConnection):
-    """`python -m bench.common.remote_sender` started behind `wrapper`; the rig's sender connection."""
+    """`python -m bench.common.remote_sender KV_DTYPE` started behind `wrapper`; the rig's sender
+    connection, its pages the rig's layout in KV format `kv_dtype` (kv_rig.layout_of): a receiver
+    expecting another format refuses them."""
 
-    def __init__(self, wrapper: Sequence[str]) -> None:
-        self.proc = subprocess.Popen([*wrapper, sys.executable, "-m", "bench.common.remote_sender"], cwd=REPO,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    def __init__(self, wrapper: Sequence[str], kv_dtype: str = LAYOUT.dtype) -> None:
+        self.proc = subprocess.Popen([*wrapper, sys.executable, "-m", "bench.common.remote_sender", kv_dtype],
+                                     cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         super().__init__(self.proc.stdout, self.proc.stdin)
 
@@ -69,6 +72,4 @@ class RemoteSender(LineConnection):
 
 
 if __name__ == "__main__":
-    from bench.common.kv_rig import sender_process
-
-    sender_process(LineConnection(sys.stdin, sys.stdout))  # type: ignore[arg-type]
+    sender_process(LineConnection(sys.stdin, sys.stdout), layout_of(sys.argv[1]))  # type: ignore[arg-type]

@@ -3,7 +3,7 @@ and what the CRC32C costs each backend.
 
 One prompt's KV for the default model's shape (512 tokens, 30 layers, 3 KV heads, head_dim 64,
 blocks of 16, fp32: about 23.6 MB; with --kv-cache-dtype fp8 or int8, the engine's quantized pages:
-about 6.3 MB) goes from a sender process to a receiver process, layer by layer as the prefill sends
+about 6.3 MB, int4 about 4.4 MB) goes from a sender process to a receiver process, layer by layer as the prefill sends
 it, into a cache tensor indexed by block id. A run is timed from the command
 that starts the sender to the receiver's completion; pairing and handshakes happen in a warm-up run
 first. The raw baseline sends the same K and V bytes, layer by layer, over one TCP socket. Each
@@ -12,7 +12,7 @@ only way pages go without CRC32C; the difference, as a share of the checked tran
 checksum's cost. Runs of the five methods alternate. The CRC32C alone (one end's, over the same
 pages) is timed too: on a shared machine it is the steadier figure.
 
-    python -m bench kv_transfer [--runs 5] [--kv-cache-dtype auto|fp8|fp8_e4m3|int8] [--quick]
+    python -m bench kv_transfer [--runs 5] [--kv-cache-dtype auto|fp8|fp8_e4m3|int8|int4] [--quick]
 
 Prints the table and writes bench/results/kv_transfer.json (a --quick run's, 2 runs, under
 bench/results/smoke/).
@@ -90,7 +90,7 @@ def main(argv: Sequence[str]) -> int:
     """Time every method in turn, print their medians, write the results."""
     parser = suite_parser(__name__, __doc__)
     parser.add_argument("--runs", type=int, default=5, help="timed transfers per backend")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "int8"],
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "int8", "int4"],
                         help="the pages' KV format, as the engine flag names it (auto: an fp32 model's)")
     parser.add_argument("--quick", action="store_true", help="2 runs, for a smoke run")
     args = parser.parse_args(argv)

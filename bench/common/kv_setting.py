@@ -1,0 +1,90 @@
+"""A KV setting a benchmark runs float32 workers under: the KV format of their pages
+(`--kv-cache-dtype`) and optionally a sliding window with attention sinks (`--kv-sliding-window`,
+`--kv-sink-tokens`), spelled as one word for a comma-separated list:
+
+    float32            the model's own dtype (--kv-cache-dtype auto on a float32 model)
+    int4               --kv-cache-dtype int4 (any format of engine.kv_cache.codec; fp8 is fp8_e4m3)
+    int8+w256          and --kv-sliding-window 256
+    float32+w256+s16   and --kv-sink-tokens 16
+
+Also the arithmetic the links suite prints beside what it measured: ratios against a baseline, and
+the time a link's rate alone needs for a number of bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from engine.kv_cache.codec import kv_format
+from harness.hosts import rate_bits
+
+MODEL_DTYPE = "float32"  # the workers' --dtype: KV "float32" is the model's own
+_WORD = re.compile(r"(?P<dtype>[a-z0-9_]+)(?:\+w(?P<window>\d+)(?:\+s(?P<sinks>\d+))?)?")
+
+
+@dataclass(frozen=True)
+class KVSetting:
+    """A KV format (a KVLayout dtype name) and an optional window of `window` tokens plus `sinks`."""
+
+    dtype: str
+    window: int | None = None
+    sinks: int = 0
+
+    @classmethod
+    def parse(cls, word: str) -> KVSetting:
+        """The setting a word names (see the module docstring); ValueError naming the flag otherwise."""
+        match = _WORD.fullmatch(word.strip())
+        if match is None:
+            raise ValueError(f"--kv-formats: expected FORMAT[+wWINDOW[+sSINKS]] (e.g. int4+w256), got {word!r}")
+        dtype = match["dtype"]
+        if dtype != MODEL_DTYPE:
+            try:
+                dtype = kv_format(dtype, MODEL_DTYPE).name
+            except ValueError as error:
+                raise ValueError(f"--kv-formats: {word!r} is neither {MODEL_DTYPE} nor a KV format: {error}") from None
+        window = int(match["window"]) if match["window"] else None
+        if window == 0:
+            raise ValueError(f"--kv-formats: {word!r}: the window must be positive")
+        return cls(dtype, window, int(match["sinks"] or 0))
+
+    @property
+    def label(self) -> str:
+        """The setting as `parse` reads it back."""
+        window = "" if self.window is None else f"+w{self.window}" + (f"+s{self.sinks}" if self.sinks else "")
+        return self.dtype + window
+
+    def worker_flags(self) -> list[str]:
+        """The flags both workers take (the prefill and the decode side must hold the same pages)."""
+        flags = ["--kv-cache-dtype", "auto" if self.dtype == MODEL_DTYPE else self.dtype]
+        if self.window is not None:
+            flags += ["--kv-sliding-window", str(self.window), "--kv-sink-tokens", str(self.sinks)]
+        return flags
+
+
+def parse_settings(text: str) -> list[KVSetting]:
+    """A comma-separated list of settings, the first of them the baseline; ValueError for a bad
+    word, an empty list or a setting named twice."""
+    settings = [KVSetting.parse(word) for word in text.split(",") if word.strip()]
+    if not settings:
+        raise ValueError("--kv-formats: name at least one setting")
+    labels = [setting.label for setting in settings]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--kv-formats: a setting is named twice in {labels}")
+    return settings
+
+
+BASELINE = KVSetting(MODEL_DTYPE)  # what the ratios of a comparison of settings are against
+
+
+def ratio(value: float | None, baseline: float | None) -> float | None:
+    """value / baseline, None where either is missing or the baseline is zero."""
+    if value is None or not baseline:
+        return None
+    return value / baseline
+
+
+def wire_seconds(num_bytes: float, rate: str) -> float:
+    """Seconds a link capped at `rate` (tc's words, e.g. "200mbit") needs for `num_bytes` of payload
+    alone (no headers): the floor a transfer on it cannot beat."""
+    return num_bytes * 8 / rate_bits(rate)
