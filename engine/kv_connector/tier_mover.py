@@ -29,6 +29,7 @@ import torch
 
 from engine.config import KVTierConfig
 from engine.kv_cache.cache_engine import CacheEngine
+from engine.kv_tiers.block_record import RecordLayout
 from engine.kv_tiers.tiers import KVTiers, LowerTier, TierEvents
 
 log = logging.getLogger(__name__)
@@ -185,4 +186,4 @@ def open_tiers(config: KVTierConfig, cache: CacheEngine, payload_size: int, even
     """The engine's lower tiers and their mover, or None when none is configured."""
     if not config.enabled:
         return None
-    return TierMover(cache, KVTiers(config, payload_size, events), write)
+    return TierMover(cache, KVTiers(config, RecordLayout(payload_size, cache.num_layers), events), write)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.kv_tiers.block_record import pack_record, unpack_record
+from engine.kv_tiers.block_record import RecordLayout, unpack_record
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +103,12 @@ class DiskTier:
             count += 1
         return count
 
-    def put(self, block_hash: bytes, payload: bytes) -> list[bytes]:
-        """Store a block (a no-op if held); the hashes evicted to make room."""
+    def put(self, block_hash: bytes, record: bytes) -> list[bytes]:
+        """Store a block's record (engine.kv_tiers.block_record; a no-op if held); the hashes evicted
+        to make room."""
         if block_hash in self._files:
             self._files.move_to_end(block_hash)
             return []
-        record = pack_record(block_hash, payload)
         path = self._path(block_hash)
         temporary = path.with_name(f"{path.name}.{os.getpid()}{_TEMPORARY}")
         try:
@@ -126,7 +126,7 @@ class DiskTier:
         self.stats.stored_bytes += len(record)
         return self._evict()
 
-    def get(self, block_hash: bytes, payload_size: int) -> memoryview | None:
+    def get(self, block_hash: bytes, layout: RecordLayout) -> memoryview | None:
         """A held block's pages, checked; None (a miss) if absent, unreadable or damaged."""
         if block_hash not in self._files:
             self.stats.misses += 1
@@ -136,7 +136,7 @@ class DiskTier:
         except OSError as error:
             log.warning("KV disk tier: reading a block from %s failed: %s", self.directory, error)
             record = b""
-        payload = unpack_record(block_hash, record, payload_size)
+        payload = unpack_record(block_hash, record, layout)
         if payload is None:
             self.stats.corrupt += 1
             self.stats.misses += 1

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from engine.config import KVTierConfig
-from engine.kv_tiers.block_record import pack_record, unpack_record
+from engine.kv_tiers.block_record import RecordLayout, pack_record, unpack_record
 from engine.kv_tiers.disk_tier import DiskTier
 from engine.kv_tiers.host_tier_client import HostTierClient
 
@@ -51,10 +51,10 @@ class TierStats:
 
 
 class KVTiers:
-    """The configured lower tiers of one worker, for blocks of `payload_size` bytes of pages."""
+    """The configured lower tiers of one worker, for blocks in `layout`."""
 
-    def __init__(self, config: KVTierConfig, payload_size: int, events: TierEvents) -> None:
-        self.payload_size = payload_size
+    def __init__(self, config: KVTierConfig, layout: RecordLayout, events: TierEvents) -> None:
+        self.layout = layout
         self._events = events
         self._disk = None if config.disk_dir is None else DiskTier(config.disk_dir, config.disk_bytes)
         # Two connections: the engine thread's lookups never wait behind the mover's transfers.
@@ -96,9 +96,10 @@ class KVTiers:
     # ---- the mover's thread ---------------------------------------------------------------------
     def store(self, block_hash: bytes, payload: bytes) -> None:
         """Write a block to every tier that lacks it."""
-        record = None
+        if self.holds(block_hash):
+            return
+        record = pack_record(block_hash, payload, self.layout)  # checksummed once for both tiers
         if self._moves is not None and block_hash not in self._host_held:
-            record = pack_record(block_hash, payload)
             evicted = self._moves.put(block_hash, record)
             self._follow_owner(self._moves)
             if evicted is not None:
@@ -109,7 +110,7 @@ class KVTiers:
                 if evicted:
                     self._events.removed("host", evicted)
         if self._disk is not None and block_hash not in self._disk:
-            evicted = self._disk.put(block_hash, payload)
+            evicted = self._disk.put(block_hash, record)
             if block_hash in self._disk:  # not when the disk refused the write
                 self._events.stored("disk", [block_hash])
             if evicted:
@@ -120,7 +121,7 @@ class KVTiers:
         if self._moves is not None:
             record = self._moves.get(block_hash)
             self._follow_owner(self._moves)
-            payload = None if record is None else unpack_record(block_hash, record, self.payload_size)
+            payload = None if record is None else unpack_record(block_hash, record, self.layout)
             if payload is not None:
                 self._host["hits"] += 1
                 self._host["bytes_read"] += len(record)
@@ -130,7 +131,7 @@ class KVTiers:
                 self._host["corrupt"] += 1
         if self._disk is not None:
             held = block_hash in self._disk
-            payload = self._disk.get(block_hash, self.payload_size)
+            payload = self._disk.get(block_hash, self.layout)
             if payload is not None:
                 return "disk", payload
             if held:  # it failed its check and was dropped
