@@ -92,7 +92,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every request that holds state here
         self.total_preemptions = 0
         self.spec_stats = SpecDecodeStats()
-        # Requests whose prefix a lower KV tier holds wait here while it loads (None: no tiers).
+        # The requests whose prefix loads from a lower KV tier in this step (None: no tiers).
         self.tier_loading = None if tier_loads is None else TierLoading(kv, self.connector, tier_loads)
 
     # ---- admission -------------------------------------------------------------------------
@@ -219,12 +219,12 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         prompt_limit = self.config.max_prompt_batch_tokens
         prompt_tokens = sum(c.num_tokens for c in out.chunks if c.start < c.request.num_prompt_tokens)
-        while self.waiting and budget > 0 and len(self.running) + self._num_loading < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached_blocks, num_cached = self._cached_prefix(request)
-            if self.tier_loading is not None and self.tier_loading.start(request, cached_blocks, num_cached):
-                self.waiting.popleft()
-                continue
+            # Blocks a lower tier holds count as cached: they load while this step computes the rest.
+            from_tiers = 0 if self.tier_loading is None else self.tier_loading.lookup(request, len(cached_blocks))
+            num_cached += from_tiers * self.kv.block_size
             num_new = request.num_tokens - num_cached
             if prompt_limit is not None and prompt_tokens and prompt_tokens + num_new > prompt_limit:
                 break
@@ -239,22 +239,31 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
+            if from_tiers and self.tier_loading is not None:
+                self.tier_loading.start(request, len(cached_blocks), from_tiers)
             self.running.append(request)
             out.chunks.append(self._chunk(request, num_new))
             budget -= num_new
             prompt_tokens += num_new
         return budget
 
-    @property
-    def _num_loading(self) -> int:
-        return 0 if self.tier_loading is None else len(self.tier_loading.requests)
+    def tier_loaded(self, request: Request) -> None:
+        """A lower tier's load for the request wrote every layer in this step (before `update`)."""
+        if self.tier_loading is not None:
+            self.tier_loading.finish(request)
 
-    def loaded(self, request_id: str, blocks_loaded: int) -> None:
-        """A lower tier's load for the request ended with its first `blocks_loaded` blocks written:
-        it joins the running batch, to compute the rest of its prompt (nothing if it ended meanwhile)."""
-        request = None if self.tier_loading is None else self.tier_loading.finish(request_id, blocks_loaded)
-        if request is not None:
-            self.running.append(request)
+    def rewind(self, request_id: str) -> None:
+        """A lower tier's load for the request failed in this step (before `update`): free its
+        blocks, none of them hashed, and requeue it at the front to recompute (as a recompute
+        preemption does, though it is none)."""
+        request = self.requests[request_id]
+        if self.tier_loading is not None:
+            self.tier_loading.fail(request_id)  # first: no late write into blocks about to be freed
+        self.running.remove(request)
+        self.kv.free(request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     def _cached_prefix(self, request: Request) -> tuple[list[int], int]:
         return self.kv.find_cached_prefix(request.token_ids, request.cache_salt)
@@ -352,7 +361,7 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
-        elif self.tier_loading is not None:
+        if self.tier_loading is not None:
             self.tier_loading.discard(request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -414,4 +423,4 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """True while anything is waiting or running."""
-        return bool(self.waiting or self.running or self._num_loading)
+        return bool(self.waiting or self.running)

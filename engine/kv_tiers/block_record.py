@@ -77,24 +77,17 @@ class CheckedRecord:
     """A record whose header names the expected block and layout; its layers are checked as read."""
 
     def __init__(self, record: bytes | memoryview, layout: RecordLayout) -> None:
-        self._view = memoryview(record)
         self._data = np.frombuffer(record, dtype=np.uint8)
         self._layout = layout
         self._crcs = [_CRC.unpack_from(record, _HEADER.size + i * _CRC.size)[0] for i in range(layout.layers)]
 
-    def layer(self, index: int) -> memoryview | None:
-        """Layer `index`'s pages (K then V), or None if they do not match their checksum."""
+    def layer(self, index: int) -> np.ndarray | None:
+        """Layer `index`'s pages (K then V, uint8, read-only), or None if they do not match their checksum."""
         size = self._layout.layer_size
         start = self._layout.header_size + index * size
         if _crc32c(self._data[start:start + size]) != self._crcs[index]:
             return None
-        return self._view[start:start + size]
-
-    def payload(self) -> memoryview | None:
-        """Every layer's pages, or None if any layer does not match its checksum."""
-        if any(self.layer(i) is None for i in range(self._layout.layers)):
-            return None
-        return self._view[self._layout.header_size:]
+        return self._data[start:start + size]
 
 
 def open_record(block_hash: bytes, record: bytes, layout: RecordLayout) -> CheckedRecord | None:
@@ -106,10 +99,3 @@ def open_record(block_hash: bytes, record: bytes, layout: RecordLayout) -> Check
     if magic != MAGIC or stored_hash != block_hash or length != layout.payload_size or layers != layout.layers:
         return None
     return CheckedRecord(record, layout)
-
-
-def unpack_record(block_hash: bytes, record: bytes, layout: RecordLayout) -> memoryview | None:
-    """The pages of a record read back for `block_hash`, or None if it is not a whole, intact record
-    of that block in `layout`."""
-    opened = open_record(block_hash, record, layout)
-    return None if opened is None else opened.payload()

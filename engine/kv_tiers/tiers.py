@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from engine.config import KVTierConfig
-from engine.kv_tiers.block_record import RecordLayout, pack_record, unpack_record
+from engine.kv_tiers.block_record import CheckedRecord, RecordLayout, open_record, pack_record
 from engine.kv_tiers.disk_tier import DiskTier
 from engine.kv_tiers.host_tier_client import HostTierClient
 
@@ -116,27 +116,48 @@ class KVTiers:
             if evicted:
                 self._events.removed("disk", evicted)
 
-    def load(self, block_hash: bytes) -> tuple[LowerTier, memoryview] | None:
-        """A block's pages, checked, and the tier they came from; None if no tier has it intact."""
+    def fetch(self, block_hash: bytes) -> tuple[LowerTier, CheckedRecord] | None:
+        """A block's record, its header checked (its layers are checked as they are written), and the
+        tier it came from; None if no tier has a record of it."""
         if self._moves is not None:
             record = self._moves.get(block_hash)
             self._follow_owner(self._moves)
-            payload = None if record is None else unpack_record(block_hash, record, self.layout)
-            if payload is not None:
+            opened = None if record is None else open_record(block_hash, record, self.layout)
+            if opened is not None:
                 self._host["hits"] += 1
                 self._host["bytes_read"] += len(record)
-                return "host", payload
+                return "host", opened
             self._host["misses"] += 1
             if record is not None:
                 self._host["corrupt"] += 1
+                self._drop_host(block_hash)
         if self._disk is not None:
             held = block_hash in self._disk
-            payload = self._disk.get(block_hash, self.layout)
-            if payload is not None:
-                return "disk", payload
+            opened = self._disk.get(block_hash, self.layout)
+            if opened is not None:
+                return "disk", opened
             if held:  # it failed its check and was dropped
                 self._events.removed("disk", [block_hash])
         return None
+
+    def reject(self, tier: LowerTier, block_hash: bytes) -> None:
+        """A fetched record's layer failed its check: count it corrupt (a miss, not a hit) and drop it
+        from its tier, so no load finds it again."""
+        if tier == "host":
+            self._host["hits"] -= 1
+            self._host["misses"] += 1
+            self._host["corrupt"] += 1
+            self._drop_host(block_hash)
+        elif self._disk is not None:
+            self._disk.reject(block_hash)
+            self._events.removed("disk", [block_hash])
+
+    def _drop_host(self, block_hash: bytes) -> None:
+        if self._moves is not None:
+            self._moves.drop(block_hash)
+        if block_hash in self._host_held:
+            self._host_held.discard(block_hash)
+            self._events.removed("host", [block_hash])
 
     def record_load(self, tier: LowerTier, blocks: int, seconds: float) -> None:
         """A measured load-back, for the router's estimate of a lower tier's cost."""
