@@ -38,11 +38,13 @@ def segment_perplexities(config: EngineConfig, ids: list[int], chunk_tokens: int
             for start in range(0, len(nlls), segment_tokens)]
 
 
-def long_text_table(names: list[str], results: dict[str, list[float]], segment_tokens: int = SEGMENT_TOKENS) -> str:
-    """One line per segment (the positions whose next token it predicts), one column per row; '-' past
-    where a row stops."""
-    lines = ["| tokens | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+def long_text_table(names: list[str], results: dict[str, list[float]], predictions: int,
+                    segment_tokens: int = SEGMENT_TOKENS) -> str:
+    """One line per segment (the positions, of the text's `predictions`, whose next token it
+    predicts), one column per row; '-' past where a row stops."""
+    lines = ["| positions | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for index in range(max(len(r) for r in results.values())):
         cells = [f"{results[name][index]:.2f}" if index < len(results[name]) else "-" for name in names]
-        lines.append(f"| {index * segment_tokens}-{(index + 1) * segment_tokens - 1} | " + " | ".join(cells) + " |")
+        last = min((index + 1) * segment_tokens, predictions) - 1
+        lines.append(f"| {index * segment_tokens}-{last} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

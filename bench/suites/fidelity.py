@@ -233,8 +233,9 @@ def main(argv: Sequence[str]) -> int:
     print(format_table(args.format_list, results, args.tokens))
     print(f"\n{retrieval_table(args.format_list, results, args.lengths)}")
     if long_text:
-        print(f"\nPerplexity per 1,024 tokens of the whole text ({len(ids_of_text())} tokens):\n"
-              f"{long_text_table(list(long_text), long_text)}")
+        tokens = len(ids_of_text())
+        print(f"\nPerplexity per 1,024 tokens of the whole text ({tokens} tokens):\n"
+              f"{long_text_table(list(long_text), long_text, tokens - 1)}")
     print(f"\n{args.windows} windows x {args.window_tokens} tokens of {FIXED_TEXT.name}, chunks of "
           f"{args.chunk_tokens}; {args.prompts} greedy prompts x {args.prompt_tokens} tokens; "
           f"{machine['processor']} ({', '.join(machine['isa'])}), {torch.get_num_threads()} torch threads; "

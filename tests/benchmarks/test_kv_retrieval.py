@@ -35,5 +35,5 @@ def test_the_table_counts_hits_per_length_and_says_why_a_row_has_none():
 
 
 def test_the_long_text_table_has_a_line_per_segment_and_a_dash_past_where_a_row_stops():
-    table = long_text_table(["fp32", "kv-window"], {"fp32": [20.0], "kv-window": [21.004, 19.5]}, 1024)
-    assert table.splitlines()[2:] == ["| 0-1023 | 20.00 | 21.00 |", "| 1024-2047 | - | 19.50 |"]
+    table = long_text_table(["fp32", "kv-window"], {"fp32": [20.0], "kv-window": [21.004, 19.5]}, 1500, 1024)
+    assert table.splitlines()[2:] == ["| 0-1023 | 20.00 | 21.00 |", "| 1024-1499 | - | 19.50 |"]
