@@ -165,7 +165,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # StreamingLLM on a full-attention model: each query attends to the last `sliding_window`
     # positions and the first `sink_tokens` (rounded up to whole blocks); the blocks between are
-    # freed. Keys keep their positions, so a request stays within the model's context (engine.kv_cache.window).
+    # freed. Positions are those within the cache (keys are cached unrotated), so a request may
+    # outgrow the model's context up to EngineConfig.max_model_len (engine.attention.streaming).
     sliding_window: int | None = None
     sink_tokens: int = 0
 
@@ -247,7 +248,9 @@ class EngineConfig:
     dtype: DTypeOption = "auto"  # activations and arithmetic
     device: str = "cpu"
     attention_backend: AttentionBackendName = "auto"
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # None: the model's max_position_embeddings, the most it may be but under StreamingLLM's window
+    # (cache.sliding_window), where it bounds a conversation longer than the context.
+    max_model_len: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -26,6 +26,7 @@ from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.cache_engine import bytes_per_block
 from engine.kv_cache.kv_events import KVEvents
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.window import max_model_len
 from engine.kv_connector.connector import KVConnector
 from engine.kv_connector.export import KVExport
 from engine.kv_connector.policy import DEFAULT_KV_WAIT_S, KVConnectorPolicy
@@ -117,8 +118,7 @@ class Engine:
             log.warning("%s", self.formats.warning)
         self.model_config = loaded.config
         self.tokenizer = Tokenizer.from_path(loaded.source)
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings)
+        self.max_model_len = max_model_len(config, loaded.config, loaded.window)
         num_blocks, block_size = loaded.cache.num_blocks, config.cache.block_size
         # The weight format is part of the model: KV computed with other weights is neither reused nor
         # accepted. So is the KV format: a block's hash names its pages, and pages of another format
@@ -212,12 +212,12 @@ class Engine:
         if len(prompt) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(prompt)} tokens leave no room to generate within the model's context "
-                f"of {self.max_model_len} tokens"
+                f"of {self.max_model_len} tokens (max_model_len)"
             )
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens: {params.max_tokens} plus the prompt's {len(prompt)} tokens exceeds the model's "
-                f"context of {self.max_model_len} tokens (at most {self.max_model_len - len(prompt)})"
+                f"context of {self.max_model_len} tokens (max_model_len; at most {self.max_model_len - len(prompt)})"
             )
         for field, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("prediction", params.prediction)):
             outside = next((t for t in ids if not 0 <= t < vocab), None)

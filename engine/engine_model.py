@@ -23,6 +23,7 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import ModelFiles, build_model, load_model_files
 from engine.model.quant_config import check_requested
 from engine.model.quantized import Weight
+from engine.model.rope import RotaryAtAnyPosition
 from engine.model.weight_formats import choose_quantization
 from engine.parallel.collectives import TensorParallelSharding
 from engine.parallel.layout import TensorParallelLayout
@@ -77,7 +78,7 @@ def load_engine_model(config: EngineConfig, files: ModelFiles | None, layout: Te
     window = kv_window(config, files.config)
     check_window_served(config, files.config, window)
     if window is not None:
-        attention = windowed_attention(attention, window)
+        attention = windowed_attention(attention, window, RotaryAtAnyPosition(files.config, device))
     quantization = choose_quantization(config.quantization, files.quantized_as, config.device)
     formats = resolve_formats(config, hardware, quantization)
     block_size = config.cache.block_size

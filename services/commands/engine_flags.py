@@ -72,8 +72,9 @@ class EngineFlags:
     block_size: int = flag(_CACHE.block_size, "tokens per KV cache block")
     kv_sliding_window: int | None = flag(
         _CACHE.sliding_window, "StreamingLLM on a full-attention model: each query attends to the last N positions "
-        "(and the --kv-sink-tokens first); the blocks between are freed. Keys keep their positions, so a request "
-        "stays within --max-model-len. Refused for a model with its own sliding_window", metavar="N")
+        "(and the --kv-sink-tokens first); the blocks between are freed. Positions are those within the cache "
+        "(N plus the sinks at most the model's context), so a conversation may outgrow the context up to "
+        "--max-model-len. Refused for a model with its own sliding_window", metavar="N")
     kv_sink_tokens: int = flag(_CACHE.sink_tokens, "with --kv-sliding-window: the first tokens every query still "
                                "attends to (attention sinks), rounded up to whole blocks")
     max_num_seqs: int = flag(_SCHEDULER.max_num_seqs, "requests a step may run at once")
@@ -81,7 +82,8 @@ class EngineFlags:
     max_prompt_batch_tokens: int | None = flag(
         None, "a step starts another prompt only while its prompt tokens stay within this; "
         f"0: no limit (default: {CPU_PROMPT_BATCH_TOKENS} on CPU, none on GPU)")
-    max_model_len: int | None = flag(None, "longest prompt plus output (default: the model's context length)")
+    max_model_len: int | None = flag(None, "longest prompt plus output (default and most: the model's context "
+                                     "length; with --kv-sliding-window it may exceed it)")
     no_prefix_caching: bool = flag(False, "compute every prompt in full instead of reusing cached blocks")
     kv_host_tier: str | None = flag(
         None, "the node's KV host tier (`tandem kv-host-tier --socket PATH`): blocks the prefix cache computed are "
