@@ -176,25 +176,31 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    resumed: Resumed | None = None, export: KVExport | None = None) -> None:
+                    resumed: Resumed | None = None, export: KVExport | None = None) -> NoKVRoom | None:
         """Queue a request; ValueError naming the field if it cannot be served. With `resumed`, the
         request continues after output another engine already delivered (see engine.resume). With
         `export`, each layer's pages go to its sink as soon as the layer wrote them, and the request
         hands off: it ends at its first token (finish_reason "handoff") and keeps its blocks until
         `release` (engine.kv_connector.policy bounds how long); without, it decodes here (unless this
-        engine decodes nothing: role prefill)."""
+        engine decodes nothing: role prefill). An engine that decodes admits an export at once with
+        every block it needs, or refuses it (NoKVRoom, nothing kept) instead of queueing it behind
+        blocks its own reservations hold (engine.scheduler.Scheduler.admit_export)."""
         request = self._new_request(request_id, prompt_token_ids, params, resumed)
         too_large = self._too_large(request, computed_here=True)
         if too_large is not None:
             raise ValueError(str(too_large))
         text = self._text_state(params, resumed)
-        self.scheduler.add(request)
+        if export is None or not self.connector.scheduler.policy.decodes:
+            self.scheduler.add(request)
+        elif not self.scheduler.admit_export(request):
+            return NoKVRoom(self._blocks_needed(request), self.kv.num_free_blocks)
         self._text[request_id] = text
         if export is not None:
             self.connector.worker.add_export(request_id, export)
             self.connector.scheduler.hand_off(request_id)
         if resumed is not None:
             self.runner.resume_generator(request_id, params.seed, draws=len(resumed.output_token_ids))
+        return None
 
     def _new_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                      resumed: Resumed | None) -> Request:

@@ -103,6 +103,31 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def admit_export(self, request: Request) -> bool:
+        """Admit a request whose prompt's KV goes to another worker's reservation, on an engine that
+        decodes (and so holds reservations of its own) at once: it joins the running batch holding
+        a block for every known token (those a lower tier holds loading first), and is never
+        preempted. False (nothing changed) when the blocks cannot be had now.
+
+        Queued, it could wait for blocks that this engine's reservations hold, while one of them
+        waits for the KV of a prompt queued the same way at the worker this one computes for: a
+        cycle that only the reservations' KV deadline would break. Refused, the decode site frees
+        its reservation and the request runs elsewhere."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        cached_blocks, num_cached = self._cached_prefix(request)
+        if self.tier_loading is not None and self.tier_loading.start(request, cached_blocks, num_cached,
+                                                                     hold_all=True):
+            self.requests[request.request_id] = request
+            return True
+        if not self.kv.allocate_slots(request.request_id, request.num_tokens, cached_blocks):
+            return False
+        request.num_computed_tokens = request.num_cached_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+        return True
+
     def reserve(self, request: Request, timeout_s: float) -> int | None:
         """Allocate blocks for every known token of a request whose KV comes from elsewhere (the
         prompt, and a resumed request's output), reusing locally cached prefix blocks; none for a
@@ -194,9 +219,11 @@ class Scheduler:
     def _allocate_or_preempt(
         self, request: Request, num_new: int, out: SchedulerOutput, scheduled_ids: set[str]
     ) -> bool:
-        """Allocate this step's slots, preempting the newest running requests if blocks run out."""
+        """Allocate this step's slots, preempting the newest running requests if blocks run out
+        (never an export admitted at once: it holds its blocks already, and a reservation elsewhere
+        waits on it)."""
         while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
-            victim = self.running[-1]
+            victim = next((r for r in reversed(self.running) if not self.connector.pinned(r.request_id)), request)
             if victim.request_id in scheduled_ids:
                 # Everything newer is already in this batch; give up on this request this step.
                 victim = request

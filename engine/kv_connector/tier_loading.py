@@ -44,13 +44,16 @@ class TierLoading:
         self._loads = loads
         self.requests: dict[str, Request] = {}
         self._expected: dict[str, int] = {}
+        self._holding_all: set[str] = set()  # requests whose blocks cover every token, kept whatever loads
         # Prompt tokens looked up in the lower tiers, and loaded back (vLLM's external prefix cache).
         self.queried_tokens = 0
         self.hit_tokens = 0
 
-    def start(self, request: Request, cached_blocks: list[int], num_cached: int) -> bool:
+    def start(self, request: Request, cached_blocks: list[int], num_cached: int, hold_all: bool = False) -> bool:
         """Start loading what lower tiers hold after the request's device prefix hit; False (nothing
-        changed) when they hold none of it or the blocks cannot be had now."""
+        changed) when they hold none of it or the blocks cannot be had now. `hold_all`: the request
+        gets blocks for all its tokens at once, not only the loaded ones (an export that must never
+        wait for blocks: engine.scheduler.Scheduler.admit_export)."""
         hashes = self._kv.prefix_hashes(request.token_ids, request.cache_salt)[len(cached_blocks):]
         if not hashes:
             return False
@@ -59,14 +62,17 @@ class TierLoading:
         if count == 0:
             return False
         total = num_cached + count * self._kv.block_size
-        if not self._kv.allocate_slots(request.request_id, total, cached_blocks):
+        if not self._kv.allocate_slots(request.request_id, request.num_tokens if hold_all else total,
+                                       cached_blocks):
             return False
-        to_fill = self._kv.block_table(request.request_id)[len(cached_blocks):]
+        to_fill = self._kv.block_table(request.request_id)[len(cached_blocks):len(cached_blocks) + count]
         ticket = self._connector.reserved(request.request_id, to_fill, LOAD_TIMEOUT_S)
         request.num_computed_tokens = num_cached
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = request
         self._expected[request.request_id] = count
+        if hold_all:
+            self._holding_all.add(request.request_id)
         self._loads.load(request.request_id, ticket, to_fill, hashes[:count])
         return True
 
@@ -75,11 +81,13 @@ class TierLoading:
         from there (None if it ended meanwhile)."""
         request = self.requests.pop(request_id, None)
         expected = self._expected.pop(request_id, 0)
+        holding_all = request_id in self._holding_all
+        self._holding_all.discard(request_id)
         if request is None:
             return None
         self._connector.end(request_id)  # no write lands in a block a step computes with
         computed = request.num_computed_tokens + blocks_loaded * self._kv.block_size
-        if blocks_loaded < expected:
+        if blocks_loaded < expected and not holding_all:
             self._kv.trim(request_id, computed)
         request.num_computed_tokens = computed
         self.hit_tokens += blocks_loaded * self._kv.block_size
@@ -93,3 +101,4 @@ class TierLoading:
         """The request ended while loading (its reservation ends with it)."""
         self.requests.pop(request_id, None)
         self._expected.pop(request_id, None)
+        self._holding_all.discard(request_id)
