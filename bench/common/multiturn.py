@@ -4,23 +4,26 @@ template over the conversation so far, sent so that a conversation's next turn f
 Conversations are ShareGPT V3's (bench/common/conversations.py), TURNS human turns each; the
 assistant's turns are the model's own greedy replies, computed once here with the engine in this
 process (ignore_eos, as long as the corpus's own reply to that turn, clamped to the chat workload's
-32-96 tokens) and kept with the workload in bench/.cache. A server sent turn k's prompt with
-max_tokens of that reply's length, greedy and ignore_eos, computes that same reply, so turn k+1's
-prompt extends turn k's prompt and reply: what a prefix cache or a KV tier can reuse.
+32-96 tokens) and kept with the workload in bench/.cache. They are computed in float32, whose decode
+reads the KV in place on a CPU (bf16 KV goes through torch's gathers: half of a bf16 run's time in a
+profile, which took over half an hour a turn on a busy 2-core machine); a server sent turn k's prompt
+with max_tokens of that reply's length, greedy and ignore_eos, computes the same reply up to where its
+own rounding (bf16 on a CPU that has it) first changes a token. So turn k+1's prompt extends turn k's
+prompt and (most of) its reply: what a prefix cache or a KV tier can reuse, the same for every server.
 
-Order (`send_order`): SLOTS conversations are under way at once, as a chat service in its steady
-state has users mid-conversation. Request i belongs to slot i mod SLOTS; each slot runs its
-conversations one after another, turn by turn. So between a conversation's turn k and k+1 go exactly
-SLOTS - 1 other requests (SLOTS / rate seconds on average: 32 s at 2 req/s, where a chat request
-meeting its objectives takes at most 2 s + 95 x 0.1 s = 11.5 s), and every stretch of SLOTS requests
-holds each turn number alike, give or take one: the slots start staggered, slot s's first conversation joining at turn
-1 + s mod TURNS (its earlier turns served before the measurement), instead of every slot sending its
-first turns together. Every rate of a sweep takes the next slice of this one stream, so its mix of
+Order (`send_order`): SLOTS conversations are under way at once, as a chat service in its steady state
+has users mid-conversation. Request i belongs to slot i mod SLOTS; each slot runs its conversations
+one after another, turn by turn. So between a conversation's turn k and k+1 go exactly SLOTS - 1 other
+requests (SLOTS / rate seconds on average: 32 s at 2 req/s, where a chat request meeting its
+objectives takes at most 2 s + 95 x 0.1 s = 11.5 s), and every stretch of SLOTS requests holds each
+turn number alike, give or take one: the slots start staggered, slot s's first conversation joining at
+turn 1 + s mod TURNS (its earlier turns served before the measurement), instead of every slot sending
+its first turns together. Every rate of a sweep takes the next slice of this one stream, so its mix of
 early and late turns is the same at every rate.
 
 Working set (`working_set`): after any SLOTS consecutive requests, each slot's next turn reuses the
-prompt and reply of its request among them; their tokens summed, the least over the stream, is the
-KV a cache needs to serve every next turn from memory.
+prompt and reply of its request among them; their tokens summed, the least over the stream, is the KV
+a cache needs to serve every next turn from memory.
 """
 
 from __future__ import annotations
@@ -75,9 +78,8 @@ def requests_working_set(requests: Sequence[BenchRequest]) -> int:
 def build_multiturn(count: int, seed: int, tokenizer: ChatTokenizer, shape: WorkloadShape,
                     model: str | None = None) -> Workload:
     """At least `count` requests in send order, the replies computed here by an engine of `model`
-    (default: the shipped one) at its default dtype, as the servers run it (minutes on two cores: the
-    goodput suite caches the result)."""
-    from engine.config import CacheConfig, EngineConfig
+    (default: the shipped one; minutes on two cores: the goodput suite caches the result)."""
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.engine import Engine
     from engine.offline import generate
     from engine.sampling_params import SamplingParams
@@ -88,8 +90,10 @@ def build_multiturn(count: int, seed: int, tokenizer: ChatTokenizer, shape: Work
     low, high = shape.output_tokens
     outputs = [[min(max(len(tokenizer.encode(reply, add_special_tokens=False)), low), high)
                 for reply in turns[1:2 * TURNS:2]] for turns in corpus]
-    # Room for every conversation's history, so each turn's prefill reuses the last turn's blocks.
-    engine = Engine(EngineConfig(model=model, cache=CacheConfig(memory_bytes=3 * 1024**3)))
+    # Every conversation's turn in one batch, and room for most of their histories, so each turn's
+    # prefill mostly reuses the last turn's blocks.
+    engine = Engine(EngineConfig(model=model, dtype="float32", cache=CacheConfig(memory_bytes=4 * 1024**3),
+                                 scheduler=SchedulerConfig(max_num_seqs=total)))
     replies: list[list[str]] = [[] for _ in corpus]
     prompts: list[list[BenchRequest]] = [[] for _ in corpus]
     for turn in range(TURNS):  # every conversation's turn at once: the engine batches them
