@@ -4,12 +4,12 @@ template over the conversation so far, sent so that a conversation's next turn f
 Conversations are ShareGPT V3's (bench/common/conversations.py), TURNS human turns each; the
 assistant's turns are the model's own greedy replies, computed once here with the engine in this
 process (ignore_eos, as long as the corpus's own reply to that turn, clamped to the chat workload's
-32-96 tokens) and kept with the workload in bench/.cache. They are computed in float32, whose decode
-reads the KV in place on a CPU (bf16 KV goes through torch's gathers: half of a bf16 run's time in a
-profile, which took over half an hour a turn on a busy 2-core machine); a server sent turn k's prompt
-with max_tokens of that reply's length, greedy and ignore_eos, computes the same reply up to where its
-own rounding (bf16 on a CPU that has it) first changes a token. So turn k+1's prompt extends turn k's
-prompt and (most of) its reply: what a prefix cache or a KV tier can reuse, the same for every server.
+32-96 tokens) and kept with the workload in bench/.cache. They are computed in float32 with dense
+weights (bf16 KV goes through torch's gathers: half of a bf16 run's time in a profile, which took over
+half an hour a turn on a busy 2-core machine); a server sent turn k's prompt with max_tokens of that
+reply's length, greedy and ignore_eos, computes the same reply up to where its own rounding (bf16 on a
+CPU that has it) first changes a token. So turn k+1's prompt extends turn k's prompt and (most of) its
+reply: what a prefix cache or a KV tier can reuse, the same for every server.
 
 Order (`send_order`): SLOTS conversations are under way at once, as a chat service in its steady state
 has users mid-conversation. Request i belongs to slot i mod SLOTS; each slot runs its conversations
@@ -91,8 +91,10 @@ def build_multiturn(count: int, seed: int, tokenizer: ChatTokenizer, shape: Work
     outputs = [[min(max(len(tokenizer.encode(reply, add_special_tokens=False)), low), high)
                 for reply in turns[1:2 * TURNS:2]] for turns in corpus]
     # Every conversation's turn in one batch, and room for most of their histories, so each turn's
-    # prefill mostly reuses the last turn's blocks.
-    engine = Engine(EngineConfig(model=model, dtype="float32", cache=CacheConfig(memory_bytes=4 * 1024**3),
+    # prefill mostly reuses the last turn's blocks. Dense float32 weights: a GGUF file's blocks would be
+    # widened again at every step of a batch this large.
+    engine = Engine(EngineConfig(model=model, dtype="float32", quantization="none",
+                                 cache=CacheConfig(memory_bytes=4 * 1024**3),
                                  scheduler=SchedulerConfig(max_num_seqs=total)))
     replies: list[list[str]] = [[] for _ in corpus]
     prompts: list[list[BenchRequest]] = [[] for _ in corpus]
