@@ -33,7 +33,7 @@ def scored_over_held(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One sequence's queries (the last len(q) of its `seq_len` positions) over its `held` blocks
     (table indices, ascending, the last holding position seq_len - 1): the output
     [len(q), num_heads, head_dim] and each held block's mass [len(held)] (fp32)."""
-    query_len, num_heads, _ = q.shape
+    query_len, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     if held[-1] != blocks_for(seq_len, block_size) - 1:
         raise ValueError(f"held_blocks: the last block of a context of {seq_len} tokens must be held, got {held}")
@@ -48,14 +48,15 @@ def scored_over_held(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mass = torch.zeros(len(held) * block_size, dtype=torch.float32, device=q.device)
     out = None
     if first < query_len:
-        groups = num_heads // keys.shape[1]
-        scored_q = q[first:].transpose(0, 1).float()  # [heads, n, head_dim]
-        scored_k = keys.transpose(0, 1).float().repeat_interleave(groups, 0)
-        logits = (scored_q @ scored_k.transpose(1, 2)) * scale
-        probs = logits.masked_fill(~visible[first:], float("-inf")).softmax(-1)  # [heads, n, rows]
+        num_kv_heads = keys.shape[1]
+        # Query head h reads KV head h // groups: [kv heads, groups * n, head_dim] against each KV head's keys.
+        scored_q = q[first:].transpose(0, 1).float().reshape(num_kv_heads, -1, head_dim)
+        logits = (scored_q @ keys.float().permute(1, 2, 0)) * scale  # [kv heads, groups * n, rows]
+        hidden = ~visible[first:].repeat(num_heads // num_kv_heads, 1)
+        probs = logits.masked_fill(hidden, float("-inf")).softmax(-1)
         mass[:rows] = probs.sum((0, 1))
         if first == 0:  # every query scores (a decode row): the probabilities give the output too
-            out = (probs @ values.transpose(0, 1).float().repeat_interleave(groups, 0)).transpose(0, 1)
+            out = (probs @ values.float().transpose(0, 1)).reshape(num_heads, query_len, head_dim).transpose(0, 1)
     if out is None:
         queries = q.transpose(0, 1)[None].to(keys.dtype)
         out = F.scaled_dot_product_attention(queries, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],

@@ -18,10 +18,12 @@ from engine.engine import Engine
 from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.kv_budget import KVBudget, kv_budget
 from engine.kv_cache.manager import FREED, KVCacheManager
+from engine.outputs import KVReservation
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.speculative.config import SpeculativeConfig
 from kvtransfer.descriptor import KVLayout
+from tests.disaggregated import import_all, prefill_into
 from tests.reference import EXACT_FORMATS
 from tests.unit.test_model_hf import VOCAB, random_prompt, save_random_model, save_word_tokenizer
 
@@ -133,6 +135,29 @@ def test_preempted_requests_recompute_and_finish_within_the_budget(tmp_path: Pat
     assert tight.kv.num_free_blocks == tight.kv.num_blocks
 
 
+def test_a_decode_engine_applies_the_budget_to_full_pages_from_a_prefill_engine_without_one(tmp_path: Path) -> None:
+    """A prefill worker computes and ships a prompt's full KV whatever its budget (a budget applies
+    only once a prompt is computed); the decode worker's blocks are scored by its own decode queries."""
+    save_llama(tmp_path)
+    prefill, decode = budget_engine(tmp_path, budget=None, role="prefill"), budget_engine(tmp_path, role="decode")
+    assert KVLayout.of_engine(prefill).mismatch(KVLayout.of_engine(decode)) is None
+    colocated, _ = run_tracking(budget_engine(tmp_path), PROMPTS, GREEDY)
+    for index, prompt in enumerate(PROMPTS):
+        reservation = decode.reserve(str(index), prompt, GREEDY)
+        assert isinstance(reservation, KVReservation)
+        first, pages = prefill_into(prefill, str(index), prompt, GREEDY)
+        import_all(decode, reservation, pages, prefill.model_config.num_layers)
+        assert decode.start_decode(str(index), first).new_token_ids == (colocated[index][0],)
+    held_most = 0
+    while decode.has_unfinished():
+        decode.step()
+        decode.kv.check_invariants()
+        held_most = max([held_most, *(decode.kv.num_held_blocks(r.request_id) for r in decode.scheduler.running)])
+    # The 45-token prompt arrived whole (12 blocks); from its first decode step on it holds 5.
+    assert held_most <= BUDGET // BLOCK
+    assert prefill.kv.usage == 0 and decode.kv.usage == 0
+
+
 def test_blocks_computed_after_an_eviction_are_never_hashed() -> None:
     budget = KVBudget(tokens=5 * BLOCK, recent_tokens=RECENT, block_size=BLOCK)
     manager = KVCacheManager(32, BLOCK, budget=budget)
@@ -163,17 +188,18 @@ def test_blocks_computed_after_an_eviction_are_never_hashed() -> None:
 
 def test_the_shipped_model_keeps_its_identity_and_its_blocks_within_the_budget(make_engine) -> None:
     cache = CacheConfig(block_size=16, num_blocks=64, budget_tokens=64, budget_recent_tokens=16)
-    budgeted, full = make_engine(cache=cache), make_engine(cache=replace(cache, budget_tokens=None,
-                                                                         budget_recent_tokens=None))
+    # One plain copy of the weights: packing them for the fp16 product costs more than these steps.
+    budgeted = make_engine(cache=cache, cpu_weights="plain")
+    full = make_engine(cache=replace(cache, budget_tokens=None, budget_recent_tokens=None), cpu_weights="plain")
     # What it hashes is full-attention KV, so the prefix cache, the tiers and the wire share it.
     assert budgeted.fingerprint == full.fingerprint
     assert KVLayout.of_engine(budgeted).page_fingerprint == KVLayout.of_engine(full).page_fingerprint
     short = [random_prompt(20, seed=3, vocab=1000)]
     params = replace(GREEDY, max_tokens=12)
     assert run_tracking(budgeted, short, params)[0] == run_tracking(full, short, params)[0]
-    long_prompt = [random_prompt(150, seed=4, vocab=1000)]
-    tokens, held = run_tracking(budgeted, long_prompt, replace(GREEDY, max_tokens=40), most=4)
-    assert len(tokens[0]) == 40 and max(len(h) for h in held[0]) <= 4
+    long_prompt = [random_prompt(100, seed=4, vocab=1000)]
+    tokens, held = run_tracking(budgeted, long_prompt, replace(GREEDY, max_tokens=12), most=4)
+    assert len(tokens[0]) == 12 and max(len(h) for h in held[0]) <= 4  # of its 7 blocks
     assert budgeted.kv.num_free_blocks == budgeted.kv.num_blocks
 
 
