@@ -151,12 +151,16 @@ def tables(args: argparse.Namespace, cost: dict[str, dict], quality: dict[str, d
               + " | ".join(f"retrieval at {length}" for length in args.lengths) + " |",
               "|---|---:|---:|" + "---:|" * len(args.lengths)]
     for name, row in quality.items():
-        found = " | ".join(f"{row['hits'][length]}/{args.retrieval_prompts}"
-                           + (f" ({row['retrieval_budget_tokens'][length]} kept)" if row['retrieval_budget_tokens'][
-                               length] else "") for length in args.lengths)
-        kept = f" ({row['perplexity_budget_tokens']} kept)" if row["perplexity_budget_tokens"] else ""
-        lines.append(f"| {name} | {row['perplexity']:.3f}{kept} | {row['perplexity_rise'] * 100:+.2f}% | {found} |")
+        kept = row["retrieval_budget_tokens"]
+        found = " | ".join(f"{row['hits'][length]}/{args.retrieval_prompts}{_kept(kept[length])}"
+                           for length in args.lengths)
+        lines.append(f"| {name} | {row['perplexity']:.3f}{_kept(row['perplexity_budget_tokens'])} | "
+                     f"{row['perplexity_rise'] * 100:+.2f}% | {found} |")
     return "\n".join(lines)
+
+
+def _kept(budget: int | None) -> str:
+    return "" if budget is None else f" ({budget} kept)"
 
 
 def main(argv: Sequence[str]) -> int:

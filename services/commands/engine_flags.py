@@ -83,8 +83,11 @@ class EngineFlags:
         "--kv-sliding-window, speculative decoding, more than one process, or a model with its own sliding_window",
         metavar="N")
     kv_budget_recent_tokens: int | None = flag(
-        _CACHE.budget_recent_tokens, "with --kv-budget-tokens: the recent positions always kept, which also score a "
-        "prompt's blocks (default: half the budget)", metavar="N")
+        _CACHE.budget_recent_tokens, "with --kv-budget-tokens: the recent positions always kept (default: half the "
+        "budget)", metavar="N")
+    kv_budget_observation_tokens: int = flag(
+        _CACHE.budget_observation_tokens, "with --kv-budget-tokens: a prompt's last queries whose attention first "
+        "scores its blocks (SnapKV's observation window)", metavar="N")
     max_num_seqs: int = flag(_SCHEDULER.max_num_seqs, "requests a step may run at once")
     max_num_batched_tokens: int = flag(_SCHEDULER.max_num_batched_tokens, "tokens a step may compute")
     max_prompt_batch_tokens: int | None = flag(
@@ -172,6 +175,7 @@ def flags_engine_config(flags: EngineFlags, role: Role) -> EngineConfig:
             sink_tokens=flags.kv_sink_tokens,
             budget_tokens=flags.kv_budget_tokens,
             budget_recent_tokens=flags.kv_budget_recent_tokens,
+            budget_observation_tokens=flags.kv_budget_observation_tokens,
         ),
         kv_tiers=KVTierConfig(host_socket=flags.kv_host_tier, disk_dir=flags.kv_disk_tier,
                               disk_bytes=flags.kv_disk_tier_mib * _MIB),

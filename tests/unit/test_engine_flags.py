@@ -45,7 +45,7 @@ ENGINE_FLAGS = ["--model", "/m.gguf", "--device", "cuda:1", "--dtype", "float16"
                 "--threads", "2", "--cpu-weights", "plain", "--quantization", "none", "--kv-cache-dtype", "int8",
                 "--kv-cache-mib", "64", "--kv-cache-blocks", "9", "--block-size", "32",
                 "--kv-sliding-window", "64", "--kv-sink-tokens", "4", "--kv-budget-tokens", "256",
-                "--kv-budget-recent-tokens", "64", "--max-num-seqs", "3",
+                "--kv-budget-recent-tokens", "64", "--kv-budget-observation-tokens", "8", "--max-num-seqs", "3",
                 "--max-num-batched-tokens", "100", "--max-prompt-batch-tokens", "0", "--max-model-len", "512",
                 "--no-prefix-caching", "--activation-quantization", "none",
                 "--speculative-config", '{"num_speculative_tokens": 3}', "--tensor-parallel-size", "3",

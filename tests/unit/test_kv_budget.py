@@ -27,7 +27,7 @@ from tests.disaggregated import import_all, prefill_into
 from tests.reference import EXACT_FORMATS
 from tests.unit.test_model_hf import VOCAB, random_prompt, save_random_model, save_word_tokenizer
 
-BLOCK, BUDGET, RECENT, CHUNK = 4, 20, 6, 16
+BLOCK, BUDGET, RECENT, OBSERVE, CHUNK = 4, 20, 6, 5, 16
 _SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -45,7 +45,7 @@ def save_llama(directory: Path) -> torch.nn.Module:
 def budget_engine(directory: Path, budget: int | None = BUDGET, num_blocks: int = 64, **overrides) -> Engine:
     """An engine whose cache starts as NaN: a read of a page the request does not hold poisons it."""
     cache = CacheConfig(block_size=BLOCK, num_blocks=num_blocks, budget_tokens=budget,
-                        budget_recent_tokens=None if budget is None else RECENT)
+                        budget_recent_tokens=None if budget is None else RECENT, budget_observation_tokens=OBSERVE)
     engine = Engine(EngineConfig(model=str(directory), **EXACT_FORMATS, cache=cache,
                                  scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK), **overrides))
     for k_cache, v_cache in engine.runner.cache.kv_caches:
@@ -58,7 +58,7 @@ def budget_engine(directory: Path, budget: int | None = BUDGET, num_blocks: int 
 def reference_budgeted(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> tuple[list[int], list[set[int]]]:
     """Greedy tokens under the budget, recomputing the whole sequence each step with every row's
     mask the blocks held when that row was computed; and the blocks held after each token."""
-    budget = KVBudget(BUDGET, RECENT, BLOCK)
+    budget = KVBudget(BUDGET, RECENT, BLOCK, OBSERVE)
     tokens, held = list(prompt), set(range(blocks_for(len(prompt), BLOCK)))
     visible = [set(range(row + 1)) for row in range(len(prompt))]  # the prompt: full causal attention
     scores: defaultdict[int, float] = defaultdict(float)
@@ -70,7 +70,8 @@ def reference_budgeted(model: torch.nn.Module, prompt: list[int], max_tokens: in
             allowed[row, sorted(keys)] = True
         mask = torch.zeros(length, length).masked_fill(~allowed, torch.finfo(torch.float32).min)
         result = model(torch.tensor([tokens]), attention_mask=mask[None, None], output_attentions=True)
-        scoring = slice(max(0, budget.score_from(length)), length)  # a prompt's last RECENT rows, or the new one
+        # The rows computed in this step that score: a prompt's last OBSERVE, then each new one.
+        scoring = slice(max(0, budget.score_from(length)), length) if not out else slice(length - 1, length)
         # A key's mass: its probability summed over heads, scoring rows and layers (0 where masked).
         mass = sum(probs[0, :, scoring].sum((0, 1)) for probs in result.attentions)
         padded = torch.zeros(blocks_for(length, BLOCK) * BLOCK)
@@ -207,6 +208,7 @@ def test_the_shipped_model_keeps_its_identity_and_its_blocks_within_the_budget(m
     (dict(budget_tokens=0), "kv_budget_tokens: must be positive"),
     (dict(budget_tokens=64, sliding_window=32), "kv_budget_tokens: is not served with kv_sliding_window"),
     (dict(budget_recent_tokens=8), "kv_budget_recent_tokens: applies only with kv_budget_tokens"),
+    (dict(budget_tokens=64, budget_observation_tokens=0), "kv_budget_observation_tokens: must be at least 1"),
 ])
 def test_bad_budgets_are_refused_naming_the_flag(cache: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
