@@ -50,7 +50,7 @@ from engine.parallel.pipeline import PipelineStages
 from engine.parallel.pipeline_layout import PipelineLayout
 from engine.request import FinishReason, Request
 from engine.resume import Resumed, check_resumable, replay_text
-from engine.runner import ModelRunner, SampledToken
+from engine.runner import BlockScoring, ModelRunner, SampledToken
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -132,7 +132,7 @@ class Engine:
         # Every KV tier's block events, which the worker's load reports carry to the gateway's exact index.
         self.kv_events = KVEvents()
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint,
-                                 events=self.kv_events, window=loaded.window)
+                                 events=self.kv_events, window=loaded.window, budget=loaded.budget)
         eos = set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)
         sampler = Sampler(loaded.config.vocab_size, sorted(eos))
         context, stages = None, None
@@ -144,7 +144,9 @@ class Engine:
             stages = PipelineStages(loaded, pipeline, size, self._parallel.group, self._parallel.send)
         # Every step's plan goes to tensor-parallel ranks and to pipeline stages.
         plans = None if self._parallel is None or context is not None else self._parallel.send
-        self.runner = ModelRunner(loaded.model, loaded.cache, sampler, self.device, plans, context, stages)
+        scoring = None if loaded.scored is None or loaded.budget is None else BlockScoring(
+            loaded.scored, loaded.budget, self.kv.add_scores)
+        self.runner = ModelRunner(loaded.model, loaded.cache, sampler, self.device, plans, context, stages, scoring)
         page = self.kv_format.page_shape(block_size, loaded.config.num_kv_heads, loaded.config.head_dim)
         policy = KVConnectorPolicy.of(config)
         self.connector = KVConnector(policy, KVConnectorWorker(

@@ -331,6 +331,10 @@ class Scheduler:
             self.kv.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens,
                                  request.cache_salt)
             self.kv.free_outside_window(request.request_id, request.num_computed_tokens)
+            # A KV budget applies once a request's known tokens are computed but the one just
+            # sampled; a request that ends or hands off keeps its blocks until it goes.
+            if reason is None and request.num_computed_tokens == request.num_tokens - 1:
+                self.kv.evict_over_budget(request.request_id, request.num_computed_tokens)
             if reason is not None:
                 self.finish(request.request_id, reason)
                 finished.append(request)

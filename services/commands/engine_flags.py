@@ -77,6 +77,18 @@ class EngineFlags:
         "--max-model-len. Refused for a model with its own sliding_window", metavar="N")
     kv_sink_tokens: int = flag(_CACHE.sink_tokens, "with --kv-sliding-window: the first tokens every query still "
                                "attends to (attention sinks), rounded up to whole blocks")
+    kv_budget_tokens: int | None = flag(
+        _CACHE.budget_tokens, "H2O/SnapKV eviction: once its prompt is computed, each request keeps at most N tokens "
+        "of KV (whole blocks): its last --kv-budget-recent-tokens and the blocks its queries attended to most "
+        "(a prompt's blocks first scored by its last queries); the rest are freed. Refused with "
+        "--kv-sliding-window, speculative decoding, more than one process, or a model with its own sliding_window",
+        metavar="N")
+    kv_budget_recent_tokens: int | None = flag(
+        _CACHE.budget_recent_tokens, "with --kv-budget-tokens: the recent positions always kept (default: half the "
+        "budget)", metavar="N")
+    kv_budget_observation_tokens: int = flag(
+        _CACHE.budget_observation_tokens, "with --kv-budget-tokens: a prompt's last queries whose attention first "
+        "scores its blocks (SnapKV's observation window)", metavar="N")
     max_num_seqs: int = flag(_SCHEDULER.max_num_seqs, "requests a step may run at once")
     max_num_batched_tokens: int = flag(_SCHEDULER.max_num_batched_tokens, "tokens a step may compute")
     max_prompt_batch_tokens: int | None = flag(
@@ -163,6 +175,9 @@ def flags_engine_config(flags: EngineFlags, role: Role) -> EngineConfig:
             enable_prefix_caching=not flags.no_prefix_caching,
             sliding_window=flags.kv_sliding_window,
             sink_tokens=flags.kv_sink_tokens,
+            budget_tokens=flags.kv_budget_tokens,
+            budget_recent_tokens=flags.kv_budget_recent_tokens,
+            budget_observation_tokens=flags.kv_budget_observation_tokens,
         ),
         kv_tiers=KVTierConfig(host_socket=flags.kv_host_tier, disk_dir=flags.kv_disk_tier,
                               disk_bytes=flags.kv_disk_tier_mib * _MIB),
