@@ -16,7 +16,7 @@ import torch
 
 from engine.kv_connector.export import KVExport
 from engine.kv_connector.policy import DEFAULT_KV_WAIT_S
-from engine.outputs import EngineStats, KVReservation, RequestOutput, ReserveResult
+from engine.outputs import EngineStats, KVReservation, NoKVRoom, RequestOutput, ReserveResult
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
 
@@ -28,9 +28,10 @@ class Command(Generic[T]):
 
 
 @dataclass(frozen=True)
-class AddRequest(Command[None]):
+class AddRequest(Command[NoKVRoom | None]):
     """Queue a request (ValueError naming the field if it cannot be served). `resumed`: it continues
-    after output delivered elsewhere; `export`: push its pages layer by layer."""
+    after output delivered elsewhere; `export`: push its pages layer by layer (NoKVRoom: an engine
+    that decodes cannot admit it at once, Engine.add_request)."""
 
     request_id: str
     prompt_token_ids: Sequence[int]

@@ -165,12 +165,27 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # StreamingLLM on a full-attention model: each query attends to the last `sliding_window`
     # positions and the first `sink_tokens` (rounded up to whole blocks); the blocks between are
-    # freed. Keys keep their positions, so a request stays within the model's context (engine.kv_cache.window).
+    # freed. Positions are those within the cache (keys are cached unrotated), so a request may
+    # outgrow the model's context up to EngineConfig.max_model_len (engine.attention.streaming).
     sliding_window: int | None = None
     sink_tokens: int = 0
+    # H2O/SnapKV on a full-attention model: each request keeps at most `budget_tokens` of KV (whole
+    # blocks) once its prompt is computed, its last `budget_recent_tokens` (None: half the budget)
+    # and the blocks its queries attended to most, a prompt's scored by its last
+    # `budget_observation_tokens` queries; the rest are freed (engine.kv_cache.kv_budget).
+    budget_tokens: int | None = None
+    budget_recent_tokens: int | None = None
+    budget_observation_tokens: int = 16
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0, "block_size", f"must be positive, got {self.block_size}")
+        if self.budget_tokens is not None:
+            _require(self.budget_tokens > 0, "kv_budget_tokens", f"must be positive, got {self.budget_tokens}")
+            _require(self.sliding_window is None, "kv_budget_tokens", "is not served with kv_sliding_window")
+        _require(self.budget_recent_tokens is None or self.budget_tokens is not None, "kv_budget_recent_tokens",
+                 "applies only with kv_budget_tokens")
+        _require(self.budget_observation_tokens >= 1, "kv_budget_observation_tokens",
+                 f"must be at least 1, got {self.budget_observation_tokens}")
         if self.sliding_window is not None:
             _require(self.sliding_window > 0, "kv_sliding_window", f"must be positive, got {self.sliding_window}")
         _require(self.sink_tokens >= 0, "kv_sink_tokens", f"must not be negative, got {self.sink_tokens}")
@@ -247,7 +262,9 @@ class EngineConfig:
     dtype: DTypeOption = "auto"  # activations and arithmetic
     device: str = "cpu"
     attention_backend: AttentionBackendName = "auto"
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # None: the model's max_position_embeddings, the most it may be but under StreamingLLM's window
+    # (cache.sliding_window), where it bounds a conversation longer than the context.
+    max_model_len: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -26,6 +26,7 @@ from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.cache_engine import bytes_per_block
 from engine.kv_cache.kv_events import KVEvents
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.window import max_model_len
 from engine.kv_connector.connector import KVConnector
 from engine.kv_connector.export import KVExport
 from engine.kv_connector.policy import DEFAULT_KV_WAIT_S, KVConnectorPolicy
@@ -50,7 +51,7 @@ from engine.parallel.pipeline import PipelineStages
 from engine.parallel.pipeline_layout import PipelineLayout
 from engine.request import FinishReason, Request
 from engine.resume import Resumed, check_resumable, replay_text
-from engine.runner import ModelRunner, SampledToken
+from engine.runner import BlockScoring, ModelRunner, SampledToken
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -115,8 +116,7 @@ class Engine:
             log.warning("%s", self.formats.warning)
         self.model_config = loaded.config
         self.tokenizer = Tokenizer.from_path(loaded.source)
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings)
+        self.max_model_len = max_model_len(config, loaded.config, loaded.window)
         num_blocks, block_size = loaded.cache.num_blocks, config.cache.block_size
         # The weight format is part of the model: KV computed with other weights is neither reused nor
         # accepted. So is the KV format: a block's hash names its pages, and pages of another format
@@ -130,7 +130,7 @@ class Engine:
         # Every KV tier's block events, which the worker's load reports carry to the gateway's exact index.
         self.kv_events = KVEvents()
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, salt=self.fingerprint,
-                                 events=self.kv_events, window=loaded.window)
+                                 events=self.kv_events, window=loaded.window, budget=loaded.budget)
         eos = set(self.tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)
         sampler = Sampler(loaded.config.vocab_size, sorted(eos))
         context, stages = None, None
@@ -142,7 +142,9 @@ class Engine:
             stages = PipelineStages(loaded, pipeline, size, self._parallel.group, self._parallel.send)
         # Every step's plan goes to tensor-parallel ranks and to pipeline stages.
         plans = None if self._parallel is None or context is not None else self._parallel.send
-        self.runner = ModelRunner(loaded.model, loaded.cache, sampler, self.device, plans, context, stages)
+        scoring = None if loaded.scored is None or loaded.budget is None else BlockScoring(
+            loaded.scored, loaded.budget, self.kv.add_scores)
+        self.runner = ModelRunner(loaded.model, loaded.cache, sampler, self.device, plans, context, stages, scoring)
         page = self.kv_format.page_shape(block_size, loaded.config.num_kv_heads, loaded.config.head_dim)
         policy = KVConnectorPolicy.of(config)
         self.connector = KVConnector(policy, KVConnectorWorker(
@@ -174,25 +176,31 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    resumed: Resumed | None = None, export: KVExport | None = None) -> None:
+                    resumed: Resumed | None = None, export: KVExport | None = None) -> NoKVRoom | None:
         """Queue a request; ValueError naming the field if it cannot be served. With `resumed`, the
         request continues after output another engine already delivered (see engine.resume). With
         `export`, each layer's pages go to its sink as soon as the layer wrote them, and the request
         hands off: it ends at its first token (finish_reason "handoff") and keeps its blocks until
         `release` (engine.kv_connector.policy bounds how long); without, it decodes here (unless this
-        engine decodes nothing: role prefill)."""
+        engine decodes nothing: role prefill). An engine that decodes admits an export at once with
+        every block it needs, or refuses it (NoKVRoom, nothing kept) instead of queueing it behind
+        blocks its own reservations hold (engine.scheduler.Scheduler.admit_export)."""
         request = self._new_request(request_id, prompt_token_ids, params, resumed)
         too_large = self._too_large(request, computed_here=True)
         if too_large is not None:
             raise ValueError(str(too_large))
         text = self._text_state(params, resumed)
-        self.scheduler.add(request)
+        if export is None or not self.connector.scheduler.policy.decodes:
+            self.scheduler.add(request)
+        elif not self.scheduler.admit_export(request):
+            return NoKVRoom(self._blocks_needed(request), self.kv.num_free_blocks)
         self._text[request_id] = text
         if export is not None:
             self.connector.worker.add_export(request_id, export)
             self.connector.scheduler.hand_off(request_id)
         if resumed is not None:
             self.runner.resume_generator(request_id, params.seed, draws=len(resumed.output_token_ids))
+        return None
 
     def _new_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                      resumed: Resumed | None) -> Request:
@@ -210,12 +218,12 @@ class Engine:
         if len(prompt) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(prompt)} tokens leave no room to generate within the model's context "
-                f"of {self.max_model_len} tokens"
+                f"of {self.max_model_len} tokens (max_model_len)"
             )
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens: {params.max_tokens} plus the prompt's {len(prompt)} tokens exceeds the model's "
-                f"context of {self.max_model_len} tokens (at most {self.max_model_len - len(prompt)})"
+                f"context of {self.max_model_len} tokens (max_model_len; at most {self.max_model_len - len(prompt)})"
             )
         for field, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("prediction", params.prediction)):
             outside = next((t for t in ids if not 0 <= t < vocab), None)

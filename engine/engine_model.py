@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.attention.scored import ScoredAttention
 from engine.attention.selector import select_attention_backend, windowed_attention
 from engine.config import EngineConfig, ModelConfig
 from engine.dtypes import TORCH_DTYPES
@@ -16,6 +17,7 @@ from engine.formats import EngineFormats, choose_dtype, resolve_formats
 from engine.hardware import probe
 from engine.kv_cache.cache_engine import CacheEngine, bytes_per_block
 from engine.kv_cache.codec import KVFormat, kv_format
+from engine.kv_cache.kv_budget import KVBudget, kv_budget
 from engine.kv_cache.window import KVWindow, check_window_served, kv_window
 from engine.model.int8_activations import PARTS
 from engine.model.kernels import cpu_kernels
@@ -23,6 +25,7 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import ModelFiles, build_model, load_model_files
 from engine.model.quant_config import check_requested
 from engine.model.quantized import Weight
+from engine.model.rope import RotaryAtAnyPosition
 from engine.model.weight_formats import choose_quantization
 from engine.parallel.collectives import TensorParallelSharding
 from engine.parallel.layout import TensorParallelLayout
@@ -44,6 +47,8 @@ class EngineModel:
     cache: CacheEngine
     attention: str  # the attention backend's name
     window: KVWindow | None  # the sliding window attention runs with; None: full attention
+    budget: KVBudget | None  # the KV budget requests are evicted under; None: none
+    scored: ScoredAttention | None  # the attention that scores blocks under `budget`
 
 
 def load_engine_model(config: EngineConfig, files: ModelFiles | None, layout: TensorParallelLayout,
@@ -77,7 +82,13 @@ def load_engine_model(config: EngineConfig, files: ModelFiles | None, layout: Te
     window = kv_window(config, files.config)
     check_window_served(config, files.config, window)
     if window is not None:
-        attention = windowed_attention(attention, window)
+        attention = windowed_attention(attention, window, RotaryAtAnyPosition(files.config, device))
+    budget = kv_budget(config, files.config)
+    # Under a budget the CPU kernels' ops go too: they attend over whole contexts, and freed blocks
+    # must never be read (engine.attention.scored).
+    scored = None if budget is None else ScoredAttention(kv.codec)
+    if scored is not None:
+        attention = scored
     quantization = choose_quantization(config.quantization, files.quantized_as, config.device)
     formats = resolve_formats(config, hardware, quantization)
     block_size = config.cache.block_size
@@ -91,7 +102,7 @@ def load_engine_model(config: EngineConfig, files: ModelFiles | None, layout: Te
     num_blocks = config.cache.num_blocks or max(1, (config.cache.memory_bytes or 0) // block_bytes)
     cache = CacheEngine(shard.config, num_blocks, block_size, kv, device)
     return EngineModel(files.config, files.source, dtype, quantization, formats, kv, model, cache, attention.name,
-                       window)
+                       window, budget, scored)
 
 
 def _keep(layout: TensorParallelLayout, stage: PipelineLayout, config: ModelConfig, name: str,

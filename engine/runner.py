@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.scored import ScoredAttention
 from engine.kv_cache.cache_engine import CacheEngine
+from engine.kv_cache.kv_budget import KVBudget
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel.context_parallel import ContextParallelPrefill
 from engine.parallel.pipeline import PipelineStages
@@ -19,16 +22,28 @@ from engine.speculative.verify import num_accepted
 SampledToken = tuple[int, TokenLogprobs | None]
 
 
+@dataclass(frozen=True)
+class BlockScoring:
+    """Under a KV budget: the attention that scores held blocks, the budget that says which
+    queries score, and where each step's mass goes: (request id, table indices, masses)."""
+
+    attention: ScoredAttention
+    budget: KVBudget
+    record: Callable[[str, Sequence[int], Sequence[float]], None]
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors, the sampler and each seeded request's generator."""
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, sampler: Sampler, device: torch.device,
                  plans: Callable[[StepPlan], None] | None = None,
-                 context: ContextParallelPrefill | None = None, stages: PipelineStages | None = None) -> None:
+                 context: ContextParallelPrefill | None = None, stages: PipelineStages | None = None,
+                 scoring: BlockScoring | None = None) -> None:
         """`plans` hands each step's inputs to the other ranks of a tensor- or pipeline-parallel engine
         before this rank runs it (engine.parallel.step_plan); `context` splits long prompts across the
         ranks of a prefill context-parallel engine (engine.parallel.context_parallel); `stages` runs a
-        pipeline-parallel engine's step through its stages (engine.parallel.pipeline)."""
+        pipeline-parallel engine's step through its stages (engine.parallel.pipeline); `scoring`
+        scores the blocks each request holds under a KV budget (engine.kv_cache.kv_budget)."""
         self.model = model
         self.cache = cache
         self.sampler = sampler
@@ -36,6 +51,7 @@ class ModelRunner:
         self._plans = plans
         self._context = context
         self._stages = stages
+        self._scoring = scoring
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -88,6 +104,10 @@ class ModelRunner:
         if self._stages is not None:
             return self._stages.step(input_ids, positions, meta, sample_rows, self.cache.kv_caches, on_layer_done)
         hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done, before_layer)
+        if self._scoring is not None and meta.held_blocks is not None:
+            for chunk, held, mass in zip(out.chunks, meta.held_blocks, self._scoring.attention.take_scores(),
+                                         strict=True):
+                self._scoring.record(chunk.request.request_id, held, mass.tolist())
         if not sample_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
@@ -130,6 +150,7 @@ class ModelRunner:
         # Padding, and the entries of blocks freed outside a sliding window, name block 0: the
         # attention backends never read a position their window hides (engine.kv_cache.window).
         tables = [[max(block, 0) for block in c.block_table] + [0] * (width - len(c.block_table)) for c in out.chunks]
+        scoring = self._scoring
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.long),
             query_start_loc=self._tensor(query_start, torch.int32),
@@ -137,6 +158,11 @@ class ModelRunner:
             block_tables=self._tensor(tables, torch.int32),
             query_lens_list=tuple(c.num_tokens for c in out.chunks),
             seq_lens_list=tuple(seq_lens),
+            # The entries of blocks a KV budget freed are negative (engine.kv_cache.manager.FREED).
+            held_blocks=None if scoring is None else tuple(
+                tuple(i for i, block in enumerate(c.block_table) if block >= 0) for c in out.chunks),
+            score_from=None if scoring is None else tuple(
+                scoring.budget.score_from(c.request.num_tokens) for c in out.chunks),
         )
         return self._tensor(token_ids, torch.long), self._tensor(positions, torch.long), meta, sample_rows
 

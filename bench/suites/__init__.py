@@ -18,7 +18,7 @@ SUITES = (
     "kv_transfer", "mesh_overhead", "links", "tracing_overhead", "version_routing", "hot_swap",
     "tensor_parallel", "kv_relay", "goodput", "speculative", "planner_sim",
     "cancel_storm", "overload", "soak", "hf_export", "grammar_backends", "structured",
-    "structured_vllm", "prediction", "parallel_layouts", "moe", "kv_tiers", "kv_compression",
+    "structured_vllm", "prediction", "parallel_layouts", "moe", "kv_tiers", "kv_compression", "kv_eviction",
     "prefix_routing",
 )
 

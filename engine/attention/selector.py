@@ -12,6 +12,7 @@ import torch
 
 from engine.attention.metadata import AttentionBackend
 from engine.attention.reference import DenseDecode, DensePrefill, TorchPagedAttention, paged_decode_attention
+from engine.attention.streaming import Rotate, StreamingAttention
 from engine.kv_cache.codec import DENSE, FP8_E4M3, KVCodec
 from engine.kv_cache.window import KVWindow
 
@@ -109,11 +110,18 @@ def select_attention_backend(
     return TorchPagedAttention(codec)
 
 
-def windowed_attention(backend: AttentionBackend, window: KVWindow) -> AttentionBackend:
+def windowed_attention(backend: AttentionBackend, window: KVWindow, rotate: Rotate) -> AttentionBackend:
     """`backend`'s kind, attending through `window`. The torch backend loses the CPU kernels' ops
     (decode_attention.cpp, prefill_attention.cpp, and with them the decode stack, which needs the
     decode op): they attend over whole contexts, and a window's freed blocks must never be read, so a
-    windowed model takes torch's gathers of only the blocks it holds instead."""
+    windowed model takes torch's gathers of only the blocks it holds instead. StreamingLLM's window
+    (positions within the cache) is torch's on every device: only it rotates keys as it reads them,
+    by `rotate` (the model's rotary embedding)."""
+    if window.cache_positions:
+        if not isinstance(backend, TorchPagedAttention):
+            logger.warning("kv_sliding_window: the torch attention backend serves it (keys are rotated at their "
+                           "positions within the cache as they are read), not %s", backend.name)
+        return StreamingAttention(backend.codec, window, rotate)
     if isinstance(backend, TorchPagedAttention):
         return TorchPagedAttention(backend.codec, window=window)
     from engine.attention.triton_paged import TritonPagedAttention

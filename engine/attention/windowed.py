@@ -40,19 +40,33 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, ranges: list[range],
     return torch.cat(parts)
 
 
+def gather_held(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, window: KVWindow,
+                first_query: int, seq_len: int, codec: KVCodec,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys and values [n, num_kv_heads, head_dim] that queries from `first_query` on may read,
+    and their positions [n]."""
+    ranges = held_positions(window, k_cache.shape[1], first_query, seq_len)
+    keys = _gather(k_cache, block_table, ranges, codec, dtype)
+    values = _gather(v_cache, block_table, ranges, codec, dtype)
+    return keys, values, torch.cat([torch.arange(span.start, span.stop, device=keys.device) for span in ranges])
+
+
+def visible_mask(window: KVWindow, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+    """`window.visible` over tensors: [len(query_pos), len(key_pos)] for query_pos [n, 1]."""
+    return (key_pos <= query_pos) & ((key_pos > query_pos - window.size) | (key_pos < window.sink_tokens))
+
+
 def windowed_over_context(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                           seq_len: int, scale: float, codec: KVCodec, window: KVWindow) -> torch.Tensor:
     """One sequence's queries (the last len(q) of its `seq_len` positions) over the keys `window`
     shows each of them: [len(q), num_heads, head_dim]."""
     query_len, num_heads, _ = q.shape
-    ranges = held_positions(window, k_cache.shape[1], seq_len - query_len, seq_len)
-    keys = _gather(k_cache, block_table, ranges, codec, q.dtype).transpose(0, 1)[None]
-    values = _gather(v_cache, block_table, ranges, codec, q.dtype).transpose(0, 1)[None]
-    key_pos = torch.cat([torch.arange(span.start, span.stop, device=q.device) for span in ranges])
-    query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
-    mask = (key_pos <= query_pos) & ((key_pos > query_pos - window.size) | (key_pos < window.sink_tokens))
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None].to(keys.dtype), keys, values, attn_mask=mask,
-                                         scale=scale, enable_gqa=num_heads != keys.shape[1])
+    keys, values, key_pos = gather_held(k_cache, v_cache, block_table, window, seq_len - query_len, seq_len, codec,
+                                        q.dtype)
+    mask = visible_mask(window, key_pos, torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None])
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None].to(keys.dtype), keys.transpose(0, 1)[None],
+                                         values.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+                                         enable_gqa=num_heads != keys.shape[1])
     return out[0].transpose(0, 1).to(q.dtype)
 
 

@@ -9,6 +9,12 @@ Under a sliding window (engine.kv_cache.window) the blocks no later query sees a
 request advances: its table keeps their places, holding FREED, so block i still holds tokens
 [i * block_size, (i + 1) * block_size). Freed blocks keep their hashes in the prefix cache (their KV
 is still right for that prefix) until the pool reclaims them.
+
+Under a KV budget (engine.kv_cache.kv_budget) the lowest-scoring blocks are freed the same way
+(FREED), anywhere before the recent window. Only KV computed before a request's first eviction is
+hashed: what later tokens computed depends on what was evicted, so it never enters the prefix
+cache (nor the tiers and the gateway's index, which hear of hashed blocks only) under the hash a
+full-attention block of the same tokens has.
 """
 
 from collections import Counter
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field
 from engine.kv_cache.block_hash import hash_block, prompt_block_hashes
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.blocks import blocks_for
+from engine.kv_cache.kv_budget import KVBudget
 from engine.kv_cache.kv_events import KVEvents
 from engine.kv_cache.window import KVWindow
 
@@ -36,6 +43,10 @@ class _RequestBlocks:
     hashes: list[bytes] = field(default_factory=list)
     # Table entries before this index and past the sinks are FREED (sliding window).
     freed_until: int = 0
+    # Under a KV budget: each held block's accumulated attention mass, by table index.
+    scores: dict[int, float] = field(default_factory=dict)
+    # Tokens computed when the budget first freed a block (None: never): later KV is not hashed.
+    hashed_until: int | None = None
 
     def held(self) -> list[int]:
         """The blocks the request holds a reference on, in table order."""
@@ -46,7 +57,8 @@ class KVCacheManager:
     """Allocates, shares, caches and frees KV blocks for requests identified by string ids."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 salt: bytes = b"", events: KVEvents | None = None, window: KVWindow | None = None) -> None:
+                 salt: bytes = b"", events: KVEvents | None = None, window: KVWindow | None = None,
+                 budget: KVBudget | None = None) -> None:
         """`events` hears of every block the prefix cache names or drops (tier "device")."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -55,6 +67,7 @@ class KVCacheManager:
         self._enable_prefix_caching = enable_prefix_caching
         self._salt = salt
         self._window = window
+        self._budget = budget
         self._requests: dict[str, _RequestBlocks] = {}
         # Blocks newly hashed since `take_new_cached`, kept only for lower tiers (which copy them).
         self._new_cached: list[tuple[int, bytes]] | None = None
@@ -132,6 +145,30 @@ class KVCacheManager:
         for index in range(first, stop):
             request.table[index] = FREED
         request.freed_until = max(request.freed_until, stop)
+
+    def add_scores(self, request_id: str, indices: Sequence[int], masses: Sequence[float]) -> None:
+        """Add a step's attention mass to the request's blocks at table `indices`."""
+        scores = self._requests[request_id].scores
+        for index, mass in zip(indices, masses, strict=True):
+            scores[index] = scores.get(index, 0.0) + mass
+
+    def evict_over_budget(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the lowest-scoring blocks of a request whose first `num_computed_tokens` tokens are
+        computed (all it knows but its next one), so that it holds at most the budget's blocks with
+        its next token's slot (a no-op without a budget). Call after cache_blocks."""
+        if self._budget is None:
+            return
+        request = self._requests[request_id]
+        held = [index for index, block_id in enumerate(request.table) if block_id != FREED]
+        victims = self._budget.victims(held, request.scores, num_computed_tokens)
+        if not victims:
+            return
+        if request.hashed_until is None:
+            request.hashed_until = num_computed_tokens
+        self._pool.decref(request.table[index] for index in victims)
+        for index in victims:
+            request.table[index] = FREED
+            request.scores.pop(index, None)
 
     def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: bytes = b"") -> tuple[list[int], int]:
         """Longest chain of cached full blocks matching the start of ``token_ids``: (block ids, tokens covered).
@@ -212,6 +249,8 @@ class KVCacheManager:
         if num_computed_tokens > min(request.num_tokens, len(token_ids)):
             raise ValueError(f"{num_computed_tokens} computed tokens exceed the request's "
                              f"{request.num_tokens} allocated or {len(token_ids)} known tokens")
+        if request.hashed_until is not None:
+            num_computed_tokens = min(num_computed_tokens, request.hashed_until)
         num_full = num_computed_tokens // self._block_size
         for index in range(len(request.hashes), num_full):
             start = index * self._block_size

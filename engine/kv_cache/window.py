@@ -4,7 +4,10 @@ free). No torch.
 
 A query at position p sees the keys in (p - size, p] (Mistral's window, as transformers masks it:
 `size` keys, itself included) and the first `sink_tokens` keys (StreamingLLM's attention sinks; 0
-for a model's own window). Keys keep the positions they were computed at: no key is re-rotated.
+for a model's own window). A model's own window keeps every key at the position it was computed at
+(the model was trained so). The serving option is StreamingLLM's (`cache_positions`): positions are
+those within the cache, not in the text, so a request may outgrow the model's context
+(engine.attention.streaming).
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ from engine.kv_cache.blocks import blocks_for
 
 @dataclass(frozen=True)
 class KVWindow:
-    """The last `size` positions up to each query, plus the first `sink_tokens` (whole blocks)."""
+    """The last `size` positions up to each query, plus the first `sink_tokens` (whole blocks);
+    with `cache_positions`, keys are cached before the rotary embedding and every query and key is
+    rotated at its position within the cache (StreamingLLM)."""
 
     size: int
     sink_tokens: int = 0
+    cache_positions: bool = False
 
     def __post_init__(self) -> None:
         if self.size <= 0:
@@ -31,7 +37,14 @@ class KVWindow:
     @property
     def policy(self) -> str:
         """The window as a name, for the identity of the blocks computed under it."""
-        return f"window={self.size},sinks={self.sink_tokens}"
+        # Unrotated keys are other bytes for the same tokens: never mixed with rotated ones.
+        keys = ",keys=unrotated" if self.cache_positions else ""
+        return f"window={self.size},sinks={self.sink_tokens}{keys}"
+
+    def shift(self, position: int) -> int:
+        """How far the cache position of the query at text position `position` (and of the window's
+        keys it sees) is below the text's: the positions evicted between the sinks and its window."""
+        return self.first_needed(position) - self.sink_tokens if self.cache_positions else 0
 
     def first_needed(self, position: int) -> int:
         """The first key position past the sinks that a query at `position` or later sees."""
@@ -64,7 +77,22 @@ def kv_window(config: EngineConfig, model: ModelConfig) -> KVWindow | None:
                          f"({model.sliding_window}); the option is for full-attention models")
     # Whole blocks of sinks: a block is freed or kept as a whole.
     sinks = blocks_for(cache.sink_tokens, cache.block_size) * cache.block_size
-    return KVWindow(cache.sliding_window, sinks)
+    window = KVWindow(cache.sliding_window, sinks, cache_positions=True)
+    # A query sits at most at cache position sinks + size - 1: within the context it was trained on.
+    if sinks + cache.sliding_window > model.max_position_embeddings:
+        raise ValueError(f"kv_sliding_window: {cache.sliding_window} plus {sinks} sink tokens exceed model "
+                         f"{model.name}'s context of {model.max_position_embeddings} positions")
+    return window
+
+
+def max_model_len(config: EngineConfig, model: ModelConfig, window: KVWindow | None) -> int:
+    """The most tokens (prompt and output) a request may hold: --max-model-len (default: the model's
+    context), at most the context unless positions are the cache's (StreamingLLM), where no query
+    sees a position beyond the window's."""
+    context = model.max_position_embeddings
+    if window is not None and window.cache_positions:
+        return config.max_model_len or context
+    return min(config.max_model_len or context, context)
 
 
 def check_window_served(config: EngineConfig, model: ModelConfig, window: KVWindow | None) -> None:

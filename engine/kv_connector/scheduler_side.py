@@ -90,6 +90,11 @@ class KVConnectorScheduler:
         token and keeps its blocks, on any engine."""
         self._handing_off.add(request_id)
 
+    def pinned(self, request_id: str) -> bool:
+        """Whether the request is an export on an engine that decodes: admitted at once holding every
+        block its prompt needs (engine.scheduler.Scheduler.admit_export), never preempted."""
+        return self.policy.decodes and request_id in self._handing_off
+
     def _hands_off(self, request_id: str) -> bool:
         return not self.policy.decodes or request_id in self._handing_off
 

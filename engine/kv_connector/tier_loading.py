@@ -10,9 +10,10 @@ reservation, and the step's forward waits before each layer's attention until th
 (engine.engine.Engine.step). When the step ends, the load has ended too: a load that wrote every
 layer registers its blocks in the prefix cache (`finish`); one that failed (a block gone from its
 tier, a layer that failed its check) discards the step's result for the request, which is rewound
-and recomputed without the tiers (`fail`, then engine.scheduler.Scheduler.rewind), before the
+to its device prefix hit and recomputes the rest (`fail`, then engine.scheduler.Scheduler.rewind), before the
 scheduler's update can hash a block it computed over pages that never came. Ending the reservation
-before the blocks are freed keeps a late write out of reused blocks. No torch.
+before anything else keeps a late write out of blocks the request recomputes or that change owner.
+No torch.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class TierLoading:
         self._connector = connector
         self._loads = loads
         self.tickets: dict[str, int] = {}  # request id -> its load's reservation ticket
-        self._blocks: dict[str, int] = {}  # request id -> blocks loading
+        self._blocks: dict[str, tuple[int, int]] = {}  # request id -> (blocks the device held, blocks loading)
         self._failed: set[str] = set()  # requests whose load failed: they recompute without the tiers
         # Prompt tokens looked up in the lower tiers, and loaded back (vLLM's external prefix cache).
         self.queried_tokens = 0
@@ -71,23 +72,25 @@ class TierLoading:
         to_fill = self._kv.block_table(request.request_id)[num_cached_blocks:num_cached_blocks + count]
         ticket = self._connector.reserved(request.request_id, to_fill, LOAD_TIMEOUT_S)
         self.tickets[request.request_id] = ticket
-        self._blocks[request.request_id] = count
+        self._blocks[request.request_id] = (num_cached_blocks, count)
         self._loads.load(request.request_id, ticket, to_fill, hashes[:count])
 
     def finish(self, request: Request) -> None:
         """The request's load wrote every layer: its blocks join the prefix cache."""
         self.tickets.pop(request.request_id)
         self._connector.end(request.request_id)
-        blocks = self._blocks.pop(request.request_id)
-        self.hit_tokens += blocks * self._kv.block_size
+        _, count = self._blocks.pop(request.request_id)
+        self.hit_tokens += count * self._kv.block_size
         self._kv.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens, request.cache_salt)
 
-    def fail(self, request_id: str) -> None:
-        """The request's load failed: no write lands after this, and its retry leaves the tiers alone."""
+    def fail(self, request_id: str) -> int:
+        """The request's load failed: no write lands after this, and a retry leaves the tiers alone.
+        The tokens its device prefix hit held (what it computed before the load's blocks)."""
         self.tickets.pop(request_id)
-        self._blocks.pop(request_id)
+        num_cached_blocks, _ = self._blocks.pop(request_id)
         self._connector.end(request_id)
         self._failed.add(request_id)
+        return num_cached_blocks * self._kv.block_size
 
     def discard(self, request_id: str) -> None:
         """The request ended (its reservation, if any, ends with it)."""

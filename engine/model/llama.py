@@ -76,6 +76,9 @@ class ModelPlan:
     gate: Gate = silu_mul
     decode_stack: Callable[[LlamaForCausalLM], Stacked | None] | None = None
     sharding: Sharding | None = None
+    # StreamingLLM (engine.attention.streaming): the layers hand q and k to the attention backend
+    # unrotated, and it rotates them at their positions within the cache, which text positions outgrow.
+    rotary_in_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.decode_stack is not None and self.sharding is not None:
@@ -115,12 +118,13 @@ class LlamaDecoderLayer(torch.nn.Module):
     def attention_block(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """hidden + self-attention(norm(hidden)); writes this step's K/V into the layer's cache."""
+        """hidden + self-attention(norm(hidden)); writes this step's K/V into the layer's cache.
+        Without `cos` and `sin`, q and k go to the attention backend unrotated (rotary_in_attention)."""
         num_tokens = hidden.shape[0]
         qkv = self.linears["qkv"](self.norm(hidden, self.input_layernorm, self.eps))
         qk_heads = self.num_heads + self.num_kv_heads
@@ -129,7 +133,8 @@ class LlamaDecoderLayer(torch.nn.Module):
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             qk = torch.cat((self.norm(q, self.q_norm, self.eps), self.norm(k, self.k_norm, self.eps)), dim=1)
         # Q and K rotate by the same angles, so they are rotated together in one pass.
-        qk = self.rotate(qk, cos, sin)
+        if cos is not None and sin is not None:
+            qk = self.rotate(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -184,8 +189,10 @@ class LlamaForCausalLM(torch.nn.Module):
         """
         config = self.config
         hidden = self.embed(input_ids) if config.first_stage else input_ids
-        cos, sin = self.rotary.forward(positions)
-        if self.stacked is not None and on_layer_done is None and before_layer is None:
+        # Positions in the text may pass the model's table where the attention rotates (ModelPlan).
+        cos, sin = (None, None) if self.plan.rotary_in_attention else self.rotary.forward(positions)
+        if (self.stacked is not None and on_layer_done is None and before_layer is None and cos is not None
+                and sin is not None):
             stacked = self.stacked(hidden, cos, sin, kv_caches, meta)
             if stacked is not None:
                 return self.final_norm(stacked, self.norm, self.config.rms_norm_eps)

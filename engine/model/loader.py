@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 
 from engine.attention.metadata import AttentionBackend
+from engine.attention.streaming import StreamingAttention
 from engine.config import CpuWeights, ModelConfig
 from engine.model.decode_stack import DecodeStack
 from engine.model.gguf_loader import load_gguf
@@ -95,12 +96,14 @@ def build_model(files: ModelFiles, attention: AttentionBackend, device: str | to
     (engine.model.decode_stack)."""
     dtype = dtype or files.dtype
     ops = cpu_kernels(device) if dtype in KERNEL_DTYPES else None
-    plan = ModelPlan(sharding=sharding)
+    # StreamingLLM's attention rotates q and k itself, at their positions within the cache.
+    rotary_in_attention = isinstance(attention, StreamingAttention)
+    plan = ModelPlan(sharding=sharding, rotary_in_attention=rotary_in_attention)
     if ops is not None:  # one op for each instead of torch's three to eight (121 in a batch-1 step)
         # A rank whose products join other ranks' or a pipeline stage's layers run one by one.
         whole = sharding is None and files.config.stage is None
         stack = functools.partial(DecodeStack.build, ops=ops) if whole else None
-        plan = ModelPlan(ops.rms_norm, ops.rotary, ops.silu_mul, stack, sharding)
+        plan = ModelPlan(ops.rms_norm, ops.rotary, ops.silu_mul, stack, sharding, rotary_in_attention)
     with torch.device(device):
         model = LlamaForCausalLM(files.config, attention, plan)
     model.to(dtype=dtype)

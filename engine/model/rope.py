@@ -59,3 +59,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate x [T, heads, head_dim] by the angles whose cos/sin are given (rotate-half pairing)."""
     first, second = x.chunk(2, dim=-1)
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+class RotaryAtAnyPosition:
+    """The rotary embedding at any positions, negative or past the model's table, computed as
+    RotaryEmbedding's table is (StreamingLLM's attention rotates at positions within the cache, a
+    prompt chunk's in a frame of its own: engine.attention.streaming)."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str) -> None:
+        self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [n, heads, head_dim] rotated at `positions` [n], in float32 and returned in x's dtype."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        return apply_rotary(x.float(), angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)).to(x.dtype)

@@ -72,16 +72,30 @@ class EngineFlags:
     block_size: int = flag(_CACHE.block_size, "tokens per KV cache block")
     kv_sliding_window: int | None = flag(
         _CACHE.sliding_window, "StreamingLLM on a full-attention model: each query attends to the last N positions "
-        "(and the --kv-sink-tokens first); the blocks between are freed. Keys keep their positions, so a request "
-        "stays within --max-model-len. Refused for a model with its own sliding_window", metavar="N")
+        "(and the --kv-sink-tokens first); the blocks between are freed. Positions are those within the cache "
+        "(N plus the sinks at most the model's context), so a conversation may outgrow the context up to "
+        "--max-model-len. Refused for a model with its own sliding_window", metavar="N")
     kv_sink_tokens: int = flag(_CACHE.sink_tokens, "with --kv-sliding-window: the first tokens every query still "
                                "attends to (attention sinks), rounded up to whole blocks")
+    kv_budget_tokens: int | None = flag(
+        _CACHE.budget_tokens, "H2O/SnapKV eviction: once its prompt is computed, each request keeps at most N tokens "
+        "of KV (whole blocks): its last --kv-budget-recent-tokens and the blocks its queries attended to most "
+        "(a prompt's blocks first scored by its last queries); the rest are freed. Refused with "
+        "--kv-sliding-window, speculative decoding, more than one process, or a model with its own sliding_window",
+        metavar="N")
+    kv_budget_recent_tokens: int | None = flag(
+        _CACHE.budget_recent_tokens, "with --kv-budget-tokens: the recent positions always kept (default: half the "
+        "budget)", metavar="N")
+    kv_budget_observation_tokens: int = flag(
+        _CACHE.budget_observation_tokens, "with --kv-budget-tokens: a prompt's last queries whose attention first "
+        "scores its blocks (SnapKV's observation window)", metavar="N")
     max_num_seqs: int = flag(_SCHEDULER.max_num_seqs, "requests a step may run at once")
     max_num_batched_tokens: int = flag(_SCHEDULER.max_num_batched_tokens, "tokens a step may compute")
     max_prompt_batch_tokens: int | None = flag(
         None, "a step starts another prompt only while its prompt tokens stay within this; "
         f"0: no limit (default: {CPU_PROMPT_BATCH_TOKENS} on CPU, none on GPU)")
-    max_model_len: int | None = flag(None, "longest prompt plus output (default: the model's context length)")
+    max_model_len: int | None = flag(None, "longest prompt plus output (default and most: the model's context "
+                                     "length; with --kv-sliding-window it may exceed it)")
     no_prefix_caching: bool = flag(False, "compute every prompt in full instead of reusing cached blocks")
     kv_host_tier: str | None = flag(
         None, "the node's KV host tier (`tandem kv-host-tier --socket PATH`): blocks the prefix cache computed are "
@@ -161,6 +175,9 @@ def flags_engine_config(flags: EngineFlags, role: Role) -> EngineConfig:
             enable_prefix_caching=not flags.no_prefix_caching,
             sliding_window=flags.kv_sliding_window,
             sink_tokens=flags.kv_sink_tokens,
+            budget_tokens=flags.kv_budget_tokens,
+            budget_recent_tokens=flags.kv_budget_recent_tokens,
+            budget_observation_tokens=flags.kv_budget_observation_tokens,
         ),
         kv_tiers=KVTierConfig(host_socket=flags.kv_host_tier, disk_dir=flags.kv_disk_tier,
                               disk_bytes=flags.kv_disk_tier_mib * _MIB),

@@ -56,7 +56,8 @@ class GatewayFlags:
         None, "serve every model and version of this repository (services/repository), each on the workers that "
         "report it, instead of --model; the file is watched and a change (versions, splits) takes effect for the "
         "requests after it", metavar="TOML")
-    max_model_len: int | None = flag(None, "longest prompt plus output (default: the model's context length)")
+    max_model_len: int | None = flag(None, "longest prompt plus output (default: the model's context length; "
+                                     "beyond it for workers with --kv-sliding-window)")
     grace_period: float = flag(30.0, "seconds in-flight requests get to finish on SIGTERM")
     wait_for_workers: float = flag(300.0, "seconds to wait at startup for a serving worker in each pool before "
                                           "reporting ready anyway")

@@ -88,7 +88,8 @@ class PrefillSite:
         delivered, then the next token); returns once the pages were delivered.
 
         Raises ValueError for bad input, WorkerError MISMATCH if the target's layout differs from
-        ours, UNAVAILABLE if the pages cannot be delivered. Whatever happens (including
+        ours, NO_ROOM at once if a worker that decodes too has no blocks for it now, UNAVAILABLE if
+        the pages cannot be delivered. Whatever happens (including
         cancellation), the request's blocks are freed before this returns.
         """
         sender = await self._sender(target)
@@ -98,7 +99,10 @@ class PrefillSite:
         released = False
         try:
             export = KVExport(push, receiver_cached_tokens=target.num_cached_tokens)
-            await self.loop.call(AddRequest(request_id, prompt_token_ids, params, resumed, export))
+            refused = await self.loop.call(AddRequest(request_id, prompt_token_ids, params, resumed, export))
+            if refused is not None:
+                # The decode site's reservation must not wait for blocks this worker's own reservations hold.
+                raise WorkerError(Failure.NO_ROOM, f"no KV room to compute the prompt now: {refused}")
             output = await queue.get()
             if isinstance(output, Exception):
                 raise output

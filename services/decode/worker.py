@@ -111,10 +111,11 @@ class DecodeWorker(RoleWorker):
         computes with the prompt's): its outputs, the first token's at once. Close it (e.g. `aclosing`) to
         abandon the request: the prefill is aborted, the transfer cancelled and the blocks freed.
 
-        Raises ValueError for bad input, WorkerError NO_ROOM when the cache has no room, DEADLINE when
-        the KV is not complete within `kv_timeout`, UNAVAILABLE when the prefill worker or the transfer
-        failed (or the prefill worker's own failure). A failure of the prefill worker or of its
-        transfer names it in the WorkerError's `failed_prefill`.
+        Raises ValueError for bad input, WorkerError NO_ROOM when the cache has no room (or a colocated
+        prefill worker has none for the prompt now), DEADLINE when the KV is not complete within
+        `kv_timeout`, UNAVAILABLE when the prefill worker or the transfer failed (or the prefill
+        worker's own failure). A failure or refusal of the prefill worker or of its transfer names it
+        in the WorkerError's `failed_prefill`.
         """
         try:
             reservation = _reservation(await self.loop.call(

@@ -61,7 +61,7 @@ class RequestLimits:
     def _total_name(self, max_model_len: int) -> str:
         if self.max_total_tokens is not None and self.max_total_tokens < max_model_len:
             return "max_total_tokens"
-        return "the model's context length"
+        return "max_model_len"
 
 
 DEFAULT_REQUEST_LIMITS = RequestLimits()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from bench.common.model_quality import FIXED_TEXT
 from bench.fidelity.formats import FORMATS
+from bench.fidelity.long_text import long_text_table
 from bench.fidelity.report import retrieval_table
 from bench.fidelity.retrieval import QUESTION, planted_prompts
 
@@ -25,9 +26,14 @@ def test_each_prompt_is_exactly_its_length_with_its_fact_at_its_depth_then_the_q
 
 def test_the_table_counts_hits_per_length_and_says_why_a_row_has_none():
     rows = [f for f in FORMATS if f.retrieval]
-    assert [f.name for f in rows] == ["fp32", "kv-fp8", "kv-int8", "kv-int4"]
+    assert [f.name for f in rows] == ["fp32", "kv-fp8", "kv-int8", "kv-int4", "kv-window"]
     results = {"fp32": {"hits": {"256": [True, True, False], "512": [True, False, False]}},
                "kv-fp8": {"skipped": "kv_cache_dtype: no kernel"}}
     table = retrieval_table(rows[:2], results, [256, 512]).splitlines()
     assert table[2] == "| fp32 | 2 of 3 | 1 of 3 |"
     assert table[3] == "| kv-fp8 | - | - | kv_cache_dtype: no kernel"
+
+
+def test_the_long_text_table_has_a_line_per_segment_and_a_dash_past_where_a_row_stops():
+    table = long_text_table(["fp32", "kv-window"], {"fp32": [20.0], "kv-window": [21.004, 19.5]}, 1500, 1024)
+    assert table.splitlines()[2:] == ["| 0-1023 | 20.00 | 21.00 |", "| 1024-1499 | - | 19.50 |"]

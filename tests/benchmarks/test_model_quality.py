@@ -8,27 +8,27 @@ import math
 import pytest
 import torch
 
-from bench.common.model_quality import FIXED_TEXT, first_difference, next_token_nll, perplexity_of, spans
+from bench.common.model_quality import FIXED_TEXT, first_difference, next_token_nlls, perplexity_of, spans
 
 
 def test_perplexity_of_hand_worked_predictions():
     # Row 0: two equal logits, so p(token 0) = 1/2. Row 1: logits (ln 3, 0), so p(token 1) = 1/(3 + 1).
     logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
-    nll = next_token_nll(logits, [0, 1])
+    nll = float(next_token_nlls(logits, [0, 1]).sum())
     assert nll == pytest.approx(math.log(2.0) + math.log(4.0))
     assert perplexity_of(nll, 2) == pytest.approx(math.sqrt(8.0))  # exp((ln 2 + ln 4) / 2)
 
 
 def test_a_uniform_guess_over_v_tokens_has_perplexity_v_and_a_certain_one_1():
     uniform = torch.zeros(3, 4)
-    assert perplexity_of(next_token_nll(uniform, [0, 3, 2]), 3) == pytest.approx(4.0)
+    assert perplexity_of(float(next_token_nlls(uniform, [0, 3, 2]).sum()), 3) == pytest.approx(4.0)
     certain = torch.tensor([[50.0, 0.0, 0.0], [0.0, 0.0, 50.0]])
-    assert perplexity_of(next_token_nll(certain, [0, 2]), 2) == pytest.approx(1.0)
+    assert perplexity_of(float(next_token_nlls(certain, [0, 2]).sum()), 2) == pytest.approx(1.0)
 
 
 def test_low_precision_logits_are_scored_in_fp32():
     logits = torch.tensor([[0.0, math.log(3.0)]])
-    assert next_token_nll(logits.to(torch.bfloat16), [1]) == pytest.approx(math.log(4 / 3), rel=1e-2)
+    assert float(next_token_nlls(logits.to(torch.bfloat16), [1])[0]) == pytest.approx(math.log(4 / 3), rel=1e-2)
 
 
 def test_perplexity_of_no_prediction_is_refused():

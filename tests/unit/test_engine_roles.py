@@ -115,3 +115,30 @@ def test_any_engine_hands_off_an_exported_prompt_and_decodes_the_rest(make_engin
     assert [tokens["handed"], tokens["own"], tokens["own-b"]] == expected
     for engine in (site_a, site_b):
         assert engine.kv.usage == 0 and not engine.scheduler.requests and engine.next_kv_deadline() is None
+
+
+def test_a_colocated_engine_computes_a_prompt_for_another_at_once_or_refuses_it(make_engine):
+    # Two colocated engines each hold a reservation for a prompt the other is to compute, and what
+    # is left of each cache is too small for the other's prompt. Queued, each export would wait for
+    # blocks held by a reservation that waits on the other's export: neither would ever run, and
+    # both reservations would wait out their KV deadline. Refused at once, the decode site frees its
+    # reservation and the gateway runs the request elsewhere.
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first, second = list(range(1, 71)), list(range(100, 170))  # 5 blocks of 16 each, no shared prefix
+    site_a, site_b = make_engine(cache=CacheConfig(num_blocks=8)), make_engine(cache=CacheConfig(num_blocks=8))
+    for_a = site_a.reserve("first", first, params)  # site_b is to compute it
+    for_b = site_b.reserve("second", second, params)  # site_a is to compute it
+    assert isinstance(for_a, KVReservation) and isinstance(for_b, KVReservation)
+    refused = site_a.add_request("second", second, params, export=KVExport(CollectedPages(), 0))
+    assert refused == NoKVRoom(needed_blocks=5, free_blocks=3)
+    assert site_b.add_request("first", first, params, export=KVExport(CollectedPages(), 0)) == refused
+    # Nothing of the refused requests stays behind: each engine holds only its reservation.
+    for engine, reserved in ((site_a, "first"), (site_b, "second")):
+        assert list(engine.scheduler.requests) == [reserved] and not engine.scheduler.waiting
+        engine.abort(reserved)
+    # With room, the export is admitted with every block its prompt needs and hands off.
+    sink = CollectedPages()
+    assert site_a.add_request("second", second, params, export=KVExport(sink, 0)) is None
+    assert site_a.kv.num_free_blocks == 8 - 5
+    outputs = [output for _ in range(3) for output in site_a.step()]
+    assert [(output.request_id, output.finish_reason) for output in outputs] == [("second", "handoff")]

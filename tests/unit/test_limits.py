@@ -47,9 +47,9 @@ def test_token_limits_name_the_field_and_the_limit():
         limits.check(100, 51, max_model_len=8192)
     # The model's context bounds every request too, whatever the limits say.
     assert RequestLimits().total_tokens(2048) == 2048 and limits.total_tokens(100) == 100
-    with pytest.raises(ValueError, match=r"^prompt: 2048 tokens leave no room .* 2048 total tokens \(the model's"):
+    with pytest.raises(ValueError, match=r"^prompt: 2048 tokens leave no room .* 2048 total tokens \(max_model_len\)"):
         RequestLimits().check(2048, None, max_model_len=2048)
-    with pytest.raises(ValueError, match=r"^max_tokens: 2000 .* \(the model's context length\); at most 1048$"):
+    with pytest.raises(ValueError, match=r"^max_tokens: 2000 .* \(max_model_len\); at most 1048$"):
         RequestLimits().check(1000, 2000, max_model_len=2048)
 
 

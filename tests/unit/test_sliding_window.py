@@ -158,7 +158,7 @@ def test_combinations_not_served_are_refused_naming_option_and_model(tmp_path: P
 def test_the_serving_window_keeps_sinks_frees_the_middle_and_is_its_own_kv_identity(make_engine) -> None:
     window = CacheConfig(block_size=16, num_blocks=64, sliding_window=32, sink_tokens=4)
     streaming, full = make_engine(cache=window), make_engine(cache=replace(window, sliding_window=None, sink_tokens=0))
-    assert streaming.window == KVWindow(32, sink_tokens=16)  # sinks rounded up to a whole block
+    assert streaming.window == KVWindow(32, sink_tokens=16, cache_positions=True)  # sinks: a whole block
     assert streaming.fingerprint != full.fingerprint
     assert KVLayout.of_engine(streaming).page_fingerprint != KVLayout.of_engine(full).page_fingerprint
     short = [random_prompt(12, seed=3, vocab=1000)]
