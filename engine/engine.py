@@ -30,7 +30,8 @@ from engine.kv_cache.window import max_model_len
 from engine.kv_connector.connector import KVConnector
 from engine.kv_connector.export import KVExport
 from engine.kv_connector.policy import DEFAULT_KV_WAIT_S, KVConnectorPolicy
-from engine.kv_connector.tier_mover import open_tiers
+from engine.kv_connector.tier_loading import LOAD_TIMEOUT_S
+from engine.kv_connector.tier_mover import TierMover, open_tiers
 from engine.kv_connector.worker_side import KVConnectorWorker
 from engine.model.loader import ModelFiles
 from engine.outputs import (
@@ -53,7 +54,7 @@ from engine.resume import Resumed, check_resumable, replay_text
 from engine.runner import BlockScoring, ModelRunner, SampledToken
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculative.calibration import calibrate
 from engine.speculative.drafter import Drafter
 from engine.speculative.gate import DraftGate
@@ -63,9 +64,6 @@ from engine.structured.grammars import Grammars
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-# An engine whose only work is a lower tier's load waits this long for it per step instead of spinning.
-_TIER_WAIT_S = 0.005
 
 
 @dataclass
@@ -295,7 +293,6 @@ class Engine:
         for request_id in self.scheduler.expire():
             log.warning("request %s: aborted, its KV connector deadline passed", request_id)
             self._forget(request_id)
-        self._move_tiers()
         if self._drafter is not None:
             self._drafter.draft(self.scheduler.running)
         out = self.scheduler.schedule()
@@ -305,9 +302,17 @@ class Engine:
                     if c.num_tokens - len(c.draft_token_ids) == 1 and c.start >= c.request.num_prompt_tokens]
         draft_rows = sum(len(c.draft_token_ids) for c in decoding)
         on_layer_done, exported = self.connector.worker.step_exports(out.chunks, self.kv.block_table)
+        loading = self._tier_loads(out)
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        before_layer = None
+        if loading and self.tiers is not None:
+            # Only a step with a lower tier's load in it waits, before each layer's attention, for its pages.
+            before_layer = functools.partial(self.tiers.wait_for_layer, list(loading.values()), deadline)
         started = time.perf_counter()
         with self._ranks_busy:
-            sampled = self.runner.execute(out, on_layer_done, exported)
+            sampled = self.runner.execute(out, on_layer_done, exported, before_layer)
+        if loading and self.tiers is not None:
+            self._end_tier_loads(self.tiers, out, sampled, loading, deadline)
         if self._drafter is not None and decoding and len(decoding) == len(out.chunks):
             self._drafter.observe(len(decoding), draft_rows, time.perf_counter() - started)
         before = {c.request.request_id: c.request.num_output_tokens for c in out.chunks}
@@ -337,14 +342,29 @@ class Engine:
         as its owner last answered; "" for none."""
         return "" if self.tiers is None else self.tiers.tiers.host_tier_id
 
-    def _move_tiers(self) -> None:
-        """Run the requests whose prefix the lower tiers loaded (waiting a moment for one when nothing
-        else could run)."""
-        if self.tiers is None:
-            return
-        idle = not (self.scheduler.running or self.scheduler.waiting)
-        for request_id, blocks in self.tiers.done(_TIER_WAIT_S if idle else 0.0):
-            self.scheduler.loaded(request_id, blocks)
+    def _tier_loads(self, out: SchedulerOutput) -> dict[str, int]:
+        """The step's requests whose prefix loads from a lower tier as it runs: request id -> ticket."""
+        loading = self.scheduler.tier_loading
+        if loading is None or not loading.tickets:
+            return {}
+        return {c.request.request_id: loading.tickets[c.request.request_id] for c in out.chunks
+                if c.request.request_id in loading.tickets}
+
+    def _end_tier_loads(self, tiers: TierMover, out: SchedulerOutput, sampled: dict[str, list[SampledToken]],
+                        loading: dict[str, int], deadline: float) -> None:
+        """After the step's forward: a load that wrote every layer joins the prefix cache; a failed
+        one's request loses what the step computed for it (over pages that never came) and is
+        rewound to recompute, before the scheduler's update could hash any of its blocks."""
+        for request_id, ticket in loading.items():
+            chunk = next(c for c in out.chunks if c.request.request_id == request_id)
+            if tiers.finish(ticket, deadline):
+                self.scheduler.tier_loaded(chunk.request)
+                continue
+            log.warning("request %s: its prefix did not load from the lower KV tiers; recomputing it", request_id)
+            out.chunks.remove(chunk)
+            sampled.pop(request_id, None)
+            self.scheduler.rewind(request_id)
+            self.runner.forget(request_id)  # a seeded request draws again from its seed
 
     def _postprocess(self, request: Request, results: Sequence[SampledToken]) -> RequestOutput:
         """Detokenize the step's new tokens (those the scheduler kept) one by one, as one-token steps

@@ -57,15 +57,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None,
-        export_blocks: Sequence[int] = (),
+        export_blocks: Sequence[int] = (), before_layer: Callable[[int], None] | None = None,
     ) -> dict[str, list[SampledToken]]:
         """Run one step; return the new tokens of every chunk that reached its request's end: one
         sampled token, or for a chunk with drafts the accepted drafts and the token after them
         (engine.speculative.verify). `export_blocks`: the blocks whose pages `on_layer_done` gathers,
-        which the other ranks of a tensor-parallel engine gather beside it."""
+        which the other ranks of a tensor-parallel engine gather beside it. `before_layer`: runs before each
+        layer's attention (see LlamaForCausalLM.forward); single-process engines only (the lower KV tiers,
+        its one user, refuse parallel layouts at start-up)."""
         if out.is_empty:
             return {}
-        logits = self._forward(out, on_layer_done, export_blocks)
+        logits = self._forward(out, on_layer_done, export_blocks, before_layer)
         sampling = [c for c in out.chunks if c.samples]
         if logits is None:
             return {}
@@ -88,7 +90,7 @@ class ModelRunner:
         return new_tokens
 
     def _forward(self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None,
-                 export_blocks: Sequence[int]) -> torch.Tensor | None:
+                 export_blocks: Sequence[int], before_layer: Callable[[int], None] | None) -> torch.Tensor | None:
         """The step's forward pass (on this rank, or with the others): the sampled rows' logits (None
         where no row is sampled: a prompt chunk short of its end)."""
         input_ids, positions, meta, sample_rows = self._prepare(out)
@@ -101,7 +103,7 @@ class ModelRunner:
             self._plans(StepPlan(input_ids, positions, meta, sample_rows, list(export_blocks)))
         if self._stages is not None:
             return self._stages.step(input_ids, positions, meta, sample_rows, self.cache.kv_caches, on_layer_done)
-        hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done)
+        hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done, before_layer)
         if self._scoring is not None and meta.held_blocks is not None:
             for chunk, held, mass in zip(out.chunks, meta.held_blocks, self._scoring.attention.take_scores(),
                                          strict=True):

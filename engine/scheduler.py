@@ -92,7 +92,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every request that holds state here
         self.total_preemptions = 0
         self.spec_stats = SpecDecodeStats()
-        # Requests whose prefix a lower KV tier holds wait here while it loads (None: no tiers).
+        # The requests whose prefix loads from a lower KV tier in this step (None: no tiers).
         self.tier_loading = None if tier_loads is None else TierLoading(kv, self.connector, tier_loads)
 
     # ---- admission -------------------------------------------------------------------------
@@ -106,8 +106,8 @@ class Scheduler:
     def admit_export(self, request: Request) -> bool:
         """Admit a request whose prompt's KV goes to another worker's reservation, on an engine that
         decodes (and so holds reservations of its own) at once: it joins the running batch holding
-        a block for every known token (those a lower tier holds loading first), and is never
-        preempted. False (nothing changed) when the blocks cannot be had now.
+        a block for every known token (those a lower tier holds loading while its first step
+        computes the rest), and is never preempted. False (nothing changed) when the blocks cannot be had now.
 
         Queued, it could wait for blocks that this engine's reservations hold, while one of them
         waits for the KV of a prompt queued the same way at the worker this one computes for: a
@@ -116,16 +116,16 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         cached_blocks, num_cached = self._cached_prefix(request)
-        if self.tier_loading is not None and self.tier_loading.start(request, cached_blocks, num_cached,
-                                                                     hold_all=True):
-            self.requests[request.request_id] = request
-            return True
+        from_tiers = 0 if self.tier_loading is None else self.tier_loading.lookup(request, len(cached_blocks))
         if not self.kv.allocate_slots(request.request_id, request.num_tokens, cached_blocks):
             return False
-        request.num_computed_tokens = request.num_cached_tokens = num_cached
+        request.num_computed_tokens = request.num_cached_tokens = num_cached + from_tiers * self.kv.block_size
         request.status = RequestStatus.RUNNING
         self.requests[request.request_id] = request
         self.running.append(request)
+        if from_tiers and self.tier_loading is not None:
+            # Its load runs while the step that first schedules it computes the rest.
+            self.tier_loading.start(request, len(cached_blocks), from_tiers)
         return True
 
     def reserve(self, request: Request, timeout_s: float) -> int | None:
@@ -246,12 +246,12 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         prompt_limit = self.config.max_prompt_batch_tokens
         prompt_tokens = sum(c.num_tokens for c in out.chunks if c.start < c.request.num_prompt_tokens)
-        while self.waiting and budget > 0 and len(self.running) + self._num_loading < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached_blocks, num_cached = self._cached_prefix(request)
-            if self.tier_loading is not None and self.tier_loading.start(request, cached_blocks, num_cached):
-                self.waiting.popleft()
-                continue
+            # Blocks a lower tier holds count as cached: they load while this step computes the rest.
+            from_tiers = 0 if self.tier_loading is None else self.tier_loading.lookup(request, len(cached_blocks))
+            num_cached += from_tiers * self.kv.block_size
             num_new = request.num_tokens - num_cached
             if prompt_limit is not None and prompt_tokens and prompt_tokens + num_new > prompt_limit:
                 break
@@ -266,22 +266,30 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
+            if from_tiers and self.tier_loading is not None:
+                self.tier_loading.start(request, len(cached_blocks), from_tiers)
             self.running.append(request)
             out.chunks.append(self._chunk(request, num_new))
             budget -= num_new
             prompt_tokens += num_new
         return budget
 
-    @property
-    def _num_loading(self) -> int:
-        return 0 if self.tier_loading is None else len(self.tier_loading.requests)
+    def tier_loaded(self, request: Request) -> None:
+        """A lower tier's load for the request wrote every layer in this step (before `update`)."""
+        if self.tier_loading is not None:
+            self.tier_loading.finish(request)
 
-    def loaded(self, request_id: str, blocks_loaded: int) -> None:
-        """A lower tier's load for the request ended with its first `blocks_loaded` blocks written:
-        it joins the running batch, to compute the rest of its prompt (nothing if it ended meanwhile)."""
-        request = None if self.tier_loading is None else self.tier_loading.finish(request_id, blocks_loaded)
-        if request is not None:
-            self.running.append(request)
+    def rewind(self, request_id: str) -> None:
+        """A lower tier's load for the request failed in this step (before `update`): it keeps its
+        blocks and its place in the running batch (an export is never requeued), but counts only its
+        device prefix hit as computed, so the next steps recompute the rest over the blocks that
+        never loaded (none of them was hashed)."""
+        request = self.requests[request_id]
+        if self.tier_loading is not None:
+            # First: no late write lands in blocks the request now computes.
+            request.num_computed_tokens = self.tier_loading.fail(request_id)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = request.num_computed_tokens
 
     def _cached_prefix(self, request: Request) -> tuple[list[int], int]:
         return self.kv.find_cached_prefix(request.token_ids, request.cache_salt)
@@ -383,7 +391,7 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
-        elif self.tier_loading is not None:
+        if self.tier_loading is not None:
             self.tier_loading.discard(request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -445,4 +453,4 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """True while anything is waiting or running."""
-        return bool(self.waiting or self.running or self._num_loading)
+        return bool(self.waiting or self.running)

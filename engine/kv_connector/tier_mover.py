@@ -5,11 +5,14 @@ Stores: the blocks the prefix cache newly hashed are copied out of the cache on 
 as the step that computed them ends (a memory copy, small beside the step), and written to the tiers
 from the copy: the cache's blocks are never held for a tier, so a slow disk never leaves the pool
 short. Copies waiting for the thread are bounded (`MAX_QUEUED_BYTES`); past it a store is dropped
-and counted, never waited for. Loads: a waiting request's prefix, read and checked block by
-block, written into its reserved blocks one layer at a time through the KV connector (the same
-ownership rule as pages from a prefill worker: a write into a reservation that ended is refused);
-the first block that no tier has intact ends the load there. Loads go before stores: a load is a
-request's time to first token, a store only a later one's chance of a hit.
+and counted, never waited for. Loads: a request admitted with its prefix in the tiers computes the
+rest of its prompt in the same step as its load (engine.kv_connector.tier_loading): the thread
+fetches every block's record, then layer by layer checks that layer of each and writes it into the
+request's reserved blocks through the KV connector (the same ownership rule as pages from a prefill
+worker: a write into a reservation that ended is refused), reporting each layer written, for which
+the step's forward waits before that layer's attention (`wait_for_layer`). A block no tier has, or a
+layer that fails its check, fails the whole load: the engine recomputes the request. Loads go before
+stores: a load holds up a step, a store only a later request's chance of a hit.
 
 A block travels as one payload: each layer's K page, then its V page, as the cache stores them
 (a quantized format's scales inside its rows), so a tier holds exactly the cache's bytes.
@@ -29,7 +32,8 @@ import torch
 
 from engine.config import KVTierConfig
 from engine.kv_cache.cache_engine import CacheEngine
-from engine.kv_tiers.tiers import KVTiers, LowerTier, TierEvents
+from engine.kv_tiers.block_record import RecordLayout
+from engine.kv_tiers.tiers import KVTiers, TierEvents
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,14 @@ class _Load:
     ticket: int
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
+
+
+@dataclass
+class _Progress:
+    """How far a load got: layers written, and once it ended whether it succeeded."""
+
+    layers: int = 0
+    succeeded: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -71,7 +83,7 @@ class TierMover:
         self._order = 0
         self._done_lock = threading.Lock()
         self._done = threading.Condition(self._done_lock)
-        self._loaded: list[tuple[str, int]] = []
+        self._progress: dict[int, _Progress] = {}  # by reservation ticket (never reused), under _done_lock
         self._queued_bytes = 0  # store copies not yet written (under _done_lock)
         self.dropped_blocks = 0  # stores dropped at MAX_QUEUED_BYTES
         self._thread = threading.Thread(target=self._run, name="kv-tier-mover", daemon=True)
@@ -89,7 +101,26 @@ class TierMover:
 
     def load(self, request_id: str, ticket: int, block_ids: Sequence[int], block_hashes: Sequence[bytes]) -> None:
         """See engine.kv_connector.tier_loading.TierLoads."""
+        with self._done:
+            self._progress[ticket] = _Progress()
         self._submit(0, _Load(request_id, ticket, tuple(block_ids), tuple(block_hashes)))
+
+    def wait_for_layer(self, tickets: Sequence[int], deadline: float, layer: int) -> None:
+        """Return once every load of `tickets` wrote `layer` or ended (or at `deadline`, time.monotonic())."""
+        def ready() -> bool:
+            return all(p.layers > layer or p.succeeded is not None
+                       for p in (self._progress.get(t) for t in tickets) if p is not None)
+
+        with self._done:
+            self._done.wait_for(ready, max(0.0, deadline - time.monotonic()))
+
+    def finish(self, ticket: int, deadline: float) -> bool:
+        """Whether the load of `ticket` wrote every layer of every block (waiting until it ends, or
+        `deadline`: a load still going then counts as failed); it is forgotten either way."""
+        with self._done:
+            self._done.wait_for(lambda: self._progress[ticket].succeeded is not None,
+                                max(0.0, deadline - time.monotonic()))
+            return bool(self._progress.pop(ticket).succeeded)
 
     def store(self, blocks: Sequence[tuple[int, bytes]]) -> None:
         """Copy newly hashed blocks (block id, chain hash) out of the cache for the tiers that lack them."""
@@ -107,14 +138,6 @@ class TierMover:
                  for page in self._cache.gather_blocks(layer, ids)]
         self._submit(1, _Store(tuple(h for _, h in blocks), torch.cat(pages, dim=1)))
 
-    def done(self, wait_s: float = 0.0) -> list[tuple[str, int]]:
-        """The loads that ended (request id, blocks written); waits up to `wait_s` for one when none has."""
-        with self._done:
-            if not self._loaded and wait_s > 0:
-                self._done.wait(wait_s)
-            loaded, self._loaded = self._loaded, []
-        return loaded
-
     def close(self) -> None:
         """Stop the thread (after the jobs queued before) and close the tiers."""
         self._submit(2, None)
@@ -131,17 +154,19 @@ class TierMover:
             _, _, job = self._jobs.get()
             if job is None:
                 return
+            succeeded = False
             try:
                 if isinstance(job, _Load):
-                    written = self._run_load(job)
+                    succeeded = self._run_load(job)
                 else:
                     self._run_store(job)
             except Exception:  # a tier's failure costs a miss or a write, never the engine
                 log.exception("KV tier mover: a %s failed", type(job).__name__)
-                written = 0
             with self._done:
                 if isinstance(job, _Load):
-                    self._loaded.append((job.request_id, written))
+                    progress = self._progress.get(job.ticket)
+                    if progress is not None:  # else the engine gave up on it at its deadline
+                        progress.succeeded = succeeded
                     self._done.notify_all()
                 else:
                     self._queued_bytes -= job.payloads.numel()
@@ -151,33 +176,44 @@ class TierMover:
         for index, block_hash in enumerate(job.block_hashes):
             self._tiers.store(block_hash, payloads[index].tobytes())
 
-    def _run_load(self, job: _Load) -> int:
+    def _run_load(self, job: _Load) -> bool:
         started = time.perf_counter()
-        payloads: list[memoryview] = []
-        tiers: list[LowerTier] = []
+        found = []
         for block_hash in job.block_hashes:
-            found = self._tiers.load(block_hash)
-            if found is None:
-                break
-            tiers.append(found[0])
-            payloads.append(found[1])
-        if not payloads:
-            return 0
-        count = len(payloads)
-        data = torch.from_numpy(np.stack([np.frombuffer(p, dtype=np.uint8) for p in payloads]))
-        data = data.view(count, self._cache.num_layers, 2, self._page_bytes)
-        try:
-            for layer in range(self._cache.num_layers):
-                k, v = (data[:, layer, part].contiguous().view(self._dtype).view(count, *self._page_shape)
-                        for part in (0, 1))
-                self._write(job.request_id, job.ticket, layer, job.block_ids[:count], k, v)
-        except KeyError:
-            return 0  # the request ended mid-load: its blocks are no longer its own
+            record = self._tiers.fetch(block_hash)
+            if record is None:
+                return False  # gone since the lookup (evicted, or its header damaged)
+            found.append(record)
+        count = len(found)
+        for layer in range(self._cache.num_layers):
+            pages = []
+            for (tier, record), block_hash in zip(found, job.block_hashes, strict=True):
+                layer_pages = record.layer(layer)
+                if layer_pages is None:
+                    log.warning("KV tier mover: block %s from the %s tier failed layer %d's check; dropped",
+                                block_hash.hex()[:16], tier, layer)
+                    self._tiers.reject(tier, block_hash)
+                    return False
+                pages.append(layer_pages)
+            data = torch.from_numpy(np.stack(pages))  # [blocks, K page then V page] uint8, a copy
+            k, v = (data[:, part * self._page_bytes:(part + 1) * self._page_bytes].contiguous()
+                    .view(self._dtype).view(count, *self._page_shape) for part in (0, 1))
+            try:
+                self._write(job.request_id, job.ticket, layer, job.block_ids, k, v)
+            except KeyError:
+                return False  # the engine gave up on the load: its blocks are no longer the request's
+            with self._done:
+                progress = self._progress.get(job.ticket)
+                if progress is None:
+                    return False  # the engine gave up on it at its deadline
+                progress.layers = layer + 1
+                self._done.notify_all()
         seconds = time.perf_counter() - started
+        tiers = [tier for tier, _ in found]
         for tier in set(tiers):
             share = tiers.count(tier)
             self._tiers.record_load(tier, share, seconds * share / count)
-        return count
+        return True
 
 
 def open_tiers(config: KVTierConfig, cache: CacheEngine, payload_size: int, events: TierEvents,
@@ -185,4 +221,4 @@ def open_tiers(config: KVTierConfig, cache: CacheEngine, payload_size: int, even
     """The engine's lower tiers and their mover, or None when none is configured."""
     if not config.enabled:
         return None
-    return TierMover(cache, KVTiers(config, payload_size, events), write)
+    return TierMover(cache, KVTiers(config, RecordLayout(payload_size, cache.num_layers), events), write)

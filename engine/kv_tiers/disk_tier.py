@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.kv_tiers.block_record import pack_record, unpack_record
+from engine.kv_tiers.block_record import CheckedRecord, RecordLayout, open_record
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +103,12 @@ class DiskTier:
             count += 1
         return count
 
-    def put(self, block_hash: bytes, payload: bytes) -> list[bytes]:
-        """Store a block (a no-op if held); the hashes evicted to make room."""
+    def put(self, block_hash: bytes, record: bytes) -> list[bytes]:
+        """Store a block's record (engine.kv_tiers.block_record; a no-op if held); the hashes evicted
+        to make room."""
         if block_hash in self._files:
             self._files.move_to_end(block_hash)
             return []
-        record = pack_record(block_hash, payload)
         path = self._path(block_hash)
         temporary = path.with_name(f"{path.name}.{os.getpid()}{_TEMPORARY}")
         try:
@@ -126,8 +126,9 @@ class DiskTier:
         self.stats.stored_bytes += len(record)
         return self._evict()
 
-    def get(self, block_hash: bytes, payload_size: int) -> memoryview | None:
-        """A held block's pages, checked; None (a miss) if absent, unreadable or damaged."""
+    def get(self, block_hash: bytes, layout: RecordLayout) -> CheckedRecord | None:
+        """A held block's record, its header checked (the reader checks each layer it uses and calls
+        `reject` for a damaged one); None (a miss) if absent, unreadable or not a record of it."""
         if block_hash not in self._files:
             self.stats.misses += 1
             return None
@@ -136,19 +137,27 @@ class DiskTier:
         except OSError as error:
             log.warning("KV disk tier: reading a block from %s failed: %s", self.directory, error)
             record = b""
-        payload = unpack_record(block_hash, record, payload_size)
-        if payload is None:
-            self.stats.corrupt += 1
-            self.stats.misses += 1
-            log.warning("KV disk tier: block %s in %s failed its check; dropped", block_hash.hex()[:16], self.directory)
-            self.drop(block_hash)
+        opened = open_record(block_hash, record, layout)
+        if opened is None:
+            self._corrupt(block_hash)
             return None
         self._files.move_to_end(block_hash)
         with contextlib.suppress(OSError):
             os.utime(self._path(block_hash))  # the next start's scan orders by it
         self.stats.hits += 1
         self.stats.bytes_read += len(record)
-        return payload
+        return opened
+
+    def reject(self, block_hash: bytes) -> None:
+        """A record `get` returned failed a layer's check: a miss after all, counted and dropped."""
+        self.stats.hits -= 1
+        self._corrupt(block_hash)
+
+    def _corrupt(self, block_hash: bytes) -> None:
+        self.stats.corrupt += 1
+        self.stats.misses += 1
+        log.warning("KV disk tier: block %s in %s failed its check; dropped", block_hash.hex()[:16], self.directory)
+        self.drop(block_hash)
 
     def drop(self, block_hash: bytes) -> None:
         """Forget a block and delete its file."""

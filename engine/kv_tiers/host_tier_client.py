@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from engine.kv_tiers.host_tier_wire import (
+    DROP,
     GET,
     HAS,
     HELLO,
@@ -72,6 +73,10 @@ class HostTierClient:
             return None if length == MISSING else recv_exact(sock, length)
 
         return self._call(bytes([GET]) + block_hash, read)
+
+    def drop(self, block_hash: bytes) -> None:
+        """Have the owner forget a record (found damaged), so no worker loads it again."""
+        self._call(bytes([DROP]) + block_hash, lambda sock: recv_exact(sock, 1))
 
     def _call(self, message: bytes, read: Callable[[socket.socket], T]) -> T | None:
         with self._lock:

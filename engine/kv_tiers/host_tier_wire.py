@@ -10,6 +10,7 @@ read back are a block.
     PUT  hash | length (uint64) | record
                                   -> n evicted (uint32) | n hashes
     GET  hash                     -> length (uint64; MISSING when not held) | record
+    DROP hash                     -> 1 byte, 1 if it was held (a worker found the record damaged)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import struct
 
 from engine.kv_cache.block_hash import HASH_SIZE
 
-HELLO, HAS, PUT, GET = range(4)
+HELLO, HAS, PUT, GET, DROP = range(5)
 TIER_ID_SIZE = 16
 MISSING = 2**64 - 1
 MAX_RECORD = 1 << 32  # a block record larger than this is a protocol error, not a block

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from engine.config import KVTierConfig
-from engine.kv_tiers.block_record import pack_record, unpack_record
+from engine.kv_tiers.block_record import CheckedRecord, RecordLayout, open_record, pack_record
 from engine.kv_tiers.disk_tier import DiskTier
 from engine.kv_tiers.host_tier_client import HostTierClient
 
@@ -51,10 +51,10 @@ class TierStats:
 
 
 class KVTiers:
-    """The configured lower tiers of one worker, for blocks of `payload_size` bytes of pages."""
+    """The configured lower tiers of one worker, for blocks in `layout`."""
 
-    def __init__(self, config: KVTierConfig, payload_size: int, events: TierEvents) -> None:
-        self.payload_size = payload_size
+    def __init__(self, config: KVTierConfig, layout: RecordLayout, events: TierEvents) -> None:
+        self.layout = layout
         self._events = events
         self._disk = None if config.disk_dir is None else DiskTier(config.disk_dir, config.disk_bytes)
         # Two connections: the engine thread's lookups never wait behind the mover's transfers.
@@ -96,9 +96,10 @@ class KVTiers:
     # ---- the mover's thread ---------------------------------------------------------------------
     def store(self, block_hash: bytes, payload: bytes) -> None:
         """Write a block to every tier that lacks it."""
-        record = None
+        if self.holds(block_hash):
+            return
+        record = pack_record(block_hash, payload, self.layout)  # checksummed once for both tiers
         if self._moves is not None and block_hash not in self._host_held:
-            record = pack_record(block_hash, payload)
             evicted = self._moves.put(block_hash, record)
             self._follow_owner(self._moves)
             if evicted is not None:
@@ -109,33 +110,54 @@ class KVTiers:
                 if evicted:
                     self._events.removed("host", evicted)
         if self._disk is not None and block_hash not in self._disk:
-            evicted = self._disk.put(block_hash, payload)
+            evicted = self._disk.put(block_hash, record)
             if block_hash in self._disk:  # not when the disk refused the write
                 self._events.stored("disk", [block_hash])
             if evicted:
                 self._events.removed("disk", evicted)
 
-    def load(self, block_hash: bytes) -> tuple[LowerTier, memoryview] | None:
-        """A block's pages, checked, and the tier they came from; None if no tier has it intact."""
+    def fetch(self, block_hash: bytes) -> tuple[LowerTier, CheckedRecord] | None:
+        """A block's record, its header checked (its layers are checked as they are written), and the
+        tier it came from; None if no tier has a record of it."""
         if self._moves is not None:
             record = self._moves.get(block_hash)
             self._follow_owner(self._moves)
-            payload = None if record is None else unpack_record(block_hash, record, self.payload_size)
-            if payload is not None:
+            opened = None if record is None else open_record(block_hash, record, self.layout)
+            if opened is not None:
                 self._host["hits"] += 1
                 self._host["bytes_read"] += len(record)
-                return "host", payload
+                return "host", opened
             self._host["misses"] += 1
             if record is not None:
                 self._host["corrupt"] += 1
+                self._drop_host(block_hash)
         if self._disk is not None:
             held = block_hash in self._disk
-            payload = self._disk.get(block_hash, self.payload_size)
-            if payload is not None:
-                return "disk", payload
+            opened = self._disk.get(block_hash, self.layout)
+            if opened is not None:
+                return "disk", opened
             if held:  # it failed its check and was dropped
                 self._events.removed("disk", [block_hash])
         return None
+
+    def reject(self, tier: LowerTier, block_hash: bytes) -> None:
+        """A fetched record's layer failed its check: count it corrupt (a miss, not a hit) and drop it
+        from its tier, so no load finds it again."""
+        if tier == "host":
+            self._host["hits"] -= 1
+            self._host["misses"] += 1
+            self._host["corrupt"] += 1
+            self._drop_host(block_hash)
+        elif self._disk is not None:
+            self._disk.reject(block_hash)
+            self._events.removed("disk", [block_hash])
+
+    def _drop_host(self, block_hash: bytes) -> None:
+        if self._moves is not None:
+            self._moves.drop(block_hash)
+        if block_hash in self._host_held:
+            self._host_held.discard(block_hash)
+            self._events.removed("host", [block_hash])
 
     def record_load(self, tier: LowerTier, blocks: int, seconds: float) -> None:
         """A measured load-back, for the router's estimate of a lower tier's cost."""

@@ -176,11 +176,14 @@ class LlamaForCausalLM(torch.nn.Module):
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         on_layer_done: Callable[[int], None] | None = None,
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] for the packed new tokens of all sequences.
 
         `on_layer_done(i)` runs as soon as layer i (the model's index) has written its K/V (before its
-        MLP), so a layer-by-layer KV transfer can start while the rest of the stack computes. A
+        MLP), so a layer-by-layer KV transfer can start while the rest of the stack computes;
+        `before_layer(i)` runs before layer i's attention reads the cache, so pages loading into it
+        layer by layer (a lower KV tier's) need only have reached that layer. A
         pipeline stage's model (config.stage) takes the previous stage's hidden states in place of
         `input_ids` unless it is the first, and returns its last layer's output unless it is the last.
         """
@@ -188,11 +191,14 @@ class LlamaForCausalLM(torch.nn.Module):
         hidden = self.embed(input_ids) if config.first_stage else input_ids
         # Positions in the text may pass the model's table where the attention rotates (ModelPlan).
         cos, sin = (None, None) if self.plan.rotary_in_attention else self.rotary.forward(positions)
-        if self.stacked is not None and on_layer_done is None and cos is not None and sin is not None:
+        if (self.stacked is not None and on_layer_done is None and before_layer is None and cos is not None
+                and sin is not None):
             stacked = self.stacked(hidden, cos, sin, kv_caches, meta)
             if stacked is not None:
                 return self.final_norm(stacked, self.norm, self.config.rms_norm_eps)
         for index, layer in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(config.first_layer + index)
             hidden = layer.attention_block(hidden, cos, sin, kv_caches[index], meta)
             if on_layer_done is not None:
                 on_layer_done(config.first_layer + index)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from engine.kv_cache.block_hash import HASH_SIZE
 from engine.kv_tiers.host_tier_wire import (
+    DROP,
     GET,
     HAS,
     HELLO,
@@ -74,6 +75,14 @@ class HostTierStore:
                 evicted.append(old)
             return evicted
 
+    def drop(self, block_hash: bytes) -> bool:
+        """Forget a record (a worker found it damaged); whether it was held."""
+        with self._lock:
+            record = self._records.pop(block_hash, None)
+            if record is not None:
+                self._bytes -= len(record)
+            return record is not None
+
     def get(self, block_hash: bytes) -> bytes | None:
         """The record stored under `block_hash`, or None."""
         with self._lock:
@@ -116,6 +125,8 @@ class _Connection(socketserver.BaseRequestHandler):
         if opcode == GET:
             record = store.get(recv_exact(sock, HASH_SIZE))
             return U64.pack(MISSING) if record is None else U64.pack(len(record)) + record
+        if opcode == DROP:
+            return bytes([store.drop(recv_exact(sock, HASH_SIZE))])
         raise ValueError(f"unknown opcode {opcode}")
 
 

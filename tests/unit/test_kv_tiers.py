@@ -17,19 +17,43 @@ import pytest
 
 from engine.config import KVTierConfig
 from engine.kv_cache.block_hash import hash_block
-from engine.kv_tiers.block_record import HEADER_SIZE, pack_record, unpack_record
+from engine.kv_tiers.block_record import CheckedRecord, RecordLayout, open_record, pack_record
 from engine.kv_tiers.disk_tier import DiskTier
 from engine.kv_tiers.host_tier_client import HostTierClient
 from engine.kv_tiers.host_tier_wire import PUT, U64
 from engine.kv_tiers.tiers import KVTiers
 
 PAYLOAD = 100_000  # ten blocks fill the owners' 1 MiB
+LAYOUT = RecordLayout(PAYLOAD, 4)
 _ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
 def block(index: int) -> tuple[bytes, bytes]:
     """A block's chain hash and a payload that differs per block."""
     return hash_block(None, [index]), bytes((index + i) % 256 for i in range(PAYLOAD))
+
+
+def pages(opened: CheckedRecord | None, layout: RecordLayout = LAYOUT) -> bytes | None:
+    """Every layer's pages of an opened record, None if it did not open or a layer fails its check."""
+    if opened is None:
+        return None
+    layers = [opened.layer(i) for i in range(layout.layers)]
+    return None if any(layer is None for layer in layers) else b"".join(layer.tobytes() for layer in layers)
+
+
+def read(tier: DiskTier, block_hash: bytes, layout: RecordLayout = LAYOUT) -> bytes | None:
+    """A block's pages from the disk tier, checked as the mover checks them (a damaged layer rejected)."""
+    opened = tier.get(block_hash, layout)
+    payload = pages(opened, layout)
+    if opened is not None and payload is None:
+        tier.reject(block_hash)
+    return payload
+
+
+def record(index: int) -> tuple[bytes, bytes]:
+    """A block's chain hash and its record."""
+    block_hash, payload = block(index)
+    return block_hash, pack_record(block_hash, payload, LAYOUT)
 
 
 class Events:
@@ -88,26 +112,32 @@ def _answers(path: Path) -> bool:
     return client.errors == 0
 
 
-def test_block_record_checks_hash_length_and_bytes() -> None:
+def test_block_record_checks_hash_length_and_each_layers_bytes() -> None:
     block_hash, payload = block(1)
-    record = pack_record(block_hash, payload)
-    assert bytes(unpack_record(block_hash, record, PAYLOAD)) == payload
+    packed = pack_record(block_hash, payload, LAYOUT)
+    assert pages(open_record(block_hash, packed, LAYOUT)) == payload
     other_hash, _ = block(2)
-    flipped = bytearray(record)
+    flipped = bytearray(packed)
     flipped[-1] ^= 1
-    assert unpack_record(other_hash, record, PAYLOAD) is None  # filed under another block's name
-    assert unpack_record(block_hash, bytes(flipped), PAYLOAD) is None  # a damaged byte
-    assert unpack_record(block_hash, record[:-1], PAYLOAD) is None  # truncated
-    assert unpack_record(block_hash, record, PAYLOAD + 1) is None  # another layout's block size
+    assert open_record(other_hash, packed, LAYOUT) is None  # filed under another block's name
+    assert pages(open_record(block_hash, bytes(flipped), LAYOUT)) is None  # a damaged byte
+    assert open_record(block_hash, packed[:-1], LAYOUT) is None  # truncated
+    assert open_record(block_hash, packed, RecordLayout(PAYLOAD + 4, 4)) is None  # another block size
+    assert open_record(block_hash, packed, RecordLayout(PAYLOAD, 2)) is None  # another layer count
+    assert open_record(block_hash, b"TKV1" + packed[4:], LAYOUT) is None  # the older format
+    damaged = open_record(block_hash, bytes(flipped), LAYOUT)  # the header is intact: only the last layer fails
+    size = PAYLOAD // 4
+    assert [None if damaged.layer(i) is None else damaged.layer(i).tobytes() for i in range(4)] == [
+        payload[:size], payload[size:2 * size], payload[2 * size:3 * size], None]
 
 
 def test_disk_tier_bounds_its_bytes_least_recently_used_first(tmp_path) -> None:
-    tier = DiskTier(tmp_path, 3 * (PAYLOAD + HEADER_SIZE))
+    tier = DiskTier(tmp_path, 3 * LAYOUT.record_size)
     hashes = [block(i)[0] for i in range(4)]
     for i in range(3):
-        assert tier.put(*block(i)) == []
-    assert tier.get(hashes[0], PAYLOAD) is not None  # block 0 is now the most recent
-    assert tier.put(*block(3)) == [hashes[1]]
+        assert tier.put(*record(i)) == []
+    assert tier.get(hashes[0], LAYOUT) is not None  # block 0 is now the most recent
+    assert tier.put(*record(3)) == [hashes[1]]
     assert tier.hashes() == [hashes[2], hashes[0], hashes[3]]
     assert tier.leading([hashes[2], hashes[0], hashes[1], hashes[3]]) == 2
     assert sorted(p.name for p in tmp_path.glob("*.kvb")) == sorted(f"{h.hex()}.kvb" for h in tier.hashes())
@@ -116,22 +146,22 @@ def test_disk_tier_bounds_its_bytes_least_recently_used_first(tmp_path) -> None:
 def test_disk_tier_survives_a_restart_and_drops_half_written_files(tmp_path) -> None:
     tier = DiskTier(tmp_path, 1 << 20)
     for i in range(3):
-        tier.put(*block(i))
+        tier.put(*record(i))
     tier.close()
     (tmp_path / "leftover.kvb.123.tmp").write_bytes(b"half")
     again = DiskTier(tmp_path, 1 << 20)
     assert set(again.hashes()) == {block(i)[0] for i in range(3)}
     assert not list(tmp_path.glob("*.tmp"))
     block_hash, payload = block(1)
-    assert bytes(again.get(block_hash, PAYLOAD)) == payload
+    assert read(again, block_hash) == payload
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "swap"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "swap", "older format"])
 def test_a_damaged_block_file_is_a_counted_miss_and_is_dropped(tmp_path, damage) -> None:
     tier = DiskTier(tmp_path, 1 << 20)
-    (block_hash, payload), (other_hash, other_payload) = block(1), block(2)
-    tier.put(block_hash, payload)
-    tier.put(other_hash, other_payload)
+    (block_hash, _), (other_hash, other_payload) = block(1), block(2)
+    tier.put(*record(1))
+    tier.put(*record(2))
     path = tmp_path / f"{block_hash.hex()}.kvb"
     data = path.read_bytes()
     if damage == "flip":
@@ -140,22 +170,24 @@ def test_a_damaged_block_file_is_a_counted_miss_and_is_dropped(tmp_path, damage)
         path.write_bytes(data[: len(data) // 2])
     elif damage == "empty":
         path.write_bytes(b"")
+    elif damage == "older format":  # a TKV1 file a previous version left (blake2b, no layer table)
+        path.write_bytes(b"TKV1" + data[4:])
     else:  # another block's record under this block's name
         shutil.copy(tmp_path / f"{other_hash.hex()}.kvb", path)
-    assert tier.get(block_hash, PAYLOAD) is None
+    assert read(tier, block_hash) is None
     assert (tier.stats.corrupt, tier.stats.misses) == (1, 1)
     assert block_hash not in tier and not path.exists()
-    assert bytes(tier.get(other_hash, PAYLOAD)) == other_payload
+    assert read(tier, other_hash) == other_payload
 
 
 def test_a_directory_gone_while_serving_counts_write_errors_and_misses(tmp_path) -> None:
     directory = tmp_path / "tier"
     tier = DiskTier(directory, 1 << 20)
-    tier.put(*block(1))
+    tier.put(*record(1))
     shutil.rmtree(directory)
-    assert tier.put(*block(2)) == []
+    assert tier.put(*record(2)) == []
     assert tier.stats.write_errors == 1 and block(2)[0] not in tier
-    assert tier.get(block(1)[0], PAYLOAD) is None and tier.stats.misses == 1
+    assert read(tier, block(1)[0]) is None and tier.stats.misses == 1
 
 
 def test_a_directory_that_cannot_be_used_is_a_start_up_error(tmp_path) -> None:
@@ -171,6 +203,7 @@ def test_a_directory_that_cannot_be_used_is_a_start_up_error(tmp_path) -> None:
 _WRITER = textwrap.dedent("""
     import resource, signal, sys
     from engine.kv_cache.block_hash import hash_block
+    from engine.kv_tiers.block_record import RecordLayout, pack_record
     from engine.kv_tiers.disk_tier import DiskTier
     directory, mode = sys.argv[1], sys.argv[2]
     tier = DiskTier(directory, 1 << 30)
@@ -179,7 +212,8 @@ _WRITER = textwrap.dedent("""
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
     for i in range(1_000_000):
-        tier.put(hash_block(None, [i]), bytes(300_000))
+        block_hash = hash_block(None, [i])
+        tier.put(block_hash, pack_record(block_hash, bytes(300_000), RecordLayout(300_000, 3)))
         if i == 2:
             print(tier.stats.write_errors, len(tier.hashes()), flush=True)
             if mode == "full":
@@ -209,13 +243,13 @@ def test_a_worker_killed_mid_write_leaves_only_intact_blocks(tmp_path) -> None:
     assert not list(tmp_path.glob("*.tmp"))
     assert len(tier.hashes()) >= 3
     for block_hash in tier.hashes():
-        assert tier.get(block_hash, 300_000) is not None
+        assert read(tier, block_hash, RecordLayout(300_000, 3)) is not None
     assert tier.stats.corrupt == 0
 
 
 def test_host_tier_owner_stores_evicts_and_serves_many_clients(owner, tmp_path) -> None:
     first, second = HostTierClient(str(tmp_path / "host.sock")), HostTierClient(str(tmp_path / "host.sock"))
-    records = {block(i)[0]: pack_record(*block(i)) for i in range(11)}
+    records = dict(record(i) for i in range(11))
     hashes = list(records)
     for block_hash in hashes[:10]:
         assert first.put(block_hash, records[block_hash]) == []
@@ -227,45 +261,63 @@ def test_host_tier_owner_stores_evicts_and_serves_many_clients(owner, tmp_path) 
 
 
 def test_a_client_that_dies_mid_put_stores_nothing(owner, tmp_path) -> None:
-    block_hash, payload = block(1)
-    record = pack_record(block_hash, payload)
+    block_hash, packed = record(1)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dying:
         dying.connect(str(tmp_path / "host.sock"))
-        dying.sendall(bytes([PUT]) + block_hash + U64.pack(len(record)) + record[: len(record) // 2])
+        dying.sendall(bytes([PUT]) + block_hash + U64.pack(len(packed)) + packed[: len(packed) // 2])
     client = HostTierClient(str(tmp_path / "host.sock"))
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and client.has([block_hash]) != [False]:
         time.sleep(0.01)
     assert client.has([block_hash]) == [False]
-    assert client.put(block_hash, record) == [] and client.get(block_hash) == record
+    assert client.put(block_hash, packed) == [] and client.get(block_hash) == packed
 
 
 def test_kv_tiers_fill_both_tiers_and_load_from_memory_first(owner, tmp_path) -> None:
     events = Events()
     config = KVTierConfig(host_socket=str(tmp_path / "host.sock"), disk_dir=str(tmp_path / "disk"))
-    tiers = KVTiers(config, PAYLOAD, events)
+    tiers = KVTiers(config, LAYOUT, events)
     hashes = [block(i)[0] for i in range(3)]
     for i in range(2):
         tiers.store(*block(i))
     assert tiers.available(hashes) == 2
     assert events.held == {"host": set(hashes[:2]), "disk": set(hashes[:2])}
-    tier, payload = tiers.load(hashes[1])
-    assert (tier, bytes(payload)) == ("host", block(1)[1])
-    assert tiers.load(hashes[2]) is None
+    tier, opened = tiers.fetch(hashes[1])
+    assert (tier, pages(opened)) == ("host", block(1)[1])
+    assert tiers.fetch(hashes[2]) is None
     assert tiers.host_tier_id != ""
+    tiers.close()
+
+
+def test_a_damaged_layer_of_a_host_tier_record_drops_it_from_the_owner(owner, tmp_path) -> None:
+    events = Events()
+    tiers = KVTiers(KVTierConfig(host_socket=str(tmp_path / "host.sock")), LAYOUT, events)
+    tiers.store(*block(1))
+    block_hash, packed = record(2)
+    damaged = bytearray(packed)
+    damaged[-1] ^= 1
+    client = HostTierClient(str(tmp_path / "host.sock"))
+    client.put(block_hash, bytes(damaged))  # another worker's bad write, say
+    tier, opened = tiers.fetch(block_hash)
+    assert tier == "host" and opened.layer(0) is not None and opened.layer(3) is None
+    tiers.reject(tier, block_hash)
+    assert client.has([block_hash, block(1)[0]]) == [False, True]  # gone for every worker of the node
+    stats = tiers.stats()["host"]
+    assert (stats.hits, stats.misses, stats.corrupt) == (0, 1, 1)
+    client.close()
     tiers.close()
 
 
 def test_a_restarted_owner_is_a_new_empty_tier_and_the_disk_still_answers(owner, tmp_path) -> None:
     events = Events()
     config = KVTierConfig(host_socket=str(tmp_path / "host.sock"), disk_dir=str(tmp_path / "disk"))
-    tiers = KVTiers(config, PAYLOAD, events)
+    tiers = KVTiers(config, LAYOUT, events)
     tiers.store(*block(1))
     old_id = tiers.host_tier_id
     owner.restart()
     block_hash, payload = block(1)
-    found = tiers.load(block_hash)  # the old connection is found closed and remade at once
-    assert found is not None and found[0] == "disk" and bytes(found[1]) == payload
+    found = tiers.fetch(block_hash)  # the old connection is found closed and remade at once
+    assert found is not None and found[0] == "disk" and pages(found[1]) == payload
     assert tiers.available([block_hash]) == 1
     assert tiers.host_tier_id not in ("", old_id)
     assert events.held["host"] == set()  # what the old owner held was reported gone
@@ -273,9 +325,9 @@ def test_a_restarted_owner_is_a_new_empty_tier_and_the_disk_still_answers(owner,
 
 
 def test_an_absent_owner_is_a_miss_and_a_count(tmp_path) -> None:
-    tiers = KVTiers(KVTierConfig(host_socket=str(tmp_path / "nobody.sock")), PAYLOAD, Events())
+    tiers = KVTiers(KVTierConfig(host_socket=str(tmp_path / "nobody.sock")), LAYOUT, Events())
     tiers.store(*block(1))
     assert tiers.available([block(1)[0]]) == 0
-    assert tiers.load(block(1)[0]) is None
+    assert tiers.fetch(block(1)[0]) is None
     assert tiers.stats()["host"].errors >= 1
     tiers.close()
