@@ -300,7 +300,7 @@ def test_openai_fields_that_change_nothing_here_are_accepted_and_unserved_ones_r
     ({"extra_body": {"top_k": "many"}}, "top_k", "integer"),
     ({"extra_body": {"min_tokens": 50}, "max_tokens": 10}, "min_tokens", "max_tokens=10"),
     ({"logprobs": 21}, "logprobs", "20"),
-    ({"max_tokens": 10_000}, "max_tokens", "context"),
+    ({"max_tokens": 10_000}, "max_tokens", "max_model_len"),
     ({"echo": True, "logprobs": 1}, "echo", "prompt's logprobs"),
     ({"best_of": 2}, "best_of", "not served"),
     ({"logit_bias": {"49152": 10}}, "logit_bias", "outside the vocabulary"),

@@ -10,7 +10,7 @@ import torch
 
 import engine.model.kernels as kernel_module
 from engine.model.kernels import kernels
-from engine.model.kernels.bf16_choice import choose_bf16_gemm
+from engine.model.kernels.bf16_choice import Bf16Gemm, choose_bf16_gemm
 from engine.model.kernels.build import cpu_flags, runnable
 from engine.model.kernels.packing import pack_bf16_pairs
 from engine.model.product_plan import BF16_MIN_ROWS, DPBF16_MAX_ROWS, plan_quantized
@@ -99,18 +99,24 @@ def test_no_gemm_op_where_the_cpu_has_amx_or_the_build_lacks_it(monkeypatch):
         assert kernels(WITH_OP[0]).bf16_gemm is None  # oneDNN's GEMM runs on AMX tiles
 
 
-def _product_on(instruction: str, seed: int) -> tuple[QuantizedLinear, torch.Tensor, torch.Generator]:
-    """A 4-bit product planned for bf16 on the kernels' GEMM of `instruction` (as if the start-up timing
-    had chosen it), its copies made; with its bias and the generator to draw inputs from."""
+def _product_on(instruction: str, seed: int,
+                monkeypatch: pytest.MonkeyPatch) -> tuple[QuantizedLinear, torch.Tensor, torch.Generator]:
+    """A 4-bit product planned for bf16 on the kernels' GEMM of `instruction`, its copies made; with its
+    bias and the generator to draw inputs from. The start-up timing's choice is pinned to `instruction`:
+    left to the timing, a loaded machine picks either GEMM, and the product refuses a plan made for the
+    other (regression: this test failed on an AMD EPYC Zen 4 whose timing chose vdpbf16ps)."""
+    ops = kernels(WITH_OP[0])
+    chosen = Bf16Gemm(ops.bf16_gemm if instruction == "vdpbf16ps" else ops.bf16_gemm_fma, instruction, (0.0, 0.0))
+    monkeypatch.setattr(type(ops), "bf16_products", property(lambda self: chosen))
     gen = torch.Generator().manual_seed(seed)
     weight, bias = random_weight(960, 576, "q4_offset"), torch.randn(960, generator=gen)
     plan = plan_quantized(weight, torch.bfloat16, bf16_instruction=instruction)
-    return QuantizedLinear(weight, plan, bias, kernels(WITH_OP[0])), bias, gen
+    return QuantizedLinear(weight, plan, bias, ops), bias, gen
 
 
 @serves_op
-def test_with_vdpbf16ps_decode_batches_take_the_op_and_prompts_onednns_gemm():
-    product, bias, gen = _product_on("vdpbf16ps", 3)
+def test_with_vdpbf16ps_decode_batches_take_the_op_and_prompts_onednns_gemm(monkeypatch):
+    product, bias, gen = _product_on("vdpbf16ps", 3, monkeypatch)
     assert product._pairs is not None and product._bf16 is not None
     assert product.plan.band(DPBF16_MAX_ROWS + 1).kernel == "onednn_bf16"
     for rows in (BF16_MIN_ROWS, 32, DPBF16_MAX_ROWS):
@@ -124,8 +130,8 @@ def test_with_vdpbf16ps_decode_batches_take_the_op_and_prompts_onednns_gemm():
 
 
 @serves_op
-def test_with_fma_every_row_count_takes_the_op_and_no_onednn_copy_is_made():
-    product, _, gen = _product_on("fma", 4)
+def test_with_fma_every_row_count_takes_the_op_and_no_onednn_copy_is_made(monkeypatch):
+    product, _, gen = _product_on("fma", 4, monkeypatch)
     assert product._pairs is not None and product._bf16 is None
     assert [band.kernel for band in product.plan.bands] == ["qmatmul", "bf16_gemm_fma"]
     for rows in (BF16_MIN_ROWS, 32, DPBF16_MAX_ROWS + 1, 700):
