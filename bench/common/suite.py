@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,3 +46,13 @@ def load_average() -> str:
     """The 1, 5 and 15-minute load averages: figures taken on a shared machine say how shared it was."""
     with open("/proc/loadavg", encoding="utf-8") as file:
         return " ".join(file.read().split()[:3])
+
+
+def begin_run(threads: int | None) -> tuple[str, dict[str, str]]:
+    """Start an in-process suite's run: torch's threads set to `threads` (when given); when it started
+    and the load then (the caller adds the load at the end)."""
+    if threads:
+        import torch  # only the in-process suites need it
+
+        torch.set_num_threads(threads)
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z"), {"start": load_average()}

@@ -41,7 +41,7 @@ from bench.common.engine_formats import engine_formats
 from bench.common.machine import describe
 from bench.common.model_quality import FIXED_TEXT, first_difference, perplexity, spans
 from bench.common.paths import HF_EXPORT_DIR, QUANT_CHECKPOINTS_DIR
-from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.common.suite import begin_run, command_line, load_average, results_path, suite_parser, write_results
 from bench.fidelity.formats import NAMES, REFERENCE, Format, selected
 from bench.fidelity.long_text import long_text_table, segment_perplexities
 from bench.fidelity.report import format_table, retrieval_table, verdict
@@ -198,10 +198,7 @@ def retrieval(fmt: Format, config: EngineConfig | str, outcome: dict, prompts: d
 def main(argv: Sequence[str]) -> int:
     """Score every chosen format, print the table, write the results; 1 if a format failed."""
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    load = {"start": load_average()}
+    started, load = begin_run(args.threads)
     windows, prompts = text_spans(args)
     tokenizer, filler = Tokenizer.from_path(default_model_path()), FIXED_TEXT.read_text(encoding="utf-8")
     planted = {length: planted_prompts(tokenizer, filler, length, args.retrieval_prompts) for length in args.lengths}

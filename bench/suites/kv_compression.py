@@ -34,7 +34,7 @@ import torch
 
 from bench.common.machine import describe
 from bench.common.model_quality import FIXED_TEXT, spans
-from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.common.suite import begin_run, command_line, load_average, results_path, suite_parser, write_results
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.kv_cache.blocks import blocks_for
@@ -137,10 +137,7 @@ def format_table(rows: dict[str, dict], args: argparse.Namespace) -> str:
 def main(argv: Sequence[str]) -> int:
     """Every chosen format, then the table and the JSON results."""
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    load = {"start": load_average()}
+    started, load = begin_run(args.threads)
     ids = Tokenizer.from_path(default_model_path()).encode(FIXED_TEXT.read_text(encoding="utf-8"))
     rows: dict[str, dict] = {}
     for name in args.format_list:

@@ -25,14 +25,13 @@ import argparse
 import gc
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 
 import torch
 
 from bench.common.machine import describe
 from bench.common.model_quality import FIXED_TEXT, spans
-from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
+from bench.common.suite import begin_run, command_line, load_average, results_path, suite_parser, write_results
 from bench.fidelity.retrieval import hits, planted_prompts
 from bench.fidelity.teacher_forced import forced_perplexity
 from engine.config import CacheConfig, EngineConfig
@@ -166,10 +165,7 @@ def _kept(budget: int | None) -> str:
 def main(argv: Sequence[str]) -> int:
     """The cost rows, the quality rows, the tables and the JSON results."""
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    load = {"start": load_average()}
+    started, load = begin_run(args.threads)
     ids = Tokenizer.from_path(default_model_path()).encode(FIXED_TEXT.read_text(encoding="utf-8"))
     cost = cost_rows(args, ids)
     quality = quality_rows(args, ids)
