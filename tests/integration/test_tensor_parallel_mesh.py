@@ -14,7 +14,7 @@ import grpc
 import pytest
 from parity_prompts import parity_prompt_ids
 from reference import PINNED_FLAGS, check_against, margins_of
-from worker_calls import decode_call, kill_a_rank_mid_transfer, load_report, no_blocks_used, until
+from worker_calls import decode_call, kill_a_rank_mid_transfer, load_report, no_blocks_used, prefill_began, until
 
 from engine.config import SchedulerConfig
 from engine.offline import generate
@@ -90,9 +90,10 @@ def test_prefill_tp1_to_decode_tp3_decodes_as_one_process(workers, backend, prom
 
 
 def _cancel_mid_transfer(prefill: WorkerProcess, decode: WorkerProcess, prompt: list[int]) -> None:
+    began = prefill_began(prefill)
     call = decode_call(decode, prefill, prompt, LONG)
     # A fresh ~1,000-token prompt takes several 200-token steps, each pushing its pages.
-    until(lambda: load_report(prefill).running_requests > 0, "the prefill never started")
+    until(began, "the prefill never started")
     call.cancel()
     no_blocks_used(prefill, decode)
 

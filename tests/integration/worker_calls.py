@@ -36,6 +36,19 @@ def until(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.05)
 
 
+def prefill_began(prefill: WorkerProcess) -> Callable[[], bool]:
+    """A condition to poll, made before a request is sent: whether `prefill` has begun it. A small
+    model computes a prompt in a fraction of a second, which can fall between two polls of
+    `running_requests`, so a request that is already finished counts as begun."""
+    finished = load_report(prefill).finished_requests
+
+    def began() -> bool:
+        report = load_report(prefill)
+        return report.running_requests > 0 or report.finished_requests > finished
+
+    return began
+
+
 def no_blocks_used(*workers: WorkerProcess) -> None:
     until(lambda: not any(load_report(w).used_kv_blocks for w in workers), "blocks still held")
 
@@ -55,8 +68,9 @@ def kill_a_rank_mid_transfer(victim: WorkerProcess, prefill: WorkerProcess, deco
     tokens; the victim exits 1 with all its ranks, and the other side holds no block."""
     ranks = victim.tensor_parallel_ranks()
     assert ranks
+    began = prefill_began(prefill)
     call = decode_call(decode, prefill, prompt, params)
-    until(lambda: load_report(prefill).running_requests > 0, "the prefill never started")
+    until(began, "the prefill never started")
     os.kill(ranks[-1], signal.SIGKILL)
     try:
         tokens = [t for chunk in call for t in chunk.token_ids]
