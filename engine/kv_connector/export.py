@@ -10,6 +10,16 @@ wrote them, before the window frees them. A model's own window hides a head of t
 receiver's first query: the receiver counts it as held (`receiver_cached_tokens`), so only the
 window's blocks ship. With sinks what is hidden is not a head, and every block ships; the receiver
 frees the hidden ones once the pages are in.
+
+Under a KV budget (engine.kv_cache.kv_budget) the receiver reserves only the blocks the prompt
+keeps, and which those are is known only once the prompt's last chunk scored them. So a budgeted
+export holds its pages while the prompt computes (its sink still hears of each layer), then the
+engine picks the kept blocks as the receiver's budget would and hands them over with their scores
+(`KVSink.kept`) and all layers' pages of just those blocks at once, as destinations 0, 1, ... in
+table order. Holding gives up overlapping the transfer with compute, for at most the budget's
+blocks. Pushing early could not win much back: the only blocks sure to survive are the recent
+window's, which (for a window shorter than a chunk) the last chunk writes, so at most they could
+overlap that one step's later layers; every older block's fate turns on the last queries' scores.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from typing import Protocol
 import torch
 
 from engine.kv_cache.blocks import blocks_for
+from engine.kv_cache.kv_budget import KeptBlocks, KVBudget
 from engine.scheduler import ScheduledChunk
 
 
@@ -50,14 +61,21 @@ class KVSink(Protocol):
         wrote that the receiver needs (None when it wrote only blocks the receiver holds)."""
         ...
 
+    def kept(self, kept: KeptBlocks) -> None:
+        """Under a budget, once the prompt is computed and before its pages: the blocks it keeps
+        (their table indices, in the order their pages follow) and their scores."""
+        ...
+
 
 @dataclass(frozen=True)
 class KVExport:
     """Push a request's pages to `sink`, except the blocks of the receiver's own prefix-cache hit
-    (its first `receiver_cached_tokens` tokens)."""
+    (its first `receiver_cached_tokens` tokens); under the receiver's `budget`, only the blocks the
+    prompt keeps, once it is computed."""
 
     sink: KVSink
     receiver_cached_tokens: int = 0
+    budget: KVBudget | None = None
 
 
 @dataclass
@@ -96,6 +114,17 @@ class KVExports:
         """Stop exporting: no page of the request reaches its sink after this."""
         self._progress.pop(request_id, None)
 
+    def take_budgeted(self, request_ids: Sequence[str]) -> list[tuple[str, KVSink, KVBudget]]:
+        """Of the requests whose prompt a step just computed, those exported under a budget (with
+        their sink and budget), whose held pages go now; no later step exports them."""
+        taken = []
+        for request_id in request_ids:
+            progress = self._progress.get(request_id)
+            if progress is not None and progress.export.budget is not None:
+                taken.append((request_id, progress.export.sink, progress.export.budget))
+                del self._progress[request_id]
+        return taken
+
     def ranges(self, chunks: Sequence[ScheduledChunk]) -> list[ExportRange]:
         """The blocks each exported request of a step gets after every layer (empty when the step
         writes only blocks its receiver holds); the same for every layer of the step."""
@@ -128,5 +157,7 @@ class KVExports:
         # chunk left partly filled (sent again, now fuller); blocks before it that were never sent
         # are this engine's own prefix-cache hits, which no chunk computes.
         first = max(progress.skip, min(progress.next_block, chunk.start // self._block_size))
+        if progress.export.budget is not None:
+            return first, first  # held until the prompt is scored (take_budgeted)
         end = blocks_for(chunk.start + chunk.num_tokens, self._block_size)
         return first, end

@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.kv_cache.cache_engine import CacheEngine, check_pages
-from engine.kv_connector.export import KVExport, KVExports
+from engine.kv_cache.kv_budget import KeptBlocks, KVBudget
+from engine.kv_connector.export import KVExport, KVExports, LayerPages
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.pipeline import PipelineStages
 from engine.parallel.step_plan import PagesPlan
@@ -36,6 +37,7 @@ class KVConnectorWorker:
         self._parallel = parallel
         self._stages = stages
         self._ranks_busy = ranks_busy
+        self._num_layers = num_layers
         self._exports = KVExports(block_size, num_layers)
 
     # ---- export ---------------------------------------------------------------------------------
@@ -62,6 +64,18 @@ class KVConnectorWorker:
             self._exports.layer_done(layer, ranges, pages)
 
         return on_layer_done, exported
+
+    def ship_kept(self, sampled: Sequence[str],
+                  kept_of: Callable[[str, KVBudget], tuple[KeptBlocks, list[int]]]) -> None:
+        """After a step's update: each request exported under a budget whose prompt the step
+        computed (it sampled) hands its sink the blocks `kept_of` picks (and their ids here), then
+        every layer's pages of just those blocks (engine.kv_connector.export)."""
+        for request_id, sink, budget in self._exports.take_budgeted(sampled):
+            kept, block_ids = kept_of(request_id, budget)
+            sink.kept(kept)
+            for layer in range(self._num_layers):
+                k, v = self._whole_pages(layer, block_ids)
+                sink.layer_done(layer, LayerPages(layer, 0, k, v))
 
     def _whole_pages(self, layer: int, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Some blocks' pages of one layer, of all KV heads: at tensor-parallel size > 1 joined from
