@@ -201,7 +201,7 @@ class Engine:
             return NoKVRoom(self._blocks_needed(request), self.kv.num_free_blocks)
         self._text[request_id] = text
         if export is not None:
-            self.connector.worker.add_export(request_id, export)
+            self.connector.worker.add_export(request_id, export, request.num_tokens)
             self.connector.scheduler.hand_off(request_id)
         if resumed is not None:
             self.runner.resume_generator(request_id, params.seed, draws=len(resumed.output_token_ids))

@@ -23,6 +23,7 @@ class CollectedPages:
         self._pages: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.nbytes = 0  # of every page handed over
         self.kept_blocks: KeptBlocks | None = None  # under a budget, what the prompt kept
+        self.blocks_before_kept = 0  # pages of a block and layer handed over before the kept blocks were named
 
     def kept(self, kept: KeptBlocks) -> None:
         self.kept_blocks = kept
@@ -30,6 +31,7 @@ class CollectedPages:
     def layer_done(self, layer: int, pages: LayerPages | None) -> None:
         if pages is not None:
             self.nbytes += pages.nbytes
+            self.blocks_before_kept += pages.k.shape[0] if self.kept_blocks is None else 0
             for index in range(pages.k.shape[0]):
                 self._pages.setdefault(layer, {})[pages.first_block + index] = (pages.k[index], pages.v[index])
 

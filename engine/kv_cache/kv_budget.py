@@ -83,6 +83,15 @@ class KVBudget:
         survive its first eviction: as many whatever their scores."""
         return num_blocks - len(self.victims(range(num_blocks), {}, num_computed))
 
+    def surely_kept_from(self, num_tokens: int) -> int:
+        """The first table index of the blocks a prompt of `num_tokens` tokens (all computed) keeps
+        whatever the scores, every later one too: 0 when it keeps every block, else its recent
+        window's first (only blocks before it are ever victims)."""
+        num_blocks = blocks_for(num_tokens, self.block_size)
+        if self.kept_count(num_blocks, num_tokens) == num_blocks:
+            return 0
+        return max(0, num_tokens - self.recent_tokens) // self.block_size
+
     def kept(self, held: Sequence[int], scores: Mapping[int, float], num_computed: int) -> KeptBlocks:
         """The blocks of `held` (table indices) that survive `victims`, with their scores."""
         victims = set(self.victims(held, scores, num_computed))

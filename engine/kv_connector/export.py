@@ -12,14 +12,17 @@ window's blocks ship. With sinks what is hidden is not a head, and every block s
 frees the hidden ones once the pages are in.
 
 Under a KV budget (engine.kv_cache.kv_budget) the receiver reserves only the blocks the prompt
-keeps, and which those are is known only once the prompt's last chunk scored them. So a budgeted
-export holds its pages while the prompt computes (its sink still hears of each layer), then the
-engine picks the kept blocks as the receiver's budget would and hands them over with their scores
-(`KVSink.kept`) and all layers' pages of just those blocks at once, as destinations 0, 1, ... in
-table order. Holding gives up overlapping the transfer with compute, for at most the budget's
-blocks. Pushing early could not win much back: the only blocks sure to survive are the recent
-window's, which (for a window shorter than a chunk) the last chunk writes, so at most they could
-overlap that one step's later layers; every older block's fate turns on the last queries' scores.
+keeps, k of its n, in table order: the kept block at table index i lands in the receiver's j-th
+block when it is the j-th kept one. Which older blocks survive is known only once the prompt's
+last chunk has scored them, after its last layer (scores sum over layers); but the blocks of the
+recent window (`KVBudget.surely_kept_from`; every block, for a prompt within the budget) survive
+whatever the scores, and they are the last of the kept ones, so block i of them goes to i - (n - k).
+So a budgeted export pushes those layer by layer as they are computed, like any export, and holds
+the older blocks; once the step that computed the prompt's end has scored them, the engine picks
+the kept ones exactly as the receiver's eviction would, and hands the sink their indices and scores
+(`KVSink.kept`) and then every layer's pages of the held kept ones (destinations 0, 1, ...) at once.
+Those, at most the budget less its recent window, are the transfer that compute does not hide;
+holding everything until scored would expose the whole budget's.
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ class KVExport:
 @dataclass
 class _Progress:
     export: KVExport
-    skip: int  # blocks the receiver holds; block i goes to its index i - skip
+    skip: int  # block i goes to the receiver's index i - skip (the receiver holds or drops the first skip)
+    first: int  # the first block pushed as computed (under a budget, those before it wait: take_budgeted)
     next_block: int  # first block never sent
 
 
@@ -105,23 +109,28 @@ class KVExports:
     def __bool__(self) -> bool:
         return bool(self._progress)
 
-    def add(self, request_id: str, export: KVExport) -> None:
-        """Start exporting a request's pages (before its first step)."""
-        skip = export.receiver_cached_tokens // self._block_size
-        self._progress[request_id] = _Progress(export, skip, skip)
+    def add(self, request_id: str, export: KVExport, num_tokens: int) -> None:
+        """Start exporting the pages of a request of `num_tokens` known tokens (before its first step)."""
+        skip = first = export.receiver_cached_tokens // self._block_size
+        if export.budget is not None:
+            num_blocks = blocks_for(num_tokens, self._block_size)
+            skip = num_blocks - export.budget.kept_count(num_blocks, num_tokens)
+            first = export.budget.surely_kept_from(num_tokens)
+        self._progress[request_id] = _Progress(export, skip, first, first)
 
     def drop(self, request_id: str) -> None:
         """Stop exporting: no page of the request reaches its sink after this."""
         self._progress.pop(request_id, None)
 
-    def take_budgeted(self, request_ids: Sequence[str]) -> list[tuple[str, KVSink, KVBudget]]:
-        """Of the requests whose prompt a step just computed, those exported under a budget (with
-        their sink and budget), whose held pages go now; no later step exports them."""
+    def take_budgeted(self, request_ids: Sequence[str]) -> list[tuple[str, KVSink, KVBudget, int]]:
+        """Of the requests whose prompt a step just computed, those exported under a budget: their
+        sink, budget, and the first block pushed as computed (the kept ones before it go now). No
+        later step exports them."""
         taken = []
         for request_id in request_ids:
             progress = self._progress.get(request_id)
             if progress is not None and progress.export.budget is not None:
-                taken.append((request_id, progress.export.sink, progress.export.budget))
+                taken.append((request_id, progress.export.sink, progress.export.budget, progress.first))
                 del self._progress[request_id]
         return taken
 
@@ -156,8 +165,6 @@ class KVExports:
         # The chunk wrote tokens [start, start + num_tokens). Its first block may be one an earlier
         # chunk left partly filled (sent again, now fuller); blocks before it that were never sent
         # are this engine's own prefix-cache hits, which no chunk computes.
-        first = max(progress.skip, min(progress.next_block, chunk.start // self._block_size))
-        if progress.export.budget is not None:
-            return first, first  # held until the prompt is scored (take_budgeted)
+        first = max(progress.first, min(progress.next_block, chunk.start // self._block_size))
         end = blocks_for(chunk.start + chunk.num_tokens, self._block_size)
         return first, end

@@ -157,6 +157,9 @@ def test_a_decode_engine_receives_only_the_kept_blocks_and_decodes_as_colocated(
         first, pages = prefill_into(prefill, str(index), prompt, GREEDY, budget=reservation.budget)
         assert pages.kept_blocks is not None and len(pages.kept_blocks.indices) == kept_count
         assert pages.nbytes == kept_count * page_bytes  # the kept blocks' pages, once each
+        # The recent window's blocks (all, for the prompt within the budget) went as they were computed.
+        recent = kept_count if index == 0 else blocks_for(len(prompt), BLOCK) - (len(prompt) - RECENT) // BLOCK
+        assert pages.blocks_before_kept == recent * prefill.model_config.num_layers
         import_all(decode, reservation, pages, prefill.model_config.num_layers)
         started = decode.start_decode(str(index), first, pages.kept_blocks)
         tokens[str(index)] = list(started.new_token_ids)
