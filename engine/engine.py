@@ -24,7 +24,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_model import load_engine_model
 from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.cache_engine import bytes_per_block
-from engine.kv_cache.kv_budget import KeptBlocks, check_scores_for
+from engine.kv_cache.kv_budget import KeptBlocks, KVBudget, check_scores_for
 from engine.kv_cache.kv_events import KVEvents
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.window import max_model_len
@@ -323,9 +323,7 @@ class Engine:
         before = {c.request.request_id: c.request.num_output_tokens for c in out.chunks}
         self.scheduler.update(out, {rid: [token for token, _ in tokens] for rid, tokens in sampled.items()})
         # A prompt exported under a budget is scored now: its kept blocks go (a kept hand-off holds them).
-        self.connector.worker.ship_kept([rid for rid in sampled if self.kv.has_request(rid)],
-                                        lambda request_id, budget: self.kv.kept(
-            request_id, budget, self.scheduler.requests[request_id].num_computed_tokens))
+        self.connector.worker.ship_kept([rid for rid in sampled if self.kv.has_request(rid)], self._kept_blocks)
         if self.tiers is not None:
             self.tiers.store(self.kv.take_new_cached())
         outputs = []
@@ -344,6 +342,10 @@ class Engine:
             if output.finished:
                 self._forget(output.request_id)
         return outputs
+
+    def _kept_blocks(self, request_id: str, budget: KVBudget) -> tuple[KeptBlocks, list[int]]:
+        """The blocks a request whose prompt was just computed keeps under `budget`, and their ids."""
+        return self.kv.kept(request_id, budget, self.scheduler.requests[request_id].num_computed_tokens)
 
     @property
     def host_tier_id(self) -> str:

@@ -74,7 +74,7 @@ class KVSink(Protocol):
 class KVExport:
     """Push a request's pages to `sink`, except the blocks of the receiver's own prefix-cache hit
     (its first `receiver_cached_tokens` tokens); under the receiver's `budget`, only the blocks the
-    prompt keeps, once it is computed."""
+    prompt keeps: its recent window's as computed, the older ones once it is scored."""
 
     sink: KVSink
     receiver_cached_tokens: int = 0

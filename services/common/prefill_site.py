@@ -89,8 +89,8 @@ class PrefillSite:
     ) -> PrefillResult:
         """Prefill one prompt into `target` (with `resumed`: the prompt and the output already
         delivered, then the next token); returns once the pages were delivered. Under the
-        receiver's `budget` only the blocks the prompt keeps go, once it is computed (their
-        indices in the result): the target's blocks are just as many.
+        receiver's `budget` only the blocks the prompt keeps go (engine.kv_connector.export says
+        when; their indices are in the result): the target's blocks are just as many.
 
         Raises ValueError for bad input (a budget this engine cannot score for included),
         WorkerError MISMATCH if the target's layout differs from ours, NO_ROOM at once if a worker
