@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from engine.kv_cache.kv_budget import KeptBlocks
 from engine.kv_connector.export import KVExport
 from engine.kv_connector.policy import DEFAULT_KV_WAIT_S
 from engine.outputs import EngineStats, KVReservation, NoKVRoom, RequestOutput, ReserveResult
@@ -69,11 +70,13 @@ class ImportPages(Command[None]):
 
 @dataclass(frozen=True)
 class StartDecode(Command[RequestOutput]):
-    """A reserved prompt's KV is complete; join the running batch after the first token
-    (TimeoutError if the reservation's deadline passed first)."""
+    """A reserved prompt's KV is complete; join the running batch after the first token, under a
+    KV budget with the blocks the sender kept placed where `kept` says (TimeoutError if the
+    reservation's deadline passed first)."""
 
     request_id: str
     first_token: int
+    kept: KeptBlocks | None = None
 
 
 @dataclass(frozen=True)

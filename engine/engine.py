@@ -24,6 +24,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_model import load_engine_model
 from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.cache_engine import bytes_per_block
+from engine.kv_cache.kv_budget import KeptBlocks, KVBudget, check_scores_for
 from engine.kv_cache.kv_events import KVEvents
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.window import max_model_len
@@ -189,6 +190,10 @@ class Engine:
         too_large = self._too_large(request, computed_here=True)
         if too_large is not None:
             raise ValueError(str(too_large))
+        if export is not None and export.budget is not None:
+            check_scores_for(self.kv.budget, export.budget)
+            if export.receiver_cached_tokens:
+                raise ValueError("kv_target.num_cached_tokens: must be 0 under kv_budget (the kept blocks all ship)")
         text = self._text_state(params, resumed)
         if export is None or not self.connector.scheduler.policy.decodes:
             self.scheduler.add(request)
@@ -196,7 +201,7 @@ class Engine:
             return NoKVRoom(self._blocks_needed(request), self.kv.num_free_blocks)
         self._text[request_id] = text
         if export is not None:
-            self.connector.worker.add_export(request_id, export)
+            self.connector.worker.add_export(request_id, export, request.num_tokens)
             self.connector.scheduler.hand_off(request_id)
         if resumed is not None:
             self.runner.resume_generator(request_id, params.seed, draws=len(resumed.output_token_ids))
@@ -317,6 +322,8 @@ class Engine:
             self._drafter.observe(len(decoding), draft_rows, time.perf_counter() - started)
         before = {c.request.request_id: c.request.num_output_tokens for c in out.chunks}
         self.scheduler.update(out, {rid: [token for token, _ in tokens] for rid, tokens in sampled.items()})
+        # A prompt exported under a budget is scored now: its kept blocks go (a kept hand-off holds them).
+        self.connector.worker.ship_kept([rid for rid in sampled if self.kv.has_request(rid)], self._kept_blocks)
         if self.tiers is not None:
             self.tiers.store(self.kv.take_new_cached())
         outputs = []
@@ -335,6 +342,10 @@ class Engine:
             if output.finished:
                 self._forget(output.request_id)
         return outputs
+
+    def _kept_blocks(self, request_id: str, budget: KVBudget) -> tuple[KeptBlocks, list[int]]:
+        """The blocks a request whose prompt was just computed keeps under `budget`, and their ids."""
+        return self.kv.kept(request_id, budget, self.scheduler.requests[request_id].num_computed_tokens)
 
     @property
     def host_tier_id(self) -> str:
@@ -435,8 +446,12 @@ class Engine:
             return NoKVRoom(self._blocks_needed(request), self.kv.num_free_blocks)
         self._text[request_id] = text
         # The sender skips the head this engine has: its prefix-cache hit, or what its window hides.
-        unsent = max(request.num_cached_tokens, self.kv.hidden_head(request.num_tokens) * self.kv.block_size)
-        return KVReservation(request_id, tuple(self.kv.block_table(request_id)), unsent, self.kv.block_size, ticket)
+        # (Under a budget neither: only the blocks the sender picks arrive.)
+        budget = self.kv.budget
+        unsent = 0 if budget is not None else max(request.num_cached_tokens,
+                                                  self.kv.hidden_head(request.num_tokens) * self.kv.block_size)
+        return KVReservation(request_id, tuple(self.kv.block_table(request_id)), unsent, self.kv.block_size, ticket,
+                             budget)
 
     def import_kv(self, reservation: KVReservation, layer: int, block_ids: Sequence[int],
                   k: torch.Tensor, v: torch.Tensor) -> None:
@@ -445,11 +460,12 @@ class Engine:
         reservation ended)."""
         self.connector.import_pages(reservation, layer, block_ids, k, v)
 
-    def start_decode(self, request_id: str, first_token: int) -> RequestOutput:
+    def start_decode(self, request_id: str, first_token: int, kept: KeptBlocks | None = None) -> RequestOutput:
         """The prompt's KV is complete: join the running batch after the sender's first token (for a
-        resumed request, the first token after the output already delivered). TimeoutError if the
-        reservation's deadline passed first."""
-        request = self.scheduler.start_reserved(request_id, first_token)
+        resumed request, the first token after the output already delivered). Under a KV budget
+        `kept` says where the blocks that arrived go (the sender picked them). TimeoutError if the
+        reservation's deadline passed first; ValueError naming kept_blocks if `kept` does not fit."""
+        request = self.scheduler.start_reserved(request_id, first_token, kept)
         # Every token sampled so far (the prefill side's included) drew once from a seeded generator.
         self.runner.resume_generator(request_id, request.params.seed, draws=request.num_output_tokens)
         output = self._postprocess(request, [(first_token, None)])

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.kv_cache.kv_budget import KVBudget
 from engine.sampler import TokenLogprobs
 from engine.speculative.stats import SpecDecodeStats
 
@@ -82,11 +83,16 @@ class KVReservation:
     num_cached_tokens: int
     block_size: int
     ticket: int
+    # Under a KV budget (engine.kv_cache.kv_budget): the budget the sender must pick the prompt's
+    # kept blocks by. The table then holds only as many blocks as it keeps (the rest FREED) until
+    # start_decode places them where the sender says.
+    budget: KVBudget | None = None
 
     @property
     def blocks_to_fill(self) -> tuple[int, ...]:
         """The block ids whose KV must arrive from the prefill side."""
-        return self.block_ids[self.num_cached_tokens // self.block_size :]
+        # Entries of blocks never held are negative (engine.kv_cache.manager.FREED).
+        return tuple(block for block in self.block_ids[self.num_cached_tokens // self.block_size :] if block >= 0)
 
 
 @dataclass(frozen=True)

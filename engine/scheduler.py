@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
+from engine.kv_cache.blocks import blocks_for
+from engine.kv_cache.kv_budget import KeptBlocks
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_connector.scheduler_side import KVConnectorScheduler
 from engine.kv_connector.tier_loading import TierLoading, TierLoads
@@ -142,7 +144,14 @@ class Scheduler:
         # Under a sliding window the head no later query sees is neither held nor sent (unless the
         # prefix cache holds more than it: then those blocks come, and the window frees them at start).
         hidden = self.kv.hidden_head(request.num_tokens)
-        if hidden <= len(cached_blocks):
+        budget = self.kv.budget
+        if budget is not None:
+            # Only the blocks the prompt keeps arrive: they fill the table's tail until start_reserved
+            # places them. Which blocks is the sender's to say, so no local prefix hit is used.
+            num_blocks = blocks_for(request.num_tokens, self.kv.block_size)
+            hidden = num_blocks - budget.kept_count(num_blocks, request.num_tokens)
+            cached_blocks, num_cached = [], 0
+        elif hidden <= len(cached_blocks):
             hidden = 0
         else:
             cached_blocks, num_cached = [], 0
@@ -154,14 +163,19 @@ class Scheduler:
         to_fill = self.kv.block_table(request.request_id)[len(cached_blocks) + hidden:]
         return self.connector.reserved(request.request_id, to_fill, timeout_s)
 
-    def start_reserved(self, request_id: str, first_token: int) -> Request:
+    def start_reserved(self, request_id: str, first_token: int, kept: KeptBlocks | None = None) -> Request:
         """The KV of every known token of a reserved request has arrived; join the running batch after
-        `first_token`. TimeoutError if its deadline passed first (its blocks were freed)."""
+        `first_token`. Under a KV budget only the blocks `kept` names arrived, and it holds only
+        those. TimeoutError if its deadline passed first (its blocks were freed)."""
         self.connector.check_not_timed_out(request_id)
         request = self.requests[request_id]
         if request.status is not RequestStatus.WAITING_FOR_KV:
             raise ValueError(f"request_id: {request_id!r} is not waiting for KV")
+        if (kept is None) != (self.kv.budget is None):
+            raise ValueError("kept_blocks: must come with the KV of a reservation under a KV budget, and only then")
         self.connector.end(request_id)  # no page lands in a block a step computes with
+        if kept is not None:
+            self.kv.place_kept(request_id, kept)
         request.num_computed_tokens = request.num_tokens
         self.kv.cache_blocks(request_id, request.token_ids, request.num_computed_tokens, request.cache_salt)
         self.kv.free_outside_window(request_id, request.num_computed_tokens)

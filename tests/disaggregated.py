@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.engine import Engine
+from engine.kv_cache.kv_budget import KeptBlocks, KVBudget
 from engine.kv_connector.export import KVExport, LayerPages
 from engine.outputs import KVReservation
 from engine.resume import Resumed
@@ -20,9 +21,17 @@ class CollectedPages:
 
     def __init__(self) -> None:
         self._pages: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.nbytes = 0  # of every page handed over
+        self.kept_blocks: KeptBlocks | None = None  # under a budget, what the prompt kept
+        self.blocks_before_kept = 0  # pages of a block and layer handed over before the kept blocks were named
+
+    def kept(self, kept: KeptBlocks) -> None:
+        self.kept_blocks = kept
 
     def layer_done(self, layer: int, pages: LayerPages | None) -> None:
         if pages is not None:
+            self.nbytes += pages.nbytes
+            self.blocks_before_kept += pages.k.shape[0] if self.kept_blocks is None else 0
             for index in range(pages.k.shape[0]):
                 self._pages.setdefault(layer, {})[pages.first_block + index] = (pages.k[index], pages.v[index])
 
@@ -34,11 +43,13 @@ class CollectedPages:
 
 
 def prefill_into(prefill: Engine, request_id: str, prompt: list[int], params: SamplingParams,
-                 receiver_cached_tokens: int = 0, resumed: Resumed | None = None) -> tuple[int, CollectedPages]:
+                 receiver_cached_tokens: int = 0, resumed: Resumed | None = None,
+                 budget: KVBudget | None = None) -> tuple[int, CollectedPages]:
     """Compute a prompt (with `resumed`, and the output already delivered) on `prefill` with its pages
-    exported: the first token, and the pages; the prefill engine holds nothing after."""
+    exported (under the receiver's `budget`: only the kept blocks): the first token, and the pages;
+    the prefill engine holds nothing after."""
     sink = CollectedPages()
-    prefill.add_request(request_id, prompt, params, resumed, KVExport(sink, receiver_cached_tokens))
+    prefill.add_request(request_id, prompt, params, resumed, KVExport(sink, receiver_cached_tokens, budget))
     first = None
     while first is None:
         for output in prefill.step():

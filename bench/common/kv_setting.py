@@ -1,11 +1,13 @@
 """A KV setting a benchmark runs float32 workers under: the KV format of their pages
 (`--kv-cache-dtype`) and optionally a sliding window with attention sinks (`--kv-sliding-window`,
-`--kv-sink-tokens`), spelled as one word for a comma-separated list:
+`--kv-sink-tokens`) or a per-request KV budget (`--kv-budget-tokens`, its recent window half of
+it), spelled as one word for a comma-separated list:
 
     float32            the model's own dtype (--kv-cache-dtype auto on a float32 model)
     int4               --kv-cache-dtype int4 (any format of engine.kv_cache.codec; fp8 is fp8_e4m3)
     int8+w256          and --kv-sliding-window 256
     float32+w256+s16   and --kv-sink-tokens 16
+    float32+b512       and --kv-budget-tokens 512 (both workers: the prefill side scores the prompt)
 
 Also the arithmetic the links suite prints beside what it measured: ratios against a baseline, and
 the time a link's rate alone needs for a number of bytes.
@@ -20,23 +22,26 @@ from engine.kv_cache.codec import kv_format
 from harness.hosts import rate_bits
 
 MODEL_DTYPE = "float32"  # the workers' --dtype: KV "float32" is the model's own
-_WORD = re.compile(r"(?P<dtype>[a-z0-9_]+)(?:\+w(?P<window>\d+)(?:\+s(?P<sinks>\d+))?)?")
+_WORD = re.compile(r"(?P<dtype>[a-z0-9_]+)(?:\+w(?P<window>\d+)(?:\+s(?P<sinks>\d+))?|\+b(?P<budget>\d+))?")
 
 
 @dataclass(frozen=True)
 class KVSetting:
-    """A KV format (a KVLayout dtype name) and an optional window of `window` tokens plus `sinks`."""
+    """A KV format (a KVLayout dtype name) and an optional window of `window` tokens plus `sinks`,
+    or an optional budget of `budget` tokens a request."""
 
     dtype: str
     window: int | None = None
     sinks: int = 0
+    budget: int | None = None
 
     @classmethod
     def parse(cls, word: str) -> KVSetting:
         """The setting a word names (see the module docstring); ValueError naming the flag otherwise."""
         match = _WORD.fullmatch(word.strip())
         if match is None:
-            raise ValueError(f"--kv-formats: expected FORMAT[+wWINDOW[+sSINKS]] (e.g. int4+w256), got {word!r}")
+            raise ValueError(f"--kv-formats: expected FORMAT[+wWINDOW[+sSINKS]|+bBUDGET] (e.g. int4+w256, "
+                             f"float32+b512), got {word!r}")
         dtype = match["dtype"]
         if dtype != MODEL_DTYPE:
             try:
@@ -44,21 +49,25 @@ class KVSetting:
             except ValueError as error:
                 raise ValueError(f"--kv-formats: {word!r} is neither {MODEL_DTYPE} nor a KV format: {error}") from None
         window = int(match["window"]) if match["window"] else None
-        if window == 0:
-            raise ValueError(f"--kv-formats: {word!r}: the window must be positive")
-        return cls(dtype, window, int(match["sinks"] or 0))
+        budget = int(match["budget"]) if match["budget"] else None
+        if window == 0 or budget == 0:
+            raise ValueError(f"--kv-formats: {word!r}: the window or budget must be positive")
+        return cls(dtype, window, int(match["sinks"] or 0), budget)
 
     @property
     def label(self) -> str:
         """The setting as `parse` reads it back."""
         window = "" if self.window is None else f"+w{self.window}" + (f"+s{self.sinks}" if self.sinks else "")
-        return self.dtype + window
+        budget = "" if self.budget is None else f"+b{self.budget}"
+        return self.dtype + window + budget
 
     def worker_flags(self) -> list[str]:
         """The flags both workers take (the prefill and the decode side must hold the same pages)."""
         flags = ["--kv-cache-dtype", "auto" if self.dtype == MODEL_DTYPE else self.dtype]
         if self.window is not None:
             flags += ["--kv-sliding-window", str(self.window), "--kv-sink-tokens", str(self.sinks)]
+        if self.budget is not None:
+            flags += ["--kv-budget-tokens", str(self.budget)]
         return flags
 
 

@@ -11,8 +11,10 @@ phase 3's `--kv-formats`:
 3. Hosts (harness.hosts, needs root): a gateway host, a prefill host and a decode host, each a
    network namespace on one bridge; per link (uncapped, then each of --rates) the prefill host's
    outgoing traffic is capped by a token bucket (tc tbf) and the same requests run. With
-   `--kv-formats` (bench.common.kv_setting: e.g. float32,int8,int4,int4+w256), all of it once per KV
-   setting, both workers restarted with its flags, the same prompts each time.
+   `--kv-formats` (bench.common.kv_setting: e.g. float32,int8,int4,int4+w256,float32+b512), all of it
+   once per KV setting, both workers restarted with its flags, the same prompts each time. Under a
+   budget (+bB) the prefill worker scores each prompt and ships only the blocks the decode worker
+   keeps, after the prompt's last layer (engine.kv_connector.export): fewer bytes, none overlapped.
 
 Per link and prompt size, TTFT is measured at the client (first chunk with a token) and the prefill
 worker reports its delivery wait (first token, i.e. just after the last layer was computed, to every
@@ -21,9 +23,9 @@ page held by the receiver). The bytes shipped are what the prefill worker's send
 token. The transfer alone on the same link is the kv_rig's 512-token prompt in the setting's KV
 format sent by a KVSenderPool on the prefill side (on the prefill host: its capped link) to a
 receiver here (on the client host for the namespaces), scaled to the bytes each prompt shipped (so a
-window's unsent head counts as sent by neither). Hidden share of the transfer = 1 - delivery wait /
-transfer alone (the issue's definition), clamped to [0, 1]. The wire floor is the bytes shipped at
-the link's rate with no headers.
+window's unsent head, or a budget's evicted blocks, counts as sent by neither). Hidden share of
+the transfer = 1 - delivery wait / transfer alone (the issue's definition), clamped to [0, 1]. The
+wire floor is the bytes shipped at the link's rate with no headers.
 
 The transfer alone runs on both backends (torch_dist over gloo, grpc) with `--kv-checksum` on and
 off at both ends: the checksum's share of a transfer is 1 - off / on, on the same link in the same
@@ -86,7 +88,8 @@ def _shipped_bytes(prefill: WorkerProcess) -> float:
 def _time_sizes(gateway_address: str, prefill: WorkerProcess, prompt_sets: dict[int, list[list[int]]],
                 output_tokens: int) -> dict[int, tuple[list[RequestTiming], float]]:
     """Per prompt size: the timed requests, and the KV bytes shipped per prompt token (the warm-up's
-    included: every prompt is new to both workers, so each ships its whole KV but a window's head)."""
+    included: every prompt is new to both workers, so each ships its whole KV but a window's head or
+    the blocks a budget drops)."""
     sizes = {}
     for size, prompts in prompt_sets.items():
         before = _shipped_bytes(prefill)

@@ -17,6 +17,11 @@ attend mostly near themselves and drown a question's few queries. On the shipped
 
 Paged caches evict whole blocks, as block-wise variants of H2O do, rather than single tokens: a
 block is what the pool hands out, so freeing single tokens would save no memory.
+
+Disaggregated, the prefill worker scores the prompt and picks the kept blocks as the decode worker
+would have (`kept`), and ships only those with their scores (`KeptBlocks`); the decode worker
+reserves only as many (`kept_count`) and places them at their table indices
+(engine.kv_connector.export).
 """
 
 from __future__ import annotations
@@ -73,6 +78,35 @@ class KVBudget:
                             key=lambda index: (scores.get(index, 0.0), index))
         return candidates[:excess]
 
+    def kept_count(self, num_blocks: int, num_computed: int) -> int:
+        """How many of a request's `num_blocks` blocks (all held, `num_computed` tokens computed)
+        survive its first eviction: as many whatever their scores."""
+        return num_blocks - len(self.victims(range(num_blocks), {}, num_computed))
+
+    def surely_kept_from(self, num_tokens: int) -> int:
+        """The first table index of the blocks a prompt of `num_tokens` tokens (all computed) keeps
+        whatever the scores, every later one too: 0 when it keeps every block, else its recent
+        window's first (only blocks before it are ever victims)."""
+        num_blocks = blocks_for(num_tokens, self.block_size)
+        if self.kept_count(num_blocks, num_tokens) == num_blocks:
+            return 0
+        return max(0, num_tokens - self.recent_tokens) // self.block_size
+
+    def kept(self, held: Sequence[int], scores: Mapping[int, float], num_computed: int) -> KeptBlocks:
+        """The blocks of `held` (table indices) that survive `victims`, with their scores."""
+        victims = set(self.victims(held, scores, num_computed))
+        indices = tuple(index for index in held if index not in victims)
+        return KeptBlocks(indices, tuple(scores.get(index, 0.0) for index in indices))
+
+
+@dataclass(frozen=True)
+class KeptBlocks:
+    """The blocks a prompt keeps under a budget once computed: their table indices (increasing)
+    and their accumulated attention mass, which the request's later evictions add to."""
+
+    indices: tuple[int, ...]
+    scores: tuple[float, ...]
+
 
 def kv_budget(config: EngineConfig, model: ModelConfig) -> KVBudget | None:
     """The budget an engine evicts under (None: none), its recent window half the budget unless
@@ -87,6 +121,20 @@ def kv_budget(config: EngineConfig, model: ModelConfig) -> KVBudget | None:
     recent = cache.budget_recent_tokens
     return KVBudget(cache.budget_tokens, cache.budget_tokens // 2 if recent is None else recent, cache.block_size,
                     cache.budget_observation_tokens)
+
+
+def check_scores_for(own: KVBudget | None, asked: KVBudget) -> None:
+    """ValueError naming the field unless an engine evicting under `own` can pick a prompt's kept
+    blocks for a receiver evicting under `asked`: it must score blocks at all (a budget of its own,
+    so its attention scores: `_unserved` held at its start-up), by the same observation window."""
+    if own is None:
+        raise ValueError("kv_budget: this worker scores no blocks; start it with --kv-budget-tokens (any budget, "
+                         "the same --kv-budget-observation-tokens) to compute prompts for decode workers with one")
+    if asked.observation_tokens != own.observation_tokens:
+        raise ValueError(f"kv_budget.observation_tokens: {asked.observation_tokens} differs from this worker's "
+                         f"--kv-budget-observation-tokens {own.observation_tokens}, which its scores come from")
+    if asked.block_size != own.block_size:
+        raise ValueError(f"kv_budget: blocks of {asked.block_size} tokens differ from this worker's {own.block_size}")
 
 
 def _unserved(config: EngineConfig, model: ModelConfig) -> str | None:

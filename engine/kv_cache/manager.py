@@ -14,7 +14,8 @@ Under a KV budget (engine.kv_cache.kv_budget) the lowest-scoring blocks are free
 (FREED), anywhere before the recent window. Only KV computed before a request's first eviction is
 hashed: what later tokens computed depends on what was evicted, so it never enters the prefix
 cache (nor the tiers and the gateway's index, which hear of hashed blocks only) under the hash a
-full-attention block of the same tokens has.
+full-attention block of the same tokens has. A reservation under a budget holds only the blocks
+its prompt keeps: the sender picks them, and `place_kept` puts them where the table names them.
 """
 
 from collections import Counter
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from engine.kv_cache.block_hash import hash_block, prompt_block_hashes
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.blocks import blocks_for
-from engine.kv_cache.kv_budget import KVBudget
+from engine.kv_cache.kv_budget import KeptBlocks, KVBudget
 from engine.kv_cache.kv_events import KVEvents
 from engine.kv_cache.window import KVWindow
 
@@ -76,6 +77,11 @@ class KVCacheManager:
     def block_size(self) -> int:
         """Tokens per block."""
         return self._block_size
+
+    @property
+    def budget(self) -> KVBudget | None:
+        """The KV budget requests are evicted under (None: none)."""
+        return self._budget
 
     @property
     def num_blocks(self) -> int:
@@ -169,6 +175,33 @@ class KVCacheManager:
         for index in victims:
             request.table[index] = FREED
             request.scores.pop(index, None)
+
+    def kept(self, request_id: str, budget: KVBudget, num_computed_tokens: int) -> tuple[KeptBlocks, list[int]]:
+        """The blocks a request whose first `num_computed_tokens` tokens are computed would keep under
+        `budget` were it evicted now (nothing is freed): which, and their block ids."""
+        request = self._requests[request_id]
+        held = [index for index, block_id in enumerate(request.table) if block_id != FREED]
+        kept = budget.kept(held, request.scores, num_computed_tokens)
+        return kept, [request.table[index] for index in kept.indices]
+
+    def place_kept(self, request_id: str, kept: KeptBlocks) -> None:
+        """Move a reservation's blocks (in table order) to the table indices `kept` names, with their
+        scores, leaving the others FREED: its prompt arrived evicted under the budget. ValueError
+        naming the field if `kept` does not name one index in the table for each block."""
+        request = self._requests[request_id]
+        blocks, size = request.held(), len(request.table)
+        indices = list(kept.indices)
+        if (len(indices) != len(blocks) or len(kept.scores) != len(blocks) or indices != sorted(set(indices))
+                or not all(0 <= index < size for index in indices)):
+            raise ValueError(f"kept_blocks: expected {len(blocks)} increasing table indices in [0, {size}) "
+                             f"with a score each, got {len(indices)} ({len(kept.scores)} scores)")
+        request.table = [FREED] * size
+        for index, block_id in zip(indices, blocks, strict=True):
+            request.table[index] = block_id
+        request.scores = dict(zip(indices, kept.scores, strict=True))
+        request.freed_until = 0
+        if len(blocks) < size:  # evicted: what is computed from now on is not full-attention KV
+            request.hashed_until = request.num_tokens
 
     def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: bytes = b"") -> tuple[list[int], int]:
         """Longest chain of cached full blocks matching the start of ``token_ids``: (block ids, tokens covered).

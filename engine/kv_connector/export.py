@@ -10,6 +10,19 @@ wrote them, before the window frees them. A model's own window hides a head of t
 receiver's first query: the receiver counts it as held (`receiver_cached_tokens`), so only the
 window's blocks ship. With sinks what is hidden is not a head, and every block ships; the receiver
 frees the hidden ones once the pages are in.
+
+Under a KV budget (engine.kv_cache.kv_budget) the receiver reserves only the blocks the prompt
+keeps, k of its n, in table order: the kept block at table index i lands in the receiver's j-th
+block when it is the j-th kept one. Which older blocks survive is known only once the prompt's
+last chunk has scored them, after its last layer (scores sum over layers); but the blocks of the
+recent window (`KVBudget.surely_kept_from`; every block, for a prompt within the budget) survive
+whatever the scores, and they are the last of the kept ones, so block i of them goes to i - (n - k).
+So a budgeted export pushes those layer by layer as they are computed, like any export, and holds
+the older blocks; once the step that computed the prompt's end has scored them, the engine picks
+the kept ones exactly as the receiver's eviction would, and hands the sink their indices and scores
+(`KVSink.kept`) and then every layer's pages of the held kept ones (destinations 0, 1, ...) at once.
+Those, at most the budget less its recent window, are the transfer that compute does not hide;
+holding everything until scored would expose the whole budget's.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ from typing import Protocol
 import torch
 
 from engine.kv_cache.blocks import blocks_for
+from engine.kv_cache.kv_budget import KeptBlocks, KVBudget
 from engine.scheduler import ScheduledChunk
 
 
@@ -50,20 +64,28 @@ class KVSink(Protocol):
         wrote that the receiver needs (None when it wrote only blocks the receiver holds)."""
         ...
 
+    def kept(self, kept: KeptBlocks) -> None:
+        """Under a budget, once the prompt is computed and before its pages: the blocks it keeps
+        (their table indices, in the order their pages follow) and their scores."""
+        ...
+
 
 @dataclass(frozen=True)
 class KVExport:
     """Push a request's pages to `sink`, except the blocks of the receiver's own prefix-cache hit
-    (its first `receiver_cached_tokens` tokens)."""
+    (its first `receiver_cached_tokens` tokens); under the receiver's `budget`, only the blocks the
+    prompt keeps: its recent window's as computed, the older ones once it is scored."""
 
     sink: KVSink
     receiver_cached_tokens: int = 0
+    budget: KVBudget | None = None
 
 
 @dataclass
 class _Progress:
     export: KVExport
-    skip: int  # blocks the receiver holds; block i goes to its index i - skip
+    skip: int  # block i goes to the receiver's index i - skip (the receiver holds or drops the first skip)
+    first: int  # the first block pushed as computed (under a budget, those before it wait: take_budgeted)
     next_block: int  # first block never sent
 
 
@@ -87,14 +109,30 @@ class KVExports:
     def __bool__(self) -> bool:
         return bool(self._progress)
 
-    def add(self, request_id: str, export: KVExport) -> None:
-        """Start exporting a request's pages (before its first step)."""
-        skip = export.receiver_cached_tokens // self._block_size
-        self._progress[request_id] = _Progress(export, skip, skip)
+    def add(self, request_id: str, export: KVExport, num_tokens: int) -> None:
+        """Start exporting the pages of a request of `num_tokens` known tokens (before its first step)."""
+        skip = first = export.receiver_cached_tokens // self._block_size
+        if export.budget is not None:
+            num_blocks = blocks_for(num_tokens, self._block_size)
+            skip = num_blocks - export.budget.kept_count(num_blocks, num_tokens)
+            first = export.budget.surely_kept_from(num_tokens)
+        self._progress[request_id] = _Progress(export, skip, first, first)
 
     def drop(self, request_id: str) -> None:
         """Stop exporting: no page of the request reaches its sink after this."""
         self._progress.pop(request_id, None)
+
+    def take_budgeted(self, request_ids: Sequence[str]) -> list[tuple[str, KVSink, KVBudget, int]]:
+        """Of the requests whose prompt a step just computed, those exported under a budget: their
+        sink, budget, and the first block pushed as computed (the kept ones before it go now). No
+        later step exports them."""
+        taken = []
+        for request_id in request_ids:
+            progress = self._progress.get(request_id)
+            if progress is not None and progress.export.budget is not None:
+                taken.append((request_id, progress.export.sink, progress.export.budget, progress.first))
+                del self._progress[request_id]
+        return taken
 
     def ranges(self, chunks: Sequence[ScheduledChunk]) -> list[ExportRange]:
         """The blocks each exported request of a step gets after every layer (empty when the step
@@ -127,6 +165,6 @@ class KVExports:
         # The chunk wrote tokens [start, start + num_tokens). Its first block may be one an earlier
         # chunk left partly filled (sent again, now fuller); blocks before it that were never sent
         # are this engine's own prefix-cache hits, which no chunk computes.
-        first = max(progress.skip, min(progress.next_block, chunk.start // self._block_size))
+        first = max(progress.first, min(progress.next_block, chunk.start // self._block_size))
         end = blocks_for(chunk.start + chunk.num_tokens, self._block_size)
         return first, end

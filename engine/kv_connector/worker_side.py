@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.kv_cache.cache_engine import CacheEngine, check_pages
-from engine.kv_connector.export import KVExport, KVExports
+from engine.kv_cache.kv_budget import KeptBlocks, KVBudget
+from engine.kv_connector.export import KVExport, KVExports, LayerPages
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.pipeline import PipelineStages
 from engine.parallel.step_plan import PagesPlan
@@ -36,12 +37,14 @@ class KVConnectorWorker:
         self._parallel = parallel
         self._stages = stages
         self._ranks_busy = ranks_busy
+        self._num_layers = num_layers
         self._exports = KVExports(block_size, num_layers)
 
     # ---- export ---------------------------------------------------------------------------------
-    def add_export(self, request_id: str, export: KVExport) -> None:
-        """Push the request's pages to its sink, layer by layer, from its first step on."""
-        self._exports.add(request_id, export)
+    def add_export(self, request_id: str, export: KVExport, num_tokens: int) -> None:
+        """Push the pages of a request of `num_tokens` known tokens to its sink, layer by layer,
+        from its first step on."""
+        self._exports.add(request_id, export, num_tokens)
 
     def drop_export(self, request_id: str) -> None:
         """No page of the request reaches its sink after this."""
@@ -62,6 +65,22 @@ class KVConnectorWorker:
             self._exports.layer_done(layer, ranges, pages)
 
         return on_layer_done, exported
+
+    def ship_kept(self, sampled: Sequence[str],
+                  kept_of: Callable[[str, KVBudget], tuple[KeptBlocks, list[int]]]) -> None:
+        """After a step's update: each request exported under a budget whose prompt the step
+        computed (it sampled) hands its sink the blocks `kept_of` picks (and their ids here), then
+        every layer's pages of those not pushed as computed: the receiver's first blocks
+        (engine.kv_connector.export)."""
+        for request_id, sink, budget, pushed_from in self._exports.take_budgeted(sampled):
+            kept, block_ids = kept_of(request_id, budget)
+            sink.kept(kept)
+            held = block_ids[:sum(1 for index in kept.indices if index < pushed_from)]
+            if not held:
+                continue
+            for layer in range(self._num_layers):
+                k, v = self._whole_pages(layer, held)
+                sink.layer_done(layer, LayerPages(layer, 0, k, v))
 
     def _whole_pages(self, layer: int, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Some blocks' pages of one layer, of all KV heads: at tensor-parallel size > 1 joined from

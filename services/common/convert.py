@@ -10,8 +10,9 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING
 
-from tandem.v1 import common_pb2
+from tandem.v1 import common_pb2, prefill_pb2
 
+from engine.kv_cache.kv_budget import KeptBlocks, KVBudget
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import StructuredOutput
 from services.common.chunk import Chunk, Timings, TokenLogprob, Usage
@@ -266,3 +267,25 @@ def step_model_from_proto(message: common_pb2.StepModel) -> StepModel:
                      draft_rows_per_sequence=message.draft_rows_per_sequence,
                      tokens_per_decode_step=message.tokens_per_decode_step or 1.0,
                      speculation_max_batch=message.speculation_max_batch)
+
+
+def kv_budget_to_proto(budget: KVBudget) -> prefill_pb2.KVBudget:
+    """A decode worker's KV budget, for the prefill worker that picks the blocks it keeps."""
+    return prefill_pb2.KVBudget(tokens=budget.tokens, recent_tokens=budget.recent_tokens,
+                                observation_tokens=budget.observation_tokens)
+
+
+def kv_budget_from_proto(msg: prefill_pb2.KVBudget, block_size: int) -> KVBudget:
+    """The budget a request's pages are picked by, at the receiver's `block_size`; ValueError
+    naming kv_budget if it keeps no block to choose."""
+    try:
+        return KVBudget(msg.tokens, msg.recent_tokens, block_size, msg.observation_tokens)
+    except ValueError as error:
+        raise ValueError(f"kv_budget: {error}") from None
+
+
+def kept_blocks_from_proto(msg: prefill_pb2.PrefillResponse) -> KeptBlocks | None:
+    """The blocks a prefill worker kept under the request's budget (None: it named none)."""
+    if not msg.kept_blocks:
+        return None
+    return KeptBlocks(tuple(msg.kept_blocks), tuple(msg.kept_scores))

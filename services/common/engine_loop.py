@@ -211,8 +211,8 @@ class EngineLoop:
                 return engine.reserve(request_id, prompt, params, resumed, kv_timeout_s)
             case ImportPages(reservation, layer, block_ids, k, v):
                 return engine.import_kv(reservation, layer, block_ids, k, v)
-            case StartDecode(request_id, first_token):
-                return engine.start_decode(request_id, first_token)
+            case StartDecode(request_id, first_token, kept):
+                return engine.start_decode(request_id, first_token, kept)
             case Release(request_id):
                 return engine.release(request_id)
             case Abort(request_id):

@@ -11,6 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from engine.kv_cache.kv_budget import KeptBlocks
 from engine.kv_connector.export import LayerPages
 from kvtransfer.transport import KVSender
 
@@ -29,6 +30,12 @@ class KVPush:
     started_at: float | None = None
     # (layer, perf_counter time, bytes) of each layer's pages handed to the sender, for tracing.
     layers: list[tuple[int, float, int]] = field(default_factory=list)
+    # Under the receiver's KV budget: the blocks the prompt kept, which its pages are.
+    kept_blocks: KeptBlocks | None = None
+
+    def kept(self, kept: KeptBlocks) -> None:
+        """Remember the kept blocks: the prefill's answer names them to the receiver."""
+        self.kept_blocks = kept
 
     def layer_done(self, layer: int, pages: LayerPages | None) -> None:
         """Send the pages a layer wrote (a failure fails this request only, never the engine step)."""

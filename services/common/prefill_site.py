@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.commands import Abort, AddRequest, Release
+from engine.kv_cache.blocks import blocks_for
+from engine.kv_cache.kv_budget import KeptBlocks, KVBudget
 from engine.kv_connector.export import KVExport
 from engine.outputs import RequestOutput
 from engine.resume import Resumed
@@ -41,6 +43,7 @@ class PrefillResult:
     done_at: float  # the first token sampled
     delivered_at: float  # the receiver has every page
     layers: tuple[tuple[int, float, int], ...]  # (layer, time handed to the sender, bytes)
+    kept: KeptBlocks | None = None  # under the receiver's KV budget: the blocks pushed
 
     @property
     def queue_s(self) -> float:
@@ -82,23 +85,27 @@ class PrefillSite:
 
     async def prefill(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, target: TransferTarget,
-        resumed: Resumed | None = None,
+        resumed: Resumed | None = None, budget: KVBudget | None = None,
     ) -> PrefillResult:
         """Prefill one prompt into `target` (with `resumed`: the prompt and the output already
-        delivered, then the next token); returns once the pages were delivered.
+        delivered, then the next token); returns once the pages were delivered. Under the
+        receiver's `budget` only the blocks the prompt keeps go (engine.kv_connector.export says
+        when; their indices are in the result): the target's blocks are just as many.
 
-        Raises ValueError for bad input, WorkerError MISMATCH if the target's layout differs from
-        ours, NO_ROOM at once if a worker that decodes too has no blocks for it now, UNAVAILABLE if
-        the pages cannot be delivered. Whatever happens (including
-        cancellation), the request's blocks are freed before this returns.
+        Raises ValueError for bad input (a budget this engine cannot score for included),
+        WorkerError MISMATCH if the target's layout differs from ours, NO_ROOM at once if a worker
+        that decodes too has no blocks for it now, UNAVAILABLE if the pages cannot be delivered.
+        Whatever happens (including cancellation), the request's blocks are freed before this returns.
         """
+        if budget is not None:
+            _check_kept_room(target, budget, len(prompt_token_ids) + (len(resumed.output_token_ids) if resumed else 0))
         sender = await self._sender(target)
         queue = self.loop.open_stream(request_id)
         added_at = time.perf_counter()
         push = KVPush(request_id, sender)
         released = False
         try:
-            export = KVExport(push, receiver_cached_tokens=target.num_cached_tokens)
+            export = KVExport(push, target.num_cached_tokens, budget)
             refused = await self.loop.call(AddRequest(request_id, prompt_token_ids, params, resumed, export))
             if refused is not None:
                 # The decode site's reservation must not wait for blocks this worker's own reservations hold.
@@ -120,7 +127,7 @@ class PrefillSite:
                 self.loop.submit(Abort(request_id)).add_done_callback(lambda _: sender.abort())
         started_at = push.started_at if push.started_at is not None else added_at
         return PrefillResult(output, kv_bytes, target.backend, added_at, started_at, done_at, delivered_at,
-                             tuple(push.layers))
+                             tuple(push.layers), push.kept_blocks)
 
     async def _sender(self, target: TransferTarget) -> KVSender:
         """A sender for the target, paired off the event loop; WorkerError MISMATCH if pairing finds the
@@ -150,6 +157,16 @@ class PrefillSite:
     async def close(self) -> None:
         """Drop the connections to decode sites (after the engine thread stopped)."""
         await asyncio.to_thread(self.senders.close)
+
+
+def _check_kept_room(target: TransferTarget, budget: KVBudget, num_tokens: int) -> None:
+    """ValueError naming the field unless the target reserved a block for each block a prompt of
+    `num_tokens` tokens keeps under `budget`."""
+    num_blocks = blocks_for(num_tokens, budget.block_size)
+    kept = budget.kept_count(num_blocks, num_tokens)
+    if len(target.block_ids) != kept:
+        raise ValueError(f"kv_target.block_ids: {len(target.block_ids)} blocks, but the prompt keeps {kept} of its "
+                         f"{num_blocks} under kv_budget")
 
 
 def _abort_sender(pairing: asyncio.Future[KVSender]) -> None:

@@ -9,12 +9,13 @@ from collections.abc import Sequence
 import grpc
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
+from engine.kv_cache.kv_budget import KVBudget
 from engine.resume import Resumed
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kvtransfer.descriptor import TransferTarget
 from services.common.channels import Channels
-from services.common.convert import sampling_params_to_proto
+from services.common.convert import kept_blocks_from_proto, kv_budget_to_proto, sampling_params_to_proto
 from services.common.failure import Failure, WorkerError
 from services.decode.progress import PrefillFigures
 from services.decode.worker import PrefillReply
@@ -42,7 +43,7 @@ class GrpcPrefillPeer:
 
     async def prefill(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, target: TransferTarget,
-        timeout: float, resumed: Resumed | None = None,
+        timeout: float, resumed: Resumed | None = None, budget: KVBudget | None = None,
     ) -> PrefillReply:
         """Prefill.Prefill with a deadline; ValueError for bad input, WorkerError for other failures."""
         request = prefill_pb2.PrefillRequest(
@@ -52,6 +53,8 @@ class GrpcPrefillPeer:
             kv_target=target.to_proto(),
             output_token_ids=resumed.output_token_ids if resumed is not None else (),
         )
+        if budget is not None:
+            request.kv_budget.CopyFrom(kv_budget_to_proto(budget))
         try:
             response = await self._stub.Prefill(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
@@ -64,6 +67,7 @@ class GrpcPrefillPeer:
             first_logprob=_logprobs(response.first_logprob) if response.HasField("first_logprob") else None,
             cached_tokens=response.cached_tokens,
             figures=PrefillFigures(response.queue_s, response.compute_s, response.kv_delivery_wait_s),
+            kept=kept_blocks_from_proto(response),
         )
 
     def abort(self, request_id: str) -> None:

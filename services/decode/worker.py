@@ -17,6 +17,7 @@ from typing import Protocol
 
 from engine.commands import Abort, ImportPages, Reserve, StartDecode
 from engine.engine import Engine
+from engine.kv_cache.kv_budget import KeptBlocks, KVBudget
 from engine.outputs import KVReservation, RequestOutput, ReserveResult
 from engine.resume import Resumed
 from engine.sampler import TokenLogprobs
@@ -43,6 +44,7 @@ class PrefillReply:
     first_logprob: TokenLogprobs | None
     cached_tokens: int
     figures: PrefillFigures
+    kept: KeptBlocks | None = None  # under the request's KV budget: the blocks pushed
 
 
 class PrefillPeer(Protocol):
@@ -52,9 +54,10 @@ class PrefillPeer(Protocol):
 
     async def prefill(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, target: TransferTarget,
-        timeout: float, resumed: Resumed | None = None,
+        timeout: float, resumed: Resumed | None = None, budget: KVBudget | None = None,
     ) -> PrefillReply:
-        """Prefill into `target` (with `resumed`: the prompt and the output already delivered);
+        """Prefill into `target` (with `resumed`: the prompt and the output already delivered;
+        under `budget`, a target of only the blocks the prompt keeps, which the reply names);
         ValueError if the prefill worker found the request bad, WorkerError on any other failure."""
         ...
 
@@ -142,19 +145,27 @@ class DecodeWorker(RoleWorker):
                 raise WorkerError(Failure.UNAVAILABLE, f"the KV receiver cannot take it: {exc}") from exc
             progress.enter(DecodeStage.PREFILLING, time.perf_counter())
             try:
-                reply = await prefill.prefill(request_id, prompt_token_ids, params, target, _left(deadline), resumed)
+                reply = await prefill.prefill(request_id, prompt_token_ids, params, target, _left(deadline), resumed,
+                                              reservation.budget)
                 progress.enter(DecodeStage.TRANSFERRING, time.perf_counter())
                 progress.prefill = reply.figures
                 await self._wait_for_kv(self.receiver.completion(transfer_id), deadline, prefill.address)
+                if reservation.budget is not None and reply.kept is None:
+                    # A worker that ignored the budget: its pages could not all have landed anyway.
+                    raise WorkerError(Failure.UNAVAILABLE, f"prefill worker {prefill.address} named no kept blocks "
+                                      "for kv_budget (a worker too old to serve budgets?)")
             except WorkerError as error:
                 raise error.blaming(prefill.address) from error
             progress.enter(DecodeStage.JOINING, time.perf_counter())
             queue = self.loop.open_stream(request_id)
             try:
-                output = await self.loop.call(StartDecode(request_id, reply.first_token))
+                output = await self.loop.call(StartDecode(request_id, reply.first_token, reply.kept))
             except TimeoutError as exc:  # the engine's own deadline for the reservation passed first
                 raise WorkerError(Failure.DEADLINE, f"the prompt's KV from {prefill.address} was not complete "
                                   f"within {self.kv_timeout:g} s").blaming(prefill.address) from exc
+            except ValueError as exc:  # kept blocks that do not fit the reservation: the prefill worker's fault
+                raise WorkerError(Failure.UNAVAILABLE, f"prefill worker {prefill.address}: {exc}").blaming(
+                    prefill.address) from exc
             self._waiting_for_kv -= 1
             progress.enter(DecodeStage.DECODING, time.perf_counter())
             if reply.first_logprob is not None and params.logprobs is not None:

@@ -10,7 +10,12 @@ from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
 from engine.resume import Resumed
 from kvtransfer.descriptor import KVLayout, TransferTarget
-from services.common.convert import finish_reason_to_proto, sampling_params_from_proto, token_logprob_to_proto
+from services.common.convert import (
+    finish_reason_to_proto,
+    kv_budget_from_proto,
+    sampling_params_from_proto,
+    token_logprob_to_proto,
+)
 from services.common.errors import abort_with
 from services.common.failure import Failure, WorkerError
 from services.common.prefill_site import PrefillResult, sender_pool
@@ -44,12 +49,15 @@ class PrefillServicer(WorkerRpcs[RoleWorker], prefill_pb2_grpc.PrefillServicer):
             except ValueError as error:
                 raise ValueError(f"kv_target.{error}") from None
             resumed = Resumed(tuple(request.output_token_ids)) if request.output_token_ids else None
+            budget = (kv_budget_from_proto(request.kv_budget, target.layout.block_size)
+                      if request.HasField("kv_budget") else None)
             if worker.prefill_site is None:
                 raise WorkerError(Failure.UNAVAILABLE, f"{worker.worker_id} computes no prompt for other workers")
             await worker.loop.compile_grammar(params, context.time_remaining())
             result = await worker.inflight.run(
                 request.request_id,
-                worker.prefill_site.prefill(request.request_id, request.prompt_token_ids, params, target, resumed),
+                worker.prefill_site.prefill(request.request_id, request.prompt_token_ids, params, target, resumed,
+                                            budget),
             )
         except Exception as exc:
             await abort_with(context, exc)
@@ -68,6 +76,9 @@ def _response(result: PrefillResult) -> prefill_pb2.PrefillResponse:
         kv_bytes=result.kv_bytes,
         kv_delivery_wait_s=result.delivery_wait_s,
     )
+    if result.kept is not None:
+        response.kept_blocks.extend(result.kept.indices)
+        response.kept_scores.extend(result.kept.scores)
     if output.logprobs:
         response.first_logprob.CopyFrom(token_logprob_to_proto(output.logprobs[0]))
     return response

@@ -16,11 +16,15 @@ def test_a_word_names_the_format_and_window_both_workers_start_with():
     assert windowed == KVSetting("int4", 256, 16)
     assert windowed.worker_flags() == ["--kv-cache-dtype", "int4", "--kv-sliding-window", "256",
                                        "--kv-sink-tokens", "16"]
-    assert [KVSetting.parse(s.label) for s in (windowed, KVSetting("int8", 64), BASELINE)] == \
-        [windowed, KVSetting("int8", 64), BASELINE]
+    budgeted = KVSetting.parse("float32+b512")
+    assert budgeted == KVSetting("float32", budget=512)
+    assert budgeted.worker_flags() == ["--kv-cache-dtype", "auto", "--kv-budget-tokens", "512"]
+    assert [KVSetting.parse(s.label) for s in (windowed, KVSetting("int8", 64), BASELINE, budgeted)] == \
+        [windowed, KVSetting("int8", 64), BASELINE, budgeted]
 
 
-@pytest.mark.parametrize("text", ["bfloat16", "int4+s16", "int4+w0", "int8,int8", " , ", "int5"])
+@pytest.mark.parametrize("text", ["bfloat16", "int4+s16", "int4+w0", "int8,int8", " , ", "int5",
+                                  "float32+b0", "float32+w256+b512"])
 def test_a_setting_the_workers_cannot_take_is_refused_naming_the_flag(text):
     with pytest.raises(ValueError, match="--kv-formats"):
         parse_settings(text)

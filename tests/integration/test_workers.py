@@ -14,6 +14,7 @@ from parity_prompts import parity_prompt_ids
 from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS, ReferenceRun, check_runs, engine_reference
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from worker_calls import workers_running
 
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
@@ -41,14 +42,8 @@ def workers() -> Iterator[dict[str, WorkerProcess]]:
         "small": ["decode", *COMMON, "--block-size", "32", "--kv-cache-blocks", "4"],
         "fp8": ["decode", *COMMON, "--kv-cache-dtype", "fp8"],
     }
-    started = {name: start_worker(args, wait=False) for name, args in arg_lists.items()}
-    try:
-        for worker in started.values():
-            worker.wait_ready()
+    with workers_running(arg_lists) as started:
         yield started
-    finally:
-        codes = {name: (worker.stop(), worker.log_tail()) for name, worker in started.items()}
-    assert all(code == 0 for code, _ in codes.values()), codes
 
 
 @pytest.fixture(scope="module")

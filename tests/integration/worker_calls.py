@@ -4,23 +4,38 @@ worker's other ranks while a prompt moves."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 from reference import check_against
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 from engine.sampling_params import SamplingParams
-from harness.worker import WorkerProcess, running
+from harness.worker import WorkerProcess, running, start_worker
 from services.common.convert import sampling_params_to_proto
 from services.common.server import channel_options
 
 DEADLINE_S = 120.0  # generous bound for the polls below; no test asserts elapsed time
 # A prompt's expected greedy tokens and their top-2 margins, computed by the one-process engine.
 Expected = Callable[[list[int]], tuple[list[int], list[float]]]
+
+
+@contextlib.contextmanager
+def workers_running(arg_lists: dict[str, list[str]]) -> Iterator[dict[str, WorkerProcess]]:
+    """The workers of `arg_lists` by name, started together so that their loads overlap; each must
+    exit 0 when stopped."""
+    started = {name: start_worker(args, wait=False) for name, args in arg_lists.items()}
+    try:
+        for worker in started.values():
+            worker.wait_ready()
+        yield started
+    finally:
+        codes = {name: (worker.stop(), worker.log_tail()) for name, worker in started.items()}
+    assert all(code == 0 for code, _ in codes.values()), codes
 
 
 def load_report(worker: WorkerProcess) -> common_pb2.LoadReport:

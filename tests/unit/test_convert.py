@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from tandem.v1 import common_pb2
+from tandem.v1 import common_pb2, prefill_pb2
 
 from engine.formats import EngineFormats
+from engine.kv_cache.kv_budget import KeptBlocks, KVBudget
 from engine.kv_cache.kv_events import KVEvents
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampler import TokenLogprobs
@@ -19,6 +20,9 @@ from services.common.chunk import Timings
 from services.common.convert import (
     finish_reason_from_proto,
     finish_reason_to_proto,
+    kept_blocks_from_proto,
+    kv_budget_from_proto,
+    kv_budget_to_proto,
     load_report,
     sampling_params_from_proto,
     sampling_params_to_proto,
@@ -238,3 +242,18 @@ def test_step_model_round_trips_with_its_speculation_figures():
     old = step_model_to_proto(StepModel(0.05))
     old.ClearField("tokens_per_decode_step")
     assert step_model_from_proto(old).tokens_per_decode_step == 1.0
+
+
+def test_a_kv_budget_crosses_the_wire_whole_and_a_bad_one_is_refused_naming_it():
+    budget = KVBudget(64, 16, 16, observation_tokens=8)
+    assert kv_budget_from_proto(kv_budget_to_proto(budget), 16) == budget
+    with pytest.raises(ValueError, match=r"^kv_budget: kv_budget_recent_tokens: must be at least 1"):
+        kv_budget_from_proto(prefill_pb2.KVBudget(tokens=64, observation_tokens=8), 16)
+    with pytest.raises(ValueError, match=r"^kv_budget: kv_budget_tokens: 32 leaves no block to choose"):
+        kv_budget_from_proto(prefill_pb2.KVBudget(tokens=32, recent_tokens=16, observation_tokens=8), 16)
+
+
+def test_kept_blocks_come_back_with_their_scores_and_none_when_a_worker_named_none():
+    response = prefill_pb2.PrefillResponse(kept_blocks=[0, 3, 4], kept_scores=[2.5, 0.125, 1e-9])
+    assert kept_blocks_from_proto(response) == KeptBlocks((0, 3, 4), (2.5, 0.125, 1e-9))
+    assert kept_blocks_from_proto(prefill_pb2.PrefillResponse(first_token_id=3)) is None

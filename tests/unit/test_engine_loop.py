@@ -23,7 +23,7 @@ EXPECTED = {
     AddRequest: (AddRequest("r", (1, 2), PARAMS), ("add_request", ("r", (1, 2), PARAMS, None, None))),
     Reserve: (Reserve("r", (1, 2), PARAMS, None, 5.0), ("reserve", ("r", (1, 2), PARAMS, None, 5.0))),
     ImportPages: (ImportPages(RESERVATION, 3, (4,), "k", "v"), ("import_kv", (RESERVATION, 3, (4,), "k", "v"))),
-    StartDecode: (StartDecode("r", 7), ("start_decode", ("r", 7))),
+    StartDecode: (StartDecode("r", 7), ("start_decode", ("r", 7, None))),
     Release: (Release("r"), ("release", ("r",))),
     Abort: (Abort("r"), ("abort", ("r",))),
     GetStats: (GetStats(), ("stats", ())),

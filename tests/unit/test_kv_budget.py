@@ -16,7 +16,7 @@ from transformers import LlamaConfig
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.kv_cache.blocks import blocks_for
-from engine.kv_cache.kv_budget import KVBudget, kv_budget
+from engine.kv_cache.kv_budget import KeptBlocks, KVBudget, kv_budget
 from engine.kv_cache.manager import FREED, KVCacheManager
 from engine.outputs import KVReservation
 from engine.request import RequestStatus
@@ -42,10 +42,12 @@ def save_llama(directory: Path) -> torch.nn.Module:
     return reference
 
 
-def budget_engine(directory: Path, budget: int | None = BUDGET, num_blocks: int = 64, **overrides) -> Engine:
+def budget_engine(directory: Path, budget: int | None = BUDGET, num_blocks: int = 64,
+                  cache_observation: int = OBSERVE, **overrides) -> Engine:
     """An engine whose cache starts as NaN: a read of a page the request does not hold poisons it."""
     cache = CacheConfig(block_size=BLOCK, num_blocks=num_blocks, budget_tokens=budget,
-                        budget_recent_tokens=None if budget is None else RECENT, budget_observation_tokens=OBSERVE)
+                        budget_recent_tokens=None if budget is None else RECENT,
+                        budget_observation_tokens=cache_observation)
     engine = Engine(EngineConfig(model=str(directory), **EXACT_FORMATS, cache=cache,
                                  scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK), **overrides))
     for k_cache, v_cache in engine.runner.cache.kv_caches:
@@ -136,27 +138,76 @@ def test_preempted_requests_recompute_and_finish_within_the_budget(tmp_path: Pat
     assert tight.kv.num_free_blocks == tight.kv.num_blocks
 
 
-def test_a_decode_engine_applies_the_budget_to_full_pages_from_a_prefill_engine_without_one(tmp_path: Path) -> None:
-    """A prefill worker computes and ships a prompt's full KV whatever its budget (a budget applies
-    only once a prompt is computed); the decode worker's blocks are scored by its own decode queries."""
+def test_a_decode_engine_receives_only_the_kept_blocks_and_decodes_as_colocated(tmp_path: Path) -> None:
+    """The prefill engine scores the prompt and ships only the blocks the decode engine's budget
+    keeps, with their scores; the decode engine reserved only as many, places them at their table
+    indices and holds and decodes exactly as one engine computing the prompt itself (its cache is
+    NaN, so a block placed elsewhere than the colocated engine holds it poisons the tokens)."""
     save_llama(tmp_path)
-    prefill, decode = budget_engine(tmp_path, budget=None, role="prefill"), budget_engine(tmp_path, role="decode")
-    assert KVLayout.of_engine(prefill).mismatch(KVLayout.of_engine(decode)) is None
-    colocated, _ = run_tracking(budget_engine(tmp_path), PROMPTS, GREEDY)
+    prefill, decode = budget_engine(tmp_path, role="prefill"), budget_engine(tmp_path, role="decode")
+    colocated, colocated_held = run_tracking(budget_engine(tmp_path), PROMPTS, GREEDY)
+    tokens: dict[str, list[int]] = {}
+    held: dict[str, list[set[int]]] = {}
+    page_bytes = 2 * prefill.model_config.num_layers * prefill.runner.cache.kv_caches[0][0][0].nbytes
     for index, prompt in enumerate(PROMPTS):
         reservation = decode.reserve(str(index), prompt, GREEDY)
-        assert isinstance(reservation, KVReservation)
-        first, pages = prefill_into(prefill, str(index), prompt, GREEDY)
+        assert isinstance(reservation, KVReservation) and reservation.budget == decode.kv.budget
+        kept_count = min(blocks_for(len(prompt), BLOCK), BUDGET // BLOCK)  # no prompt fills its last block
+        assert len(reservation.blocks_to_fill) == kept_count
+        first, pages = prefill_into(prefill, str(index), prompt, GREEDY, budget=reservation.budget)
+        assert pages.kept_blocks is not None and len(pages.kept_blocks.indices) == kept_count
+        assert pages.nbytes == kept_count * page_bytes  # the kept blocks' pages, once each
+        # The recent window's blocks (all, for the prompt within the budget) went as they were computed.
+        recent = kept_count if index == 0 else blocks_for(len(prompt), BLOCK) - (len(prompt) - RECENT) // BLOCK
+        assert pages.blocks_before_kept == recent * prefill.model_config.num_layers
         import_all(decode, reservation, pages, prefill.model_config.num_layers)
-        assert decode.start_decode(str(index), first).new_token_ids == (colocated[index][0],)
-    held_most = 0
+        started = decode.start_decode(str(index), first, pages.kept_blocks)
+        tokens[str(index)] = list(started.new_token_ids)
+        held[str(index)] = [set(pages.kept_blocks.indices)]
+        assert held[str(index)][0] == {i for i, b in enumerate(decode.kv.block_table(str(index))) if b != FREED}
     while decode.has_unfinished():
-        decode.step()
+        for output in decode.step():
+            tokens[output.request_id] += output.new_token_ids
+            if not output.finished:
+                table = decode.kv.block_table(output.request_id)
+                held[output.request_id].append({i for i, block in enumerate(table) if block != FREED})
         decode.kv.check_invariants()
-        held_most = max([held_most, *(decode.kv.num_held_blocks(r.request_id) for r in decode.scheduler.running)])
-    # The 45-token prompt arrived whole (12 blocks); from its first decode step on it holds 5.
-    assert held_most <= BUDGET // BLOCK
+    for index in range(len(PROMPTS)):
+        assert held[str(index)] == colocated_held[index], f"prompt {index}: the blocks held differ"
+        assert tokens[str(index)] == colocated[index], f"prompt {index}: the tokens differ"
+    # The 45-token prompt's 12 blocks went as 5.
+    assert max(len(h) for h in held["2"]) == BUDGET // BLOCK < blocks_for(len(PROMPTS[2]), BLOCK)
     assert prefill.kv.usage == 0 and decode.kv.usage == 0
+
+
+def test_kept_blocks_that_do_not_fit_or_a_worker_that_cannot_score_are_refused_and_free_everything(
+        tmp_path: Path) -> None:
+    save_llama(tmp_path)
+    decode = budget_engine(tmp_path, role="decode")
+    prompt = PROMPTS[2]
+    reservation = decode.reserve("r", prompt, GREEDY)
+    assert isinstance(reservation, KVReservation) and reservation.budget is not None
+    # A prefill engine without a budget scores nothing; one scoring by another window would pick other blocks.
+    for prefill, message in [(budget_engine(tmp_path, budget=None, role="prefill"), "kv_budget: this worker scores no"),
+                             (budget_engine(tmp_path, role="prefill", cache_observation=OBSERVE + 1),
+                              "kv_budget.observation_tokens: 5 differs")]:
+        with pytest.raises(ValueError, match=message):
+            prefill_into(prefill, "r", prompt, GREEDY, budget=reservation.budget)
+        assert prefill.kv.usage == 0 and not prefill.has_unfinished()
+    with pytest.raises(ValueError, match=r"kv_target\.num_cached_tokens: must be 0 under kv_budget"):
+        prefill_into(budget_engine(tmp_path, role="prefill"), "r", prompt, GREEDY, BLOCK, budget=reservation.budget)
+    # Kept blocks that are not one table index for each reserved block, or none at all (an older
+    # prefill worker's full pages), are refused; the abort that follows frees every block.
+    for kept in [None, KeptBlocks((0, 1, 2, 3), (1.0,) * 4), KeptBlocks((0, 1, 2, 3, 12), (1.0,) * 5),
+                 KeptBlocks((3, 1, 2, 10, 11), (1.0,) * 5), KeptBlocks((0, 1, 2, 10, 11), (1.0,))]:
+        with pytest.raises(ValueError, match="kept_blocks: "):
+            decode.start_decode("r", 1, kept)
+        decode.abort("r")
+        assert decode.kv.usage == 0
+        decode.kv.check_invariants()
+        reservation = decode.reserve("r", prompt, GREEDY)
+    decode.abort("r")
+    assert decode.kv.usage == 0
 
 
 def test_blocks_computed_after_an_eviction_are_never_hashed() -> None:
