@@ -1,0 +1,65 @@
+"""A model product with LoRA: the base product over the whole batch, plus, per adapter slot in the
+step, the low-rank term over that slot's rows only (engine.lora.batch groups them).
+
+The base product runs once for every row whatever its adapter, in the base's own weight format
+(GGUF blocks, int8, bf16, fp32), so adapters never multiply the base's cost; each adapter adds two
+thin products over its rows, (x·Aᵀ)·Bᵀ, per module of the fused product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.lora.batch import NO_LORA, LoraBatch
+from engine.lora.slots import LoraSlots, ModuleSlots
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaDecoderLayer
+
+Product = Callable[[torch.Tensor], torch.Tensor]
+
+
+class LoraStep:
+    """The step being computed's rows by slot, set by the runner around its forward and read by every
+    LoRA product (one object per model, so each product needs no argument of its own)."""
+
+    def __init__(self) -> None:
+        self.batch: LoraBatch = NO_LORA
+
+
+class LoraProduct:
+    """`base` plus the LoRA terms of the slots in `step` for `modules` (the product's PEFT modules)."""
+
+    def __init__(self, base: Product, modules: tuple[ModuleSlots, ...], ranks: list[int], step: LoraStep) -> None:
+        self.base = base
+        self._modules = modules
+        self._ranks = ranks  # the slots' ranks (LoraSlots.ranks: changes as adapters load)
+        self._step = step
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        for group in self._step.batch.groups:
+            rank = self._ranks[group.slot]
+            if not rank:
+                continue
+            rows = x[group.rows]
+            for module in self._modules:
+                a = module.a[group.slot, :rank]
+                b = module.b[group.slot, :, :rank]
+                delta = (rows.to(a.dtype) @ a.T) @ b.T
+                if isinstance(group.rows, slice):
+                    y[group.rows, module.columns] += delta.to(y.dtype)
+                else:
+                    y[:, module.columns].index_add_(0, group.rows, delta.to(y.dtype))
+        return y
+
+
+def attach_lora(layers: Sequence[LlamaDecoderLayer], slots: LoraSlots, step: LoraStep) -> None:
+    """Wrap each layer's products (the loaded model's: `layers` start at `slots.first_layer`) so that
+    they add the LoRA terms of the slots in `step`."""
+    for index, layer in enumerate(layers, start=slots.first_layer):
+        for product, base in list(layer.linears.items()):
+            layer.linears[product] = LoraProduct(base, slots.modules[(index, product)], slots.ranks, step)

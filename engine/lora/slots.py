@@ -1,0 +1,76 @@
+"""The adapters a model runner holds in memory: a fixed number of slots (`--max-loras`), each able
+to hold one adapter of rank up to `--max-lora-rank`, preallocated so that loading an adapter is a
+copy into a slot and never an allocation in the middle of serving.
+
+Per layer and per engine product (the fused qkv and gate_up, o, down), each PEFT module (q, k, v,
+...) has A [slots, max rank, in] and B [slots, out, max rank]; a slot remembers its adapter's
+rank so products read only A[slot, :rank] and B[slot, :, :rank]. A module an adapter does not
+target stays zero in its slot, so it adds nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+from engine.lora.adapter import MODULES, LoraAdapter, projection_shape
+
+# Each engine product's PEFT modules, in the order of the product's output columns.
+PRODUCT_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+                   "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
+
+@dataclass(frozen=True)
+class ModuleSlots:
+    """One module's weights in every slot, and the columns of its product's output it adds to."""
+
+    a: torch.Tensor  # [slots, max rank, in]
+    b: torch.Tensor  # [slots, out, max rank]
+    columns: slice
+
+
+class LoraSlots:
+    """`count` slots of rank up to `max_rank` for the layers [first_layer, first_layer + num_layers)
+    of `model` (a pipeline stage's), in `dtype`."""
+
+    def __init__(self, model: ModelConfig, count: int, max_rank: int, dtype: torch.dtype,
+                 products: tuple[str, ...]) -> None:
+        self.count = count
+        self.max_rank = max_rank
+        self.first_layer = model.first_layer
+        self.ranks: list[int] = [0] * count  # 0: empty
+        self.modules: dict[tuple[int, str], tuple[ModuleSlots, ...]] = {}
+        for layer in range(model.first_layer, model.first_layer + model.num_layers):
+            for product in products:
+                start, parts = 0, []
+                for module in PRODUCT_MODULES[product]:
+                    out, inp = projection_shape(model, module)
+                    parts.append(ModuleSlots(torch.zeros(count, max_rank, inp, dtype=dtype),
+                                             torch.zeros(count, out, max_rank, dtype=dtype), slice(start, start + out)))
+                    start += out
+                self.modules[(layer, product)] = tuple(parts)
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put `adapter` in `slot` (whatever it held is overwritten)."""
+        self.clear(slot)
+        rank = adapter.rank
+        for (layer, module), weights in adapter.weights.items():
+            product = MODULES[module]
+            if (layer, product) not in self.modules:
+                continue  # a layer of another pipeline stage
+            part = self.modules[(layer, product)][PRODUCT_MODULES[product].index(module)]
+            part.a[slot, :rank].copy_(weights.a)
+            part.b[slot, :, :rank].copy_(weights.b)
+        self.ranks[slot] = rank
+
+    def clear(self, slot: int) -> None:
+        """Empty `slot`."""
+        rank = self.ranks[slot]
+        if rank:
+            for parts in self.modules.values():
+                for part in parts:
+                    part.a[slot, :rank].zero_()
+                    part.b[slot, :, :rank].zero_()
+        self.ranks[slot] = 0
