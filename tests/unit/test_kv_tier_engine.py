@@ -6,6 +6,7 @@ past its deadline, only costs a recompute, and no late write lands in the cache
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -149,7 +150,7 @@ def test_a_load_stuck_past_its_deadline_is_recomputed_and_its_late_write_refused
     block_hash = engine.kv.prefix_hashes(prompt)[0]
     path = Path(tiers.disk_dir) / f"{block_hash.hex()}.kvb"
     path.unlink()
-    os.mkfifo(path)  # the mover's read of the first block blocks until the test writes it
+    os.mkfifo(path)  # the mover's open of the first block blocks until the test writes it
     engine.close()
     engine = make_engine(cache=SMALL_CACHE, kv_tiers=tiers)  # finds the pipe as a block at start-up
     monkeypatch.setattr("engine.engine.LOAD_TIMEOUT_S", 1.0)
@@ -158,14 +159,21 @@ def test_a_load_stuck_past_its_deadline_is_recomputed_and_its_late_write_refused
         assert tokens == expected and cached == 0 and steps == 2
         before = [page.clone() for pages in engine.runner.cache.kv_caches for page in pages]
     finally:
-        # Now the stuck read returns a record that checks, of other pages: a write of it is refused.
+        # Now the stuck read returns a record that checks, of other pages: a write of its first layer
+        # is refused, and the load ends without reading the rest.
         layout = engine.tiers.tiers.layout
         payload = torch.randint(0, 256, (layout.payload_size,), dtype=torch.uint8).numpy().tobytes()
         bogus = pack_record(block_hash, payload, layout)
-        writer = threading.Thread(target=path.write_bytes, args=(bogus,), daemon=True)
+        writer = threading.Thread(target=feed, args=(path, bogus), daemon=True)
         writer.start()
         engine.close()  # its mover ends its jobs first
         writer.join(timeout=5)
     assert all(torch.equal(a, b) for a, b in zip(before, (p for ps in engine.runner.cache.kv_caches for p in ps),
                                                   strict=True))
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def feed(pipe: Path, data: bytes) -> None:
+    """Write `data` into a named pipe, until its reader closes it."""
+    with contextlib.suppress(BrokenPipeError):
+        pipe.write_bytes(data)
