@@ -22,6 +22,7 @@ from engine_runs import output_tokens, run_requests
 
 from engine.config import CacheConfig, KVTierConfig
 from engine.engine import Engine
+from engine.kv_connector.connector import KVConnector
 from engine.kv_tiers.block_record import pack_record
 from engine.sampling_params import SamplingParams
 
@@ -139,6 +140,33 @@ def test_a_layer_found_damaged_mid_step_costs_a_recompute_not_the_answer(make_en
     assert (disk.corrupt, disk.loaded_blocks) == (1, 0)
     # Dropped from the tier (the recompute may since have stored the block again, intact).
     assert not path.exists() or path.read_bytes() != bytes(data)
+    engine.close()
+
+
+def test_a_layer_damaged_after_the_load_wrote_layer_0_is_found_and_costs_a_recompute(make_engine, fresh, written,
+                                                                                    tmp_path, monkeypatch) -> None:
+    prompt, expected = fresh
+    tiers = copied(written, tmp_path)
+    layers_written: list[int] = []
+    write_pages = KVConnector.write_pages
+
+    def write_then_damage(connector, request_id, ticket, layer, block_ids, k, v) -> None:
+        write_pages(connector, request_id, ticket, layer, block_ids, k, v)
+        layers_written.append(layer)
+        if layers_written == [0]:  # a byte of the last layer of a loading block's file, changed in place
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            path.write_bytes(bytes(data))
+
+    monkeypatch.setattr(KVConnector, "write_pages", write_then_damage)
+    engine = make_engine(cache=SMALL_CACHE, kv_tiers=tiers)
+    path = Path(tiers.disk_dir) / f"{engine.kv.prefix_hashes(prompt)[1].hex()}.kvb"
+    tokens, cached, steps = answer(engine, prompt)
+    assert tokens == expected and steps == 2 and cached == 0
+    # The load read the last layer's bytes only after it had written the layers before it.
+    assert layers_written == list(range(engine.runner.cache.num_layers - 1))
+    disk = engine.stats().kv_tiers["disk"]
+    assert (disk.corrupt, disk.loaded_blocks) == (1, 0)
     engine.close()
 
 

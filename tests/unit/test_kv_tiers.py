@@ -373,3 +373,85 @@ def test_an_absent_owner_is_a_miss_and_a_count(tmp_path) -> None:
         assert load is None
     assert tiers.stats()["host"].errors >= 1
     tiers.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_disk_load_reads_each_layer_when_asked_and_finds_it_damaged_then(tmp_path, damage) -> None:
+    events = Events()
+    tiers = KVTiers(KVTierConfig(disk_dir=str(tmp_path / "disk")), LAYOUT, events)
+    hashes = [block(i)[0] for i in range(2)]
+    for i in range(2):
+        tiers.store(*block(i))
+    disk = tiers.stats()["disk"]
+    path = tmp_path / "disk" / f"{hashes[1].hex()}.kvb"
+    with tiers.load(hashes) as load:
+        assert tiers.stats()["disk"].bytes_read == disk.bytes_read + 2 * LAYOUT.header_size  # the headers only
+        first = load.layer(0)
+        assert tiers.stats()["disk"].bytes_read == disk.bytes_read + 2 * (LAYOUT.header_size + LAYOUT.layer_size)
+        assert [first[i].tobytes() for i in range(2)] == [block(i)[1][:LAYOUT.layer_size] for i in range(2)]
+        # Block 1's file changes in place after its layer 0 was read: its later layers are read now.
+        data = path.read_bytes()
+        if damage == "flip":
+            path.write_bytes(data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])  # a byte of layer 3
+            assert [load.layer(i) is None for i in (1, 2, 3)] == [False, False, True]
+        else:
+            path.write_bytes(data[:LAYOUT.header_size + 2 * LAYOUT.layer_size + 10])  # cut inside layer 2
+            assert [load.layer(i) is None for i in (1, 2)] == [False, True]
+    stats = tiers.stats()["disk"]
+    assert (stats.hits - disk.hits, stats.misses - disk.misses, stats.corrupt) == (1, 1, 1)
+    assert hashes[1] not in events.held["disk"] and not path.exists()
+    with tiers.load(hashes[:1]) as load:
+        assert loaded(load) == [block(0)[1]]
+    tiers.close()
+
+
+def test_a_host_tier_record_dropped_and_evicted_mid_load_never_mixes_pages(owner, tmp_path) -> None:
+    tiers = KVTiers(KVTierConfig(host_socket=str(tmp_path / "host.sock")), LAYOUT, Events())
+    block_hash, payload = block(1)
+    tiers.store(block_hash, payload)
+    other = HostTierClient(str(tmp_path / "host.sock"))
+    with tiers.load([block_hash]) as load:
+        layers = [load.layer(0)[0].tobytes()]
+        # Mid-load, another worker has it dropped, then stores other pages under its name, then the
+        # owner evicts everything for newer blocks.
+        other.drop(block_hash)
+        assert other.has([block_hash]) == [False]
+        other.put(block_hash, pack_record(block_hash, block(2)[1], LAYOUT))
+        for i in range(3, 14):
+            other.put(*record(i))
+        assert other.has([block_hash]) == [False]
+        layers += [load.layer(i)[0].tobytes() for i in range(1, 4)]
+    assert b"".join(layers) == payload  # the record as it was when the load began, whole
+    stats = tiers.stats()["host"]
+    assert (stats.hits, stats.misses, stats.corrupt) == (1, 0, 0)
+    assert stats.bytes_read == U64.size + LAYOUT.record_size
+    other.close()
+    tiers.close()
+
+
+def test_a_load_mixes_host_and_disk_blocks_and_counts_what_each_read(owner, tmp_path) -> None:
+    events = Events()
+    config = KVTierConfig(host_socket=str(tmp_path / "host.sock"), disk_dir=str(tmp_path / "disk"))
+    tiers = KVTiers(config, LAYOUT, events)
+    hashes, payloads = zip(*(block(i) for i in range(3)), strict=True)
+    for i in range(3):
+        tiers.store(hashes[i], payloads[i])
+    other = HostTierClient(str(tmp_path / "host.sock"))
+    other.drop(hashes[1])  # evicted from the node's memory: block 1 comes from disk
+    other.drop(hashes[2])
+    other.put(hashes[2], record(3)[1])  # block 3's record under block 2's name: block 2 comes from disk
+    with tiers.load(hashes) as load:
+        assert load.tiers == ["host", "disk", "disk"] and loaded(load) == list(payloads)
+    host, disk = tiers.stats()["host"], tiers.stats()["disk"]
+    assert (host.hits, host.misses, host.corrupt, disk.hits, disk.corrupt) == (1, 2, 1, 2, 0)
+    # The host tier streamed blocks 0 and 2 (read past, its header failing); the disk held 1 and 2.
+    assert host.bytes_read == 3 * U64.size + 2 * LAYOUT.record_size
+    assert disk.bytes_read == 2 * LAYOUT.record_size
+    assert other.has(list(hashes)) == [True, False, False]  # the misfiled record was dropped
+    with tiers.load(hashes[:1]) as load:
+        load.layer(0)  # abandoned mid-stream: its connection is closed, not left mid-answer
+    with tiers.load(hashes[:1]) as load:
+        assert load.tiers == ["host"] and loaded(load) == [payloads[0]]
+    assert tiers.stats()["host"].errors == 0
+    other.close()
+    tiers.close()
