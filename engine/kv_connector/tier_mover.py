@@ -88,6 +88,10 @@ class TierMover:
         self._progress: dict[int, _Progress] = {}  # by reservation ticket (never reused), under _done_lock
         self._queued_bytes = 0  # store copies not yet written (under _done_lock)
         self.dropped_blocks = 0  # stores dropped at MAX_QUEUED_BYTES
+        # The forwards' time waiting for loads' layers (the engine thread's), and the part of it before
+        # a step's first layer: what the overlap did not hide.
+        self.wait_s = 0.0
+        self.first_layer_wait_s = 0.0
         self._thread = threading.Thread(target=self._run, name="kv-tier-mover", daemon=True)
         self._thread.start()
 
@@ -108,13 +112,19 @@ class TierMover:
         self._submit(0, _Load(request_id, ticket, tuple(block_ids), tuple(block_hashes)))
 
     def wait_for_layer(self, tickets: Sequence[int], deadline: float, layer: int) -> None:
-        """Return once every load of `tickets` wrote `layer` or ended (or at `deadline`, time.monotonic())."""
+        """Return once every load of `tickets` wrote `layer` or ended (or at `deadline`, time.monotonic());
+        the time waited counts in `wait_s`."""
         def ready() -> bool:
             return all(p.layers > layer or p.succeeded is not None
                        for p in (self._progress.get(t) for t in tickets) if p is not None)
 
+        started = time.perf_counter()
         with self._done:
             self._done.wait_for(ready, max(0.0, deadline - time.monotonic()))
+        waited = time.perf_counter() - started
+        self.wait_s += waited
+        if layer == 0:
+            self.first_layer_wait_s += waited
 
     def finish(self, ticket: int, deadline: float) -> bool:
         """Whether the load of `ticket` wrote every layer of every block (waiting until it ends, or

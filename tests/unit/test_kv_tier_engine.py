@@ -106,6 +106,7 @@ def test_second_turn_from_the_disk_tier_after_a_restart_answers_as_fresh(make_en
     stats = engine.stats()
     assert cached == stats.external_prefix_cache_hits > 0
     assert stats.kv_tiers["disk"].hits * SMALL_CACHE.block_size == cached
+    assert 0 < stats.kv_tier_first_layer_wait_s <= stats.kv_tier_load_wait_s  # the forward's wait, measured
     engine.close()
 
 
