@@ -139,7 +139,7 @@ class KVTiers:
                          for position, block_hash in enumerate(block_hashes))
             yield load if opened else None
         finally:
-            load.close()  # first: a drop must not wait behind the rest of an abandoned stream
+            load.close()  # first: the drops below then reuse its connection instead of opening another
             if stream is not None:
                 self._host["bytes_read"] += stream.bytes_read
             for block_hash in damaged_host:

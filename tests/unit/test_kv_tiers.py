@@ -69,7 +69,9 @@ def fetched(client: HostTierClient, block_hash: bytes) -> bytes | None:
     """A record as the host tier's owner streams it for a load (its header, then layer by layer), None
     if it has none of LAYOUT's size."""
     stream = client.load([block_hash], LAYOUT)
-    if stream is None or stream.headers[0] is None:
+    assert stream is not None
+    if stream.headers[0] is None:
+        stream.close()
         return None
     parts = [stream.headers[0]]
     for _ in range(LAYOUT.layers):
