@@ -10,8 +10,9 @@ last prompt, estimated from the human turns and --max-tokens replies before the 
 conversation's blocks are evicted from the device cache before its next turn: without tiers that
 turn recomputes its whole prompt, with them it loads its prefix back. For the tiers it also prints how
 long the loads took on the mover's thread and how much of that the forwards waited for (before
-layer 0, and in all): what the overlap of the load with the prompt's compute did not hide. Each system is a colocated
-worker process (its own host tier owner for "tiers"), run one after the other on the same cores.
+layer 0, and in all): what the overlap of the load with the prompt's compute did not hide. Each
+system is a colocated worker process (its own host tier owner for "tiers"), run one after the other
+on the same cores.
 
     python -m bench kv_tiers [--conversations 24] [--turns 4] [--budget-fraction 0.25] [--threads 2] [--quick]
 """
