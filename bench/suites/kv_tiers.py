@@ -140,9 +140,10 @@ def main(argv: Sequence[str]) -> int:
         print(f"{system} counters: " + ", ".join(f"{name} {value:g}" for name, value in counters.items()
                                                  if value and not name.endswith("_created")))
         loading = sum(v for name, v in counters.items() if name.startswith("tandem:kv_tier_load_seconds_total"))
-        print(f"{system}: loads took {loading:.2f} s on the mover's thread; the forwards waited "
-              f"{counters.get('tandem:kv_tier_load_wait_seconds_total', 0.0):.2f} s for them, "
-              f"{counters.get('tandem:kv_tier_first_layer_wait_seconds_total', 0.0):.2f} s of it before layer 0")
+        waited = counters.get("tandem:kv_tier_load_wait_seconds_total", 0.0)
+        first = counters.get("tandem:kv_tier_first_layer_wait_seconds_total", 0.0)
+        print(f"{system}: loads took {loading * 1000:.1f} ms on the mover's thread; the forwards waited "
+              f"{waited * 1000:.1f} ms for them, {first * 1000:.1f} ms of it before layer 0")
     print(f"- {machine['processor']} ({', '.join(machine['isa'])}); load average: "
           + "; ".join(f"{k}: {v}" for k, v in load.items()))
     write_results(args.out, {"command": command_line(__name__, argv), "started": started, "machine": machine,
