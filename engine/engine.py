@@ -516,5 +516,6 @@ class Engine:
         if self.tiers is None or loading is None:
             return {}
         return {"kv_tiers": self.tiers.tiers.stats(), "external_prefix_cache_queries": loading.queried_tokens,
-                "external_prefix_cache_hits": loading.hit_tokens, "kv_tier_dropped_blocks": self.tiers.dropped_blocks}
+                "external_prefix_cache_hits": loading.hit_tokens, "kv_tier_dropped_blocks": self.tiers.dropped_blocks,
+                "kv_tier_load_wait_s": self.tiers.wait_s, "kv_tier_first_layer_wait_s": self.tiers.first_layer_wait_s}
 

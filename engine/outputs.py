@@ -66,6 +66,9 @@ class EngineStats:
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     kv_tier_dropped_blocks: int = 0  # blocks not copied down: the tiers' writes were too far behind
+    # Seconds the steps' forwards waited for loads' layers, and of those before the first layer.
+    kv_tier_load_wait_s: float = 0.0
+    kv_tier_first_layer_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)

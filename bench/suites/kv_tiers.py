@@ -8,8 +8,11 @@ replies (--max-tokens each, ignore_eos) the assistant's. Turns go round-robin ov
 queueing). The worker's KV cache holds --budget-fraction of the working set (every conversation's
 last prompt, estimated from the human turns and --max-tokens replies before the run), so a
 conversation's blocks are evicted from the device cache before its next turn: without tiers that
-turn recomputes its whole prompt, with them it loads its prefix back. Each system is a colocated
-worker process (its own host tier owner for "tiers"), run one after the other on the same cores.
+turn recomputes its whole prompt, with them it loads its prefix back. For the tiers it also prints how
+long the loads took on the mover's thread and how much of that the forwards waited for (before
+layer 0, and in all): what the overlap of the load with the prompt's compute did not hide. Each
+system is a colocated worker process (its own host tier owner for "tiers"), run one after the other
+on the same cores.
 
     python -m bench kv_tiers [--conversations 24] [--turns 4] [--budget-fraction 0.25] [--threads 2] [--quick]
 """
@@ -133,8 +136,14 @@ def main(argv: Sequence[str]) -> int:
         print(f"later turns: TTFT p50 {p50[system] * 1000:.0f} ms with {system}, {p50['none'] * 1000:.0f} ms without: "
               f"{ratio:.2f}x (target <= 0.5x: {'met' if ratio <= 0.5 else 'missed'})")
     for system in SYSTEMS[1:]:
-        print(f"{system} counters: " + ", ".join(f"{name} {value:g}" for name, value in runs[system]["counters"].items()
+        counters = runs[system]["counters"]
+        print(f"{system} counters: " + ", ".join(f"{name} {value:g}" for name, value in counters.items()
                                                  if value and not name.endswith("_created")))
+        loading = sum(v for name, v in counters.items() if name.startswith("tandem:kv_tier_load_seconds_total"))
+        waited = counters.get("tandem:kv_tier_load_wait_seconds_total", 0.0)
+        first = counters.get("tandem:kv_tier_first_layer_wait_seconds_total", 0.0)
+        print(f"{system}: loads took {loading * 1000:.1f} ms on the mover's thread; the forwards waited "
+              f"{waited * 1000:.1f} ms for them, {first * 1000:.1f} ms of it before layer 0")
     print(f"- {machine['processor']} ({', '.join(machine['isa'])}); load average: "
           + "; ".join(f"{k}: {v}" for k, v in load.items()))
     write_results(args.out, {"command": command_line(__name__, argv), "started": started, "machine": machine,

@@ -7,12 +7,15 @@ from the copy: the cache's blocks are never held for a tier, so a slow disk neve
 short. Copies waiting for the thread are bounded (`MAX_QUEUED_BYTES`); past it a store is dropped
 and counted, never waited for. Loads: a request admitted with its prefix in the tiers computes the
 rest of its prompt in the same step as its load (engine.kv_connector.tier_loading): the thread
-fetches every block's record, then layer by layer checks that layer of each and writes it into the
-request's reserved blocks through the KV connector (the same ownership rule as pages from a prefill
-worker: a write into a reservation that ended is refused), reporting each layer written, for which
-the step's forward waits before that layer's attention (`wait_for_layer`). A block no tier has, or a
-layer that fails its check, fails the whole load: the engine recomputes the request. Loads go before
-stores: a load holds up a step, a store only a later request's chance of a hit.
+reads every block's header, then layer by layer reads only that layer's bytes of each block, checks
+them and writes them into the request's reserved blocks through the KV connector (the same ownership
+rule as pages from a prefill worker: a write into a reservation that ended is refused), reporting
+each layer written, for which the step's forward waits before that layer's attention
+(`wait_for_layer`). So the reading, not only the checking and copying, overlaps the forward: layer 0
+waits for the headers and one layer's bytes, and layer i's reads run while layers < i compute. A
+block no tier has, or a layer that comes up short or fails its check, fails the whole load: the
+engine recomputes the request. Loads go before stores: a load holds up a step, a store only a later
+request's chance of a hit.
 
 A block travels as one payload: each layer's K page, then its V page, as the cache stores them
 (a quantized format's scales inside its rows), so a tier holds exactly the cache's bytes.
@@ -27,7 +30,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.config import KVTierConfig
@@ -86,6 +88,10 @@ class TierMover:
         self._progress: dict[int, _Progress] = {}  # by reservation ticket (never reused), under _done_lock
         self._queued_bytes = 0  # store copies not yet written (under _done_lock)
         self.dropped_blocks = 0  # stores dropped at MAX_QUEUED_BYTES
+        # The forwards' time waiting for loads' layers (the engine thread's), and the part of it before
+        # a step's first layer: what the overlap did not hide.
+        self.wait_s = 0.0
+        self.first_layer_wait_s = 0.0
         self._thread = threading.Thread(target=self._run, name="kv-tier-mover", daemon=True)
         self._thread.start()
 
@@ -106,13 +112,19 @@ class TierMover:
         self._submit(0, _Load(request_id, ticket, tuple(block_ids), tuple(block_hashes)))
 
     def wait_for_layer(self, tickets: Sequence[int], deadline: float, layer: int) -> None:
-        """Return once every load of `tickets` wrote `layer` or ended (or at `deadline`, time.monotonic())."""
+        """Return once every load of `tickets` wrote `layer` or ended (or at `deadline`, time.monotonic());
+        the time waited counts in `wait_s`."""
         def ready() -> bool:
             return all(p.layers > layer or p.succeeded is not None
                        for p in (self._progress.get(t) for t in tickets) if p is not None)
 
+        started = time.perf_counter()
         with self._done:
             self._done.wait_for(ready, max(0.0, deadline - time.monotonic()))
+        waited = time.perf_counter() - started
+        self.wait_s += waited
+        if layer == 0:
+            self.first_layer_wait_s += waited
 
     def finish(self, ticket: int, deadline: float) -> bool:
         """Whether the load of `ticket` wrote every layer of every block (waiting until it ends, or
@@ -178,38 +190,29 @@ class TierMover:
 
     def _run_load(self, job: _Load) -> bool:
         started = time.perf_counter()
-        found = []
-        for block_hash in job.block_hashes:
-            record = self._tiers.fetch(block_hash)
-            if record is None:
-                return False  # gone since the lookup (evicted, or its header damaged)
-            found.append(record)
-        count = len(found)
-        for layer in range(self._cache.num_layers):
-            pages = []
-            for (tier, record), block_hash in zip(found, job.block_hashes, strict=True):
-                layer_pages = record.layer(layer)
-                if layer_pages is None:
-                    log.warning("KV tier mover: block %s from the %s tier failed layer %d's check; dropped",
-                                block_hash.hex()[:16], tier, layer)
-                    self._tiers.reject(tier, block_hash)
-                    return False
-                pages.append(layer_pages)
-            data = torch.from_numpy(np.stack(pages))  # [blocks, K page then V page] uint8, a copy
-            k, v = (data[:, part * self._page_bytes:(part + 1) * self._page_bytes].contiguous()
-                    .view(self._dtype).view(count, *self._page_shape) for part in (0, 1))
-            try:
-                self._write(job.request_id, job.ticket, layer, job.block_ids, k, v)
-            except KeyError:
-                return False  # the engine gave up on the load: its blocks are no longer the request's
-            with self._done:
-                progress = self._progress.get(job.ticket)
-                if progress is None:
-                    return False  # the engine gave up on it at its deadline
-                progress.layers = layer + 1
-                self._done.notify_all()
+        count = len(job.block_ids)
+        with self._tiers.load(job.block_hashes) as load:
+            if load is None:
+                return False  # a block gone since the lookup (evicted, or its header damaged)
+            for layer in range(self._cache.num_layers):
+                pages = load.layer(layer)
+                if pages is None:
+                    return False  # damaged or cut short: the tiers counted and dropped it
+                data = torch.from_numpy(pages)  # [blocks, K page then V page] uint8
+                k, v = (data[:, part * self._page_bytes:(part + 1) * self._page_bytes].contiguous()
+                        .view(self._dtype).view(count, *self._page_shape) for part in (0, 1))
+                try:
+                    self._write(job.request_id, job.ticket, layer, job.block_ids, k, v)
+                except KeyError:
+                    return False  # the engine gave up on the load: its blocks are no longer the request's
+                with self._done:
+                    progress = self._progress.get(job.ticket)
+                    if progress is None:
+                        return False  # the engine gave up on it at its deadline
+                    progress.layers = layer + 1
+                    self._done.notify_all()
+            tiers = load.tiers
         seconds = time.perf_counter() - started
-        tiers = [tier for tier, _ in found]
         for tier in set(tiers):
             share = tiers.count(tier)
             self._tiers.record_load(tier, share, seconds * share / count)

@@ -12,7 +12,10 @@ suffices; one per layer lets a load check and write a layer without waiting for 
     magic "TKV2" | chain hash (32 bytes) | payload length (uint64 LE) | layers (uint32 LE)
     | CRC32C of each layer's bytes (uint32 LE each) | payload
 
-The payload is layer-major (each layer's K page then V page), so layer i is the i-th equal slice.
+The payload is layer-major (each layer's K page then V page), so layer i is the i-th equal slice. A
+load reads the header first (`open_header`), then one layer's slice of each block at a time, checking
+each slice against its CRC as it arrives (`RecordHeader.check`): layer 0 is usable after the header
+and one layer's bytes, not the whole record's.
 """
 
 from __future__ import annotations
@@ -73,29 +76,23 @@ def _crc32c(data: np.ndarray) -> int:
     return google_crc32c.value(data)
 
 
-class CheckedRecord:
-    """A record whose header names the expected block and layout; its layers are checked as read."""
+class RecordHeader:
+    """A record's header that names the expected block and layout: the CRC of each of its layers."""
 
-    def __init__(self, record: bytes | memoryview, layout: RecordLayout) -> None:
-        self._data = np.frombuffer(record, dtype=np.uint8)
-        self._layout = layout
-        self._crcs = [_CRC.unpack_from(record, _HEADER.size + i * _CRC.size)[0] for i in range(layout.layers)]
+    def __init__(self, header: bytes, layout: RecordLayout) -> None:
+        self._crcs = [_CRC.unpack_from(header, _HEADER.size + i * _CRC.size)[0] for i in range(layout.layers)]
 
-    def layer(self, index: int) -> np.ndarray | None:
-        """Layer `index`'s pages (K then V, uint8, read-only), or None if they do not match their checksum."""
-        size = self._layout.layer_size
-        start = self._layout.header_size + index * size
-        if _crc32c(self._data[start:start + size]) != self._crcs[index]:
-            return None
-        return self._data[start:start + size]
+    def check(self, index: int, pages: np.ndarray) -> bool:
+        """Whether `pages` (uint8) are layer `index`'s bytes as stored."""
+        return _crc32c(pages) == self._crcs[index]
 
 
-def open_record(block_hash: bytes, record: bytes, layout: RecordLayout) -> CheckedRecord | None:
-    """A record read back for `block_hash`, its header checked (its layers not yet), or None if it is
-    not a whole record of that block in `layout`."""
-    if len(record) != layout.record_size:
+def open_header(block_hash: bytes, header: bytes, layout: RecordLayout) -> RecordHeader | None:
+    """The header read back for `block_hash` (the first `layout.header_size` bytes of its record), or
+    None if it is not a header of that block in `layout` (its layers are checked as they are read)."""
+    if len(header) != layout.header_size:
         return None
-    magic, stored_hash, length, layers = _HEADER.unpack_from(record)
+    magic, stored_hash, length, layers = _HEADER.unpack_from(header)
     if magic != MAGIC or stored_hash != block_hash or length != layout.payload_size or layers != layout.layers:
         return None
-    return CheckedRecord(record, layout)
+    return RecordHeader(header, layout)

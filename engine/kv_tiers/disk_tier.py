@@ -7,6 +7,13 @@ Whatever else goes wrong with the disk (full, read-only, a damaged or truncated 
 and a count in `DiskTierStats`, never an answer: records are checked on read
 (engine.kv_tiers.block_record) and a bad one is deleted.
 
+A load reads a file in ranges, not whole: `open` reads and checks its header and keeps the file
+open; the load then reads one layer's slice at a time as it needs it (`DiskRecord.read_into`), in
+file order, so each read continues where the previous one ended. A file rewritten in place or
+truncated under a load shows as bytes that fail their layer's check or a read that comes up short:
+the load's caller counts it corrupt (`reject`). One renamed over it changes nothing for the load,
+which reads the file it opened to its end.
+
 One worker owns a directory (an exclusive lock file): two processes sharing one would each count
 the other's files against its own bound.
 """
@@ -22,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.kv_tiers.block_record import CheckedRecord, RecordLayout, open_record
+from engine.kv_tiers.block_record import RecordHeader, RecordLayout, open_header
 
 log = logging.getLogger(__name__)
 
@@ -126,30 +133,35 @@ class DiskTier:
         self.stats.stored_bytes += len(record)
         return self._evict()
 
-    def get(self, block_hash: bytes, layout: RecordLayout) -> CheckedRecord | None:
-        """A held block's record, its header checked (the reader checks each layer it uses and calls
-        `reject` for a damaged one); None (a miss) if absent, unreadable or not a record of it."""
+    def open(self, block_hash: bytes, layout: RecordLayout) -> DiskRecord | None:
+        """A held block's file, open for reading its layers, its header read and checked (a hit; the
+        reader checks each layer it reads and calls `reject` for a damaged one); None (a miss) if
+        absent, unreadable or not a record of it."""
         if block_hash not in self._files:
             self.stats.misses += 1
             return None
+        header, fd = b"", -1
         try:
-            record = self._path(block_hash).read_bytes()
+            fd = os.open(self._path(block_hash), os.O_RDONLY)
+            header = _read(fd, layout.header_size)
         except OSError as error:
             log.warning("KV disk tier: reading a block from %s failed: %s", self.directory, error)
-            record = b""
-        opened = open_record(block_hash, record, layout)
+        self.stats.bytes_read += len(header)
+        opened = open_header(block_hash, header, layout)
         if opened is None:
+            if fd >= 0:
+                os.close(fd)
             self._corrupt(block_hash)
             return None
         self._files.move_to_end(block_hash)
         with contextlib.suppress(OSError):
             os.utime(self._path(block_hash))  # the next start's scan orders by it
         self.stats.hits += 1
-        self.stats.bytes_read += len(record)
-        return opened
+        return DiskRecord(fd, opened, self.stats)
 
     def reject(self, block_hash: bytes) -> None:
-        """A record `get` returned failed a layer's check: a miss after all, counted and dropped."""
+        """A record `open` returned came up short or failed a layer's check: a miss after all, counted
+        and dropped."""
         self.stats.hits -= 1
         self._corrupt(block_hash)
 
@@ -181,3 +193,43 @@ class DiskTier:
     def close(self) -> None:
         """Release the directory for another process."""
         os.close(self._lock)
+
+
+class DiskRecord:
+    """One block's file open for a load: its checked header, and its layers' bytes read in order."""
+
+    def __init__(self, fd: int, header: RecordHeader, stats: DiskTierStats) -> None:
+        self.header = header
+        self._fd = fd
+        self._stats = stats
+
+    def read_into(self, view: memoryview) -> bool:
+        """Fill `view` with the file's next bytes; False if it ends first or cannot be read (the
+        bytes read so far still count as read)."""
+        done = 0
+        try:
+            while done < len(view):
+                count = os.readv(self._fd, [view[done:]])
+                if count == 0:
+                    break
+                done += count
+        except OSError as error:
+            log.warning("KV disk tier: reading a block's layer failed: %s", error)
+        self._stats.bytes_read += done
+        return done == len(view)
+
+    def close(self) -> None:
+        """Close the file."""
+        os.close(self._fd)
+
+
+def _read(fd: int, size: int) -> bytes:
+    """Up to `size` bytes from `fd` (fewer only at its end)."""
+    parts = []
+    while size > 0:
+        part = os.read(fd, size)
+        if not part:
+            break
+        parts.append(part)
+        size -= len(part)
+    return b"".join(parts)

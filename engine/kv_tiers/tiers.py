@@ -4,23 +4,30 @@ the wire and the gateway's index use. No torch: pages arrive and leave as bytes
 (engine.kv_connector.tier_mover turns them into blocks).
 
 A block computed on this worker is written to both tiers; one loaded back comes from the host tier
-if it has it (memory), else from disk. Lookups run on the engine thread (one socket round trip for a
-whole prompt); stores and loads on the mover's thread. What each tier stores and drops is reported
-to `events` (the engine's block events, which the gateway's exact index follows).
+if it has it (memory), else from disk. A load reads in ranges (`load`, engine.kv_tiers.tier_load):
+every block's header first (one LOAD round trip to the host tier for all of them, a small read per
+file on disk), then one layer of every block at a time as the mover asks for it, so the mover writes
+layer 0 after reading a layer's worth of bytes, not the whole records. Lookups run on the engine
+thread (one socket round trip for a whole prompt); stores and loads on the mover's thread. What
+each tier stores and drops is reported to `events` (the engine's block events, which the gateway's
+exact index follows).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 from engine.config import KVTierConfig
-from engine.kv_tiers.block_record import CheckedRecord, RecordLayout, open_record, pack_record
+from engine.kv_tiers.block_record import RecordLayout, open_header, pack_record
 from engine.kv_tiers.disk_tier import DiskTier
-from engine.kv_tiers.host_tier_client import HostTierClient
+from engine.kv_tiers.host_tier_client import HostTierClient, RecordStream
+from engine.kv_tiers.tier_load import Damaged, LowerTier, TierLoad
 
-LowerTier = Literal["host", "disk"]
+log = logging.getLogger(__name__)
 
 
 class TierEvents(Protocol):
@@ -116,41 +123,67 @@ class KVTiers:
             if evicted:
                 self._events.removed("disk", evicted)
 
-    def fetch(self, block_hash: bytes) -> tuple[LowerTier, CheckedRecord] | None:
-        """A block's record, its header checked (its layers are checked as they are written), and the
-        tier it came from; None if no tier has a record of it."""
+    @contextlib.contextmanager
+    def load(self, block_hashes: Sequence[bytes]) -> Iterator[TierLoad | None]:
+        """The blocks' records opened for reading layer by layer, each from the host tier if it has a
+        record of it, else from disk, its header checked; None if some block has none (gone since the
+        lookup, or damaged). On leaving, a record that failed is counted corrupt and dropped from its
+        tier, so no load finds it again."""
+        stream = None
         if self._moves is not None:
-            record = self._moves.get(block_hash)
+            stream = self._moves.load(block_hashes, self.layout)
             self._follow_owner(self._moves)
-            opened = None if record is None else open_record(block_hash, record, self.layout)
+        load, damaged_host = TierLoad(self.layout, stream), []
+        try:
+            opened = all(self._open(load, stream, position, block_hash, damaged_host)
+                         for position, block_hash in enumerate(block_hashes))
+            yield load if opened else None
+        finally:
+            load.close()  # first: the drops below then reuse its connection instead of opening another
+            if stream is not None:
+                self._host["bytes_read"] += stream.bytes_read
+            for block_hash in damaged_host:
+                self._drop_host(block_hash)
+            if load.damaged is not None:
+                self._reject(load.damaged)
+
+    def _open(self, load: TierLoad, stream: RecordStream | None, position: int, block_hash: bytes,
+              damaged_host: list[bytes]) -> bool:
+        """Add a block to `load` from the first tier with a record of it; False if none has one."""
+        if self._moves is not None:
+            header = None if stream is None else stream.headers[position]
+            opened = None if header is None else open_header(block_hash, header, self.layout)
             if opened is not None:
                 self._host["hits"] += 1
-                self._host["bytes_read"] += len(record)
-                return "host", opened
+                load.add(block_hash, "host", opened)
+                return True
             self._host["misses"] += 1
-            if record is not None:
+            if stream is not None and stream.held[position]:  # of another layout, or not this block's
                 self._host["corrupt"] += 1
-                self._drop_host(block_hash)
+                damaged_host.append(block_hash)
         if self._disk is not None:
             held = block_hash in self._disk
-            opened = self._disk.get(block_hash, self.layout)
-            if opened is not None:
-                return "disk", opened
+            record = self._disk.open(block_hash, self.layout)
+            if record is not None:
+                load.add(block_hash, "disk", record.header, record)
+                return True
             if held:  # it failed its check and was dropped
                 self._events.removed("disk", [block_hash])
-        return None
+        return False
 
-    def reject(self, tier: LowerTier, block_hash: bytes) -> None:
-        """A fetched record's layer failed its check: count it corrupt (a miss, not a hit) and drop it
-        from its tier, so no load finds it again."""
-        if tier == "host":
+    def _reject(self, damaged: Damaged) -> None:
+        """A block's layer came up short or failed its check: a miss after all, counted corrupt and
+        dropped from its tier."""
+        log.warning("KV tiers: block %s from the %s tier failed layer %d's check; dropped",
+                    damaged.block_hash.hex()[:16], damaged.tier, damaged.layer)
+        if damaged.tier == "host":
             self._host["hits"] -= 1
             self._host["misses"] += 1
             self._host["corrupt"] += 1
-            self._drop_host(block_hash)
+            self._drop_host(damaged.block_hash)
         elif self._disk is not None:
-            self._disk.reject(block_hash)
-            self._events.removed("disk", [block_hash])
+            self._disk.reject(damaged.block_hash)
+            self._events.removed("disk", [damaged.block_hash])
 
     def _drop_host(self, block_hash: bytes) -> None:
         if self._moves is not None:

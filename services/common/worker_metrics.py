@@ -135,7 +135,12 @@ def _kv_tier_families(stats: EngineStats, labels: list[str]) -> Iterator[Metric]
             ("vllm:external_prefix_cache_hits", "Prompt tokens loaded back from the lower KV tiers.",
              stats.external_prefix_cache_hits),
             ("tandem:kv_tier_dropped_blocks", "Blocks not copied to the lower KV tiers because their writes "
-             "were too far behind.", stats.kv_tier_dropped_blocks)):
+             "were too far behind.", stats.kv_tier_dropped_blocks),
+            ("tandem:kv_tier_load_wait_seconds", "Time steps' forwards waited before a layer's attention for the "
+             "lower KV tiers' loads to write it (what the overlap with the prompt's compute did not hide).",
+             stats.kv_tier_load_wait_s),
+            ("tandem:kv_tier_first_layer_wait_seconds", "Of tandem:kv_tier_load_wait_seconds, the time before a "
+             "step's first layer.", stats.kv_tier_first_layer_wait_s)):
         counter = CounterMetricFamily(name, documentation, labels=per_model())
         counter.add_metric(labels, value)
         yield counter

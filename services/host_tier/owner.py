@@ -8,6 +8,10 @@ only a socket path, which in Kubernetes is a hostPath directory, where a shared 
 the pods to share the node's IPC namespace; and a worker restart or an owner restart is just a
 reconnect. The price is one copy through the kernel each way, which docs/benchmarks.md measures
 against the time it saves.
+
+A load is answered as a stream, layer by layer (engine.kv_tiers.host_tier_wire says why), from the
+records as they were when it arrived: a record's bytes never change, so one evicted or dropped while
+it streams stays whole in memory until its stream ends.
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ from pathlib import Path
 from engine.kv_cache.block_hash import HASH_SIZE
 from engine.kv_tiers.host_tier_wire import (
     DROP,
-    GET,
     HAS,
     HELLO,
+    LOAD,
     MAX_RECORD,
     MISSING,
     PUT,
@@ -83,13 +87,14 @@ class HostTierStore:
                 self._bytes -= len(record)
             return record is not None
 
-    def get(self, block_hash: bytes) -> bytes | None:
-        """The record stored under `block_hash`, or None."""
+    def get_many(self, hashes: list[bytes]) -> list[bytes | None]:
+        """The record stored under each of `hashes`, or None where none is."""
         with self._lock:
-            record = self._records.get(block_hash)
-            if record is not None:
-                self._records.move_to_end(block_hash)
-            return record
+            records = [self._records.get(block_hash) for block_hash in hashes]
+            for block_hash, record in zip(hashes, records, strict=True):
+                if record is not None:
+                    self._records.move_to_end(block_hash)
+            return records
 
 
 class _Connection(socketserver.BaseRequestHandler):
@@ -105,7 +110,10 @@ class _Connection(socketserver.BaseRequestHandler):
                 opcode = sock.recv(1)
                 if not opcode:
                     return
-                sock.sendall(self._answer(opcode[0], sock, store))
+                if opcode[0] == LOAD:
+                    _stream_load(sock, store)
+                else:
+                    sock.sendall(self._answer(opcode[0], sock, store))
         except (ConnectionError, ValueError) as error:
             log.info("host tier: a worker's connection ended: %s", error)
 
@@ -122,12 +130,26 @@ class _Connection(socketserver.BaseRequestHandler):
                 raise ValueError(f"a record of {length} bytes")
             evicted = store.put(block_hash, recv_exact(sock, length))
             return U32.pack(len(evicted)) + b"".join(evicted)
-        if opcode == GET:
-            record = store.get(recv_exact(sock, HASH_SIZE))
-            return U64.pack(MISSING) if record is None else U64.pack(len(record)) + record
         if opcode == DROP:
             return bytes([store.drop(recv_exact(sock, HASH_SIZE))])
         raise ValueError(f"unknown opcode {opcode}")
+
+
+def _stream_load(sock: socket.socket, store: HostTierStore) -> None:
+    """Answer a LOAD: each record's length, the headers of those of the asked layout's size, then
+    layer by layer their slices, as fast as the worker reads them."""
+    header_size, layer_size, layers, count = recv_u32(sock), recv_u64(sock), recv_u32(sock), recv_u32(sock)
+    record_size = header_size + layers * layer_size
+    if record_size > MAX_RECORD:
+        raise ValueError(f"a load of records of {record_size} bytes")
+    records = store.get_many(recv_hashes(sock, count))
+    streamed = [memoryview(r) for r in records if r is not None and len(r) == record_size]
+    sock.sendall(b"".join(U64.pack(MISSING if r is None else len(r)) for r in records)
+                 + b"".join(r[:header_size] for r in streamed))
+    for layer in range(layers):
+        start = header_size + layer * layer_size
+        for record in streamed:
+            sock.sendall(record[start:start + layer_size])
 
 
 class HostTierServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):

@@ -6,6 +6,7 @@ past its deadline, only costs a recompute, and no late write lands in the cache
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -21,6 +22,7 @@ from engine_runs import output_tokens, run_requests
 
 from engine.config import CacheConfig, KVTierConfig
 from engine.engine import Engine
+from engine.kv_connector.connector import KVConnector
 from engine.kv_tiers.block_record import pack_record
 from engine.sampling_params import SamplingParams
 
@@ -104,6 +106,7 @@ def test_second_turn_from_the_disk_tier_after_a_restart_answers_as_fresh(make_en
     stats = engine.stats()
     assert cached == stats.external_prefix_cache_hits > 0
     assert stats.kv_tiers["disk"].hits * SMALL_CACHE.block_size == cached
+    assert 0 < stats.kv_tier_first_layer_wait_s <= stats.kv_tier_load_wait_s  # the forward's wait, measured
     engine.close()
 
 
@@ -141,6 +144,33 @@ def test_a_layer_found_damaged_mid_step_costs_a_recompute_not_the_answer(make_en
     engine.close()
 
 
+def test_a_layer_damaged_after_the_load_wrote_layer_0_is_found_and_costs_a_recompute(make_engine, fresh, written,
+                                                                                    tmp_path, monkeypatch) -> None:
+    prompt, expected = fresh
+    tiers = copied(written, tmp_path)
+    layers_written: list[int] = []
+    write_pages = KVConnector.write_pages
+
+    def write_then_damage(connector, request_id, ticket, layer, block_ids, k, v) -> None:
+        write_pages(connector, request_id, ticket, layer, block_ids, k, v)
+        layers_written.append(layer)
+        if layers_written == [0]:  # a byte of the last layer of a loading block's file, changed in place
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            path.write_bytes(bytes(data))
+
+    monkeypatch.setattr(KVConnector, "write_pages", write_then_damage)
+    engine = make_engine(cache=SMALL_CACHE, kv_tiers=tiers)
+    path = Path(tiers.disk_dir) / f"{engine.kv.prefix_hashes(prompt)[1].hex()}.kvb"
+    tokens, cached, steps = answer(engine, prompt)
+    assert tokens == expected and steps == 2 and cached == 0
+    # The load read the last layer's bytes only after it had written the layers before it.
+    assert layers_written == list(range(engine.runner.cache.num_layers - 1))
+    disk = engine.stats().kv_tiers["disk"]
+    assert (disk.corrupt, disk.loaded_blocks) == (1, 0)
+    engine.close()
+
+
 def test_a_load_stuck_past_its_deadline_is_recomputed_and_its_late_write_refused(make_engine, fresh, written,
                                                                                  tmp_path, monkeypatch) -> None:
     prompt, expected = fresh
@@ -149,7 +179,7 @@ def test_a_load_stuck_past_its_deadline_is_recomputed_and_its_late_write_refused
     block_hash = engine.kv.prefix_hashes(prompt)[0]
     path = Path(tiers.disk_dir) / f"{block_hash.hex()}.kvb"
     path.unlink()
-    os.mkfifo(path)  # the mover's read of the first block blocks until the test writes it
+    os.mkfifo(path)  # the mover's open of the first block blocks until the test writes it
     engine.close()
     engine = make_engine(cache=SMALL_CACHE, kv_tiers=tiers)  # finds the pipe as a block at start-up
     monkeypatch.setattr("engine.engine.LOAD_TIMEOUT_S", 1.0)
@@ -158,14 +188,21 @@ def test_a_load_stuck_past_its_deadline_is_recomputed_and_its_late_write_refused
         assert tokens == expected and cached == 0 and steps == 2
         before = [page.clone() for pages in engine.runner.cache.kv_caches for page in pages]
     finally:
-        # Now the stuck read returns a record that checks, of other pages: a write of it is refused.
+        # Now the stuck read returns a record that checks, of other pages: a write of its first layer
+        # is refused, and the load ends without reading the rest.
         layout = engine.tiers.tiers.layout
         payload = torch.randint(0, 256, (layout.payload_size,), dtype=torch.uint8).numpy().tobytes()
         bogus = pack_record(block_hash, payload, layout)
-        writer = threading.Thread(target=path.write_bytes, args=(bogus,), daemon=True)
+        writer = threading.Thread(target=feed, args=(path, bogus), daemon=True)
         writer.start()
         engine.close()  # its mover ends its jobs first
         writer.join(timeout=5)
     assert all(torch.equal(a, b) for a, b in zip(before, (p for ps in engine.runner.cache.kv_caches for p in ps),
                                                   strict=True))
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def feed(pipe: Path, data: bytes) -> None:
+    """Write `data` into a named pipe, until its reader closes it."""
+    with contextlib.suppress(BrokenPipeError):
+        pipe.write_bytes(data)

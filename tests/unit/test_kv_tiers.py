@@ -1,5 +1,6 @@
 """The lower KV tiers without a model: block records, the disk tier, the host tier's owner and
-client, and the two together (engine.kv_tiers). Real files, real Unix sockets, real processes."""
+client, and the two together, loading layer by layer (engine.kv_tiers). Real files, real Unix
+sockets, real processes."""
 
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine.config import KVTierConfig
 from engine.kv_cache.block_hash import hash_block
-from engine.kv_tiers.block_record import CheckedRecord, RecordLayout, open_record, pack_record
+from engine.kv_tiers.block_record import RecordLayout, open_header, pack_record
 from engine.kv_tiers.disk_tier import DiskTier
 from engine.kv_tiers.host_tier_client import HostTierClient
 from engine.kv_tiers.host_tier_wire import PUT, U64
+from engine.kv_tiers.tier_load import TierLoad
 from engine.kv_tiers.tiers import KVTiers
 
 PAYLOAD = 100_000  # ten blocks fill the owners' 1 MiB
@@ -33,21 +36,60 @@ def block(index: int) -> tuple[bytes, bytes]:
     return hash_block(None, [index]), bytes((index + i) % 256 for i in range(PAYLOAD))
 
 
-def pages(opened: CheckedRecord | None, layout: RecordLayout = LAYOUT) -> bytes | None:
-    """Every layer's pages of an opened record, None if it did not open or a layer fails its check."""
-    if opened is None:
+def checked_layers(block_hash: bytes, packed: bytes, layout: RecordLayout = LAYOUT) -> list[bytes | None] | None:
+    """Each layer's pages of a record (None where a layer fails its check), None if its header does not
+    name `block_hash` in `layout`."""
+    header = open_header(block_hash, packed[:layout.header_size], layout)
+    if header is None:
         return None
-    layers = [opened.layer(i) for i in range(layout.layers)]
-    return None if any(layer is None for layer in layers) else b"".join(layer.tobytes() for layer in layers)
+    size, start = layout.layer_size, layout.header_size
+    slices = [np.frombuffer(packed[start + i * size:start + (i + 1) * size], np.uint8) for i in range(layout.layers)]
+    return [s.tobytes() if len(s) == size and header.check(i, s) else None for i, s in enumerate(slices)]
 
 
 def read(tier: DiskTier, block_hash: bytes, layout: RecordLayout = LAYOUT) -> bytes | None:
-    """A block's pages from the disk tier, checked as the mover checks them (a damaged layer rejected)."""
-    opened = tier.get(block_hash, layout)
-    payload = pages(opened, layout)
-    if opened is not None and payload is None:
-        tier.reject(block_hash)
-    return payload
+    """A block's pages from the disk tier, read and checked layer by layer as a load does (a layer that
+    comes up short or fails its check rejected)."""
+    opened = tier.open(block_hash, layout)
+    if opened is None:
+        return None
+    layers = []
+    for index in range(layout.layers):
+        pages = np.empty(layout.layer_size, np.uint8)
+        if not (opened.read_into(memoryview(pages)) and opened.header.check(index, pages)):
+            opened.close()
+            tier.reject(block_hash)
+            return None
+        layers.append(pages.tobytes())
+    opened.close()
+    return b"".join(layers)
+
+
+def fetched(client: HostTierClient, block_hash: bytes) -> bytes | None:
+    """A record as the host tier's owner streams it for a load (its header, then layer by layer), None
+    if it has none of LAYOUT's size."""
+    stream = client.load([block_hash], LAYOUT)
+    assert stream is not None
+    if stream.headers[0] is None:
+        stream.close()
+        return None
+    parts = [stream.headers[0]]
+    for _ in range(LAYOUT.layers):
+        view = memoryview(bytearray(LAYOUT.layer_size))
+        assert stream.read_into(view)
+        parts.append(bytes(view))
+    stream.close()
+    return b"".join(parts)
+
+
+def loaded(load: TierLoad | None, layout: RecordLayout = LAYOUT) -> list[bytes] | None:
+    """Each block's pages, read layer by layer from a load; None if it did not open or a layer failed."""
+    if load is None:
+        return None
+    layers = [load.layer(i) for i in range(layout.layers)]
+    if any(layer is None for layer in layers):
+        return None
+    return [b"".join(layer[row].tobytes() for layer in layers) for row in range(len(load.tiers))]
 
 
 def record(index: int) -> tuple[bytes, bytes]:
@@ -115,20 +157,20 @@ def _answers(path: Path) -> bool:
 def test_block_record_checks_hash_length_and_each_layers_bytes() -> None:
     block_hash, payload = block(1)
     packed = pack_record(block_hash, payload, LAYOUT)
-    assert pages(open_record(block_hash, packed, LAYOUT)) == payload
+    size = PAYLOAD // 4
+    assert checked_layers(block_hash, packed) == [payload[i * size:(i + 1) * size] for i in range(4)]
     other_hash, _ = block(2)
     flipped = bytearray(packed)
     flipped[-1] ^= 1
-    assert open_record(other_hash, packed, LAYOUT) is None  # filed under another block's name
-    assert pages(open_record(block_hash, bytes(flipped), LAYOUT)) is None  # a damaged byte
-    assert open_record(block_hash, packed[:-1], LAYOUT) is None  # truncated
-    assert open_record(block_hash, packed, RecordLayout(PAYLOAD + 4, 4)) is None  # another block size
-    assert open_record(block_hash, packed, RecordLayout(PAYLOAD, 2)) is None  # another layer count
-    assert open_record(block_hash, b"TKV1" + packed[4:], LAYOUT) is None  # the older format
-    damaged = open_record(block_hash, bytes(flipped), LAYOUT)  # the header is intact: only the last layer fails
-    size = PAYLOAD // 4
-    assert [None if damaged.layer(i) is None else damaged.layer(i).tobytes() for i in range(4)] == [
-        payload[:size], payload[size:2 * size], payload[2 * size:3 * size], None]
+    assert checked_layers(other_hash, packed) is None  # filed under another block's name
+    assert open_header(block_hash, packed[:LAYOUT.header_size - 1], LAYOUT) is None  # truncated in the header
+    assert checked_layers(block_hash, packed, RecordLayout(PAYLOAD + 4, 4)) is None  # another block size
+    assert checked_layers(block_hash, packed, RecordLayout(PAYLOAD, 2)) is None  # another layer count
+    assert checked_layers(block_hash, b"TKV1" + packed[4:]) is None  # the older format
+    # The header is intact: only the damaged layer fails, and a truncated payload only its last layer.
+    assert checked_layers(block_hash, bytes(flipped)) == [payload[:size], payload[size:2 * size],
+                                                          payload[2 * size:3 * size], None]
+    assert checked_layers(block_hash, packed[:-1])[3] is None
 
 
 def test_disk_tier_bounds_its_bytes_least_recently_used_first(tmp_path) -> None:
@@ -136,7 +178,7 @@ def test_disk_tier_bounds_its_bytes_least_recently_used_first(tmp_path) -> None:
     hashes = [block(i)[0] for i in range(4)]
     for i in range(3):
         assert tier.put(*record(i)) == []
-    assert tier.get(hashes[0], LAYOUT) is not None  # block 0 is now the most recent
+    tier.open(hashes[0], LAYOUT).close()  # block 0 is now the most recent
     assert tier.put(*record(3)) == [hashes[1]]
     assert tier.hashes() == [hashes[2], hashes[0], hashes[3]]
     assert tier.leading([hashes[2], hashes[0], hashes[1], hashes[3]]) == 2
@@ -254,9 +296,9 @@ def test_host_tier_owner_stores_evicts_and_serves_many_clients(owner, tmp_path) 
     for block_hash in hashes[:10]:
         assert first.put(block_hash, records[block_hash]) == []
     assert second.has(hashes) == [True] * 10 + [False]
-    assert second.get(hashes[3]) == records[hashes[3]]
+    assert fetched(second, hashes[3]) == records[hashes[3]]
     assert first.put(hashes[10], records[hashes[10]]) == [hashes[0]]  # the least recently used goes
-    assert first.get(hashes[0]) is None
+    assert fetched(first, hashes[0]) is None
     assert first.tier_id == second.tier_id != b""
 
 
@@ -270,7 +312,7 @@ def test_a_client_that_dies_mid_put_stores_nothing(owner, tmp_path) -> None:
     while time.monotonic() < deadline and client.has([block_hash]) != [False]:
         time.sleep(0.01)
     assert client.has([block_hash]) == [False]
-    assert client.put(block_hash, packed) == [] and client.get(block_hash) == packed
+    assert client.put(block_hash, packed) == [] and fetched(client, block_hash) == packed
 
 
 def test_kv_tiers_fill_both_tiers_and_load_from_memory_first(owner, tmp_path) -> None:
@@ -282,9 +324,10 @@ def test_kv_tiers_fill_both_tiers_and_load_from_memory_first(owner, tmp_path) ->
         tiers.store(*block(i))
     assert tiers.available(hashes) == 2
     assert events.held == {"host": set(hashes[:2]), "disk": set(hashes[:2])}
-    tier, opened = tiers.fetch(hashes[1])
-    assert (tier, pages(opened)) == ("host", block(1)[1])
-    assert tiers.fetch(hashes[2]) is None
+    with tiers.load(hashes[:2]) as load:
+        assert load.tiers == ["host", "host"] and loaded(load) == [block(0)[1], block(1)[1]]
+    with tiers.load(hashes) as load:
+        assert load is None
     assert tiers.host_tier_id != ""
     tiers.close()
 
@@ -298,9 +341,9 @@ def test_a_damaged_layer_of_a_host_tier_record_drops_it_from_the_owner(owner, tm
     damaged[-1] ^= 1
     client = HostTierClient(str(tmp_path / "host.sock"))
     client.put(block_hash, bytes(damaged))  # another worker's bad write, say
-    tier, opened = tiers.fetch(block_hash)
-    assert tier == "host" and opened.layer(0) is not None and opened.layer(3) is None
-    tiers.reject(tier, block_hash)
+    with tiers.load([block_hash]) as load:
+        assert load.tiers == ["host"]
+        assert [load.layer(i) is not None for i in range(4)] == [True, True, True, False]
     assert client.has([block_hash, block(1)[0]]) == [False, True]  # gone for every worker of the node
     stats = tiers.stats()["host"]
     assert (stats.hits, stats.misses, stats.corrupt) == (0, 1, 1)
@@ -316,8 +359,8 @@ def test_a_restarted_owner_is_a_new_empty_tier_and_the_disk_still_answers(owner,
     old_id = tiers.host_tier_id
     owner.restart()
     block_hash, payload = block(1)
-    found = tiers.fetch(block_hash)  # the old connection is found closed and remade at once
-    assert found is not None and found[0] == "disk" and pages(found[1]) == payload
+    with tiers.load([block_hash]) as load:  # the old connection is found closed and remade at once
+        assert load.tiers == ["disk"] and loaded(load) == [payload]
     assert tiers.available([block_hash]) == 1
     assert tiers.host_tier_id not in ("", old_id)
     assert events.held["host"] == set()  # what the old owner held was reported gone
@@ -328,6 +371,89 @@ def test_an_absent_owner_is_a_miss_and_a_count(tmp_path) -> None:
     tiers = KVTiers(KVTierConfig(host_socket=str(tmp_path / "nobody.sock")), LAYOUT, Events())
     tiers.store(*block(1))
     assert tiers.available([block(1)[0]]) == 0
-    assert tiers.fetch(block(1)[0]) is None
+    with tiers.load([block(1)[0]]) as load:
+        assert load is None
     assert tiers.stats()["host"].errors >= 1
+    tiers.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_disk_load_reads_each_layer_when_asked_and_finds_it_damaged_then(tmp_path, damage) -> None:
+    events = Events()
+    tiers = KVTiers(KVTierConfig(disk_dir=str(tmp_path / "disk")), LAYOUT, events)
+    hashes = [block(i)[0] for i in range(2)]
+    for i in range(2):
+        tiers.store(*block(i))
+    disk = tiers.stats()["disk"]
+    path = tmp_path / "disk" / f"{hashes[1].hex()}.kvb"
+    with tiers.load(hashes) as load:
+        assert tiers.stats()["disk"].bytes_read == disk.bytes_read + 2 * LAYOUT.header_size  # the headers only
+        first = load.layer(0)
+        assert tiers.stats()["disk"].bytes_read == disk.bytes_read + 2 * (LAYOUT.header_size + LAYOUT.layer_size)
+        assert [first[i].tobytes() for i in range(2)] == [block(i)[1][:LAYOUT.layer_size] for i in range(2)]
+        # Block 1's file changes in place after its layer 0 was read: its later layers are read now.
+        data = path.read_bytes()
+        if damage == "flip":
+            path.write_bytes(data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])  # a byte of layer 3
+            assert [load.layer(i) is None for i in (1, 2, 3)] == [False, False, True]
+        else:
+            path.write_bytes(data[:LAYOUT.header_size + 2 * LAYOUT.layer_size + 10])  # cut inside layer 2
+            assert [load.layer(i) is None for i in (1, 2)] == [False, True]
+    stats = tiers.stats()["disk"]
+    assert (stats.hits - disk.hits, stats.misses - disk.misses, stats.corrupt) == (1, 1, 1)
+    assert hashes[1] not in events.held["disk"] and not path.exists()
+    with tiers.load(hashes[:1]) as load:
+        assert loaded(load) == [block(0)[1]]
+    tiers.close()
+
+
+def test_a_host_tier_record_dropped_and_evicted_mid_load_never_mixes_pages(owner, tmp_path) -> None:
+    tiers = KVTiers(KVTierConfig(host_socket=str(tmp_path / "host.sock")), LAYOUT, Events())
+    block_hash, payload = block(1)
+    tiers.store(block_hash, payload)
+    other = HostTierClient(str(tmp_path / "host.sock"))
+    with tiers.load([block_hash]) as load:
+        layers = [load.layer(0)[0].tobytes()]
+        # Mid-load, another worker has it dropped, then stores other pages under its name, then the
+        # owner evicts everything for newer blocks.
+        other.drop(block_hash)
+        assert other.has([block_hash]) == [False]
+        other.put(block_hash, pack_record(block_hash, block(2)[1], LAYOUT))
+        for i in range(3, 14):
+            other.put(*record(i))
+        assert other.has([block_hash]) == [False]
+        layers += [load.layer(i)[0].tobytes() for i in range(1, 4)]
+    assert b"".join(layers) == payload  # the record as it was when the load began, whole
+    stats = tiers.stats()["host"]
+    assert (stats.hits, stats.misses, stats.corrupt) == (1, 0, 0)
+    assert stats.bytes_read == U64.size + LAYOUT.record_size
+    other.close()
+    tiers.close()
+
+
+def test_a_load_mixes_host_and_disk_blocks_and_counts_what_each_read(owner, tmp_path) -> None:
+    events = Events()
+    config = KVTierConfig(host_socket=str(tmp_path / "host.sock"), disk_dir=str(tmp_path / "disk"))
+    tiers = KVTiers(config, LAYOUT, events)
+    hashes, payloads = zip(*(block(i) for i in range(3)), strict=True)
+    for i in range(3):
+        tiers.store(hashes[i], payloads[i])
+    other = HostTierClient(str(tmp_path / "host.sock"))
+    other.drop(hashes[1])  # evicted from the node's memory: block 1 comes from disk
+    other.drop(hashes[2])
+    other.put(hashes[2], record(3)[1])  # block 3's record under block 2's name: block 2 comes from disk
+    with tiers.load(hashes) as load:
+        assert load.tiers == ["host", "disk", "disk"] and loaded(load) == list(payloads)
+    host, disk = tiers.stats()["host"], tiers.stats()["disk"]
+    assert (host.hits, host.misses, host.corrupt, disk.hits, disk.corrupt) == (1, 2, 1, 2, 0)
+    # The host tier streamed blocks 0 and 2 (read past, its header failing); the disk held 1 and 2.
+    assert host.bytes_read == 3 * U64.size + 2 * LAYOUT.record_size
+    assert disk.bytes_read == 2 * LAYOUT.record_size
+    assert other.has(list(hashes)) == [True, False, False]  # the misfiled record was dropped
+    with tiers.load(hashes[:1]) as load:
+        load.layer(0)  # abandoned mid-stream: its connection is closed, not left mid-answer
+    with tiers.load(hashes[:1]) as load:
+        assert load.tiers == ["host"] and loaded(load) == [payloads[0]]
+    assert tiers.stats()["host"].errors == 0
+    other.close()
     tiers.close()
