@@ -223,6 +223,33 @@ class KVTierConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters served over the base (engine.lora), vLLM's knobs: up to `max_loras` adapters
+    in one step, each of rank at most `max_lora_rank`, and up to `max_cpu_loras` (None: as many as
+    `max_loras`) read and kept in memory, the least recently used idle one dropped beyond.
+    `modules`: (name, directory) of the adapters known at start-up; more can be added while serving."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    modules: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def cpu_capacity(self) -> int:
+        """Adapters kept read in memory at most."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, "max_loras", f"must be at least 1, got {self.max_loras}")
+        _require(self.max_lora_rank >= 1, "max_lora_rank", f"must be at least 1, got {self.max_lora_rank}")
+        _require(self.cpu_capacity >= self.max_loras, "max_cpu_loras",
+                 f"{self.max_cpu_loras} must be at least max_loras ({self.max_loras})")
+        names = [name for name, _ in self.modules]
+        _require(len(names) == len(set(names)), "lora_modules", f"a name given twice: {sorted(names)}")
+        _require(all(names), "lora_modules", "an adapter needs a name (NAME=PATH)")
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Token-budget continuous batching (vLLM v1 style)."""
 
@@ -281,6 +308,7 @@ class EngineConfig:
     activation_quantization: ActivationQuantization = "auto"
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora: LoraConfig | None = None  # None: no adapters (vLLM's --enable-lora off)
     # Ranks (processes) the model is split across, Megatron-style (engine.parallel); each holds its
     # shard of the weights and of the KV cache, `cache` being each rank's budget.
     tensor_parallel_size: int = 1

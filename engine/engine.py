@@ -34,6 +34,7 @@ from engine.kv_connector.policy import DEFAULT_KV_WAIT_S, KVConnectorPolicy
 from engine.kv_connector.tier_loading import LOAD_TIMEOUT_S
 from engine.kv_connector.tier_mover import TierMover, open_tiers
 from engine.kv_connector.worker_side import KVConnectorWorker
+from engine.lora.serving import serve_adapters
 from engine.model.loader import ModelFiles
 from engine.outputs import (
     EngineStats,
@@ -145,7 +146,10 @@ class Engine:
         plans = None if self._parallel is None or context is not None else self._parallel.send
         scoring = None if loaded.scored is None or loaded.budget is None else BlockScoring(
             loaded.scored, loaded.budget, self.kv.add_scores)
-        self.runner = ModelRunner(loaded.model, loaded.cache, sampler, self.device, plans, context, stages, scoring)
+        # LoRA adapters over the base (None without --enable-lora): the runner's slots, the scheduler's registry.
+        self.adapters = serve_adapters(config, loaded.model, loaded.config, loaded.dtype)
+        self.runner = ModelRunner(loaded.model, loaded.cache, sampler, self.device, plans, context, stages, scoring,
+                                  None if self.adapters is None else self.adapters.slots)
         page = self.kv_format.page_shape(block_size, loaded.config.num_kv_heads, loaded.config.head_dim)
         policy = KVConnectorPolicy.of(config)
         self.connector = KVConnector(policy, KVConnectorWorker(
@@ -156,7 +160,8 @@ class Engine:
         if self.tiers is not None:
             self.kv.track_new_cached()
         self.scheduler = Scheduler(config.scheduler, self.kv, eos_token_ids=eos, connector=self.connector.scheduler,
-                                   tier_loads=self.tiers)
+                                   tier_loads=self.tiers,
+                                   adapters=None if self.adapters is None else self.adapters.registry)
         self._text: dict[str, _TextState] = {}
         self.last_step_tokens = StepTokens()
         self._drafter = None if spec is None or proposer is None else Drafter(spec, proposer, self._draft_gate())
@@ -236,6 +241,10 @@ class Engine:
                 raise ValueError(f"{field}: token id {outside} is outside the vocabulary [0, {vocab})")
         output = list(check_resumable(resumed, params.max_tokens, vocab)) if resumed is not None else []
         request = Request(request_id, prompt, params, self.max_model_len, token_ids=prompt + output)
+        if params.lora_name:
+            if self.adapters is None:
+                raise ValueError(f"lora_name: {params.lora_name!r}, but this engine serves no adapters (--enable-lora)")
+            request.adapter_fingerprint = self.adapters.registry.fingerprint(params.lora_name)
         if params.structured is not None:
             request.grammar = self.grammars.state(params.structured, output)
         return request

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.kv_cache.block_hash import first_block_key
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -61,6 +62,10 @@ class Request:
     shadow_from: int = 0  # ...this token index on
     # Structured output: where the request is in its grammar (engine.structured), None without one.
     grammar: GrammarState | None = None
+    # Under a LoRA adapter (SamplingParams.lora_name): its fingerprint, and the runner's slot holding
+    # it while the request runs (engine.lora.registry); b"" and None for the base model.
+    adapter_fingerprint: bytes = b""
+    lora_slot: int | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -72,9 +77,10 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def cache_salt(self) -> bytes:
-        """The salt of its first KV block's hash (SamplingParams.cache_salt; empty for none)."""
-        return self.params.cache_salt.encode()
+    def first_block_key(self) -> bytes:
+        """What its first KV block's hash takes after the tokens: its cache_salt and its adapter
+        (engine.kv_cache.block_hash.first_block_key)."""
+        return first_block_key(self.params.cache_salt, self.adapter_fingerprint)
 
     @property
     def num_tokens(self) -> int:

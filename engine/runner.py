@@ -11,6 +11,8 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.scored import ScoredAttention
 from engine.kv_cache.cache_engine import CacheEngine
 from engine.kv_cache.kv_budget import KVBudget
+from engine.lora.batch import NO_LORA, LoraBatch
+from engine.lora.slots import LoraSlots
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel.context_parallel import ContextParallelPrefill
 from engine.parallel.pipeline import PipelineStages
@@ -38,12 +40,13 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, sampler: Sampler, device: torch.device,
                  plans: Callable[[StepPlan], None] | None = None,
                  context: ContextParallelPrefill | None = None, stages: PipelineStages | None = None,
-                 scoring: BlockScoring | None = None) -> None:
+                 scoring: BlockScoring | None = None, lora: LoraSlots | None = None) -> None:
         """`plans` hands each step's inputs to the other ranks of a tensor- or pipeline-parallel engine
         before this rank runs it (engine.parallel.step_plan); `context` splits long prompts across the
         ranks of a prefill context-parallel engine (engine.parallel.context_parallel); `stages` runs a
         pipeline-parallel engine's step through its stages (engine.parallel.pipeline); `scoring`
-        scores the blocks each request holds under a KV budget (engine.kv_cache.kv_budget)."""
+        scores the blocks each request holds under a KV budget (engine.kv_cache.kv_budget); `lora`:
+        the LoRA adapters' slots (engine.lora), filled as each step's `adapter_loads` say."""
         self.model = model
         self.cache = cache
         self.sampler = sampler
@@ -52,6 +55,7 @@ class ModelRunner:
         self._context = context
         self._stages = stages
         self._scoring = scoring
+        self._lora = lora
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -103,7 +107,14 @@ class ModelRunner:
             self._plans(StepPlan(input_ids, positions, meta, sample_rows, list(export_blocks)))
         if self._stages is not None:
             return self._stages.step(input_ids, positions, meta, sample_rows, self.cache.kv_caches, on_layer_done)
-        hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done, before_layer)
+        if self._lora is not None:
+            for slot, adapter in out.adapter_loads:
+                self._lora.load(slot, adapter)
+            self.model.lora_step.batch = LoraBatch.of([(c.request.lora_slot, c.num_tokens) for c in out.chunks])
+        try:
+            hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done, before_layer)
+        finally:
+            self.model.lora_step.batch = NO_LORA
         if self._scoring is not None and meta.held_blocks is not None:
             for chunk, held, mass in zip(out.chunks, meta.held_blocks, self._scoring.attention.take_scores(),
                                          strict=True):

@@ -45,6 +45,9 @@ class SamplingParams:
     # (prefill, decode, a migration). Hashed into the request's first KV block, so that only requests
     # carrying the same salt (one tenant's) share cached prefix blocks; "" for none.
     cache_salt: str = ""
+    # The LoRA adapter to run under (engine.lora), by the name it is served as; "" for the base
+    # model. Like cache_salt, not a sampling choice, but it travels wherever the sampling does.
+    lora_name: str = ""
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
@@ -87,6 +90,7 @@ class SamplingParams:
                "a token id is given twice")
         _check(isinstance(self.cache_salt, str), "cache_salt",
                f"must be a string, got {type(self.cache_salt).__name__}")
+        _check(isinstance(self.lora_name, str), "lora_name", f"must be a string, got {type(self.lora_name).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -11,6 +11,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.config import SchedulerConfig
 from engine.kv_cache.blocks import blocks_for
@@ -18,10 +19,14 @@ from engine.kv_cache.kv_budget import KeptBlocks
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_connector.scheduler_side import KVConnectorScheduler
 from engine.kv_connector.tier_loading import TierLoading, TierLoads
+from engine.lora.registry import AdapterRegistry
 from engine.request import FinishReason, Request, RequestStatus
 from engine.speculative.gate import record_verification
 from engine.speculative.stats import SpecDecodeStats
 from engine.structured.state import GrammarError
+
+if TYPE_CHECKING:
+    from engine.lora.adapter import LoraAdapter
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +61,8 @@ class SchedulerOutput:
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # LoRA: (slot, adapter) to copy into the runner's slots before this step's forward.
+    adapter_loads: list[tuple[int, LoraAdapter]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +91,7 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         connector: KVConnectorScheduler | None = None,
         tier_loads: TierLoads | None = None,
+        adapters: AdapterRegistry | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -96,13 +104,15 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats()
         # The requests whose prefix loads from a lower KV tier in this step (None: no tiers).
         self.tier_loading = None if tier_loads is None else TierLoading(kv, self.connector, tier_loads)
+        # LoRA adapters (None: none served): a request under one runs only while it holds a slot of it.
+        self.adapters = adapters
 
     # ---- admission -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         """Queue a request for its first schedule."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
+        self._enter(request)
         self.waiting.append(request)
 
     def admit_export(self, request: Request) -> bool:
@@ -119,11 +129,14 @@ class Scheduler:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         cached_blocks, num_cached = self._cached_prefix(request)
         from_tiers = 0 if self.tier_loading is None else self.tier_loading.lookup(request, len(cached_blocks))
+        if not self._take_slot(request):
+            return False
         if not self.kv.allocate_slots(request.request_id, request.num_tokens, cached_blocks):
+            self._give_back_slot(request)
             return False
         request.num_computed_tokens = request.num_cached_tokens = num_cached + from_tiers * self.kv.block_size
         request.status = RequestStatus.RUNNING
-        self.requests[request.request_id] = request
+        self._enter(request)
         self.running.append(request)
         if from_tiers and self.tier_loading is not None:
             # Its load runs while the step that first schedules it computes the rest.
@@ -155,11 +168,14 @@ class Scheduler:
             hidden = 0
         else:
             cached_blocks, num_cached = [], 0
+        if not self._take_slot(request):
+            return None
         if not self.kv.allocate_slots(request.request_id, request.num_tokens, cached_blocks, hidden):
+            self._give_back_slot(request)
             return None
         request.num_cached_tokens = num_cached
         request.status = RequestStatus.WAITING_FOR_KV
-        self.requests[request.request_id] = request
+        self._enter(request)
         to_fill = self.kv.block_table(request.request_id)[len(cached_blocks) + hidden:]
         return self.connector.reserved(request.request_id, to_fill, timeout_s)
 
@@ -177,7 +193,7 @@ class Scheduler:
         if kept is not None:
             self.kv.place_kept(request_id, kept)
         request.num_computed_tokens = request.num_tokens
-        self.kv.cache_blocks(request_id, request.token_ids, request.num_computed_tokens, request.cache_salt)
+        self.kv.cache_blocks(request_id, request.token_ids, request.num_computed_tokens, request.first_block_key)
         self.kv.free_outside_window(request_id, request.num_computed_tokens)
         request.append_output(first_token)
         request.status = RequestStatus.RUNNING
@@ -211,6 +227,8 @@ class Scheduler:
             index += 1
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
+        if self.adapters is not None:
+            out.adapter_loads = self.adapters.take_loads()
         return out
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
@@ -250,6 +268,7 @@ class Scheduler:
         # Recompute-style preemption: drop the KV, requeue at the front with all tokens so far.
         self.running.remove(request)
         self.kv.free(request.request_id)
+        self._give_back_slot(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.total_preemptions += 1
@@ -273,7 +292,11 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
+            # The queue's head waits for a slot of its adapter (none jumps it: no adapter starves).
+            if not self._take_slot(request):
+                break
             if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached_blocks):
+                self._give_back_slot(request)
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
@@ -306,7 +329,7 @@ class Scheduler:
                 request.num_cached_tokens = request.num_computed_tokens
 
     def _cached_prefix(self, request: Request) -> tuple[list[int], int]:
-        return self.kv.find_cached_prefix(request.token_ids, request.cache_salt)
+        return self.kv.find_cached_prefix(request.token_ids, request.first_block_key)
 
     def _chunk(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         return ScheduledChunk(
@@ -351,7 +374,7 @@ class Scheduler:
             if accepted < drafts:
                 self.kv.trim(request.request_id, request.num_computed_tokens)
             self.kv.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens,
-                                 request.cache_salt)
+                                 request.first_block_key)
             self.kv.free_outside_window(request.request_id, request.num_computed_tokens)
             # A KV budget applies once a request's known tokens are computed but the one just
             # sampled; a request that ends or hands off keeps its blocks until it goes.
@@ -409,6 +432,7 @@ class Scheduler:
             self.tier_loading.discard(request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self._give_back_slot(request)
         if reason is not FinishReason.ABORT and self.connector.keeps(request):
             return request
         self.release(request_id)
@@ -418,7 +442,7 @@ class Scheduler:
         """Free a request's blocks and forget it (a kept request: once its KV was handed off)."""
         self.connector.forget(request_id)  # first: its reservation's blocks are about to change owner
         self.kv.free(request_id)
-        self.requests.pop(request_id, None)
+        self._forget_adapter(self.requests.pop(request_id, None))
 
     def expire(self) -> list[str]:
         """Abort the requests whose connector deadline passed (a reservation whose KV never came, a
@@ -432,6 +456,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED
                 request.finish_reason = FinishReason.ABORT
             self.kv.free(request_id)
+            self._forget_adapter(request)
         return expired
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
@@ -448,6 +473,25 @@ class Scheduler:
             self.finish(request_id, FinishReason.ABORT)
             aborted.append(request)
         return aborted
+
+    def _enter(self, request: Request) -> None:
+        """The request holds state here from now on (and so holds its adapter in the served set)."""
+        self.requests[request.request_id] = request
+        if self.adapters is not None and request.params.lora_name:
+            self.adapters.ref(request.params.lora_name)
+
+    def _take_slot(self, request: Request) -> bool:
+        return self.adapters is None or self.adapters.take_slot(request)
+
+    def _give_back_slot(self, request: Request) -> None:
+        if self.adapters is not None:
+            self.adapters.give_back_slot(request)
+
+    def _forget_adapter(self, request: Request | None) -> None:
+        """A request left the engine: its slot (an expired reservation's) and its hold on its adapter go."""
+        if self.adapters is not None and request is not None and request.params.lora_name:
+            self.adapters.give_back_slot(request)
+            self.adapters.unref(request.params.lora_name)
 
     # ---- introspection ---------------------------------------------------------------------
     @property

@@ -2,9 +2,10 @@
 with the model's fingerprint), and the gateway hashes prompts with each worker's reported salt to look
 them up in its exact index of the workers' block events. No torch.
 
-A request's `cache_salt` (vLLM's field: a tenant's secret) is hashed into its first block only, as
-vLLM puts it in the first block's extra keys: every later block chains onto that one, so two tenants'
-blocks never share a hash.
+A request's `cache_salt` (vLLM's field: a tenant's secret) and the LoRA adapter it runs under are
+hashed into its first block only (`first_block_key`), as vLLM puts both in the first block's extra
+keys: every later block chains onto that one, so two tenants' blocks, or a base model's and an
+adapter's, never share a hash.
 
 A block's hash covers its parent block's hash, so equal hashes mean equal whole prefixes, not just equal
 blocks. sha256 over a fixed byte layout keeps hashes stable across processes and machines, which Python's
@@ -52,6 +53,16 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: bytes = b""
         digest.update(struct.pack("<Q", len(cache_salt)))
         digest.update(cache_salt)
     return digest.digest()
+
+
+def first_block_key(cache_salt: str, adapter: bytes = b"") -> bytes:
+    """What a sequence's first block hashes after its tokens (`hash_block`'s cache_salt): the
+    request's cache_salt and the fingerprint of the LoRA adapter it runs under (engine.lora.adapter;
+    b"" for the base model). Without an adapter it is the salt alone, as blocks always hashed; with
+    one it starts with 0xff, a byte no UTF-8 salt holds, so no salt can pose as an adapter."""
+    if not adapter:
+        return cache_salt.encode()
+    return b"\xff" + struct.pack("<Q", len(adapter)) + adapter + cache_salt.encode()
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes = b"",

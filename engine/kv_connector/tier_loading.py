@@ -59,7 +59,7 @@ class TierLoading:
         """How many blocks after the request's device prefix hit the lower tiers hold."""
         if request.request_id in self._failed:
             return 0
-        hashes = self._kv.prefix_hashes(request.token_ids, request.cache_salt)[num_cached_blocks:]
+        hashes = self._kv.prefix_hashes(request.token_ids, request.first_block_key)[num_cached_blocks:]
         if not hashes:
             return 0
         self.queried_tokens += len(hashes) * self._kv.block_size
@@ -68,7 +68,7 @@ class TierLoading:
     def start(self, request: Request, num_cached_blocks: int, count: int) -> None:
         """Load `count` blocks after the device prefix hit into the blocks the request was allocated
         for them (it runs in this step as if they were cached)."""
-        hashes = self._kv.prefix_hashes(request.token_ids, request.cache_salt)[num_cached_blocks:]
+        hashes = self._kv.prefix_hashes(request.token_ids, request.first_block_key)[num_cached_blocks:]
         to_fill = self._kv.block_table(request.request_id)[num_cached_blocks:num_cached_blocks + count]
         ticket = self._connector.reserved(request.request_id, to_fill, LOAD_TIMEOUT_S)
         self.tickets[request.request_id] = ticket
@@ -81,7 +81,8 @@ class TierLoading:
         self._connector.end(request.request_id)
         _, count = self._blocks.pop(request.request_id)
         self.hit_tokens += count * self._kv.block_size
-        self._kv.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens, request.cache_salt)
+        self._kv.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens,
+                              request.first_block_key)
 
     def fail(self, request_id: str) -> int:
         """The request's load failed: no write lands after this, and a retry leaves the tiers alone.

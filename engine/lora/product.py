@@ -8,7 +8,7 @@ thin products over its rows, (x·Aᵀ)·Bᵀ, per module of the fused product.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +17,7 @@ from engine.lora.batch import NO_LORA, LoraBatch
 from engine.lora.slots import LoraSlots, ModuleSlots
 
 if TYPE_CHECKING:
-    from engine.model.llama import LlamaDecoderLayer
+    from engine.model.llama import LlamaForCausalLM
 
 Product = Callable[[torch.Tensor], torch.Tensor]
 
@@ -57,9 +57,9 @@ class LoraProduct:
         return y
 
 
-def attach_lora(layers: Sequence[LlamaDecoderLayer], slots: LoraSlots, step: LoraStep) -> None:
-    """Wrap each layer's products (the loaded model's: `layers` start at `slots.first_layer`) so that
-    they add the LoRA terms of the slots in `step`."""
-    for index, layer in enumerate(layers, start=slots.first_layer):
+def attach_lora(model: LlamaForCausalLM, slots: LoraSlots) -> None:
+    """Wrap each of the loaded model's layer products so that they add the LoRA terms of the slots
+    in the model's `lora_step` (its layers start at `slots.first_layer`)."""
+    for index, layer in enumerate(model.layers, start=slots.first_layer):
         for product, base in list(layer.linears.items()):
-            layer.linears[product] = LoraProduct(base, slots.modules[(index, product)], slots.ranks, step)
+            layer.linears[product] = LoraProduct(base, slots.modules[(index, product)], slots.ranks, model.lora_step)

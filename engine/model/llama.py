@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.lora.product import LoraStep
 from engine.model.moe_weights import build_moe
 from engine.model.quantized import QuantizedWeight
 from engine.model.quantized_linear import QuantizedLinear
@@ -168,6 +169,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.head: Product = _not_loaded
         self.final_norm = self.plan.norm
         self.stacked: Stacked | None = None  # all the layers in one call, built at load where the plan has it
+        self.lora_step = LoraStep()  # the step's rows by LoRA slot (engine.lora.product; none without adapters)
 
     def forward(
         self,
@@ -191,7 +193,9 @@ class LlamaForCausalLM(torch.nn.Module):
         hidden = self.embed(input_ids) if config.first_stage else input_ids
         # Positions in the text may pass the model's table where the attention rotates (ModelPlan).
         cos, sin = (None, None) if self.plan.rotary_in_attention else self.rotary.forward(positions)
-        if (self.stacked is not None and on_layer_done is None and before_layer is None and cos is not None
+        # The decode stack runs the base's products only: a step with LoRA rows runs layer by layer.
+        if (self.stacked is not None and not self.lora_step.batch and on_layer_done is None and before_layer is None
+                and cos is not None
                 and sin is not None):
             stacked = self.stacked(hidden, cos, sin, kv_caches, meta)
             if stacked is not None:

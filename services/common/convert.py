@@ -60,6 +60,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         prediction=tuple(msg.prediction),
         cache_salt=msg.cache_salt,
+        lora_name=msg.lora_name,
     )
 
 
@@ -107,6 +108,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         ignore_eos=params.ignore_eos,
         skip_special_tokens=params.skip_special_tokens,
         cache_salt=params.cache_salt,
+        lora_name=params.lora_name,
     )
     if params.seed is not None:
         msg.seed = params.seed
