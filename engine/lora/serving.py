@@ -16,13 +16,13 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.lora.adapter import LoraAdapter, load_adapter
-from engine.lora.product import attach_lora
+from engine.lora.product import LoraProduct
 from engine.lora.registry import AdapterRegistry, Reader
 from engine.lora.slots import LoraSlots
 from engine.lora.states import adapter_states
-from engine.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
+    from engine.model.llama import LlamaForCausalLM
     from engine.scheduler import Scheduler
 
 
@@ -75,3 +75,11 @@ def serve_adapters(config: EngineConfig, model: LlamaForCausalLM, model_config: 
     for name, path in lora.modules:
         served.registry.serve(served.read(name, Path(path)))
     return served
+
+
+def attach_lora(model: LlamaForCausalLM, slots: LoraSlots) -> None:
+    """Wrap each of the loaded model's layer products so that they add the LoRA terms of the slots
+    in the model's `lora_step` (its layers start at `slots.first_layer`)."""
+    for index, layer in enumerate(model.layers, start=slots.first_layer):
+        for product, base in list(layer.linears.items()):
+            layer.linears[product] = LoraProduct(base, slots.modules[(index, product)], slots.ranks, model.lora_step)
