@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import grpc
 import pytest
 from lora_adapters import save_adapter
 
@@ -18,6 +19,7 @@ from engine.lora.registry import AdapterInUse, AdapterMismatch, LoraDisabled, Un
 from engine.offline import generate
 from engine.outputs import KVReservation
 from engine.sampling_params import SamplingParams
+from services.common.errors import status_of
 
 
 class _Sink:
@@ -102,10 +104,11 @@ def test_a_name_taken_by_an_adapter_or_the_model_is_refused(engine, adapter_dirs
     assert _served(engine) == before
 
 
-def test_an_engine_without_adapters_refuses_them(make_engine, adapter_dirs):
+def test_an_engine_without_adapters_refuses_them_as_a_failed_precondition(make_engine, adapter_dirs):
     engine = make_engine(cache=CacheConfig(num_blocks=16))
-    with pytest.raises(LoraDisabled, match="--enable-lora"):
+    with pytest.raises(LoraDisabled, match="--enable-lora") as refused:
         engine.read_adapter("a", adapter_dirs["a"])
+    assert status_of(refused.value)[0] == grpc.StatusCode.FAILED_PRECONDITION
     with pytest.raises(LoraDisabled, match="--enable-lora"):
         engine.remove_adapter("a")
 
