@@ -120,8 +120,9 @@ def test_a_prompt_is_computed_for_another_worker_only_under_the_adapter_it_runs_
     assert isinstance(reservation, KVReservation) and reservation.adapter_fingerprint == fingerprint
     engine.abort("reserved")
     free = engine.kv.num_free_blocks
-    for name, expected in (("a", b"\x01" * 16), ("a", b""), ("nope", fingerprint)):
-        with pytest.raises(AdapterMismatch, match=f"'{name}'"):
+    for name, expected, refusal in (("a", b"\x01" * 16, AdapterMismatch), ("a", b"", AdapterMismatch),
+                                    ("nope", fingerprint, UnknownAdapter)):
+        with pytest.raises(refusal, match=f"'{name}'"):
             engine.add_request("export", prompt, _greedy(name), export=KVExport(_Sink(), adapter_fingerprint=expected))
         assert engine.kv.num_free_blocks == free and not engine.has_unfinished()
     matching = KVExport(_Sink(), adapter_fingerprint=fingerprint)
