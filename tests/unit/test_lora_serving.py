@@ -10,12 +10,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from lora_adapters import save_adapter
 
-from engine.config import CacheConfig, LoraConfig
+from engine.config import CacheConfig, EngineConfig, LoraConfig
 from engine.kv_connector.export import KVExport
 from engine.lora.adapter import AdapterError
 from engine.lora.registry import AdapterInUse, AdapterMismatch, LoraDisabled, UnknownAdapter
+from engine.lora.serving import serve_adapters
 from engine.offline import generate
 from engine.outputs import KVReservation
 from engine.sampling_params import SamplingParams
@@ -128,3 +130,11 @@ def test_a_prompt_is_computed_for_another_worker_only_under_the_adapter_it_runs_
     matching = KVExport(_Sink(), adapter_fingerprint=fingerprint)
     assert engine.add_request("export", prompt, _greedy("a"), export=matching) is None
     engine.abort("export")
+
+
+@pytest.mark.parametrize(("sizes", "flag"), [({"tensor_parallel_size": 2}, "--tensor-parallel-size 2"),
+                                             ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 2")])
+def test_adapters_over_several_processes_are_refused_naming_the_flag(model_files, sizes, flag):
+    config = EngineConfig(lora=LoraConfig(), **sizes)
+    with pytest.raises(ValueError, match=f"enable_lora: not served over several processes yet \\({flag}; model"):
+        serve_adapters(config, model=None, model_config=model_files.config, dtype=torch.float32)
