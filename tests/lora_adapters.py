@@ -26,7 +26,7 @@ def save_adapter(directory: Path, model: ModelConfig, rank: int, seed: int,
         base = LlamaForCausalLM(config)
     base = base.to_empty(device="cpu")
     torch.manual_seed(seed)
-    peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=rank, target_modules=list(modules),
+    peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(modules),
                                                  init_lora_weights=False))
     peft_model.save_pretrained(str(directory))
     return directory

@@ -63,8 +63,8 @@ def test_adapters_are_added_reported_and_removed_while_serving(engine, adapter_d
     assert (a.name, a.rank, a.path, a.in_slot, a.in_memory) == ("a", 8, str(adapter_dirs["a"]), False, True)
     engine.add_adapter(engine.read_adapter("b", adapter_dirs["b"]))
     assert set(_served(engine)) == {"a", "b"} and _served(engine)["a"] != _served(engine)["b"]
-    under_b = generate(engine, [prompt], _greedy("b"))[0].token_ids
-    assert under_b != generate(engine, [prompt], _greedy())[0].token_ids
+    under_b = generate(engine, [prompt], _greedy("b", max_tokens=8))[0].token_ids
+    assert under_b != generate(engine, [prompt], _greedy(max_tokens=8))[0].token_ids
     states = {state.name: state for state in engine.stats().lora_adapters}
     assert states["b"].in_slot and not states["a"].in_slot  # one slot, b used last
     engine.add_request("running-a", prompt, _greedy("a", max_tokens=8))
