@@ -10,18 +10,7 @@ import threading
 import pytest
 
 from engine import commands
-from engine.commands import (
-    Abort,
-    AddAdapter,
-    AddRequest,
-    Command,
-    GetStats,
-    ImportPages,
-    Release,
-    RemoveAdapter,
-    Reserve,
-    StartDecode,
-)
+from engine.commands import Abort, AddRequest, Command, GetStats, ImportPages, Release, Reserve, StartDecode
 from engine.config import EngineConfig
 from engine.outputs import KVReservation
 from engine.sampling_params import SamplingParams
@@ -38,8 +27,8 @@ EXPECTED = {
     Release: (Release("r"), ("release", ("r",))),
     Abort: (Abort("r"), ("abort", ("r",))),
     GetStats: (GetStats(), ("stats", ())),
-    AddAdapter: (AddAdapter("adapter"), ("add_adapter", ("adapter",))),  # type: ignore[arg-type]
-    RemoveAdapter: (RemoveAdapter("sql"), ("remove_adapter", ("sql",))),
+    commands.AddAdapter: (commands.AddAdapter("adapter"), ("add_adapter", ("adapter",))),  # type: ignore[arg-type]
+    commands.RemoveAdapter: (commands.RemoveAdapter("sql"), ("remove_adapter", ("sql",))),
 }
 
 
