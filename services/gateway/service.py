@@ -66,6 +66,7 @@ class GatewayService:
         registry.probe.probe_tokens = self.probe_tokens
         self.catalog: ModelCatalog | None = None
         self.adapters = AdapterWatch(registry, lambda: self.catalog.names if self.catalog is not None else ())
+        metrics.registry.register(self.adapters)
         self._capture_content = capture_content()
 
     def served_catalog(self) -> ModelCatalog:
