@@ -59,7 +59,7 @@ class AdapterAdmin:
             table = self._adapters.table
             if name in catalog.names:
                 raise _invalid(f"lora_name: `{name}` is the name of a served model; an adapter needs its own")
-            if name in table.served or name in table.conflicts:
+            if name in table.served or name in table.conflicts or name in catalog.declared_adapters:
                 raise _invalid(f"lora_name: the adapter `{name}` has already been loaded")
             version_key = _base(catalog, base)
             workers = [w for w in self._registry.workers if w.routable and version_key in (None, w.version_key)]
@@ -86,6 +86,9 @@ class AdapterAdmin:
         """Stop serving `name` on every worker that serves it. StatusError NOT_FOUND when none does,
         UNAVAILABLE naming it when a worker cannot let it go now (requests use it)."""
         async with self._lock:
+            if name in self._catalog().declared_adapters:
+                raise _invalid(f"lora_name: the adapter `{name}` is declared in the model repository file; remove "
+                               "it there")
             held = [(worker, adapter) for worker in self._registry.workers if worker.routable
                     for adapter in worker.adapters if adapter.name == name]
             if not held:

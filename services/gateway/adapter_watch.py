@@ -12,10 +12,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Iterator
 
+import grpc
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from services.common.errors import StatusError
 from services.gateway.adapters import AdapterTable, WorkerAdapters
+from services.gateway.catalog import ModelCatalog, Target, UnknownModel
 from services.gateway.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,26 @@ class AdapterWatch(Collector):
         for name in self.table.conflicts.keys() - table.conflicts.keys():
             log.info("LoRA adapter %s: its workers agree again", name)
         self.table = table
+
+    def target(self, requested: str, catalog: ModelCatalog, unknown: UnknownModel) -> Target:
+        """The target of a request naming the adapter `requested` (no model of `catalog` has that
+        name: `unknown` says so). StatusError UNAVAILABLE for an adapter in conflict or declared by
+        the repository but served by no worker yet; NOT_FOUND for one not served (as `unknown`), or
+        over a base version the catalog lacks."""
+        if requested in self.table.conflicts:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"model: {self.table.conflicts[requested]}; not "
+                              "routed until its workers agree") from unknown
+        adapter = self.table.served.get(requested)
+        if adapter is None:
+            base = catalog.declared_adapters.get(requested)
+            if base is not None:
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, f"model: the adapter `{requested}` is not served "
+                                  f"by a worker of {base} yet") from unknown
+            raise StatusError(grpc.StatusCode.NOT_FOUND, str(unknown)) from unknown
+        try:
+            return catalog.adapter_target(adapter)
+        except UnknownModel as unserved:
+            raise StatusError(grpc.StatusCode.NOT_FOUND, str(unserved)) from unserved
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily("tandem:lora_adapter_conflict",

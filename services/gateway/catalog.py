@@ -125,6 +125,14 @@ class ModelCatalog:
         return frozenset({model.name for model in self.repository.models}
                          | {version.version_key for version in self.repository.versions})
 
+    @property
+    def declared_adapters(self) -> dict[str, str]:
+        """The LoRA adapters the repository declares (services.gateway.adapter_sync loads them), by
+        name, with their base version's NAME@VERSION."""
+        if self.repository is None:
+            return {}
+        return {adapter.name: base for base, adapter in self.repository.adapters}
+
     def adapter_target(self, adapter: ServedAdapter) -> Target:
         """The target of a request naming `adapter`: its base version's; UnknownModel when this
         gateway does not serve that base version."""

@@ -88,17 +88,7 @@ class GatewayService:
         try:
             return catalog.resolve(requested, caller)
         except UnknownModel as error:
-            table = self.adapters.table
-            if requested in table.conflicts:
-                raise StatusError(grpc.StatusCode.UNAVAILABLE, f"model: {table.conflicts[requested]}; not routed "
-                                  "until its workers agree") from error
-            adapter = table.served.get(requested)
-            if adapter is None:
-                raise StatusError(grpc.StatusCode.NOT_FOUND, str(error)) from error
-            try:
-                return catalog.adapter_target(adapter)
-            except UnknownModel as unserved:
-                raise StatusError(grpc.StatusCode.NOT_FOUND, str(unserved)) from unserved
+            return self.adapters.target(requested, catalog, error)
 
     def models(self) -> list[ModelListing]:
         """Every model version served, and every LoRA adapter routed to, as the model lists show them."""
