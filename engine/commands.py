@@ -17,6 +17,7 @@ import torch
 from engine.kv_cache.kv_budget import KeptBlocks
 from engine.kv_connector.export import KVExport
 from engine.kv_connector.policy import DEFAULT_KV_WAIT_S
+from engine.lora.adapter import LoraAdapter
 from engine.outputs import EngineStats, KVReservation, NoKVRoom, RequestOutput, ReserveResult
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
@@ -91,6 +92,22 @@ class Abort(Command[bool]):
     """Abort a request at any point of its life and free its blocks; False if it was unknown."""
 
     request_id: str
+
+
+@dataclass(frozen=True)
+class AddAdapter(Command[None]):
+    """Serve a LoRA adapter already read and checked (Engine.read_adapter, off the engine thread);
+    ValueError naming it if its name is taken, LoraDisabled without --enable-lora."""
+
+    adapter: LoraAdapter
+
+
+@dataclass(frozen=True)
+class RemoveAdapter(Command[None]):
+    """Stop serving a LoRA adapter: UnknownAdapter if not served, AdapterInUse while requests use it,
+    LoraDisabled without --enable-lora."""
+
+    name: str
 
 
 @dataclass(frozen=True)

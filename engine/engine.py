@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +35,10 @@ from engine.kv_connector.policy import DEFAULT_KV_WAIT_S, KVConnectorPolicy
 from engine.kv_connector.tier_loading import LOAD_TIMEOUT_S
 from engine.kv_connector.tier_mover import TierMover, open_tiers
 from engine.kv_connector.worker_side import KVConnectorWorker
-from engine.lora.serving import serve_adapters
+from engine.lora.adapter import LoraAdapter
+from engine.lora.identity import request_fingerprint
+from engine.lora.registry import LoraDisabled
+from engine.lora.serving import ServedAdapters, serve_adapters
 from engine.model.loader import ModelFiles
 from engine.outputs import (
     EngineStats,
@@ -191,7 +195,8 @@ class Engine:
         engine decodes nothing: role prefill). An engine that decodes admits an export at once with
         every block it needs, or refuses it (NoKVRoom, nothing kept) instead of queueing it behind
         blocks its own reservations hold (engine.scheduler.Scheduler.admit_export)."""
-        request = self._new_request(request_id, prompt_token_ids, params, resumed)
+        request = self._new_request(request_id, prompt_token_ids, params, resumed,
+                                    None if export is None else export.adapter_fingerprint)
         too_large = self._too_large(request, computed_here=True)
         if too_large is not None:
             raise ValueError(str(too_large))
@@ -213,7 +218,7 @@ class Engine:
         return None
 
     def _new_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                     resumed: Resumed | None) -> Request:
+                     resumed: Resumed | None, expected_adapter: bytes | None = None) -> Request:
         if not request_id:
             raise ValueError("request_id: must not be empty")
         if request_id in self.scheduler.requests:
@@ -241,10 +246,8 @@ class Engine:
                 raise ValueError(f"{field}: token id {outside} is outside the vocabulary [0, {vocab})")
         output = list(check_resumable(resumed, params.max_tokens, vocab)) if resumed is not None else []
         request = Request(request_id, prompt, params, self.max_model_len, token_ids=prompt + output)
-        if params.lora_name:
-            if self.adapters is None:
-                raise ValueError(f"lora_name: {params.lora_name!r}, but this engine serves no adapters (--enable-lora)")
-            request.adapter_fingerprint = self.adapters.registry.fingerprint(params.lora_name)
+        request.adapter_fingerprint = request_fingerprint(None if self.adapters is None else self.adapters.registry,
+                                                          params.lora_name, expected_adapter)
         if params.structured is not None:
             request.grammar = self.grammars.state(params.structured, output)
         return request
@@ -460,7 +463,7 @@ class Engine:
         unsent = 0 if budget is not None else max(request.num_cached_tokens,
                                                   self.kv.hidden_head(request.num_tokens) * self.kv.block_size)
         return KVReservation(request_id, tuple(self.kv.block_table(request_id)), unsent, self.kv.block_size, ticket,
-                             budget)
+                             budget, request.adapter_fingerprint)
 
     def import_kv(self, reservation: KVReservation, layer: int, block_ids: Sequence[int],
                   k: torch.Tensor, v: torch.Tensor) -> None:
@@ -481,6 +484,26 @@ class Engine:
         if output.finished:
             self._forget(request_id)
         return output
+
+    # ---- LoRA adapters (engine.lora) -------------------------------------------------------------
+    def read_adapter(self, name: str, path: Path) -> LoraAdapter:
+        """The adapter in directory `path`, read and checked to serve as `name`, on any thread (it
+        touches no engine state, so a worker reads files off the engine's thread; `add_adapter`
+        serves it). AdapterError or ValueError naming it if it cannot be served."""
+        return self._served_adapters().read(name, path)
+
+    def add_adapter(self, adapter: LoraAdapter) -> None:
+        """Serve `adapter` under its name from the next step; ValueError naming it if the name is taken."""
+        self._served_adapters().registry.serve(adapter)
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving adapter `name`: UnknownAdapter if not served, AdapterInUse while requests use it."""
+        self._served_adapters().registry.remove(name)
+
+    def _served_adapters(self) -> ServedAdapters:
+        if self.adapters is None:
+            raise LoraDisabled(f"lora: model {self.config.served_name} is served without adapters (--enable-lora)")
+        return self.adapters
 
     @property
     def kv_head_ranges(self) -> list[range]:
@@ -518,6 +541,7 @@ class Engine:
             spec_decode=self.scheduler.spec_stats.snapshot() if self.config.speculative is not None else None,
             num_preemptions=self.scheduler.total_preemptions,
             **self._tier_stats(),
+            **({} if self.adapters is None else self.adapters.stats(self.scheduler)),
         )
 
     def _tier_stats(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from engine.speculative.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from engine.kv_tiers.tiers import TierStats
+    from engine.lora.states import AdapterState
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class EngineStats:
     # Seconds the steps' forwards waited for loads' layers, and of those before the first layer.
     kv_tier_load_wait_s: float = 0.0
     kv_tier_first_layer_wait_s: float = 0.0
+    # LoRA (--enable-lora): the adapters served and their requests, and how many fit one step (0: none).
+    lora_adapters: tuple[AdapterState, ...] = ()
+    max_loras: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,9 @@ class KVReservation:
     # kept blocks by. The table then holds only as many blocks as it keeps (the rest FREED) until
     # start_decode places them where the sender says.
     budget: KVBudget | None = None
+    # The fingerprint of the LoRA adapter the request runs under (b"": the base): the sender must
+    # compute the prompt under the same (engine.lora.identity).
+    adapter_fingerprint: bytes = b""
 
     @property
     def blocks_to_fill(self) -> tuple[int, ...]:

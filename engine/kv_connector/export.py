@@ -79,6 +79,9 @@ class KVExport:
     sink: KVSink
     receiver_cached_tokens: int = 0
     budget: KVBudget | None = None
+    # The fingerprint of the LoRA adapter the receiver runs the request under (b"": the base): the
+    # engine computes the prompt only under the same (engine.lora.identity).
+    adapter_fingerprint: bytes = b""
 
 
 @dataclass

@@ -9,15 +9,11 @@ thin products over its rows, (x·Aᵀ)·Bᵀ, per module of the fused product.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.lora.batch import NO_LORA, LoraBatch
-from engine.lora.slots import LoraSlots, ModuleSlots
-
-if TYPE_CHECKING:
-    from engine.model.llama import LlamaForCausalLM
+from engine.lora.slots import ModuleSlots
 
 Product = Callable[[torch.Tensor], torch.Tensor]
 
@@ -56,10 +52,3 @@ class LoraProduct:
                     y[:, module.columns].index_add_(0, group.rows, delta.to(y.dtype))
         return y
 
-
-def attach_lora(model: LlamaForCausalLM, slots: LoraSlots) -> None:
-    """Wrap each of the loaded model's layer products so that they add the LoRA terms of the slots
-    in the model's `lora_step` (its layers start at `slots.first_layer`)."""
-    for index, layer in enumerate(model.layers, start=slots.first_layer):
-        for product, base in list(layer.linears.items()):
-            layer.linears[product] = LoraProduct(base, slots.modules[(index, product)], slots.ranks, model.lora_step)

@@ -35,6 +35,26 @@ class AdapterInUse(RuntimeError):
     """An adapter cannot be removed while requests for it are in the engine (the API's 503)."""
 
 
+class AdapterMismatch(RuntimeError):
+    """A prompt computed here for another worker would be computed under another adapter than the
+    one it runs under there (another fingerprint, or none served by that name): its pages would be
+    wrong there, so it is not computed (the worker's FAILED_PRECONDITION)."""
+
+
+class LoraDisabled(RuntimeError):
+    """Adapters were asked of an engine started without them (--enable-lora; FAILED_PRECONDITION)."""
+
+
+@dataclass(frozen=True)
+class Served:
+    """An adapter the engine serves: where it is read from, and what it computes (kept while the
+    adapter itself may be dropped from memory, so that requests and reports need no read)."""
+
+    path: Path
+    fingerprint: bytes
+    rank: int
+
+
 @dataclass
 class _Slot:
     adapter: str | None = None
@@ -48,23 +68,21 @@ class AdapterRegistry:
     def __init__(self, config: LoraConfig, read: Reader) -> None:
         self.config = config
         self._read = read
-        self.known: dict[str, Path] = {}
+        self.known: dict[str, Served] = {}
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
         self._slots = [_Slot() for _ in range(config.max_loras)]
         self._refs: dict[str, int] = {}  # requests in the engine per adapter
         self._loads: dict[int, LoraAdapter] = {}  # slots to fill before the next forward
         self._clock = itertools.count(1)
-        for name, path in config.modules:
-            self.add(name, Path(path))
 
     # ---- the served set --------------------------------------------------------------------------
-    def add(self, name: str, path: Path) -> LoraAdapter:
-        """Read and check the adapter in `path` and serve it as `name`. AdapterError (nothing changed)
-        if it cannot be served; ValueError naming it if the name is taken."""
+    def serve(self, adapter: LoraAdapter) -> LoraAdapter:
+        """Serve an adapter already read and checked (engine.lora.serving reads it, on any thread)
+        under its name; ValueError naming it (nothing changed) if the name is taken."""
+        name = adapter.name
         if name in self.known:
-            raise ValueError(f"lora_name: an adapter named {name!r} is already loaded (from {self.known[name]})")
-        adapter = self._read(name, path)  # first: a failed read changes nothing
-        self.known[name] = path
+            raise ValueError(f"lora_name: an adapter named {name!r} is already loaded (from {self.known[name].path})")
+        self.known[name] = Served(adapter.path, adapter.fingerprint, adapter.rank)
         self._keep(name, adapter)
         return adapter
 
@@ -83,11 +101,10 @@ class AdapterRegistry:
 
     def adapter(self, name: str) -> LoraAdapter:
         """The adapter served as `name`, read again if it was dropped. UnknownAdapter if not served."""
-        if name not in self.known:
-            raise UnknownAdapter(f"model: no adapter named {name!r} (load it first: /v1/load_lora_adapter)")
+        served = self.served(name)
         adapter = self._loaded.get(name)
         if adapter is None:
-            adapter = self._read(name, self.known[name])
+            adapter = self._read(name, served.path)
         self._keep(name, adapter)
         return adapter
 
@@ -104,8 +121,15 @@ class AdapterRegistry:
     # ---- requests ----------------------------------------------------------------------------------
     def fingerprint(self, name: str) -> bytes:
         """The identity of the adapter served as `name`, which its requests' KV blocks are hashed
-        with. UnknownAdapter if not served."""
-        return self.adapter(name).fingerprint
+        with (as it was read when added). UnknownAdapter if not served."""
+        return self.served(name).fingerprint
+
+    def served(self, name: str) -> Served:
+        """What is served as `name`. UnknownAdapter if nothing is."""
+        served = self.known.get(name)
+        if served is None:
+            raise UnknownAdapter(f"model: no adapter named {name!r} (load it first: /v1/load_lora_adapter)")
+        return served
 
     def ref(self, name: str) -> None:
         """A request for `name` entered the engine: it stays served until the request leaves."""

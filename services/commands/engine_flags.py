@@ -3,7 +3,7 @@ EngineConfig they describe."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import (
     ActivationQuantization,
@@ -20,6 +20,7 @@ from engine.config import (
 )
 from engine.speculative.config import SpeculativeConfig
 from engine.structured.config import StructuredOutputsConfig
+from services.commands.lora_flags import LoraFlags, lora_config
 from services.common.config_flags import flag
 from services.repository.config import ModelVersion, load_repository
 
@@ -137,6 +138,7 @@ class EngineFlags:
         None, "structured outputs, in vLLM's keys: '{\"backend\": \"auto\", \"disable_any_whitespace\": false}' "
         "(the defaults); backend auto or guidance is llguidance, vLLM's other backends are refused; give every "
         "worker of a deployment the same value", metavar="JSON")
+    lora: LoraFlags = field(default_factory=LoraFlags)
 
 
 def engine_config(flags: EngineFlags, role: Role) -> EngineConfig:
@@ -163,6 +165,7 @@ def flags_engine_config(flags: EngineFlags, role: Role) -> EngineConfig:
         speculative=None if flags.speculative_config is None else SpeculativeConfig.from_json(flags.speculative_config),
         structured_outputs=StructuredOutputsConfig() if flags.structured_outputs_config is None else
         StructuredOutputsConfig.from_json(flags.structured_outputs_config),
+        lora=lora_config(flags.lora),
         tensor_parallel_size=flags.tensor_parallel_size,
         enable_expert_parallel=flags.enable_expert_parallel,
         prefill_context_parallel_size=flags.prefill_context_parallel_size,

@@ -251,6 +251,8 @@ def load_report(load: WorkerLoad, events: EventBatch | None = None) -> common_pb
         kv_load_s_per_block=load.kv_load_s_per_block,
         host_tier_id=load.host_tier_id,
         kv_events_seq=events.cursor if events is not None else load.kv_events_seq,
+        lora_adapters=[common_pb2.LoraAdapterState(**dataclasses.asdict(state)) for state in stats.lora_adapters],
+        max_loras=stats.max_loras,
     )
 
 

@@ -18,7 +18,18 @@ from typing import Any, TypeVar
 
 import grpc
 
-from engine.commands import Abort, AddRequest, Command, GetStats, ImportPages, Release, Reserve, StartDecode
+from engine.commands import (
+    Abort,
+    AddAdapter,
+    AddRequest,
+    Command,
+    GetStats,
+    ImportPages,
+    Release,
+    RemoveAdapter,
+    Reserve,
+    StartDecode,
+)
 from engine.engine import Engine
 from engine.outputs import RequestOutput, StepTokens
 from engine.resume import Resumed
@@ -219,6 +230,10 @@ class EngineLoop:
                 return engine.abort(request_id)
             case GetStats():
                 return engine.stats()
+            case AddAdapter(adapter):
+                return engine.add_adapter(adapter)
+            case RemoveAdapter(name):
+                return engine.remove_adapter(name)
         raise TypeError(f"not an engine command: {command!r}")
 
     def _step(self) -> None:

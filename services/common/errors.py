@@ -1,12 +1,13 @@
 """How failures become gRPC statuses, the same way in every handler.
 
 ValueError (the engine's and the converters' "bad input, naming the field") is INVALID_ARGUMENT,
-TimeoutError is DEADLINE_EXCEEDED, a role worker's `WorkerError` maps its kind of failure to a code
-(the one place that does), a `StatusError` carries its own code, anything else is INTERNAL (and
-logged with its traceback, since it is a bug or an unexpected failure). The RPC's span, when
-traced, is marked failed with the status code's name as its `error.type`. A StatusError's extra
-fields travel as trailing metadata (`retry-after`, `tandem-failed-prefill`), and
-`status_error_from_rpc` reads them back on the calling side.
+TimeoutError is DEADLINE_EXCEEDED, the engine's LoRA refusals have theirs (`_LORA_CODES`), a role
+worker's `WorkerError` maps its kind of failure to a code (the one place that does), a
+`StatusError` carries its own code, anything else is INTERNAL (and logged with its traceback, since
+it is a bug or an unexpected failure). The RPC's span, when traced, is marked failed with the
+status code's name as its `error.type`. A StatusError's extra fields travel as trailing metadata
+(`retry-after`, `tandem-failed-prefill`), and `status_error_from_rpc` reads them back on the
+calling side.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import NoReturn
 
 import grpc
 
+from engine.lora.registry import AdapterInUse, AdapterMismatch, LoraDisabled, UnknownAdapter
 from services.common.failure import Failure, WorkerError
 from services.observability.spans import set_error
 
@@ -33,6 +35,15 @@ _FAILURE_CODES = {
     Failure.MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
     Failure.CANCELLED: grpc.StatusCode.CANCELLED,
 }
+
+# A LoRA adapter not served (the API's 404), one in use that cannot be unloaded now (503), and an
+# adapter served otherwise than the request needs or none at all (the worker is the wrong one).
+_LORA_CODES = (
+    (UnknownAdapter, grpc.StatusCode.NOT_FOUND),
+    (AdapterInUse, grpc.StatusCode.UNAVAILABLE),
+    (AdapterMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (LoraDisabled, grpc.StatusCode.FAILED_PRECONDITION),
+)
 
 
 class StatusError(Exception):
@@ -57,6 +68,9 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code, exc.message
     if isinstance(exc, WorkerError):
         return _FAILURE_CODES[exc.failure], exc.message
+    lora = next((code for kind, code in _LORA_CODES if isinstance(exc, kind)), None)
+    if lora is not None:
+        return lora, str(exc)
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, TimeoutError):

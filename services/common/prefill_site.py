@@ -85,12 +85,14 @@ class PrefillSite:
 
     async def prefill(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, target: TransferTarget,
-        resumed: Resumed | None = None, budget: KVBudget | None = None,
+        resumed: Resumed | None = None, budget: KVBudget | None = None, adapter_fingerprint: bytes = b"",
     ) -> PrefillResult:
         """Prefill one prompt into `target` (with `resumed`: the prompt and the output already
         delivered, then the next token); returns once the pages were delivered. Under the
         receiver's `budget` only the blocks the prompt keeps go (engine.kv_connector.export says
-        when; their indices are in the result): the target's blocks are just as many.
+        when; their indices are in the result): the target's blocks are just as many. The prompt
+        is computed only under the LoRA adapter the receiver runs it under (`adapter_fingerprint`,
+        b"" for the base): AdapterMismatch naming it (nothing computed) where this engine's differs.
 
         Raises ValueError for bad input (a budget this engine cannot score for included),
         WorkerError MISMATCH if the target's layout differs from ours, NO_ROOM at once if a worker
@@ -105,7 +107,7 @@ class PrefillSite:
         push = KVPush(request_id, sender)
         released = False
         try:
-            export = KVExport(push, target.num_cached_tokens, budget)
+            export = KVExport(push, target.num_cached_tokens, budget, adapter_fingerprint)
             refused = await self.loop.call(AddRequest(request_id, prompt_token_ids, params, resumed, export))
             if refused is not None:
                 # The decode site's reservation must not wait for blocks this worker's own reservations hold.

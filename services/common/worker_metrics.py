@@ -18,6 +18,7 @@ share of its requests that met TPOT, in PromQL:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.commands import GetStats
+from engine.config import EngineConfig
 from engine.outputs import EngineStats, StepTokens
 from engine.speculative.stats import SpecDecodeStats
 from services.common.engine_loop import EngineLoop
@@ -97,6 +99,8 @@ def _engine_families(engine: WatchedEngine) -> Iterator[Metric]:
         family = GaugeMetricFamily(name, documentation, labels=per_model())
         family.add_metric(labels, value)
         yield family
+    if stats.max_loras:
+        yield _lora_requests_info(stats, labels)
     preemptions = CounterMetricFamily("vllm:num_preemptions", "Requests preempted (their KV dropped, to "
                                       "recompute later) to make room for others.", labels=per_model())
     preemptions.add_metric(labels, stats.num_preemptions)
@@ -106,6 +110,19 @@ def _engine_families(engine: WatchedEngine) -> Iterator[Metric]:
     spec = loop.engine.config.speculative
     if stats.spec_decode is not None and spec is not None:
         yield from _spec_decode_counters(stats.spec_decode, spec.num_speculative_tokens, labels)
+
+
+def _lora_requests_info(stats: EngineStats, labels: list[str]) -> Metric:
+    """vLLM's vllm:lora_requests_info: the adapters with running and waiting requests (comma-separated
+    names) and --max-loras as labels, the time of the reading as its value, as vLLM sets it. Read
+    when scraped, so only the current series is exported (vLLM's gauge keeps every past one)."""
+    info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                             labels=per_model(["max_lora", "waiting_lora_adapters", "running_lora_adapters"]))
+    adapters = stats.lora_adapters
+    running = ",".join(state.name for state in adapters if state.running_requests)
+    waiting = ",".join(state.name for state in adapters if state.waiting_requests)
+    info.add_metric([*labels, str(stats.max_loras), waiting, running], time.time())
+    return info
 
 
 # Per lower KV tier (engine.kv_tiers), labelled tier="host"|"disk": (name, help, TierStats field, counter?).
@@ -202,6 +219,12 @@ class WorkerMetrics(RequestMetrics):
         view = self.labelled(config.served_name, config.model_version)
         self._engines.engines.append(WatchedEngine(loop, view.model, reserved_requests))
         loop.observe_steps(view._step)
+
+    def of_request(self, config: EngineConfig, lora_name: str = "") -> WorkerMetrics:
+        """The families bound to the model a request asked for: its LoRA adapter (adapters share the
+        served model's namespace: its `model_name` label is the name the request gave) or the
+        served model, at the served version."""
+        return self.labelled(lora_name or config.served_name, config.model_version)
 
     def unwatch(self, loop: EngineLoop) -> None:
         """Stop exporting an unloaded engine's load (a version a hot swap retired)."""

@@ -27,6 +27,7 @@ from kvtransfer.receiver import make_receiver
 from services.common.channels import Channels
 from services.common.convert import sampling_params_from_proto, token_chunk
 from services.common.errors import abort_with
+from services.common.lora_service import add_lora_service
 from services.common.prefill_site import sender_pool
 from services.common.server import RoleServer
 from services.common.tls import warn_if_worker_exposed
@@ -67,7 +68,7 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
             await worker.loop.compile_grammar(params, context.time_remaining())
             request_id = request.request_id or uuid.uuid4().hex
             config = worker.loop.engine.config
-            recorder = DecodeRecorder(self.metrics.labelled(config.served_name, config.model_version), arrived_at,
+            recorder = DecodeRecorder(self.metrics.of_request(config, params.lora_name), arrived_at,
                                       len(request.output_token_ids), config.parallel_sizes,
                                       request.slo.tpot_ms / 1000 if request.slo.tpot_ms else None)
             await worker.inflight.run(request_id, self._stream(worker, request_id, request, params, resumed, context,
@@ -162,6 +163,7 @@ async def serve(config: WorkerConfig) -> int:
                    prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
     server.add(kvtransfer_pb2_grpc.add_KVTransferServicer_to_server, kv_transfer,
                kvtransfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
+    add_lora_service(server, servicer)
 
     async def load() -> None:
         engine = await asyncio.to_thread(load_engine, engine_config)

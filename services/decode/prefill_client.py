@@ -44,6 +44,7 @@ class GrpcPrefillPeer:
     async def prefill(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, target: TransferTarget,
         timeout: float, resumed: Resumed | None = None, budget: KVBudget | None = None,
+        adapter_fingerprint: bytes = b"",
     ) -> PrefillReply:
         """Prefill.Prefill with a deadline; ValueError for bad input, WorkerError for other failures."""
         request = prefill_pb2.PrefillRequest(
@@ -52,6 +53,7 @@ class GrpcPrefillPeer:
             sampling=sampling_params_to_proto(params),
             kv_target=target.to_proto(),
             output_token_ids=resumed.output_token_ids if resumed is not None else (),
+            lora_fingerprint=adapter_fingerprint,
         )
         if budget is not None:
             request.kv_budget.CopyFrom(kv_budget_to_proto(budget))

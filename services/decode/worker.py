@@ -55,9 +55,11 @@ class PrefillPeer(Protocol):
     async def prefill(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, target: TransferTarget,
         timeout: float, resumed: Resumed | None = None, budget: KVBudget | None = None,
+        adapter_fingerprint: bytes = b"",
     ) -> PrefillReply:
         """Prefill into `target` (with `resumed`: the prompt and the output already delivered;
-        under `budget`, a target of only the blocks the prompt keeps, which the reply names);
+        under `budget`, a target of only the blocks the prompt keeps, which the reply names), under
+        the LoRA adapter of `params.lora_name` with this fingerprint (b"": the base);
         ValueError if the prefill worker found the request bad, WorkerError on any other failure."""
         ...
 
@@ -146,7 +148,7 @@ class DecodeWorker(RoleWorker):
             progress.enter(DecodeStage.PREFILLING, time.perf_counter())
             try:
                 reply = await prefill.prefill(request_id, prompt_token_ids, params, target, _left(deadline), resumed,
-                                              reservation.budget)
+                                              reservation.budget, reservation.adapter_fingerprint)
                 progress.enter(DecodeStage.TRANSFERRING, time.perf_counter())
                 progress.prefill = reply.figures
                 await self._wait_for_kv(self.receiver.completion(transfer_id), deadline, prefill.address)

@@ -18,6 +18,7 @@ from services.common.convert import (
 )
 from services.common.errors import abort_with
 from services.common.failure import Failure, WorkerError
+from services.common.lora_service import add_lora_service
 from services.common.prefill_site import PrefillResult, sender_pool
 from services.common.server import RoleServer
 from services.common.startup_profile import profile_engine
@@ -57,12 +58,23 @@ class PrefillServicer(WorkerRpcs[RoleWorker], prefill_pb2_grpc.PrefillServicer):
             result = await worker.inflight.run(
                 request.request_id,
                 worker.prefill_site.prefill(request.request_id, request.prompt_token_ids, params, target, resumed,
-                                            budget),
+                                            budget, _lora_fingerprint(request, params.lora_name)),
             )
         except Exception as exc:
             await abort_with(context, exc)
-        record_prefill(result, self.metrics, worker.loop.engine.config.parallel_sizes)
+        config = worker.loop.engine.config
+        record_prefill(result, self.metrics.of_request(config, params.lora_name), config.parallel_sizes)
         return _response(result)
+
+
+def _lora_fingerprint(request: prefill_pb2.PrefillRequest, lora_name: str) -> bytes:
+    """The adapter fingerprint the decode worker runs the request under; ValueError naming the field
+    unless it comes with an adapter's name, and only with one (without it, the check that keeps another
+    adapter's pages from arriving could not be made)."""
+    if bool(lora_name) != bool(request.lora_fingerprint):
+        raise ValueError(f"lora_fingerprint: {'required with' if lora_name else 'set without'} sampling.lora_name"
+                         + (f" ({lora_name!r})" if lora_name else ""))
+    return request.lora_fingerprint
 
 
 def _response(result: PrefillResult) -> prefill_pb2.PrefillResponse:
@@ -100,6 +112,7 @@ async def serve(config: WorkerConfig) -> int:
     servicer = PrefillServicer(metrics)
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer,
                prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
+    add_lora_service(server, servicer)
 
     async def load() -> None:
         engine = await asyncio.to_thread(load_engine, engine_config)

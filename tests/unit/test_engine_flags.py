@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from engine.config import EngineConfig, KVTierConfig
+from engine.config import EngineConfig, KVTierConfig, LoraConfig
 from engine.model.paths import default_model_path
 from engine.structured.config import StructuredOutputsConfig
 from services.commands.engine_flags import CPU_PROMPT_BATCH_TOKENS, EngineFlags, engine_config
@@ -53,7 +53,9 @@ ENGINE_FLAGS = ["--model", "/m.gguf", "--device", "cuda:1", "--dtype", "float16"
                 "--prefill-context-parallel-min-tokens", "64", "--kv-host-tier", "/run/h.sock",
                 "--kv-disk-tier", "/var/kv", "--kv-disk-tier-mib", "10",
                 "--structured-outputs-config", '{"disable_any_whitespace": true}',
-                "--model-repository", "/r.toml", "--model-version", "m@v", "--pool", "p"]
+                "--model-repository", "/r.toml", "--model-version", "m@v", "--pool", "p",
+                "--enable-lora", "--lora-modules", "a=/a", "--lora-modules", '{"name": "b", "path": "/b"}',
+                "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3"]
 
 
 def test_engine_flags_pass_on_as_arguments_that_parse_back_to_the_same_values():
@@ -132,3 +134,29 @@ def test_a_format_the_engine_cannot_compute_is_refused_before_loading_naming_the
         Engine(EngineConfig(quantization="gptq", model=model))
     with pytest.raises(ValueError, match=r"^quantization: unknown method 'q4'"):
         EngineConfig(quantization="q4")  # type: ignore[arg-type]
+
+
+def test_lora_flags_take_vllm_names_and_both_module_forms():
+    assert _config().lora is None
+    lora = _config("--enable-lora", "--lora-modules", "sql=/a/sql", "--lora-modules",
+                   '{"name": "chat", "path": "/a/chat"}', "--max-loras", "2", "--max-lora-rank", "8",
+                   "--max-cpu-loras", "4").lora
+    assert lora == LoraConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=4,
+                              modules=(("sql", "/a/sql"), ("chat", "/a/chat")))
+    assert _config("--enable-lora").lora == LoraConfig()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--lora-modules", "a=/a"], "--lora-modules: serves LoRA adapters, which --enable-lora turns on"),
+    (["--max-loras", "2"], "--max-loras: serves LoRA adapters"),
+    (["--enable-lora", "--lora-modules", "/a"], "--lora-modules: '/a': give NAME=PATH"),
+    (["--enable-lora", "--lora-modules", "{nope"], "--lora-modules: '{nope' is not JSON"),
+    (["--enable-lora", "--lora-modules", '{"name": "a"}'], "--lora-modules: .*give"),
+    (["--enable-lora", "--lora-modules", "a=/a", "--lora-modules", "a=/b"], "--lora-modules: a name given twice"),
+    (["--enable-lora", "--max-loras", "0"], "--max-loras: must be at least 1"),
+    (["--enable-lora", "--max-lora-rank", "0"], "--max-lora-rank: must be at least 1"),
+    (["--enable-lora", "--max-loras", "3", "--max-cpu-loras", "2"], "--max-cpu-loras: 2 must be at least"),
+])
+def test_a_bad_lora_flag_is_a_start_up_error_naming_it(argv, message):
+    with pytest.raises(ValueError, match=message):
+        _config(*argv)

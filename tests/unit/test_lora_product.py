@@ -17,7 +17,7 @@ from transformers import LlamaConfig
 from engine.attention.reference import TorchPagedAttention
 from engine.lora.adapter import AdapterError, load_adapter
 from engine.lora.batch import LoraBatch
-from engine.lora.product import LoraStep, attach_lora
+from engine.lora.serving import attach_lora
 from engine.lora.slots import LoraSlots
 from engine.model.loader import build_model, load_model_files
 from tests.unit.test_model_hf import save_random_model
@@ -55,12 +55,12 @@ def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(bas
                                   if m.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
                                   else peft_model.base_model.model.model.layers[1].mlp.get_submodule(m)
                                   for m in MODULES}
-    step = LoraStep()
+    step = model.lora_step
     slots = LoraSlots(files.config, count=3, max_rank=16, dtype=torch.float32,
                       products=tuple(model.layers[0].linears))
     slots.load(0, adapters["sixteen"])
     slots.load(2, adapters["eight"])
-    attach_lora(model.layers, slots, step)
+    attach_lora(model, slots)
     # Rows: base, sixteen, eight, sixteen (its rows in two runs), base.
     row_slots = [(None, 2), (0, 3), (2, 2), (0, 1), (None, 1)]
     which = ["base"] * 2 + ["sixteen"] * 3 + ["eight"] * 2 + ["sixteen"] + ["base"]
