@@ -16,7 +16,7 @@ from tandem.v1 import common_pb2, gateway_pb2
 from services.gateway.adapters import AdapterRef
 from services.gateway.api_keys import ApiKeyMiddleware
 from services.gateway.catalog import ModelCatalog
-from services.gateway.handler import generate_request_from_proto
+from services.gateway.handler import GatewayServicer, generate_request_from_proto
 from services.gateway.key_file import load_api_keys
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model import ServedModel
@@ -93,6 +93,16 @@ def test_models_lists_adapters_with_their_parent_as_vllm_does(gateway) -> None:
     assert set(data) == {"smollm2", "sql"}  # `chat` is not routed: its workers disagree
     assert data["sql"]["parent"] == "smollm2" and data["sql"]["root"] == "/adapters/sql"
     assert data["sql"]["object"] == "model" and data["smollm2"]["parent"] is None
+
+
+def test_list_models_over_grpc_names_an_adapters_parent(gateway) -> None:
+    service, client = gateway
+
+    async def listed() -> gateway_pb2.ListModelsResponse:
+        return await GatewayServicer(service).ListModels(gateway_pb2.ListModelsRequest(), None)
+
+    models = {model.id: model for model in client.portal.call(listed).models}
+    assert (models["sql"].parent, models["smollm2"].parent) == ("smollm2", "")
 
 
 def test_unknown_and_conflicting_adapters_are_refused_naming_them(gateway) -> None:
