@@ -9,12 +9,13 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import grpc
 import pytest
 from starlette.testclient import TestClient
-from tandem.v1 import common_pb2, gateway_pb2
+from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from services.gateway.adapters import AdapterRef
-from services.gateway.api_keys import ApiKeyMiddleware
+from services.gateway.api_keys import ApiKeyInterceptor, ApiKeyMiddleware
 from services.gateway.catalog import ModelCatalog
 from services.gateway.handler import GatewayServicer, generate_request_from_proto
 from services.gateway.key_file import load_api_keys
@@ -151,8 +152,44 @@ def test_the_adapter_routes_ask_for_an_admin_key_and_name_what_is_wrong(gateway)
         answer = load(body)
         assert answer.status_code == 400, body
         assert answer.json()["error"]["param"] == param and words in answer.json()["error"]["message"], body
+    # Nothing listens at the workers' addresses: neither can take it now.
+    unreachable = load({"lora_name": "x", "lora_path": "/x"})
+    assert unreachable.status_code == 503
+    assert "`x` cannot be loaded now" in unreachable.json()["error"]["message"]
     unknown = client.post("/v1/unload_lora_adapter", json={"lora_name": "nope"}, headers=_as("sk-admin"))
     assert unknown.status_code == 404 and "`nope` cannot be found" in unknown.json()["error"]["message"]
+
+
+def test_over_grpc_another_model_is_permission_denied_and_an_unknown_adapter_not_found(gateway, tmp_path) -> None:
+    service, client = gateway
+    key_file = tmp_path / "keys.toml"
+    key_file.write_text(KEYS)
+    keys = load_api_keys(key_file, {})
+
+    async def codes() -> list[str]:
+        server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)])
+        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        answers = []
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                for secret, model in (("sk-sql", "smollm2"), ("sk-admin", "nope")):
+                    call = gateway_pb2_grpc.GatewayStub(channel).Generate(
+                        gateway_pb2.GenerateRequest(text="Hi", model=model), timeout=30,
+                        metadata=(("authorization", f"Bearer {secret}"),))
+                    try:
+                        async for _ in call:
+                            pass
+                    except grpc.aio.AioRpcError as error:
+                        answers.append(f"{error.code().name}: {error.details()}")
+        finally:
+            await server.stop(None)
+        return answers
+
+    denied, unknown = client.portal.call(codes)
+    assert denied.startswith("PERMISSION_DENIED") and "`smollm2`" in denied
+    assert unknown.startswith("NOT_FOUND") and "`nope`" in unknown
 
 
 def test_a_grpc_client_names_an_adapter_by_model_not_by_sampling_lora_name() -> None:
