@@ -5,8 +5,8 @@ under the adapter) through its LoraAdapters service at once. A load some worker 
 on the workers that took it, and an unload some worker refuses is undone by loading the adapter
 again (from the directory it reported) where it was removed: the served set is left as it was, so
 requests never find the adapter on some of its base's workers and not on others. One change runs at
-a time. The answer comes once the workers' load reports show the change (services.gateway
-.adapter_watch), so a request sent after it is routed by it.
+a time. The answer comes once every changed worker's load reports show the change, so a request
+sent after it is routed by it.
 
 A worker that is not routable when the change is made does not get it; nor does one that joins later.
 """
@@ -22,6 +22,7 @@ import grpc
 
 from services.common.errors import StatusError
 from services.gateway.adapter_watch import AdapterWatch
+from services.gateway.adapters import AdapterRef
 from services.gateway.catalog import ModelCatalog
 from services.gateway.registry import WorkerRegistry
 from services.gateway.workers import RemoteWorker
@@ -78,7 +79,8 @@ class AdapterAdmin:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE, f"lora_name: the adapter `{name}` read differently "
                                   f"on {len(fingerprints)} workers (is `{path}` the same directory on each?); "
                                   "nothing was loaded")
-            await self._settled(lambda: name in self._adapters.table.served, f"load of {name}")
+            ref = AdapterRef(name, took[0][1])
+            await self._settled(lambda: all(worker.adapter(ref) for worker, _ in took), f"load of {name}")
             log.info("LoRA adapter %s loaded from %s on %d worker(s)", name, path, len(took))
             return took[0][1]
 
@@ -104,7 +106,8 @@ class AdapterAdmin:
                 await self._undo(name, removed, lambda worker: worker.load_adapter(name, paths[worker.address],
                                                                                      self._timeout_s))
                 raise _failure(name, "unloaded", *failed[0])
-            await self._settled(lambda: name not in self._adapters.table.served, f"unload of {name}")
+            await self._settled(lambda: not any(adapter.name == name for worker, _ in held
+                                                for adapter in worker.adapters), f"unload of {name}")
             log.info("LoRA adapter %s unloaded from %d worker(s)", name, len(held))
 
     async def _undo(self, name: str, workers: list[RemoteWorker],
