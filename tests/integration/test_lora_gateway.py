@@ -79,7 +79,7 @@ def _http(gateway: WorkerProcess, path: str, body: dict | None = None, key: str 
 
 def _complete(gateway: WorkerProcess, model: str, key: str = "sk-ops") -> tuple[int, dict]:
     status, text = _http(gateway, "/v1/completions", {"model": model, "prompt": "The capital of France is",
-                                                      "max_tokens": 8, "temperature": 0.0}, key)
+                                                      "max_tokens": 4, "temperature": 0.0, "logprobs": 1}, key)
     return status, json.loads(text)
 
 
@@ -109,9 +109,12 @@ def test_an_adapter_loaded_at_run_time_serves_requests_across_the_split_and_unlo
     assert listed["sql"]["parent"] == listed[base["model"]]["id"] and listed["sql"]["root"] == str(adapters["sql"])
     status, under = _complete(gateway, "sql", "sk-sql")
     assert status == 200 and under["model"] == "sql"
-    # A random adapter of rank 8 on every projection changes the greedy text: the prefill worker
-    # computed the prompt under it and the decode worker decoded under it.
-    assert under["choices"][0]["text"] != base["choices"][0]["text"]
+    # A random adapter of rank 8 on every projection changes what the model computes (if not always
+    # its greedy choice): the first token's logprob comes from the prefill worker's prompt under it,
+    # the later ones from the decode worker's steps under it.
+    under_logprobs, base_logprobs = (reply["choices"][0]["logprobs"]["token_logprobs"] for reply in (under, base))
+    assert under_logprobs[0] != pytest.approx(base_logprobs[0], abs=1e-3)
+    assert under_logprobs[1:] != pytest.approx(base_logprobs[1:], abs=1e-3)
     metrics = _http(gateway, "/metrics")[1]
     assert 'tandem:key_requests_total{key="sql-team",model_name="sql",model_version=""} 1.0' in metrics
     refused = _complete(gateway, "", "sk-sql")
