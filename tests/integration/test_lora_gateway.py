@@ -3,12 +3,14 @@
 worker and refused by the other) and a gateway behind an API key file. Adapters are loaded and
 unloaded at run time through vLLM's routes, all workers or none; a request names one by `model`
 and runs under it across the prefill-decode split; a key limited to some models gets 403; usage
-is counted under the adapter's name."""
+is counted under the adapter's name. Then a colocated worker of a model repository whose file
+declares an adapter: the gateway has it loaded there, and unloaded once it leaves the file."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -139,3 +141,62 @@ def test_a_load_one_worker_refuses_is_undone_on_the_others(mesh, adapters) -> No
     assert "wide" not in _http(gateway, "/v1/models")[1]
     status, text = _http(gateway, "/v1/load_lora_adapter", {"lora_name": "nothing", "lora_path": "/absent"})
     assert status == 400 and "`nothing`" in text
+
+
+REPOSITORY = """
+[[model]]
+name = "smollm2"
+
+[[model.version]]
+name = "q4"
+path = "shipped"
+{adapter}
+"""
+ADAPTER_ENTRY = '[[model.version.adapter]]\nname = "sql"\npath = "sql"\n'
+
+
+@pytest.fixture(scope="module")
+def repository_mesh(adapters, tmp_path_factory: pytest.TempPathFactory):
+    """A colocated worker of the repository's one version and a gateway; the file declares the
+    `sql` adapter over that version (a directory beside the file)."""
+    folder = tmp_path_factory.mktemp("repository")
+    (folder / "sql").symlink_to(adapters["sql"], target_is_directory=True)
+    repository = folder / "models.toml"
+    repository.write_text(REPOSITORY.format(adapter=ADAPTER_ENTRY))
+    port = free_port()
+    arg_lists = [
+        ["worker", "--port", str(port), *WORKER_FLAGS, "--model-repository", str(repository), "--pool", "smollm2-q4"],
+        ["gateway", "--port", "0", "--http-port", "0", "--model-repository", str(repository),
+         "--colocated", f"127.0.0.1:{port}", "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"],
+    ]
+    processes = [start_worker(args, wait=False) for args in arg_lists]
+    try:
+        for process in processes:
+            process.wait_ready()
+        yield processes[1], repository
+    finally:
+        codes = [process.stop() for process in reversed(processes)]
+        assert codes == [0] * len(processes)
+
+
+def _listed_until(gateway: WorkerProcess, present: bool) -> dict:
+    """/v1/models once it lists `sql` (or no longer does): the gateway loads or unloads it as the
+    file says, once a second."""
+    for _ in range(int(TIMEOUT_S / 0.2)):
+        listed = {entry["id"]: entry for entry in json.loads(_http(gateway, "/v1/models")[1])["data"]}
+        if ("sql" in listed) == present:
+            return listed
+        time.sleep(0.2)
+    raise AssertionError(gateway.log_tail())
+
+
+def test_an_adapter_the_repository_declares_is_served_over_its_version_until_it_leaves_the_file(
+        repository_mesh) -> None:
+    gateway, repository = repository_mesh
+    listed = _listed_until(gateway, present=True)
+    assert listed["sql"]["parent"] == "smollm2@q4"
+    status, reply = _complete(gateway, "sql")
+    assert status == 200 and (reply["model"], reply["system_fingerprint"]) == ("sql", "smollm2@q4+sql")
+    repository.write_text(REPOSITORY.format(adapter=""))
+    _listed_until(gateway, present=False)
+    assert _complete(gateway, "sql")[0] == 404
