@@ -20,8 +20,9 @@ import pytest
 from lora_adapters import save_adapter
 from tandem.v1 import lora_pb2, lora_pb2_grpc
 
+from harness.mesh import running
 from harness.ports import free_port
-from harness.worker import WorkerProcess, start_worker
+from harness.worker import WorkerProcess
 
 TIMEOUT_S = 300.0
 KEYS = """
@@ -58,14 +59,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory):
          "--decode", f"127.0.0.1:{decode_port}", "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000",
          "--api-key-file", str(key_file)],
     ]
-    processes = [start_worker(args, wait=False) for args in arg_lists]
-    try:
-        for process in processes:
-            process.wait_ready()
+    with running(arg_lists) as processes:
         yield {"prefill": processes[0], "decode": processes[1], "gateway": processes[2]}
-    finally:
-        codes = [process.stop() for process in reversed(processes)]
-        assert codes == [0] * len(processes)
 
 
 def _http(gateway: WorkerProcess, path: str, body: dict | None = None, key: str = "sk-ops") -> tuple[int, str]:
@@ -169,14 +164,8 @@ def repository_mesh(adapters, tmp_path_factory: pytest.TempPathFactory):
         ["gateway", "--port", "0", "--http-port", "0", "--model-repository", str(repository),
          "--colocated", f"127.0.0.1:{port}", "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000"],
     ]
-    processes = [start_worker(args, wait=False) for args in arg_lists]
-    try:
-        for process in processes:
-            process.wait_ready()
+    with running(arg_lists) as processes:
         yield processes[1], repository
-    finally:
-        codes = [process.stop() for process in reversed(processes)]
-        assert codes == [0] * len(processes)
 
 
 def _listed_until(gateway: WorkerProcess, present: bool) -> dict:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-import grpc
 import pytest
+from gateway_calls import generate_failures
 from starlette.testclient import TestClient
-from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tandem.v1 import common_pb2, gateway_pb2
 
 from services.gateway.adapters import AdapterRef
-from services.gateway.api_keys import ApiKeyInterceptor, ApiKeyMiddleware
+from services.gateway.api_keys import ApiKeyMiddleware
 from services.gateway.catalog import ModelCatalog
 from services.gateway.handler import GatewayServicer, generate_request_from_proto
 from services.gateway.key_file import load_api_keys
@@ -167,25 +167,9 @@ def test_over_grpc_another_model_is_permission_denied_and_an_unknown_adapter_not
     keys = load_api_keys(key_file, {})
 
     async def codes() -> list[str]:
-        server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)])
-        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        answers = []
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                for secret, model in (("sk-sql", "smollm2"), ("sk-admin", "nope")):
-                    call = gateway_pb2_grpc.GatewayStub(channel).Generate(
-                        gateway_pb2.GenerateRequest(text="Hi", model=model), timeout=30,
-                        metadata=(("authorization", f"Bearer {secret}"),))
-                    try:
-                        async for _ in call:
-                            pass
-                    except grpc.aio.AioRpcError as error:
-                        answers.append(f"{error.code().name}: {error.details()}")
-        finally:
-            await server.stop(None)
-        return answers
+        calls = [("sk-sql", gateway_pb2.GenerateRequest(text="Hi", model="smollm2")),
+                 ("sk-admin", gateway_pb2.GenerateRequest(text="Hi", model="nope"))]
+        return [f"{error.code().name}: {error.details()}" for error in await generate_failures(service, keys, calls)]
 
     denied, unknown = client.portal.call(codes)
     assert denied.startswith("PERMISSION_DENIED") and "`smollm2`" in denied
