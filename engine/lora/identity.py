@@ -6,21 +6,23 @@ decodes, so a prompt whose adapter here is not the receiver's is refused before 
 
 from __future__ import annotations
 
-from engine.lora.registry import AdapterMismatch, AdapterRegistry
+from engine.lora.registry import AdapterMismatch, AdapterRegistry, UnknownAdapter
 
 
 def request_fingerprint(registry: AdapterRegistry | None, name: str, expected: bytes | None = None) -> bytes:
     """The fingerprint a request for adapter `name` ("": the base, b"") runs under on this engine
     (`registry`: its adapters, None without --enable-lora). With `expected`, the fingerprint the
-    worker it is computed for runs it under: AdapterMismatch naming the adapter unless this engine
-    serves `name` with the same. Without: ValueError naming lora_name on an engine without adapters,
-    UnknownAdapter for a name not served."""
+    worker it is computed for runs it under: UnknownAdapter naming the adapter where this engine does
+    not serve `name`, AdapterMismatch where it serves another adapter under it. Without: ValueError
+    naming lora_name on an engine without adapters, UnknownAdapter for a name not served."""
     if expected is not None:
         here = _served(registry, name)
+        if here is None:
+            raise UnknownAdapter(f"lora_name: this worker serves no adapter {name!r} to compute the prompt under")
         if here != expected:
-            found = "does not serve it" if here is None else f"serves {here.hex()[:16]}"
             raise AdapterMismatch(f"lora_name: adapter {name!r} is {expected.hex()[:16] or 'the base'} at the "
-                                  f"receiving worker but this worker {found}: its pages would be another adapter's")
+                                  f"receiving worker but {here.hex()[:16] or 'the base'} here: its pages would "
+                                  "be another adapter's")
         return here
     if not name:
         return b""

@@ -60,8 +60,10 @@ def serve_adapters(config: EngineConfig, model: LlamaForCausalLM, model_config: 
     if lora is None:
         return None
     if config.world_size > 1:
-        raise ValueError(f"enable_lora: not served with a world of {config.world_size} processes "
-                         f"(model {model_config.name}): {config.parallel_sizes}")
+        split = ", ".join(f"--{name.replace('_', '-')} {size}" for name, size in config.parallel_sizes.items()
+                          if size > 1)
+        raise ValueError(f"enable_lora: not served over several processes yet ({split}; model {model_config.name}): "
+                         "each rank would need its shard of every adapter and the step's rows by adapter")
     if config.speculative is not None:
         raise ValueError(f"enable_lora: not served with speculative_config (model {model_config.name}): "
                          "the drafts would run without the request's adapter")

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 # ValueError); anything else means that worker failed, which the gateway may treat by trying another.
 _PASSED_ON = {
     grpc.StatusCode.FAILED_PRECONDITION: Failure.MISMATCH,
+    grpc.StatusCode.NOT_FOUND: Failure.MISMATCH,  # it serves no adapter of the request's name: the wrong worker
     grpc.StatusCode.RESOURCE_EXHAUSTED: Failure.NO_ROOM,  # a colocated worker had no KV room for it now
     grpc.StatusCode.DEADLINE_EXCEEDED: Failure.DEADLINE,
     grpc.StatusCode.CANCELLED: Failure.CANCELLED,

@@ -8,16 +8,20 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import grpc
 import pytest
+import torch
 from lora_adapters import save_adapter
 
-from engine.config import CacheConfig, LoraConfig
+from engine.config import CacheConfig, EngineConfig, LoraConfig
 from engine.kv_connector.export import KVExport
 from engine.lora.adapter import AdapterError
 from engine.lora.registry import AdapterInUse, AdapterMismatch, LoraDisabled, UnknownAdapter
+from engine.lora.serving import serve_adapters
 from engine.offline import generate
 from engine.outputs import KVReservation
 from engine.sampling_params import SamplingParams
+from services.common.errors import status_of
 
 
 class _Sink:
@@ -102,10 +106,11 @@ def test_a_name_taken_by_an_adapter_or_the_model_is_refused(engine, adapter_dirs
     assert _served(engine) == before
 
 
-def test_an_engine_without_adapters_refuses_them(make_engine, adapter_dirs):
+def test_an_engine_without_adapters_refuses_them_as_a_failed_precondition(make_engine, adapter_dirs):
     engine = make_engine(cache=CacheConfig(num_blocks=16))
-    with pytest.raises(LoraDisabled, match="--enable-lora"):
+    with pytest.raises(LoraDisabled, match="--enable-lora") as refused:
         engine.read_adapter("a", adapter_dirs["a"])
+    assert status_of(refused.value)[0] == grpc.StatusCode.FAILED_PRECONDITION
     with pytest.raises(LoraDisabled, match="--enable-lora"):
         engine.remove_adapter("a")
 
@@ -117,10 +122,19 @@ def test_a_prompt_is_computed_for_another_worker_only_under_the_adapter_it_runs_
     assert isinstance(reservation, KVReservation) and reservation.adapter_fingerprint == fingerprint
     engine.abort("reserved")
     free = engine.kv.num_free_blocks
-    for name, expected in (("a", b"\x01" * 16), ("a", b""), ("nope", fingerprint)):
-        with pytest.raises(AdapterMismatch, match=f"'{name}'"):
+    for name, expected, refusal in (("a", b"\x01" * 16, AdapterMismatch), ("a", b"", AdapterMismatch),
+                                    ("nope", fingerprint, UnknownAdapter)):
+        with pytest.raises(refusal, match=f"'{name}'"):
             engine.add_request("export", prompt, _greedy(name), export=KVExport(_Sink(), adapter_fingerprint=expected))
         assert engine.kv.num_free_blocks == free and not engine.has_unfinished()
     matching = KVExport(_Sink(), adapter_fingerprint=fingerprint)
     assert engine.add_request("export", prompt, _greedy("a"), export=matching) is None
     engine.abort("export")
+
+
+@pytest.mark.parametrize(("sizes", "flag"), [({"tensor_parallel_size": 2}, "--tensor-parallel-size 2"),
+                                             ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 2")])
+def test_adapters_over_several_processes_are_refused_naming_the_flag(model_files, sizes, flag):
+    config = EngineConfig(lora=LoraConfig(), **sizes)
+    with pytest.raises(ValueError, match=f"enable_lora: not served over several processes yet \\({flag}; model"):
+        serve_adapters(config, model=None, model_config=model_files.config, dtype=torch.float32)
