@@ -9,7 +9,8 @@ started together (their model loads overlap) and stopped together.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from harness.ports import free_port
@@ -72,3 +73,17 @@ def start_mesh(
         raise
     *workers, gateway = processes
     return Mesh(workers[:prefill], workers[prefill:prefill + decode], gateway, workers[prefill + decode:])
+
+
+@contextlib.contextmanager
+def running(arg_lists: Sequence[Sequence[str]], env: Mapping[str, str] | None = None) -> Iterator[list[WorkerProcess]]:
+    """`tandem <args>` for each of `arg_lists`, with `env` added to their environment, started
+    together and yielded once every one serves; stopped after, the last first, each exiting 0."""
+    processes = [start_worker(args, wait=False, env=env) for args in arg_lists]
+    try:
+        for process in processes:
+            process.wait_ready()
+        yield processes
+    finally:
+        codes = [process.stop() for process in reversed(processes)]
+        assert codes == [0] * len(processes)

@@ -152,6 +152,7 @@ async def _serve(flags: GatewayFlags, registry: WorkerRegistry, channels: Channe
     from services.commands.gateway_cluster import cluster_services
     from services.common.http_server import HttpListener
     from services.common.server import RoleServer
+    from services.gateway.adapter_sync import AdapterSync
     from services.gateway.api_keys import ApiKeyInterceptor, ApiKeyMiddleware
     from services.gateway.handler import GatewayServicer
     from services.gateway.metrics import GatewayMetrics
@@ -174,6 +175,7 @@ async def _serve(flags: GatewayFlags, registry: WorkerRegistry, channels: Channe
     if planner is not None:
         metrics.watch_planner(lambda: planner.recommended)
     watch = RepositoryWatch(flags.model_repository, service, flags.max_model_len) if repository is not None else None
+    adapter_sync = AdapterSync(registry, lambda: service.catalog) if repository is not None else None
     # Clients authenticate with API keys, not certificates: the client API asks for none.
     credentials = channels.server_credentials(client_auth=False)
     interceptors = [ApiKeyInterceptor(keys)] if keys is not None else []
@@ -197,6 +199,8 @@ async def _serve(flags: GatewayFlags, registry: WorkerRegistry, channels: Channe
         metrics.model_loaded(max(entry.model.max_model_len for entry in service.catalog.entries))
         if watch is not None:
             watch.start()
+        if adapter_sync is not None:
+            adapter_sync.start()
         # Ready means routable, so that workers and gateway can start together; requests sent
         # while a pool has no serving worker get UNAVAILABLE.
         if not await registry.wait_routable(flags.wait_for_workers):
@@ -205,6 +209,8 @@ async def _serve(flags: GatewayFlags, registry: WorkerRegistry, channels: Channe
     async def close() -> None:
         if watch is not None:
             await watch.stop()
+        if adapter_sync is not None:
+            await adapter_sync.stop()
         if discovery is not None:
             discovery.stop()
         if planner is not None:

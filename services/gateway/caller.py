@@ -1,4 +1,4 @@
-"""Who sent a request, as the gateway's core sees it: the API key's name, limits and admin mark.
+"""Who sent a request, as the gateway's core sees it: the API key's name, limits, models and admin mark.
 
 The API edges identify the key (services.gateway.api_keys) and hand the core this, never the
 secret, so that nothing past the edge can log or leak it.
@@ -36,14 +36,22 @@ class KeyLimits:
 
 @dataclass(frozen=True)
 class Caller:
-    """The key a request came with: `name` (for metrics and logs), its `limits`, and whether it is
-    an `admin` key."""
+    """The key a request came with: `name` (for metrics and logs), its `limits`, whether it is an
+    `admin` key, and the `models` it may use (model names, without @VERSION, and LoRA adapter
+    names; None: any)."""
 
     name: str
     limits: KeyLimits = field(default_factory=KeyLimits)
     admin: bool = False
+    models: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
             raise ValueError(f"name: must be 1 to 64 letters, digits, '.', '_' or '-' (starting with a letter "
                              f"or digit), got {self.name!r}")
+        if self.models is not None and not self.models:
+            raise ValueError("models: an empty list allows no model; leave it out to allow any")
+
+    def may_use(self, model: str) -> bool:
+        """Whether this key may send requests for `model` (a model's name or an adapter's)."""
+        return self.models is None or model in self.models

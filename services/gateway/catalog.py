@@ -4,6 +4,8 @@ Either one model (`--model`: any worker serves it, as before model repositories)
 repository's every version (`--model-repository`), each with its own tokenizer, chat template and
 context length. A request names `NAME` (the repository's split picks the version, sticky per
 caller: services.repository.split), `NAME@VERSION` (exactly that one), or nothing (the first model).
+A LoRA adapter a worker serves is named by its own name, which no model shares
+(services.gateway.adapters): it runs on its base version, with the base's tokenizer and limits.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from services.gateway.adapters import AdapterRef, ServedAdapter
 from services.gateway.model import ServedModel
 from services.repository.config import ModelRepository, ModelVersion, RepositoryModel
 from services.repository.split import choose_version
@@ -29,11 +32,20 @@ class Target:
     answered_as: str  # the `model` the reply carries: what the client asked for, or the model's name
     version: str  # the repository's version ("" for a gateway of one model)
     version_key: str | None  # NAME@VERSION its workers report; None: any worker
+    adapter: AdapterRef | None = None  # the LoRA adapter it runs under; None: the base model
 
     @property
     def fingerprint(self) -> str:
-        """What names the served version to the client (system_fingerprint, a header, a trailer)."""
-        return f"{self.model.id}@{self.version}" if self.version else self.model.id
+        """What names the served version to the client (system_fingerprint, a header, a trailer):
+        the base version, and the adapter after a `+`."""
+        base = f"{self.model.id}@{self.version}" if self.version else self.model.id
+        return f"{base}+{self.adapter.name}" if self.adapter is not None else base
+
+    @property
+    def served_name(self) -> str:
+        """The model its requests are counted under (the metrics' model_name): the adapter's name,
+        so that usage shows per adapter, else the model's."""
+        return self.adapter.name if self.adapter is not None else self.model.id
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,33 @@ class ModelCatalog:
             return self.entries[0].model
         entry = self._by_key.get(version_key or "")
         return entry.model if entry is not None else None
+
+    @property
+    def names(self) -> frozenset[str]:
+        """Every name a request's `model` may give for a model (an adapter may take none of them)."""
+        if self.repository is None:
+            return frozenset({self.default_name})
+        return frozenset({model.name for model in self.repository.models}
+                         | {version.version_key for version in self.repository.versions})
+
+    @property
+    def declared_adapters(self) -> dict[str, str]:
+        """The LoRA adapters the repository declares (services.gateway.adapter_sync loads them), by
+        name, with their base version's NAME@VERSION."""
+        if self.repository is None:
+            return {}
+        return {adapter.name: base for base, adapter in self.repository.adapters}
+
+    def adapter_target(self, adapter: ServedAdapter) -> Target:
+        """The target of a request naming `adapter`: its base version's; UnknownModel when this
+        gateway does not serve that base version."""
+        if self.repository is None:
+            return Target(self.entries[0].model, adapter.name, "", None, adapter.ref)
+        entry = self._by_key.get(adapter.base or "")
+        if entry is None or entry.version is None:
+            raise UnknownModel(f"The model `{adapter.name}` is an adapter over {adapter.base}, which this server "
+                               "does not serve.")
+        return Target(entry.model, adapter.name, entry.version.name, entry.key, adapter.ref)
 
     @property
     def default_name(self) -> str:

@@ -50,7 +50,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             gateway_pb2.Model(id=listing.id, max_model_len=listing.max_model_len, version=listing.version,
                               state=listing.state, dtype=listing.formats["dtype"] or "",
                               quantization=listing.formats["quantization"] or "",
-                              kv_cache_dtype=listing.formats["kv_cache_dtype"] or "")
+                              kv_cache_dtype=listing.formats["kv_cache_dtype"] or "",
+                              parent=listing.parent or "")
             for listing in listings
         ])
 
@@ -99,6 +100,9 @@ def generate_request_from_proto(msg: gateway_pb2.GenerateRequest, caller: Caller
         sampling = sampling_params_from_proto(msg.sampling)
     except ValueError as error:
         raise ValueError(f"sampling.{error}") from error
+    if sampling.lora_name:
+        # The gateway sets it from `model`, where the key's models and the adapter's workers are checked.
+        raise ValueError("sampling.lora_name: name a LoRA adapter by `model`; the gateway sets this field")
     described = _tools_from_proto(msg)
     tools = _tool_use_from_proto(msg, described, tool_flags or ToolFlags())
     if tools.constraint is not None:

@@ -8,6 +8,8 @@ The file is TOML, one `[[key]]` table a key:
     requests_per_minute = 60   # optional; absent = unlimited
     tokens_per_minute = 20000  # optional; prompt plus max_tokens, settled with the tokens used
     admin = false              # optional
+    models = ["smollm2", "sql-lora"]  # optional: the models and LoRA adapters it may use (a
+                                      # request for another gets 403); absent = any
 
 or, as before, one key a line (blank lines and `#` comments skipped). A file that parses as TOML
 and holds anything is read as TOML and must hold only `[[key]]` tables; any other file is read a
@@ -28,7 +30,7 @@ from services.gateway.api_keys import ApiKey, ApiKeys
 from services.gateway.caller import Caller, KeyLimits
 
 ENV_VAR = "TANDEM_API_KEYS"
-_FIELDS = ("name", "secret", "secret_env", "requests_per_minute", "tokens_per_minute", "admin")
+_FIELDS = ("name", "secret", "secret_env", "requests_per_minute", "tokens_per_minute", "admin", "models")
 
 
 def load_api_keys(key_file: Path | None, environ: dict[str, str] | None = None) -> ApiKeys | None:
@@ -118,7 +120,19 @@ def _toml_key(entry: dict[str, Any], environ: dict[str, str]) -> ApiKey:
         raise ValueError("name: is missing")
     admin = _typed(entry, "admin", bool, False)
     limits = KeyLimits(entry.get("requests_per_minute"), entry.get("tokens_per_minute"))
-    return ApiKey(Caller(name, limits, admin), _secret(entry, environ).encode())
+    return ApiKey(Caller(name, limits, admin, _models(entry)), _secret(entry, environ).encode())
+
+
+def _models(entry: dict[str, Any]) -> frozenset[str] | None:
+    models = entry.get("models")
+    if models is None:
+        return None
+    if not isinstance(models, list) or not all(isinstance(model, str) and model for model in models):
+        raise ValueError(f"models: must be a list of model or adapter names, got {models!r}")
+    if any("@" in model for model in models):
+        raise ValueError(f"models: name models without @VERSION (a key allowed a model may use its every "
+                         f"version), got {models!r}")
+    return frozenset(models)
 
 
 def _secret(entry: dict[str, Any], environ: dict[str, str]) -> str:

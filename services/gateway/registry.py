@@ -15,9 +15,10 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from tandem.v1 import common_pb2
 
-from engine.kv_cache.block_hash import prompt_block_hashes
+from engine.kv_cache.block_hash import first_block_key, prompt_block_hashes
 from engine.kv_cache.kv_events import TIERS
 from services.common.channels import PLAINTEXT, Channels
+from services.gateway.adapters import AdapterRef
 from services.gateway.approximate_index import ApproximateIndex, PrefixIndexKind
 from services.gateway.block_index import BlockIndex, TierEvent
 from services.gateway.hash_probe import HashProbe, ProbeReport
@@ -197,28 +198,33 @@ class WorkerRegistry:
     # ---- placing requests ------------------------------------------------------------------------
     def route_request(self, prompt_token_ids: Sequence[int], max_tokens: int,
                       slo: SloTargets | None = None, version_key: str | None = None,
-                      cache_salt: str = "") -> RouteRequest:
+                      cache_salt: str = "", adapter: AdapterRef | None = None) -> RouteRequest:
         """A request as the router sees it, with the prefix each worker holds on its device and can
-        load from its lower tiers (by the prefix index, the prompt hashed with each worker's salt and
-        the request's `cache_salt`); only workers reporting `version_key` (NAME@VERSION; None: any)
-        may serve it. With the exact index, a worker whose hashes disagree with the gateway's
-        (services.gateway.hash_probe) holds nothing here."""
+        load from its lower tiers (by the prefix index, the prompt hashed with each worker's salt, the
+        request's `cache_salt` and its LoRA `adapter`'s fingerprint, as the workers hash its blocks);
+        only workers reporting `version_key` (NAME@VERSION; None: any) and serving `adapter` (None:
+        the base model) may serve it. With the exact index, a worker whose hashes disagree with the
+        gateway's (services.gateway.hash_probe) holds nothing here."""
         cached: dict[str, int] = {}
         loadable: dict[str, Loadable] = {}
         hashes_by_key: dict[tuple[int, bytes], list[bytes]] = {}
         block_hashes: dict[str, list[bytes]] = {}
+        adapter_load_s: dict[str, float] = {}
+        first_key = first_block_key(cache_salt, adapter.fingerprint if adapter is not None else b"")
         for worker in self._workers.values():
-            # Not routed to, or another version's (decide never offers it this request).
+            # Not routed to, or another version's or adapter's (decide never offers it this request).
             report = worker.report
-            if report is None or not worker.offers(version_key) or (
+            if report is None or not _offers(worker, version_key, adapter) or (
                     self.prefix_index == "exact" and self.probe.refusal(worker.address) is not None):
                 continue
+            if adapter is not None and (held := worker.adapter(adapter)) is not None and held.load_s:
+                adapter_load_s[worker.address] = held.load_s
             block_size = report.block_size
             key = (block_size, report.block_hash_salt)
             hashes = hashes_by_key.get(key)
             if hashes is None:
                 hashes = hashes_by_key[key] = prompt_block_hashes(prompt_token_ids, block_size, report.block_hash_salt,
-                                                                  cache_salt.encode())
+                                                                  first_key)
             block_hashes[worker.address] = hashes
             hit = self.blocks.prefix(worker.address, hashes)
             if hit.device_blocks:
@@ -230,13 +236,14 @@ class WorkerRegistry:
                 loadable[worker.address] = Loadable({tier: blocks * block_size for tier, blocks in lower.items()},
                                                     load_s)
         return RouteRequest(len(prompt_token_ids), max_tokens, slo or self.default_slo, cached, loadable,
-                            version_key, block_hashes)
+                            version_key, block_hashes, adapter, adapter_load_s)
 
     def decide(self, request: RouteRequest, idle: bool = False, exclude: frozenset[str] = frozenset()) -> Decision:
         """The router's decision over the workers' current views (or idle ones); NoWorkerError if
         no worker could take it."""
         views = [_for_version(view, w, request.version_key) for w in self._workers.values()
-                 if w.address not in exclude and w.offers(request.version_key) and (view := w.view(idle))]
+                 if w.address not in exclude and _offers(w, request.version_key, request.adapter)
+                 and (view := w.view(idle))]
         return route(request, views, next(self._turns), self._policy)
 
     def claim(self, request: RouteRequest, decision: Decision) -> Placement:
@@ -288,6 +295,11 @@ class WorkerRegistry:
         self.blocks.apply(worker.address, report.host_tier_id, events, report.kv_events_reset)
         self.probe.check(worker.address, ProbeReport(worker.version_key, report.block_size, report.block_hash_salt,
                                                      tuple(report.probe_block_hashes)))
+
+
+def _offers(worker: RemoteWorker, version_key: str | None, adapter: AdapterRef | None) -> bool:
+    """Whether the worker may serve a request of `version_key` under `adapter` (None: the base)."""
+    return worker.offers(version_key) and (adapter is None or worker.adapter(adapter) is not None)
 
 
 def _for_version(view: WorkerView, worker: RemoteWorker, version_key: str | None) -> WorkerView:

@@ -10,7 +10,9 @@ token on P and its time per output token on D from each worker's reported step m
 - TTFT = P's queue + P computing the tokens it does not already hold (prefix affinity: the blocks
   its device holds are free, those in its host or disk tier cost their load-back at P's reported
   seconds per block instead of their compute), in chunks beside P's running batch where P decodes
-  too, + the hops, + P's recent KV delivery wait when P is not D;
+  too, + the hops, + P's recent KV delivery wait when P is not D, + for a request under a LoRA
+  adapter, P's load of it when it is not in one of P's slots (services.gateway.adapters: a worker
+  holding it ranks first among equally loaded ones; D's own load overlaps P's prompt);
 - TPOT = one decode step of D's batch with this request added, at the context that batch will hold;
   and where P decodes too, P's running requests see mixed steps while the prompt's chunks run:
   either each stays within the TPOT objective, or the stall they add (the prompts' compute) fits
@@ -38,6 +40,7 @@ from typing import Literal
 from engine.kv_cache.blocks import blocks_for
 from services.common.config_flags import flag
 from services.common.step_model import StepModel
+from services.gateway.adapters import AdapterRef
 
 Role = Literal["prefill", "decode", "colocated"]
 Placement = Literal["aggregated", "disaggregated"]
@@ -172,6 +175,12 @@ class RouteRequest:
     # The prompt's block hashes as each worker (by address) names its blocks: the approximate prefix
     # index (services.gateway.approximate_index) records them where the request is placed.
     block_hashes: Mapping[str, Sequence[bytes]] = field(default_factory=dict)
+    # The LoRA adapter it runs under (None: the base model): the registry offers the rules only the
+    # workers serving it with this fingerprint, so a prefill worker is paired only with a decode
+    # worker serving it alike; and the seconds each of them (by address) would take to put it in a
+    # slot (missing: none).
+    adapter: AdapterRef | None = None
+    adapter_load_s: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -307,7 +316,7 @@ def _prefill_ttft(request: RouteRequest, site: WorkerView) -> float:
     sequences, context = (0, 0) if site.role == "prefill" else (site.sequences, site.context_tokens)
     queue = model.prefill_s(site.queued_prompt_tokens, chunk, sequences, context)
     compute = model.prefill_s(_uncached(request, site), chunk, sequences, context)
-    return queue + compute + _load_s(request, site) + HOP_S
+    return queue + compute + _load_s(request, site) + request.adapter_load_s.get(site.address, 0.0) + HOP_S
 
 
 def _disturbed(request: RouteRequest, site: WorkerView, tpot: float, policy: RoutingPolicy) -> float:

@@ -13,22 +13,24 @@ Failures are `StatusError`s carrying a gRPC status code; each API maps them to i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 
 from engine.kv_cache.block_hash import PROBE_TEXT
 from services.common.chunk import Chunk
 from services.common.errors import StatusError
+from services.gateway.adapter_watch import AdapterWatch
 from services.gateway.admission import Admission, Rejected
+from services.gateway.caller import Caller
 from services.gateway.catalog import ModelCatalog, Target, UnknownModel
 from services.gateway.choices import ChoiceGroup
-from services.gateway.formats import served_formats
 from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
+from services.gateway.listing import ModelListing, model_listings
 from services.gateway.metrics import RATE_LIMIT, WORKERS_FULL, GatewayMetrics
 from services.gateway.migration import MigrationPolicy, StreamProgress
 from services.gateway.rate_limits import Charge, RateLimited, RateLimiter
@@ -42,17 +44,6 @@ log = logging.getLogger(__name__)
 
 # Refusals that leave the request untouched, so the next decode worker may take it.
 _RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
-
-
-@dataclass(frozen=True)
-class ModelListing:
-    """One served model version as /v1/models and ListModels show it."""
-
-    id: str
-    version: str  # "" for a gateway of one model
-    max_model_len: int
-    state: str  # "serving", "loading" or "draining"
-    formats: dict[str, str | None]  # services.gateway.formats
 
 
 class GatewayService:
@@ -74,6 +65,8 @@ class GatewayService:
         registry.on_change(self.admission.changed)
         registry.probe.probe_tokens = self.probe_tokens
         self.catalog: ModelCatalog | None = None
+        self.adapters = AdapterWatch(registry, lambda: self.catalog.names if self.catalog is not None else ())
+        metrics.registry.register(self.adapters)
         self._capture_content = capture_content()
 
     def served_catalog(self) -> ModelCatalog:
@@ -82,27 +75,24 @@ class GatewayService:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, "the gateway is still loading its models")
         return self.catalog
 
-    def resolve(self, requested: str, caller: str | None = None) -> Target:
-        """The version a request's `model` names for this caller (services.gateway.catalog);
-        StatusError NOT_FOUND naming what is not served, UNAVAILABLE while loading."""
+    def resolve(self, requested: str, caller: str | None = None, key: Caller | None = None) -> Target:
+        """The version a request's `model` names for this caller (services.gateway.catalog), or the
+        LoRA adapter it names on its base version. StatusError PERMISSION_DENIED naming a model the
+        API `key` may not use, NOT_FOUND naming what is not served, UNAVAILABLE while loading or for
+        an adapter whose workers disagree (services.gateway.adapters)."""
+        catalog = self.served_catalog()
+        name = (requested or catalog.default_name).partition("@")[0]
+        if key is not None and not key.may_use(name):
+            raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
+                              f"model: the API key {key.name} may not use the model `{name}`")
         try:
-            return self.served_catalog().resolve(requested, caller)
+            return catalog.resolve(requested, caller)
         except UnknownModel as error:
-            raise StatusError(grpc.StatusCode.NOT_FOUND, str(error)) from error
+            return self.adapters.target(requested, catalog, error)
 
     def models(self) -> list[ModelListing]:
-        """Every model version served, with its state and formats, as the model lists show them."""
-        listings = []
-        for entry in self.served_catalog().entries:
-            key = entry.version.version_key if entry.version is not None else None
-            workers = [worker for worker in self.registry.workers if worker.report is not None and worker.offers(key)]
-            # A version only retiring workers hold (a hot swap in their processes) is on its way out.
-            state = ("serving" if any(worker.routable and key in (None, worker.version_key) for worker in workers)
-                     else "draining" if workers else "loading")
-            listings.append(ModelListing(entry.model.id, entry.version.name if entry.version is not None else "",
-                                         entry.model.max_model_len, state,
-                                         served_formats(worker.report for worker in workers)))
-        return listings
+        """Every model version served, and every LoRA adapter routed to, as the model lists show them."""
+        return model_listings(self.served_catalog(), self.registry.workers, self.adapters.table)
 
     def worker_health(self) -> list[dict[str, object]]:
         """Each worker as the health detail shows it: address, role, routable, its prefix information
@@ -129,7 +119,8 @@ class GatewayService:
     def target_for(self, request: GenerateRequest) -> Target:
         """The version the request's `model` names for its caller: its `user`, else its API key's
         name (services.gateway.catalog); StatusError as `resolve`."""
-        return self.resolve(request.model, request.user or (request.caller.name if request.caller else None))
+        return self.resolve(request.model, request.user or (request.caller.name if request.caller else None),
+                            request.caller)
 
     def ready(self) -> bool:
         """Whether requests can be served now: the model is loaded and the workers can take requests."""
@@ -148,13 +139,14 @@ class GatewayService:
 
     async def place(self, request: GenerateRequest, prompt: list[int], slo: SloTargets, arrived_at: float,
                     observation: RequestObservation, exclude: frozenset[str] = frozenset(),
-                    version_key: str | None = None) -> Placement:
+                    target: Target | None = None) -> Placement:
         """Where the request runs, once admission lets it in (see services.gateway.admission), on
-        workers reporting `version_key` (NAME@VERSION; None: any). StatusError RESOURCE_EXHAUSTED
-        (with a retry-after hint) when refused (told to `observation`), UNAVAILABLE when no worker
-        could take it at all."""
-        route_request = self.registry.route_request(prompt, request.sampling.max_tokens, slo, version_key,
-                                                    request.sampling.cache_salt)
+        workers serving `target` (its version and adapter; None: any worker, the base model).
+        StatusError RESOURCE_EXHAUSTED (with a retry-after hint) when refused (told to
+        `observation`), UNAVAILABLE when no worker could take it at all."""
+        route_request = self.registry.route_request(
+            prompt, request.sampling.max_tokens, slo, target.version_key if target is not None else None,
+            request.sampling.cache_salt, target.adapter if target is not None else None)
         try:
             if exclude:  # a retry after a refusal: no queueing, the best other worker now
                 return self.registry.claim(route_request, self.registry.decide(route_request, exclude=exclude))
@@ -194,9 +186,12 @@ class GatewayService:
             charge = self._charged(request, len(prompt), observation)
             # aclosing: a consumer that stops early (client gone) must close the inner stream at once,
             # which cancels the request on its workers; left to the garbage collector it would not.
+            if target.adapter is not None:
+                request = dataclasses.replace(request, sampling=dataclasses.replace(
+                    request.sampling, lora_name=target.adapter.name))
             async with contextlib.aclosing(
                     self._generate(request, request_id, prompt, arrived_at, deadline, observation,
-                                   target.version_key)) as chunks:
+                                   target)) as chunks:
                 async for chunk in chunks:
                     observation.streamed(chunk)
                     yield chunk
@@ -239,8 +234,9 @@ class GatewayService:
 
     async def _generate(self, request: GenerateRequest, request_id: str, prompt: list[int], arrived_at: float,
                         deadline: float | None, observation: RequestObservation,
-                        version_key: str | None) -> AsyncIterator[Chunk]:
+                        target: Target) -> AsyncIterator[Chunk]:
         slo = self.slo(request)
+        version_key = target.version_key
 
         progress = StreamProgress(self.migration)
         refusals: list[tuple[grpc.StatusCode, str]] = []
@@ -249,7 +245,7 @@ class GatewayService:
             try:
                 with observation.routing() as route:
                     placement = await self.place(request, progress.context(prompt), slo, arrived_at, observation,
-                                                 refused, version_key)
+                                                 refused, target)
                     observation.placed(route, placement.decision, slo)
                     self.metrics.prefix_hit(placement.prefix_hit_tokens)
             except StatusError:

@@ -78,7 +78,7 @@ class RequestObservation:
         """The request runs on this model version (the A/B split's choice): on the span, in the finish
         log, and the labels of its metrics from now on; it now waits for a worker."""
         self._model_version = target.fingerprint
-        self._metrics = self._metrics.labelled(target.model.id, target.version)
+        self._metrics = self._metrics.labelled(target.served_name, target.version)
         self._group = self._group or ChoiceGroup(self._metrics)
         self._resolved = self._waiting = True
         self._metrics.waiting.inc()

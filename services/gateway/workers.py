@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, lora_pb2, lora_pb2_grpc, prefill_pb2_grpc
 
 from engine.resume import Resumed
 from engine.sampling_params import SamplingParams
@@ -25,6 +25,7 @@ from services.common.channels import PLAINTEXT, Channels
 from services.common.chunk import Chunk
 from services.common.convert import chunk_from_proto, sampling_params_to_proto, step_model_from_proto
 from services.common.errors import status_error_from_rpc
+from services.gateway.adapters import AdapterRef, WorkerAdapter
 from services.gateway.router import Role, SloTargets, WorkerView
 from services.gateway.tpot_slack import DecodeProgress
 
@@ -56,6 +57,7 @@ class RemoteWorker:
         self.channel = channels.open(address, _RECONNECT_OPTIONS)
         stub_class = prefill_pb2_grpc.PrefillStub if role == "prefill" else decode_pb2_grpc.DecodeStub
         self.stub = stub_class(self.channel)
+        self.lora_stub = lora_pb2_grpc.LoraAdaptersStub(self.channel)
         self.serving = False
         # The latest valid load report; None until one came (the worker is not routed to meanwhile).
         self.report: common_pb2.LoadReport | None = None
@@ -86,6 +88,35 @@ class RemoteWorker:
         serves, or one a hot swap in its process retires and still holds (LoadReport)."""
         return version_key is None or (self.report is not None and (
             version_key == self.version_key or version_key in self.report.retiring_versions))
+
+    @property
+    def adapters(self) -> tuple[WorkerAdapter, ...]:
+        """The LoRA adapters its latest report says it serves."""
+        if self.report is None:
+            return ()
+        return tuple(WorkerAdapter(a.name, a.fingerprint, a.path, a.in_slot, a.in_memory)
+                     for a in self.report.lora_adapters)
+
+    def adapter(self, ref: AdapterRef) -> WorkerAdapter | None:
+        """Its state of the adapter `ref` names, if it serves that adapter (the same fingerprint)."""
+        return next((a for a in self.adapters if a.name == ref.name and a.fingerprint == ref.fingerprint), None)
+
+    async def load_adapter(self, name: str, path: str, timeout: float) -> bytes:
+        """Have it serve the adapter in `path` (as it sees the path) as `name`: the adapter's
+        fingerprint; StatusError with the worker's code and reason when it does not."""
+        try:
+            reply = await self.lora_stub.LoadLoraAdapter(lora_pb2.LoadLoraAdapterRequest(name=name, path=path),
+                                                         timeout=timeout)
+        except grpc.aio.AioRpcError as error:
+            raise status_error_from_rpc(error) from error
+        return reply.fingerprint
+
+    async def unload_adapter(self, name: str, timeout: float) -> None:
+        """Have it stop serving `name`; StatusError with the worker's code and reason when it does not."""
+        try:
+            await self.lora_stub.UnloadLoraAdapter(lora_pb2.UnloadLoraAdapterRequest(name=name), timeout=timeout)
+        except grpc.aio.AioRpcError as error:
+            raise status_error_from_rpc(error) from error
 
     @property
     def in_flight(self) -> int:

@@ -17,6 +17,11 @@ split of each name between its versions), by each worker (which version it loads
     pool = "smollm2-q4"                   # optional: the workers started with --pool smollm2-q4
                                           # load it (default: NAME-VERSION)
 
+    [[model.version.adapter]]             # optional: LoRA adapters served over this version, each
+    name = "sql"                          # by its own name (a request's `model`; no model or
+    path = "adapters/sql"                 # NAME@VERSION may have it); a PEFT directory relative to
+                                          # this file, as the workers read it
+
 A name without a split routes to its first version. Every mistake is refused at start-up, naming
 the entry and the field. Torch-free: the gateway reads it.
 """
@@ -33,7 +38,9 @@ from engine.config import DTypeOption, EngineConfig, KVCacheDType, Quantization
 from engine.model.paths import default_model_path
 
 SHIPPED = "shipped"
-_VERSION_FIELDS = frozenset({"name", "path", "dtype", "quantization", "kv_cache_dtype", "max_model_len", "pool"})
+_VERSION_FIELDS = frozenset({"name", "path", "dtype", "quantization", "kv_cache_dtype", "max_model_len", "pool",
+                             "adapter"})
+_ADAPTER_FIELDS = frozenset({"name", "path"})
 _MODEL_FIELDS = frozenset({"name", "split", "version"})
 _NAME_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
@@ -43,6 +50,14 @@ def _check_name(entry: str, value: object) -> str:
         raise ValueError(f"{entry}: name: must be a non-empty string of letters, digits, '-', '_' or '.', "
                          f"got {value!r}")
     return value
+
+
+@dataclass(frozen=True)
+class RepositoryAdapter:
+    """A LoRA adapter the gateway has every worker of its base version serve (services.gateway.adapter_sync)."""
+
+    name: str
+    path: str  # absolute: the PEFT directory (adapter_config.json, adapter_model.safetensors)
 
 
 @dataclass(frozen=True)
@@ -57,6 +72,7 @@ class ModelVersion:
     kv_cache_dtype: KVCacheDType = "auto"
     max_model_len: int | None = None
     pool: str = ""  # "" = NAME-VERSION
+    adapters: tuple[RepositoryAdapter, ...] = ()
 
     def __post_init__(self) -> None:
         entry = f"model {self.model!r} version {self.name!r}"
@@ -150,6 +166,17 @@ class ModelRepository:
             raise ValueError(f"{self.source}: pool: {', '.join(shared)} is assigned more than one version")
         if not self.models:
             raise ValueError(f"{self.source}: no [[model]] entry")
+        taken = set(names) | {version.version_key for version in self.versions}
+        for base, adapter in self.adapters:
+            if adapter.name in taken:
+                raise ValueError(f"{self.source}: {base} adapter {adapter.name!r}: name: already the name of a "
+                                 "model, a version or another adapter")
+            taken.add(adapter.name)
+
+    @property
+    def adapters(self) -> tuple[tuple[str, RepositoryAdapter], ...]:
+        """Every LoRA adapter, with its base version's NAME@VERSION, in the file's order."""
+        return tuple((version.version_key, adapter) for version in self.versions for adapter in version.adapters)
 
     @property
     def versions(self) -> tuple[ModelVersion, ...]:
@@ -230,9 +257,26 @@ def _version(model: str, entry: dict[str, Any], index: int, folder: str) -> Mode
     path = entry.get("path")
     if not isinstance(path, str) or not path:
         raise ValueError(f"{where}: path: required (a GGUF file, an HF directory, or {SHIPPED!r})")
-    fields = {name: entry[name] for name in _VERSION_FIELDS - {"name", "path"} if name in entry}
+    fields = {name: entry[name] for name in _VERSION_FIELDS - {"name", "path", "adapter"} if name in entry}
+    adapters = entry.get("adapter", [])
+    if not isinstance(adapters, list):
+        raise ValueError(f"{where}: adapter: expected [[model.version.adapter]] tables")
     return ModelVersion(model, _check_name(where, entry.get("name")),
-                        path if path == SHIPPED else os.path.join(folder, os.path.expanduser(path)), **fields)
+                        path if path == SHIPPED else os.path.join(folder, os.path.expanduser(path)), **fields,
+                        adapters=tuple(_adapter(where, adapter, folder) for adapter in adapters))
+
+
+def _adapter(version: str, entry: dict[str, Any], folder: str) -> RepositoryAdapter:
+    where = f"{version} adapter {entry.get('name', '?')!r}" if isinstance(entry, dict) else f"{version} adapter"
+    _known(where, entry, _ADAPTER_FIELDS)
+    name = _check_name(where, entry.get("name"))
+    path = entry.get("path")
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{where}: path: required (a PEFT adapter's directory)")
+    path = os.path.join(folder, os.path.expanduser(path))
+    if not os.path.isdir(path):
+        raise ValueError(f"{where}: path: {path} is not a directory")
+    return RepositoryAdapter(name, path)
 
 
 def _known(where: str, entry: object, allowed: frozenset[str]) -> None:
@@ -244,4 +288,4 @@ def _known(where: str, entry: object, allowed: frozenset[str]) -> None:
                          f"(known: {', '.join(sorted(allowed))})")
 
 
-__all__ = ["SHIPPED", "ModelRepository", "ModelVersion", "RepositoryModel", "load_repository"]
+__all__ = ["SHIPPED", "ModelRepository", "ModelVersion", "RepositoryAdapter", "RepositoryModel", "load_repository"]

@@ -22,9 +22,10 @@ import websocket
 from certs import TestCa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from harness.mesh import running
 from harness.paths import REPO
 from harness.ports import free_port
-from harness.worker import WorkerProcess, start_worker
+from harness.worker import WorkerProcess
 from services.client import TandemClient
 from services.common.channels import Channels
 from services.common.tls import TlsConfig
@@ -84,15 +85,8 @@ def mesh(pki: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
          "--decode", f"127.0.0.1:{decode_port}", "--ttft-slo-ms", "600000", "--tpot-slo-ms", "600000",
          "--metrics-auth", "on", "--api-key-file", str(key_file), *_tls_flags(pki, "gateway")],
     ]
-    processes = [start_worker(args, wait=False, env={"TANDEM_API_KEYS": f"other-key,{API_KEY}"})
-                 for args in arg_lists]
-    try:
-        for process in processes:
-            process.wait_ready()
+    with running(arg_lists, env={"TANDEM_API_KEYS": f"other-key,{API_KEY}"}) as processes:
         yield {"prefill": processes[0], "decode": processes[1], "gateway": processes[2]}
-    finally:
-        codes = [process.stop() for process in reversed(processes)]
-        assert codes == [0] * len(processes)
 
 
 def _health(address: str, tls: TlsConfig | None) -> grpc.StatusCode:

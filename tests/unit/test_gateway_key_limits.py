@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import grpc
 import pytest
+from gateway_calls import generate_failures
 from starlette.testclient import TestClient
-from tandem.v1 import gateway_pb2, gateway_pb2_grpc
+from tandem.v1 import gateway_pb2
 
-from services.gateway.api_keys import ApiKeyInterceptor, ApiKeyMiddleware, ApiKeys
+from services.gateway.api_keys import ApiKeyMiddleware, ApiKeys
 from services.gateway.catalog import ModelCatalog
-from services.gateway.handler import GatewayServicer
 from services.gateway.key_file import load_api_keys
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model import ServedModel
@@ -109,30 +108,16 @@ def test_an_http_caller_over_its_limit_gets_429_with_when_to_retry(gateway) -> N
 
 
 async def _generate_codes(service: GatewayService, keys: ApiKeys,
-                         secrets: list[str]) -> list[tuple[str, str | None, str | None]]:
+                         secrets: list[str]) -> list[tuple[str, str | None, str | None] | None]:
     """(status code name, retry-after trailer, x-ratelimit-remaining-requests trailer) of a Generate
     call with each secret, in turn."""
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)])
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    request = gateway_pb2.GenerateRequest(text="Hello there")
+    request.sampling.max_tokens = 5
     answers = []
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = gateway_pb2_grpc.GatewayStub(channel)
-            for secret in secrets:
-                request = gateway_pb2.GenerateRequest(text="Hello there")
-                request.sampling.max_tokens = 5
-                call = stub.Generate(request, timeout=30, metadata=(("authorization", f"Bearer {secret}"),))
-                try:
-                    async for _ in call:
-                        pass
-                except grpc.aio.AioRpcError as error:
-                    trailers = dict(error.trailing_metadata() or ())
-                    answers.append((error.code().name, trailers.get("retry-after"),
-                                    trailers.get("x-ratelimit-remaining-requests")))
-    finally:
-        await server.stop(None)
+    for error in await generate_failures(service, keys, [(secret, request) for secret in secrets]):
+        trailers = dict(error.trailing_metadata() or ()) if error is not None else {}
+        answers.append((error.code().name, trailers.get("retry-after"), trailers.get("x-ratelimit-remaining-requests"))
+                       if error is not None else None)
     return answers
 
 

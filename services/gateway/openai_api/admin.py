@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from services.gateway.api_keys import current_caller
+from services.gateway.caller import Caller
 from services.gateway.catalog import UnknownModel
 from services.gateway.openai_api.errors import ApiError, bad_request
 from services.gateway.openai_api.http_limits import read_json_body
@@ -28,12 +29,17 @@ log = logging.getLogger(__name__)
 _MAX_BODY_BYTES = 64 * 1024
 
 
-async def put_split(service: GatewayService, request: Request) -> Response:
-    """Set a model's split; the answer is the split now in force."""
+def admin_caller(action: str) -> Caller:
+    """The key of an administrative request; 403 (naming `action`) unless it is marked admin."""
     caller = current_caller()
     if caller is None or not caller.admin:
-        raise ApiError(403, "changing a split needs an API key marked admin in --api-key-file",
-                       "PermissionDeniedError")
+        raise ApiError(403, f"{action} needs an API key marked admin in --api-key-file", "PermissionDeniedError")
+    return caller
+
+
+async def put_split(service: GatewayService, request: Request) -> Response:
+    """Set a model's split; the answer is the split now in force."""
+    caller = admin_caller("changing a split")
     name = request.path_params["name"]
     try:
         body = json.loads(await read_json_body(request, _MAX_BODY_BYTES))

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
 `stream`), their WebSocket twins /v1/completions/ws and /v1/chat/completions/ws (websocket.py),
-GET /v1/models, PUT /v1/admin/models/{name}/split (admin.py), GET /health (200 once requests can
+GET /v1/models, PUT /v1/admin/models/{name}/split (admin.py), POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (lora_admin.py), GET /health (200 once requests can
 be served, else 503), GET /metrics (Prometheus text format). Limits (services.gateway.limits):
 bodies beyond `max_body_bytes` get 413, requests beyond `max_concurrent_requests` in flight get
 429 (see http_limits.py).
@@ -29,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 
 from services.common.errors import StatusError
+from services.gateway.adapter_admin import AdapterAdmin
 from services.gateway.api_keys import current_caller
 from services.gateway.catalog import Target
 from services.gateway.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
@@ -38,6 +40,7 @@ from services.gateway.openai_api.admin import put_split
 from services.gateway.openai_api.errors import ApiError, api_error, bad_request
 from services.gateway.openai_api.fanout import FanOut
 from services.gateway.openai_api.http_limits import ConcurrencyLimit, read_json_body
+from services.gateway.openai_api.lora_admin import load_lora_adapter, unload_lora_adapter
 from services.gateway.openai_api.params import (
     chat_prompt,
     chat_requests,
@@ -71,6 +74,7 @@ def create_app(service: GatewayService, limits: RequestLimits = DEFAULT_REQUEST_
     """The HTTP API over `service`, within `limits`' body size and requests in flight, serving tool
     calls as `tool_flags` say."""
     api = OpenAIApi(service, limits.max_body_bytes, tool_flags or ToolFlags())
+    admin = AdapterAdmin(service.registry, service.adapters, service.served_catalog)
     completions_ws = CompletionSocket(service, api.completion_job, limits.max_body_bytes)
     chat_ws = CompletionSocket(service, api.chat_job, limits.max_body_bytes)
 
@@ -86,6 +90,10 @@ def create_app(service: GatewayService, limits: RequestLimits = DEFAULT_REQUEST_
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/v1/admin/models/{name}/split", _answering_errors(functools.partial(put_split, service)),
                   methods=["PUT"]),
+            Route("/v1/load_lora_adapter", _answering_errors(functools.partial(load_lora_adapter, admin)),
+                  methods=["POST"]),
+            Route("/v1/unload_lora_adapter", _answering_errors(functools.partial(unload_lora_adapter, admin)),
+                  methods=["POST"]),
             Route("/health", api.health, methods=["GET"]),
             Route("/metrics", functools.partial(metrics, service.metrics.registry), methods=["GET"]),
         ],
@@ -158,11 +166,13 @@ class OpenAIApi:
 
     async def _models(self, request: Request) -> Response:
         # OpenAI's shape, one entry a version: `id` is what a request's `model` takes for exactly
-        # that version (NAME@VERSION in a repository), `root` the model's name.
+        # that version (NAME@VERSION in a repository), `root` the model's name; a LoRA adapter as
+        # vLLM lists one: `root` its directory, `parent` its base.
         return JSONResponse({"object": "list", "data": [{
             "id": f"{listing.id}@{listing.version}" if listing.version else listing.id, "object": "model",
-            "created": 0, "owned_by": "tandem", "root": listing.id, "version": listing.version or None,
-            "state": listing.state, "max_model_len": listing.max_model_len, **listing.formats,
+            "created": 0, "owned_by": "tandem", "root": listing.root or listing.id, "parent": listing.parent,
+            "version": listing.version or None, "state": listing.state, "max_model_len": listing.max_model_len,
+            **listing.formats,
         } for listing in self.service.models()]})
 
     async def health(self, request: Request) -> Response:
@@ -170,9 +180,12 @@ class OpenAIApi:
         names the prefix index routing uses ("exact" or "approximate", --prefix-index) and details
         each worker: its role, whether it is routed to, whether the exact prefix index uses its block
         events ("exact") or refuses them, and why ("approximate" with that index), and the blocks
-        each of its tiers holds by the index."""
+        each of its tiers holds by the index; and each LoRA adapter not routed for a conflict, with
+        why (services.gateway.adapters)."""
         return JSONResponse({"prefix_index": self.service.registry.prefix_index,
-                             "workers": self.service.worker_health()}, status_code=200 if self.service.ready() else 503)
+                             "workers": self.service.worker_health(),
+                             "lora_adapter_conflicts": dict(self.service.adapters.table.conflicts)},
+                            status_code=200 if self.service.ready() else 503)
 
     def _target(self, body: SamplingBody, path: str) -> Target:
         """The model version the body's `model` names for its caller; unknown fields are logged, and
@@ -182,7 +195,8 @@ class OpenAIApi:
             log.warning("%s: ignoring unknown fields: %s", path, ", ".join(unknown))
         try:
             caller = current_caller()
-            return self.service.resolve(body.model or "", body.user or (caller.name if caller is not None else None))
+            return self.service.resolve(body.model or "", body.user or (caller.name if caller is not None else None),
+                                        caller)
         except StatusError as error:
             if error.code == grpc.StatusCode.NOT_FOUND:
                 raise ApiError(404, error.message, "NotFoundError", "model") from error

@@ -28,6 +28,7 @@ RETRY_AFTER_S = 1
 _HTTP_OF_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "BadRequestError"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "BadRequestError"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "PermissionDeniedError"),
     grpc.StatusCode.NOT_FOUND: (404, "NotFoundError"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "RateLimitError"),
     grpc.StatusCode.UNAVAILABLE: (503, "ServiceUnavailableError"),

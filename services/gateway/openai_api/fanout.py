@@ -30,7 +30,7 @@ class FanOut:
         self._queue: asyncio.Queue[_Event] = asyncio.Queue()
         self._held: list[tuple[int, Chunk]] = []
         self._running = len(requests)
-        metrics = service.metrics.labelled(target.model.id, target.version)
+        metrics = service.metrics.labelled(target.served_name, target.version)
         groups = [ChoiceGroup(metrics, n) for _ in range(0, len(requests), n)]
         self._tasks = [asyncio.create_task(self._run(service, index, request, target, groups[index // n]))
                        for index, request in enumerate(requests)]
