@@ -9,6 +9,12 @@ every held key at or before its own position.
 
 The mass of a key is the probability the softmax gives it, summed over the query heads and the
 queries from `score_from` on, and over the layers of a step (one backend serves every layer).
+
+A step that needs neither (no query scores, no block was freed: a long prompt's chunks before its
+observation window) is the engine's regular attention's, which this backend holds (the runner
+decides: engine.runner.ModelRunner._prepare); it writes the same pages and computes the same
+outputs up to rounding, through the CPU kernels' ops or Triton and their flash paths, where this
+one's masked SDPA computes every pair.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionBackend, AttentionMetadata
 from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.codec import KVCodec
 
@@ -66,21 +72,23 @@ def scored_over_held(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 class ScoredAttention:
-    """The torch backend under a KV budget: writes pages through `codec`, attends each sequence
-    over its held blocks, and keeps the step's mass per held block until `take_scores`."""
+    """The attention under a KV budget: for a step whose metadata names held blocks, writes pages
+    through `codec`, attends each sequence over its held blocks, and keeps the step's mass per held
+    block until `take_scores`; any other step is `regular`'s (the backend the engine has without a
+    budget, over the same `codec`)."""
 
-    name = "torch"
-
-    def __init__(self, codec: KVCodec) -> None:
+    def __init__(self, codec: KVCodec, regular: AttentionBackend) -> None:
         self.codec = codec
+        self.regular = regular
+        self.name = f"{regular.name} (scoring steps: torch)"
         self._meta: AttentionMetadata | None = None  # the step whose layers `_mass` sums
         self._mass: list[torch.Tensor] = []
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """See `AttentionBackend.forward`; `meta` must carry held_blocks and score_from."""
+        """See `AttentionBackend.forward`; `meta` without held_blocks goes to the regular backend."""
         if meta.held_blocks is None or meta.score_from is None:
-            raise ValueError("held_blocks: attention under a KV budget needs each sequence's held blocks")
+            return self.regular.forward(q, k, v, k_cache, v_cache, meta, scale)
         self.codec.write(k_cache, v_cache, meta.slot_mapping, k, v)
         if meta is not self._meta:  # a new step's first layer
             self._meta = meta
