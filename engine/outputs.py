@@ -66,6 +66,9 @@ class EngineStats:
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     kv_tier_dropped_blocks: int = 0  # blocks not copied down: the tiers' writes were too far behind
+    # Under a KV budget: steps so far by the attention they ran, "scored" (gathered held blocks and
+    # scored them) or "regular" (the backend without a budget: no query scored, no block freed).
+    kv_budget_steps: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
