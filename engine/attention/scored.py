@@ -67,8 +67,9 @@ def scored_over_held(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             out = (probs @ values.float().transpose(0, 1)).reshape(num_heads, query_len, head_dim).transpose(0, 1)
     if out is None and len(held) == held[-1] + 1:
         # Every block held (a prompt before any eviction): the regular backend's causal attention,
-        # whose flash passes skip the masked pairs that the mask below makes SDPA compute (a
-        # 1,024-token prompt in one step: docs/benchmarks.md, kv_eviction's TTFT).
+        # whose flash passes (or the bf16 prefill op) skip the masked pairs that the mask below makes
+        # SDPA compute: a 1,024-token prompt is one step at the default chunk size, and scores
+        # (`python -m bench kv_eviction --parts ttft`).
         out = causal_over_context(q, k_cache, v_cache, block_table, seq_len, scale, codec, dense_prefill)
     if out is None:
         queries = q.transpose(0, 1)[None].to(keys.dtype)
