@@ -69,6 +69,9 @@ class EngineStats:
     # Seconds the steps' forwards waited for loads' layers, and of those before the first layer.
     kv_tier_load_wait_s: float = 0.0
     kv_tier_first_layer_wait_s: float = 0.0
+    # Under a KV budget: steps so far by the attention they ran, "scored" (gathered held blocks and
+    # scored them) or "regular" (the backend without a budget: no query scored, no block freed).
+    kv_budget_steps: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
