@@ -109,10 +109,10 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done, before_layer)
         if self._scoring is not None:
             self.budget_steps["regular" if meta.held_blocks is None else "scored"] += 1
-        if self._scoring is not None and meta.held_blocks is not None:
-            for chunk, held, mass in zip(out.chunks, meta.held_blocks, self._scoring.attention.take_scores(),
-                                         strict=True):
-                self._scoring.record(chunk.request.request_id, held, mass.tolist())
+            if meta.held_blocks is not None:
+                for chunk, held, mass in zip(out.chunks, meta.held_blocks, self._scoring.attention.take_scores(),
+                                             strict=True):
+                    self._scoring.record(chunk.request.request_id, held, mass.tolist())
         if not sample_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
