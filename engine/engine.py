@@ -540,6 +540,7 @@ class Engine:
             num_context_tokens=sum(request.num_tokens for request in self.scheduler.running),
             spec_decode=self.scheduler.spec_stats.snapshot() if self.config.speculative is not None else None,
             num_preemptions=self.scheduler.total_preemptions,
+            kv_budget_steps=dict(self.runner.budget_steps),
             **self._tier_stats(),
             **({} if self.adapters is None else self.adapters.stats(self.scheduler)),
         )

@@ -84,9 +84,13 @@ def load_engine_model(config: EngineConfig, files: ModelFiles | None, layout: Te
     if window is not None:
         attention = windowed_attention(attention, window, RotaryAtAnyPosition(files.config, device))
     budget = kv_budget(config, files.config)
-    # Under a budget the CPU kernels' ops go too: they attend over whole contexts, and freed blocks
-    # must never be read (engine.attention.scored).
-    scored = None if budget is None else ScoredAttention(kv.codec)
+    # Under a budget a step whose queries score blocks, or that reads a request whose blocks were
+    # freed, takes the torch attention that gathers only held blocks (engine.attention.scored): the
+    # CPU kernels' ops and Triton attend over whole contexts, and a freed block must never be read.
+    # The other steps (a long prompt's chunks before its observation window) are the regular
+    # backend's, which it wraps. No decode stack is built over it (DecodeStack.build sees no torch
+    # backend), which costs nothing: every decode step scores, so none could run in it.
+    scored = None if budget is None else ScoredAttention(kv.codec, attention)
     if scored is not None:
         attention = scored
     quantization = choose_quantization(config.quantization, files.quantized_as, config.device)

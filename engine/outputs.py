@@ -73,6 +73,9 @@ class EngineStats:
     # LoRA (--enable-lora): the adapters served and their requests, and how many fit one step (0: none).
     lora_adapters: tuple[AdapterState, ...] = ()
     max_loras: int = 0
+    # Under a KV budget: steps so far by the attention they ran, "scored" (gathered held blocks and
+    # scored them) or "regular" (the backend without a budget: no query scored, no block freed).
+    kv_budget_steps: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

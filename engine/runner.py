@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -56,6 +57,8 @@ class ModelRunner:
         self._stages = stages
         self._scoring = scoring
         self._lora = lora
+        # Under a KV budget: steps by the attention they ran, "scored" or "regular" (a metric).
+        self.budget_steps: Counter[str] = Counter()
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -115,10 +118,12 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done, before_layer)
         finally:
             self.model.lora_step.batch = NO_LORA
-        if self._scoring is not None and meta.held_blocks is not None:
-            for chunk, held, mass in zip(out.chunks, meta.held_blocks, self._scoring.attention.take_scores(),
-                                         strict=True):
-                self._scoring.record(chunk.request.request_id, held, mass.tolist())
+        if self._scoring is not None:
+            self.budget_steps["regular" if meta.held_blocks is None else "scored"] += 1
+            if meta.held_blocks is not None:
+                for chunk, held, mass in zip(out.chunks, meta.held_blocks, self._scoring.attention.take_scores(),
+                                             strict=True):
+                    self._scoring.record(chunk.request.request_id, held, mass.tolist())
         if not sample_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
@@ -161,7 +166,7 @@ class ModelRunner:
         # Padding, and the entries of blocks freed outside a sliding window, name block 0: the
         # attention backends never read a position their window hides (engine.kv_cache.window).
         tables = [[max(block, 0) for block in c.block_table] + [0] * (width - len(c.block_table)) for c in out.chunks]
-        scoring = self._scoring
+        scoring = self._scoring if self._needs_scoring(out) else None
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.long),
             query_start_loc=self._tensor(query_start, torch.int32),
@@ -176,6 +181,19 @@ class ModelRunner:
                 scoring.budget.score_from(c.request.num_tokens) for c in out.chunks),
         )
         return self._tensor(token_ids, torch.long), self._tensor(positions, torch.long), meta, sample_rows
+
+    def _needs_scoring(self, out: SchedulerOutput) -> bool:
+        """Whether the step runs the attention that gathers held blocks and scores them: under a KV
+        budget, where a query scores (from its request's score_from on: a prompt's observation
+        window, every decode row) or a request has freed blocks (negative entries:
+        engine.kv_cache.manager.FREED), which the regular backend would read. A step with neither
+        (a long prompt's chunks before its window) gets no held blocks in its metadata, so it runs
+        the engine's regular backend (engine.attention.scored): its flash paths and CPU kernels cost
+        less than gathers and a masked SDPA over every pair, and its masses would all be 0."""
+        scoring = self._scoring
+        return scoring is not None and any(
+            c.start + c.num_tokens > scoring.budget.score_from(c.request.num_tokens) or min(c.block_table) < 0
+            for c in out.chunks)
 
     def _tensor(self, values: Sequence[int] | Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)

@@ -27,6 +27,11 @@ of its maximum length): Tandem's workers split it (`--kv-cache-mib` each), vLLM 
 unset then). Equal bytes hold equal tokens only where the KV element formats match: both servers'
 logs say what they hold (bench/goodput/kv_memory.py).
 
+`DeployOptions.kv_args` (a KV setting's flags, bench/common/kv_setting.py) go to every Tandem
+worker, the mesh's included: the prefill and the decode side must hold the same pages. Tandem's
+workers run without --dtype, at the engine's "auto" choice (`tandem_dtype`), which is what a KV
+setting naming the model's own dtype means.
+
 Every process logs to bench/.cache/goodput-logs/<config>-<role>.log (stdout and stderr). Tandem's
 processes are started and their ready lines read by the shared launcher (services/launcher.py).
 """
@@ -46,6 +51,8 @@ from typing import IO
 import httpx2
 
 from bench.common.paths import HF_EXPORT_DIR, VLLM_PYTHON, VLLM_VENV
+from engine.formats import choose_dtype
+from engine.hardware import probe
 from harness.paths import REPO
 from harness.ports import free_port
 from services.launcher import LaunchError, ReadyLine, ServerProcess, tandem_command
@@ -56,6 +63,11 @@ CONFIGS = (*DEFAULT_CONFIGS, *TIER_CONFIGS)
 TANDEM_CONFIGS = ("default", "disagg", "colocated", "colocated-wide", *TIER_CONFIGS)
 HOST_TIER_MIB = 4096  # the host tier owner's memory, as the kv_tiers suite gives it
 VLLM_DTYPES = {"vllm": "float32", "vllm-auto": "auto"}  # each vLLM configuration's --dtype
+
+
+def tandem_dtype() -> str:
+    """The dtype Tandem's workers compute in on this machine: the engine's choice for --dtype auto."""
+    return choose_dtype("auto", probe("cpu")).dtype
 
 
 class Unavailable(Exception):
@@ -75,6 +87,7 @@ class DeployOptions:
     gateway_args: tuple[str, ...] = ()  # more flags for Tandem's gateway (e.g. a routing setting to compare)
     prefill_args: tuple[str, ...] = ()  # more flags for Tandem's prefill worker (e.g. a scheduler setting)
     decode_args: tuple[str, ...] = ()  # more flags for Tandem's decode and colocated workers
+    kv_args: tuple[str, ...] = ()  # a KV setting's flags, for every Tandem worker
     kv_cache_mib: int | None = None  # the deployment's KV memory in all; None: each server's own default
     max_model_len: int | None = None  # every server's longest request; None: the model's context
 
@@ -182,7 +195,7 @@ def _start_tandem(config: str, options: DeployOptions, processes: list[LoggedSer
     model = ["--model", options.model] if options.model else []
     workers_of_config = 1 if config.startswith("colocated-wide") else 2
     kv = [*([] if options.kv_cache_mib is None else ["--kv-cache-mib", str(options.kv_cache_mib // workers_of_config)]),
-          *_max_model_len(options)]
+          *_max_model_len(options), *options.kv_args]
     owner = _start_host_tier(config, options, processes, env, deadline) if tiers else None
 
     def start(role: str, args: list[str], cpus: Collection[int] | None) -> None:

@@ -16,9 +16,11 @@ LABELS = {"default": "Tandem default (`tandem mesh`)", "disagg": "Tandem disaggr
 
 
 def label(config: str) -> str:
-    """A configuration's display name; `disagg#2` (a repeat) is "Tandem disaggregated, run 2"."""
+    """A configuration's display name; `disagg#2` (a repeat) is "Tandem disaggregated, run 2",
+    `disagg:int8` (under a KV setting, bench/goodput/kv_compare.py) "Tandem disaggregated, KV int8"."""
     base, _, repeat = config.partition("#")
-    return LABELS.get(base, base) + (f", run {repeat}" if repeat else "")
+    base, _, kv = base.partition(":")
+    return LABELS.get(base, base) + (f", KV {kv}" if kv else "") + (f", run {repeat}" if repeat else "")
 
 
 def format_repeats(configs: dict[str, dict], slos: Sequence[Slo]) -> str:
@@ -31,7 +33,7 @@ def format_repeats(configs: dict[str, dict], slos: Sequence[Slo]) -> str:
     for base, measured in runs.items():
         for slo in slos:
             values = [found[slo.name]["interpolated"] for found in measured]
-            lines.append(f"| {label(base)} | {_slo_text(slo)} | {', '.join(f'{v:.2f}' for v in values)} | "
+            lines.append(f"| {label(base)} | {slo_text(slo)} | {', '.join(f'{v:.2f}' for v in values)} | "
                          f"{statistics.median(values):.2f} |")
     return "\n".join(lines)
 
@@ -80,7 +82,7 @@ def _ms(value: float | None) -> str:
 
 def format_summary(configs: dict[str, dict], slos: Sequence[Slo]) -> str:
     """Goodput and capacity per configuration and SLO, then every measured rate's figures."""
-    header = ["configuration", *(f"goodput, {_slo_text(s)} (req/s)" for s in slos),
+    header = ["configuration", *(f"goodput, {slo_text(s)} (req/s)" for s in slos),
               "capacity: most served (req/s)", f"sustained meeting TTFT ≤ {slos[0].ttft_s:g} s (req/s)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for config, data in configs.items():
@@ -96,7 +98,7 @@ def format_summary(configs: dict[str, dict], slos: Sequence[Slo]) -> str:
         cells += [f"{most['served_rps']:.2f}", f"{most['ttft_rps']:g}"]
         lines.append(f"| {label(config)} | " + " | ".join(cells) + " |")
     lines += ["", "| configuration | rate | done | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | "
-              + " | ".join(f"attained {_slo_text(s)}" for s in slos) + " | served / offered req/s | errors |",
+              + " | ".join(f"attained {slo_text(s)}" for s in slos) + " | served / offered req/s | errors |",
               "|" + "---|" * (7 + len(slos))]
     for config, data in configs.items():
         for row in data.get("rates", []):
@@ -112,7 +114,8 @@ def format_summary(configs: dict[str, dict], slos: Sequence[Slo]) -> str:
     return "\n".join(lines + (["", *skipped] if skipped else []))
 
 
-def _slo_text(slo: Slo) -> str:
+def slo_text(slo: Slo) -> str:
+    """An SLO pair as the tables name it."""
     return f"TTFT ≤ {slo.ttft_s:g} s & TPOT ≤ {slo.tpot_s * 1e3:g} ms"
 
 
@@ -141,7 +144,7 @@ def plot_attainment(configs: dict[str, dict], slos: Sequence[Slo], path: str, ti
                           marker="o", label=label(config), color=colour,
                           linestyle="--" if "#" in config else "-")
         axis.axhline(100 * ATTAINMENT_TARGET, color="grey", linestyle="--", linewidth=1)
-        axis.set_title(_slo_text(slo))
+        axis.set_title(slo_text(slo))
         axis.set_xlabel("request rate (req/s, Poisson)")
         axis.set_ylabel("requests meeting both SLOs (%)")
         axis.set_ylim(0, 105)

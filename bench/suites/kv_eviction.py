@@ -6,6 +6,11 @@ step and what it does to quality, against full KV in the same run, on the shippe
   default attention, the CPU kernels' ops), for a budget larger than every context (the scoring
   attention alone, nothing evicted), and for budgets of each --fractions of the context; each as a
   ratio to full KV's.
+- TTFT: one prompt of --context-tokens tokens alone (--ttft-runs of them, after a warm-up), its first
+  token's time for full KV and for the first fraction's budget, with prompts computed in steps of
+  each --ttft-chunks tokens (2048, the default --max-num-batched-tokens: one step, which scores; 256:
+  the chunks before the observation window run the regular attention, engine.runner), the median
+  and its ratio to full KV's, and the budgeted engine's steps by the attention they ran.
 - Perplexity: --windows windows of --window-tokens tokens of the fidelity suite's fixed text, their
   first --prompt-tokens a prompt, the rest decoded one token at a time with the text's token forced
   (bench/fidelity/teacher_forced.py), so the budget evicts while decoding as it does when serving;
@@ -16,7 +21,8 @@ step and what it does to quality, against full KV in the same run, on the shippe
 The budget's recent window is half the budget (the default) throughout; quality runs in float32
 (the fidelity suite's reference), cost at --dtype.
 
-    python -m bench kv_eviction [--threads 1] [--fractions 0.5,0.25] [--context-tokens 1024] [--quick]
+    python -m bench kv_eviction [--threads 1] [--fractions 0.5,0.25] [--context-tokens 1024]
+                                [--parts cost,ttft,quality] [--ttft-chunks 2048,256] [--quick]
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from bench.common.model_quality import FIXED_TEXT, spans
 from bench.common.suite import begin_run, command_line, load_average, results_path, suite_parser, write_results
 from bench.fidelity.retrieval import hits, planted_prompts
 from bench.fidelity.teacher_forced import forced_perplexity
-from engine.config import CacheConfig, EngineConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.model.paths import default_model_path
 from engine.offline import generate
@@ -44,6 +50,7 @@ from engine.tokenizer import Tokenizer
 BLOCK = CacheConfig().block_size
 KV_CACHE_BYTES = 256 << 20
 FP32 = {"dtype": "float32", "quantization": "none", "cpu_weights": "fp32"}
+PARTS = ("cost", "ttft", "quality")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -55,6 +62,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="cost: concurrent requests")
     parser.add_argument("--context-tokens", type=int, default=1024, help="cost: prompt tokens per request")
     parser.add_argument("--output-tokens", type=int, default=32, help="cost: output tokens per request")
+    parser.add_argument("--ttft-chunks", default="2048,256", help="ttft: --max-num-batched-tokens values")
+    parser.add_argument("--ttft-runs", type=int, default=3, help="ttft: timed prompts per setting")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"which of {', '.join(PARTS)} to run")
     parser.add_argument("--windows", type=int, default=4, help="perplexity: windows of text")
     parser.add_argument("--window-tokens", type=int, default=512)
     parser.add_argument("--prompt-tokens", type=int, default=128, help="perplexity: each window's prompt")
@@ -65,10 +75,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.context_tokens, args.output_tokens = 2, 128, 4
+        args.ttft_chunks, args.ttft_runs = "2048,64", 1
         args.windows, args.window_tokens, args.prompt_tokens = 1, 160, 64
         args.retrieval_lengths, args.retrieval_prompts = "256", 2
     args.fraction_list = [float(f) for f in args.fractions.split(",") if f]
     args.lengths = [int(n) for n in args.retrieval_lengths.split(",") if n]
+    args.chunk_list = [int(n) for n in args.ttft_chunks.split(",") if n]
+    args.part_list = [part for part in args.parts.split(",") if part]
+    unknown = sorted(set(args.part_list) - set(PARTS))
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
     args.out = args.out or str(results_path(__name__, args.quick))
     return args
 
@@ -78,9 +94,11 @@ def budget_of(tokens: int, fraction: float) -> int:
     return max(4, round(tokens * fraction / BLOCK)) * BLOCK  # the least a default recent window allows
 
 
-def _engine(settings: dict, budget: int | None, memory_bytes: int = KV_CACHE_BYTES) -> Engine:
+def _engine(settings: dict, budget: int | None, memory_bytes: int = KV_CACHE_BYTES,
+            scheduler: SchedulerConfig | None = None) -> Engine:
     return Engine(EngineConfig(**settings, cache=CacheConfig(memory_bytes=memory_bytes, enable_prefix_caching=False,
-                                                             budget_tokens=budget)))
+                                                             budget_tokens=budget),
+                               scheduler=scheduler or SchedulerConfig()))
 
 
 def decode_tpot(args: argparse.Namespace, ids: list[int], budget: int | None) -> float:
@@ -106,6 +124,32 @@ def cost_rows(args: argparse.Namespace, ids: list[int]) -> dict[str, dict]:
         rows[name] = {"budget_tokens": budget, "tpot_s": decode_tpot(args, ids, budget)}
     base = rows["full KV"]["tpot_s"]
     return {name: {**row, "tpot_ratio": row["tpot_s"] / base} for name, row in rows.items()}
+
+
+def ttft_rows(args: argparse.Namespace, ids: list[int]) -> dict[str, dict]:
+    """Per chunk size: full KV's and the first fraction's budget's median TTFT of a prompt alone."""
+    budget = budget_of(args.context_tokens, args.fraction_list[0])
+    prompts = spans(ids, args.ttft_runs + 1, args.context_tokens)  # the first warms up
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rows = {}
+    for chunk in args.chunk_list:
+        for name, tokens in (("full KV", None), (f"budget {args.fraction_list[0]:g} x context", budget)):
+            print(f"[kv_eviction] ttft: {name}, chunks of {chunk} (load {load_average()})", file=sys.stderr, flush=True)
+            engine = _engine({"dtype": args.dtype}, tokens, scheduler=SchedulerConfig(max_num_batched_tokens=chunk))
+            try:
+                generate(engine, prompts[:1], params)
+                warm = dict(engine.stats().kv_budget_steps)
+                ttft = [generate(engine, [prompt], params)[0].ttft_s for prompt in prompts[1:]]
+                steps = {path: count - warm.get(path, 0) for path, count in engine.stats().kv_budget_steps.items()}
+            finally:
+                del engine
+                gc.collect()
+            rows[f"{name}, chunks of {chunk}"] = {"chunk": chunk, "budget_tokens": tokens, "ttft_s": ttft,
+                                                  "median_s": statistics.median(ttft), "steps": steps}
+    for row in rows.values():
+        base = rows[f"full KV, chunks of {row['chunk']}"]["median_s"]
+        row["ratio"] = row["median_s"] / base
+    return rows
 
 
 def quality_rows(args: argparse.Namespace, ids: list[int]) -> dict[str, dict]:
@@ -140,22 +184,49 @@ def quality_rows(args: argparse.Namespace, ids: list[int]) -> dict[str, dict]:
     return {name: {**row, "perplexity_rise": row["perplexity"] / base - 1} for name, row in rows.items()}
 
 
-def tables(args: argparse.Namespace, cost: dict[str, dict], quality: dict[str, dict]) -> str:
-    """The cost table and the quality table."""
+def tables(args: argparse.Namespace, cost: dict[str, dict], ttft: dict[str, dict], quality: dict[str, dict]) -> str:
+    """The tables of the parts that ran."""
+    lines: list[str] = []
+    if cost:
+        lines += _cost_table(args, cost)
+    if ttft:
+        lines += ["", *_ttft_table(args, ttft)]
+    if quality:
+        lines += ["", *_quality_table(args, quality)]
+    return "\n".join(lines).strip()
+
+
+def _cost_table(args: argparse.Namespace, cost: dict[str, dict]) -> list[str]:
     lines = [f"| decode ({args.batch} x {args.context_tokens} context, --dtype {args.dtype}) | budget (tokens) | "
              "TPOT (ms) | vs full KV |", "|---|---:|---:|---:|"]
     lines += [f"| {name} | {row['budget_tokens'] or '-'} | {row['tpot_s'] * 1000:.2f} | {row['tpot_ratio']:.2f} |"
               for name, row in cost.items()]
-    lines += ["", f"| KV (float32) | perplexity, {args.windows} x {args.window_tokens} forced | rise | "
-              + " | ".join(f"retrieval at {length}" for length in args.lengths) + " |",
-              "|---|---:|---:|" + "---:|" * len(args.lengths)]
+    return lines
+
+
+def _ttft_table(args: argparse.Namespace, ttft: dict[str, dict]) -> list[str]:
+    lines = [f"| prompt alone ({args.context_tokens} tokens, --dtype {args.dtype}) | budget (tokens) | "
+             f"TTFT, median of {args.ttft_runs} (ms) | vs full KV | steps regular / scored |",
+             "|---|---:|---:|---:|---:|"]
+    for name, row in ttft.items():
+        steps = row["steps"]
+        counted = f"{steps.get('regular', 0)} / {steps.get('scored', 0)}" if row["budget_tokens"] else "-"
+        lines.append(f"| {name} | {row['budget_tokens'] or '-'} | {row['median_s'] * 1000:.0f} | {row['ratio']:.2f} | "
+                     f"{counted} |")
+    return lines
+
+
+def _quality_table(args: argparse.Namespace, quality: dict[str, dict]) -> list[str]:
+    lines = [f"| KV (float32) | perplexity, {args.windows} x {args.window_tokens} forced | rise | "
+             + " | ".join(f"retrieval at {length}" for length in args.lengths) + " |",
+             "|---|---:|---:|" + "---:|" * len(args.lengths)]
     for name, row in quality.items():
         kept = row["retrieval_budget_tokens"]
         found = " | ".join(f"{row['hits'][length]}/{args.retrieval_prompts}{_kept(kept[length])}"
                            for length in args.lengths)
         lines.append(f"| {name} | {row['perplexity']:.3f}{_kept(row['perplexity_budget_tokens'])} | "
                      f"{row['perplexity_rise'] * 100:+.2f}% | {found} |")
-    return "\n".join(lines)
+    return lines
 
 
 def _kept(budget: int | None) -> str:
@@ -167,14 +238,15 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     started, load = begin_run(args.threads)
     ids = Tokenizer.from_path(default_model_path()).encode(FIXED_TEXT.read_text(encoding="utf-8"))
-    cost = cost_rows(args, ids)
-    quality = quality_rows(args, ids)
+    cost = cost_rows(args, ids) if "cost" in args.part_list else {}
+    ttft = ttft_rows(args, ids) if "ttft" in args.part_list else {}
+    quality = quality_rows(args, ids) if "quality" in args.part_list else {}
     load["end"] = load_average()
     machine = describe()
-    print(tables(args, cost, quality))
+    print(tables(args, cost, ttft, quality))
     print(f"\n{machine['processor']} ({', '.join(machine['isa'])}), {torch.get_num_threads()} torch threads; "
           f"load average {load['start']} -> {load['end']}")
     write_results(args.out, {"command": command_line(__name__, argv), "started": started, "machine": machine,
                              "torch_threads": torch.get_num_threads(), "load_average": load, "cost": cost,
-                             "quality": quality})
+                             "ttft": ttft, "quality": quality})
     return 0

@@ -86,16 +86,19 @@ def paged_prefill_attention(
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
-        out[starts[i] : starts[i + 1]] = _causal_over_context(
+        out[starts[i] : starts[i + 1]] = causal_over_context(
             q[starts[i] : starts[i + 1]], k_cache, v_cache, block_tables[i], seq_len, scale, codec
         )
     return out
 
 
-def _causal_over_context(
+def causal_over_context(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
     scale: float, codec: KVCodec, dense_prefill: DensePrefill | None = None,
 ) -> torch.Tensor:
+    """One sequence's queries (the last len(q) of its `seq_len` positions) over its whole context:
+    the CPU kernels' prefill op for bf16 where given, else SDPA's flash passes, causal over a whole
+    prompt and split at the prefix for a long later chunk, so masked pairs are skipped."""
     query_len, num_heads, head_dim = q.shape
     if dense_prefill is not None and q.dtype == torch.bfloat16 and head_dim % 64 == 0:
         keys = gather_context(k_cache, block_table, seq_len, codec, q.dtype)
@@ -197,7 +200,7 @@ class TorchPagedAttention:
             )
         for i, query_len in enumerate(meta.query_lens_list):
             if query_len > 1:
-                out[starts[i] : starts[i + 1]] = _causal_over_context(
+                out[starts[i] : starts[i + 1]] = causal_over_context(
                     q[starts[i] : starts[i + 1]], k_cache, v_cache, meta.block_tables[i], meta.seq_lens_list[i],
                     scale, self.codec, self.dense_prefill,
                 )

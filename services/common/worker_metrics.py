@@ -105,6 +105,14 @@ def _engine_families(engine: WatchedEngine) -> Iterator[Metric]:
                                       "recompute later) to make room for others.", labels=per_model())
     preemptions.add_metric(labels, stats.num_preemptions)
     yield preemptions
+    if loop.engine.config.cache.budget_tokens is not None:
+        steps = CounterMetricFamily("tandem:kv_budget_steps", "Engine steps under a KV budget by the attention they "
+                                    "ran: scored (gathers each request's held blocks and scores them: a prompt's "
+                                    "observation window, decode rows, evicted requests) or regular (the backend "
+                                    "without a budget).", labels=per_model(["attention"]))
+        for attention in ("scored", "regular"):
+            steps.add_metric([*labels, attention], stats.kv_budget_steps.get(attention, 0))
+        yield steps
     if stats.kv_tiers:
         yield from _kv_tier_families(stats, labels)
     spec = loop.engine.config.speculative

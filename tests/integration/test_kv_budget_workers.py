@@ -43,11 +43,21 @@ def prompt(tokenizer) -> list[int]:
     return parity_prompt_ids(tokenizer)[3][:300]  # 19 blocks, the last partly filled: 4 kept
 
 
-def _kv_bytes_pushed(prefill: WorkerProcess) -> float:
-    with urllib.request.urlopen(f"http://{prefill.metrics_address}/metrics", timeout=30) as response:
+def _counter(worker: WorkerProcess, name: str, **labels: str) -> float:
+    """The sum of a worker's samples called `name` with `labels` among theirs."""
+    with urllib.request.urlopen(f"http://{worker.metrics_address}/metrics", timeout=30) as response:
         families = text_string_to_metric_families(response.read().decode())
         return sum(sample.value for family in families for sample in family.samples
-                   if sample.name == "tandem:kv_transfer_bytes_total")
+                   if sample.name == name and labels.items() <= sample.labels.items())
+
+
+def _kv_bytes_pushed(prefill: WorkerProcess) -> float:
+    return _counter(prefill, "tandem:kv_transfer_bytes_total")
+
+
+def _budget_steps(worker: WorkerProcess) -> dict[str, float]:
+    return {attention: _counter(worker, "tandem:kv_budget_steps_total", attention=attention)
+            for attention in ("regular", "scored")}
 
 
 def test_only_the_kept_blocks_move_and_the_tokens_are_colocated_budgeted_serving(workers, prompt, make_engine):
@@ -62,11 +72,18 @@ def test_only_the_kept_blocks_move_and_the_tokens_are_colocated_budgeted_serving
     assert engine_reference(full, [prompt], [GREEDY])[0].token_ids != expected.token_ids
     layout = KVLayout.of_engine(colocated)
     pushed = _kv_bytes_pushed(prefill)
+    steps = {worker: _budget_steps(worker) for worker in (prefill, decode)}
     chunks = list(decode_call(decode, prefill, prompt, GREEDY))
     check_runs([[t for c in chunks for t in c.token_ids]], [expected], "budgeted disaggregated")
     # The budget's 4 of the prompt's 19 blocks moved, K and V of every layer.
     assert blocks_for(len(prompt), BLOCK) == 19
     assert _kv_bytes_pushed(prefill) - pushed == BUDGET // BLOCK * 2 * layout.num_layers * layout.block_bytes
+    # The prompt's first chunk (200 tokens) ends before its observation window: the regular
+    # attention; its second scores. The decode worker's every step scores (its first token came with the prompt).
+    after = {worker: _budget_steps(worker) for worker in (prefill, decode)}
+    assert {k: after[prefill][k] - steps[prefill][k] for k in after[prefill]} == {"regular": 1, "scored": 1}
+    assert {k: after[decode][k] - steps[decode][k] for k in after[decode]} == {"regular": 0,
+                                                                                "scored": GREEDY.max_tokens - 1}
     no_blocks_used(prefill, decode)
 
 

@@ -129,6 +129,41 @@ def test_a_batch_decodes_as_a_reference_that_applies_the_same_kept_blocks(tmp_pa
     assert engine.kv.num_free_blocks == engine.kv.num_blocks  # nothing leaked
 
 
+def test_a_long_prompt_runs_its_chunks_before_the_observation_window_on_the_regular_attention(tmp_path: Path) -> None:
+    """Alone, the 45-token prompt computes in chunks of 16: the two that end before its observation
+    window (positions 40-44) score nothing and read no freed block, so they run the regular
+    attention (here the CPU kernels' op: a 16-row chunk is short), the last one the scoring
+    attention, as the engine's step counter says; the scores come from the window's queries alone,
+    over keys the regular steps wrote, and tokens and held blocks are the reference's."""
+    reference = save_llama(tmp_path)
+    prompt = PROMPTS[2]
+    engine = budget_engine(tmp_path)
+    engine.add_request("r", prompt, GREEDY)
+    counts = []
+    for _ in range(3):
+        engine.step()
+        counts.append(dict(engine.stats().kv_budget_steps))
+    assert counts == [{"regular": 1}, {"regular": 2}, {"regular": 2, "scored": 1}]
+    with torch.inference_mode():
+        attentions = reference(torch.tensor([prompt]), output_attentions=True).attentions
+    # A key's mass from the window's queries only, over heads and layers, per block.
+    mass = sum(probs[0, :, len(prompt) - OBSERVE:].sum((0, 1)) for probs in attentions)
+    padded = torch.zeros(blocks_for(len(prompt), BLOCK) * BLOCK)
+    padded[:len(prompt)] = mass
+    # The scores the manager accumulated for the blocks the prompt kept (a budget of every block shows them all).
+    kept, _ = engine.kv.kept("r", KVBudget(1024, RECENT, BLOCK, OBSERVE), len(prompt))
+    assert len(kept.indices) == BUDGET // BLOCK
+    want = padded.view(-1, BLOCK).sum(1)[list(kept.indices)]
+    assert torch.allclose(torch.tensor(kept.scores), want, rtol=1e-4, atol=1e-5)
+    engine.abort("r")
+    colocated = budget_engine(tmp_path)
+    tokens, held = run_tracking(colocated, [prompt], GREEDY, most=BUDGET // BLOCK)
+    want_tokens, want_held = reference_budgeted(reference, prompt, GREEDY.max_tokens)
+    assert tokens[0] == want_tokens and held[0] == want_held[:-1]
+    # Every decode step scores: 23 after the prompt's, which made the first token.
+    assert colocated.stats().kv_budget_steps == {"regular": 2, "scored": GREEDY.max_tokens}
+
+
 def test_preempted_requests_recompute_and_finish_within_the_budget(tmp_path: Path) -> None:
     save_llama(tmp_path)
     tight = budget_engine(tmp_path, num_blocks=16)
