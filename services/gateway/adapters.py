@@ -39,11 +39,25 @@ class WorkerAdapter:
     path: str  # the directory the worker read it from
     in_slot: bool = False  # in one of its slots now: a request starts without a load
     in_memory: bool = False  # read and kept: a load into a slot is a copy, not a read
+    requests: int = 0  # its requests on the worker, running or waiting: its slot is not free
 
     @property
     def load_s(self) -> float:
         """Seconds a request for it waits for it to be in a slot (COPY_S, READ_S)."""
         return 0.0 if self.in_slot else COPY_S if self.in_memory else READ_S
+
+
+def waits_for_slot(adapters: Iterable[WorkerAdapter], max_loras: int, name: str) -> bool:
+    """Whether a request for the adapter `name` would wait on a worker serving `adapters` with
+    `max_loras` slots until another adapter's requests all finish: it is not in a slot and every slot
+    holds an adapter with requests (the engine evicts only idle slots, engine.lora.registry). That
+    wait is a whole request's length, not a load's milliseconds, so the router treats such a worker
+    as one without room: the last resort (the Gateway API Inference Extension's LoRA affinity filters
+    pods alike)."""
+    held = [a for a in adapters if a.in_slot]
+    if any(a.name == name for a in held):
+        return False
+    return sum(1 for a in held if a.requests) >= max_loras
 
 
 @dataclass(frozen=True)

@@ -210,6 +210,7 @@ class WorkerRegistry:
         hashes_by_key: dict[tuple[int, bytes], list[bytes]] = {}
         block_hashes: dict[str, list[bytes]] = {}
         adapter_load_s: dict[str, float] = {}
+        slots_full: set[str] = set()
         first_key = first_block_key(cache_salt, adapter.fingerprint if adapter is not None else b"")
         for worker in self._workers.values():
             # Not routed to, or another version's or adapter's (decide never offers it this request).
@@ -219,6 +220,8 @@ class WorkerRegistry:
                 continue
             if adapter is not None and (held := worker.adapter(adapter)) is not None and held.load_s:
                 adapter_load_s[worker.address] = held.load_s
+                if worker.waits_for_slot(adapter):
+                    slots_full.add(worker.address)
             block_size = report.block_size
             key = (block_size, report.block_hash_salt)
             hashes = hashes_by_key.get(key)
@@ -236,7 +239,7 @@ class WorkerRegistry:
                 loadable[worker.address] = Loadable({tier: blocks * block_size for tier, blocks in lower.items()},
                                                     load_s)
         return RouteRequest(len(prompt_token_ids), max_tokens, slo or self.default_slo, cached, loadable,
-                            version_key, block_hashes, adapter, adapter_load_s)
+                            version_key, block_hashes, adapter, adapter_load_s, frozenset(slots_full))
 
     def decide(self, request: RouteRequest, idle: bool = False, exclude: frozenset[str] = frozenset()) -> Decision:
         """The router's decision over the workers' current views (or idle ones); NoWorkerError if

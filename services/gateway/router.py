@@ -12,7 +12,9 @@ token on P and its time per output token on D from each worker's reported step m
   seconds per block instead of their compute), in chunks beside P's running batch where P decodes
   too, + the hops, + P's recent KV delivery wait when P is not D, + for a request under a LoRA
   adapter, P's load of it when it is not in one of P's slots (services.gateway.adapters: a worker
-  holding it ranks first among equally loaded ones; D's own load overlaps P's prompt);
+  holding it ranks first among equally loaded ones; D's own load overlaps P's prompt; a worker
+  whose every slot holds other adapters' requests would make it wait for one of them to finish,
+  and ranks last, as a worker without KV room does);
 - TPOT = one decode step of D's batch with this request added, at the context that batch will hold;
   and where P decodes too, P's running requests see mixed steps while the prompt's chunks run:
   either each stays within the TPOT objective, or the stall they add (the prompts' compute) fits
@@ -177,10 +179,12 @@ class RouteRequest:
     block_hashes: Mapping[str, Sequence[bytes]] = field(default_factory=dict)
     # The LoRA adapter it runs under (None: the base model): the registry offers the rules only the
     # workers serving it with this fingerprint, so a prefill worker is paired only with a decode
-    # worker serving it alike; and the seconds each of them (by address) would take to put it in a
-    # slot (missing: none).
+    # worker serving it alike; the seconds each of them (by address) would take to put it in a
+    # slot (missing: none); and those whose every slot other adapters' requests hold, where it would
+    # wait for one (services.gateway.adapters.waits_for_slot): as a worker without room, last.
     adapter: AdapterRef | None = None
     adapter_load_s: Mapping[str, float] = field(default_factory=dict)
+    adapter_slots_full: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -221,7 +225,8 @@ def route(request: RouteRequest, workers: Sequence[WorkerView], turn: int = 0,
     for d_index, decode in enumerate(_rotated(decoders, turn)):
         # A worker without KV room now stays an option, the last resort: it refuses (and the next
         # is tried) or, once admission waited, has room again.
-        penalty = 0.0 if _fits(request, decode) else NO_ROOM_PENALTY
+        penalty = 0.0 if _fits(request, decode) and decode.address not in request.adapter_slots_full \
+            else NO_ROOM_PENALTY
         tpot = _tpot(request, decode)
         local_ttft = _prefill_ttft(request, decode)
         pairs = [prefill for prefill in prefillers if prefill.address != decode.address and _pairs(prefill, decode)]
@@ -316,7 +321,9 @@ def _prefill_ttft(request: RouteRequest, site: WorkerView) -> float:
     sequences, context = (0, 0) if site.role == "prefill" else (site.sequences, site.context_tokens)
     queue = model.prefill_s(site.queued_prompt_tokens, chunk, sequences, context)
     compute = model.prefill_s(_uncached(request, site), chunk, sequences, context)
-    return queue + compute + _load_s(request, site) + request.adapter_load_s.get(site.address, 0.0) + HOP_S
+    slot = request.adapter_load_s.get(site.address, 0.0) + (
+        NO_ROOM_PENALTY if site.address in request.adapter_slots_full else 0.0)
+    return queue + compute + _load_s(request, site) + slot + HOP_S
 
 
 def _disturbed(request: RouteRequest, site: WorkerView, tpot: float, policy: RoutingPolicy) -> float:

@@ -25,7 +25,7 @@ from services.common.channels import PLAINTEXT, Channels
 from services.common.chunk import Chunk
 from services.common.convert import chunk_from_proto, sampling_params_to_proto, step_model_from_proto
 from services.common.errors import status_error_from_rpc
-from services.gateway.adapters import AdapterRef, WorkerAdapter
+from services.gateway.adapters import AdapterRef, WorkerAdapter, waits_for_slot
 from services.gateway.router import Role, SloTargets, WorkerView
 from services.gateway.tpot_slack import DecodeProgress
 
@@ -94,12 +94,18 @@ class RemoteWorker:
         """The LoRA adapters its latest report says it serves."""
         if self.report is None:
             return ()
-        return tuple(WorkerAdapter(a.name, a.fingerprint, a.path, a.in_slot, a.in_memory)
+        return tuple(WorkerAdapter(a.name, a.fingerprint, a.path, a.in_slot, a.in_memory,
+                                   a.running_requests + a.waiting_requests)
                      for a in self.report.lora_adapters)
 
     def adapter(self, ref: AdapterRef) -> WorkerAdapter | None:
         """Its state of the adapter `ref` names, if it serves that adapter (the same fingerprint)."""
         return next((a for a in self.adapters if a.name == ref.name and a.fingerprint == ref.fingerprint), None)
+
+    def waits_for_slot(self, ref: AdapterRef) -> bool:
+        """Whether a request for `ref` would wait here for a slot other adapters' requests hold
+        (services.gateway.adapters.waits_for_slot)."""
+        return self.report is not None and waits_for_slot(self.adapters, self.report.max_loras, ref.name)
 
     async def load_adapter(self, name: str, path: str, timeout: float) -> bytes:
         """Have it serve the adapter in `path` (as it sees the path) as `name`: the adapter's

@@ -57,10 +57,10 @@ def _report(worker: RemoteWorker, adapters: list[common_pb2.LoraAdapterState], r
         role=role, total_kv_blocks=100, free_kv_blocks=100, model_name="m", model_version="a", block_size=16,
         block_hash_salt=SALT, kv_events_reset=True, probe_block_hashes=prompt_block_hashes(PROBE, 16, SALT),
         kv_events=[common_pb2.KVBlockEvent(tier="device", stored=True, block_hashes=hashes)],
-        lora_adapters=adapters, max_loras=2, **fields))
+        lora_adapters=adapters, **{"max_loras": 2, **fields}))
 
 
-def _state(name: str, fingerprint: bytes, **state: bool) -> common_pb2.LoraAdapterState:
+def _state(name: str, fingerprint: bytes, **state: bool | int) -> common_pb2.LoraAdapterState:
     return common_pb2.LoraAdapterState(name=name, fingerprint=fingerprint, path=f"/adapters/{name}", **state)
 
 
@@ -133,6 +133,28 @@ def test_the_router_prefers_a_worker_holding_the_adapter_in_a_slot_and_counts_a_
         for _ in range(3):  # whichever worker the rotation starts from
             decision = registry.decide(request)
             assert (decision.decode, decision.prefill) == (in_slot.address, None)
+        await registry.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_whose_every_slot_serves_other_adapters_requests_ranks_last_even_when_less_loaded() -> None:
+    async def scenario() -> None:
+        registry = _registry(colocated=["10.0.12.1:1", "10.0.12.2:1"])
+        full, free = registry.workers
+        # `full`: its one slot holds `chat` with a running request, so `sql` would wait for it to finish.
+        _report(full, [_state("sql", SQL, in_memory=True), _state("chat", CHAT, in_slot=True, running_requests=1)],
+                max_loras=1)
+        # `free`: busier, and `sql` must be read from disk, but a slot is free (its adapter is idle).
+        _report(free, [_state("sql", SQL), _state("chat", CHAT, in_slot=True)], max_loras=1, running_requests=3)
+        request = registry.route_request(PROMPT, 8, version_key="m@a", adapter=AdapterRef("sql", SQL))
+        assert request.adapter_slots_full == {full.address}
+        for _ in range(3):
+            assert registry.decide(request).decode == free.address
+        # For `chat`, which is in `full`'s slot, nothing waits: the less loaded worker wins.
+        chat = registry.route_request(PROMPT, 8, version_key="m@a", adapter=AdapterRef("chat", CHAT))
+        assert chat.adapter_slots_full == frozenset()
+        assert registry.decide(chat).decode == full.address
         await registry.close()
 
     asyncio.run(scenario())
