@@ -14,7 +14,7 @@ import pytest
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
-from reference import EXACT_FORMATS, check_against, reference_greedy
+from reference import EXACT_FORMATS, check_against, first_divergence, reference_greedy
 
 from engine.config import CacheConfig, LoraConfig
 from engine.lora.registry import UnknownAdapter
@@ -124,3 +124,29 @@ def test_an_unknown_adapter_and_an_engine_without_adapters_are_refused(make_engi
         make_engine().add_request("r", prompts[0], _greedy("nope"))
     with pytest.raises(ValueError, match="--enable-lora"):
         make_engine(lora=None).add_request("r", prompts[0], _greedy("rank16"))
+
+
+@pytest.mark.parametrize(("quantization", "dtype"), [("gguf", "float32"), ("int8", "float32"), ("none", "bfloat16")],
+                         ids=["gguf-blocks", "int8", "bf16"])
+def test_an_adapter_over_a_base_in_another_weight_format_tracks_fp32_with_the_adapter(make_engine, adapters, prompts,
+                                                                                       quantization, dtype):
+    """The adapter adds to whatever product the base runs: over the file's own blocks (the weights
+    fp32 dequantizes, so tokens may differ only at fp32's near-ties), int8 or bf16 weights (other
+    weights: judged as those formats are without adapters, test_quantization_fidelity, by their
+    greedy agreement with fp32, printed; each prompt's first token at least)."""
+    _, peft_model = adapters
+    engine = make_engine(quantization=quantization, dtype=dtype, cpu_weights="plain",
+                         cache=CacheConfig(enable_prefix_caching=False))
+    assert engine.formats.quantization == quantization
+    ours = [run.token_ids for run in generate(engine, prompts[:2], _greedy("rank16"))]
+    expected = [_expected(peft_model, prompt, "rank16") for prompt in prompts[:2]]
+    reference = [ids for ids, _ in expected]
+    agreement = [MAX_TOKENS if at is None else at for at in map(first_divergence, ours, reference)]
+    print(f"{quantization} {dtype} base under rank16: greedy tokens equal to fp32's before the first difference "
+          f"(of {MAX_TOKENS}): {agreement}")
+    if quantization == "gguf":
+        check_against(ours, reference, [margins for _, margins in expected], "the file's blocks under rank16")
+    else:
+        assert all(o[0] == r[0] for o, r in zip(ours, reference, strict=True))
+    # The adapter is applied over this format (a test that could not fail otherwise).
+    assert [run.token_ids for run in generate(engine, prompts[:2], _greedy())] != ours
