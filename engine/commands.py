@@ -103,6 +103,15 @@ class AddAdapter(Command[None]):
 
 
 @dataclass(frozen=True)
+class KeepAdapter(Command[None]):
+    """Keep in memory an adapter the engine had dropped (beyond --max-cpu-loras), read again off the
+    engine thread for a request about to come (EngineLoop.ready_adapter); ignored if what is served
+    under its name changed meanwhile."""
+
+    adapter: LoraAdapter
+
+
+@dataclass(frozen=True)
 class RemoveAdapter(Command[None]):
     """Stop serving a LoRA adapter: UnknownAdapter if not served, AdapterInUse while requests use it,
     LoraDisabled without --enable-lora."""

@@ -496,6 +496,19 @@ class Engine:
         """Serve `adapter` under its name from the next step; ValueError naming it if the name is taken."""
         self._served_adapters().registry.serve(adapter)
 
+    def keep_adapter(self, adapter: LoraAdapter) -> None:
+        """Keep `adapter`, dropped from memory and read again off the engine thread (KeepAdapter)."""
+        self._served_adapters().registry.keep(adapter)
+
+    def needs_read(self, name: str) -> Path | None:
+        """Where to read the adapter `name` from when a request for it would make the engine read it
+        (served, but dropped from memory); None otherwise. Any thread may ask: it only looks."""
+        adapters = self.adapters
+        served = None if adapters is None or not name else adapters.registry.known.get(name)
+        if served is None or adapters is None or adapters.registry.in_memory(name):
+            return None
+        return served.path
+
     def remove_adapter(self, name: str) -> None:
         """Stop serving adapter `name`: UnknownAdapter if not served, AdapterInUse while requests use it."""
         self._served_adapters().registry.remove(name)

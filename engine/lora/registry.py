@@ -100,13 +100,27 @@ class AdapterRegistry:
                 self._loads.pop(index, None)
 
     def adapter(self, name: str) -> LoraAdapter:
-        """The adapter served as `name`, read again if it was dropped. UnknownAdapter if not served."""
+        """The adapter served as `name`, read again if it was dropped (a worker reads it back off the
+        engine thread before the request comes, EngineLoop.ready_adapter: this read is the fallback).
+        UnknownAdapter if not served."""
         served = self.served(name)
         adapter = self._loaded.get(name)
         if adapter is None:
             adapter = self._read(name, served.path)
         self._keep(name, adapter)
         return adapter
+
+    def in_memory(self, name: str) -> bool:
+        """Whether the adapter served as `name` is read and kept (a check any thread may make: a
+        membership test, never an iteration, of what the engine thread changes)."""
+        return name in self._loaded
+
+    def keep(self, adapter: LoraAdapter) -> None:
+        """Keep an adapter read again off the engine thread (it was dropped): unless what is served
+        under its name changed meanwhile (removed, or replaced by another fingerprint)."""
+        served = self.known.get(adapter.name)
+        if served is not None and served.fingerprint == adapter.fingerprint:
+            self._keep(adapter.name, adapter)
 
     @property
     def loaded(self) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ from engine.commands import (
     Command,
     GetStats,
     ImportPages,
+    KeepAdapter,
     Release,
     RemoveAdapter,
     Reserve,
@@ -138,6 +139,18 @@ class EngineLoop:
         except GrammarsBusy as error:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), retry_after_s=1.0) from None
 
+    async def ready_adapter(self, params: SamplingParams) -> None:
+        """Read a request's LoRA adapter back into memory before the request goes to the engine,
+        where the engine dropped it (beyond --max-cpu-loras), on a thread of its own: the engine's
+        loop would otherwise read its files in the middle of a step, stalling every running
+        request, and files gone since it was served would fail that step and so every request in
+        it. AdapterError (a ValueError) naming the adapter if it can no longer be served."""
+        path = self.engine.needs_read(params.lora_name)
+        if path is None:
+            return
+        adapter = await asyncio.to_thread(self.engine.read_adapter, params.lora_name, path)
+        await self.call(KeepAdapter(adapter))
+
     # ---- streams ----------------------------------------------------------------------------
     def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | Exception]:
         """Route this request's outputs to a queue on the calling event loop. Call it before the
@@ -232,6 +245,8 @@ class EngineLoop:
                 return engine.stats()
             case AddAdapter(adapter):
                 return engine.add_adapter(adapter)
+            case KeepAdapter(adapter):
+                return engine.keep_adapter(adapter)
             case RemoveAdapter(name):
                 return engine.remove_adapter(name)
         raise TypeError(f"not an engine command: {command!r}")

@@ -66,6 +66,7 @@ class DecodeServicer(WorkerRpcs[DecodeWorker], decode_pb2_grpc.DecodeServicer):
                 split_address(request.prefill_address, "prefill_address")
             resumed = _resumed(request)
             await worker.loop.compile_grammar(params, context.time_remaining())
+            await worker.loop.ready_adapter(params)
             request_id = request.request_id or uuid.uuid4().hex
             config = worker.loop.engine.config
             recorder = DecodeRecorder(self.metrics.of_request(config, params.lora_name), arrived_at,

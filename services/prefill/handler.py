@@ -55,6 +55,7 @@ class PrefillServicer(WorkerRpcs[RoleWorker], prefill_pb2_grpc.PrefillServicer):
             if worker.prefill_site is None:
                 raise WorkerError(Failure.UNAVAILABLE, f"{worker.worker_id} computes no prompt for other workers")
             await worker.loop.compile_grammar(params, context.time_remaining())
+            await worker.loop.ready_adapter(params)
             result = await worker.inflight.run(
                 request.request_id,
                 worker.prefill_site.prefill(request.request_id, request.prompt_token_ids, params, target, resumed,

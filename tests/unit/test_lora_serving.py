@@ -5,7 +5,9 @@ adapter that worker runs it under. Random peft adapters over the shipped base.""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import shutil
 from pathlib import Path
 
 import grpc
@@ -21,6 +23,7 @@ from engine.offline import generate
 from engine.outputs import KVReservation
 from engine.sampling_params import SamplingParams
 from harness.lora_adapters import save_adapter
+from services.common.engine_loop import EngineLoop
 from services.common.errors import status_of
 
 
@@ -138,3 +141,37 @@ def test_adapters_over_several_processes_are_refused_naming_the_flag(model_files
     config = EngineConfig(lora=LoraConfig(), **sizes)
     with pytest.raises(ValueError, match=f"enable_lora: not served over several processes yet \\({flag}; model"):
         serve_adapters(config, model=None, model_config=model_files.config, dtype=torch.float32)
+
+
+def test_a_dropped_adapter_is_read_back_before_its_request_and_gone_files_fail_that_request_alone(
+        make_engine, adapter_dirs, tmp_path):
+    """Beyond --max-cpu-loras the least recently used idle adapter is dropped from memory; a request
+    for it has its worker read it back off the engine thread (EngineLoop.ready_adapter), and when
+    its files have gone since, that request alone is refused naming the adapter, while a request
+    running under another adapter goes on (a read in the step would have failed every request)."""
+    copies = {name: shutil.copytree(adapter_dirs[name], tmp_path / name) for name in ("a", "b")}
+    engine = make_engine(cache=CacheConfig(num_blocks=64), lora=LoraConfig(
+        max_loras=1, max_lora_rank=16, max_cpu_loras=1, modules=tuple((n, str(p)) for n, p in copies.items())))
+    registry = engine.adapters.registry
+    assert registry.loaded == ("b",)  # serving b dropped a
+    loop = EngineLoop(engine)
+    loop.start()
+
+    async def scenario() -> None:
+        running = loop.generate("b-1", [5, 6, 7, 8], _greedy("b", max_tokens=24))
+        first = await anext(running)
+        shutil.rmtree(copies["a"])
+        with pytest.raises(AdapterError, match="'a'"):
+            await loop.ready_adapter(_greedy("a"))
+        rest = [output async for output in running]
+        assert not first.finished and rest[-1].finish_reason == "length"
+        shutil.copytree(adapter_dirs["a"], copies["a"])
+        await loop.ready_adapter(_greedy("a"))
+        assert registry.in_memory("a")  # read back before the request goes to the engine
+        outputs = [output async for output in loop.generate("a-1", [1, 2, 3, 4], _greedy("a"))]
+        assert outputs[-1].finish_reason == "length"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        loop.stop()
