@@ -23,7 +23,7 @@ from services.common.config_flags import add_flags, flag, from_args
 from services.common.grpc_limits import GrpcLimits
 from services.gateway.approximate_index import PrefixIndexKind
 from services.gateway.limits import RequestLimits
-from services.gateway.router import RoutingPolicy
+from services.gateway.routing_policy import RoutingPolicy
 from services.gateway.tools.choice import ToolFlags
 from services.repository.config import load_repository
 

@@ -24,20 +24,19 @@ from services.gateway.block_index import BlockIndex, TierEvent
 from services.gateway.hash_probe import HashProbe, ProbeReport
 from services.gateway.pool_load import RecentRequests
 from services.gateway.router import (
-    DEFAULT_POLICY,
     DEFAULT_SLO,
     Decision,
     Loadable,
     NoWorkerError,
     Role,
     RouteRequest,
-    RoutingPolicy,
     SloTargets,
     WorkerView,
     held_tokens,
     route,
     slo_use,
 )
+from services.gateway.routing_policy import DEFAULT_POLICY, RoutingPolicy
 from services.gateway.tpot_slack import DecodeProgress
 from services.gateway.workers import RemoteWorker
 

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 from test_router import CPU, decode, request
 
-from services.gateway.router import RoutingPolicy, WorkerView, route
+from services.gateway.router import WorkerView, route
+from services.gateway.routing_policy import RoutingPolicy
 
 
 def colocated(address: str, sequences: int = 0, slack: float = 0.0, queued: int = 0) -> WorkerView:

@@ -7,7 +7,7 @@ import pytest
 from services.cli import build_parser, main
 from services.commands.gateway import GatewayFlags
 from services.common.config_flags import from_args
-from services.gateway.router import RoutingPolicy
+from services.gateway.routing_policy import RoutingPolicy
 
 
 def test_routing_flags_become_the_policy_and_default_to_it():

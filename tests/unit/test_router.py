@@ -11,11 +11,11 @@ from services.gateway.router import (
     Loadable,
     NoWorkerError,
     RouteRequest,
-    RoutingPolicy,
     SloTargets,
     WorkerView,
     route,
 )
+from services.gateway.routing_policy import RoutingPolicy
 
 # Roughly this machine's single core: 4 ms per prompt token, 60 ms per decode step plus 5 ms per sequence.
 CPU = StepModel(base_s=0.060, per_prompt_token_s=0.004, per_sequence_s=0.005, per_context_token_s=0.000001)
