@@ -28,6 +28,7 @@ EXPECTED = {
     Abort: (Abort("r"), ("abort", ("r",))),
     GetStats: (GetStats(), ("stats", ())),
     commands.AddAdapter: (commands.AddAdapter("adapter"), ("add_adapter", ("adapter",))),  # type: ignore[arg-type]
+    commands.KeepAdapter: (commands.KeepAdapter("adapter"), ("keep_adapter", ("adapter",))),  # type: ignore[arg-type]
     commands.RemoveAdapter: (commands.RemoveAdapter("sql"), ("remove_adapter", ("sql",))),
 }
 
