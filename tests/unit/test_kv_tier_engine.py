@@ -20,11 +20,12 @@ import pytest
 import torch
 from engine_runs import output_tokens, run_requests
 
-from engine.config import CacheConfig, KVTierConfig
+from engine.config import CacheConfig, KVTierConfig, LoraConfig
 from engine.engine import Engine
 from engine.kv_connector.connector import KVConnector
 from engine.kv_tiers.block_record import pack_record
 from engine.sampling_params import SamplingParams
+from harness.lora_adapters import save_adapter
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 # 12 blocks of 16 tokens: one filler prompt pushes the first turn out of the device cache.
@@ -206,3 +207,21 @@ def feed(pipe: Path, data: bytes) -> None:
     """Write `data` into a named pipe, until its reader closes it."""
     with contextlib.suppress(BrokenPipeError):
         pipe.write_bytes(data)
+
+
+def test_blocks_a_tier_holds_for_the_base_are_never_loaded_for_an_adapter(make_engine, model_files, fresh, written,
+                                                                          tmp_path) -> None:
+    """The adapter's fingerprint seeds its requests' first block hash (engine.kv_cache.block_hash),
+    and the tiers key blocks by that hash: the base's turn on disk is not the adapter's."""
+    prompt, expected = fresh
+    adapter = save_adapter(tmp_path / "adapter", model_files.config, rank=4, seed=5)
+    engine = make_engine(cache=SMALL_CACHE, kv_tiers=copied(written, tmp_path),
+                         lora=LoraConfig(modules=(("tenant", str(adapter)),)))
+    engine.add_request("under-adapter", prompt, dataclasses.replace(GREEDY, lora_name="tenant"))
+    outputs = []
+    while engine.has_unfinished():
+        outputs.extend(engine.step())
+    assert outputs[-1].num_cached_tokens == 0 and engine.stats().kv_tiers["disk"].hits == 0
+    tokens, cached, _ = answer(engine, prompt)  # the base's own blocks it loads
+    assert tokens == expected and cached > 0
+    engine.close()
