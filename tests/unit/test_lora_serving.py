@@ -132,9 +132,14 @@ def test_a_prompt_is_computed_for_another_worker_only_under_the_adapter_it_runs_
     engine.abort("export")
 
 
-@pytest.mark.parametrize(("sizes", "flag"), [({"tensor_parallel_size": 2}, "--tensor-parallel-size 2"),
-                                             ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 2")])
-def test_adapters_over_several_processes_are_refused_naming_the_flag(model_files, sizes, flag):
+@pytest.mark.parametrize(("sizes", "flag"), [
+    ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 2"),
+    ({"pipeline_parallel_size": 3, "tensor_parallel_size": 3}, "--pipeline-parallel-size 3"),
+    ({"prefill_context_parallel_size": 2, "role": "prefill"}, "--prefill-context-parallel-size 2")])
+def test_adapters_over_pipeline_stages_or_context_parallel_ranks_are_refused_naming_the_flag(model_files, sizes,
+                                                                                             flag):
+    # Tensor parallelism serves them (tests/unit/test_lora_tensor_parallel.py).
     config = EngineConfig(lora=LoraConfig(), **sizes)
-    with pytest.raises(ValueError, match=f"enable_lora: not served over several processes yet \\({flag}; model"):
+    with pytest.raises(ValueError, match=f"enable_lora: not served over pipeline stages or context-parallel ranks "
+                                         f"yet \\({flag}; model"):
         serve_adapters(config, model=None, model_config=model_files.config, dtype=torch.float32)
