@@ -110,11 +110,12 @@ class ModelRunner:
         loads = [AdapterLoad(slot, adapter.rank, adapter.weights) for slot, adapter in out.adapter_loads]
         if self._plans is not None:
             self._plans(StepPlan(input_ids, positions, meta, sample_rows, list(export_blocks), lora_slots, loads))
-        if self._stages is not None:
-            return self._stages.step(input_ids, positions, meta, sample_rows, self.cache.kv_caches, on_layer_done)
         if self._lora is not None:
             for load in loads:
                 self._lora.load(load.slot, load.rank, load.weights)
+        if self._stages is not None:
+            return self._stages.step(input_ids, positions, meta, sample_rows, self.cache.kv_caches, on_layer_done,
+                                     lora_slots)
         with self.model.lora_step.running(lora_slots, meta.query_lens_list):
             hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done, before_layer)
         if self._scoring is not None:

@@ -2,12 +2,12 @@
 the model's products wrapped to add them, and the registry the scheduler gives slots from.
 
 Under tensor parallelism every rank holds slots of its part of each product and keeps its part of
-each adapter (engine.parallel.adapter_shard); rank 0 sends the others each adapter it loads and each
-step's rows by slot with the step's plan (engine.parallel.step_plan). Refused at start-up, naming
-the flag and the model, where the adapters' products would not be what the layout computes:
-pipeline stages and prefill context-parallel ranks (their micro-batches and prompt slices would
-need their own rows by slot) and speculative decoding (the drafts would run without the request's
-adapter).
+each adapter (engine.parallel.adapter_shard); a pipeline stage's ranks, of its layers. Rank 0 sends
+the others each adapter it loads and each step's slot per sequence with the step's plan
+(engine.parallel.step_plan; a stage takes its micro-batches' rows from it). Refused at start-up,
+naming the flag and the model, where the adapters' products would not be what the layout computes:
+prefill context-parallel ranks (a split prompt's slices would run without the adapter) and
+speculative decoding (the drafts would run without the request's adapter).
 """
 
 from __future__ import annotations
@@ -65,12 +65,10 @@ def serve_adapters(config: EngineConfig, model: LlamaForCausalLM, model_config: 
     lora = config.lora
     if lora is None:
         return None
-    if config.world_size > config.tensor_parallel_size:
-        split = ", ".join(f"--{name.replace('_', '-')} {size}" for name, size in config.parallel_sizes.items()
-                          if size > 1 and name in ("pipeline_parallel_size", "prefill_context_parallel_size"))
-        raise ValueError(f"enable_lora: not served over pipeline stages or context-parallel ranks yet ({split}; "
-                         f"model {model_config.name}): their micro-batches and prompt slices would need their own "
-                         "rows by adapter (tensor parallelism serves adapters)")
+    if config.prefill_context_parallel_size > 1:
+        raise ValueError(f"enable_lora: not served over context-parallel ranks yet (--prefill-context-parallel-size "
+                         f"{config.prefill_context_parallel_size}; model {model_config.name}): a split prompt's "
+                         "slices would run without the request's adapter")
     if config.speculative is not None:
         raise ValueError(f"enable_lora: not served with speculative_config (model {model_config.name}): "
                          "the drafts would run without the request's adapter")

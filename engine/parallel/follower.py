@@ -19,6 +19,7 @@ from engine.engine_model import load_engine_model
 from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.cache_engine import CacheEngine
 from engine.lora.serving import attach_slots
+from engine.lora.slots import LoraSlots
 from engine.parallel.adapter_shard import adapter_shard
 from engine.parallel.context_parallel import run_slice, wrap_attention
 from engine.parallel.kv_heads import RankKVHeads
@@ -65,9 +66,7 @@ def follow(config: EngineConfig, rank: int, port: int, threads: int) -> None:
             if isinstance(plan, PagesPlan):
                 _import_pages(plan, cache, heads)
                 continue
-            if slots is not None:
-                for load in plan.adapter_loads:
-                    slots.load(load.slot, load.rank, load.weights)
+            _load_adapters(slots, plan)
             with model.lora_step.running(plan.lora_slots, plan.meta.query_lens_list):
                 hidden = model(plan.input_ids, plan.positions, cache.kv_caches, plan.meta,
                                _exporter(plan, cache, heads))
@@ -105,14 +104,25 @@ def _follow_stage(config: EngineConfig, layout: PipelineLayout, tensor_rank: int
     group.barrier().wait()
     heads = None if tensor is None else RankKVHeads(loaded.config, config.tensor_parallel_size, tensor)
     rank = StageRank(loaded, layout, config.tensor_parallel_size, tensor_rank, group, heads)
+    # This rank's part of its stage's layers of every LoRA adapter rank 0 loads.
+    slots = None if config.lora is None else attach_slots(loaded.model, config.lora, loaded.dtype,
+                                                          adapter_shard(tensor_layout, loaded.config))
     try:
         while (plan := receive_plan(group, device)) is not None:
             if isinstance(plan, PagesPlan):
                 rank.import_pages(plan)
             elif isinstance(plan, StepPlan):
+                _load_adapters(slots, plan)
                 rank.step(plan)
     except RuntimeError as error:  # rank 0 or another stage is gone: nothing left to follow
         log.error("pipeline stage %d stops: %s", layout.stage, error)
+
+
+def _load_adapters(slots: LoraSlots | None, plan: StepPlan) -> None:
+    """Copy the adapters rank 0 loads before the step into this rank's slots (each keeps its part)."""
+    if slots is not None:
+        for load in plan.adapter_loads:
+            slots.load(load.slot, load.rank, load.weights)
 
 
 def _exporter(plan: StepPlan, cache: CacheEngine, heads: RankKVHeads) -> Callable[[int], None] | None:

@@ -1,9 +1,10 @@
-"""LoRA adapters under tensor parallelism (engine.parallel.adapter_shard): each rank's part of an
-adapter adds the part of the whole LoRA term its part of each product computes (B's rows of a
-column-parallel product, A's columns of a row-parallel one, whose partial terms add up to the whole
-term once), the same part the base's own split keeps; and the shipped base at 3 ranks in real
-processes (gloo), serving a batch that mixes it with random adapters of ranks 8 and 16, greedy as
-a one-process engine serves it."""
+"""LoRA adapters under tensor and pipeline parallelism (engine.parallel.adapter_shard): each rank's
+part of an adapter adds the part of the whole LoRA term its part of each product computes (B's rows
+of a column-parallel product, A's columns of a row-parallel one, whose partial terms add up to the
+whole term once), the same part the base's own split keeps; the shipped base at 3 tensor-parallel
+ranks in real processes (gloo), and a random model at 2 pipeline stages of 2 ranks each (its steps
+cut into micro-batches), serving batches that mix the base with random adapters of ranks 8 and 16,
+greedy as a one-process engine serves them."""
 
 from __future__ import annotations
 
@@ -15,15 +16,18 @@ import pytest
 import torch
 from lora_adapters import save_adapter
 from reference import EXACT_FORMATS, check_against
+from transformers import LlamaConfig
 
 from engine.config import CacheConfig, EngineConfig, LoraConfig
 from engine.engine import Engine
 from engine.lora.adapter import MODULES, AdapterError, LoraWeights, projection_shape
+from engine.model.loader import load_model_files
 from engine.offline import generate
 from engine.parallel.adapter_shard import adapter_shard, shard_adapter
 from engine.parallel.layout import TensorParallelLayout
 from engine.parallel.shard import shard_tensor
 from engine.sampling_params import SamplingParams
+from tests.unit.test_model_hf import VOCAB, random_prompt, save_random_model, save_word_tokenizer
 
 pytestmark = pytest.mark.ranks
 
@@ -94,27 +98,50 @@ def _margins(completion) -> list[float]:
     return [top[0][1] - top[1][1] for top in (logprob.top for logprob in completion.logprobs)]
 
 
-def test_a_three_rank_engine_serves_the_base_and_adapters_in_one_batch_as_one_process(model_files, tmp_path: Path):
-    modules = tuple((name, str(save_adapter(tmp_path / name, model_files.config, rank, seed)))
-                    for name, (rank, seed) in ADAPTERS.items())
-    # Two slots for three adapters: the third waits for one and is loaded into it mid-run, on every rank.
-    config = EngineConfig(**EXACT_FORMATS, cache=CacheConfig(num_blocks=48, enable_prefix_caching=False),
-                          lora=LoraConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=3, modules=modules))
-    names = ["", *ADAPTERS]
-    params = [_greedy(name) for name in names]
-    one = Engine(config, files=model_files)
-    whole = generate(one, PROMPTS, params)
-    base = generate(one, PROMPTS[1:], _greedy(""))
-    engine = Engine(replace(config, tensor_parallel_size=3), files=model_files)
+def _split_as_one_process(config: EngineConfig, sizes: dict[str, int], prompts: list[list[int]],
+                          files=None) -> None:
+    """`config`'s engine split by `sizes` decodes `prompts` under the base and each adapter (one
+    batch, two slots for three adapters: the third waits for one and is loaded into it mid-run, on
+    every rank) as the one-process engine does."""
+    params = [_greedy(name) for name in ["", *ADAPTERS]]
+    one = Engine(config, files=files)
+    whole = generate(one, prompts, params)
+    base = generate(one, prompts[1:], _greedy(""))
+    engine = Engine(replace(config, **sizes), files=files)
     try:
-        split = generate(engine, PROMPTS, params)
+        split = generate(engine, prompts, params)
         assert engine.stats().num_running == 0
     finally:
         engine.close()
     check_against([c.token_ids for c in split], [c.token_ids for c in whole], [_margins(c) for c in whole],
-                  "LoRA at TP 3")
+                  f"LoRA at {sizes}")
     # Every adapter changes what the base computes (the comparison could not fail otherwise).
     assert all(b.token_ids != w.token_ids for b, w in zip(base, whole[1:], strict=True))
+
+
+def _lora(directory: Path, model) -> LoraConfig:
+    modules = tuple((name, str(save_adapter(directory / name, model, rank, seed)))
+                    for name, (rank, seed) in ADAPTERS.items())
+    return LoraConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=3, modules=modules)
+
+
+def test_a_three_rank_engine_serves_the_base_and_adapters_in_one_batch_as_one_process(model_files, tmp_path: Path):
+    config = EngineConfig(**EXACT_FORMATS, cache=CacheConfig(num_blocks=48, enable_prefix_caching=False),
+                          lora=_lora(tmp_path, model_files.config))
+    _split_as_one_process(config, {"tensor_parallel_size": 3}, PROMPTS, model_files)
+
+
+def test_pipeline_stages_of_two_ranks_serve_the_base_and_adapters_in_micro_batches_as_one_process(tmp_path: Path):
+    directory = tmp_path / "llama"
+    save_random_model(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                  tie_word_embeddings=True, initializer_range=0.1), directory)
+    save_word_tokenizer(directory, VOCAB)
+    model = load_model_files(str(directory), torch.float32, "none").config
+    config = EngineConfig(model=str(directory), **EXACT_FORMATS, cache=CacheConfig(num_blocks=48),
+                          lora=_lora(tmp_path, model))
+    prompts = [random_prompt(n, n) for n in (5, 40, 17, 30)]  # micro-batches mixing the base and adapters
+    _split_as_one_process(config, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, prompts)
 
 
 def test_a_start_up_adapter_not_served_stops_the_other_ranks_with_rank_0(model_files, tmp_path: Path):
