@@ -49,6 +49,7 @@ from engine.outputs import (
     StepTokens,
     TooLargeForKV,
 )
+from engine.parallel.adapter_shard import adapter_shard
 from engine.parallel.context_parallel import ContextParallelPrefill
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.kv_heads import kv_head_ranges
@@ -151,7 +152,13 @@ class Engine:
         scoring = None if loaded.scored is None or loaded.budget is None else BlockScoring(
             loaded.scored, loaded.budget, self.kv.add_scores)
         # LoRA adapters over the base (None without --enable-lora): the runner's slots, the scheduler's registry.
-        self.adapters = serve_adapters(config, loaded.model, loaded.config, loaded.dtype)
+        try:
+            self.adapters = serve_adapters(config, loaded.model, loaded.config, loaded.dtype,
+                                           adapter_shard(layout, loaded.config))
+        except BaseException:  # a start-up adapter not served: the other ranks, in their loop, stop too
+            if self._parallel is not None:
+                self._parallel.close()
+            raise
         self.runner = ModelRunner(loaded.model, loaded.cache, sampler, self.device, plans, context, stages, scoring,
                                   None if self.adapters is None else self.adapters.slots)
         page = self.kv_format.page_shape(block_size, loaded.config.num_kv_heads, loaded.config.head_dim)

@@ -12,12 +12,11 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.scored import ScoredAttention
 from engine.kv_cache.cache_engine import CacheEngine
 from engine.kv_cache.kv_budget import KVBudget
-from engine.lora.batch import NO_LORA, LoraBatch
 from engine.lora.slots import LoraSlots
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel.context_parallel import ContextParallelPrefill
 from engine.parallel.pipeline import PipelineStages
-from engine.parallel.step_plan import StepPlan
+from engine.parallel.step_plan import AdapterLoad, StepPlan
 from engine.sampler import Sampler, SamplingRequestState, TokenLogprobs
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.speculative.verify import num_accepted
@@ -106,18 +105,19 @@ class ModelRunner:
             # The one prompt's last token, whose logits it samples, is the one row computed here.
             return self.model.compute_logits(self._context.run(input_ids, bounds, meta, self.cache.kv_caches,
                                                                on_layer_done))
+        # With adapters: each sequence's slot, and the adapters to copy into slots first (every rank's).
+        lora_slots = [] if self._lora is None else [c.request.lora_slot for c in out.chunks]
+        loads = [AdapterLoad(slot, adapter.rank, adapter.weights) for slot, adapter in out.adapter_loads]
         if self._plans is not None:
-            self._plans(StepPlan(input_ids, positions, meta, sample_rows, list(export_blocks)))
-        if self._stages is not None:
-            return self._stages.step(input_ids, positions, meta, sample_rows, self.cache.kv_caches, on_layer_done)
+            self._plans(StepPlan(input_ids, positions, meta, sample_rows, list(export_blocks), lora_slots, loads))
         if self._lora is not None:
-            for slot, adapter in out.adapter_loads:
-                self._lora.load(slot, adapter)
-            self.model.lora_step.batch = LoraBatch.of([(c.request.lora_slot, c.num_tokens) for c in out.chunks])
-        try:
+            for load in loads:
+                self._lora.load(load.slot, load.rank, load.weights)
+        if self._stages is not None:
+            return self._stages.step(input_ids, positions, meta, sample_rows, self.cache.kv_caches, on_layer_done,
+                                     lora_slots)
+        with self.model.lora_step.running(lora_slots, meta.query_lens_list):
             hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done, before_layer)
-        finally:
-            self.model.lora_step.batch = NO_LORA
         if self._scoring is not None:
             self.budget_steps["regular" if meta.held_blocks is None else "scored"] += 1
             if meta.held_blocks is not None:

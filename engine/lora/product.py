@@ -8,7 +8,8 @@ thin products over its rows, (x·Aᵀ)·Bᵀ, per module of the fused product.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -24,6 +25,16 @@ class LoraStep:
 
     def __init__(self) -> None:
         self.batch: LoraBatch = NO_LORA
+
+    @contextlib.contextmanager
+    def running(self, slots: Sequence[int | None], rows: Sequence[int]) -> Iterator[None]:
+        """One forward pass's rows by slot, from each sequence's slot (None: the base; no slots at all:
+        an engine without adapters) and rows; NO_LORA again after it, whatever happens."""
+        self.batch = LoraBatch.of(list(zip(slots, rows, strict=True))) if slots else NO_LORA
+        try:
+            yield
+        finally:
+            self.batch = NO_LORA
 
 
 class LoraProduct:

@@ -6,20 +6,26 @@ Per layer and per engine product (the fused qkv and gate_up, o, down), each PEFT
 ...) has A [slots, max rank, in] and B [slots, out, max rank]; a slot remembers its adapter's
 rank so products read only A[slot, :rank] and B[slot, :, :rank]. A module an adapter does not
 target stays zero in its slot, so it adds nothing.
+
+A rank of a tensor-parallel engine holds slots of its part of each product (its model's config is
+its shard's), and keeps of each adapter the part its `shard` says (engine.parallel.adapter_shard).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import ModelConfig
-from engine.lora.adapter import MODULES, LoraAdapter, projection_shape
+from engine.lora.adapter import MODULES, LoraWeights, projection_shape
 
 # Each engine product's PEFT modules, in the order of the product's output columns.
 PRODUCT_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
                    "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+Weights = Mapping[tuple[int, str], LoraWeights]  # an adapter's, by (layer, PEFT module name)
+Shard = Callable[[Weights], Weights]  # what a rank keeps of an adapter's weights
 
 
 @dataclass(frozen=True)
@@ -33,11 +39,13 @@ class ModuleSlots:
 
 class LoraSlots:
     """`count` slots of rank up to `max_rank` for the layers [first_layer, first_layer + num_layers)
-    of `model` (a pipeline stage's), in `dtype`."""
+    of `model` (a pipeline stage's, a tensor-parallel rank's shard), in `dtype`; `shard`: what this
+    rank keeps of each adapter (None: all of it)."""
 
     def __init__(self, model: ModelConfig, count: int, max_rank: int, dtype: torch.dtype,
-                 products: tuple[str, ...]) -> None:
+                 products: tuple[str, ...], shard: Shard | None = None) -> None:
         self.count = count
+        self._shard = shard
         self.max_rank = max_rank
         self.first_layer = model.first_layer
         self.ranks: list[int] = [0] * count  # 0: empty
@@ -52,17 +60,18 @@ class LoraSlots:
                     start += out
                 self.modules[(layer, product)] = tuple(parts)
 
-    def load(self, slot: int, adapter: LoraAdapter) -> None:
-        """Put `adapter` in `slot` (whatever it held is overwritten)."""
+    def load(self, slot: int, rank: int, weights: Weights) -> None:
+        """Put the adapter of `rank` and (whole) `weights` in `slot` (whatever it held is overwritten)."""
         self.clear(slot)
-        rank = adapter.rank
-        for (layer, module), weights in adapter.weights.items():
+        if self._shard is not None:
+            weights = self._shard(weights)
+        for (layer, module), lora in weights.items():
             product = MODULES[module]
             if (layer, product) not in self.modules:
                 continue  # a layer of another pipeline stage
             part = self.modules[(layer, product)][PRODUCT_MODULES[product].index(module)]
-            part.a[slot, :rank].copy_(weights.a)
-            part.b[slot, :, :rank].copy_(weights.b)
+            part.a[slot, :rank].copy_(lora.a)
+            part.b[slot, :, :rank].copy_(lora.b)
         self.ranks[slot] = rank
 
     def clear(self, slot: int) -> None:

@@ -39,6 +39,12 @@ class Sharding(Protocol):
         """A row-parallel product (o, down): this rank's partial sum made the sum over the ranks."""
         ...
 
+    def wrap_partial(self, product: Product, wrap: Callable[[Product], Product]) -> Product:
+        """`product` with `wrap` around its partial sum (before the all-reduce) if it is row-parallel,
+        else around it whole: so a term a rank adds over its own input features (a LoRA adapter's,
+        engine.lora.serving) joins the one all-reduce."""
+        ...
+
     def embedding(self, embed: Product) -> Product:
         """The lookup of every token id, of which this rank holds a part of the vocabulary's rows."""
         ...

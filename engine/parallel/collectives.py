@@ -85,6 +85,13 @@ class TensorParallelSharding:
         """The product's partial sums all-reduced."""
         return AllReduced(product, self.group)
 
+    def wrap_partial(self, product: Product, wrap: Callable[[Product], Product]) -> Product:
+        """`product` with `wrap` around its partial sum if it is row-parallel (all-reduced after it), else
+        around it whole."""
+        if isinstance(product, AllReduced):
+            return AllReduced(wrap(product.product), self.group)
+        return wrap(product)
+
     def embedding(self, embed: Product) -> Product:
         """The lookup of this rank's part of the vocabulary, all-reduced."""
         return VocabParallelEmbedding(embed, self.vocabulary.start, len(self.vocabulary), self.group)

@@ -18,6 +18,9 @@ from engine.config import EngineConfig
 from engine.engine_model import load_engine_model
 from engine.kv_cache.blocks import blocks_for
 from engine.kv_cache.cache_engine import CacheEngine
+from engine.lora.serving import attach_slots
+from engine.lora.slots import LoraSlots
+from engine.parallel.adapter_shard import adapter_shard
 from engine.parallel.context_parallel import run_slice, wrap_attention
 from engine.parallel.kv_heads import RankKVHeads
 from engine.parallel.layout import TensorParallelLayout
@@ -49,17 +52,24 @@ def follow(config: EngineConfig, rank: int, port: int, threads: int) -> None:
         _follow_stage(config, PipelineLayout(config.pipeline_parallel_size, stage), tensor_rank, group, tensor,
                       device)
         return
-    loaded = load_engine_model(config, None, TensorParallelLayout.of(config, rank), group, device)
+    layout = TensorParallelLayout.of(config, rank)
+    loaded = load_engine_model(config, None, layout, group, device)
     group.barrier().wait()
     model, cache = loaded.model, loaded.cache
     heads = RankKVHeads(loaded.config, config.tensor_parallel_size, group)
+    # This rank's part of every LoRA adapter rank 0 loads (engine.parallel.adapter_shard).
+    slots = None if config.lora is None else attach_slots(model, config.lora, loaded.dtype,
+                                                          adapter_shard(layout, loaded.config))
     try:
         while (plan := receive_plan(group, device)) is not None:
             assert not isinstance(plan, SequencePlan), plan
             if isinstance(plan, PagesPlan):
                 _import_pages(plan, cache, heads)
                 continue
-            hidden = model(plan.input_ids, plan.positions, cache.kv_caches, plan.meta, _exporter(plan, cache, heads))
+            _load_adapters(slots, plan)
+            with model.lora_step.running(plan.lora_slots, plan.meta.query_lens_list):
+                hidden = model(plan.input_ids, plan.positions, cache.kv_caches, plan.meta,
+                               _exporter(plan, cache, heads))
             if plan.sample_rows:
                 model.compute_logits(hidden[torch.tensor(plan.sample_rows, device=device)])
     except RuntimeError as error:  # rank 0 or another rank is gone: nothing left to follow
@@ -94,14 +104,25 @@ def _follow_stage(config: EngineConfig, layout: PipelineLayout, tensor_rank: int
     group.barrier().wait()
     heads = None if tensor is None else RankKVHeads(loaded.config, config.tensor_parallel_size, tensor)
     rank = StageRank(loaded, layout, config.tensor_parallel_size, tensor_rank, group, heads)
+    # This rank's part of its stage's layers of every LoRA adapter rank 0 loads.
+    slots = None if config.lora is None else attach_slots(loaded.model, config.lora, loaded.dtype,
+                                                          adapter_shard(tensor_layout, loaded.config))
     try:
         while (plan := receive_plan(group, device)) is not None:
             if isinstance(plan, PagesPlan):
                 rank.import_pages(plan)
             elif isinstance(plan, StepPlan):
+                _load_adapters(slots, plan)
                 rank.step(plan)
     except RuntimeError as error:  # rank 0 or another stage is gone: nothing left to follow
         log.error("pipeline stage %d stops: %s", layout.stage, error)
+
+
+def _load_adapters(slots: LoraSlots | None, plan: StepPlan) -> None:
+    """Copy the adapters rank 0 loads before the step into this rank's slots (each keeps its part)."""
+    if slots is not None:
+        for load in plan.adapter_loads:
+            slots.load(load.slot, load.rank, load.weights)
 
 
 def _exporter(plan: StepPlan, cache: CacheEngine, heads: RankKVHeads) -> Callable[[int], None] | None:

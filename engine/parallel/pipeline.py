@@ -24,6 +24,7 @@ the same tensor rank (they are whole after a stage's all-reduces), and pages joi
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -31,8 +32,9 @@ import torch.distributed as dist
 
 from engine.attention.metadata import AttentionMetadata
 from engine.engine_model import EngineModel
+from engine.model.llama import LlamaForCausalLM
 from engine.parallel.kv_heads import RankKVHeads
-from engine.parallel.pipeline_layout import PipelineLayout, micro_batches
+from engine.parallel.pipeline_layout import MicroBatch, PipelineLayout, micro_batches
 from engine.parallel.step_plan import PagesPlan, StepPlan
 
 # Point-to-point tags: what a message is, plus the micro-batch or layer it belongs to.
@@ -64,6 +66,12 @@ def _receive(group: dist.ProcessGroup, shape: Sequence[int], dtype: torch.dtype,
     return tensor
 
 
+def _adapters_of(model: LlamaForCausalLM, batch: MicroBatch,
+                 lora_slots: list[int | None]) -> contextlib.AbstractContextManager[None]:
+    """The micro-batch's rows by adapter slot (its sequences' slots of the step's) for the forward pass."""
+    return model.lora_step.running(lora_slots[batch.sequences.start:batch.sequences.stop], batch.meta.query_lens_list)
+
+
 def _whole_page(loaded: EngineModel) -> tuple[tuple[int, ...], torch.dtype]:
     """One page of all the model's KV heads in its KV format (a tensor-parallel rank holds some)."""
     whole, kv = loaded.config, loaded.kv_format
@@ -89,14 +97,16 @@ class PipelineStages:
         self.local_layers = layout.layers(self.whole, 0)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, sample_rows: list[int],
-             kv_caches: Caches, on_layer_done: Callable[[int], None] | None) -> torch.Tensor | None:
-        """Run stage 0 of a step every rank has the plan of; the sampled rows' logits [rows, vocab]
-        (None where no row is sampled)."""
+             kv_caches: Caches, on_layer_done: Callable[[int], None] | None,
+             lora_slots: list[int | None]) -> torch.Tensor | None:
+        """Run stage 0 of a step every rank has the plan of (`lora_slots`: each sequence's adapter slot,
+        none without adapters); the sampled rows' logits [rows, vocab] (None where no row is sampled)."""
         sends = _Sends(self.group)
         batches = micro_batches(meta, sample_rows, self.layout.size)
         for index, batch in enumerate(batches):
             rows = slice(batch.rows.start, batch.rows.stop)
-            out = self.model(input_ids[rows], positions[rows], kv_caches, batch.meta)
+            with _adapters_of(self.model, batch, lora_slots):
+                out = self.model(input_ids[rows], positions[rows], kv_caches, batch.meta)
             sends.send(out, self.tensor_size, _HIDDEN + index)
         if on_layer_done is not None:  # every layer's pages, in order: this stage's, then the others'
             for layer in range(self.whole.num_layers):
@@ -157,7 +167,8 @@ class StageRank:
             inputs = plan.input_ids[rows] if stage == 0 else _receive(
                 self.group, (len(batch.rows), self.whole.hidden_size), dtype, device, self._rank(stage - 1),
                 _HIDDEN + index)
-            out = self.model(inputs, plan.positions[rows], self.cache.kv_caches, batch.meta)
+            with _adapters_of(self.model, batch, plan.lora_slots):
+                out = self.model(inputs, plan.positions[rows], self.cache.kv_caches, batch.meta)
             if stage < last:
                 sends.send(out, self._rank(stage + 1), _HIDDEN + index)
             elif batch.sample_rows:  # the logits join across the stage's ranks; its first sends them

@@ -83,12 +83,13 @@ class PipelineLayout:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Some whole sequences of a step: their token rows of the step, their attention metadata, and
-    the rows (of the micro-batch) whose logits are sampled."""
+    """Some whole sequences of a step (their indices in it): their token rows of the step, their
+    attention metadata, and the rows (of the micro-batch) whose logits are sampled."""
 
     rows: range
     meta: AttentionMetadata
     sample_rows: list[int]
+    sequences: range
 
 
 def micro_batches(meta: AttentionMetadata, sample_rows: list[int], count: int) -> list[MicroBatch]:
@@ -116,4 +117,4 @@ def _micro_batch(meta: AttentionMetadata, sample_rows: list[int], sequences: ran
         query_lens_list=meta.query_lens_list[sequences.start:sequences.stop],
         seq_lens_list=meta.seq_lens_list[sequences.start:sequences.stop],
     )
-    return MicroBatch(rows, sub, [row - rows.start for row in sample_rows if row in rows])
+    return MicroBatch(rows, sub, [row - rows.start for row in sample_rows if row in rows], sequences)

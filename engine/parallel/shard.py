@@ -17,7 +17,7 @@ gate are replicated.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import torch
@@ -65,8 +65,10 @@ def columns(name: str, weight: Weight, keep: range) -> Weight:
                    offset=offset)
 
 
+Cut = Callable[[str, Weight, range], Weight]  # `rows` or `columns`
+
 # The product each tensor belongs to (by its last two name parts): how it splits, and by what.
-_SPLITS = {
+_SPLITS: dict[str, tuple[Cut, str]] = {
     "q_proj.weight": (rows, "q"), "q_proj.bias": (rows, "q"),
     "k_proj.weight": (rows, "kv"), "k_proj.bias": (rows, "kv"),
     "v_proj.weight": (rows, "kv"), "v_proj.bias": (rows, "kv"),
@@ -101,15 +103,26 @@ def shard_tensor(layout: TensorParallelLayout, config: ModelConfig, name: str, w
     expert = _EXPERT.fullmatch(name) if config.moe is not None else None
     if expert is not None:
         return _shard_expert(layout, config, name, weight, expert)
-    rule = _SPLITS.get(".".join(name.split(".")[-2:]))
+    rule = split(layout, config, name)
     if rule is None:
         return weight
+    cut, keep = rule
+    return cut(name, weight, keep)
+
+
+def split(layout: TensorParallelLayout, config: ModelConfig, name: str) -> tuple[Cut, range] | None:
+    """How rank `layout.rank` cuts a dense model's tensor `name`: `rows` or `columns`, and the range
+    of them it keeps; None for a tensor every rank holds whole (a LoRA adapter's A and B split by
+    the same rule as the projection they add to: engine.parallel.adapter_shard)."""
+    rule = _SPLITS.get(".".join(name.split(".")[-2:]))
+    if rule is None:
+        return None
     cut, part = rule
     head_dim = config.head_dim
     keep = {"q": _feature_range(layout.query_heads(config), head_dim),
             "kv": _feature_range(layout.kv_heads(config), head_dim),
             "inter": layout.intermediate(config), "vocab": layout.vocabulary(config)}[part]
-    return cut(name, weight, keep)
+    return cut, keep
 
 
 def shard_weights(weights: Mapping[str, Weight], config: ModelConfig,

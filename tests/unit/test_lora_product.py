@@ -58,8 +58,8 @@ def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(bas
     step = model.lora_step
     slots = LoraSlots(files.config, count=3, max_rank=16, dtype=torch.float32,
                       products=tuple(model.layers[0].linears))
-    slots.load(0, adapters["sixteen"])
-    slots.load(2, adapters["eight"])
+    slots.load(0, adapters["sixteen"].rank, adapters["sixteen"].weights)
+    slots.load(2, adapters["eight"].rank, adapters["eight"].weights)
     attach_lora(model, slots)
     # Rows: base, sixteen, eight, sixteen (its rows in two runs), base.
     row_slots = [(None, 2), (0, 3), (2, 2), (0, 1), (None, 1)]

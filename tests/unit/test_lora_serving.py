@@ -135,11 +135,11 @@ def test_a_prompt_is_computed_for_another_worker_only_under_the_adapter_it_runs_
     engine.abort("export")
 
 
-@pytest.mark.parametrize(("sizes", "flag"), [({"tensor_parallel_size": 2}, "--tensor-parallel-size 2"),
-                                             ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 2")])
-def test_adapters_over_several_processes_are_refused_naming_the_flag(model_files, sizes, flag):
-    config = EngineConfig(lora=LoraConfig(), **sizes)
-    with pytest.raises(ValueError, match=f"enable_lora: not served over several processes yet \\({flag}; model"):
+def test_adapters_over_context_parallel_ranks_are_refused_naming_the_flag(model_files):
+    # Tensor and pipeline parallelism serve them (tests/unit/test_lora_parallel.py).
+    config = EngineConfig(lora=LoraConfig(), prefill_context_parallel_size=2, role="prefill")
+    with pytest.raises(ValueError, match=r"enable_lora: not served over context-parallel ranks yet "
+                                         r"\(--prefill-context-parallel-size 2; model"):
         serve_adapters(config, model=None, model_config=model_files.config, dtype=torch.float32)
 
 
