@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_adapters import save_adapter
 from reference import EXACT_FORMATS, check_against
 from transformers import LlamaConfig
 
@@ -27,6 +26,7 @@ from engine.parallel.adapter_shard import adapter_shard, shard_adapter
 from engine.parallel.layout import TensorParallelLayout
 from engine.parallel.shard import shard_tensor
 from engine.sampling_params import SamplingParams
+from harness.lora_adapters import save_adapter
 from tests.unit.test_model_hf import VOCAB, random_prompt, save_random_model, save_word_tokenizer
 
 pytestmark = pytest.mark.ranks
