@@ -17,9 +17,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from lora_adapters import save_adapter
 from tandem.v1 import lora_pb2, lora_pb2_grpc
 
+from harness.lora_adapters import save_adapter
 from harness.mesh import running
 from harness.ports import free_port
 from harness.worker import WorkerProcess

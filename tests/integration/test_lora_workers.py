@@ -17,7 +17,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from lora_adapters import save_adapter
 from prometheus_client.parser import text_string_to_metric_families
 from reference import PINNED_FLAGS, ReferenceRun, check_runs, engine_reference
 from tandem.v1 import decode_pb2, decode_pb2_grpc, lora_pb2, lora_pb2_grpc
@@ -25,6 +24,7 @@ from worker_calls import decode_call, load_report, no_blocks_used, until, worker
 
 from engine.config import CacheConfig, LoraConfig
 from engine.sampling_params import SamplingParams
+from harness.lora_adapters import save_adapter
 from harness.worker import WorkerProcess
 from services.common.convert import sampling_params_to_proto
 from services.common.server import channel_options

@@ -11,7 +11,6 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from lora_adapters import save_adapter
 
 from engine.config import CacheConfig, EngineConfig, LoraConfig
 from engine.kv_connector.export import KVExport
@@ -21,6 +20,7 @@ from engine.lora.serving import serve_adapters
 from engine.offline import generate
 from engine.outputs import KVReservation
 from engine.sampling_params import SamplingParams
+from harness.lora_adapters import save_adapter
 from services.common.errors import status_of
 
 
