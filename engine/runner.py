@@ -113,7 +113,8 @@ class ModelRunner:
         if self._lora is not None:
             for slot, adapter in out.adapter_loads:
                 self._lora.load(slot, adapter)
-            self.model.lora_step.batch = LoraBatch.of([(c.request.lora_slot, c.num_tokens) for c in out.chunks])
+            self.model.lora_step.batch = LoraBatch.of([(c.request.lora_slot, c.num_tokens) for c in out.chunks],
+                                                      self._lora.max_rank, self._lora.dtype)
         try:
             hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, on_layer_done, before_layer)
         finally:

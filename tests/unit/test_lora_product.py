@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from engine.attention.reference import TorchPagedAttention
+from engine.lora import batch
 from engine.lora.adapter import AdapterError, load_adapter
 from engine.lora.batch import LoraBatch
 from engine.lora.serving import attach_lora
@@ -42,7 +43,10 @@ def _adapter(base_model: torch.nn.Module, directory: Path, rank: int, seed: int,
     return peft_model
 
 
-def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(base, tmp_path):
+@pytest.mark.parametrize("masked_rows", [batch.MASKED_ROWS, 0], ids=["masked", "grouped"])
+def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(base, tmp_path, monkeypatch,
+                                                                             masked_rows):
+    monkeypatch.setattr(batch, "MASKED_ROWS", masked_rows)
     directory, reference = base
     files = load_model_files(directory, torch.float32)
     model = build_model(files, TorchPagedAttention(), "cpu", dtype=torch.float32)
@@ -64,7 +68,8 @@ def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(bas
     # Rows: base, sixteen, eight, sixteen (its rows in two runs), base.
     row_slots = [(None, 2), (0, 3), (2, 2), (0, 1), (None, 1)]
     which = ["base"] * 2 + ["sixteen"] * 3 + ["eight"] * 2 + ["sixteen"] + ["base"]
-    step.batch = LoraBatch.of(row_slots)
+    step.batch = LoraBatch.of(row_slots, slots.max_rank, slots.dtype)
+    assert (step.batch.mask is not None) == bool(masked_rows)
     layer = model.layers[1]
     torch.manual_seed(3)
     x_attn, x_mlp = torch.randn(9, CONFIG.hidden_size), torch.randn(9, CONFIG.intermediate_size)
@@ -87,7 +92,7 @@ def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(bas
             torch.testing.assert_close(ours[product][row], value, rtol=1e-5, atol=1e-5,
                                        msg=f"row {row} ({adapter}) {product}")
     # The terms differ from the base's (a test that could not fail otherwise).
-    step.batch = LoraBatch.of([(None, 9)])
+    step.batch = LoraBatch.of([(None, 9)], slots.max_rank, slots.dtype)
     assert not torch.allclose(layer.linears["qkv"](x_attn)[2:5], ours["qkv"][2:5])
 
 
