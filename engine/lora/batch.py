@@ -4,7 +4,7 @@ the runner, read by every LoRA product of every layer, in one of two forms.
 Grouped (a step of more than MASKED_ROWS rows: prompt chunks): rows are grouped by slot, so each
 adapter's low-rank products run once over all its rows (Punica's segmented products, SGMV, over
 torch's matrix products), never once per request. A request's rows are contiguous in the packed
-batch; a slot whose rows form one run is a slice, otherwise an index tensor.
+batch; a slot's rows are a slice per run where every run is long (RUN_ROWS), else an index tensor.
 
 Masked (a step of at most MASKED_ROWS rows: a decode batch): every row goes through the rank rows
 of all the slots from the first to the last the step uses, in two matrix products per module, and
@@ -25,6 +25,9 @@ import torch
 
 # Steps of up to this many rows take the masked form (a decode batch); larger ones are grouped.
 MASKED_ROWS = 256
+# A grouped slot whose runs all have at least this many rows (prompt chunks) takes each run as a
+# slice: a few more products, but no gather and scatter (index_add_), which on a CPU cost more.
+RUN_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,8 @@ class LoraBatch:
             start += count
         groups = []
         for slot, spans in runs.items():
-            if len(spans) == 1:
-                groups.append(SlotRows(slot, slice(*spans[0])))
+            if len(spans) == 1 or all(b - a >= RUN_ROWS for a, b in spans):
+                groups.extend(SlotRows(slot, slice(a, b)) for a, b in spans)
             else:
                 groups.append(SlotRows(slot, torch.cat([torch.arange(a, b) for a, b in spans])))
         return LoraBatch(tuple(groups))

@@ -43,10 +43,13 @@ def _adapter(base_model: torch.nn.Module, directory: Path, rank: int, seed: int,
     return peft_model
 
 
-@pytest.mark.parametrize("masked_rows", [batch.MASKED_ROWS, 0], ids=["masked", "grouped"])
+@pytest.mark.parametrize(("masked_rows", "run_rows"),
+                         [(batch.MASKED_ROWS, batch.RUN_ROWS), (0, batch.RUN_ROWS), (0, 1)],
+                         ids=["masked", "grouped-by-index", "grouped-by-runs"])
 def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(base, tmp_path, monkeypatch,
-                                                                             masked_rows):
+                                                                             masked_rows, run_rows):
     monkeypatch.setattr(batch, "MASKED_ROWS", masked_rows)
+    monkeypatch.setattr(batch, "RUN_ROWS", run_rows)
     directory, reference = base
     files = load_model_files(directory, torch.float32)
     model = build_model(files, TorchPagedAttention(), "cpu", dtype=torch.float32)
@@ -70,6 +73,8 @@ def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(bas
     which = ["base"] * 2 + ["sixteen"] * 3 + ["eight"] * 2 + ["sixteen"] + ["base"]
     step.batch = LoraBatch.of(row_slots, slots.max_rank, slots.dtype)
     assert (step.batch.mask is not None) == bool(masked_rows)
+    assert masked_rows or [isinstance(g.rows, slice) for g in step.batch.groups] == (
+        [True, True, True] if run_rows == 1 else [False, True])  # slot 0's two runs, then slot 2's one
     layer = model.layers[1]
     torch.manual_seed(3)
     x_attn, x_mlp = torch.randn(9, CONFIG.hidden_size), torch.randn(9, CONFIG.intermediate_size)
