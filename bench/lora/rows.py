@@ -10,8 +10,6 @@ adapter i mod k of the row's first k adapters (k = 0: the base model).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 from bench.throughput.systems import emit, load_workload, run_cases
@@ -42,16 +40,6 @@ def time_row(workload: dict, name: str, count: int, generate: AdapterGenerateFn)
         return generated, tpot_s
 
     return {**run_cases(case, timed)[name], "tokens": outputs}
-
-
-def median_seconds(action: Callable[[int], object], samples: int) -> float:
-    """The median wall time of `action(i)` over i in range(samples)."""
-    times = []
-    for index in range(samples):
-        start = time.perf_counter()
-        action(index)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def worker_main(measure: Callable[[dict, str], dict], doc: str | None, argv: list[str] | None = None) -> int:

@@ -15,11 +15,13 @@ does before the step that first runs a request for an adapter not in a slot).
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.lora.rows import median_seconds, time_row, worker_main
+from bench.common.call_timer import median_call_s
+from bench.lora.rows import time_row, worker_main
 from bench.throughput.systems import KV_CACHE_GIB, pin_to_cores, revision
 
 if TYPE_CHECKING:
@@ -67,9 +69,17 @@ def _load_times(served: ServedAdapters, adapters: list[tuple[str, str]]) -> dict
     """Median seconds of an adapter read cold and of one copied from the CPU set into a slot. Run
     after the rows: the slots' copies bypass the registry, so the engine serves nothing after them."""
     read = [served.read(name, Path(path)) for name, path in adapters]  # every one once, so files are cached
-    cold = median_seconds(lambda i: served.read(adapters[i][0], Path(adapters[i][1])), len(adapters))
-    slots = served.slots
-    from_cpu = median_seconds(lambda i: slots.load(i % slots.count, read[i]), len(read))
+    files, slotted = itertools.cycle(adapters), itertools.cycle(enumerate(read))
+
+    def read_next() -> None:
+        name, path = next(files)
+        served.read(name, Path(path))
+
+    def load_next() -> None:
+        index, adapter = next(slotted)
+        served.slots.load(index % served.slots.count, adapter)
+
+    cold, from_cpu = median_call_s(read_next, len(adapters)), median_call_s(load_next, len(read))
     return {"cold": cold, "from_cpu_set": from_cpu}
 
 

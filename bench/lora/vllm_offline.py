@@ -16,9 +16,12 @@ from bench.vllm.version import install_version_lookup
 # Before any vLLM import: its modules bind `version` at import time.
 install_version_lookup()
 
+import statistics  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
 
-from bench.lora.rows import median_seconds, time_row, worker_main  # noqa: E402
+from bench.lora.rows import time_row, worker_main  # noqa: E402
 from bench.vllm.offline import chosen_dtype, generate_greedy, load_llm  # noqa: E402
 
 
@@ -37,8 +40,7 @@ def measure(workload: dict, setup_name: str) -> dict:
     result: dict = {"system": "vllm", "version": vllm.__version__,
                     "dtype": f"{workload.get('vllm_dtype', 'float32')} ({chosen_dtype(llm)})"}
     if setup.get("load_times") and requests:
-        ordered = list(requests.values())
-        result["load_s"] = {"cold": median_seconds(lambda i: llm.llm_engine.add_lora(ordered[i]), len(ordered))}
+        result["load_s"] = {"cold": statistics.median([_add_lora_s(llm, request) for request in requests.values()])}
 
     def run(prompts: list[list[int]], max_tokens: int, names: list[str]) -> tuple[int, float, list[list[int]]]:
         lora = [requests[name] for name in names] if any(names) else None
@@ -46,6 +48,13 @@ def measure(workload: dict, setup_name: str) -> dict:
 
     result["rows"] = {name: time_row(workload, name, k, run) for name, k in setup["rows"].items()}
     return result
+
+
+def _add_lora_s(llm: Any, request: Any) -> float:
+    """Seconds `llm` takes to add the adapter of `request` (files into its CPU cache of adapters)."""
+    start = time.perf_counter()
+    llm.llm_engine.add_lora(request)
+    return time.perf_counter() - start
 
 
 if __name__ == "__main__":
