@@ -19,7 +19,7 @@ SUITES = (
     "tensor_parallel", "kv_relay", "goodput", "speculative", "planner_sim",
     "cancel_storm", "overload", "soak", "hf_export", "grammar_backends", "structured",
     "structured_vllm", "prediction", "parallel_layouts", "moe", "kv_tiers", "kv_compression", "kv_eviction",
-    "prefix_routing", "lora_fidelity",
+    "prefix_routing", "lora", "lora_fidelity",
 )
 
 

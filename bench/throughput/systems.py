@@ -72,6 +72,13 @@ def pin_to_cores(workload: dict) -> None:
         os.sched_setaffinity(0, workload["cores"])
 
 
+def revision() -> str:
+    """This checkout's commit, short ("unknown" outside git): the version a Tandem result records."""
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True, check=False).stdout.strip()
+    return commit or "unknown"
+
+
 def tandem(workload: dict) -> dict:
     """Tandem's Engine through engine.offline.generate (all requests submitted at once), on the
     workload's model_dir unless its `tandem` entry gives other EngineConfig fields (`{"model": null}`:
@@ -98,9 +105,7 @@ def tandem(workload: dict) -> dict:
         completions = generate(engine, prompts, params)
         return sum(len(c.token_ids) for c in completions), sum(c.tpot_s for c in completions) / len(completions)
 
-    revision = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=False).stdout.strip()
-    return {"system": "tandem", "version": revision or "unknown",
+    return {"system": "tandem", "version": revision(),
             "mode": f"Engine, {engine.runner.model.layers[0].attention.name} attention, "
                     f"max_num_seqs={workload['max_num_seqs']}",
             "engine": {"model": engine.config.model or "shipped GGUF", **engine_formats(engine)},

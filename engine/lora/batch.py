@@ -1,18 +1,33 @@
 """Which rows of a step's packed batch go through which adapter slot: computed once per step by
-the runner, read by every LoRA product of every layer.
+the runner, read by every LoRA product of every layer, in one of two forms.
 
-Rows are grouped by slot, so each adapter's low-rank products run once over all its rows
-(Punica's segmented products, SGMV, over torch's matrix products), never once per request. A
-request's rows are contiguous in the packed batch; a slot whose rows form one run is a slice,
-otherwise an index tensor. Slot None is the base model: no LoRA term.
+Grouped (a step of more than MASKED_ROWS rows: prompt chunks): rows are grouped by slot, so each
+adapter's low-rank products run once over all its rows (Punica's segmented products, SGMV, over
+torch's matrix products), never once per request. A request's rows are contiguous in the packed
+batch; a slot's rows are a slice per run where every run is long (RUN_ROWS), else an index tensor.
+
+Masked (a step of at most MASKED_ROWS rows: a decode batch): every row goes through the rank rows
+of all the slots from the first to the last the step uses, in two matrix products per module, and
+a mask keeps each row's own slot's part of the first. A decode batch's requests take turns over the
+adapters, so grouping them is a gather and a scatter per adapter and module for a few rows each,
+and on a CPU those small ops, not the arithmetic, took most of the step (docs/benchmarks.md, lora).
+Its extra arithmetic grows with the rows times the slots spanned, hence the bound.
+
+Slot None is the base model: no LoRA term (no group, a zero mask row).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+# Steps of up to this many rows take the masked form (a decode batch); larger ones are grouped.
+MASKED_ROWS = 256
+# A grouped slot whose runs all have at least this many rows (prompt chunks) takes each run as a
+# slice: a few more products, but no gather and scatter (index_add_), which on a CPU cost more.
+RUN_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -25,13 +40,31 @@ class SlotRows:
 
 @dataclass(frozen=True)
 class LoraBatch:
-    """A step's rows grouped by adapter slot (the base model's rows in no group)."""
+    """A step's rows grouped by adapter slot (the base model's rows in no group), or, in the masked
+    form, `mask` [rows, slots spanned x max rank]: 1 where a row meets its own slot's rank rows of
+    the slots `span`, 0 elsewhere (and on the base's rows)."""
 
     groups: tuple[SlotRows, ...]
+    mask: torch.Tensor | None = None
+    span: slice = field(default_factory=lambda: slice(0, 0))
 
     @staticmethod
-    def of(row_slots: Sequence[tuple[int | None, int]]) -> LoraBatch:
-        """From each sequence's (slot or None, rows) in batch order."""
+    def of(row_slots: Sequence[tuple[int | None, int]], max_rank: int, dtype: torch.dtype) -> LoraBatch:
+        """From each sequence's (slot or None, rows) in batch order, for slots of `max_rank` rank
+        rows each holding weights in `dtype`."""
+        rows = sum(count for _, count in row_slots)
+        used = [slot for slot, count in row_slots if slot is not None and count]
+        if not used:
+            return NO_LORA
+        if rows <= MASKED_ROWS:
+            first, last = min(used), max(used)
+            mask = torch.zeros(rows, (last - first + 1) * max_rank, dtype=dtype)
+            start = 0
+            for slot, count in row_slots:
+                if slot is not None:
+                    mask[start:start + count, (slot - first) * max_rank:(slot - first + 1) * max_rank] = 1
+                start += count
+            return LoraBatch((), mask, slice(first, last + 1))
         runs: dict[int, list[tuple[int, int]]] = {}
         start = 0
         for slot, count in row_slots:
@@ -44,14 +77,14 @@ class LoraBatch:
             start += count
         groups = []
         for slot, spans in runs.items():
-            if len(spans) == 1:
-                groups.append(SlotRows(slot, slice(*spans[0])))
+            if len(spans) == 1 or all(b - a >= RUN_ROWS for a, b in spans):
+                groups.extend(SlotRows(slot, slice(a, b)) for a, b in spans)
             else:
                 groups.append(SlotRows(slot, torch.cat([torch.arange(a, b) for a, b in spans])))
         return LoraBatch(tuple(groups))
 
     def __bool__(self) -> bool:
-        return bool(self.groups)
+        return bool(self.groups) or self.mask is not None
 
 
 NO_LORA = LoraBatch(())

@@ -96,6 +96,7 @@ def attach_lora(model: LlamaForCausalLM, slots: LoraSlots) -> None:
     row-parallel products add theirs to the partial sum, before its all-reduce (one term per rank
     over its input features: engine.parallel.adapter_shard)."""
     sharding = model.plan.sharding
+    model.lora_step.max_rank, model.lora_step.dtype = slots.max_rank, slots.dtype
     for index, layer in enumerate(model.layers, start=slots.first_layer):
         for product, base in list(layer.linears.items()):
             wrap = functools.partial(LoraProduct, modules=slots.modules[(index, product)], ranks=slots.ranks,

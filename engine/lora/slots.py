@@ -3,9 +3,11 @@ to hold one adapter of rank up to `--max-lora-rank`, preallocated so that loadin
 copy into a slot and never an allocation in the middle of serving.
 
 Per layer and per engine product (the fused qkv and gate_up, o, down), each PEFT module (q, k, v,
-...) has A [slots, max rank, in] and B [slots, out, max rank]; a slot remembers its adapter's
-rank so products read only A[slot, :rank] and B[slot, :, :rank]. A module an adapter does not
-target stays zero in its slot, so it adds nothing.
+...) has A [slots, max rank, in] and B [out, slots, max rank]; a slot remembers its adapter's
+rank so grouped products read only A[slot, :rank] and B[:, slot, :rank]. Rank rows past an
+adapter's rank and a module an adapter does not target stay zero, so they add nothing: the masked
+products (engine.lora.batch) read a run of slots whole, as A[first:last] viewed [slots x max rank, in]
+and B viewed [out, slots x max rank], both without a copy.
 
 A rank of a tensor-parallel engine holds slots of its part of each product (its model's config is
 its shard's), and keeps of each adapter the part its `shard` says (engine.parallel.adapter_shard).
@@ -33,7 +35,7 @@ class ModuleSlots:
     """One module's weights in every slot, and the columns of its product's output it adds to."""
 
     a: torch.Tensor  # [slots, max rank, in]
-    b: torch.Tensor  # [slots, out, max rank]
+    b: torch.Tensor  # [out, slots, max rank]
     columns: slice
 
 
@@ -47,6 +49,7 @@ class LoraSlots:
         self.count = count
         self._shard = shard
         self.max_rank = max_rank
+        self.dtype = dtype
         self.first_layer = model.first_layer
         self.ranks: list[int] = [0] * count  # 0: empty
         self.modules: dict[tuple[int, str], tuple[ModuleSlots, ...]] = {}
@@ -56,7 +59,7 @@ class LoraSlots:
                 for module in PRODUCT_MODULES[product]:
                     out, inp = projection_shape(model, module)
                     parts.append(ModuleSlots(torch.zeros(count, max_rank, inp, dtype=dtype),
-                                             torch.zeros(count, out, max_rank, dtype=dtype), slice(start, start + out)))
+                                             torch.zeros(out, count, max_rank, dtype=dtype), slice(start, start + out)))
                     start += out
                 self.modules[(layer, product)] = tuple(parts)
 
@@ -71,7 +74,7 @@ class LoraSlots:
                 continue  # a layer of another pipeline stage
             part = self.modules[(layer, product)][PRODUCT_MODULES[product].index(module)]
             part.a[slot, :rank].copy_(lora.a)
-            part.b[slot, :, :rank].copy_(lora.b)
+            part.b[:, slot, :rank].copy_(lora.b)
         self.ranks[slot] = rank
 
     def clear(self, slot: int) -> None:
@@ -81,5 +84,5 @@ class LoraSlots:
             for parts in self.modules.values():
                 for part in parts:
                     part.a[slot, :rank].zero_()
-                    part.b[slot, :, :rank].zero_()
+                    part.b[:, slot, :rank].zero_()
         self.ranks[slot] = 0

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from engine.attention.reference import TorchPagedAttention
+from engine.lora import batch
 from engine.lora.adapter import AdapterError, load_adapter
 from engine.lora.batch import LoraBatch
 from engine.lora.serving import attach_lora
@@ -42,7 +43,13 @@ def _adapter(base_model: torch.nn.Module, directory: Path, rank: int, seed: int,
     return peft_model
 
 
-def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(base, tmp_path):
+@pytest.mark.parametrize(("masked_rows", "run_rows"),
+                         [(batch.MASKED_ROWS, batch.RUN_ROWS), (0, batch.RUN_ROWS), (0, 1)],
+                         ids=["masked", "grouped-by-index", "grouped-by-runs"])
+def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(base, tmp_path, monkeypatch,
+                                                                             masked_rows, run_rows):
+    monkeypatch.setattr(batch, "MASKED_ROWS", masked_rows)
+    monkeypatch.setattr(batch, "RUN_ROWS", run_rows)
     directory, reference = base
     files = load_model_files(directory, torch.float32)
     model = build_model(files, TorchPagedAttention(), "cpu", dtype=torch.float32)
@@ -64,7 +71,10 @@ def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(bas
     # Rows: base, sixteen, eight, sixteen (its rows in two runs), base.
     row_slots = [(None, 2), (0, 3), (2, 2), (0, 1), (None, 1)]
     which = ["base"] * 2 + ["sixteen"] * 3 + ["eight"] * 2 + ["sixteen"] + ["base"]
-    step.batch = LoraBatch.of(row_slots)
+    step.batch = LoraBatch.of(row_slots, slots.max_rank, slots.dtype)
+    assert (step.batch.mask is not None) == bool(masked_rows)
+    assert masked_rows or [isinstance(g.rows, slice) for g in step.batch.groups] == (
+        [True, True, True] if run_rows == 1 else [False, True])  # slot 0's two runs, then slot 2's one
     layer = model.layers[1]
     torch.manual_seed(3)
     x_attn, x_mlp = torch.randn(9, CONFIG.hidden_size), torch.randn(9, CONFIG.intermediate_size)
@@ -87,7 +97,7 @@ def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(bas
             torch.testing.assert_close(ours[product][row], value, rtol=1e-5, atol=1e-5,
                                        msg=f"row {row} ({adapter}) {product}")
     # The terms differ from the base's (a test that could not fail otherwise).
-    step.batch = LoraBatch.of([(None, 9)])
+    step.batch = LoraBatch.of([(None, 9)], slots.max_rank, slots.dtype)
     assert not torch.allclose(layer.linears["qkv"](x_attn)[2:5], ours["qkv"][2:5])
 
 
