@@ -97,7 +97,8 @@ class Abort(Command[bool]):
 @dataclass(frozen=True)
 class AddAdapter(Command[None]):
     """Serve a LoRA adapter already read and checked (Engine.read_adapter, off the engine thread);
-    ValueError naming it if its name is taken, LoraDisabled without --enable-lora."""
+    ValueError naming it if its name is taken, AdaptersBusy while every adapter held in memory has
+    requests, LoraDisabled without --enable-lora."""
 
     adapter: LoraAdapter
 

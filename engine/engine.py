@@ -500,7 +500,8 @@ class Engine:
         return self._served_adapters().read(name, path)
 
     def add_adapter(self, adapter: LoraAdapter) -> None:
-        """Serve `adapter` under its name from the next step; ValueError naming it if the name is taken."""
+        """Serve `adapter` under its name from the next step; ValueError naming it if the name is taken,
+        AdaptersBusy while every adapter held in memory has requests (--max-cpu-loras)."""
         self._served_adapters().registry.serve(adapter)
 
     def keep_adapter(self, adapter: LoraAdapter) -> None:

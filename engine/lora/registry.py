@@ -35,6 +35,11 @@ class AdapterInUse(RuntimeError):
     """An adapter cannot be removed while requests for it are in the engine (the API's 503)."""
 
 
+class AdaptersBusy(RuntimeError):
+    """No adapter can be added now: as many as --max-cpu-loras are held in memory and every one has
+    requests in the engine, so none can be dropped for it (the API's 503: retry once one is idle)."""
+
+
 class AdapterMismatch(RuntimeError):
     """A prompt computed here for another worker would be computed under another adapter than the
     one it runs under there (another fingerprint, or none served by that name): its pages would be
@@ -78,10 +83,16 @@ class AdapterRegistry:
     # ---- the served set --------------------------------------------------------------------------
     def serve(self, adapter: LoraAdapter) -> LoraAdapter:
         """Serve an adapter already read and checked (engine.lora.serving reads it, on any thread)
-        under its name; ValueError naming it (nothing changed) if the name is taken."""
+        under its name; ValueError naming it (nothing changed) if the name is taken, AdaptersBusy if
+        every adapter held in memory has requests and no more may be held."""
         name = adapter.name
         if name in self.known:
             raise ValueError(f"lora_name: an adapter named {name!r} is already loaded (from {self.known[name].path})")
+        capacity = self.config.cpu_capacity
+        if len(self._loaded) >= capacity and all(self._refs.get(held) for held in self._loaded):
+            raise AdaptersBusy(f"lora_name: cannot load {name!r} now: the {len(self._loaded)} adapters held in memory "
+                               f"(--max-cpu-loras {capacity}) all have requests running or waiting; retry once "
+                               "one is idle")
         self.known[name] = Served(adapter.path, adapter.fingerprint, adapter.rank)
         self._keep(name, adapter)
         return adapter

@@ -19,7 +19,7 @@ from typing import NoReturn
 
 import grpc
 
-from engine.lora.registry import AdapterInUse, AdapterMismatch, LoraDisabled, UnknownAdapter
+from engine.lora.registry import AdapterInUse, AdapterMismatch, AdaptersBusy, LoraDisabled, UnknownAdapter
 from services.common.failure import Failure, WorkerError
 from services.observability.spans import set_error
 
@@ -41,6 +41,7 @@ _FAILURE_CODES = {
 _LORA_CODES = (
     (UnknownAdapter, grpc.StatusCode.NOT_FOUND),
     (AdapterInUse, grpc.StatusCode.UNAVAILABLE),
+    (AdaptersBusy, grpc.StatusCode.UNAVAILABLE),
     (AdapterMismatch, grpc.StatusCode.FAILED_PRECONDITION),
     (LoraDisabled, grpc.StatusCode.FAILED_PRECONDITION),
 )

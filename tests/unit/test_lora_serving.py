@@ -17,7 +17,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig, LoraConfig
 from engine.kv_connector.export import KVExport
 from engine.lora.adapter import AdapterError
-from engine.lora.registry import AdapterInUse, AdapterMismatch, LoraDisabled, UnknownAdapter
+from engine.lora.registry import AdapterInUse, AdapterMismatch, AdaptersBusy, LoraDisabled, UnknownAdapter
 from engine.lora.serving import serve_adapters
 from engine.offline import generate
 from engine.outputs import KVReservation
@@ -77,6 +77,11 @@ def test_adapters_are_added_reported_and_removed_while_serving(engine, adapter_d
     assert (states["a"].running_requests, states["b"].waiting_requests) == (1, 1)  # b waits for the one slot
     with pytest.raises(AdapterInUse, match="'a'"):
         engine.remove_adapter("a")
+    # Every adapter held in memory (--max-cpu-loras: 1) has requests: a load is refused, for now.
+    served = _served(engine)
+    with pytest.raises(AdaptersBusy, match=r"'c'.*--max-cpu-loras 1") as busy:
+        engine.add_adapter(engine.read_adapter("c", adapter_dirs["b"]))
+    assert status_of(busy.value)[0] == grpc.StatusCode.UNAVAILABLE and _served(engine) == served
     while engine.has_unfinished():
         engine.step()
     engine.remove_adapter("b")
