@@ -511,11 +511,11 @@ class Engine:
     def needs_read(self, name: str) -> Path | None:
         """Where to read the adapter `name` from when a request for it would make the engine read it
         (served, but dropped from memory); None otherwise. Any thread may ask: it only looks."""
-        adapters = self.adapters
-        served = None if adapters is None or not name else adapters.registry.known.get(name)
-        if served is None or adapters is None or adapters.registry.in_memory(name):
+        if self.adapters is None or not name:
             return None
-        return served.path
+        registry = self.adapters.registry
+        served = registry.known.get(name)
+        return None if served is None or registry.in_memory(name) else served.path
 
     def remove_adapter(self, name: str) -> None:
         """Stop serving adapter `name`: UnknownAdapter if not served, AdapterInUse while requests use it."""
