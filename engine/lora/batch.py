@@ -1,5 +1,10 @@
 """Which rows of a step's packed batch go through which adapter slot: computed once per step by
-the runner, read by every LoRA product of every layer, in one of two forms.
+the runner, read by every LoRA product of every layer, in one of three forms.
+
+Segmented (a step of at most KERNEL_ROWS rows where the CPU kernels run: decode batches): the rows
+as indices grouped by slot, each slot's a segment, for the kernel that multiplies each slot's rows by
+its A and B alone (engine/model/kernels/lora_bgmv.cpp: Punica's BGMV, a row's own slot only, each
+slot's weights read once for all its rows). Over larger steps torch's blocked products outrun it.
 
 Grouped (a step of more than MASKED_ROWS rows: prompt chunks): rows are grouped by slot, so each
 adapter's low-rank products run once over all its rows (Punica's segmented products, SGMV, over
@@ -23,7 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Steps of up to this many rows take the masked form (a decode batch); larger ones are grouped.
+# Steps of up to this many rows take the segmented form where the CPU kernel runs.
+KERNEL_ROWS = 128
+# Steps of up to this many rows take the masked form (a decode batch) elsewhere or where they have
+# more rows than the kernel's; larger ones are grouped.
 MASKED_ROWS = 256
 # A grouped slot whose runs all have at least this many rows (prompt chunks) takes each run as a
 # slice: a few more products, but no gather and scatter (index_add_), which on a CPU cost more.
@@ -40,29 +48,46 @@ class SlotRows:
 
 @dataclass(frozen=True)
 class LoraBatch:
-    """A step's rows grouped by adapter slot (the base model's rows in no group), or, in the masked
-    form, `mask` [rows, slots spanned x max rank]: 1 where a row meets its own slot's rank rows of
-    the slots `span`, 0 elsewhere (and on the base's rows)."""
+    """A step's rows grouped by adapter slot (the base model's rows in no group); in the masked
+    form, `mask` [rows, slots spanned x width]: 1 where a row meets its own slot's rank values of
+    the slots `span`, 0 elsewhere (and on the base's rows); in the segmented form, `order` (int64:
+    the rows of a slot, slot after slot) and `segments` (int64 [slots used, 3]: the slot and its
+    rows' begin and end in `order`)."""
 
     groups: tuple[SlotRows, ...]
     mask: torch.Tensor | None = None
     span: slice = field(default_factory=lambda: slice(0, 0))
+    order: torch.Tensor | None = None
+    segments: torch.Tensor | None = None
 
     @staticmethod
-    def of(row_slots: Sequence[tuple[int | None, int]], max_rank: int, dtype: torch.dtype) -> LoraBatch:
-        """From each sequence's (slot or None, rows) in batch order, for slots of `max_rank` rank
-        rows each holding weights in `dtype`."""
+    def of(row_slots: Sequence[tuple[int | None, int]], width: int, dtype: torch.dtype,
+           kernel: bool = False, device: torch.device | str = "cpu") -> LoraBatch:
+        """From each sequence's (slot or None, rows) in batch order, for slots of `width` rank values
+        each holding weights in `dtype` on `device`; `kernel`: whether the CPU kernel serves them."""
         rows = sum(count for _, count in row_slots)
         used = [slot for slot, count in row_slots if slot is not None and count]
         if not used:
             return NO_LORA
+        if kernel and rows <= KERNEL_ROWS:
+            by_slot: dict[int, list[int]] = {}
+            start = 0
+            for slot, count in row_slots:
+                if slot is not None and count:
+                    by_slot.setdefault(slot, []).extend(range(start, start + count))
+                start += count
+            order, segments = [], []
+            for slot, indices in by_slot.items():
+                segments.append((slot, len(order), len(order) + len(indices)))
+                order.extend(indices)
+            return LoraBatch((), order=torch.tensor(order), segments=torch.tensor(segments))
         if rows <= MASKED_ROWS:
             first, last = min(used), max(used)
-            mask = torch.zeros(rows, (last - first + 1) * max_rank, dtype=dtype)
+            mask = torch.zeros(rows, (last - first + 1) * width, dtype=dtype, device=device)
             start = 0
             for slot, count in row_slots:
                 if slot is not None:
-                    mask[start:start + count, (slot - first) * max_rank:(slot - first + 1) * max_rank] = 1
+                    mask[start:start + count, (slot - first) * width:(slot - first + 1) * width] = 1
                 start += count
             return LoraBatch((), mask, slice(first, last + 1))
         runs: dict[int, list[tuple[int, int]]] = {}
@@ -80,11 +105,11 @@ class LoraBatch:
             if len(spans) == 1 or all(b - a >= RUN_ROWS for a, b in spans):
                 groups.extend(SlotRows(slot, slice(a, b)) for a, b in spans)
             else:
-                groups.append(SlotRows(slot, torch.cat([torch.arange(a, b) for a, b in spans])))
+                groups.append(SlotRows(slot, torch.cat([torch.arange(a, b, device=device) for a, b in spans])))
         return LoraBatch(tuple(groups))
 
     def __bool__(self) -> bool:
-        return bool(self.groups) or self.mask is not None
+        return bool(self.groups) or self.mask is not None or self.order is not None
 
 
 NO_LORA = LoraBatch(())

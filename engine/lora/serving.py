@@ -85,7 +85,8 @@ def serve_adapters(config: EngineConfig, model: LlamaForCausalLM, model_config: 
 
 def attach_slots(model: LlamaForCausalLM, lora: LoraConfig, dtype: torch.dtype, shard: Shard | None) -> LoraSlots:
     """The slots of `model` (one rank's: its config is its shard's), its products wrapped to add them."""
-    slots = LoraSlots(model.config, lora.max_loras, lora.max_lora_rank, dtype, tuple(model.layers[0].linears), shard)
+    slots = LoraSlots(model.config, lora.max_loras, lora.max_lora_rank, dtype, tuple(model.layers[0].linears), shard,
+                      model.norm.device)
     attach_lora(model, slots)
     return slots
 
@@ -96,7 +97,7 @@ def attach_lora(model: LlamaForCausalLM, slots: LoraSlots) -> None:
     row-parallel products add theirs to the partial sum, before its all-reduce (one term per rank
     over its input features: engine.parallel.adapter_shard)."""
     sharding = model.plan.sharding
-    model.lora_step.max_rank, model.lora_step.dtype = slots.max_rank, slots.dtype
+    model.lora_step.attach(slots, model.plan.lora_add)
     for index, layer in enumerate(model.layers, start=slots.first_layer):
         for product, base in list(layer.linears.items()):
             wrap = functools.partial(LoraProduct, modules=slots.modules[(index, product)], ranks=slots.ranks,

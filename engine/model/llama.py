@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
-from engine.lora.product import LoraStep
+from engine.lora.product import LoraAdd, LoraStep
 from engine.model.moe_weights import build_moe
 from engine.model.quantized import QuantizedWeight
 from engine.model.quantized_linear import QuantizedLinear
@@ -86,6 +86,9 @@ class ModelPlan:
     # StreamingLLM (engine.attention.streaming): the layers hand q and k to the attention backend
     # unrotated, and it rotates them at their positions within the cache, which text positions outgrow.
     rotary_in_attention: bool = False
+    # The op adding a small step's LoRA terms by adapter slot (engine.lora.product), where the CPU
+    # kernels build; None: torch's products.
+    lora_add: LoraAdd | None = None
 
     def __post_init__(self) -> None:
         if self.decode_stack is not None and self.sharding is not None:

@@ -103,7 +103,7 @@ def build_model(files: ModelFiles, attention: AttentionBackend, device: str | to
         # A rank whose products join other ranks' or a pipeline stage's layers run one by one.
         whole = sharding is None and files.config.stage is None
         stack = functools.partial(DecodeStack.build, ops=ops) if whole else None
-        plan = ModelPlan(ops.rms_norm, ops.rotary, ops.silu_mul, stack, sharding, rotary_in_attention)
+        plan = ModelPlan(ops.rms_norm, ops.rotary, ops.silu_mul, stack, sharding, rotary_in_attention, ops.lora_add_)
     with torch.device(device):
         model = LlamaForCausalLM(files.config, attention, plan)
     model.to(dtype=dtype)

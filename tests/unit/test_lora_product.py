@@ -20,6 +20,8 @@ from engine.lora.adapter import AdapterError, load_adapter
 from engine.lora.batch import LoraBatch
 from engine.lora.serving import attach_lora
 from engine.lora.slots import LoraSlots
+from engine.model.kernels import kernels
+from engine.model.kernels.build import cpu_flags, runnable
 from engine.model.loader import build_model, load_model_files
 from tests.unit.test_model_hf import save_random_model
 
@@ -43,13 +45,13 @@ def _adapter(base_model: torch.nn.Module, directory: Path, rank: int, seed: int,
     return peft_model
 
 
-@pytest.mark.parametrize(("masked_rows", "run_rows"),
-                         [(batch.MASKED_ROWS, batch.RUN_ROWS), (0, batch.RUN_ROWS), (0, 1)],
-                         ids=["masked", "grouped-by-index", "grouped-by-runs"])
-def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(base, tmp_path, monkeypatch,
-                                                                             masked_rows, run_rows):
-    monkeypatch.setattr(batch, "MASKED_ROWS", masked_rows)
-    monkeypatch.setattr(batch, "RUN_ROWS", run_rows)
+@pytest.mark.parametrize("form", ["masked", "grouped-by-index", "grouped-by-runs",
+                                  *(f"kernel-{variant.name}" for variant in runnable(cpu_flags()))])
+def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(base, tmp_path, monkeypatch, form):
+    if form.startswith("grouped"):
+        monkeypatch.setattr(batch, "MASKED_ROWS", 0)
+    if form == "grouped-by-runs":
+        monkeypatch.setattr(batch, "RUN_ROWS", 1)
     directory, reference = base
     files = load_model_files(directory, torch.float32)
     model = build_model(files, TorchPagedAttention(), "cpu", dtype=torch.float32)
@@ -68,13 +70,16 @@ def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(bas
     slots.load(0, adapters["sixteen"].rank, adapters["sixteen"].weights)
     slots.load(2, adapters["eight"].rank, adapters["eight"].weights)
     attach_lora(model, slots)
+    kernel = form.startswith("kernel-")
+    step.lora_add = kernels(form.removeprefix("kernel-")).lora_add_ if kernel else None
     # Rows: base, sixteen, eight, sixteen (its rows in two runs), base.
     row_slots = [(None, 2), (0, 3), (2, 2), (0, 1), (None, 1)]
     which = ["base"] * 2 + ["sixteen"] * 3 + ["eight"] * 2 + ["sixteen"] + ["base"]
-    step.batch = LoraBatch.of(row_slots, slots.max_rank, slots.dtype)
-    assert (step.batch.mask is not None) == bool(masked_rows)
-    assert masked_rows or [isinstance(g.rows, slice) for g in step.batch.groups] == (
-        [True, True, True] if run_rows == 1 else [False, True])  # slot 0's two runs, then slot 2's one
+    step.batch = LoraBatch.of(row_slots, slots.width, slots.dtype, kernel)
+    assert (step.batch.mask is not None) == (form == "masked")
+    assert (step.batch.order is not None) == kernel
+    assert not form.startswith("grouped") or [isinstance(g.rows, slice) for g in step.batch.groups] == (
+        [True, True, True] if form == "grouped-by-runs" else [False, True])  # slot 0's two runs, then slot 2's
     layer = model.layers[1]
     torch.manual_seed(3)
     x_attn, x_mlp = torch.randn(9, CONFIG.hidden_size), torch.randn(9, CONFIG.intermediate_size)
@@ -97,7 +102,7 @@ def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(bas
             torch.testing.assert_close(ours[product][row], value, rtol=1e-5, atol=1e-5,
                                        msg=f"row {row} ({adapter}) {product}")
     # The terms differ from the base's (a test that could not fail otherwise).
-    step.batch = LoraBatch.of([(None, 9)], slots.max_rank, slots.dtype)
+    step.batch = LoraBatch.of([(None, 9)], slots.width, slots.dtype)
     assert not torch.allclose(layer.linears["qkv"](x_attn)[2:5], ours["qkv"][2:5])
 
 

@@ -1,10 +1,11 @@
-"""The CPU kernels, loaded for the CPU at hand: the quantized products (qmatmul.cpp), fbgemm's fp16
-product with a weight's pieces on several threads (fp16_pieces.cpp), the ops that cost a
-batch-1 decode step most outside them in torch (rms_norm.cpp, decode_attention.cpp, rotary.cpp,
-silu_mul.cpp), greedy decoding's argmax over the vocabulary (argmax.cpp), all of a small decode
-batch's decoder layers as one call (decode_stack.cpp), and, in the avx512bf16 build only, a bf16
-prompt chunk's causal attention (prefill_attention.cpp), the bf16 product over a weight packed as
-pairs (bf16_gemm.cpp) and the product of integer groups with int8-quantized activations (int8_gemm.cpp).
+"""The CPU kernels, loaded for the CPU at hand: the quantized products (qmatmul.cpp), fbgemm's fp16 product
+with a weight's pieces on several threads (fp16_pieces.cpp), the ops that cost a batch-1 decode step
+most outside them in torch (rms_norm.cpp, decode_attention.cpp, rotary.cpp, silu_mul.cpp), LoRA's
+products by adapter slot (lora_bgmv.cpp), greedy decoding's argmax over the vocabulary (argmax.cpp), all
+of a small decode batch's decoder layers as one call (decode_stack.cpp), and, in the avx512bf16 build
+only, a bf16 prompt chunk's causal attention (prefill_attention.cpp), the bf16 product over a weight
+packed as pairs (bf16_gemm.cpp) and the product of integer groups with int8-quantized activations
+(int8_gemm.cpp).
 
 `kernels()` loads the best build this CPU runs ("avx512bf16": the AVX2 code with AVX-512's registers
 plus the AVX512-BF16 ops; else "avx2": AVX2 + FMA + F16C intrinsics; else "scalar": plain C++),
@@ -71,6 +72,14 @@ class Kernels:
         """silu(gate) · up for fp32 or bf16 gate_up [T, 2I] (gate | up, rows contiguous): [T, I] in its
         dtype (bf16 rounded where torch's bf16 ops round)."""
         return self._ops.silu_mul(gate_up)
+
+    def lora_add_(self, y: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor],
+                  columns: list[int], order: torch.Tensor, segments: torch.Tensor, ranks: list[int]) -> None:
+        """y fp32 or bf16 [T, n] += each LoRA module's term (x·A_s)·B_s for the rows of each slot s: the
+        rows `order` (int64) grouped by slot, `segments` int64 [G, 3] (slot, begin, end in `order`);
+        x [T, in] and the modules' A [in, slots, width] and B [slots, width, out] of one dtype (fp32 or
+        bf16), each module adding to y's columns from `columns[k]`; `ranks`: each slot's (lora_bgmv.cpp)."""
+        self._ops.lora_add_(y, x, a, b, columns, order, segments, ranks)
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's argmax of fp32 logits [B, V] (columns contiguous): int64 [B], the first of equal

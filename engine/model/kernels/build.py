@@ -1,8 +1,8 @@
 """Build the CPU kernels (qmatmul.cpp's quantized products; fp16_pieces.cpp; rms_norm.cpp,
 decode_attention.cpp, rotary.cpp and silu_mul.cpp, the decode step's other hot ops; decode_stack.cpp,
-which calls them all for a decode batch; prefill_attention.cpp, bf16_gemm.cpp and int8_gemm.cpp,
-compiled to ops only where the build targets AVX512-BF16 and VNNI) for the CPU at hand, once, into an
-ignored folder, as one library per variant.
+which calls them all for a decode batch; lora_bgmv.cpp, LoRA's products by adapter slot;
+prefill_attention.cpp, bf16_gemm.cpp and int8_gemm.cpp, compiled to ops only where the build targets
+AVX512-BF16 and VNNI) for the CPU at hand, once, into an ignored folder, as one library per variant.
 
 Each variant is the same sources compiled with its own flags and needs the CPU flags its code uses;
 a variant is built only where /proc/cpuinfo lists those flags, never compiled for a CPU without
@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in ("qmatmul.cpp", "rms_norm.cpp", "decode_attention.cpp", "rotary.cpp",
                                           "silu_mul.cpp", "fp16_pieces.cpp", "decode_stack.cpp",
-                                          "prefill_attention.cpp", "bf16_gemm.cpp", "int8_gemm.cpp", "argmax.cpp"))
+                                          "prefill_attention.cpp", "bf16_gemm.cpp", "int8_gemm.cpp", "argmax.cpp",
+                                          "lora_bgmv.cpp"))
 HEADERS = (_HERE / "qmatmul_core.h", _HERE / "exp8.h", _HERE / "ops.h", _HERE / "gemm_tiles.h")
 BUILD_ROOT_ENV = "TANDEM_KERNELS_DIR"
 _LIBRARY = "qmatmul.so"
