@@ -4,7 +4,9 @@ greedy tokens under an adapter are the one-process engine's (and a resumed strea
 sends it, continue them); a prefill worker serving another adapter under the same name is refused
 naming it, no block held on either side; the LoraAdapters service loads and unloads adapters
 with each refusal's code, a failed load changing nothing; and loads and unloads while requests
-run fail none of them. One pair of workers for the module."""
+run fail none of them. One pair of workers for the module; beside it, a colocated worker at
+`--tensor-parallel-size 3` serving the adapter and the base in one batch as the one-process engine
+does (the shipped base's 9 query heads split over 3 ranks, not 2)."""
 
 from __future__ import annotations
 
@@ -132,6 +134,24 @@ def test_the_pair_computes_under_the_adapter_as_one_process_does(workers, adapte
     generated = _metric(decode, "vllm:generation_tokens_total")
     assert any(sample.labels["model_name"] == ADAPTER and sample.value > 0 for sample in generated)
     no_blocks_used(prefill, decode)
+
+
+def test_a_worker_at_three_tensor_parallel_ranks_serves_the_adapter_and_the_base_in_one_batch(adapter_dirs, prompt,
+                                                                                              expected):
+    args = ["worker", "--role", "colocated", *COMMON, "--tensor-parallel-size", "3",
+            "--lora-modules", f"{ADAPTER}={adapter_dirs['tuned']}"]
+    with workers_running({"colocated": args}) as started:
+        worker = started["colocated"]
+        assert len(worker.tensor_parallel_ranks()) == 2
+        # Both sent before either is read: the worker's first steps take them together.
+        calls = {name: _generate(worker, prompt, _greedy(name)) for name in (ADAPTER, "")}
+        for name, call in calls.items():
+            check_runs([_tokens(call)], [expected[name]], f"TP 3 worker under {name or 'the base'}")
+        # A step of 2 to 8 tokens is both requests decoding together (the prompt is 15 tokens):
+        # the adapter's rows and the base's shared a batch, as the test claims.
+        steps = _metric(worker, "vllm:iteration_tokens_total_bucket")
+        up_to = {le: sum(s.value for s in steps if s.labels["le"] == le) for le in ("1.0", "8.0")}
+        assert up_to["8.0"] > up_to["1.0"], steps
 
 
 def test_a_prefill_worker_serving_another_adapter_under_the_name_is_refused(workers, adapter_dirs, prompt):
