@@ -1,17 +1,19 @@
 """Which rows of a step's packed batch go through which adapter slot: computed once per step by
 the runner, read by every LoRA product of every layer, in one of three forms.
 
-Segmented (a step of at most KERNEL_ROWS rows where the CPU kernels run: decode batches): the rows
-as indices grouped by slot, each slot's a segment, for the kernel that multiplies each slot's rows by
-its A and B alone (engine/model/kernels/lora_bgmv.cpp: Punica's BGMV, a row's own slot only, each
-slot's weights read once for all its rows). Over larger steps torch's blocked products outrun it.
+Segmented (every step, where the CPU kernels run): the rows as indices grouped by slot, each slot's
+a segment, for the kernel that multiplies each slot's rows by its A and B alone
+(engine/model/kernels/lora_bgmv.cpp: Punica's BGMV, a row's own slot only, each slot's weights read
+once for all its rows). Over one adapter's long prompt torch's blocked products are faster per
+product, but a step of several adapters' prompts paid more in the grouped form's small products,
+gathers and scatters than it saved (docs/benchmarks.md, lora).
 
-Grouped (a step of more than MASKED_ROWS rows: prompt chunks): rows are grouped by slot, so each
+Grouped (elsewhere, a step of more than MASKED_ROWS rows: prompt chunks): rows are grouped by slot, so each
 adapter's low-rank products run once over all its rows (Punica's segmented products, SGMV, over
 torch's matrix products), never once per request. A request's rows are contiguous in the packed
 batch; a slot's rows are a slice per run where every run is long (RUN_ROWS), else an index tensor.
 
-Masked (a step of at most MASKED_ROWS rows: a decode batch): every row goes through the rank rows
+Masked (elsewhere, a step of at most MASKED_ROWS rows: a decode batch): every row goes through the rank rows
 of all the slots from the first to the last the step uses, in two matrix products per module, and
 a mask keeps each row's own slot's part of the first. A decode batch's requests take turns over the
 adapters, so grouping them is a gather and a scatter per adapter and module for a few rows each,
@@ -28,10 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Steps of up to this many rows take the segmented form where the CPU kernel runs.
-KERNEL_ROWS = 128
-# Steps of up to this many rows take the masked form (a decode batch) elsewhere or where they have
-# more rows than the kernel's; larger ones are grouped.
+# Where the kernel does not run, steps of up to this many rows take the masked form (a decode
+# batch); larger ones are grouped.
 MASKED_ROWS = 256
 # A grouped slot whose runs all have at least this many rows (prompt chunks) takes each run as a
 # slice: a few more products, but no gather and scatter (index_add_), which on a CPU cost more.
@@ -69,7 +69,7 @@ class LoraBatch:
         used = [slot for slot, count in row_slots if slot is not None and count]
         if not used:
             return NO_LORA
-        if kernel and rows <= KERNEL_ROWS:
+        if kernel:
             by_slot: dict[int, list[int]] = {}
             start = 0
             for slot, count in row_slots:

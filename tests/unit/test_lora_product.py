@@ -70,6 +70,7 @@ def test_mixed_rows_of_the_base_and_two_adapters_match_peft_module_by_module(bas
     slots.load(0, adapters["sixteen"].rank, adapters["sixteen"].weights)
     slots.load(2, adapters["eight"].rank, adapters["eight"].weights)
     attach_lora(model, slots)
+    assert step.lora_add == kernels().lora_add_  # a CPU model's plan hands its kernels' op to every step
     kernel = form.startswith("kernel-")
     step.lora_add = kernels(form.removeprefix("kernel-")).lora_add_ if kernel else None
     # Rows: base, sixteen, eight, sixteen (its rows in two runs), base.
