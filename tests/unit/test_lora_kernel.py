@@ -83,3 +83,15 @@ def test_refuses_a_width_not_a_multiple_of_eight():
     assert batch.order is not None and batch.segments is not None
     with pytest.raises(RuntimeError, match="multiple of 8"):
         kernels().lora_add_(torch.zeros(40, 8), x, a, b, columns, batch.order, batch.segments, [12, 4])
+
+
+@pytest.mark.parametrize(("order", "segments", "error"), [
+    ([0, 40], [(0, 0, 2)], "not a row of x"),
+    ([0, 1], [(2, 0, 2)], "outside the slots"),
+    ([0, 1], [(0, 1, 3)], "outside the slots or the order"),
+], ids=["row", "slot", "end"])
+def test_refuses_indices_outside_x_the_slots_or_the_order(order, segments, error):
+    a, b, columns, x = _case(2, 8, [8, 4], [(16, 8)], torch.float32, seed=2)
+    with pytest.raises(RuntimeError, match=error):
+        kernels().lora_add_(torch.zeros(40, 8), x, a, b, columns, torch.tensor(order), torch.tensor(segments),
+                            [8, 4])

@@ -181,10 +181,15 @@ void lora_add(at::Tensor& y, const at::Tensor& x, at::TensorList a, at::TensorLi
   std::vector<Module<T>> modules;
   for (size_t k = 0; k < a.size(); ++k)
     modules.push_back({a[k].data_ptr<T>(), b[k].data_ptr<T>(), a[k].size(0), b[k].size(2), columns[k]});
+  // Indices are checked once here, so that a wrong batch is an error, never a write out of bounds.
   const int64_t* rows = order.data_ptr<int64_t>();
+  for (int64_t p = 0; p < count; ++p)
+    TORCH_CHECK(rows[p] >= 0 && rows[p] < x.size(0), "order[", p, "] = ", rows[p], " is not a row of x");
   std::vector<Segment> runs;
   for (int64_t g = 0; g < segments.size(0); ++g) {
     const int64_t* s = segments.data_ptr<int64_t>() + g * 3;
+    TORCH_CHECK(s[0] >= 0 && s[0] < slots && 0 <= s[1] && s[1] <= s[2] && s[2] <= count, "segment ", g,
+                " (slot ", s[0], ", ", s[1], " to ", s[2], ") is outside the slots or the order");
     if (ranks[s[0]] > 0) runs.push_back({s[0], s[1], s[2]});
   }
   // The low-rank vectors, fp32 [module, position in order, width].
