@@ -119,20 +119,27 @@ void shrink_tile(const float* xs, int64_t in, const T* a, int64_t a_stride, floa
   for (int j = 0; j < N; ++j) std::memcpy(h + j * h_stride, acc[j], sizeof acc[j]);
 }
 
+// For N rows of one slot (x's rows widened once into `xs`, shared by every module of the product),
+// each module's h = x · A_s.
 template <typename T>
-void shrink(const T* x, int64_t x_stride, const int64_t* rows, int n, const Module<T>& m, int64_t slot,
-            int64_t width, int64_t slots, int64_t rank, float* h) {
+void shrink(const T* x, int64_t x_stride, const int64_t* rows, int n, const std::vector<Module<T>>& modules,
+            int64_t slot, int64_t width, int64_t slots, int64_t rank, float* h, int64_t h_module) {
+  const int64_t in = modules[0].in;
   thread_local std::vector<float> xs;
-  xs.resize(n * m.in);
+  xs.resize(n * in);
   for (int j = 0; j < n; ++j)
-    for (int64_t i = 0; i < m.in; ++i) xs[j * m.in + i] = static_cast<float>(x[rows[j] * x_stride + i]);
+    for (int64_t i = 0; i < in; ++i) xs[j * in + i] = static_cast<float>(x[rows[j] * x_stride + i]);
   const int64_t stride = slots * width;
+  // Rank values past the adapter's rank, up to the next multiple of 8, are zero in the slot.
+  const int64_t padded = (rank + 7) / 8 * 8;
   with_rows<kTileRows>(n, [&](auto rows_n) {
-    // Rank values past the adapter's rank, up to the next multiple of 8, are zero in the slot.
-    const int64_t padded = (rank + 7) / 8 * 8;
-    int64_t c = 0;
-    for (; c + 16 <= padded; c += 16) shrink_tile<rows_n, 2>(xs.data(), m.in, m.a + slot * width + c, stride, h + c, width);
-    if (c < padded) shrink_tile<rows_n, 1>(xs.data(), m.in, m.a + slot * width + c, stride, h + c, width);
+    for (size_t k = 0; k < modules.size(); ++k) {
+      const T* a = modules[k].a + slot * width;
+      float* hk = h + k * h_module;
+      int64_t c = 0;
+      for (; c + 16 <= padded; c += 16) shrink_tile<rows_n, 2>(xs.data(), in, a + c, stride, hk + c, width);
+      if (c < padded) shrink_tile<rows_n, 1>(xs.data(), in, a + c, stride, hk + c, width);
+    }
   });
 }
 
@@ -194,23 +201,22 @@ void lora_add(at::Tensor& y, const at::Tensor& x, at::TensorList a, at::TensorLi
   }
   // The low-rank vectors, fp32 [module, position in order, width].
   std::vector<float> h(modules.size() * count * width);
-  // Shrink tasks: (module, segment, tile of rows).
-  std::vector<std::array<int64_t, 3>> tasks;
-  for (size_t k = 0; k < modules.size(); ++k)
-    for (size_t g = 0; g < runs.size(); ++g)
-      for (int64_t p = runs[g].begin; p < runs[g].end; p += kTileRows) tasks.push_back({int64_t(k), int64_t(g), p});
+  // Shrink tasks: (segment, tile of rows), every module of the product over the tile's x.
+  std::vector<std::array<int64_t, 2>> tiles;
+  for (size_t g = 0; g < runs.size(); ++g)
+    for (int64_t p = runs[g].begin; p < runs[g].end; p += kTileRows) tiles.push_back({int64_t(g), p});
   const T* xp = x.data_ptr<T>();
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const auto [k, g, p] = tasks[t];
+      const auto [g, p] = tiles[t];
       const Segment& run = runs[g];
       const int n = static_cast<int>(std::min<int64_t>(kTileRows, run.end - p));
-      shrink(xp, x.stride(0), rows + p, n, modules[k], run.slot, width, slots, ranks[run.slot],
-             h.data() + (k * count + p) * width);
+      shrink(xp, x.stride(0), rows + p, n, modules, run.slot, width, slots, ranks[run.slot], h.data() + p * width,
+             count * width);
     }
   });
   // Expand tasks: (module, segment, block of output columns), each over all the segment's rows.
-  tasks.clear();
+  std::vector<std::array<int64_t, 3>> tasks;
   for (size_t k = 0; k < modules.size(); ++k)
     for (size_t g = 0; g < runs.size(); ++g)
       for (int64_t o = 0; o < modules[k].out; o += kOutBlock) tasks.push_back({int64_t(k), int64_t(g), o});
